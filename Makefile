@@ -1,0 +1,55 @@
+# Every target builds the virtual environment it needs from nothing, so `make demo` and
+# `make test` work on a fresh clone. torch is pinned to the CPU build that lies on disk.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: venv browser demo test test-fast lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[train,dev]"
+	touch $(STAMP)
+
+# Headless Chromium for the dashboard's browser tests (tests/web), from the distribution's
+# packages, never from Playwright's download. Only where it is missing, apt-get exists and
+# we are root; elsewhere those tests skip with the reason (and fail under CI=true).
+CHROMIUM ?= /usr/bin/chromium
+
+browser:
+	@if [ ! -x "$(CHROMIUM)" ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "installing chromium (apt-get) for the dashboard's browser tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	fi
+
+demo: $(STAMP)
+	$(VENV)/bin/trainguard demo
+
+# Two workers: the suite is half waiting on subprocesses and sockets, so it fits two cores.
+PYTEST_WORKERS ?= 2
+
+test: $(STAMP) browser
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy trainguard controller agents power collectives checkpoint web demojob
+	$(VENV)/bin/lint-imports
+
+BENCHES := ingest detect collectives power traffic traffic_api checkpoint recovery
+
+bench: $(STAMP)
+	@for b in $(BENCHES); do echo "== bench.$$b"; $(PY) -m bench.$$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,210 @@
+"""Fixtures shared by every test folder.
+
+* ``db_url``: parametrized over an embedded SQLite file and a throwaway PostgreSQL database
+  (``trainguard_test_<random>`` on ``TRAINGUARD_TEST_PG``, default 127.0.0.1:5432 as user
+  ``postgres``), dropped afterwards. Without a reachable server the PostgreSQL case is
+  skipped with the reason, except under ``CI=true`` where it fails.
+* ``controller_factory`` / ``live_controller``: a real controller served by uvicorn on an
+  ephemeral 127.0.0.1 port in a background thread, with known tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import uvicorn
+from sqlalchemy.engine import make_url
+
+PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+def _pg_admin_url() -> str:
+    raw = os.environ.get("TRAINGUARD_TEST_PG", PG_DEFAULT)
+    url = make_url(raw).set(drivername="postgresql+psycopg")
+    if not url.database:
+        url = url.set(database="postgres")
+    return url.render_as_string(hide_password=False)
+
+
+def _psycopg_dsn(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@pytest.fixture(
+    params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
+)
+def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[str]:
+    """A database URL on an empty database; SQLite and PostgreSQL."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'trainguard.db'}"
+        return
+    import psycopg
+
+    admin = _pg_admin_url()
+    try:
+        conn = psycopg.connect(_psycopg_dsn(admin), autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as exc:
+        reason = f"PostgreSQL not reachable at {make_url(admin).host}: {exc}".splitlines()[0]
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    name = f"trainguard_test_{secrets.token_hex(6)}"
+    with conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield make_url(admin).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(_psycopg_dsn(admin), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@dataclass
+class LiveController:
+    """A controller served by uvicorn in a thread. ``restart`` keeps the URL (same port)."""
+
+    settings: Any
+    agent_token: str
+    viewer_token: str
+    operator_token: str
+    port: int = 0
+    app: Any = None
+    _server: uvicorn.Server | None = None
+    _thread: threading.Thread | None = None
+    _errors: list[BaseException] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def controller(self) -> Any:
+        """The in-process ``controller.runtime.Controller`` (for introspection in tests)."""
+        return self.app.state.controller
+
+    def headers(self, role: str = "operator") -> dict[str, str]:
+        token = {"agent": self.agent_token, "viewer": self.viewer_token}.get(
+            role, self.operator_token
+        )
+        return {"Authorization": f"Bearer {token}"}
+
+    def start(self) -> None:
+        from controller.app import create_app
+        from controller.server import uvicorn_config
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        self.port = sock.getsockname()[1]
+        self.app = create_app(self.settings)
+        server = uvicorn.Server(uvicorn_config(self.app, self.settings))
+        self._server = server
+
+        def run() -> None:
+            try:
+                asyncio.run(server.serve(sockets=[sock]))
+            except BaseException as exc:  # surfaced by start()/stop()
+                self._errors.append(exc)
+            finally:
+                sock.close()
+
+        self._thread = threading.Thread(target=run, name="live-controller", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if self._errors or not self._thread.is_alive():
+                raise RuntimeError(f"controller failed to start: {self._errors!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("controller did not start within 30 s")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        if self._server is None or self._thread is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            raise TimeoutError("controller did not stop within 30 s")
+        self._server = None
+        self._thread = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+ControllerFactory = Callable[..., LiveController]
+
+
+@pytest.fixture
+def controller_factory(db_url: str) -> Iterator[ControllerFactory]:
+    """Start controllers on ``db_url``; keyword arguments override ``ControllerSettings``."""
+    from controller.settings import ControllerSettings
+
+    started: list[LiveController] = []
+
+    def start(**overrides: Any) -> LiveController:
+        tokens = {
+            role: f"{role}-{secrets.token_hex(16)}" for role in ("agent", "viewer", "operator")
+        }
+        values: dict[str, Any] = {
+            "database_url": db_url,
+            "host": "127.0.0.1",
+            "port": 0,
+            "tokens": [
+                {"name": f"test-{role}", "role": role, "token": token}
+                for role, token in tokens.items()
+            ],
+            "log_level": "warning",
+        }
+        values.update(overrides)
+        if db_url.startswith("postgresql"):
+            from controller.db.migrate import upgrade
+
+            upgrade(db_url)
+        live = LiveController(
+            settings=ControllerSettings(**values),
+            agent_token=tokens["agent"],
+            viewer_token=tokens["viewer"],
+            operator_token=tokens["operator"],
+        )
+        live.start()
+        started.append(live)
+        return live
+
+    yield start
+    for live in started:
+        live.stop()
+
+
+@pytest.fixture
+def live_controller(controller_factory: ControllerFactory) -> LiveController:
+    return controller_factory()
+
+
+# Tests that run a whole cluster (controller, agents, a multi-rank training job) and judge
+# it by how fast faults are detected and recovered. Under ``pytest -n`` (as ``make test``
+# runs) they share one worker so two of them never compete for the same two cores, and they
+# go first: they are the longest chain, so the other worker takes everything else meanwhile.
+# Every other test module stays whole on one worker so its module-scoped fixtures start once.
+_CLUSTER_TESTS = ("tests/e2e/",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+
+    def path(item: pytest.Item) -> str:
+        return item.path.relative_to(root).as_posix()
+
+    items.sort(key=lambda item: not path(item).startswith(_CLUSTER_TESTS))  # stable
+    for item in items:
+        p = path(item)
+        item.add_marker(pytest.mark.xdist_group("cluster" if p.startswith(_CLUSTER_TESTS) else p))

@@ -1,0 +1,234 @@
+"""A small synchronous client of the controller's ``/api/v1``, shared by the CLI and the demo.
+
+It returns the API's JSON objects unchanged (``-o json`` prints exactly what the server
+sent) and turns every transport or HTTP failure into a :mod:`trainguard.cli.errors`
+exception whose message tells the user what to do next.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import httpx
+
+from trainguard.cli.errors import BadInput, NotFound, ServerError, Unauthorized, Unreachable
+from trainguard.wire import API_PREFIX
+
+DEFAULT_SERVER = "http://127.0.0.1:8470"
+#: Page size when walking a list endpoint; the server's default and maximum page.
+PAGE_SIZE = 500
+
+JsonObject = dict[str, Any]
+
+
+def check_server_url(server: str) -> str:
+    """Normalise ``--server``; a URL without scheme or host is a usage error, not an outage."""
+    url = server.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadInput(
+            f'invalid controller URL "{server}" (--server or TRAINGUARD_SERVER): '
+            "expected http(s)://HOST[:PORT]"
+        )
+    try:
+        _ = parts.port
+    except ValueError as exc:
+        raise BadInput(f'invalid controller URL "{server}": {exc}') from exc
+    return url
+
+
+def _reason(exc: httpx.TransportError) -> str:
+    text = str(exc) or type(exc).__name__
+    lowered = text.lower()
+    if "refused" in lowered:
+        return "connection refused"
+    if "name or service not known" in lowered or "nodename nor servname" in lowered:
+        return "unknown host"
+    return text.splitlines()[0]
+
+
+class ApiClient:
+    """Synchronous API client; use as a context manager so the connection pool is closed."""
+
+    def __init__(self, server: str, token: str | None = None, *, timeout_s: float = 10.0) -> None:
+        self.server = check_server_url(server)
+        self._token = token or None
+        headers = {"Accept": "application/json"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s)
+
+    def __enter__(self) -> ApiClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # ------------------------------------------------------------------ transport
+
+    def _get(self, path: str, params: dict[str, Any] | None = None) -> Any:
+        return self._request("GET", path, params=params)
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        body: Any = None,
+    ) -> Any:
+        clean = {k: v for k, v in (params or {}).items() if v is not None}
+        try:
+            response = self._http.request(method, path, params=clean, json=body)
+        except httpx.TimeoutException as exc:
+            raise Unreachable(
+                f"controller at {self.server} did not answer in time ({type(exc).__name__})"
+            ) from exc
+        except httpx.TransportError as exc:
+            raise Unreachable(f"cannot reach controller at {self.server}: {_reason(exc)}") from exc
+        self._raise_for_status(response)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise ServerError(
+                f"controller at {self.server} sent a non-JSON answer to {method} {path}"
+            ) from exc
+
+    def _raise_for_status(self, response: httpx.Response) -> None:
+        status = response.status_code
+        if status < 400:
+            return
+        detail = _detail(response)
+        if status == 401:
+            if self._token:
+                raise Unauthorized(
+                    "unauthorized: the controller rejected the token "
+                    "(check --token or TRAINGUARD_TOKEN)"
+                )
+            raise Unauthorized("unauthorized: set --token or TRAINGUARD_TOKEN")
+        if status == 403:
+            raise Unauthorized(f"forbidden: the token's role may not do this ({detail})")
+        if status == 404:
+            raise NotFound(detail)
+        if 400 <= status < 500:
+            raise BadInput(f"controller rejected the request: {detail}")
+        raise ServerError(f"controller at {self.server} answered {status}: {detail}")
+
+    def _list(self, path: str, params: dict[str, Any] | None = None) -> list[JsonObject]:
+        """Walk every page of a ``{"data", "count"}`` list endpoint."""
+        items: list[JsonObject] = []
+        offset = 0
+        while True:
+            page = self._get(path, {**(params or {}), "limit": PAGE_SIZE, "offset": offset})
+            data = page.get("data", []) if isinstance(page, dict) else []
+            items.extend(data)
+            count = page.get("count", len(items)) if isinstance(page, dict) else len(items)
+            if not data or len(items) >= count:
+                return items
+            offset += len(data)
+
+    # ------------------------------------------------------------------ endpoints
+
+    def ready(self) -> bool:
+        """``/readyz`` answered 200; transport errors mean "not yet", not a failure."""
+        try:
+            return self._http.get("/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def status(self) -> JsonObject:
+        result: JsonObject = self._get(f"{API_PREFIX}/status")
+        return result
+
+    def nodes(self, health: str | None = None) -> list[JsonObject]:
+        return self._list(f"{API_PREFIX}/nodes", {"health": health})
+
+    def node(self, name: str, history_s: float | None = None) -> JsonObject:
+        try:
+            result: JsonObject = self._get(f"{API_PREFIX}/nodes/{name}", {"history_s": history_s})
+        except NotFound as exc:
+            raise NotFound(f'node "{name}" not found') from exc
+        return result
+
+    def jobs(self) -> list[JsonObject]:
+        return self._list(f"{API_PREFIX}/jobs")
+
+    def incidents(
+        self,
+        *,
+        state: str | None = None,
+        kind: str | None = None,
+        node: str | None = None,
+        job: str | None = None,
+    ) -> list[JsonObject]:
+        params = {"state": state, "kind": kind, "node": node, "job": job}
+        return self._list(f"{API_PREFIX}/incidents", params)
+
+    def actions(self) -> list[JsonObject]:
+        return self._list(f"{API_PREFIX}/actions")
+
+    def remediation(self) -> JsonObject:
+        result: JsonObject = self._get(f"{API_PREFIX}/remediation")
+        return result
+
+    def goodput(self, job: str) -> JsonObject:
+        result: JsonObject = self._get(f"{API_PREFIX}/jobs/{quote(job, safe='')}/goodput")
+        return result
+
+    def set_isolation(self, node: str, *, isolate: bool, reason: str | None) -> JsonObject:
+        verb = "isolate" if isolate else "release"
+        body = {"reason": reason} if reason else None
+        result: JsonObject = self._request(
+            "POST", f"{API_PREFIX}/nodes/{quote(node, safe='')}/{verb}", body=body
+        )
+        return result
+
+    def inject_faults(self, job: str, faults: list[JsonObject], reason: str = "") -> JsonObject:
+        """A chaos drill: ``POST /jobs/{job}/faults`` (409 until every rank has reported)."""
+        result: JsonObject = self._request(
+            "POST",
+            f"{API_PREFIX}/jobs/{quote(job, safe='')}/faults",
+            body={"faults": faults, "reason": reason},
+        )
+        return result
+
+    def power_domains(self) -> JsonObject:
+        """``GET /power/domains``: the tree with power, level and capped GPUs per domain."""
+        result: JsonObject = self._get(f"{API_PREFIX}/power/domains")
+        return result
+
+    def plans(self) -> list[JsonObject]:
+        return self._list(f"{API_PREFIX}/plans")
+
+    def plan(self, plan_id: str) -> JsonObject:
+        try:
+            result: JsonObject = self._get(f"{API_PREFIX}/plans/{plan_id}")
+        except NotFound as exc:
+            raise NotFound(f'plan "{plan_id}" not found') from exc
+        return result
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip().splitlines()[0] if response.text.strip() else "no detail"
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if isinstance(detail, str):
+        return detail
+    if detail is not None:
+        return str(detail)
+    return response.reason_phrase or "no detail"
+
+
+__all__ = ["DEFAULT_SERVER", "ApiClient", "JsonObject", "check_server_url"]

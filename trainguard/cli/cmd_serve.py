@@ -1,0 +1,256 @@
+"""Service commands: ``controller``, ``agent`` and ``db upgrade``.
+
+They only translate flags into the services' own pydantic-settings classes, so a flag,
+its environment variable (``TRAINGUARD_*`` / ``TRAINGUARD_AGENT_*``) and the config file
+all land in one validated place. The service packages are imported inside each command:
+``trainguard nodes`` never pays for FastAPI, SQLAlchemy or the agent's samplers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+
+from trainguard.cli.errors import BadInput, CliError
+
+SERVE_PANEL = "Run"
+
+
+def settings_error(what: str, exc: ValidationError) -> BadInput:
+    """A pydantic validation failure as one line naming each offending setting."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(part) for part in err.get("loc", ()))
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return BadInput(f"invalid {what} settings: " + "; ".join(parts))
+
+
+def service_error(exc: Exception, exit_code: int) -> CliError:
+    """A service's own deliberate error (one line that says what to do) for the CLI."""
+    error = CliError(" ".join(str(exc).split()) or type(exc).__name__)
+    error.exit_code = exit_code
+    return error
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    """Only the flags the user gave, so environment and config file still apply to the rest."""
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def controller(
+    host: Annotated[str | None, typer.Option("--host", help="Address to bind.")] = None,
+    port: Annotated[
+        int | None, typer.Option("--port", min=0, max=65535, help="Port to bind (default 8470).")
+    ] = None,
+    database_url: Annotated[
+        str | None,
+        typer.Option("--database-url", help="SQLAlchemy URL (sqlite:///… or postgresql://…)."),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="YAML settings file (TRAINGUARD_CONFIG_FILE)."),
+    ] = None,
+    dev: Annotated[
+        bool, typer.Option("--dev", help="Dev mode: random tokens when none are configured.")
+    ] = False,
+) -> None:
+    """Run the controller (API, ingest, detectors) until SIGINT/SIGTERM."""
+    if config is not None:
+        if not config.is_file():
+            raise BadInput(f'config file "{config}" does not exist')
+        os.environ["TRAINGUARD_CONFIG_FILE"] = str(config)
+    from controller.errors import StartupError
+    from controller.server import serve
+    from controller.settings import ControllerSettings
+
+    try:
+        settings = ControllerSettings(
+            **_given(
+                host=host, port=port, database_url=database_url, dev_mode=True if dev else None
+            )
+        )
+    except ValidationError as exc:
+        raise settings_error("controller", exc) from exc
+    from controller.remediation.rules import PolicyError
+
+    try:
+        serve(settings)
+    except PolicyError as exc:  # a policy or local-jobs file the operator wrote
+        raise BadInput(str(exc)) from exc
+    except StartupError as exc:
+        raise service_error(exc, 1) from exc
+    except OSError as exc:  # e.g. the port is taken
+        raise service_error(exc, 1) from exc
+
+
+def agent(
+    controller_url: Annotated[
+        str | None, typer.Option("--controller", help="Controller base URL.")
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option("--token", help="Agent-role token.", show_default=False)
+    ] = None,
+    node_name: Annotated[
+        str | None, typer.Option("--node-name", help="Node name (default: hostname).")
+    ] = None,
+    gpus: Annotated[
+        str | None, typer.Option("--gpus", help="GPU backend: auto, nvml or sim:N.")
+    ] = None,
+    sim_fault: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--sim-fault", help="Scripted fault for sim GPUs, e.g. kind=xid,code=79,gpu=3,at=15."
+        ),
+    ] = None,
+    sim_fault_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--sim-fault-file", help="File followed while running; each new line is a sim fault."
+        ),
+    ] = None,
+    spool_dir: Annotated[
+        Path | None, typer.Option("--spool-dir", help="Where unacknowledged reports wait.")
+    ] = None,
+    socket_path: Annotated[
+        str | None, typer.Option("--socket-path", help="Local job socket ('' disables).")
+    ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option("--metrics-port", min=-1, max=65535, help="0 = ephemeral, -1 = off."),
+    ] = None,
+    sample_interval: Annotated[
+        float | None, typer.Option("--sample-interval", min=0.01, help="Seconds between samples.")
+    ] = None,
+    report_interval: Annotated[
+        float | None, typer.Option("--report-interval", min=0.01, help="Seconds between reports.")
+    ] = None,
+    report_timeout: Annotated[
+        float | None, typer.Option("--report-timeout", help="HTTP timeout per report, seconds.")
+    ] = None,
+    backoff_max: Annotated[
+        float | None, typer.Option("--backoff-max", help="Cap of the retry backoff, seconds.")
+    ] = None,
+    spool_max_bytes: Annotated[
+        int | None,
+        typer.Option("--spool-max-bytes", help="Spool bound; the oldest reports go past it."),
+    ] = None,
+    metrics_host: Annotated[
+        str | None, typer.Option("--metrics-host", help="Address of the Prometheus endpoint.")
+    ] = None,
+    node_base_power_w: Annotated[
+        float | None,
+        typer.Option("--node-base-power-w", help="Watts added to the GPU sum without RAPL."),
+    ] = None,
+    powercap_dir: Annotated[
+        Path | None, typer.Option("--powercap-dir", help="Where RAPL counters are read.")
+    ] = None,
+    label: Annotated[
+        list[str] | None,
+        typer.Option("--label", help="Node label key=value (repeatable; replaces the env's)."),
+    ] = None,
+    log_level: Annotated[
+        str | None, typer.Option("--log-level", help="debug, info, warning or error.")
+    ] = None,
+    sim_seed: Annotated[
+        int | None, typer.Option("--sim-seed", help="Seed of the sim GPUs' load and noise.")
+    ] = None,
+    sim_no_permission: Annotated[
+        bool,
+        typer.Option("--sim-no-permission", help="Sim GPUs refuse power/clock changes."),
+    ] = False,
+) -> None:
+    """Run the node agent (GPU sampler, spool, reporter) until SIGINT/SIGTERM."""
+    from agents.daemon import run
+    from agents.errors import AgentError
+    from agents.settings import AgentSettings
+
+    values = _given(
+        controller_url=controller_url,
+        token=token,
+        node_name=node_name,
+        gpus=gpus,
+        sim_faults=sim_fault or None,
+        sim_fault_file=sim_fault_file,
+        spool_dir=spool_dir,
+        socket_path=socket_path,
+        metrics_port=metrics_port,
+        sample_interval_s=sample_interval,
+        report_interval_s=report_interval,
+        report_timeout_s=report_timeout,
+        backoff_max_s=backoff_max,
+        spool_max_bytes=spool_max_bytes,
+        metrics_host=metrics_host,
+        node_base_power_w=node_base_power_w,
+        powercap_dir=powercap_dir,
+        labels=parse_labels(label) if label else None,
+        log_level=log_level,
+        sim_seed=sim_seed,
+        sim_no_permission=True if sim_no_permission else None,
+    )
+    try:
+        settings = AgentSettings(**values)
+    except ValidationError as exc:
+        raise settings_error("agent", exc) from exc
+    try:
+        run(settings)
+    except AgentError as exc:
+        raise service_error(exc, getattr(exc, "exit_code", 1)) from exc
+
+
+def parse_labels(items: list[str]) -> dict[str, str]:
+    """``--label key=value`` flags as the agent's ``labels`` mapping (a later key wins)."""
+    labels: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise BadInput(f"--label {item!r}: expected key=value")
+        labels[key] = value
+    return labels
+
+
+db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    database_url: Annotated[
+        str | None,
+        typer.Option("--database-url", help="SQLAlchemy URL (default: the controller's)."),
+    ] = None,
+) -> None:
+    """Apply every pending migration (needed once per PostgreSQL release upgrade)."""
+    from controller.db.migrate import upgrade
+
+    if database_url is None:
+        from controller.settings import ControllerSettings
+
+        try:
+            database_url = ControllerSettings().database_url
+        except ValidationError as exc:
+            raise settings_error("controller", exc) from exc
+    revision = upgrade(database_url)
+    typer.echo(f"database at {redact_url(database_url)} is at revision {revision}")
+
+
+def redact_url(url: str) -> str:
+    """Hide a password in a database URL before printing it."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in creds else url
+
+
+def register(app: typer.Typer) -> None:
+    app.command(rich_help_panel=SERVE_PANEL)(controller)
+    app.command(rich_help_panel=SERVE_PANEL)(agent)
+    app.add_typer(db_app, name="db", rich_help_panel=SERVE_PANEL)
+
+
+__all__ = ["parse_labels", "redact_url", "register", "settings_error"]

@@ -1,0 +1,517 @@
+"""The wire contract between node agents, job-side code and the controller (``/api/v1``).
+
+Both sides import this module and nothing else of ours does the translating, so a field
+means the same thing everywhere. Rules that keep old agents working after a controller
+upgrade (and the other way round):
+
+* every model ignores unknown fields;
+* a new field always gets a default; a field never changes its meaning or unit;
+* units are in the names (``_w``, ``_j``, ``_mhz``, ``_bytes``, ``_s``, ``_pct``, ``_c``);
+* times are POSIX seconds (``*_unix_s``) stamped by the sender's clock. Detectors compare
+  *durations* reported by each rank, never timestamps from different nodes, so clock skew
+  cannot fake a straggler.
+
+Shape of one exchange::
+
+    agent --POST /api/v1/reports (Report)--> controller
+    agent <--------- ReportReply (ack + Commands) ---------
+
+A report is identified by ``(node.name, agent_instance, seq)``. ``seq`` grows by one per
+report; ``agent_instance`` changes only when the agent's spool is created afresh, so a
+wiped spool restarting at seq 0 is not mistaken for a replay. The controller acknowledges
+a report it has already stored (``duplicate=True``) without counting it again.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+API_VERSION = "v1"
+API_PREFIX = f"/api/{API_VERSION}"
+SCHEMA_VERSION = 1
+
+#: Largest report body the controller accepts (bytes). A node with 8 GPUs reporting every
+#: 5 s with a few hundred step summaries is ~200 KiB; 4 MiB leaves room for batches sent
+#: after an outage without letting one client exhaust memory.
+MAX_REPORT_BYTES = 4 * 1024 * 1024
+
+#: Kubernetes-compatible object name (RFC 1123 subdomain).
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+
+Name = Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)]
+NonNegInt = Annotated[int, Field(ge=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+
+
+class WireModel(BaseModel):
+    """Base for every wire model: unknown fields are ignored, not rejected."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+# --------------------------------------------------------------------------- identity
+
+
+class GpuInfo(WireModel):
+    """One GPU's static inventory, sent with every report (cheap, and self-healing)."""
+
+    index: NonNegInt
+    uuid: str = Field(min_length=1, max_length=128)
+    name: str = Field(default="", max_length=128, description="Model name, e.g. NVIDIA H100")
+    pci_bus_id: str = Field(default="", max_length=64)
+    memory_total_bytes: NonNegInt = 0
+    power_limit_min_w: NonNegFloat | None = None
+    power_limit_max_w: NonNegFloat | None = None
+    power_limit_default_w: NonNegFloat | None = None
+    sm_clock_max_mhz: NonNegInt | None = None
+    mem_clock_max_mhz: NonNegInt | None = None
+
+
+class NodeIdentity(WireModel):
+    name: Name
+    hostname: str = Field(default="", max_length=253)
+    labels: dict[str, str] = Field(default_factory=dict)
+    gpus: list[GpuInfo] = Field(default_factory=list, max_length=64)
+    agent_version: str = Field(default="", max_length=64)
+    backend: Literal["nvml", "sim"] = "nvml"
+    driver_version: str = Field(default="", max_length=64)
+
+
+# --------------------------------------------------------------------------- GPU samples
+
+
+class ThrottleReason(StrEnum):
+    """Names of NVML's ``nvmlClocksEventReasons`` bits, decoded by the agent."""
+
+    GPU_IDLE = "gpu_idle"
+    APPLICATIONS_CLOCKS_SETTING = "applications_clocks_setting"
+    SW_POWER_CAP = "sw_power_cap"
+    HW_SLOWDOWN = "hw_slowdown"
+    SYNC_BOOST = "sync_boost"
+    SW_THERMAL_SLOWDOWN = "sw_thermal_slowdown"
+    HW_THERMAL_SLOWDOWN = "hw_thermal_slowdown"
+    HW_POWER_BRAKE_SLOWDOWN = "hw_power_brake_slowdown"
+    DISPLAY_CLOCK_SETTING = "display_clock_setting"
+
+
+#: Bit values from NVML (``nvmlClocksEventReason*``), so agents decode identically.
+THROTTLE_REASON_BITS: dict[ThrottleReason, int] = {
+    ThrottleReason.GPU_IDLE: 0x1,
+    ThrottleReason.APPLICATIONS_CLOCKS_SETTING: 0x2,
+    ThrottleReason.SW_POWER_CAP: 0x4,
+    ThrottleReason.HW_SLOWDOWN: 0x8,
+    ThrottleReason.SYNC_BOOST: 0x10,
+    ThrottleReason.SW_THERMAL_SLOWDOWN: 0x20,
+    ThrottleReason.HW_THERMAL_SLOWDOWN: 0x40,
+    ThrottleReason.HW_POWER_BRAKE_SLOWDOWN: 0x80,
+    ThrottleReason.DISPLAY_CLOCK_SETTING: 0x100,
+}
+
+
+def decode_throttle_reasons(mask: int) -> list[ThrottleReason]:
+    """The names of the bits set in an NVML throttle-reason mask, in bit order."""
+    return [reason for reason, bit in THROTTLE_REASON_BITS.items() if mask & bit]
+
+
+class XidEvent(WireModel):
+    code: NonNegInt
+    time_unix_s: NonNegFloat
+    gpu_index: NonNegInt | None = None
+    detail: str = Field(default="", max_length=512)
+
+
+class GpuSample(WireModel):
+    """One GPU at one instant. ``None`` means the driver did not answer for that field."""
+
+    index: NonNegInt
+    uuid: str = Field(default="", max_length=128)
+    lost: bool = Field(default=False, description="NVML reported the GPU lost / off the bus")
+    power_w: NonNegFloat | None = None
+    energy_j: NonNegFloat | None = Field(default=None, description="Total since driver load")
+    power_limit_w: NonNegFloat | None = None
+    temperature_c: float | None = None
+    sm_clock_mhz: NonNegInt | None = None
+    mem_clock_mhz: NonNegInt | None = None
+    locked_sm_clock_mhz: NonNegInt | None = Field(
+        default=None, description="Upper SM clock lock in force, if the agent set one"
+    )
+    utilization_gpu_pct: Annotated[float, Field(ge=0, le=100)] | None = None
+    utilization_mem_pct: Annotated[float, Field(ge=0, le=100)] | None = None
+    memory_used_bytes: NonNegInt | None = None
+    memory_total_bytes: NonNegInt | None = None
+    throttle_reasons_mask: NonNegInt = 0
+    throttle_reasons: list[ThrottleReason] = Field(default_factory=list)
+    ecc_corrected_total: NonNegInt | None = None
+    ecc_uncorrected_total: NonNegInt | None = None
+    xid_events: list[XidEvent] = Field(default_factory=list, max_length=1024)
+    pcie_link_gen: NonNegInt | None = None
+    pcie_link_width: NonNegInt | None = None
+    pcie_link_gen_max: NonNegInt | None = None
+    pcie_link_width_max: NonNegInt | None = None
+    nvlink_crc_errors_total: NonNegInt | None = None
+    nvlink_replay_errors_total: NonNegInt | None = None
+    nvlink_recovery_errors_total: NonNegInt | None = None
+
+
+class NodeSample(WireModel):
+    """Every GPU of a node sampled at one tick."""
+
+    time_unix_s: NonNegFloat
+    gpus: list[GpuSample] = Field(default_factory=list, max_length=64)
+    node_power_w: NonNegFloat | None = None
+    node_power_source: Literal["rapl", "gpu_sum", "none"] = "none"
+
+
+# --------------------------------------------------------------------------- job records
+
+
+class StepSummary(WireModel):
+    """One rank's view of one training step (one record per rank per step).
+
+    Durations are measured on the rank's own monotonic clock; only they are compared
+    across ranks.
+    """
+
+    job: Name
+    rank: NonNegInt
+    world_size: Annotated[int, Field(ge=1)]
+    step: NonNegInt
+    step_time_s: NonNegFloat
+    compute_time_s: NonNegFloat
+    collective_wait_s: NonNegFloat
+    collective_bytes: NonNegInt = 0
+    collective_calls: NonNegInt = 0
+    local_rank: NonNegInt | None = None
+    gpu_index: NonNegInt | None = None
+    end_unix_s: NonNegFloat | None = None
+    nonfinite_inputs: NonNegInt = Field(
+        default=0,
+        description=(
+            "Reduction calls (all_reduce, reduce, reduce_scatter) in this step whose input from "
+            "this rank held NaN or Inf before the call, i.e. before the reduction spread it"
+        ),
+    )
+    nonfinite_first_op: str = Field(
+        default="", max_length=64, description="Op of the first such call in the step"
+    )
+    nonfinite_first_group: str = Field(
+        default="", max_length=128, description="Process-group id of the first such call"
+    )
+    nonfinite_first_seq: NonNegInt | None = Field(
+        default=None,
+        description="Per-group sequence number of the first such call (comparable across ranks)",
+    )
+
+
+class InflightCollective(WireModel):
+    """A collective a rank entered and has not finished, reported while it is stuck."""
+
+    job: Name
+    rank: NonNegInt
+    group: str = Field(max_length=128, description="Process-group id, stable across ranks")
+    op: str = Field(max_length=64)
+    seq: NonNegInt = Field(description="Per-group sequence number of the stuck call")
+    elapsed_s: NonNegFloat = Field(description="Time spent inside the call so far")
+    size_bytes: NonNegInt = 0
+    last_completed_seq: dict[str, int] = Field(
+        default_factory=dict, description="Group id -> last finished sequence number"
+    )
+    step: NonNegInt | None = None
+    group_ranks: list[NonNegInt] = Field(
+        default_factory=list,
+        max_length=100_000,
+        description="Global ranks of the group, so the controller knows who never entered",
+    )
+
+
+class RankEvent(WireModel):
+    """A rank process started, exited or was killed."""
+
+    job: Name
+    rank: NonNegInt
+    kind: Literal["started", "exited", "heartbeat"]
+    pid: NonNegInt | None = None
+    exit_code: int | None = None
+    signal: str | None = Field(default=None, max_length=32)
+    time_unix_s: NonNegFloat
+    local_rank: NonNegInt | None = None
+    gpu_index: NonNegInt | None = None
+    world_size: NonNegInt | None = None
+    error: str = Field(default="", max_length=1024, description="What ended the rank, one line")
+    collective_failed: bool = Field(
+        default=False,
+        description=(
+            "The exception that ended the rank escaped a collective call: a peer died or the "
+            "link broke, so this exit is most likely collateral damage of another fault"
+        ),
+    )
+    disconnected: bool = Field(
+        default=False,
+        description=(
+            "Reported by the node agent, not the rank: the rank's connection closed without an "
+            "exit record and its process is gone (killed from outside: SIGKILL, the OOM "
+            "killer); exit code and signal are unknown"
+        ),
+    )
+
+
+class CheckpointEvent(WireModel):
+    job: Name
+    rank: NonNegInt
+    step: NonNegInt
+    kind: Literal["started", "snapshot_done", "durable", "failed", "committed"]
+    blocking_s: NonNegFloat | None = None
+    duration_s: NonNegFloat | None = None
+    size_bytes: NonNegInt | None = None
+    path: str = Field(default="", max_length=1024)
+    error: str = Field(default="", max_length=1024)
+    time_unix_s: NonNegFloat
+
+
+class ProbeResult(WireModel):
+    """A timed point-to-point transfer between two ranks during a link probe."""
+
+    job: Name
+    probe_id: str = Field(max_length=64)
+    src_rank: NonNegInt
+    dst_rank: NonNegInt
+    size_bytes: NonNegInt
+    duration_s: NonNegFloat
+    ok: bool = True
+    error: str = Field(default="", max_length=512)
+
+
+class JobRecords(WireModel):
+    """What job-side code on this node delivered to its agent since the last report."""
+
+    steps: list[StepSummary] = Field(default_factory=list, max_length=20_000)
+    inflight: list[InflightCollective] = Field(default_factory=list, max_length=4_096)
+    rank_events: list[RankEvent] = Field(default_factory=list, max_length=4_096)
+    checkpoints: list[CheckpointEvent] = Field(default_factory=list, max_length=4_096)
+    probes: list[ProbeResult] = Field(default_factory=list, max_length=20_000)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.steps or self.inflight or self.rank_events or self.checkpoints or self.probes
+        )
+
+
+# --------------------------------------------------------------------------- commands
+
+
+class CommandBase(WireModel):
+    id: str = Field(min_length=1, max_length=64, description="Unique; acks refer to it")
+    issued_unix_s: NonNegFloat = 0.0
+    reason: str = Field(default="", max_length=512)
+
+
+class SetPowerLimit(CommandBase):
+    kind: Literal["set_power_limit"] = "set_power_limit"
+    gpu_index: NonNegInt
+    limit_w: Annotated[float, Field(gt=0)]
+
+
+class ResetPowerLimit(CommandBase):
+    kind: Literal["reset_power_limit"] = "reset_power_limit"
+    gpu_index: NonNegInt
+
+
+class LockClocks(CommandBase):
+    kind: Literal["lock_clocks"] = "lock_clocks"
+    gpu_index: NonNegInt
+    min_mhz: NonNegInt
+    max_mhz: NonNegInt
+
+
+class UnlockClocks(CommandBase):
+    kind: Literal["unlock_clocks"] = "unlock_clocks"
+    gpu_index: NonNegInt
+
+
+class JobCheckpoint(CommandBase):
+    """Ask every rank of ``job`` on this node to checkpoint at ``at_step`` (or next step)."""
+
+    kind: Literal["job_checkpoint"] = "job_checkpoint"
+    job: Name
+    at_step: NonNegInt | None = None
+
+
+class JobLinkProbe(CommandBase):
+    """Run timed send/recv between rank pairs at ``at_step`` (all ranks agree on it)."""
+
+    kind: Literal["job_link_probe"] = "job_link_probe"
+    job: Name
+    at_step: NonNegInt
+    pairs: list[tuple[NonNegInt, NonNegInt]] = Field(max_length=100_000)
+    size_bytes: Annotated[int, Field(gt=0, le=1 << 30)] = 8 << 20
+
+
+class JobStop(CommandBase):
+    kind: Literal["job_stop"] = "job_stop"
+    job: Name
+
+
+#: Fault kinds the job-side injector knows (``collectives.faults`` validates each field).
+FAULT_KINDS = ("delay", "slowdown", "hang", "crash", "slow_link", "nan")
+
+
+class FaultSpec(WireModel):
+    """One fault for the job-side injector; its other fields are checked by the ranks."""
+
+    model_config = ConfigDict(extra="allow")
+
+    kind: Literal["delay", "slowdown", "hang", "crash", "slow_link", "nan"]
+
+
+class JobInjectFaults(CommandBase):
+    """Chaos drill: add faults to the running ranks of ``job`` (keyed by rank and step)."""
+
+    kind: Literal["job_inject_faults"] = "job_inject_faults"
+    job: Name
+    faults: list[FaultSpec] = Field(min_length=1, max_length=64)
+
+
+Command = Annotated[
+    SetPowerLimit
+    | ResetPowerLimit
+    | LockClocks
+    | UnlockClocks
+    | JobCheckpoint
+    | JobLinkProbe
+    | JobStop
+    | JobInjectFaults,
+    Field(discriminator="kind"),
+]
+
+#: Commands the agent relays to the job's ranks on its local socket.
+JobCommand = JobCheckpoint | JobLinkProbe | JobStop | JobInjectFaults
+
+GPU_COMMAND_KINDS = frozenset(
+    {"set_power_limit", "reset_power_limit", "lock_clocks", "unlock_clocks"}
+)
+JOB_COMMAND_KINDS = frozenset({"job_checkpoint", "job_link_probe", "job_stop", "job_inject_faults"})
+
+
+class CommandStatus(StrEnum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    #: Job-side command handed to the ranks on the node (their outcome follows as records).
+    RELAYED = "relayed"
+
+
+class CommandAck(WireModel):
+    command_id: str = Field(min_length=1, max_length=64)
+    status: CommandStatus
+    reason: str = Field(default="", max_length=1024)
+    finished_unix_s: NonNegFloat = 0.0
+
+
+# --------------------------------------------------------------------------- report
+
+
+class Report(WireModel):
+    schema_version: Annotated[int, Field(ge=1)] = SCHEMA_VERSION
+    node: NodeIdentity
+    agent_instance: str = Field(min_length=1, max_length=64)
+    seq: NonNegInt
+    sent_unix_s: NonNegFloat
+    sample_interval_s: Annotated[float, Field(gt=0)] = 1.0
+    samples: list[NodeSample] = Field(default_factory=list, max_length=3_600)
+    job: JobRecords = Field(default_factory=JobRecords)
+    command_acks: list[CommandAck] = Field(default_factory=list, max_length=4_096)
+    spool_dropped_total: NonNegInt = Field(
+        default=0, description="Reports the agent's bounded spool had to discard, ever"
+    )
+
+
+class ReportReply(WireModel):
+    seq: NonNegInt
+    duplicate: bool = False
+    commands: list[Command] = Field(default_factory=list)
+    server_unix_s: NonNegFloat = 0.0
+
+
+# --------------------------------------------------------------------------- local socket
+
+
+class LocalHello(WireModel):
+    """First frame a job-side client sends on the agent's Unix socket."""
+
+    type: Literal["hello"] = "hello"
+    job: Name
+    rank: NonNegInt
+    world_size: Annotated[int, Field(ge=1)]
+    pid: NonNegInt
+    local_rank: NonNegInt | None = None
+    gpu_index: NonNegInt | None = None
+
+
+class LocalRecords(WireModel):
+    """A batch of job records; the agent replies with a :class:`LocalReply`."""
+
+    type: Literal["records"] = "records"
+    records: JobRecords = Field(default_factory=JobRecords)
+    closing: bool = Field(
+        default=False,
+        description=(
+            "The client closes the connection on purpose after this frame (uninstrument or a "
+            "clean exit): its disconnect is not a vanished rank"
+        ),
+    )
+
+
+class LocalReply(WireModel):
+    type: Literal["reply"] = "reply"
+    ok: bool = True
+    error: str = ""
+    #: Job-side commands for this client's job that arrived since its last request.
+    commands: list[Command] = Field(default_factory=list)
+
+
+LocalMessage = Annotated[LocalHello | LocalRecords, Field(discriminator="type")]
+
+__all__ = [
+    "API_PREFIX",
+    "API_VERSION",
+    "FAULT_KINDS",
+    "GPU_COMMAND_KINDS",
+    "JOB_COMMAND_KINDS",
+    "MAX_REPORT_BYTES",
+    "SCHEMA_VERSION",
+    "THROTTLE_REASON_BITS",
+    "CheckpointEvent",
+    "Command",
+    "CommandAck",
+    "CommandStatus",
+    "FaultSpec",
+    "GpuInfo",
+    "GpuSample",
+    "InflightCollective",
+    "JobCheckpoint",
+    "JobCommand",
+    "JobInjectFaults",
+    "JobLinkProbe",
+    "JobRecords",
+    "JobStop",
+    "LocalHello",
+    "LocalMessage",
+    "LocalRecords",
+    "LocalReply",
+    "LockClocks",
+    "NodeIdentity",
+    "NodeSample",
+    "ProbeResult",
+    "RankEvent",
+    "Report",
+    "ReportReply",
+    "ResetPowerLimit",
+    "SetPowerLimit",
+    "StepSummary",
+    "ThrottleReason",
+    "UnlockClocks",
+    "XidEvent",
+    "decode_throttle_reasons",
+]
