@@ -1,0 +1,83 @@
+"""Actions: what the control loops did to the cluster, for operators to audit.
+
+An action is written when it starts (``pending``) and updated when it ends, each in its own
+transaction off the group-commit queue: actions are rare (one per GPU per level change) and
+an operator asking "what did the policy do?" must see the row before the command lands.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import Connection, update
+
+from controller.db.models import Action
+from controller.store import Store, table
+
+#: Statuses an action ends in (``ActionPublic.status``).
+FINAL_STATUSES = frozenset({"succeeded", "failed", "dry_run", "skipped"})
+
+
+class ActionService:
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    async def create(
+        self,
+        *,
+        kind: str,
+        target: str,
+        trigger: str,
+        params: dict[str, Any],
+        status: str = "pending",
+        outcome: str = "",
+        created_unix_s: float | None = None,
+    ) -> int:
+        """Insert one action row and return its durable id."""
+        row = {
+            "kind": kind[:64],
+            "target": target[:512],
+            "trigger": trigger[:128],
+            "params": params,
+            "status": status,
+            "outcome": outcome,
+            "created_unix_s": time.time() if created_unix_s is None else created_unix_s,
+            "finished_unix_s": None if status not in FINAL_STATUSES else time.time(),
+        }
+
+        def insert(conn: Connection) -> int:
+            result = conn.execute(table("actions").insert().returning(Action.id), row)
+            return int(result.scalar_one())
+
+        return await self._store.write(insert)
+
+    async def update(
+        self,
+        action_id: int,
+        *,
+        params: dict[str, Any] | None = None,
+        status: str | None = None,
+        outcome: str | None = None,
+        finished_unix_s: float | None = None,
+    ) -> None:
+        """Change the given fields of an action (``params`` replaces the whole dict)."""
+        values: dict[str, Any] = {}
+        if params is not None:
+            values["params"] = params
+        if status is not None:
+            values["status"] = status
+        if outcome is not None:
+            values["outcome"] = outcome
+        if finished_unix_s is not None:
+            values["finished_unix_s"] = finished_unix_s
+        if not values:
+            return
+
+        def write(conn: Connection) -> None:
+            conn.execute(update(Action).where(Action.id == action_id).values(**values))
+
+        await self._store.write(write)
+
+
+__all__ = ["FINAL_STATUSES", "ActionService"]

@@ -1,0 +1,27 @@
+"""Actions the policy took (or would have taken, ``dry_run``), newest first."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from controller import queries
+from controller.api.deps import AUTH_ERRORS, ControllerDep, Page, require_viewer
+from controller.auth import Principal
+from controller.runtime import Controller
+from controller.schemas import ActionsPublic
+
+router = APIRouter(tags=["actions"])
+
+
+@router.get(
+    "/actions", operation_id="list_actions", response_model=ActionsPublic, responses=AUTH_ERRORS
+)
+async def list_actions(
+    page: Page = Depends(),
+    _principal: Principal = Depends(require_viewer),
+    controller: Controller = ControllerDep,
+) -> ActionsPublic:
+    data, count = await controller.store.read(
+        lambda s: queries.list_actions(s, limit=page.limit, offset=page.offset)
+    )
+    return ActionsPublic(data=data, count=count)

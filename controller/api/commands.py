@@ -1,0 +1,38 @@
+"""Commands queued for agents and what became of them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Query
+
+from controller import queries
+from controller.api.deps import AUTH_ERRORS, ControllerDep, Page, require_viewer
+from controller.auth import Principal
+from controller.runtime import Controller
+from controller.schemas import CommandsPublic
+
+router = APIRouter(tags=["commands"])
+
+StatusFilter = Literal["pending", "sent", "succeeded", "failed", "relayed", "expired"]
+
+
+@router.get(
+    "/commands",
+    operation_id="list_commands",
+    response_model=CommandsPublic,
+    responses=AUTH_ERRORS,
+)
+async def list_commands(
+    node: str | None = Query(None, max_length=253),
+    status: StatusFilter | None = Query(None),
+    page: Page = Depends(),
+    _principal: Principal = Depends(require_viewer),
+    controller: Controller = ControllerDep,
+) -> CommandsPublic:
+    data, count = await controller.store.read(
+        lambda s: queries.list_commands(
+            s, node=node, status=status, limit=page.limit, offset=page.offset
+        )
+    )
+    return CommandsPublic(data=data, count=count)

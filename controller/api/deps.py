@@ -1,0 +1,67 @@
+"""Dependencies shared by routers: the controller instance and role checks."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Depends, Query, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from controller.auth import READ_ROLES, REPORT_ROLES, WRITE_ROLES, Principal
+from controller.runtime import Controller
+from controller.schemas import ErrorPublic
+from controller.settings import Role
+
+_bearer = HTTPBearer(auto_error=False, description="Token with role agent, viewer or operator")
+
+MAX_PAGE = 5000
+
+
+def get_controller(request: Request) -> Controller:
+    controller: Controller = request.app.state.controller
+    return controller
+
+
+def _require(allowed: frozenset[Role], *, read: bool) -> Callable[..., Awaitable[Principal]]:
+    async def dependency(
+        request: Request,
+        _credentials: HTTPAuthorizationCredentials | None = Security(_bearer),
+    ) -> Principal:
+        controller = get_controller(request)
+        return controller.auth.authorize(request.headers.get("authorization"), allowed, read=read)
+
+    return dependency
+
+
+require_viewer = _require(READ_ROLES, read=True)
+require_operator = _require(WRITE_ROLES, read=False)
+require_agent = _require(REPORT_ROLES, read=False)
+
+ControllerDep = Depends(get_controller)
+
+
+class Page:
+    """``?limit=&offset=`` of list endpoints."""
+
+    def __init__(
+        self,
+        limit: int = Query(500, ge=1, le=MAX_PAGE, description="Most items to return"),
+        offset: int = Query(0, ge=0, le=10**9, description="Items to skip"),
+    ) -> None:
+        self.limit = limit
+        self.offset = offset
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorPublic, "description": description}
+
+
+AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: _error("Missing or unknown bearer token"),
+    403: _error("Token role not allowed here"),
+}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: _error("No such object")}
+UNAVAILABLE: dict[int | str, dict[str, Any]] = {503: _error("Database unavailable; retry")}
+TOO_LARGE: dict[int | str, dict[str, Any]] = {413: _error("Body too large")}
+BAD_BODY: dict[int | str, dict[str, Any]] = {400: _error("Body is not JSON")}

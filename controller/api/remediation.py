@@ -1,0 +1,133 @@
+"""Remediation: the policy, what it did, node isolation by hand, and goodput per job."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Body, Depends, Path
+from pydantic import BaseModel, Field
+
+from controller.api.deps import (
+    AUTH_ERRORS,
+    NOT_FOUND,
+    ControllerDep,
+    require_operator,
+    require_viewer,
+)
+from controller.auth import Principal
+from controller.errors import Conflict, NotFound
+from controller.remediation.rules import Policy
+from controller.runtime import Controller
+
+router = APIRouter(tags=["remediation"])
+
+
+@router.get("/remediation", operation_id="get_remediation", responses=AUTH_ERRORS)
+async def get_remediation(
+    _principal: Principal = Depends(require_viewer),
+    controller: Controller = ControllerDep,
+) -> dict[str, Any]:
+    """The policy in force, the remediations it ran (newest first) and isolated nodes."""
+    engine = controller.remediation
+    return {**engine.snapshot(), "policy": engine.policy.model_dump(mode="json")}
+
+
+@router.put("/remediation/policy", operation_id="put_remediation_policy", responses=AUTH_ERRORS)
+async def put_policy(
+    policy: Policy = Body(),
+    principal: Principal = Depends(require_operator),
+    controller: Controller = ControllerDep,
+) -> dict[str, Any]:
+    """Replace the policy (validated strictly; 422 names the field). It lasts until the
+    controller restarts, which reads ``policy_file`` again: keep the file the source of truth."""
+    controller.remediation.policy = policy
+    await controller.actions.create(
+        kind="set_policy",
+        target="remediation",
+        trigger=f"operator:{principal.name}",
+        params={"rules": len(policy.rules), "dry_run": policy.dry_run, "enabled": policy.enabled},
+        status="succeeded",
+        outcome="policy replaced",
+    )
+    return policy.model_dump(mode="json")
+
+
+class IsolationRequest(BaseModel):
+    reason: str = Field(min_length=1, max_length=500)
+
+
+async def _node_action(
+    controller: Controller, name: str, principal: Principal, *, isolate: bool, reason: str
+) -> dict[str, Any]:
+    node = controller.state.nodes.get(name)
+    if node is None:
+        raise NotFound(f"node {name!r} not found; it appears after its first report")
+    if isolate == (node.isolated_reason is not None):
+        state = "isolated" if isolate else "not isolated"
+        raise Conflict(f"node {name!r} is already {state}")
+    engine = controller.remediation
+    kind = "isolate_node" if isolate else "release_node"
+    started = time.time()
+    ok, outcome = await engine.apply_isolation(name, isolate=isolate, reason=reason)
+    status = "succeeded" if ok else "failed"
+    action = await controller.actions.create(
+        kind=kind,
+        target=name,
+        trigger=f"operator:{principal.name}",
+        params={"reason": reason, "actuator": engine.actuator.name if engine.actuator else None},
+        status=status,
+        outcome=outcome,
+        created_unix_s=started,
+    )
+    if status == "failed":
+        raise Conflict(f"{kind} {name}: {outcome} (action {action})")
+    return {"node": name, "isolated": isolate, "action": action, "outcome": outcome}
+
+
+@router.post(
+    "/nodes/{name}/isolate",
+    operation_id="isolate_node",
+    responses={**AUTH_ERRORS, **NOT_FOUND},
+)
+async def isolate_node(
+    name: str = Path(max_length=253),
+    body: IsolationRequest = Body(),
+    principal: Principal = Depends(require_operator),
+    controller: Controller = ControllerDep,
+) -> dict[str, Any]:
+    """Keep work off a node (cordon + taint on Kubernetes) until it is released."""
+    return await _node_action(controller, name, principal, isolate=True, reason=body.reason)
+
+
+@router.post(
+    "/nodes/{name}/release",
+    operation_id="release_node",
+    responses={**AUTH_ERRORS, **NOT_FOUND},
+)
+async def release_node(
+    name: str = Path(max_length=253),
+    body: IsolationRequest | None = Body(default=None),
+    principal: Principal = Depends(require_operator),
+    controller: Controller = ControllerDep,
+) -> dict[str, Any]:
+    """Put an isolated node back into service (after repair, or a false alarm)."""
+    reason = body.reason if body else f"released by {principal.name}"
+    return await _node_action(controller, name, principal, isolate=False, reason=reason)
+
+
+@router.get(
+    "/jobs/{name}/goodput",
+    operation_id="get_job_goodput",
+    responses={**AUTH_ERRORS, **NOT_FOUND},
+)
+async def job_goodput(
+    name: str = Path(max_length=253),
+    _principal: Principal = Depends(require_viewer),
+    controller: Controller = ControllerDep,
+) -> dict[str, Any]:
+    """Productive vs. lost time of a job, and what each incident cost it."""
+    book = controller.remediation.jobs.get(name)
+    if book is None:
+        raise NotFound(f"job {name!r} has no goodput record; it starts with the job's first step")
+    return book.ledger.snapshot()

@@ -1,0 +1,123 @@
+"""``POST /api/v1/reports``: the agents' only endpoint, and the controller's hot path.
+
+At ~400 reports/s FastAPI's per-request machinery (middleware stack, dependency solving,
+request objects) cost more CPU than storing the report, so :class:`ReportFastPath`, a plain
+ASGI layer in front of the app, serves this one route itself: read the body (capped), check
+the token, parse with pydantic's JSON parser in one pass, ingest, reply. The FastAPI route
+below runs the same :func:`handle_report` and exists so the OpenAPI schema documents the
+endpoint (it is also what answers if the fast path is not installed).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Depends, Request, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from controller.api.deps import (
+    AUTH_ERRORS,
+    BAD_BODY,
+    TOO_LARGE,
+    UNAVAILABLE,
+    ControllerDep,
+    require_agent,
+)
+from controller.api.handlers import error_payload, payload_too_large
+from controller.auth import REPORT_ROLES, Principal
+from controller.errors import ControllerError, MalformedBody
+from controller.ingest import parse_report
+from controller.runtime import Controller
+from trainguard import wire
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["ingest"])
+
+PATH = f"{wire.API_PREFIX}/reports"
+
+REPORT_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Report"}}},
+    }
+}
+
+
+async def handle_report(controller: Controller, body: bytes) -> bytes:
+    """Parse, store, and return the JSON reply (authorization already checked)."""
+    reply = await controller.ingest.ingest(parse_report(body))
+    return reply.model_dump_json().encode()
+
+
+@router.post(
+    "/reports",
+    operation_id="post_report",
+    summary="Store one agent report; the reply carries pending commands",
+    response_model=wire.ReportReply,
+    responses={**AUTH_ERRORS, **BAD_BODY, **TOO_LARGE, **UNAVAILABLE},
+    openapi_extra=REPORT_BODY,
+)
+async def post_report(
+    request: Request,
+    _principal: Principal = Depends(require_agent),
+    controller: Controller = ControllerDep,
+) -> Response:
+    payload = await handle_report(controller, await request.body())
+    return Response(payload, media_type="application/json")
+
+
+class ReportFastPath:
+    """Serve ``POST /api/v1/reports`` without FastAPI's per-request overhead."""
+
+    def __init__(self, app: ASGIApp, *, controller: Controller, max_bytes: int) -> None:
+        self.app = app
+        self.controller = controller
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != PATH or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers: dict[str, str] = {}
+        try:
+            status, payload = 200, await self._serve(scope, receive)
+        except ControllerError as exc:
+            status, payload, headers = error_payload(exc)
+        except Exception:
+            log.exception("unhandled error", extra={"fields": {"path": PATH}})
+            status = 500
+            payload = b'{"detail":"internal error; the controller log has the details"}'
+        raw_headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            *((k.lower().encode(), v.encode()) for k, v in headers.items()),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _serve(self, scope: Scope, receive: Receive) -> bytes:
+        authorization: str | None = None
+        length: int | None = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"content-length":
+                length = int(value) if value.isdigit() else None
+        self.controller.auth.authorize(authorization, REPORT_ROLES, read=False)
+        if length is not None and length > self.max_bytes:
+            raise payload_too_large(self.max_bytes)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise MalformedBody("request body incomplete: the client disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise payload_too_large(self.max_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return await handle_report(self.controller, b"".join(chunks))

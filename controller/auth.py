@@ -1,0 +1,68 @@
+"""Bearer-token authentication and role checks.
+
+Tokens are held only as sha256 digests. A presented token is hashed and compared against
+*every* configured digest with ``hmac.compare_digest`` (no early exit), so response time
+does not reveal how much of a token matched or which entry it was. Token values are never
+logged; the principal's *name* is what appears in logs and action triggers.
+
+Roles: ``agent`` may only post reports; ``viewer`` may read; ``operator`` may read and write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+from controller.errors import Forbidden, Unauthenticated
+from controller.settings import Role, TokenConfig
+
+READ_ROLES: frozenset[Role] = frozenset({"viewer", "operator"})
+WRITE_ROLES: frozenset[Role] = frozenset({"operator"})
+REPORT_ROLES: frozenset[Role] = frozenset({"agent"})
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    name: str
+    role: Role | None  # None: anonymous read (allow_anonymous_read)
+
+
+ANONYMOUS = Principal(name="anonymous", role=None)
+
+
+class Authenticator:
+    def __init__(self, tokens: list[TokenConfig], *, allow_anonymous_read: bool) -> None:
+        self._entries = [(bytes.fromhex(t.digest()), t.name, t.role) for t in tokens]
+        self.allow_anonymous_read = allow_anonymous_read
+
+    def identify(self, authorization: str | None) -> Principal | None:
+        """The principal for an ``Authorization`` header; ``None`` when there is none."""
+        if not authorization:
+            return None
+        scheme, _, credential = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not credential.strip():
+            raise Unauthenticated("Authorization header must be 'Bearer <token>'")
+        digest = hashlib.sha256(credential.strip().encode()).digest()
+        found: Principal | None = None
+        for expected, name, role in self._entries:
+            if hmac.compare_digest(digest, expected) and found is None:
+                found = Principal(name=name, role=role)
+        if found is None:
+            raise Unauthenticated("unknown token; check the token configured for this client")
+        return found
+
+    def authorize(
+        self, authorization: str | None, allowed: frozenset[Role], *, read: bool
+    ) -> Principal:
+        principal = self.identify(authorization)
+        if principal is None:
+            if read and self.allow_anonymous_read:
+                return ANONYMOUS
+            raise Unauthenticated("missing bearer token (Authorization: Bearer <token>)")
+        if principal.role not in allowed:
+            raise Forbidden(
+                f"token {principal.name!r} has role {principal.role!r}; "
+                f"this needs one of: {', '.join(sorted(allowed))}"
+            )
+        return principal

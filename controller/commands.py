@@ -1,0 +1,115 @@
+"""Commands for node agents: queue, deliver in the next ``ReportReply``, track acks, expire.
+
+Lifecycle: ``pending`` (queued, durable) -> ``sent`` (handed out in a reply, written in the
+same transaction as the report it answers) -> ``succeeded`` / ``failed`` / ``relayed`` (from
+the agent's ack) or ``expired`` (no ack within ``command_expire_after_s`` of queueing).
+A reply whose report fails to commit puts its commands back to ``pending``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from controller.errors import InvalidInput, NotFound
+from controller.state import ClusterState, CommandState
+from controller.validation import first_unstorable
+from controller.writer import Contribution, GroupCommitWriter
+from trainguard import wire
+
+log = logging.getLogger(__name__)
+
+_COMMAND = TypeAdapter(wire.Command)
+
+#: Finished commands stay in memory this long (their final row must reach the database).
+KEEP_FINISHED_S = 300.0
+
+FINAL = frozenset({"succeeded", "failed", "relayed", "expired"})
+
+
+def to_wire(command: CommandState) -> wire.Command:
+    return _COMMAND.validate_python(
+        {
+            **command.params,
+            "id": command.id,
+            "kind": command.kind,
+            "issued_unix_s": command.created_unix_s,
+        }
+    )
+
+
+class CommandService:
+    def __init__(
+        self, state: ClusterState, writer: GroupCommitWriter, *, expire_after_s: float
+    ) -> None:
+        self._state = state
+        self._writer = writer
+        self.expire_after_s = expire_after_s
+        self.tick_interval_s = min(5.0, expire_after_s / 4)
+
+    async def create(self, node_name: str, request: wire.CommandBase, *, by: str) -> CommandState:
+        node = self._state.nodes.get(node_name)
+        if node is None:
+            raise NotFound(f"node {node_name!r} not found; it appears after its first report")
+        gpu_index = getattr(request, "gpu_index", None)
+        if gpu_index is not None and node.gpus and gpu_index not in node.gpus:
+            raise InvalidInput(
+                f"body.gpu_index: node {node_name!r} has no GPU {gpu_index} "
+                f"(it has {sorted(node.gpus)})"
+            )
+        problem = first_unstorable(request, "body")
+        if problem is not None:
+            raise InvalidInput(problem)
+        now = time.time()
+        params: dict[str, Any] = request.model_dump(
+            mode="json", exclude={"id", "kind", "issued_unix_s"}
+        )
+        command = CommandState(
+            id=uuid.uuid4().hex,
+            node=node_name,
+            kind=str(getattr(request, "kind", "")),
+            params=params,
+            created_unix_s=now,
+        )
+        to_wire(command)  # proves the agent will be able to parse it
+        self._state.commands[command.id] = command
+        try:
+            await self._writer.submit(Contribution(upserts={("commands", (command.id,))}))
+        except Exception:
+            self._state.commands.pop(command.id, None)
+            raise
+        log.info(
+            "command queued",
+            extra={
+                "fields": {"command": command.id, "node": node_name, "kind": command.kind, "by": by}
+            },
+        )
+        return command
+
+    async def tick(self, now_unix_s: float) -> None:
+        """Expire unacknowledged commands and forget finished ones."""
+        expired = set()
+        for command in list(self._state.commands.values()):
+            if command.status in FINAL:
+                done = command.finished_unix_s or command.created_unix_s
+                if now_unix_s - done > KEEP_FINISHED_S:
+                    del self._state.commands[command.id]
+                continue
+            if now_unix_s - command.created_unix_s > self.expire_after_s:
+                command.status = "expired"
+                command.reason = (
+                    f"no acknowledgement within {self.expire_after_s:g} s "
+                    f"(was {'delivered' if command.sent_unix_s else 'never delivered'})"
+                )
+                command.finished_unix_s = now_unix_s
+                expired.add(("commands", (command.id,)))
+                log.warning(
+                    "command expired",
+                    extra={"fields": {"command": command.id, "node": command.node}},
+                )
+        if expired:
+            await self._writer.submit(Contribution(upserts=expired))

@@ -1,0 +1,200 @@
+"""Incidents: open, bump (dedupe) and resolve, each written at once in its own transaction.
+
+Incidents are rare, so they skip the group-commit queue: a detector that opens one awaits
+its durable id. Incidents with the same ``dedupe_key`` that are still open are one record
+whose ``count`` grows, so a storm of identical events (an XID-45 storm) is one row, not
+thousands. Rows of entities whose health changed with the incident (nodes, GPUs) are
+written in the same transaction, so the database never shows a fault without its incident.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, update
+
+from controller.db.models import Incident
+from controller.state import ClusterState, IncidentState, RowKey
+from controller.store import Store, table, upsert
+from controller.writer import TABLE_ORDER
+
+log = logging.getLogger(__name__)
+
+#: Keep at most this many entries in an incident's ``evidence["events"]`` list.
+MAX_EVIDENCE_EVENTS = 50
+
+
+@dataclass(kw_only=True, slots=True)
+class IncidentSpec:
+    kind: str
+    severity: str
+    summary: str
+    dedupe_key: str
+    node: str | None = None
+    gpu_index: int | None = None
+    job: str | None = None
+    ranks: list[int] | None = None
+    evidence: dict[str, Any] | None = None
+
+
+class IncidentService:
+    def __init__(self, state: ClusterState, store: Store) -> None:
+        self._state = state
+        self._store = store
+        #: Called when an incident is resolved, before it is written; each returns the keys
+        #: of rows it changed (e.g. a GPU back to healthy), written in the same transaction.
+        self.resolve_hooks: list[Callable[[IncidentState], set[RowKey]]] = []
+        #: Called after a new incident is stored (not on bumps), e.g. the traffic planner
+        #: reacting to ``slow_link``; a hook that raises is logged and does not stop the rest.
+        self.open_hooks: list[Callable[[IncidentState], None]] = []
+
+    def find_open(self, dedupe_key: str) -> IncidentState | None:
+        return self._state.incidents_by_key.get(dedupe_key)
+
+    async def open_or_bump(
+        self,
+        spec: IncidentSpec,
+        *,
+        count: int = 1,
+        events: list[dict[str, Any]] | None = None,
+        also_write: set[RowKey] | None = None,
+    ) -> tuple[IncidentState, bool]:
+        """Open a new incident, or add ``count`` to the open one with the same key.
+
+        Returns the incident and whether it was newly opened.
+        """
+        now = time.time()
+        existing = self._state.incidents_by_key.get(spec.dedupe_key)
+        rows = self._rows(also_write)
+        if existing is not None:
+            existing.count += count
+            existing.updated_unix_s = now
+            if events:
+                kept = [*existing.evidence.get("events", []), *events]
+                existing.evidence["events"] = kept[-MAX_EVIDENCE_EVENTS:]
+            values = {
+                "count": existing.count,
+                "updated_unix_s": now,
+                "evidence": dict(existing.evidence),
+            }
+            incident_id = existing.id
+
+            def bump(conn: Connection) -> None:
+                _write_rows(conn, rows)
+                conn.execute(update(Incident).where(Incident.id == incident_id).values(**values))
+
+            await self._store.write(bump)
+            return existing, False
+
+        evidence = dict(spec.evidence or {})
+        if events:
+            evidence["events"] = events[-MAX_EVIDENCE_EVENTS:]
+        row: dict[str, Any] = {
+            "kind": spec.kind,
+            "severity": spec.severity,
+            "state": "open",
+            "summary": spec.summary,
+            "node_name": spec.node,
+            "gpu_index": spec.gpu_index,
+            "job_name": spec.job,
+            "ranks": list(spec.ranks or []),
+            "evidence": evidence,
+            "dedupe_key": spec.dedupe_key,
+            "count": count,
+            "opened_unix_s": now,
+            "updated_unix_s": now,
+            "resolved_unix_s": None,
+        }
+
+        def insert(conn: Connection) -> int:
+            _write_rows(conn, rows)
+            result = conn.execute(table("incidents").insert().returning(Incident.id), row)
+            return int(result.scalar_one())
+
+        incident_id = await self._store.write(insert)
+        incident = IncidentState(
+            id=incident_id,
+            kind=spec.kind,
+            severity=spec.severity,
+            state="open",
+            summary=spec.summary,
+            dedupe_key=spec.dedupe_key,
+            opened_unix_s=now,
+            updated_unix_s=now,
+            node=spec.node,
+            gpu_index=spec.gpu_index,
+            job=spec.job,
+            ranks=list(spec.ranks or []),
+            evidence=evidence,
+            count=count,
+        )
+        self._state.add_incident(incident)
+        for hook in self.open_hooks:
+            try:
+                hook(incident)
+            except Exception:
+                log.exception(
+                    "incident open hook failed", extra={"fields": {"incident": incident_id}}
+                )
+        log.warning(
+            "incident opened",
+            extra={
+                "fields": {
+                    "incident": incident_id,
+                    "kind": spec.kind,
+                    "severity": spec.severity,
+                    "node": spec.node,
+                    "gpu": spec.gpu_index,
+                    "job": spec.job,
+                    "summary": spec.summary,
+                }
+            },
+        )
+        return incident, True
+
+    async def resolve(
+        self, incident: IncidentState, *, note: str, also_write: set[RowKey] | None = None
+    ) -> None:
+        now = time.time()
+        self._state.drop_incident(incident)
+        incident.state = "resolved"
+        incident.resolved_unix_s = now
+        incident.evidence["resolution"] = note
+        keys = set(also_write or ())
+        for hook in self.resolve_hooks:
+            keys |= hook(incident)
+        rows = self._rows(keys)
+        values = {
+            "state": "resolved",
+            "resolved_unix_s": now,
+            "updated_unix_s": now,
+            "evidence": dict(incident.evidence),
+        }
+
+        def resolve(conn: Connection) -> None:
+            _write_rows(conn, rows)
+            conn.execute(update(Incident).where(Incident.id == incident.id).values(**values))
+
+        await self._store.write(resolve)
+        log.info(
+            "incident resolved",
+            extra={"fields": {"incident": incident.id, "kind": incident.kind, "note": note}},
+        )
+
+    def _rows(self, keys: set[RowKey] | None) -> dict[str, list[dict[str, Any]]]:
+        rows: dict[str, list[dict[str, Any]]] = {}
+        for key in sorted(keys or ()):
+            row = self._state.row_for(key)
+            if row is not None:
+                rows.setdefault(key[0], []).append(row)
+        return rows
+
+
+def _write_rows(conn: Connection, rows: dict[str, list[dict[str, Any]]]) -> None:
+    for name in TABLE_ORDER:
+        if name in rows:
+            upsert(conn, table(name), rows[name])

@@ -1,0 +1,235 @@
+"""Read side: build the public shapes from the in-memory state or the database.
+
+Routers call these; nothing here speaks HTTP. Database reads are plain functions of a
+``Connection`` so they run on a worker thread via ``Store.read``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from controller.db.models import Action, Command, GpuHistory, Incident
+from controller.schemas import (
+    ActionPublic,
+    CommandPublic,
+    GpuHistoryPoint,
+    GpuPublic,
+    IncidentPublic,
+    JobDetail,
+    JobPublic,
+    NodeDetail,
+    NodePublic,
+    RankPublic,
+    StatusPublic,
+)
+from controller.state import ClusterState, CommandState, JobState, NodeState
+
+# ---------------------------------------------------------------------- nodes / jobs
+
+
+def node_public(state: ClusterState, node: NodeState) -> NodePublic:
+    return NodePublic(
+        name=node.name,
+        hostname=node.hostname,
+        health=node.health,
+        health_reason=node.health_reason,
+        labels=node.labels,
+        backend=node.backend,
+        agent_version=node.agent_version,
+        gpu_count=len(node.gpus),
+        gpus_unhealthy=node.gpus_unhealthy,
+        power_w=node.power_w,
+        last_report_unix_s=node.last_report_unix_s,
+        first_seen_unix_s=node.first_seen_unix_s,
+        open_incidents=state.open_incidents_for_node(node.name),
+        isolated_reason=node.isolated_reason,
+        isolated_unix_s=node.isolated_unix_s,
+    )
+
+
+def list_nodes(state: ClusterState, health: str | None) -> list[NodePublic]:
+    nodes = sorted(state.nodes.values(), key=lambda n: n.name)
+    return [node_public(state, n) for n in nodes if health is None or n.health == health]
+
+
+def node_detail(state: ClusterState, node: NodeState, history: list[GpuHistoryPoint]) -> NodeDetail:
+    gpus = [
+        GpuPublic(
+            index=g.index,
+            uuid=g.uuid,
+            name=g.name,
+            health=g.health,
+            health_reason=g.health_reason,
+            latest=g.latest,
+        )
+        for g in sorted(node.gpus.values(), key=lambda g: g.index)
+    ]
+    return NodeDetail(**node_public(state, node).model_dump(), gpus=gpus, history=history)
+
+
+def gpu_history(session: Session, node: str, since_unix_s: float) -> list[GpuHistoryPoint]:
+    rows = session.execute(
+        select(GpuHistory)
+        .where(GpuHistory.node_name == node, GpuHistory.end_unix_s >= since_unix_s)
+        .order_by(GpuHistory.end_unix_s, GpuHistory.gpu_index)
+    ).scalars()
+    return [GpuHistoryPoint.model_validate(r) for r in rows]
+
+
+def job_state(job: JobState, *, active_within_s: float, now: float) -> tuple[str, int]:
+    """(state, ranks_reporting): stopped when every rank exited, degraded when a rank
+    failed or fewer ranks than the world size report, running otherwise."""
+    ranks = list(job.ranks.values())
+    reporting = sum(
+        1 for r in ranks if r.state == "running" and now - r.last_seen_unix_s <= active_within_s
+    )
+    if not ranks:
+        return "unknown", 0
+    if all(r.state in ("exited", "failed") for r in ranks):
+        return "stopped", reporting
+    if any(r.state == "failed" for r in ranks) or reporting < max(job.world_size, 1):
+        return "degraded", reporting
+    return "running", reporting
+
+
+def job_public(state: ClusterState, job: JobState, *, active_within_s: float) -> JobPublic:
+    status, reporting = job_state(job, active_within_s=active_within_s, now=time.time())
+    return JobPublic(
+        name=job.name,
+        state=status,
+        world_size=job.world_size,
+        ranks_reporting=reporting,
+        nodes=sorted({r.node for r in job.ranks.values()}),
+        last_step=job.last_step,
+        first_seen_unix_s=job.first_seen_unix_s,
+        last_seen_unix_s=job.last_seen_unix_s,
+        open_incidents=state.open_incidents_for_job(job.name),
+    )
+
+
+def job_detail(state: ClusterState, job: JobState, *, active_within_s: float) -> JobDetail:
+    ranks = [
+        RankPublic(
+            rank=r.rank,
+            node=r.node,
+            gpu_index=r.gpu_index,
+            pid=r.pid,
+            state=r.state,
+            last_step=r.last_step,
+            last_seen_unix_s=r.last_seen_unix_s,
+        )
+        for r in sorted(job.ranks.values(), key=lambda r: r.rank)
+    ]
+    public = job_public(state, job, active_within_s=active_within_s)
+    return JobDetail(**public.model_dump(), ranks=ranks)
+
+
+def status(state: ClusterState, *, version: str, database: str) -> StatusPublic:
+    gpus_total = sum(len(n.gpus) for n in state.nodes.values())
+    gpus_unhealthy = sum(n.gpus_unhealthy for n in state.nodes.values())
+    return StatusPublic(
+        version=version,
+        database=database,
+        nodes_total=len(state.nodes),
+        nodes_by_health=state.nodes_by_health(),
+        gpus_total=gpus_total,
+        gpus_unhealthy=gpus_unhealthy,
+        jobs_total=len(state.jobs),
+        incidents_open=len(state.incidents),
+        incidents_open_by_kind=state.incidents_open_by_kind(),
+        reports_total=state.reports_total,
+        uptime_s=time.time() - state.started_unix_s,
+    )
+
+
+# ---------------------------------------------------------------------- database lists
+
+
+def _page(session: Session, query: Any, limit: int, offset: int) -> tuple[list[Any], int]:
+    count = session.execute(select(func.count()).select_from(query.subquery())).scalar_one()
+    rows = list(session.execute(query.limit(limit).offset(offset)).scalars())
+    return rows, int(count)
+
+
+def incident_public(row: Incident) -> IncidentPublic:
+    return IncidentPublic(
+        id=row.id,
+        kind=row.kind,
+        severity=row.severity,
+        state=row.state,
+        summary=row.summary,
+        node=row.node_name,
+        gpu_index=row.gpu_index,
+        job=row.job_name,
+        ranks=list(row.ranks),
+        evidence=dict(row.evidence),
+        count=row.count,
+        opened_unix_s=row.opened_unix_s,
+        updated_unix_s=row.updated_unix_s,
+        resolved_unix_s=row.resolved_unix_s,
+    )
+
+
+def list_incidents(
+    session: Session,
+    *,
+    state: str | None,
+    kind: str | None,
+    node: str | None,
+    job: str | None,
+    limit: int,
+    offset: int,
+) -> tuple[list[IncidentPublic], int]:
+    query = select(Incident).order_by(Incident.opened_unix_s.desc(), Incident.id.desc())
+    if state is not None:
+        query = query.where(Incident.state == state)
+    if kind is not None:
+        query = query.where(Incident.kind == kind)
+    if node is not None:
+        query = query.where(Incident.node_name == node)
+    if job is not None:
+        query = query.where(Incident.job_name == job)
+    rows, count = _page(session, query, limit, offset)
+    return [incident_public(r) for r in rows], count
+
+
+def get_incident(session: Session, incident_id: int) -> IncidentPublic | None:
+    row = session.get(Incident, incident_id)
+    return None if row is None else incident_public(row)
+
+
+def list_actions(session: Session, *, limit: int, offset: int) -> tuple[list[ActionPublic], int]:
+    query = select(Action).order_by(Action.created_unix_s.desc(), Action.id.desc())
+    rows, count = _page(session, query, limit, offset)
+    return [ActionPublic.model_validate(r) for r in rows], count
+
+
+def command_public(row: Command | CommandState) -> CommandPublic:
+    """A command as the API shows it, from its row or its (fresher) in-memory state."""
+    return CommandPublic(
+        id=row.id,
+        node=row.node_name if isinstance(row, Command) else row.node,
+        kind=row.kind,
+        params=dict(row.params),
+        status=row.status,
+        reason=row.reason,
+        created_unix_s=row.created_unix_s,
+        sent_unix_s=row.sent_unix_s,
+        finished_unix_s=row.finished_unix_s,
+    )
+
+
+def list_commands(
+    session: Session, *, node: str | None, status: str | None, limit: int, offset: int
+) -> tuple[list[CommandPublic], int]:
+    query = select(Command).order_by(Command.created_unix_s.desc(), Command.id)
+    if node is not None:
+        query = query.where(Command.node_name == node)
+    if status is not None:
+        query = query.where(Command.status == status)
+    rows, count = _page(session, query, limit, offset)
+    return [command_public(r) for r in rows], count

@@ -1,0 +1,245 @@
+"""Public API shapes (what clients see), kept apart from database rows.
+
+Every list endpoint answers ``{"data": [...], "count": N}`` where ``count`` is the total
+matching the filter and ``data`` is one page of it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, computed_field
+
+from trainguard import wire
+
+NodeHealth = Literal["healthy", "unhealthy", "lost", "unknown"]
+GpuHealth = Literal["healthy", "unhealthy", "lost"]
+CommandStatusPublic = Literal["pending", "sent", "succeeded", "failed", "relayed", "expired"]
+
+
+class PublicModel(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class GpuPublic(PublicModel):
+    index: int
+    uuid: str
+    name: str
+    health: GpuHealth
+    health_reason: str
+    latest: wire.GpuSample | None
+
+
+class GpuHistoryPoint(PublicModel):
+    gpu_index: int
+    start_unix_s: float
+    end_unix_s: float
+    samples: int
+    power_w_avg: float | None
+    power_w_max: float | None
+    temperature_c_max: float | None
+    sm_clock_mhz_avg: float | None
+    utilization_gpu_pct_avg: float | None
+    memory_used_bytes_max: int | None
+    ecc_corrected_total: int | None
+    ecc_uncorrected_total: int | None
+    throttle_reasons_mask: int
+
+
+class NodePublic(PublicModel):
+    name: str
+    hostname: str
+    health: NodeHealth
+    health_reason: str
+    labels: dict[str, str]
+    backend: str
+    agent_version: str
+    gpu_count: int
+    gpus_unhealthy: int
+    power_w: float | None
+    last_report_unix_s: float | None
+    first_seen_unix_s: float
+    open_incidents: int
+    #: Why the remediation engine keeps work off the node; ``None`` while it may be used.
+    isolated_reason: str | None = None
+    isolated_unix_s: float | None = None
+
+
+class NodeDetail(NodePublic):
+    gpus: list[GpuPublic]
+    history: list[GpuHistoryPoint]
+
+
+class NodesPublic(BaseModel):
+    data: list[NodePublic]
+    count: int
+
+
+class RankPublic(PublicModel):
+    rank: int
+    node: str
+    gpu_index: int | None
+    pid: int | None
+    state: str
+    last_step: int | None
+    last_seen_unix_s: float
+
+
+class JobPublic(PublicModel):
+    name: str
+    state: Literal["running", "degraded", "stopped", "unknown"]
+    world_size: int
+    ranks_reporting: int
+    nodes: list[str]
+    last_step: int | None
+    first_seen_unix_s: float
+    last_seen_unix_s: float
+    open_incidents: int
+
+
+class JobDetail(JobPublic):
+    ranks: list[RankPublic]
+
+
+class JobsPublic(BaseModel):
+    data: list[JobPublic]
+    count: int
+
+
+class IncidentPublic(PublicModel):
+    id: int
+    kind: str
+    severity: Literal["critical", "warning", "info"]
+    state: Literal["open", "resolved"]
+    summary: str
+    node: str | None
+    gpu_index: int | None
+    job: str | None
+    ranks: list[int]
+    evidence: dict[str, Any]
+    count: int = Field(description="Occurrences folded into this incident")
+    opened_unix_s: float = Field(description="First seen")
+    updated_unix_s: float = Field(description="Last seen: the latest occurrence folded in")
+    resolved_unix_s: float | None
+
+
+class IncidentsPublic(BaseModel):
+    data: list[IncidentPublic]
+    count: int
+
+
+class ActionPublic(PublicModel):
+    id: int
+    kind: str
+    target: str
+    trigger: str
+    params: dict[str, Any]
+    status: Literal["pending", "succeeded", "failed", "dry_run", "skipped"]
+    outcome: str
+    created_unix_s: float
+    finished_unix_s: float | None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def duration_s(self) -> float | None:
+        """How long the action took (``None`` while it runs)."""
+        if self.finished_unix_s is None:
+            return None
+        return max(0.0, self.finished_unix_s - self.created_unix_s)
+
+
+class ActionsPublic(BaseModel):
+    data: list[ActionPublic]
+    count: int
+
+
+class CommandPublic(PublicModel):
+    id: str
+    node: str
+    kind: str
+    params: dict[str, Any]
+    status: CommandStatusPublic
+    reason: str
+    created_unix_s: float
+    sent_unix_s: float | None
+    finished_unix_s: float | None
+
+
+class CommandsPublic(BaseModel):
+    data: list[CommandPublic]
+    count: int
+
+
+class StatusPublic(BaseModel):
+    version: str
+    database: Literal["sqlite", "postgresql"]
+    #: This replica holds the leader lock (a standby's other numbers are empty).
+    leader: bool = True
+    nodes_total: int
+    nodes_by_health: dict[str, int]
+    gpus_total: int
+    gpus_unhealthy: int
+    jobs_total: int
+    incidents_open: int
+    incidents_open_by_kind: dict[str, int]
+    reports_total: int
+    uptime_s: float
+
+
+class HealthzPublic(BaseModel):
+    status: Literal["ok", "writer_stopped"]
+
+
+class ReadyzPublic(BaseModel):
+    status: Literal["ready", "not_ready"]
+    detail: str = ""
+
+
+class ErrorPublic(BaseModel):
+    detail: str
+
+
+# ---------------------------------------------------------------------- command requests
+# A wire.Command without ``id``: the server assigns ids (and ``issued_unix_s``).
+
+_NO_ID = Field(default=None, description="Ignored: the server assigns the id")
+
+
+class SetPowerLimitRequest(wire.SetPowerLimit):
+    id: str | None = _NO_ID  # type: ignore[assignment]
+
+
+class ResetPowerLimitRequest(wire.ResetPowerLimit):
+    id: str | None = _NO_ID  # type: ignore[assignment]
+
+
+class LockClocksRequest(wire.LockClocks):
+    id: str | None = _NO_ID  # type: ignore[assignment]
+
+
+class UnlockClocksRequest(wire.UnlockClocks):
+    id: str | None = _NO_ID  # type: ignore[assignment]
+
+
+class JobCheckpointRequest(wire.JobCheckpoint):
+    id: str | None = _NO_ID  # type: ignore[assignment]
+
+
+class JobLinkProbeRequest(wire.JobLinkProbe):
+    id: str | None = _NO_ID  # type: ignore[assignment]
+
+
+class JobStopRequest(wire.JobStop):
+    id: str | None = _NO_ID  # type: ignore[assignment]
+
+
+CommandRequest = Annotated[
+    SetPowerLimitRequest
+    | ResetPowerLimitRequest
+    | LockClocksRequest
+    | UnlockClocksRequest
+    | JobCheckpointRequest
+    | JobLinkProbeRequest
+    | JobStopRequest,
+    Field(discriminator="kind"),
+]

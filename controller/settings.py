@@ -1,0 +1,234 @@
+"""The controller's one settings class (``TRAINGUARD_`` env prefix, optional YAML file).
+
+Sources, highest priority first: keyword arguments (what the CLI passes), environment
+variables, the YAML file named by ``TRAINGUARD_CONFIG_FILE``, defaults. Tokens may also come
+from ``tokens_file`` (a YAML list of the same ``{name, role, token | sha256}`` entries).
+
+The validators refuse configurations that would expose the API: outside ``dev_mode`` there
+must be at least one token and every plaintext token must be at least 16 characters, since a
+short shared secret on a cluster network is guessable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import platformdirs
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+Role = Literal["agent", "viewer", "operator"]
+
+#: Shortest plaintext token accepted outside dev mode (characters).
+MIN_TOKEN_LENGTH = 16
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def default_database_url() -> str:
+    """SQLite file in the user's data dir: the embedded default needs no server."""
+    return f"sqlite:///{Path(platformdirs.user_data_dir('trainguard')) / 'trainguard.db'}"
+
+
+def sha256_hex(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class TokenConfig(BaseModel):
+    """One API credential. Give ``sha256`` (hex digest) to keep plaintext out of config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    role: Role
+    token: str | None = Field(default=None, min_length=1, repr=False)
+    sha256: str | None = Field(default=None, repr=False)
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, value: str | None) -> str | None:
+        if value is not None and not _SHA256_RE.match(value.lower()):
+            raise ValueError("sha256 must be 64 hex characters (sha256sum of the token)")
+        return None if value is None else value.lower()
+
+    @model_validator(mode="after")
+    def _exactly_one_secret(self) -> Self:
+        if (self.token is None) == (self.sha256 is None):
+            raise ValueError(f"token {self.name!r}: give exactly one of 'token' or 'sha256'")
+        return self
+
+    def digest(self) -> str:
+        """The sha256 hex digest the controller compares presented tokens against."""
+        if self.sha256 is not None:
+            return self.sha256
+        assert self.token is not None
+        return sha256_hex(self.token)
+
+
+class ControllerSettings(BaseSettings):
+    """Settings of one controller process."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAINGUARD_", extra="ignore")
+
+    database_url: str = Field(default_factory=default_database_url)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8470, ge=0, le=65535)
+    dev_mode: bool = False
+    tokens: list[TokenConfig] = Field(default_factory=list)
+    tokens_file: Path | None = None
+    allow_anonymous_read: bool = False
+    node_lost_after_s: float = Field(default=30.0, gt=0)
+    #: A GPU is degrading (``gpu_degraded``, docs/detection.md) when its correctable ECC
+    #: errors rise by this many within ``degraded_ecc_window_s`` …
+    degraded_ecc_rise: int = Field(default=100, ge=1)
+    degraded_ecc_window_s: float = Field(default=600.0, gt=0, le=86_400)
+    #: … or when most of its samples over this many seconds show thermal, power-brake or
+    #: hardware-slowdown throttling (never ``sw_power_cap``: that is our own power loop).
+    degraded_throttle_s: float = Field(default=30.0, gt=0, le=3_600)
+    history_retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    ingest_flush_interval_s: float = Field(default=0.02, ge=0)
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    #: A command an agent has not acknowledged this long after it was queued is marked
+    #: ``expired`` (the agent was down or the reply was lost); the operator re-issues it.
+    command_expire_after_s: float = Field(default=300.0, gt=0)
+    #: Flush the group-commit queue before the interval ends once this many rows wait.
+    ingest_flush_max_rows: int = Field(default=20_000, ge=1)
+    #: Fabric for the traffic planner (YAML/JSON, ``docs/traffic.md``); none disables planning.
+    topology_file: Path | None = None
+    #: Or build the fabric from reporting nodes' ``topology.trainguard.io/nic<k>`` labels:
+    #: ``{spines, oversubscription, port_speed_gbps}`` for what no node can know.
+    topology_labels: dict[str, Any] | None = None
+    #: Power-domain tree (YAML/JSON, see docs/power.md); validated at start. When unset,
+    #: the tree last put through ``PUT /api/v1/power/domains`` is used, if any.
+    power_domains_file: Path | None = None
+    #: Run the power policy (send caps). Default: on whenever a domain tree is configured.
+    power_enabled: bool | None = None
+    #: Seconds between two power-policy ticks when no report arrives (stale detection).
+    power_tick_interval_s: float = Field(default=1.0, gt=0, le=60)
+    #: Remediation policy (YAML/JSON, docs/remediation.md); unset: the built-in defaults.
+    policy_file: Path | None = None
+    #: Record what the policy would do without doing it (overrides the policy's own flag).
+    policy_dry_run: bool | None = None
+    #: How actions reach the world: ``local`` (processes on this machine, the embedded
+    #: default's jobs from ``local_jobs_file``), ``kubernetes`` (cordon, evict, restart
+    #: workloads in ``kube_namespace``) or ``none`` (decide and record only).
+    actuator: Literal["none", "local", "kubernetes"] = "none"
+    kube_namespace: str = Field(default="default", min_length=1, max_length=63)
+    #: Jobs the local actuator launches when this replica becomes leader (YAML list of
+    #: job specs, docs/remediation.md). Read from a file, never from the API: a job spec is
+    #: a command line, and the API must not be a way to run commands on the controller.
+    local_jobs_file: Path | None = None
+    #: Elect one acting replica per database (docs/controller.md, "High availability"):
+    #: a PostgreSQL advisory lock, or a ``<database file>.leader`` flock on SQLite. Turn it
+    #: off only where a single replica is guaranteed by other means.
+    leader_election: bool = True
+    #: Replicas with the same name on the same database compete for one lock; a different
+    #: name lets an unrelated controller (e.g. a staging one) share the database server.
+    leader_election_name: str = Field(
+        default="trainguard", min_length=1, max_length=63, pattern=r"^[A-Za-z0-9._-]+$"
+    )
+    #: Seconds between a standby's attempts to take the lock: bounds failover time.
+    leader_retry_interval_s: float = Field(default=1.0, gt=0, le=30)
+    #: Seconds between the leader's checks that it still holds the lock (PostgreSQL: one
+    #: query on the lock connection): bounds how long a cut-off leader keeps acting.
+    leader_check_interval_s: float = Field(default=1.0, gt=0, le=30)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get("TRAINGUARD_CONFIG_FILE")
+        if config_file:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
+        return tuple(sources)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _load_tokens_and_refuse_unsafe(self) -> Self:
+        if self.tokens_file is not None:
+            self.tokens = [*self.tokens, *load_tokens_file(self.tokens_file)]
+        names = [t.name for t in self.tokens]
+        if len(names) != len(set(names)):
+            raise ValueError("token names must be unique")
+        if self.dev_mode:
+            return self
+        if not self.tokens:
+            raise ValueError(
+                "no API tokens configured: set TRAINGUARD_TOKENS or tokens_file "
+                "(or dev_mode for a local demo)"
+            )
+        for entry in self.tokens:
+            if entry.token is not None and len(entry.token) < MIN_TOKEN_LENGTH:
+                raise ValueError(
+                    f"token {entry.name!r} is shorter than {MIN_TOKEN_LENGTH} characters; "
+                    "use a longer random token (e.g. `openssl rand -hex 24`)"
+                )
+        return self
+
+    @field_validator("power_domains_file")
+    @classmethod
+    def _valid_power_domains(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            from power import ConfigError, load_domains
+
+            try:
+                load_domains(value)
+            except ConfigError as exc:
+                raise ValueError(f"power_domains_file: {exc}") from None
+        return value
+
+    def database_kind(self) -> Literal["sqlite", "postgresql"]:
+        return "sqlite" if self.database_url.startswith("sqlite") else "postgresql"
+
+
+def load_tokens_file(path: Path) -> list[TokenConfig]:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"tokens_file {path}: {exc}") from exc
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ValueError(f"tokens_file {path}: expected a YAML list of tokens")
+    return [TokenConfig.model_validate(item) for item in raw]
+
+
+def generate_dev_tokens(path: Path) -> list[TokenConfig]:
+    """Random tokens for every role, written (mode 0600) to ``path`` so a human can use them.
+
+    Only dev mode calls this; the values go to the file and never to the log.
+    """
+    tokens = [
+        TokenConfig(name=f"dev-{role}", role=role, token=secrets.token_urlsafe(24))
+        for role in ("agent", "viewer", "operator")
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        yaml.safe_dump([t.model_dump(exclude_none=True) for t in tokens], handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return tokens

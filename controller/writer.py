@@ -1,0 +1,249 @@
+"""Group commit: many reports, one transaction.
+
+A request handler submits a :class:`Contribution` (rows to insert, keys of rows to upsert)
+and awaits its future. The writer task wakes when work arrives, lets more arrive for
+``flush_interval_s`` (or less, once ``max_rows`` rows wait), then commits everything queued
+in one transaction on the store's writer thread, and only then resolves the futures, so a
+report is acknowledged only once its rows are durable. While one commit runs the next batch
+fills, so under load batches grow and the number of transactions per second stays bounded.
+
+Upserts are *keys*, resolved to full rows from the in-memory state at flush time
+(``row_for``), so one batch writes each entity once with its newest values, whatever order
+reports arrived in. If a commit fails, each report of the batch is retried alone, so one bad
+report cannot fail its batch-mates; those that still fail answer 503 (their dedupe cursor is
+rolled back, so the agent's retry is accepted) and their upsert keys are carried into the
+next batches, for a bounded number of attempts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection
+
+from controller.db.models import Base
+from controller.state import RowKey
+from controller.store import Store, bulk_insert, upsert
+
+log = logging.getLogger(__name__)
+
+#: Tables in foreign-key order, so parents are written before children in one transaction.
+TABLE_ORDER = [t.name for t in Base.metadata.sorted_tables]
+
+#: A row whose write keeps failing is given up after this many batches (the in-memory
+#: state still has it, and the next report touching it queues it again).
+MAX_CARRY_ATTEMPTS = 3
+
+
+@dataclass(slots=True)
+class Contribution:
+    inserts: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    upserts: set[RowKey] = field(default_factory=set)
+    on_commit: Callable[[], None] | None = None
+    on_failure: Callable[[BaseException], None] | None = None
+    future: asyncio.Future[None] | None = None
+
+    def row_count(self) -> int:
+        return len(self.upserts) + sum(len(rows) for rows in self.inserts.values())
+
+
+@dataclass(slots=True)
+class _Batch:
+    contributions: list[Contribution]
+    keys: set[RowKey]
+    #: Keys carried from failed batches, with their failed attempts so far.
+    carried: dict[RowKey, int]
+
+
+class GroupCommitWriter:
+    def __init__(
+        self,
+        store: Store,
+        row_for: Callable[[RowKey], dict[str, Any] | None],
+        *,
+        flush_interval_s: float,
+        max_rows: int,
+    ) -> None:
+        self._store = store
+        self._row_for = row_for
+        self._interval_s = flush_interval_s
+        self._max_rows = max_rows
+        self._queue: list[Contribution] = []
+        self._carry: dict[RowKey, int] = {}
+        self._rows_queued = 0
+        self._has_work = asyncio.Event()
+        self._full = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.batches = 0
+        self.last_error: str = ""
+        #: Called with (reports in batch, seconds the commit took) after each commit.
+        self.on_batch: Callable[[int, float], None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="tg-group-commit")
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def submit(self, contribution: Contribution) -> asyncio.Future[None]:
+        """Queue rows; the returned future resolves once they are committed."""
+        if self._closing:
+            raise RuntimeError("writer is shutting down")
+        contribution.future = asyncio.get_running_loop().create_future()
+        self._queue.append(contribution)
+        self._rows_queued += contribution.row_count()
+        self._has_work.set()
+        if self._rows_queued >= self._max_rows:
+            self._full.set()
+        return contribution.future
+
+    def mark_dirty(self, keys: set[RowKey]) -> None:
+        """Write these rows with the next batch; nobody waits for them."""
+        for key in keys:
+            self._carry.setdefault(key, 0)
+        self._has_work.set()
+
+    async def close(self) -> None:
+        """Commit what is queued, then stop."""
+        self._closing = True
+        self._has_work.set()
+        self._full.set()
+        if self._task is not None:
+            await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await self._has_work.wait()
+            if not self._closing and self._interval_s > 0 and not self._full.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._full.wait(), self._interval_s)
+            batch = self._take()
+            if batch.contributions or batch.keys:
+                await self._flush(batch)
+            del batch  # don't keep the last batch's reports alive while idle
+            if self._closing and not self._queue:
+                return  # carried rows that failed are lost with the process; memory had them
+
+    def _take(self) -> _Batch:
+        contributions, self._queue = self._queue, []
+        carried, self._carry = self._carry, {}
+        keys = set(carried)
+        for c in contributions:
+            keys |= c.upserts
+        self._rows_queued = 0
+        self._has_work.clear()
+        self._full.clear()
+        return _Batch(contributions, keys, carried)
+
+    async def _flush(self, batch: _Batch) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            await self._commit(batch.contributions, batch.keys)
+        except Exception as exc:  # the database said no: find who, keep serving
+            self._note_failure(exc, len(batch.contributions))
+            if len(batch.contributions) + bool(batch.carried) > 1:
+                await self._isolate(batch)
+            else:
+                self._fail(batch.contributions, exc, batch.carried)
+            return
+        self.batches += 1
+        self.last_error = ""
+        if self.on_batch is not None:
+            self.on_batch(len(batch.contributions), loop.time() - started)
+        for c in batch.contributions:
+            _settle(c, None)
+
+    async def _isolate(self, batch: _Batch) -> None:
+        """Retry each report alone, so one bad row cannot fail its batch-mates."""
+        own: set[RowKey] = set()
+        for c in batch.contributions:
+            own |= c.upserts
+            try:
+                await self._commit([c], c.upserts)
+            except Exception as exc:
+                self._fail([c], exc, batch.carried)
+            else:
+                _settle(c, None)
+        leftover = set(batch.carried) - own
+        if leftover:
+            try:
+                await self._commit([], leftover)
+            except Exception as exc:
+                self._fail([], exc, {k: batch.carried[k] for k in leftover})
+
+    def _fail(
+        self, contributions: list[Contribution], exc: BaseException, carried: dict[RowKey, int]
+    ) -> None:
+        keys = set(carried)
+        for c in contributions:
+            keys |= c.upserts
+        for key in keys:
+            attempts = carried.get(key, 0) + 1
+            if attempts < MAX_CARRY_ATTEMPTS:
+                self._carry[key] = max(self._carry.get(key, 0), attempts)
+            else:
+                log.error("dropping row after repeated failures", extra={"fields": {"row": key}})
+        if self._carry:
+            self._has_work.set()
+        for c in contributions:
+            _settle(c, exc)
+
+    def _note_failure(self, exc: BaseException, reports: int) -> None:
+        self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        log.error(
+            "group commit failed",
+            extra={"fields": {"reports": reports, "error": self.last_error}},
+        )
+
+    async def _commit(self, contributions: list[Contribution], keys: set[RowKey]) -> None:
+        upserts: dict[str, list[dict[str, Any]]] = {}
+        for table_name, pk in keys:
+            row = self._row_for((table_name, pk))
+            if row is not None:
+                upserts.setdefault(table_name, []).append(row)
+        inserts: dict[str, list[dict[str, Any]]] = {}
+        for c in contributions:
+            for table_name, rows in c.inserts.items():
+                inserts.setdefault(table_name, []).extend(rows)
+        await self._store.write(lambda conn: _write(conn, upserts, inserts))
+
+
+def _settle(c: Contribution, exc: BaseException | None) -> None:
+    try:
+        if exc is None:
+            if c.on_commit is not None:
+                c.on_commit()
+        elif c.on_failure is not None:
+            c.on_failure(exc)
+    except Exception:
+        log.exception("group-commit callback failed")
+    if c.future is not None and not c.future.done():
+        if exc is None:
+            c.future.set_result(None)
+        else:
+            c.future.set_exception(exc)
+            # Nobody may await it (a cancelled request); don't warn about it.
+            c.future.exception()
+
+
+def _write(
+    conn: Connection,
+    upserts: dict[str, list[dict[str, Any]]],
+    inserts: dict[str, list[dict[str, Any]]],
+) -> None:
+    tables = Base.metadata.tables
+    for name in TABLE_ORDER:
+        if name in upserts:
+            upsert(conn, tables[name], upserts[name])
+    for name in TABLE_ORDER:
+        rows = inserts.get(name)
+        if rows:
+            bulk_insert(conn, tables[name], rows)

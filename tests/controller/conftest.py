@@ -1,0 +1,93 @@
+"""Controller test fixtures: wire-report builders (plain dicts, as an agent sends) and a
+Prometheus text reader. Exposed as fixtures because tests import no sibling modules."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+
+def gpu_sample(index: int, **overrides: Any) -> dict[str, Any]:
+    sample: dict[str, Any] = {
+        "index": index,
+        "uuid": f"GPU-{index:04d}",
+        "power_w": 300.0 + index,
+        "energy_j": 1000.0,
+        "temperature_c": 60.0 + index,
+        "sm_clock_mhz": 1800,
+        "utilization_gpu_pct": 90.0,
+        "memory_used_bytes": 10 << 30,
+        "ecc_corrected_total": 0,
+        "ecc_uncorrected_total": 0,
+    }
+    sample.update(overrides)
+    return sample
+
+
+def report(
+    node: str,
+    seq: int,
+    *,
+    instance: str = "inst-1",
+    gpus: int = 8,
+    samples: int = 5,
+    t0: float | None = None,
+    gpu_overrides: dict[int, dict[str, Any]] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A report of ``samples`` ticks of ``gpus`` GPUs, 1 s apart."""
+    t0 = time.time() - samples if t0 is None else t0
+    overrides = gpu_overrides or {}
+    body: dict[str, Any] = {
+        "node": {
+            "name": node,
+            "hostname": f"{node}.example",
+            "labels": {"rack": "r1"},
+            "backend": "sim",
+            "agent_version": "0.1.0",
+            "gpus": [
+                {"index": i, "uuid": f"GPU-{i:04d}", "name": "NVIDIA H100"} for i in range(gpus)
+            ],
+        },
+        "agent_instance": instance,
+        "seq": seq,
+        "sent_unix_s": time.time(),
+        "samples": [
+            {
+                "time_unix_s": t0 + k,
+                "gpus": [gpu_sample(i, **overrides.get(i, {})) for i in range(gpus)],
+                "node_power_w": 2600.0,
+                "node_power_source": "gpu_sum",
+            }
+            for k in range(samples)
+        ],
+    }
+    body.update(extra)
+    return body
+
+
+def metric_value(text: str, name: str) -> float:
+    """Sum of a metric's samples (all label sets) in Prometheus text format."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture
+def ctl_report() -> Callable[..., dict[str, Any]]:
+    return report
+
+
+@pytest.fixture
+def ctl_gpu_sample() -> Callable[..., dict[str, Any]]:
+    return gpu_sample
+
+
+@pytest.fixture
+def ctl_metric() -> Callable[[str, str], float]:
+    return metric_value

@@ -1,0 +1,142 @@
+"""Bad requests get one-line 4xx answers that say what is wrong; never a 5xx."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from trainguard import wire
+
+pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+
+@pytest.fixture
+def client(live_controller):
+    with httpx.Client(base_url=live_controller.url, timeout=10) as c:
+        yield c
+
+
+def test_malformed_report_names_the_field(live_controller, client, ctl_report) -> None:
+    body = ctl_report("node-a", 0)
+    body["samples"][0]["gpus"][0]["power_w"] = -5
+    r = client.post("/api/v1/reports", json=body, headers=live_controller.headers("agent"))
+    assert r.status_code == 422
+    detail = r.json()["detail"]
+    assert detail == ("body.samples.0.gpus.0.power_w: Input should be greater than or equal to 0")
+    assert "\n" not in detail
+    assert r.json()["errors"][0]["loc"] == ["body", "samples", 0, "gpus", 0, "power_w"]
+
+
+def test_missing_field_and_bad_json(live_controller, client, ctl_report) -> None:
+    body = ctl_report("node-a", 0)
+    del body["agent_instance"]
+    r = client.post("/api/v1/reports", json=body, headers=live_controller.headers("agent"))
+    assert r.status_code == 422 and r.json()["detail"] == "body.agent_instance: Field required"
+
+    r = client.post(
+        "/api/v1/reports",
+        content=b"{not json",
+        headers={**live_controller.headers("agent"), "Content-Type": "application/json"},
+    )
+    assert r.status_code in (400, 422)
+    assert r.json()["detail"].startswith("body: Invalid JSON")
+
+
+def test_oversized_report_is_413(live_controller, client) -> None:
+    big = b'{"pad": "' + b"x" * (wire.MAX_REPORT_BYTES + 10) + b'"}'
+    r = client.post("/api/v1/reports", content=big, headers=live_controller.headers("agent"))
+    assert r.status_code == 413 and "larger than" in r.json()["detail"]
+
+    def chunks():  # no Content-Length: the cap counts streamed bytes
+        for _ in range(5):
+            yield b"x" * (wire.MAX_REPORT_BYTES // 4)
+
+    r = client.post("/api/v1/reports", content=chunks(), headers=live_controller.headers("agent"))
+    assert r.status_code == 413
+
+
+def test_authentication_and_roles(live_controller, client, ctl_report) -> None:
+    body = ctl_report("node-a", 0)
+    assert client.post("/api/v1/reports", json=body).status_code == 401
+    r = client.post("/api/v1/reports", json=body, headers={"Authorization": "Bearer nope" * 3})
+    assert r.status_code == 401 and "unknown token" in r.json()["detail"]
+    r = client.post("/api/v1/reports", json=body, headers={"Authorization": "Basic abc"})
+    assert r.status_code == 401
+    r = client.post("/api/v1/reports", json=body, headers=live_controller.headers("viewer"))
+    assert r.status_code == 403 and "role 'viewer'" in r.json()["detail"]
+    # Agents may only post reports.
+    assert client.get("/api/v1/nodes", headers=live_controller.headers("agent")).status_code == 403
+    assert client.get("/api/v1/nodes").status_code == 401
+    # Viewers read, but cannot queue commands.
+    assert client.get("/api/v1/nodes", headers=live_controller.headers("viewer")).status_code == 200
+    r = client.post(
+        "/api/v1/nodes/node-a/commands",
+        json={"kind": "reset_power_limit", "gpu_index": 0},
+        headers=live_controller.headers("viewer"),
+    )
+    assert r.status_code == 403
+    # Probes need no token.
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json()["status"] == "ready"
+    assert client.get("/metrics").status_code == 200
+
+
+def test_anonymous_read_when_allowed(controller_factory) -> None:
+    live = controller_factory(allow_anonymous_read=True)
+    assert httpx.get(f"{live.url}/api/v1/nodes").status_code == 200
+    r = httpx.post(
+        f"{live.url}/api/v1/nodes/x/commands", json={"kind": "unlock_clocks", "gpu_index": 0}
+    )
+    assert r.status_code == 401
+
+
+def test_not_found_and_query_validation(live_controller, client) -> None:
+    viewer = live_controller.headers("viewer")
+    r = client.get("/api/v1/nodes/ghost", headers=viewer)
+    assert r.status_code == 404 and r.json() == {"detail": "node 'ghost' not found"}
+    assert client.get("/api/v1/jobs/ghost", headers=viewer).status_code == 404
+    assert client.get("/api/v1/incidents/999", headers=viewer).status_code == 404
+    r = client.get("/api/v1/nodes", params={"limit": 0}, headers=viewer)
+    assert r.status_code == 422 and r.json()["detail"].startswith("query.limit:")
+    r = client.get("/api/v1/incidents", params={"state": "weird"}, headers=viewer)
+    assert r.status_code == 422 and r.json()["detail"].startswith("query.state:")
+    assert client.get("/api/v1/nope", headers=viewer).status_code == 404
+
+
+def test_token_values_never_logged(controller_factory, caplog, ctl_report) -> None:
+    live = controller_factory(log_level="debug")
+    with caplog.at_level("DEBUG"):
+        httpx.post(
+            f"{live.url}/api/v1/reports",
+            json=ctl_report("node-z", 0),
+            headers=live.headers("agent"),
+        )
+        httpx.get(f"{live.url}/api/v1/nodes", headers={"Authorization": "Bearer wrong-token-xyz"})
+    text = "\n".join(r.getMessage() + json.dumps(getattr(r, "fields", {})) for r in caplog.records)
+    for token in (live.agent_token, live.viewer_token, live.operator_token, "wrong-token-xyz"):
+        assert token not in text
+
+
+def test_values_the_database_cannot_store_are_422(live_controller, client, ctl_report) -> None:
+    body = ctl_report("node-a", 0)
+    body["samples"][1]["gpus"][2]["memory_used_bytes"] = 10**30
+    r = client.post("/api/v1/reports", json=body, headers=live_controller.headers("agent"))
+    assert r.status_code == 422
+    assert r.json()["detail"] == (
+        "body.samples.1.gpus.2.memory_used_bytes: integer out of range (must fit in 64 bits)"
+    )
+    raw = json.dumps(ctl_report("node-a", 0)).replace(
+        '"temperature_c": 60.0', '"temperature_c": 1e999'
+    )
+    r = client.post(
+        "/api/v1/reports",
+        content=raw,
+        headers={**live_controller.headers("agent"), "Content-Type": "application/json"},
+    )
+    assert r.status_code == 422 and "must be finite" in r.json()["detail"]
+    body = ctl_report("node-a", 0)
+    body["node"]["hostname"] = "bad\x00host"
+    r = client.post("/api/v1/reports", json=body, headers=live_controller.headers("agent"))
+    assert r.status_code == 422 and r.json()["detail"].startswith("body.node.hostname:")

@@ -1,0 +1,215 @@
+"""Schema migrations, engine settings, and what happens when the database says no."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, text
+
+from controller.db.migrate import head_revision, upgrade
+from controller.db.models import Base
+from controller.db.session import make_engine
+from controller.errors import NotMigrated
+from controller.runtime import prepare_database
+from controller.settings import ControllerSettings
+
+TOKENS = [{"name": "ops", "role": "operator", "token": "o" * 20}]
+
+
+def test_migrations_from_empty_match_models(db_url: str) -> None:
+    assert upgrade(db_url) == head_revision() == "0003"
+    assert upgrade(db_url) == "0003"  # idempotent
+    engine = make_engine(db_url)
+    try:
+        tables = set(inspect(engine).get_table_names())
+        assert {
+            "nodes", "gpus", "jobs", "ranks", "incidents", "actions", "commands",
+            "checkpoints", "power_domains", "gpu_history", "agent_cursors",
+            "traffic_plans", "traffic_links",
+        } <= tables  # fmt: skip
+        with engine.connect() as conn:
+            context = MigrationContext.configure(conn, opts={"compare_type": True})
+            assert compare_metadata(context, Base.metadata) == []
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_sqlite_pragmas(db_url: str) -> None:
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+            assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1
+            assert conn.execute(text("PRAGMA synchronous")).scalar() == 1  # NORMAL
+            assert conn.execute(text("PRAGMA busy_timeout")).scalar() >= 1000
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_postgres_refuses_to_start_unmigrated(db_url: str) -> None:
+    settings = ControllerSettings(database_url=db_url, tokens=TOKENS)
+    with pytest.raises(NotMigrated, match="trainguard db upgrade"):
+        prepare_database(settings)
+    upgrade(db_url)
+    prepare_database(settings)  # now fine
+
+
+def _break_history_inserts(db_url: str) -> str:
+    """Make the real database reject gpu_history rows; returns SQL that undoes it."""
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        if engine.dialect.name == "sqlite":
+            conn.execute(
+                text(
+                    "CREATE TRIGGER tg_test_fail BEFORE INSERT ON gpu_history "
+                    "BEGIN SELECT RAISE(ABORT, 'disk on fire'); END"
+                )
+            )
+            undo = "DROP TRIGGER tg_test_fail"
+        else:
+            conn.execute(
+                text(
+                    "ALTER TABLE gpu_history ADD CONSTRAINT tg_test_fail "
+                    "CHECK (samples < 0) NOT VALID"
+                )
+            )
+            undo = "ALTER TABLE gpu_history DROP CONSTRAINT tg_test_fail"
+    engine.dispose()
+    return undo
+
+
+def test_failed_commit_is_503_and_retry_is_accepted(
+    live_controller, db_url: str, ctl_report, ctl_metric
+) -> None:
+    agent = live_controller.headers("agent")
+    with httpx.Client(base_url=live_controller.url, timeout=15) as client:
+        assert client.post("/api/v1/reports", json=ctl_report("node-d", 0), headers=agent)
+        undo = _break_history_inserts(db_url)
+        second = ctl_report("node-d", 1)
+        r = client.post("/api/v1/reports", json=second, headers=agent)
+        assert r.status_code == 503, r.text
+        assert r.json()["detail"].startswith("report not stored: database commit failed")
+        assert r.headers["retry-after"] == "1"
+
+        engine = make_engine(db_url)
+        with engine.begin() as conn:
+            conn.execute(text(undo))
+        engine.dispose()
+
+        retry = client.post("/api/v1/reports", json=second, headers=agent)
+        assert retry.status_code == 200 and retry.json()["duplicate"] is False
+        again = client.post("/api/v1/reports", json=second, headers=agent)
+        assert again.json()["duplicate"] is True
+        metrics = client.get("/metrics").text
+        detail = client.get("/api/v1/nodes/node-d", headers=live_controller.headers()).json()
+    assert ctl_metric(metrics, "trainguard_ingest_reports_total") == 2
+    assert ctl_metric(metrics, "trainguard_ingest_failed_reports_total") == 1
+    assert ctl_metric(metrics, "trainguard_ingest_gpu_samples_total") == 2 * 40
+    assert len(detail["history"]) == 2 * 8
+
+
+def test_one_bad_report_does_not_fail_its_batch(
+    controller_factory, db_url: str, ctl_report
+) -> None:
+    live = controller_factory(ingest_flush_interval_s=0.3)
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        if engine.dialect.name == "sqlite":
+            conn.execute(
+                text(
+                    "CREATE TRIGGER tg_test_poison BEFORE INSERT ON gpu_history "
+                    "WHEN NEW.node_name = 'node-poison' BEGIN SELECT RAISE(ABORT, 'bad row'); END"
+                )
+            )
+        else:
+            conn.execute(
+                text(
+                    "ALTER TABLE gpu_history ADD CONSTRAINT tg_test_poison "
+                    "CHECK (node_name <> 'node-poison') NOT VALID"
+                )
+            )
+    engine.dispose()
+    names = [f"node-{i}" for i in range(5)] + ["node-poison"]
+
+    async def send() -> dict[str, int]:
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as client:
+            replies = await asyncio.gather(
+                *(
+                    client.post(
+                        "/api/v1/reports", json=ctl_report(n, 0), headers=live.headers("agent")
+                    )
+                    for n in names
+                )
+            )
+        return {n: r.status_code for n, r in zip(names, replies, strict=True)}
+
+    statuses = asyncio.run(send())
+    assert statuses == {**dict.fromkeys(names[:5], 200), "node-poison": 503}
+    for name in names[:5]:
+        detail = httpx.get(f"{live.url}/api/v1/nodes/{name}", headers=live.headers()).json()
+        assert len(detail["history"]) == 8
+
+
+@pytest.mark.slow
+def test_ack_survives_kill_9(tmp_path, db_url: str, ctl_report) -> None:
+    """Acknowledged reports are on disk: SIGKILL the controller right after the acks."""
+    if db_url.startswith("postgresql"):
+        upgrade(db_url)
+    env = {
+        **os.environ,
+        "TRAINGUARD_DATABASE_URL": db_url,
+        "TRAINGUARD_PORT": "0",
+        "TRAINGUARD_TOKENS": json.dumps([{"name": "a", "role": "agent", "token": "a" * 24}]),
+        "TRAINGUARD_INGEST_FLUSH_INTERVAL_S": "0.05",
+    }
+    code = (
+        "from controller.server import serve; "
+        "from controller.settings import ControllerSettings as S; serve(S())"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        url = None
+        assert proc.stderr is not None
+        for line in proc.stderr:  # ends at EOF if the process dies
+            if '"controller listening"' in line:
+                url = json.loads(line)["url"]
+                break
+        assert url is not None
+        headers = {"Authorization": "Bearer " + "a" * 24}
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass  # bound, not yet listening
+            assert time.monotonic() < deadline, "controller not ready in 20 s"
+            time.sleep(0.05)
+        for seq in range(10):
+            r = httpx.post(f"{url}/api/v1/reports", json=ctl_report("node-k", seq), headers=headers)
+            assert r.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT count(*) FROM gpu_history")).scalar()
+            seq = conn.execute(text("SELECT last_seq FROM agent_cursors")).scalar()
+    finally:
+        engine.dispose()
+    assert rows == 10 * 8 and seq == 9
