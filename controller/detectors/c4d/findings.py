@@ -1,0 +1,49 @@
+"""What a job detector concludes, before the incident engine decides what to do with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+
+class FindingKind(StrEnum):
+    #: Some ranks entered a collective that others never reached: the absentees are hung
+    #: outside communication (compute, data loading, a dead GPU).
+    HANG = "hang"
+    #: Every member entered and none finished: the communication path is at fault.
+    COMM_HANG = "comm_hang"
+    #: One rank persistently computes longer while waiting less: non-communication slow.
+    STRAGGLER = "straggler"
+    #: Job-wide collective wait rose with compute balanced: communication slow.
+    COMM_SLOW = "comm_slow"
+    #: A probe round named the slow link, rank or node.
+    SLOW_LINK = "slow_link"
+    #: A rank process exited with an error or a signal (not because a peer died).
+    RANK_CRASH = "rank_crash"
+    #: Ranks died inside collectives with no rank crashing on its own: the network failed.
+    COMM_FAILURE = "comm_failure"
+    #: A rank's input to a reduction held NaN/Inf before the reduction spread it: the rank
+    #: (its GPU, its data shard) that produced it.
+    NONFINITE = "nonfinite"
+
+
+Severity = Literal["critical", "warning", "info"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finding:
+    kind: FindingKind
+    job: str
+    severity: Severity
+    summary: str
+    #: Same key while the same condition persists; the incident engine updates the open
+    #: incident with this key instead of opening another.
+    key: str
+    ranks: tuple[int, ...] = ()
+    nodes: tuple[str, ...] = ()
+    evidence: dict[str, Any] = field(default_factory=dict)
+    #: Rank pairs a link probe should time to localize the fault (empty: none needed).
+    probe_pairs: tuple[tuple[int, int], ...] = ()
+    #: True when the condition has cleared and an open incident with ``key`` may resolve.
+    resolved: bool = False

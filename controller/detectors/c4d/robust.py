@@ -1,0 +1,53 @@
+"""Robust statistics for comparing ranks: medians and MAD, with leave-one-out for small jobs.
+
+Means and standard deviations are pulled by the very outlier we are looking for; the median
+and the median absolute deviation are not. In a job of a handful of ranks even the median
+moves with the outlier (with 2 ranks it is their mean), so there each rank is compared with
+the median of its *peers* instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from statistics import median
+
+#: Scale factor that makes the MAD estimate the standard deviation of normal data.
+MAD_TO_SIGMA = 1.4826
+
+#: Above this many ranks, one rank hardly moves the median, and leave-one-out (quadratic)
+#: is not worth its cost.
+LEAVE_ONE_OUT_MAX_RANKS = 16
+
+
+def mad(values: Sequence[float], center: float) -> float:
+    return median(abs(v - center) for v in values)
+
+
+def peer_baselines(values: Sequence[float]) -> list[tuple[float, float]]:
+    """For each value, the (median, MAD) of the values it is compared with.
+
+    Small groups: the median and MAD of the *other* values. Large groups: of all values.
+    """
+    n = len(values)
+    if n < 2:
+        return [(values[0], 0.0)] if n else []
+    if n > LEAVE_ONE_OUT_MAX_RANKS:
+        center = median(values)
+        spread = mad(values, center)
+        return [(center, spread)] * n
+    out: list[tuple[float, float]] = []
+    for i in range(n):
+        peers = [v for j, v in enumerate(values) if j != i]
+        center = median(peers)
+        out.append((center, mad(peers, center)))
+    return out
+
+
+def robust_z(value: float, center: float, spread: float, floor: float) -> float:
+    """How many robust standard deviations ``value`` lies above ``center``.
+
+    ``floor`` bounds the scale from below (as an absolute value) so identical peers do not
+    make any difference infinitely significant.
+    """
+    scale = max(MAD_TO_SIGMA * spread, floor, 1e-12)
+    return (value - center) / scale
