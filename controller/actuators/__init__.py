@@ -1,0 +1,1 @@
+"""Actuators: how the controller's decisions reach processes, nodes and Kubernetes."""

@@ -1,0 +1,821 @@
+"""The Kubernetes actuator: cordon and taint nodes, stop and restart training workloads.
+
+Everything goes through the official ``kubernetes`` client (synchronous, so each call runs
+in :func:`asyncio.to_thread`). The contract with the cluster, in short (the full version,
+with examples, is docs/kubernetes.md):
+
+* Every pod of a training job carries ``trainguard.io/job=<job>`` and
+  ``trainguard.io/rank=<n>``; optionally ``trainguard.io/tp=<n>`` (label or annotation).
+* The pods' controlling ``ownerReference`` leads to the workload: a batch/v1 ``Job``
+  (itself possibly owned by a ``jobset.x-k8s.io/v1alpha2`` ``JobSet``) or a
+  ``kubeflow.org/v1`` ``PyTorchJob``. When no pod exists (a stopped job), the workload is
+  found by the same ``trainguard.io/job`` label on the workload object itself.
+* Ranks read the restart generation and resume step from their pod's annotations
+  ``trainguard.io/generation`` / ``trainguard.io/resume-step``, which trainguard writes into
+  the pod template; the pod template maps them to ``TRAINGUARD_GENERATION`` /
+  ``TRAINGUARD_RESUME_STEP`` with the downward API. trainguard never edits containers:
+  batch Jobs and JobSets refuse container changes, and the downward API works for all three.
+
+Errors: every API failure becomes a :class:`KubernetesApiError` (an
+:class:`~controller.actuators.base.ActuatorError` carrying the HTTP status), retryable for
+409/429/5xx and an unreachable API server, permanent otherwise (403 names the missing RBAC
+rule). Every patch is a JSON merge patch; those that rewrite a list (taints, a JobSet's
+``replicatedJobs``) carry ``metadata.resourceVersion`` so a concurrent writer makes the API
+answer 409 instead of being overwritten, and the actuator re-reads and tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any, Final, TypedDict, cast
+
+import urllib3
+import yaml
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from controller.actuators.base import ActuatorError, ActuatorResult, Placement
+
+LABEL_JOB: Final = "trainguard.io/job"
+LABEL_RANK: Final = "trainguard.io/rank"
+LABEL_TP: Final = "trainguard.io/tp"
+TAINT_KEY: Final = "trainguard.io/isolated"
+#: JSON ``{"reason", "at", "cordoned", "tainted"}`` on an isolated node: what trainguard
+#: changed, so that release undoes exactly that.
+ANN_ISOLATED: Final = "trainguard.io/isolation"
+ANN_GENERATION: Final = "trainguard.io/generation"
+ANN_RESUME_STEP: Final = "trainguard.io/resume-step"
+#: On a JobSet with several replicatedJobs: the name of the one that holds the ranks.
+ANN_REPLICATED_JOB: Final = "trainguard.io/replicated-job"
+ENV_GENERATION: Final = "TRAINGUARD_GENERATION"
+MERGE_PATCH: Final = "application/merge-patch+json"
+COMPONENT: Final = "trainguard"
+
+
+class PolicyRule(TypedDict):
+    """One rule of a Kubernetes Role/ClusterRole, spelled as the API spells it."""
+
+    apiGroups: list[str]
+    resources: list[str]
+    verbs: list[str]
+
+
+#: Exactly what this module calls, and nothing more (a test serves every call through a
+#: fake API server and fails on a call outside these rules). ``nodes`` is cluster-scoped
+#: and needs a ClusterRole; node Events are written to ``default`` (see docs/kubernetes.md).
+RBAC_RULES: Final[tuple[PolicyRule, ...]] = (
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "delete"]},
+    {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "patch"]},
+    {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["get", "list", "patch"]},
+    {
+        "apiGroups": ["kubeflow.org"],
+        "resources": ["pytorchjobs"],
+        "verbs": ["get", "list", "patch"],
+    },
+)
+
+
+def rbac_rules_yaml() -> str:
+    """``RBAC_RULES`` as the ``rules:`` YAML a Role or ClusterRole takes (docs, Helm)."""
+    rules = [dict(rule) for rule in RBAC_RULES]
+    return yaml.safe_dump({"rules": rules}, sort_keys=False, default_flow_style=None)
+
+
+class KubernetesApiError(ActuatorError):
+    """A Kubernetes API call failed; ``status`` is the HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, *, status: int, retryable: bool) -> None:
+        super().__init__(message, retryable=retryable)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadKind:
+    """A kind of training workload trainguard can stop and restart."""
+
+    kind: str
+    group: str
+    version: str
+    plural: str
+    #: Where the suspend switch lives in the object.
+    suspend_path: tuple[str, ...]
+
+
+JOB: Final = WorkloadKind("Job", "batch", "v1", "jobs", ("spec", "suspend"))
+JOBSET: Final = WorkloadKind(
+    "JobSet", "jobset.x-k8s.io", "v1alpha2", "jobsets", ("spec", "suspend")
+)
+#: ``runPolicy.suspend`` needs training-operator >= v1.7; older operators drop the field.
+PYTORCHJOB: Final = WorkloadKind(
+    "PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", ("spec", "runPolicy", "suspend")
+)
+KINDS: Final = (JOB, JOBSET, PYTORCHJOB)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    kind: WorkloadKind
+    name: str
+    obj: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind.kind} {self.name}"
+
+    @property
+    def annotations(self) -> dict[str, str]:
+        return _annotations(self.obj)
+
+    @property
+    def suspended(self) -> bool:
+        return bool(_dig(self.obj, self.kind.suspend_path))
+
+
+def _dig(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def _nest(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    """``("spec", "suspend"), True`` -> ``{"spec": {"suspend": True}}``."""
+    out: dict[str, Any] = {path[-1]: value}
+    for key in reversed(path[:-1]):
+        out = {key: out}
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A model's ``to_dict`` output without its unset (``None``) fields."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, datetime):
+        return value.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return value
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _api_error(what: str, exc: ApiException) -> KubernetesApiError:
+    status = int(exc.status or 0)
+    detail = exc.reason or ""
+    with contextlib.suppress(ValueError, AttributeError):
+        detail = json.loads(exc.body or "").get("message") or detail
+    hint = {
+        403: "; grant the rules listed in docs/kubernetes.md (RBAC_RULES)",
+        404: "",
+        409: "; someone changed it meanwhile, retry",
+        422: "; the API server refused the change",
+    }.get(status, "; retry later" if status == 429 or status >= 500 else "")
+    return KubernetesApiError(
+        f"{what}: HTTP {status} {detail}{hint}",
+        status=status,
+        retryable=status in (409, 429) or status >= 500,
+    )
+
+
+def _annotations(obj: dict[str, Any]) -> dict[str, str]:
+    return cast(dict[str, str], obj["metadata"].get("annotations") or {})
+
+
+def _labels(obj: dict[str, Any]) -> dict[str, str]:
+    return cast(dict[str, str], obj["metadata"].get("labels") or {})
+
+
+def _pod_generation(pod: dict[str, Any]) -> int | None:
+    raw = _annotations(pod).get(ANN_GENERATION)
+    return int(raw) if raw is not None and str(raw).isdigit() else None
+
+
+class KubernetesActuator:
+    """Acts on one namespace's training workloads and on the cluster's nodes."""
+
+    name = "kubernetes"
+
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        namespace: str,
+        *,
+        delete_on_pdb_block: bool = True,
+        node_event_namespace: str = "default",
+        settle_timeout_s: float = 60.0,
+        poll_interval_s: float = 0.5,
+    ) -> None:
+        """``delete_on_pdb_block``: when stopping a job, delete a pod whose eviction a
+        PodDisruptionBudget refuses (the job is being stopped as a whole, so the budget
+        protects nothing). ``node_event_namespace``: where Events about Nodes go; the API
+        accepts cluster-scoped objects' Events only in ``default``. ``settle_timeout_s``:
+        how long a restart waits for a suspended batch Job's pods to be gone before it may
+        change the pod template (the API refuses earlier)."""
+        self._api = api_client
+        self.namespace = namespace
+        self.delete_on_pdb_block = delete_on_pdb_block
+        self.node_event_namespace = node_event_namespace
+        self.settle_timeout_s = settle_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._core = client.CoreV1Api(api_client)
+        self._batch = client.BatchV1Api(api_client)
+        self._custom = client.CustomObjectsApi(api_client)
+        self._instance = os.environ.get("POD_NAME") or socket.gethostname()
+
+    @classmethod
+    def from_environment(cls, namespace: str, **options: Any) -> KubernetesActuator:
+        """In-cluster ServiceAccount credentials when running in a pod, else kubeconfig."""
+        cfg = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        except ConfigException:
+            try:
+                # The client reads $KUBECONFIG once, at import; read it now.
+                config.load_kube_config(  # type: ignore[no-untyped-call]
+                    config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg
+                )
+            except (ConfigException, OSError) as exc:
+                raise ActuatorError(
+                    f"no Kubernetes credentials: not in a pod and no usable kubeconfig ({exc})"
+                ) from exc
+        return cls(client.ApiClient(cfg), namespace, **options)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._api.close)
+
+    # -- API plumbing ------------------------------------------------------------------
+
+    async def _call(self, what: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run one client call in a thread; answer plain camelCase dicts, as the API sent."""
+        try:
+            result = await asyncio.to_thread(fn, *args, **kwargs)
+        except ApiException as exc:
+            raise _api_error(what, exc) from exc
+        except urllib3.exceptions.HTTPError as exc:
+            raise KubernetesApiError(
+                f"{what}: Kubernetes API unreachable ({exc}); retry", status=0, retryable=True
+            ) from exc
+        except ValueError as exc:  # the client could not parse the answer into its models
+            raise KubernetesApiError(
+                f"{what}: unexpected answer from the Kubernetes API ({exc})",
+                status=0,
+                retryable=False,
+            ) from exc
+        return _plain(result.to_dict(serialize=True)) if hasattr(result, "to_dict") else result
+
+    def _workload_api(self, kind: WorkloadKind) -> tuple[Callable[..., Any], ...]:
+        """(get(name), patch(name, body), list(selector)) for ``kind`` in our namespace."""
+        ns = self.namespace
+        if kind is JOB:
+            return (
+                partial(self._batch.read_namespaced_job, namespace=ns),
+                partial(self._batch.patch_namespaced_job, namespace=ns, _content_type=MERGE_PATCH),
+                partial(self._batch.list_namespaced_job, ns),
+            )
+        g, v, pl = kind.group, kind.version, kind.plural
+        custom = self._custom
+        return (
+            partial(custom.get_namespaced_custom_object, g, v, ns, pl),
+            partial(custom.patch_namespaced_custom_object, g, v, ns, pl, _content_type=MERGE_PATCH),
+            partial(custom.list_namespaced_custom_object, g, v, ns, pl),
+        )
+
+    async def _get_workload(self, kind: WorkloadKind, name: str) -> Workload:
+        get = self._workload_api(kind)[0]
+        obj = await self._call(f"get {kind.kind} {self.namespace}/{name}", get, name=name)
+        return Workload(kind, name, obj)
+
+    async def _patch_workload(self, w: Workload, body: dict[str, Any], what: str) -> Workload:
+        patch = self._workload_api(w.kind)[1]
+        obj = await self._call(f"{what} {w.label}", patch, name=w.name, body=body)
+        return Workload(w.kind, w.name, obj)
+
+    async def _list_workloads(self, kind: WorkloadKind, job: str) -> list[Workload]:
+        list_ = self._workload_api(kind)[2]
+        try:
+            items = (
+                await self._call(f"list {kind.plural}", list_, label_selector=f"{LABEL_JOB}={job}")
+            )["items"]
+        except KubernetesApiError as exc:
+            if exc.status == 404:  # the CRD is not installed: no workloads of that kind
+                return []
+            raise
+        return [Workload(kind, item["metadata"]["name"], item) for item in items or []]
+
+    async def _job_pods(self, job: str) -> list[dict[str, Any]]:
+        pods = await self._call(
+            f"list pods of job {job}",
+            self._core.list_namespaced_pod,
+            self.namespace,
+            label_selector=f"{LABEL_JOB}={job}",
+        )
+        return list(pods.get("items") or [])
+
+    async def _resolve(self, job: str, pods: list[dict[str, Any]] | None = None) -> Workload:
+        """The workload that owns ``job``'s pods (ownerReferences), else the labelled one."""
+        pods = await self._job_pods(job) if pods is None else pods
+        owners: set[tuple[str, str]] = set()
+        for pod in pods:
+            for ref in pod["metadata"].get("ownerReferences") or []:
+                if ref.get("controller"):
+                    owners.add((ref["kind"], ref["name"]))
+        found: list[Workload] = []
+        for kind_name, name in sorted(owners):
+            if kind_name == "Job":
+                w = await self._get_workload(JOB, name)
+                parent = [
+                    r
+                    for r in w.obj["metadata"].get("ownerReferences") or []
+                    if r.get("controller") and r.get("kind") == "JobSet"
+                ]
+                if parent:
+                    w = await self._get_workload(JOBSET, parent[0]["name"])
+            elif kind_name == "PyTorchJob":
+                w = await self._get_workload(PYTORCHJOB, name)
+            else:
+                raise ActuatorError(
+                    f"pods of job {job!r} are owned by {kind_name} {name}; trainguard stops "
+                    "and restarts only Job, JobSet and PyTorchJob workloads"
+                )
+            if all(x.label != w.label for x in found):
+                found.append(w)
+        if not owners:
+            for kind in KINDS:
+                found.extend(await self._list_workloads(kind, job))
+        if not found:
+            raise ActuatorError(
+                f"job {job!r} not found in namespace {self.namespace}: no pods and no "
+                f"Job/JobSet/PyTorchJob labelled {LABEL_JOB}={job}"
+            )
+        if len(found) > 1:
+            names = ", ".join(w.label for w in found)
+            raise ActuatorError(f"job {job!r} maps to several workloads ({names}); label one")
+        return found[0]
+
+    # -- events ------------------------------------------------------------------------
+
+    async def _event(self, obj: dict[str, Any], reason: str, message: str, warning: bool) -> None:
+        """A core/v1 Event about ``obj`` (a Node's goes to ``node_event_namespace``)."""
+        meta, now = obj["metadata"], datetime.now(UTC)
+        namespace = meta.get("namespace") or self.node_event_namespace
+        involved = client.V1ObjectReference(
+            api_version=obj.get("apiVersion"),
+            kind=obj.get("kind"),
+            name=meta["name"],
+            namespace=meta.get("namespace"),
+            uid=meta.get("uid"),
+        )
+        body = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(name=f"{meta['name']}.{time.time_ns():x}"),
+            involved_object=involved,
+            reason=reason,
+            message=message[:1024],
+            type="Warning" if warning else "Normal",
+            source=client.V1EventSource(component=COMPONENT),
+            reporting_component=COMPONENT,
+            reporting_instance=self._instance,
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+        )
+        what = f"create event {reason} for {obj.get('kind')} {meta['name']}"
+        await self._call(what, self._core.create_namespaced_event, namespace, body)
+
+    async def _try_event(self, coro: Awaitable[None], details: dict[str, Any]) -> None:
+        """An Event is a courtesy: failing to write one must not fail the action."""
+        try:
+            await coro
+        except ActuatorError as exc:
+            details["event_error"] = str(exc)
+
+    async def record_event(
+        self, *, target: str, reason: str, message: str, warning: bool = False
+    ) -> None:
+        """``target``: ``node/<name>``, ``job/<name>``, or a bare name (a Node if one is
+        called so, else a job)."""
+        kind, _, name = target.rpartition("/")
+        if kind not in ("", "node", "job"):
+            raise ActuatorError(f"event target {target!r}: use node/<name> or job/<name>")
+        if kind in ("", "node"):
+            try:
+                node = await self._call(f"get node {name}", self._core.read_node, name)
+            except KubernetesApiError as exc:
+                if exc.status != 404 or kind == "node":
+                    raise
+            else:
+                await self._event(node, reason, message, warning)
+                return
+        await self._event((await self._resolve(name)).obj, reason, message, warning)
+
+    # -- nodes -------------------------------------------------------------------------
+
+    async def _patch_node(self, name: str, body: dict[str, Any], what: str) -> Any:
+        return await self._call(
+            f"{what} node {name}", self._core.patch_node, name, body, _content_type=MERGE_PATCH
+        )
+
+    async def isolate_node(self, node: str, *, reason: str) -> ActuatorResult:
+        for _ in range(3):
+            obj = await self._call(f"get node {node}", self._core.read_node, node)
+            annotations = _annotations(obj)
+            taints: list[dict[str, Any]] = obj["spec"].get("taints") or []
+            has_taint = any(t.get("key") == TAINT_KEY for t in taints)
+            cordoned = bool(obj["spec"].get("unschedulable"))
+            if ANN_ISOLATED in annotations and has_taint and cordoned:
+                return ActuatorResult(
+                    outcome=f"node {node} already isolated", details={"already": True}
+                )
+            previous = json.loads(annotations.get(ANN_ISOLATED) or "{}")
+            record = {
+                "reason": reason,
+                "at": _now(),
+                # Re-isolating keeps what trainguard added the first time.
+                "cordoned": previous.get("cordoned", not cordoned) or not cordoned,
+                "tainted": previous.get("tainted", not has_taint) or not has_taint,
+            }
+            if not has_taint:
+                taints.append({"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"})
+            body = {
+                "metadata": {
+                    "resourceVersion": obj["metadata"]["resourceVersion"],
+                    "annotations": {ANN_ISOLATED: json.dumps(record)},
+                },
+                "spec": {"unschedulable": True, "taints": taints},
+            }
+            try:
+                patched = await self._patch_node(node, body, "isolate")
+            except KubernetesApiError as exc:
+                if exc.status == 409:
+                    continue
+                raise
+            details: dict[str, Any] = {"cordoned": record["cordoned"], "tainted": record["tainted"]}
+            await self._try_event(
+                self._event(patched, "NodeIsolated", f"trainguard: {reason}", True), details
+            )
+            return ActuatorResult(outcome=f"node {node} cordoned and tainted", details=details)
+        raise ActuatorError(f"isolate node {node}: kept changing under us; retry", retryable=True)
+
+    async def release_node(self, node: str, *, reason: str) -> ActuatorResult:
+        for _ in range(3):
+            obj = await self._call(f"get node {node}", self._core.read_node, node)
+            raw = _annotations(obj).get(ANN_ISOLATED)
+            if raw is None:
+                return ActuatorResult(
+                    outcome=f"node {node} not isolated by trainguard; nothing to undo",
+                    details={"already": True},
+                )
+            record = json.loads(raw)
+            taints = obj["spec"].get("taints") or []
+            spec: dict[str, Any] = {}
+            if record.get("tainted", True):
+                spec["taints"] = [t for t in taints if t.get("key") != TAINT_KEY]
+            if record.get("cordoned", True):
+                spec["unschedulable"] = None
+            body = {
+                "metadata": {
+                    "resourceVersion": obj["metadata"]["resourceVersion"],
+                    "annotations": {ANN_ISOLATED: None},
+                },
+                "spec": spec,
+            }
+            try:
+                patched = await self._patch_node(node, body, "release")
+            except KubernetesApiError as exc:
+                if exc.status == 409:
+                    continue
+                raise
+            details: dict[str, Any] = {
+                "uncordoned": "unschedulable" in spec,
+                "untainted": "taints" in spec,
+            }
+            await self._try_event(
+                self._event(patched, "NodeReleased", f"trainguard: {reason}", False), details
+            )
+            return ActuatorResult(outcome=f"node {node} released", details=details)
+        raise ActuatorError(f"release node {node}: kept changing under us; retry", retryable=True)
+
+    async def candidate_nodes(self, job: str) -> list[str]:
+        w = await self._resolve(job)
+        selector = _node_selector(w)
+        nodes = await self._call(
+            "list nodes",
+            self._core.list_node,
+            label_selector=",".join(f"{k}={v}" for k, v in sorted(selector.items())) or None,
+        )
+        out = []
+        for n in nodes.get("items") or []:
+            ours = ANN_ISOLATED in _annotations(n)
+            if n.get("spec", {}).get("unschedulable") and not ours:
+                continue  # cordoned by someone else: not ours to use
+            out.append(n["metadata"]["name"])
+        return sorted(out)
+
+    # -- pods --------------------------------------------------------------------------
+
+    async def _remove_pods(self, pods: list[dict[str, Any]], details: dict[str, Any]) -> None:
+        """Evict each pod (graceful, honours PDBs); delete it when a PDB refuses and
+        ``delete_on_pdb_block`` allows, else report it blocked."""
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            if pod["metadata"].get("deletionTimestamp"):
+                continue
+            eviction = client.V1Eviction(
+                metadata=client.V1ObjectMeta(name=name, namespace=self.namespace)
+            )
+            try:
+                await self._call(
+                    f"evict pod {name}",
+                    self._core.create_namespaced_pod_eviction,
+                    name,
+                    self.namespace,
+                    eviction,
+                )
+                details.setdefault("evicted", []).append(name)
+                continue
+            except KubernetesApiError as exc:
+                if exc.status == 404:
+                    continue
+                if exc.status != 429 or "disruption budget" not in str(exc).lower():
+                    raise
+                if not self.delete_on_pdb_block:
+                    details.setdefault("blocked_by_pdb", []).append(name)
+                    continue
+            try:
+                await self._call(
+                    f"delete pod {name}",
+                    self._core.delete_namespaced_pod,
+                    name,
+                    self.namespace,
+                )
+            except KubernetesApiError as exc:
+                if exc.status != 404:
+                    raise
+            details.setdefault("deleted_despite_pdb", []).append(name)
+
+    async def stop_job(self, job: str, *, reason: str) -> ActuatorResult:
+        pods = await self._job_pods(job)
+        w = await self._resolve(job, pods)
+        details: dict[str, Any] = {"workload": w.label}
+        suspended_now = False
+        if not w.suspended:
+            w = await self._patch_workload(w, _nest(w.kind.suspend_path, True), "suspend")
+            suspended_now = True
+        await self._remove_pods(pods, details)
+        removed = len(details.get("evicted", [])) + len(details.get("deleted_despite_pdb", []))
+        if not suspended_now and not removed and not details.get("blocked_by_pdb"):
+            details["already"] = True
+            return ActuatorResult(
+                outcome=f"job {job} already stopped ({w.label} suspended, no pods left)",
+                details=details,
+            )
+        outcome = f"job {job} stopped: {w.label} suspended, {removed} pod(s) removed"
+        if details.get("blocked_by_pdb"):
+            outcome += f", {len(details['blocked_by_pdb'])} kept by a PodDisruptionBudget"
+        await self._try_event(
+            self._event(w.obj, "JobStopped", f"trainguard: {reason}", True), details
+        )
+        return ActuatorResult(outcome=outcome, details=details)
+
+    async def current_placement(self, job: str) -> Placement | None:
+        pods = [
+            p
+            for p in await self._job_pods(job)
+            if p.get("status", {}).get("phase") == "Running"
+            and p["spec"].get("nodeName")
+            and not p["metadata"].get("deletionTimestamp")
+        ]
+        if not pods:
+            return None
+        ranks: dict[int, dict[str, Any]] = {}
+        for pod in pods:
+            raw = _labels(pod).get(LABEL_RANK, "")
+            if not raw.isdigit():
+                raise ActuatorError(
+                    f"pod {pod['metadata']['name']} of job {job!r} has no {LABEL_RANK}=<n> label"
+                )
+            ranks[int(raw)] = pod
+        per_node: dict[str, list[int]] = {}
+        for rank in sorted(ranks):
+            per_node.setdefault(ranks[rank]["spec"]["nodeName"], []).append(rank)
+        counts = {len(r) for r in per_node.values()}
+        if len(counts) != 1:
+            raise ActuatorError(
+                f"job {job!r} runs an uneven number of ranks per node "
+                f"({ {n: len(r) for n, r in per_node.items()} }); no placement describes it"
+            )
+        first = ranks[min(ranks)]
+        meta = {**_annotations(first), **_labels(first)}
+        generations = [g for p in pods if (g := _pod_generation(p)) is not None]
+        step = meta.get(ANN_RESUME_STEP, "")
+        try:
+            return Placement(
+                job=job,
+                nodes=tuple(per_node),
+                ranks_per_node=counts.pop(),
+                tp=int(meta.get(LABEL_TP) or 1),
+                generation=max(generations, default=0),
+                resume_step=int(step) if step.isdigit() else None,
+            )
+        except ValueError as exc:
+            raise ActuatorError(f"job {job!r}: {exc}") from exc
+
+    # -- restart -----------------------------------------------------------------------
+
+    async def restart_job(self, placement: Placement, *, reason: str) -> ActuatorResult:
+        job, gen = placement.job, placement.generation
+        pods = await self._job_pods(job)
+        w = await self._resolve(job, pods)
+        done = w.annotations.get(ANN_GENERATION, "")
+        if done.isdigit() and int(done) >= gen:
+            return ActuatorResult(
+                outcome=f"job {job} generation {done} already started; nothing to do",
+                details={"already": True, "workload": w.label},
+            )
+        template_annotations = {
+            ANN_GENERATION: str(gen),
+            ANN_RESUME_STEP: None if placement.resume_step is None else str(placement.resume_step),
+        }
+        _, old_world = _restart_patch(w, placement.world_size, template_annotations)
+        details: dict[str, Any] = {
+            "workload": w.label,
+            "generation": gen,
+            "world_size": placement.world_size,
+            "previous_world_size": old_world,
+            "env_wired": _env_wired(w),
+        }
+        # Pods created from the new template carry the new generation: a retried restart
+        # leaves them alone and removes only what is left of older generations.
+        stale = [p for p in pods if _pod_generation(p) != gen]
+        record = {"metadata": {"annotations": {ANN_GENERATION: str(gen)}}}
+        if w.kind is PYTORCHJOB:
+            # The operator recreates deleted pods from the current spec: change it first,
+            # then remove the old pods, then record the generation as done.
+            patch, _ = _restart_patch(w, placement.world_size, template_annotations)
+            if w.suspended:
+                patch = _merge(patch, _nest(w.kind.suspend_path, False))
+            w = await self._patch_workload(w, patch, "resize")
+            await self._remove_pods(stale, details)
+            w = await self._patch_workload(w, record, "record generation of")
+        else:
+            # Job and JobSet accept pod-template changes only while suspended.
+            if not w.suspended:
+                w = await self._patch_workload(w, _nest(w.kind.suspend_path, True), "suspend")
+            await self._remove_pods(stale, details)
+            if w.kind is JOB:
+                w = await self._wait_job_settled(w)
+            patch, _ = _restart_patch(w, placement.world_size, template_annotations)
+            version = {"metadata": {"resourceVersion": w.obj["metadata"].get("resourceVersion")}}
+            patch = _merge(
+                _merge(_merge(patch, record), version), _nest(w.kind.suspend_path, False)
+            )
+            w = await self._patch_workload(w, patch, "resize and resume")
+        outcome = (
+            f"job {job} restarted as generation {gen} with {placement.world_size} ranks "
+            f"({w.label}, was {old_world})"
+        )
+        if not details["env_wired"]:
+            outcome += f"; its pod template does not map {ENV_GENERATION} from the annotation"
+        await self._try_event(
+            self._event(w.obj, "JobRestarted", f"{outcome}: {reason}", False), details
+        )
+        return ActuatorResult(outcome=outcome, details=details)
+
+    async def _wait_job_settled(self, w: Workload) -> Workload:
+        """A suspended Job's pod template becomes mutable once the Job controller has
+        removed its pods and cleared ``status.startTime``."""
+        deadline = time.monotonic() + self.settle_timeout_s
+        while True:
+            status = w.obj.get("status") or {}
+            if not status.get("active") and not status.get("startTime"):
+                return w
+            if time.monotonic() >= deadline:
+                raise ActuatorError(
+                    f"{w.label} still has {status.get('active') or 0} active pod(s) "
+                    f"{self.settle_timeout_s:.0f}s after suspension; retry the restart",
+                    retryable=True,
+                )
+            await asyncio.sleep(self.poll_interval_s)
+            w = await self._get_workload(w.kind, w.name)
+
+
+# -- per-kind spec surgery (pure functions of the workload object) ---------------------
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for key, value in b.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _replicated_job(w: Workload) -> tuple[int, dict[str, Any]]:
+    """The index and spec of the JobSet's replicatedJob that holds the ranks."""
+    rjobs: list[dict[str, Any]] = w.obj.get("spec", {}).get("replicatedJobs") or []
+    wanted = w.annotations.get(ANN_REPLICATED_JOB)
+    if wanted is None and len(rjobs) == 1:
+        return 0, rjobs[0]
+    for i, rj in enumerate(rjobs):
+        if rj.get("name") == wanted:
+            return i, rj
+    names = [rj.get("name") for rj in rjobs]
+    raise ActuatorError(
+        f"{w.label}: annotate it {ANN_REPLICATED_JOB}=<one of {names}> to say which "
+        "replicatedJob holds the ranks"
+    )
+
+
+def _pod_templates(w: Workload) -> list[dict[str, Any]]:
+    if w.kind is JOB:
+        return [w.obj["spec"]["template"]]
+    if w.kind is JOBSET:
+        return [_replicated_job(w)[1]["template"]["spec"]["template"]]
+    specs = w.obj["spec"]["pytorchReplicaSpecs"]
+    return [specs[r]["template"] for r in ("Worker", "Master") if r in specs]
+
+
+def _node_selector(w: Workload) -> dict[str, str]:
+    return cast(dict[str, str], _pod_templates(w)[0].get("spec", {}).get("nodeSelector") or {})
+
+
+def _env_wired(w: Workload) -> bool:
+    """Whether some container maps ``TRAINGUARD_GENERATION`` (from the annotation)."""
+    for template in _pod_templates(w):
+        for container in template.get("spec", {}).get("containers") or []:
+            if any(e.get("name") == ENV_GENERATION for e in container.get("env") or []):
+                return True
+    return False
+
+
+def _annotate(template: dict[str, Any], annotations: dict[str, Any]) -> None:
+    """Set (``None``: remove) pod-template annotations in place, for list-replacing patches."""
+    current = template.setdefault("metadata", {}).setdefault("annotations", {})
+    for key, value in annotations.items():
+        if value is None:
+            current.pop(key, None)
+        else:
+            current[key] = value
+
+
+def _restart_patch(
+    w: Workload, world: int, annotations: dict[str, Any]
+) -> tuple[dict[str, Any], int]:
+    """The merge patch that gives ``w`` ``world`` ranks and annotates its pod templates,
+    and the workload's current world size."""
+    spec = w.obj["spec"]
+    meta = {"metadata": {"annotations": annotations}}
+    if w.kind is JOB:
+        old = int(spec.get("parallelism") or 1)
+        if world != old and spec.get("completionMode") != "Indexed":
+            raise ActuatorError(
+                f"{w.label} is not an Indexed Job; only Indexed Jobs can change their size"
+            )
+        return {"spec": {"parallelism": world, "completions": world, "template": meta}}, old
+    if w.kind is PYTORCHJOB:
+        specs = spec["pytorchReplicaSpecs"]
+        masters = int(specs["Master"].get("replicas", 1)) if "Master" in specs else 0
+        workers = int(specs["Worker"].get("replicas", 1)) if "Worker" in specs else 0
+        if ("Worker" not in specs and world != masters) or (world <= masters and "Worker" in specs):
+            raise ActuatorError(
+                f"{w.label}: cannot run {world} ranks with {masters} Master and "
+                f"{'no' if 'Worker' not in specs else 'at least one'} Worker replica(s)"
+            )
+        replica_specs: dict[str, Any] = {role: {"template": meta} for role in specs}
+        if "Worker" in specs:
+            replica_specs["Worker"]["replicas"] = world - masters
+        return {"spec": {"pytorchReplicaSpecs": replica_specs}}, masters + workers
+    # JobSet: replicatedJobs is a list, which a merge patch replaces whole.
+    rjobs = json.loads(json.dumps(spec["replicatedJobs"]))
+    index, _ = _replicated_job(w)
+    rj = rjobs[index]
+    replicas = int(rj.get("replicas", 1))
+    job_spec = rj["template"]["spec"]
+    per_job = int(job_spec.get("parallelism") or 1)
+    if world % per_job == 0:
+        rj["replicas"] = world // per_job
+    elif replicas == 1:
+        job_spec["parallelism"] = job_spec["completions"] = world
+    else:
+        raise ActuatorError(
+            f"{w.label}: {world} ranks do not fill whole child Jobs of {per_job} pods"
+        )
+    _annotate(job_spec["template"], annotations)
+    return {"spec": {"replicatedJobs": rjobs}}, replicas * per_job

@@ -1,0 +1,1 @@
+"""Remediation: turning incidents into restarts, and measuring what they cost (goodput)."""

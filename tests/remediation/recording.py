@@ -1,0 +1,61 @@
+"""A recording actuator: the engine's boundary to the world, faked with state, not mocks.
+
+It keeps each job's placement and node pool as a real actuator would (a restart moves the
+job to the new placement; a generation is never started twice) and records every call, so
+an engine test can assert what was done, in which order, and on which placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.actuators.base import ActuatorError, ActuatorResult, Placement
+
+
+@dataclass
+class RecordingActuator:
+    #: Job -> the placement it runs on now.
+    placements: dict[str, Placement]
+    #: Job -> the nodes it may use (``candidate_nodes``), spares included.
+    pools: dict[str, list[str]]
+    name: str = "recording"
+    #: (method, argument) of every call, oldest first.
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+
+    def restarts(self) -> list[Placement]:
+        return [arg for method, arg in self.calls if method == "restart_job"]
+
+    async def candidate_nodes(self, job: str) -> list[str]:
+        return list(self.pools.get(job, []))
+
+    async def current_placement(self, job: str) -> Placement | None:
+        return self.placements.get(job)
+
+    async def isolate_node(self, node: str, *, reason: str) -> ActuatorResult:
+        self.calls.append(("isolate_node", node))
+        return ActuatorResult(outcome=f"{node} isolated")
+
+    async def release_node(self, node: str, *, reason: str) -> ActuatorResult:
+        self.calls.append(("release_node", node))
+        return ActuatorResult(outcome=f"{node} released")
+
+    async def stop_job(self, job: str, *, reason: str) -> ActuatorResult:
+        self.calls.append(("stop_job", job))
+        return ActuatorResult(outcome=f"job {job} stopped")
+
+    async def restart_job(self, placement: Placement, *, reason: str) -> ActuatorResult:
+        current = self.placements.get(placement.job)
+        if current is not None and placement.generation <= current.generation:
+            raise ActuatorError(f"generation {placement.generation} of {placement.job} is old")
+        self.calls.append(("restart_job", placement))
+        self.placements[placement.job] = placement
+        return ActuatorResult(outcome=f"generation {placement.generation} started")
+
+    async def record_event(
+        self, *, target: str, reason: str, message: str, warning: bool = False
+    ) -> None:
+        self.calls.append(("record_event", reason))
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,411 @@
+"""The remediation engine in a live controller: incidents in, recorded actions out.
+
+Real controller, real HTTP, real database; faults arrive as agent reports (an XID 79 on a
+GPU is a critical ``gpu_fault``) or, where the detector behind an incident is not the point
+(stragglers, rate limits, stale evidence, grow-back), are opened through the controller's
+own incident service on its event loop. Without an actuator (``actuator=none``) isolation
+is still recorded and restarts are skipped with a reason; tests that restart jobs give the
+engine a :class:`~tests.remediation.recording.RecordingActuator`. The local actuator with a
+real job is exercised by the end-to-end recovery tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controller.actuators.base import Placement
+from controller.incidents import IncidentSpec
+from tests.remediation.recording import RecordingActuator
+
+pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.1)
+
+
+class Agents:
+    def __init__(self, live: Any) -> None:
+        self.live = live
+        self.seq: dict[str, int] = {}
+        self.client = httpx.Client(base_url=live.url, headers=live.headers("agent"), timeout=10)
+
+    def steps(self, node: str, job: str, steps: list[tuple[int, float]]) -> None:
+        """Rank 0 of ``job`` on ``node`` completed each (step, end time), 1 s apiece."""
+        records = [
+            {
+                "job": job,
+                "rank": 0,
+                "world_size": 4,
+                "step": step,
+                "step_time_s": 1.0,
+                "compute_time_s": 0.9,
+                "collective_wait_s": 0.1,
+                "end_unix_s": end,
+            }
+            for step, end in steps
+        ]
+        self.report(node, job={"steps": records})
+
+    def report(
+        self, node: str, *, xid: int | None = None, job: dict[str, Any] | None = None
+    ) -> None:
+        seq = self.seq.get(node, 0)
+        self.seq[node] = seq + 1
+        now = time.time()
+        gpus = [{"index": i, "uuid": f"{node}-g{i}", "power_w": 300.0} for i in range(2)]
+        if xid is not None:
+            gpus[1]["xid_events"] = [{"code": xid, "time_unix_s": now, "gpu_index": 1}]
+        body = {
+            "node": {
+                "name": node,
+                "gpus": [{"index": i, "uuid": f"{node}-g{i}"} for i in range(2)],
+            },
+            "agent_instance": "i1",
+            "seq": seq,
+            "sent_unix_s": now,
+            "samples": [{"time_unix_s": now, "gpus": gpus}],
+        }
+        if job is not None:
+            body["job"] = job
+        resp = self.client.post("/api/v1/reports", json=body)
+        assert resp.status_code == 200, resp.text
+
+
+def actions(live: Any) -> list[dict[str, Any]]:
+    resp = httpx.get(f"{live.url}/api/v1/actions", headers=live.headers("viewer"), timeout=10)
+    return list(reversed(resp.json()["data"]))  # oldest first
+
+
+def nodes(live: Any) -> dict[str, dict[str, Any]]:
+    resp = httpx.get(f"{live.url}/api/v1/nodes", headers=live.headers("viewer"), timeout=10)
+    return {n["name"]: n for n in resp.json()["data"]}
+
+
+def test_fatal_xid_isolates_the_node_and_the_circuit_breaker_holds(controller_factory) -> None:  # type: ignore[no-untyped-def]
+    live = controller_factory()
+    agents = Agents(live)
+    for i in range(4):
+        agents.report(f"n{i}")
+    agents.report("n1", xid=79)
+    wait_for(lambda: nodes(live)["n1"]["isolated_reason"])
+    isolated = nodes(live)["n1"]
+    assert "gpu_fault" in isolated["isolated_reason"] and isolated["isolated_unix_s"]
+    kinds = [(a["kind"], a["status"]) for a in actions(live)]
+    # No job runs on n1: nothing to checkpoint or restart; the isolation is real.
+    assert kinds == [("checkpoint", "skipped"), ("isolate_node", "succeeded")], kinds
+    assert all(a["trigger"].startswith("incident:") for a in actions(live))
+    # A second fatal fault: 2 of 4 nodes would exceed the default 25 % within the hour.
+    agents.report("n2", xid=79)
+    skipped = wait_for(
+        lambda: [a for a in actions(live) if a["kind"] == "isolate_node" and a["target"] == "n2"]
+    )
+    assert skipped[0]["status"] == "skipped"
+    assert "circuit breaker open" in skipped[0]["outcome"]
+    assert nodes(live)["n2"]["isolated_reason"] is None
+    # Decisions survive a restart of the controller: nothing is acted on twice.
+    before = len(actions(live))
+    live.restart()
+    time.sleep(3)
+    assert len(actions(live)) == before
+    assert nodes(live)["n1"]["isolated_reason"]
+
+
+def test_dry_run_records_what_it_would_do_and_changes_nothing(controller_factory) -> None:  # type: ignore[no-untyped-def]
+    live = controller_factory(policy_dry_run=True)
+    agents = Agents(live)
+    for i in range(4):
+        agents.report(f"n{i}")
+    agents.report("n3", xid=79)
+    rows = wait_for(
+        lambda: [a for a in actions(live) if a["kind"] == "isolate_node" and a["target"] == "n3"]
+    )
+    assert rows[0]["status"] == "dry_run" and rows[0]["outcome"] == "would isolate n3"
+    time.sleep(1.5)
+    assert nodes(live)["n3"]["isolated_reason"] is None
+
+
+def test_policy_and_isolation_api(controller_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(
+        "dry_run: false\n"
+        "rules:\n"
+        "  - {kind: gpu_fault, severity: critical, steps: [isolate]}\n"
+        "  - {kind: '*', steps: [alert]}\n"
+        "guards: {max_isolated_fraction: 0.5}\n"
+    )
+    live = controller_factory(policy_file=policy_file)
+    agents = Agents(live)
+    agents.report("a")
+    agents.report("b")
+    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
+    viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
+    state = viewer.get("/api/v1/remediation").json()
+    assert [r["kind"] for r in state["policy"]["rules"]] == ["gpu_fault", "*"]
+    assert state["policy"]["guards"]["max_isolated_fraction"] == 0.5
+    # Strict validation: the message names the field.
+    bad = op.put("/api/v1/remediation/policy", json={"rules": [{"kind": "x", "steps": ["nuke"]}]})
+    assert bad.status_code == 422 and "rules.0.steps.0" in bad.json()["detail"]
+    typo = op.put("/api/v1/remediation/policy", json={"dry_rn": True})
+    assert typo.status_code == 422 and "dry_rn" in typo.json()["detail"]
+    assert viewer.put("/api/v1/remediation/policy", json={}).status_code == 403
+    assert op.put("/api/v1/remediation/policy", json={"dry_run": True}).status_code == 200
+    assert viewer.get("/api/v1/remediation").json()["dry_run"] is True
+    # Isolation by hand, with the clear errors an operator needs.
+    assert op.post("/api/v1/nodes/a/isolate", json={"reason": "bad fan"}).status_code == 200
+    again = op.post("/api/v1/nodes/a/isolate", json={"reason": "bad fan"})
+    assert again.status_code == 409 and "already isolated" in again.json()["detail"]
+    assert nodes(live)["a"]["isolated_reason"] == "bad fan"
+    missing = op.post("/api/v1/nodes/zz/release")
+    assert missing.status_code == 404 and "not found" in missing.json()["detail"]
+    assert op.post("/api/v1/nodes/a/release").status_code == 200
+    assert nodes(live)["a"]["isolated_reason"] is None
+    assert viewer.post("/api/v1/nodes/a/isolate", json={"reason": "x"}).status_code == 403
+    by_hand = [a for a in actions(live) if a["trigger"].startswith("operator:")]
+    assert [a["kind"] for a in by_hand] == ["set_policy", "isolate_node", "release_node"]
+    assert op.get("/api/v1/jobs/nope/goodput").status_code == 404
+
+
+# ---------------------------------------------------------------------- helpers for the rest
+
+
+def on_loop(live: Any, coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` on the live controller's event loop (where its services live)."""
+    loop = live._server.servers[0].get_loop()
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=10)
+
+
+def open_incident(
+    live: Any,
+    kind: str,
+    *,
+    job: str | None = "gpt",
+    node: str | None = None,
+    severity: str = "warning",
+    evidence: dict[str, Any] | None = None,
+) -> int:
+    spec = IncidentSpec(
+        kind=kind,
+        severity=severity,
+        summary=f"test {kind}",
+        dedupe_key=f"test:{kind}:{secrets.token_hex(4)}",
+        node=node,
+        job=job,
+        evidence=evidence,
+    )
+    incident, opened = on_loop(live, live.controller.incidents.open_or_bump(spec))
+    assert opened
+    return int(incident.id)
+
+
+def recording(live: Any, *, nodes: tuple[str, ...], pool: list[str]) -> RecordingActuator:
+    """Give the live engine a recording actuator running job ``gpt`` on ``nodes``."""
+    actuator = RecordingActuator(
+        placements={"gpt": Placement(job="gpt", nodes=nodes, ranks_per_node=2)},
+        pools={"gpt": pool},
+    )
+    live.controller.remediation.actuator = actuator
+    return actuator
+
+
+def of(live: Any, incident: int) -> list[dict[str, Any]]:
+    return [a for a in actions(live) if a["trigger"] == f"incident:{incident}"]
+
+
+def policy_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    return path
+
+
+STRAGGLER_POLICY = (
+    "rules:\n"
+    "  - {kind: straggler, steps: [alert, checkpoint, isolate, restart], after_s: 3,\n"
+    "     min_cost_pct: 10}\n"
+    "  - {kind: '*', steps: [alert]}\n"
+)
+
+
+def test_a_straggler_is_alerted_at_once_and_escalated_after_its_window(  # type: ignore[no-untyped-def]
+    controller_factory, tmp_path
+) -> None:
+    live = controller_factory(policy_file=policy_file(tmp_path, STRAGGLER_POLICY))
+    agents = Agents(live)
+    for i in range(4):
+        agents.report(f"n{i}")
+    actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1", "n2"])
+    incident = open_incident(live, "straggler", node="n1", evidence={"slowdown_pct": 25.0})
+    alert = wait_for(lambda: of(live, incident))
+    assert [(a["kind"], a["status"]) for a in alert] == [("alert", "succeeded")]
+    assert "then checkpoint, isolate, restart if it persists 3 s" in alert[0]["outcome"]
+    # Inside the persistence window: alerted, nothing else.
+    time.sleep(1.5)
+    assert [a["kind"] for a in of(live, incident)] == ["alert"]
+    assert actuator.restarts() == []
+    # Past the window, and it costs more than the threshold: checkpoint, isolate, restart.
+    wait_for(lambda: any(a["kind"] == "restart_job" for a in of(live, incident)))
+    rows = of(live, incident)
+    assert [a["kind"] for a in rows] == ["alert", "checkpoint", "isolate_node", "restart_job"]
+    opened = incident_opened_at(live, incident)
+    assert rows[1]["created_unix_s"] >= opened + 3.0
+    assert rows[2]["status"] == "succeeded" and rows[3]["status"] == "succeeded"
+    assert [p.nodes for p in actuator.restarts()] == [("n0", "n2")]
+
+
+def incident_opened_at(live: Any, incident: int) -> float:
+    resp = httpx.get(
+        f"{live.url}/api/v1/incidents/{incident}", headers=live.headers("viewer"), timeout=10
+    )
+    return float(resp.json()["opened_unix_s"])
+
+
+def test_a_cheap_straggler_is_only_alerted(controller_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    live = controller_factory(policy_file=policy_file(tmp_path, STRAGGLER_POLICY))
+    agents = Agents(live)
+    for i in range(4):
+        agents.report(f"n{i}")
+    actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1", "n2"])
+    incident = open_incident(live, "straggler", node="n1", evidence={"slowdown_pct": 4.0})
+    wait_for(lambda: of(live, incident))
+    time.sleep(5)  # well past after_s: it persists, but costs less than min_cost_pct
+    assert [(a["kind"], a["status"]) for a in of(live, incident)] == [("alert", "succeeded")]
+    assert actuator.calls == []
+    assert live.controller.remediation.decided.get(incident) is None  # still watched
+
+
+def test_restart_rate_limit_holds_and_survives_a_controller_restart(  # type: ignore[no-untyped-def]
+    controller_factory, tmp_path
+) -> None:
+    path = policy_file(
+        tmp_path,
+        "rules: [{kind: comm_failure, steps: [restart]}]\n"
+        "guards: {max_restarts_per_job: 1, settle_s: 0, resume_timeout_s: 1}\n",
+    )
+    live = controller_factory(policy_file=path)
+    actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1"])
+    first = open_incident(live, "comm_failure")
+    done = wait_for(lambda: [a for a in of(live, first) if a["status"] != "pending"])
+    assert [(a["kind"], a["status"]) for a in done] == [("restart_job", "succeeded")]
+    # No rank steps here: the restart is reported as failed to resume, and the job is free.
+    wait_for(lambda: live.controller.remediation.jobs["gpt"].awaiting_resume is None)
+    second = open_incident(live, "comm_failure")
+    skipped = wait_for(lambda: of(live, second))
+    assert skipped[0]["kind"] == "restart_job" and skipped[0]["status"] == "skipped"
+    assert skipped[0]["outcome"].startswith("rate limit: job gpt was restarted 1 times")
+    assert len(actuator.restarts()) == 1
+    # A new leader (here: the controller restarted) counts the restart its predecessor made.
+    live.restart()
+    actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1"])
+    third = open_incident(live, "comm_failure")
+    skipped = wait_for(lambda: of(live, third))
+    assert skipped[0]["status"] == "skipped" and "rate limit" in skipped[0]["outcome"]
+    assert actuator.restarts() == []
+
+
+def test_no_action_on_stale_evidence(controller_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rules = "rules: [{kind: comm_failure, steps: [restart]}]\nguards: {stale_after_s: 1}\n"
+    live = controller_factory(policy_file=policy_file(tmp_path, "enabled: false\n" + rules))
+    actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1"])
+    incident = open_incident(live, "comm_failure")
+    time.sleep(2)  # the engine is off while the incident's evidence ages
+    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
+    body = {
+        "rules": [{"kind": "comm_failure", "steps": ["restart"]}],
+        "guards": {"stale_after_s": 1},
+    }
+    assert op.put("/api/v1/remediation/policy", json=body).status_code == 200
+    rows = wait_for(lambda: of(live, incident))
+    assert [(a["kind"], a["status"]) for a in rows] == [("skip", "skipped")]
+    assert rows[0]["outcome"].startswith("stale evidence: the incident was last updated")
+    time.sleep(1.5)
+    assert len(of(live, incident)) == 1 and actuator.calls == []
+
+
+def test_a_shrunk_job_grows_back_when_its_node_is_released(controller_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = policy_file(
+        tmp_path,
+        "rules: [{kind: gpu_fault, severity: critical, steps: [isolate, restart]}]\n"
+        "guards: {settle_s: 0, resume_timeout_s: 1}\n"
+        "restarts: {grow: true}\n",
+    )
+    live = controller_factory(policy_file=path)
+    agents = Agents(live)
+    for i in range(4):
+        agents.report(f"n{i}")
+    actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1"])
+    incident = open_incident(live, "gpu_fault", node="n1", severity="critical")
+    wait_for(lambda: actuator.restarts())
+    shrunk = actuator.restarts()[0]
+    assert shrunk.nodes == ("n0",) and shrunk.generation == 1
+    rows = wait_for(lambda: [a for a in of(live, incident) if a["kind"] == "restart_job"])
+    assert rows[0]["params"]["plan"] == "shrink" and rows[0]["params"]["original_nodes"] == 2
+    # n1 is isolated: no capacity to grow into, whatever the grow-back check finds.
+    time.sleep(6)
+    assert len(actuator.restarts()) == 1
+    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
+    assert op.post("/api/v1/nodes/n1/release").status_code == 200
+    wait_for(lambda: len(actuator.restarts()) == 2, timeout_s=20)
+    grown = actuator.restarts()[1]
+    assert grown.nodes == ("n0", "n1") and grown.generation == 2
+    grow_rows = wait_for(
+        lambda: [
+            a
+            for a in actions(live)
+            if a["trigger"] == "grow:gpt"
+            and a["kind"] == "restart_job"
+            and a["status"] != "pending"
+        ]
+    )
+    assert grow_rows[0]["status"] == "succeeded" and grow_rows[0]["params"]["plan"] == "grow"
+    kinds = [a["kind"] for a in actions(live) if a["trigger"] == "grow:gpt"]
+    assert kinds == ["checkpoint", "restart_job"]  # a protective checkpoint first
+    remediation = httpx.get(
+        f"{live.url}/api/v1/remediation", headers=live.headers("viewer"), timeout=10
+    ).json()
+    grow = [r for r in remediation["remediations"] if r["trigger"] == "grow:gpt"]
+    assert grow and grow[0]["incident"] is None and grow[0]["generation"] == 2
+    time.sleep(6)  # back at full size: nothing more to do
+    assert len(actuator.restarts()) == 2
+
+
+def test_goodput_is_rebuilt_from_the_restart_rows_by_a_new_leader(
+    controller_factory, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    path = policy_file(tmp_path, "rules: [{kind: comm_failure, steps: [restart]}]\n")
+    live = controller_factory(policy_file=path)
+    agents = Agents(live)
+    recording(live, nodes=("n0", "n1"), pool=["n0", "n1"])
+    now = time.time()
+    agents.steps("n0", "gpt", [(s, now - 6 + s) for s in range(1, 6)])
+    incident = open_incident(live, "comm_failure")
+    wait_for(lambda: [a for a in of(live, incident) if a["status"] == "succeeded"])
+    agents.steps("n0", "gpt", [(1, time.time())])  # the restarted job steps again
+    row = wait_for(
+        lambda: [a for a in of(live, incident) if "resumed_unix_s" in a["params"]["goodput"]]
+    )[0]
+    assert row["params"]["resumed_step"] == 1 and row["params"]["goodput"]["last_step"] == 5
+    viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
+    before = viewer.get("/api/v1/jobs/gpt/goodput").json()["incidents"]
+    assert [(i["incident_id"], i["state"], i["recomputed_steps"]) for i in before] == [
+        (str(incident), "resumed", 5)
+    ]
+    live.restart()
+    after = wait_for(lambda: viewer.get("/api/v1/jobs/gpt/goodput").json().get("incidents"))
+    keys = ("incident_id", "kind", "state", "recomputed_steps", "restart_s", "recomputed_s")
+    assert [{k: i[k] for k in keys} for i in after] == [{k: i[k] for k in keys} for i in before]
+    assert after[0]["lost_s"] == pytest.approx(before[0]["lost_s"], abs=0.5)
