@@ -1,0 +1,496 @@
+"""POLCA's capping policy as a pure, clock-injected state machine.
+
+The caller (the controller's power loop, or the simulator) owns time and I/O. Each tick it
+passes the current readings, the GPUs it knows and the acknowledgements that arrived; the
+policy returns the wire commands to send and why. Nothing here sleeps, reads a clock or
+talks to a network, so the same object runs live and inside a six-week trace replay.
+
+Per domain the state is one :class:`~power.config.Level`::
+
+    NONE --p>=T1--> T1 --p>=T2--> T2_LP --still p>=T2 after escalate_after_s--> T2_HP
+      any level --p>=brake--> BRAKE
+    down one level at a time, only when p < (threshold of the level - hysteresis) AND the
+    level has been held min_hold_s AND every reading under the domain is fresh.
+
+A GPU gets the most restrictive cap of all the domains above it. Safety rules:
+
+* stale or missing telemetry: the domain's power is taken as the sum of its fresh parts, a
+  lower bound. That may still escalate (safe direction) but never uncaps;
+* a failed clock command (no root, unsupported part) switches that GPU to the power-limit
+  knob and raises an incident; a failed power limit falls back to clocks if they still
+  work, else the GPU is reported uncontrollable;
+* caps found on a GPU at first sight (a controller restart) are adopted, not lifted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from power.clocks import ClockProfile, cap_key
+from power.clocks import clock_profile as lookup_profile
+from power.config import Knob, Level, PolicyConfig
+from power.domains import Domain, DomainPower, DomainTree, Reading
+from power.knobs import cap_fraction, choose_knob, power_limit_for_cap
+from power.tick_io import (
+    EFFECT_DELTA_FRAC,
+    EFFECT_TIMEOUT_S,
+    ActuationEffect,
+    Decision,
+    DomainStatus,
+    GpuCommand,
+    GpuStatus,
+    PolicyIncident,
+    TickResult,
+)
+from trainguard.wire import (
+    CommandAck,
+    CommandStatus,
+    LockClocks,
+    ResetPowerLimit,
+    SetPowerLimit,
+    UnlockClocks,
+)
+
+_LIMIT_TOLERANCE_W = 0.5
+
+
+@dataclass(slots=True)
+class _DomainState:
+    level: Level = Level.NONE
+    since_s: float = float("-inf")
+    reason: str = ""
+    threshold: float | None = None
+    stale: bool = False
+    effect: tuple[Level, Level, float, float] | None = None
+    """Pending effect of the last level change: (from, to, started_s, power_before_w)."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    command_id: str
+    target: float | None
+    sent_s: float
+
+
+@dataclass(slots=True)
+class _GpuState:
+    status: GpuStatus
+    chain: list[Domain]
+    applied_clock: int | None = None
+    applied_limit: float | None = None
+    clocks_failed: str | None = None
+    limit_failed: str | None = None
+    inflight: dict[Knob, _Pending] = field(default_factory=dict)
+    hold_until_s: float = float("-inf")
+    """Adopted caps are kept at least one hold time after first sight."""
+    deferred: bool = False
+    """An uncap is waiting on a hold or on fresh telemetry."""
+
+
+class PowerPolicy:
+    """Tick it with readings; send what it returns; feed the acknowledgements back."""
+
+    def __init__(self, tree: DomainTree, *, id_prefix: str = "pw") -> None:
+        self.tree = tree
+        self._domains: dict[str, _DomainState] = {n: _DomainState() for n in tree.by_name}
+        self._gpus: dict[tuple[str, int], _GpuState] = {}
+        self._pending: dict[str, tuple[tuple[str, int], Knob]] = {}
+        self._ids = itertools.count(1)
+        self._id_prefix = id_prefix
+        self._profiles: dict[tuple[object, ...], ClockProfile | None] = {}
+        self._stale_after_s = min(d.policy.stale_after_s for d in tree.by_name.values())
+        self.latencies_s: deque[float] = deque(maxlen=4096)
+        """Issue-to-acknowledgement times of successful commands: the in-band latency."""
+        self.brake_events = 0
+        self._changed = True
+        self._attention: set[tuple[str, int]] = set()
+
+    # ------------------------------------------------------------------ public
+    def level(self, domain: str) -> Level:
+        return self._domains[domain].level
+
+    def tick(
+        self,
+        now_s: float,
+        readings: Mapping[str, Reading],
+        gpus: Iterable[GpuStatus] = (),
+        acks: Sequence[CommandAck] = (),
+    ) -> TickResult:
+        incidents: list[PolicyIncident] = []
+        self._changed = self._update_inventory(gpus, now_s) or bool(acks)
+        for ack in acks:
+            self._apply_ack(ack, now_s, incidents)
+        agg = self.tree.aggregate(readings, now_s=now_s, stale_after_s=self._stale_after_s)
+        statuses: dict[str, DomainStatus] = {}
+        effects: list[ActuationEffect] = []
+        for name, dom in self.tree.by_name.items():
+            st = self._domains[name]
+            before = st.level
+            if st.effect is not None:
+                self._check_effect(dom, st, agg[name], now_s, effects)
+            statuses[name] = self._step_domain(dom, agg[name], now_s, incidents)
+            if st.level is not before:
+                if st.effect is not None:  # superseded before it showed
+                    effects.append(_effect(name, st.effect, agg[name].power_w, False, now_s))
+                st.effect = (before, st.level, now_s, agg[name].power_w)
+        decisions: list[Decision] = []
+        # Re-plan every GPU only when something that decides a cap changed; otherwise only
+        # those waiting on an acknowledgement or a hold (a trace replay ticks 10^5 times).
+        keys = list(self._gpus) if self._changed else list(self._attention)
+        for key in keys:
+            gpu = self._gpus[key]
+            decisions.extend(self._plan_gpu(key, gpu, now_s, agg))
+            if gpu.inflight or gpu.deferred:
+                self._attention.add(key)
+            else:
+                self._attention.discard(key)
+        return TickResult(decisions, incidents, statuses, effects)
+
+    def _check_effect(
+        self,
+        dom: Domain,
+        st: _DomainState,
+        agg: DomainPower,
+        now_s: float,
+        effects: list[ActuationEffect],
+    ) -> None:
+        assert st.effect is not None
+        old, new, started, before = st.effect
+        delta = EFFECT_DELTA_FRAC * dom.budget_w
+        moved = agg.power_w <= before - delta if new > old else agg.power_w >= before + delta
+        if agg.complete and moved:
+            effects.append(_effect(dom.name, st.effect, agg.power_w, True, now_s))
+            st.effect = None
+        elif now_s - started >= EFFECT_TIMEOUT_S:
+            effects.append(_effect(dom.name, st.effect, agg.power_w, False, now_s))
+            st.effect = None
+
+    def actuation_latency_s(self, quantile: float = 0.99) -> float | None:
+        """A quantile of measured command latencies, for deriving T2 (None before any)."""
+        if not self.latencies_s:
+            return None
+        ordered = sorted(self.latencies_s)
+        return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+
+    # ------------------------------------------------------------------ domains
+    def _step_domain(
+        self, dom: Domain, agg: DomainPower, now_s: float, incidents: list[PolicyIncident]
+    ) -> DomainStatus:
+        st = self._domains[dom.name]
+        cfg = dom.policy
+        frac = agg.power_w / dom.budget_w
+        old = st.level
+        if old is Level.NONE and frac < cfg.t1_frac and agg.complete and not st.stale:
+            # The common case, kept cheap: nothing capped here and nothing to cap.
+            return DomainStatus(dom.name, dom.budget_w, agg.power_w, frac, old, st.since_s, True)
+        up, threshold = Level.NONE, None
+        if frac >= cfg.brake_frac:
+            up, threshold = Level.BRAKE, cfg.brake_frac
+        elif frac >= cfg.t2_frac:
+            up, threshold = Level.T2_LP, cfg.t2_frac
+            if old is Level.T2_LP and now_s - st.since_s >= cfg.escalate_after_s:
+                up = Level.T2_HP
+        elif frac >= cfg.t1_frac:
+            up, threshold = Level.T1, cfg.t1_frac
+        pct = f"{dom.name} at {frac:.1%} of {dom.budget_w:.0f} W" if up != old else ""
+        if up > old:
+            self._changed = True
+            st.level, st.since_s, st.threshold = up, now_s, threshold
+            st.reason = f"{pct} >= {up.name} threshold {threshold:.0%}"
+            if up is Level.T2_HP:
+                st.reason += (
+                    f" and still above {cfg.escalate_after_s:g}s after capping low priority"
+                )
+            if up is Level.BRAKE:
+                self.brake_events += 1
+                incidents.append(PolicyIncident("brake", f"emergency brake: {pct}", dom.name))
+        elif agg.complete and old > Level.NONE and now_s - st.since_s >= cfg.min_hold_s:
+            release = _release_frac(old, cfg)
+            if frac < release:
+                pct = f"{dom.name} at {frac:.1%} of {dom.budget_w:.0f} W"
+                self._changed = True
+                st.level, st.since_s = Level(old - 1), now_s
+                st.threshold = release
+                st.reason = (
+                    f"{pct} < {release:.0%} for {cfg.min_hold_s:g}s: down to {st.level.name}"
+                )
+        if not agg.complete and not st.stale and st.level > Level.NONE:
+            incidents.append(
+                PolicyIncident(
+                    "telemetry_stale",
+                    f"{dom.name}: readings missing or older than {cfg.stale_after_s:g}s; holding "
+                    f"{st.level.name} caps until telemetry is back",
+                    dom.name,
+                )
+            )
+        if st.stale != (not agg.complete):
+            self._changed = True
+        st.stale = not agg.complete
+        return DomainStatus(
+            dom.name, dom.budget_w, agg.power_w, frac, st.level, st.since_s, agg.complete
+        )
+
+    # ------------------------------------------------------------------ GPUs
+    def _update_inventory(self, gpus: Iterable[GpuStatus], now_s: float) -> bool:
+        """Record the GPUs; True when one is new or its metadata changed."""
+        changed = False
+        for status in gpus:
+            key = (status.server, status.index)
+            gpu = self._gpus.get(key)
+            if gpu is not None:
+                if gpu.status is not status and gpu.status != status:
+                    gpu.status = status
+                    changed = True
+                continue
+            server = self.tree.by_name.get(status.server)
+            if server is None:
+                continue  # a node outside every power domain is not ours to cap
+            chain = server.ancestors()
+            gdom = self.tree.gpu_domain(status.server, status.index)
+            if gdom is not None:
+                chain.insert(0, gdom)
+            gpu = _GpuState(status=status, chain=chain)
+            gpu.applied_clock = status.locked_sm_clock_mhz
+            if (
+                status.power_limit_w is not None
+                and status.power_limit_max_w is not None
+                and status.power_limit_w < status.power_limit_max_w - _LIMIT_TOLERANCE_W
+            ):
+                gpu.applied_limit = status.power_limit_w
+            if gpu.applied_clock is not None or gpu.applied_limit is not None:
+                gpu.hold_until_s = now_s + min(d.policy.min_hold_s for d in chain)
+            self._gpus[key] = gpu
+            changed = True
+        return changed
+
+    def _profile(self, status: GpuStatus, policy: PolicyConfig) -> ClockProfile | None:
+        ck = (
+            status.model,
+            status.sm_clock_min_mhz,
+            status.sm_clock_max_mhz,
+            status.power_limit_min_w,
+            status.power_limit_max_w,
+            id(policy),
+        )
+        if ck in self._profiles:
+            return self._profiles[ck]
+        self._profiles[ck] = profile = lookup_profile(
+            status.model,
+            sm_clock_max_mhz=status.sm_clock_max_mhz,
+            sm_clock_min_mhz=status.sm_clock_min_mhz,
+            power_limit_max_w=status.power_limit_max_w,
+            power_limit_min_w=status.power_limit_min_w,
+            overrides=policy.clock_overrides_mhz,
+        )
+        return profile
+
+    def _plan_gpu(
+        self, key: tuple[str, int], gpu: _GpuState, now_s: float, agg: Mapping[str, DomainPower]
+    ) -> list[Decision]:
+        status = gpu.status
+        worst: tuple[float, Domain, Level, str] | None = None  # (clock fraction of max, ...)
+        for dom in gpu.chain:
+            level = self._domains[dom.name].level
+            ck = cap_key(level, status.priority)
+            if ck is None:
+                continue
+            frac = self._cap_fraction(status, dom.policy, ck)
+            if worst is None or frac < worst[0]:
+                worst = (frac, dom, level, ck)
+        want_clock: int | None = None
+        lowest = 0
+        want_limit: float | None = None
+        knob, note = Knob.CLOCKS, ""
+        dom_name: str | None = None
+        level = Level.NONE
+        threshold = power = budget = None
+        reason = "no domain above this GPU is capping it"
+        if worst is not None:
+            frac, dom, level, ck = worst
+            st = self._domains[dom.name]
+            dom_name, threshold, budget = dom.name, st.threshold, dom.budget_w
+            power, reason = agg[dom.name].power_w, st.reason
+            profile = self._profile(status, dom.policy)
+            lowest = profile.min_mhz if profile is not None else 0
+            knob, note = choose_knob(
+                dom.policy.knob, profile, gpu.clocks_failed, gpu.limit_failed, status.model
+            )
+            if knob is Knob.CLOCKS and profile is not None:
+                want_clock = profile.caps_mhz[ck]
+            else:
+                want_limit = power_limit_for_cap(status, profile, frac, ck)
+                if want_limit is None:
+                    knob, note = Knob.POWER_LIMIT, "no usable knob: power limits unknown"
+        else:
+            dom_name = gpu.chain[0].name if gpu.chain else None
+            st = self._domains[dom_name] if dom_name else _DomainState()
+            if st.reason:
+                reason = st.reason
+        if (
+            want_clock is None
+            and want_limit is None
+            and (now_s < gpu.hold_until_s or any(self._domains[d.name].stale for d in gpu.chain))
+        ):
+            gpu.deferred = True
+            return []  # never lift a cap blindly: adopted caps wait, stale domains hold
+        gpu.deferred = False
+        out: list[Decision] = []
+
+        def emit(cmd: GpuCommand, k: Knob, target: float | None) -> None:
+            gpu.inflight[k] = _Pending(cmd.id, target, now_s)
+            self._pending[cmd.id] = (key, k)
+            why = reason + (f"; {note}" if note else "")
+            out.append(
+                Decision(
+                    status.server,
+                    status.index,
+                    cmd,
+                    k,
+                    dom_name,
+                    level,
+                    threshold,
+                    power,
+                    budget,
+                    why[:512],
+                )
+            )
+
+        wants = (
+            (Knob.CLOCKS, want_clock, gpu.clocks_failed),
+            (Knob.POWER_LIMIT, want_limit, gpu.limit_failed),
+        )
+        for k, want, failed in wants:
+            if failed is None and self._needs(gpu, k, want, now_s):
+                target = None if want is None else float(want)
+                emit(self._command(k, target, status.index, lowest, reason, now_s), k, target)
+        return out
+
+    def _command(
+        self, knob: Knob, want: float | None, index: int, lowest: int, reason: str, now_s: float
+    ) -> GpuCommand:
+        cid, why = self._next_id(), reason[:512]
+        if knob is Knob.CLOCKS:
+            if want is None:
+                return UnlockClocks(id=cid, issued_unix_s=now_s, gpu_index=index, reason=why)
+            mhz = int(want)
+            return LockClocks(
+                id=cid,
+                issued_unix_s=now_s,
+                gpu_index=index,
+                reason=why,
+                min_mhz=min(lowest, mhz),
+                max_mhz=mhz,
+            )
+        if want is None:
+            return ResetPowerLimit(id=cid, issued_unix_s=now_s, gpu_index=index, reason=why)
+        return SetPowerLimit(id=cid, issued_unix_s=now_s, gpu_index=index, reason=why, limit_w=want)
+
+    def _needs(self, gpu: _GpuState, knob: Knob, want: float | None, now_s: float) -> bool:
+        applied = gpu.applied_clock if knob is Knob.CLOCKS else gpu.applied_limit
+        if _same(applied, want):
+            pending = gpu.inflight.get(knob)
+            # A command still in flight towards another target must be superseded.
+            return not (pending is None or _same(pending.target, want))
+        pending = gpu.inflight.get(knob)
+        if pending is not None and _same(pending.target, want):
+            cfg = gpu.chain[-1].policy if gpu.chain else PolicyConfig()
+            if now_s - pending.sent_s < cfg.command_timeout_s:
+                return False
+            self._pending.pop(pending.command_id, None)  # a late ack of it is ignored
+        return True
+
+    def _cap_fraction(self, status: GpuStatus, policy: PolicyConfig, ck: str) -> float:
+        return cap_fraction(self._profile(status, policy), ck)
+
+    def _apply_ack(self, ack: CommandAck, now_s: float, incidents: list[PolicyIncident]) -> None:
+        entry = self._pending.pop(ack.command_id, None)
+        if entry is None:
+            return  # not ours, or superseded by a re-send
+        key, knob = entry
+        gpu = self._gpus.get(key)
+        if gpu is None:
+            return
+        pending = gpu.inflight.get(knob)
+        if pending is None or pending.command_id != ack.command_id:
+            return
+        del gpu.inflight[knob]
+        node, index = key
+        if ack.status is CommandStatus.SUCCEEDED:
+            target = pending.target
+            if knob is Knob.CLOCKS:
+                gpu.applied_clock = None if target is None else int(target)
+            else:
+                gpu.applied_limit = target
+            done = ack.finished_unix_s or now_s
+            self.latencies_s.append(max(0.0, done - pending.sent_s))
+            return
+        if ack.status is not CommandStatus.FAILED:
+            return
+        why = ack.reason or "no reason given"
+        if knob is Knob.CLOCKS:
+            gpu.clocks_failed = why
+            incidents.append(
+                PolicyIncident(
+                    "clock_command_failed",
+                    f"{node} GPU {index}: clock command failed ({why}); escalating to the "
+                    "power-limit knob",
+                    None,
+                    node,
+                    index,
+                )
+            )
+        else:
+            gpu.limit_failed = why
+            fallback = (
+                "falling back to clocks"
+                if gpu.clocks_failed is None
+                else ("no knob left: this GPU cannot be capped, others will take its share")
+            )
+            incidents.append(
+                PolicyIncident(
+                    "power_limit_command_failed",
+                    f"{node} GPU {index}: power-limit command failed ({why}); {fallback}",
+                    None,
+                    node,
+                    index,
+                )
+            )
+
+    def _next_id(self) -> str:
+        return f"{self._id_prefix}-{next(self._ids):010d}"
+
+
+def _effect(
+    name: str, pending: tuple[Level, Level, float, float], power_w: float, seen: bool, now_s: float
+) -> ActuationEffect:
+    old, new, started, before = pending
+    return ActuationEffect(name, old, new, started, before, power_w, seen, now_s - started)
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return abs(a - b) <= _LIMIT_TOLERANCE_W
+
+
+def _release_frac(level: Level, cfg: PolicyConfig) -> float:
+    if level is Level.BRAKE:
+        return cfg.brake_frac - cfg.hysteresis_frac
+    if level >= Level.T2_LP:
+        return cfg.t2_frac - cfg.hysteresis_frac
+    return cfg.t1_frac - cfg.hysteresis_frac
+
+
+__all__ = [
+    "ActuationEffect",
+    "Decision",
+    "DomainStatus",
+    "GpuCommand",
+    "GpuStatus",
+    "PolicyIncident",
+    "PowerPolicy",
+    "TickResult",
+]
