@@ -1,0 +1,218 @@
+"""Carrying out the controller's commands on this node, and acknowledging each one.
+
+GPU commands go through the same NVML-like API the sampler reads (W are converted to NVML's
+mW; requests outside the board's limits are refused before the driver is asked, with the
+allowed range in the reason). Job commands cannot be executed here: they are queued for
+the job's ranks connected to the local socket and acknowledged ``relayed``, or ``failed``
+when no rank of that job is on this node. Each command id is acted on once; a repeated id
+(the controller resends when an ack has not reached it yet) gets the first ack again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pynvml
+
+from trainguard.wire import (
+    Command,
+    CommandAck,
+    CommandStatus,
+    JobCommand,
+    LockClocks,
+    ResetPowerLimit,
+    SetPowerLimit,
+    UnlockClocks,
+)
+
+log = logging.getLogger(__name__)
+
+#: Command ids remembered for idempotency (a few hours of power-policy traffic).
+REMEMBERED_COMMANDS = 4096
+
+JobRelay = Callable[[JobCommand], int]
+
+
+class CommandRefused(Exception):
+    """Internal: the command cannot be carried out; the message is the ack's reason."""
+
+
+def _nvml_reason(exc: pynvml.NVMLError, what: str) -> str:
+    if exc.value == pynvml.NVML_ERROR_NO_PERMISSION:
+        return f"no permission: {what} needs root (or CAP_SYS_ADMIN) on the node"
+    if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+        return f"{what} failed: the GPU is lost"
+    if exc.value == pynvml.NVML_ERROR_NOT_SUPPORTED:
+        return f"{what} is not supported by this GPU or driver"
+    return f"{what} failed: NVML error {exc.value} ({exc})"
+
+
+class CommandExecutor:
+    """Thread-safe; called by the reporter thread with each reply's commands."""
+
+    def __init__(
+        self,
+        api: Any,
+        handles: Sequence[Any],
+        *,
+        relay: JobRelay,
+        on_ack: Callable[[CommandAck], None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._api = api
+        self._handles = list(handles)
+        self._relay = relay
+        self._on_ack = on_ack
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._done: OrderedDict[str, CommandAck] = OrderedDict()
+        self._locked_max_mhz: dict[int, int] = {}
+
+    def locked_clock_mhz(self, gpu_index: int) -> int | None:
+        """Upper SM clock the agent locked on this GPU, if any (for ``GpuSample``)."""
+        return self._locked_max_mhz.get(gpu_index)
+
+    def refuse(self, command_id: str, reason: str) -> CommandAck:
+        """Ack a command the agent could not even parse (e.g. a kind newer than this agent)."""
+        with self._lock:
+            ack = self._done.get(command_id) or CommandAck(
+                command_id=command_id,
+                status=CommandStatus.FAILED,
+                reason=reason[:1024],
+                finished_unix_s=self._clock(),
+            )
+            self._done[command_id] = ack
+        self._on_ack(ack)
+        return ack
+
+    def handle(self, commands: Sequence[Command]) -> list[CommandAck]:
+        acks = [self.execute(cmd) for cmd in commands]
+        for ack in acks:
+            self._on_ack(ack)
+        return acks
+
+    def execute(self, cmd: Command) -> CommandAck:
+        with self._lock:
+            previous = self._done.get(cmd.id)
+            if previous is not None:
+                log.info("command %s already handled (%s); acking again", cmd.id, previous.status)
+                return previous
+            try:
+                status, reason = self._dispatch(cmd)
+            except CommandRefused as exc:
+                status, reason = CommandStatus.FAILED, str(exc)
+            except Exception as exc:  # a bug must cost one command, not the reporter thread
+                log.exception("command %s (%s) crashed", cmd.id, cmd.kind)
+                status, reason = CommandStatus.FAILED, f"agent error: {type(exc).__name__}: {exc}"
+            ack = CommandAck(
+                command_id=cmd.id,
+                status=status,
+                reason=reason[:1024],
+                finished_unix_s=self._clock(),
+            )
+            self._done[cmd.id] = ack
+            while len(self._done) > REMEMBERED_COMMANDS:
+                self._done.popitem(last=False)
+        level = logging.INFO if status != CommandStatus.FAILED else logging.WARNING
+        log.log(level, "command %s %s: %s: %s", cmd.id, cmd.kind, status.value, reason)
+        return ack
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self, cmd: Command) -> tuple[CommandStatus, str]:
+        if isinstance(cmd, JobCommand):
+            clients = self._relay(cmd)
+            if clients <= 0:
+                return CommandStatus.FAILED, f"no rank of job {cmd.job} on this node"
+            return CommandStatus.RELAYED, f"queued for {clients} local client(s) of job {cmd.job}"
+        if isinstance(cmd, SetPowerLimit):
+            return CommandStatus.SUCCEEDED, self._set_power(cmd.gpu_index, cmd.limit_w)
+        if isinstance(cmd, ResetPowerLimit):
+            return CommandStatus.SUCCEEDED, self._set_power(cmd.gpu_index, None)
+        if isinstance(cmd, LockClocks):
+            return CommandStatus.SUCCEEDED, self._lock_clocks(cmd)
+        if isinstance(cmd, UnlockClocks):
+            return CommandStatus.SUCCEEDED, self._unlock_clocks(cmd.gpu_index)
+        raise CommandRefused(f"unknown command kind {cmd.kind!r}")
+
+    def _handle(self, gpu_index: int) -> Any:
+        if not 0 <= gpu_index < len(self._handles):
+            raise CommandRefused(
+                f"gpu_index {gpu_index} out of range (this node has {len(self._handles)} GPUs)"
+            )
+        return self._handles[gpu_index]
+
+    def _nvml(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except pynvml.NVMLError as exc:
+            raise CommandRefused(_nvml_reason(exc, what)) from None
+
+    def _set_power(self, gpu_index: int, limit_w: float | None) -> str:
+        h = self._handle(gpu_index)
+        api = self._api
+        lo_mw, hi_mw = self._nvml(
+            "reading the power limit range", api.nvmlDeviceGetPowerManagementLimitConstraints, h
+        )
+        if limit_w is None:
+            target_mw = int(
+                self._nvml(
+                    "reading the default power limit",
+                    api.nvmlDeviceGetPowerManagementDefaultLimit,
+                    h,
+                )
+            )
+        else:
+            target_mw = round(limit_w * 1000)
+            if not lo_mw <= target_mw <= hi_mw:
+                raise CommandRefused(
+                    f"power limit {limit_w:g} W for GPU {gpu_index} is outside the allowed range "
+                    f"{lo_mw / 1000:g}-{hi_mw / 1000:g} W"
+                )
+        before = self._nvml("reading the power limit", api.nvmlDeviceGetEnforcedPowerLimit, h)
+        self._nvml("setting the power limit", api.nvmlDeviceSetPowerManagementLimit, h, target_mw)
+        verb = "reset to the default" if limit_w is None else "set to"
+        return (
+            f"GPU {gpu_index} power limit {verb} {target_mw / 1000:g} W (was {before / 1000:g} W)"
+        )
+
+    def _lock_clocks(self, cmd: LockClocks) -> str:
+        h = self._handle(cmd.gpu_index)
+        if cmd.min_mhz > cmd.max_mhz:
+            raise CommandRefused(f"min_mhz {cmd.min_mhz} is above max_mhz {cmd.max_mhz}")
+        top = int(
+            self._nvml(
+                "reading the max SM clock",
+                self._api.nvmlDeviceGetMaxClockInfo,
+                h,
+                pynvml.NVML_CLOCK_SM,
+            )
+        )
+        if cmd.min_mhz <= 0 or cmd.max_mhz > top:
+            raise CommandRefused(
+                f"clock range {cmd.min_mhz}-{cmd.max_mhz} MHz for GPU {cmd.gpu_index} is outside "
+                f"the allowed range 1-{top} MHz"
+            )
+        self._nvml(
+            "locking GPU clocks",
+            self._api.nvmlDeviceSetGpuLockedClocks,
+            h,
+            cmd.min_mhz,
+            cmd.max_mhz,
+        )
+        self._locked_max_mhz[cmd.gpu_index] = cmd.max_mhz
+        return f"GPU {cmd.gpu_index} SM clock locked to {cmd.min_mhz}-{cmd.max_mhz} MHz"
+
+    def _unlock_clocks(self, gpu_index: int) -> str:
+        h = self._handle(gpu_index)
+        self._nvml("unlocking GPU clocks", self._api.nvmlDeviceResetGpuLockedClocks, h)
+        self._locked_max_mhz.pop(gpu_index, None)
+        return f"GPU {gpu_index} SM clock unlocked"
+
+
+__all__ = ["CommandExecutor", "JobRelay"]

@@ -1,0 +1,352 @@
+"""The node agent daemon: wires sampler, spool, reporter, local socket, metrics, commands.
+
+Threads::
+
+    main        sample every sample_interval_s; every report_interval_s (or at once after
+                an XID, a lost GPU, a rank exit or an in-flight collective) seal the batch
+                into a spooled report
+    reporter    send spooled reports oldest first; run the reply's commands
+    xid-watcher block in nvmlEventSetWait_v2 for critical XIDs
+    local-*     one per job-side client on the Unix socket
+    metrics     prometheus_client's HTTP server
+
+A failing tick is logged and the loop goes on; shutdown seals what is pending into the
+spool, so a clean stop loses nothing and a crash loses nothing either (see agents.batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+import trainguard
+from agents.batch import Batch
+from agents.commands import CommandExecutor
+from agents.errors import AgentConfigError
+from agents.gpu.backend import GpuBackend, open_backend
+from agents.gpu.fault_file import FaultFile
+from agents.gpu.sim import SimNvml
+from agents.local_endpoint import LocalEndpoint, Session
+from agents.metrics import MetricsServer, MetricsSource
+from agents.node_power import NodePowerSampler, RaplReader
+from agents.reporter import BackoffPolicy, Reporter
+from agents.sampler import GpuSampler
+from agents.settings import AgentSettings
+from agents.spool import Spool
+from agents.stats import AgentStats
+from agents.xid_events import EccEvent, XidWatcher
+from trainguard.wire import (
+    CommandAck,
+    JobCommand,
+    JobRecords,
+    NodeIdentity,
+    NodeSample,
+    Report,
+    ReportReply,
+    XidEvent,
+)
+
+log = logging.getLogger(__name__)
+
+#: Urgent reports are at least this far apart, so an XID storm is one report, not hundreds.
+MIN_URGENT_GAP_S = 0.25
+#: On shutdown, how long the reporter may keep sending what is spooled.
+SHUTDOWN_DRAIN_S = 2.0
+
+
+class Agent:
+    """One agent; ``start()``, then ``run_until(stop_event)``, then ``stop()``."""
+
+    def __init__(self, settings: AgentSettings, *, backend: GpuBackend | None = None) -> None:
+        if not settings.controller_url:
+            raise AgentConfigError(
+                "controller_url is required (--controller URL or TRAINGUARD_AGENT_CONTROLLER_URL)"
+            )
+        self.controller_url: str = settings.controller_url
+        self.settings = settings
+        self.stats = AgentStats()
+        self._wake = threading.Event()
+        self._urgent = threading.Event()
+        self._stopping = threading.Event()
+        self._last_urgent = 0.0
+        path = settings.sim_fault_file
+        self._fault_file = FaultFile(path) if path is not None else None
+        self.backend = backend or open_backend(
+            settings.gpus,
+            fault_specs=settings.sim_faults,
+            seed=settings.sim_seed,
+            sim_no_permission=settings.sim_no_permission,
+            identity=settings.node_name,
+        )
+        try:
+            self._build(settings)
+        except BaseException:
+            self.backend.shutdown()
+            raise
+
+    def _build(self, settings: AgentSettings) -> None:
+        self.spool = Spool(settings.resolved_spool_dir, max_bytes=settings.spool_max_bytes)
+        self.batch = Batch(self.spool.journal_dir, next_seq=self.spool.next_seq)
+        self.endpoint: LocalEndpoint | None = None
+        if settings.socket_path:
+            self.endpoint = LocalEndpoint(Path(settings.socket_path), on_records=self._on_records)
+        api = self.backend.api
+        self.xids: XidWatcher | None = None
+        self.executor: CommandExecutor | None = None
+        self.sampler = GpuSampler(
+            api,
+            xid_source=lambda i: self.xids.drain(i) if self.xids else [],
+            locked_clock_mhz=lambda i: self.executor.locked_clock_mhz(i) if self.executor else None,
+            on_lost=lambda i: self.request_report(f"GPU {i} lost"),
+        )
+        inventory = self.sampler.open()
+        self.executor = CommandExecutor(
+            api, self.sampler.handles, relay=self._relay, on_ack=self._on_ack
+        )
+        self.xids = XidWatcher(
+            api, self.sampler.handles, on_event=self._on_xid, on_ecc=self._on_ecc
+        )
+        self.node_power = NodePowerSampler(
+            RaplReader(settings.powercap_dir), base_power_w=settings.node_base_power_w
+        )
+        self.identity = NodeIdentity(
+            name=settings.node_name,
+            hostname=socket.gethostname()[:253],
+            labels=settings.labels,
+            gpus=inventory,
+            agent_version=trainguard.__version__,
+            backend=self.backend.kind,
+            driver_version=self.backend.driver_version[:64],
+        )
+        token = settings.token.get_secret_value() if settings.token else None
+        self.reporter = Reporter(
+            self.spool,
+            controller_url=self.controller_url,
+            token=token,
+            stats=self.stats,
+            on_reply=self._on_reply,
+            timeout_s=settings.report_timeout_s,
+            backoff=BackoffPolicy(max_s=settings.backoff_max_s),
+            on_invalid_command=self.executor.refuse,
+        )
+        self.metrics: MetricsServer | None = None
+        self.metrics_source = MetricsSource(
+            hostname=self.identity.hostname,
+            inventory=inventory,
+            stats=self.stats,
+            spool_stats=self.spool.stats,
+            spool_dropped_total=lambda: self.spool.state.dropped_total,
+            local_clients=self._local_clients,
+            records_dropped_total=lambda: self.batch.dropped_records_total,
+        )
+        self.metrics_port: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        assert self.xids is not None
+        self.xids.start()
+        if self.endpoint is not None:
+            self.endpoint.start()
+        if self.settings.metrics_port >= 0:
+            self.metrics = MetricsServer(self.metrics_source)
+            self.metrics_port = self.metrics.start(
+                self.settings.metrics_host, self.settings.metrics_port
+            )
+        self.reporter.start()
+        waiting, _ = self.spool.stats()
+        log.info(
+            "agent %s up: %d %s GPU(s), instance %s, next seq %d, %d report(s) spooled",
+            self.settings.node_name,
+            len(self.identity.gpus),
+            self.backend.kind,
+            self.spool.agent_instance,
+            self.spool.next_seq,
+            waiting,
+        )
+
+    def stop(self) -> None:
+        """Seal what is pending into the spool, give the reporter a moment, release all."""
+        self._stopping.set()
+        if self.endpoint is not None:
+            self.endpoint.stop()
+        if self.xids is not None:
+            self.xids.stop()
+        try:
+            self.flush()
+        except Exception:
+            log.exception("final flush failed; the journal keeps the data for the next start")
+        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
+        self.reporter.wake()
+        while self.spool.stats()[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.reporter.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+        self.batch.close()
+        self.backend.shutdown()
+        log.info("agent stopped; %d report(s) left in the spool", self.spool.stats()[0])
+
+    def request_report(self, why: str) -> None:
+        """Report at once (rate-limited), e.g. after a fatal-looking event."""
+        log.info("urgent report: %s", why)
+        self._urgent.set()
+        self._wake.set()
+
+    # ------------------------------------------------------------------ ticks
+
+    def sample(self) -> NodeSample:
+        if self._fault_file is not None and isinstance(self.backend.api, SimNvml):
+            for fault in self._fault_file.poll():
+                due = self.backend.api.inject(fault)
+                log.warning("simulated fault injected: %s", due.to_spec())
+        gpus = self.sampler.sample()
+        power_w, source = self.node_power.node_power(gpus)
+        sample = NodeSample(
+            time_unix_s=time.time(), gpus=gpus, node_power_w=power_w, node_power_source=source
+        )
+        self.batch.add_sample(sample)
+        self.metrics_source.latest = sample
+        return sample
+
+    def flush(self) -> int:
+        """Seal the batch into the next spooled report; returns its seq."""
+        with self.batch.lock:
+            contents = self.batch.peek()
+
+            def build(seq: int, dropped_total: int) -> Report:
+                return Report(
+                    node=self.identity,
+                    agent_instance=self.spool.agent_instance,
+                    seq=seq,
+                    sent_unix_s=time.time(),
+                    sample_interval_s=self.settings.sample_interval_s,
+                    samples=contents.samples,
+                    job=contents.records,
+                    command_acks=contents.acks,
+                    spool_dropped_total=dropped_total,
+                )
+
+            seq = self.spool.append(build)
+            self.batch.reset(self.spool.next_seq)
+        self.reporter.wake()
+        return seq
+
+    def run_until(self, stop: threading.Event) -> None:
+        """The main loop; returns when ``stop`` is set."""
+        s = self.settings
+        next_sample = time.monotonic()
+        next_report = next_sample + s.report_interval_s
+
+        def wake_on_stop() -> None:
+            stop.wait()
+            self._wake.set()
+
+        stop_watcher = threading.Thread(target=wake_on_stop, name="stop-watch", daemon=True)
+        stop_watcher.start()
+        while not stop.is_set():
+            now = time.monotonic()
+            urgent = self._urgent.is_set() and now - self._last_urgent >= MIN_URGENT_GAP_S
+            if now >= next_sample or urgent:
+                self._guarded("sample", self.sample)
+                next_sample = max(next_sample + s.sample_interval_s, now + s.sample_interval_s / 2)
+            if now >= next_report or urgent:
+                if urgent:
+                    self._urgent.clear()
+                    self._last_urgent = now
+                self._guarded("report", self.flush)
+                next_report = now + s.report_interval_s
+            self._wake.clear()
+            timeout = min(next_sample, next_report) - time.monotonic()
+            if self._urgent.is_set():
+                timeout = min(timeout, self._last_urgent + MIN_URGENT_GAP_S - time.monotonic())
+            if timeout > 0:
+                self._wake.wait(timeout)
+
+    def _guarded(self, what: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("%s tick failed; continuing", what)
+
+    # ------------------------------------------------------------------ callbacks
+
+    def _on_xid(self, event: XidEvent) -> None:
+        if event.gpu_index is not None:
+            self.stats.count_xid(event.gpu_index, event.code)
+        self.request_report(f"XID {event.code} on GPU {event.gpu_index}")
+
+    def _on_ecc(self, event: EccEvent) -> None:
+        # An uncorrectable error is a fault the controller must see now, not at the next
+        # report; corrected ones only move counters the next sample carries anyway.
+        if event.uncorrectable:
+            self.request_report(f"uncorrectable ECC error on GPU {event.gpu_index}")
+
+    def _on_records(self, session: Session, records: JobRecords, size_bytes: int) -> None:
+        full = self.batch.add_records(records, size_bytes)
+        exited = [e for e in records.rank_events if e.kind == "exited"]
+        if exited:
+            self.request_report(f"rank {exited[0].rank} of job {exited[0].job} exited")
+        elif records.inflight:
+            self.request_report(f"in-flight collective reported by job {records.inflight[0].job}")
+        elif full:
+            self.request_report("job records batch is large")
+
+    def _local_clients(self) -> int:
+        if self.endpoint is None:
+            return 0
+        return sum(1 for s in self.endpoint.sessions() if s.disconnected_unix_s is None)
+
+    def _relay(self, cmd: JobCommand) -> int:
+        return self.endpoint.enqueue(cmd) if self.endpoint is not None else 0
+
+    def _on_ack(self, ack: CommandAck) -> None:
+        self.stats.count_command(ack.status.value)
+        self.batch.add_ack(ack)
+        if not self._stopping.is_set():
+            self._urgent.set()  # acks close the controller's command loop; send them soon
+            self._wake.set()
+
+    def _on_reply(self, reply: ReportReply) -> None:
+        if reply.commands and self.executor is not None:
+            self.executor.handle(reply.commands)
+
+
+def _configure_logging(level: str) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(
+            level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+
+
+def run(settings: AgentSettings) -> None:
+    """Run the agent until SIGINT or SIGTERM; raises :class:`~agents.errors.AgentError`."""
+    _configure_logging(settings.log_level)
+    stop = threading.Event()
+    agent = Agent(settings)
+
+    def _on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, _on_signal)
+    try:
+        agent.start()
+        agent.run_until(stop)
+    finally:
+        agent.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+__all__ = ["Agent", "run"]

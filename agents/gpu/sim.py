@@ -1,0 +1,412 @@
+"""A simulated NVML with pynvml's function names, units, return types and error classes.
+
+The agent's sampler and command executor call whatever object they are given exactly as
+they would call the ``pynvml`` module, so the simulated backend exercises the one code path
+that runs on real GPUs. Units follow NVML: power and limits in mW, energy in mJ, clocks in
+MHz, temperatures in °C, memory in bytes. Errors are ``pynvml.NVMLError`` subclasses built
+from the real codes (``NVML_ERROR_GPU_IS_LOST``, ``NVML_ERROR_NO_PERMISSION``,
+``NVML_ERROR_INVALID_ARGUMENT``, ``NVML_ERROR_TIMEOUT`` from an empty event wait, ...).
+Struct-returning calls return pynvml's own ctypes structures, so fields such as ``busId``
+read exactly as they do from the driver.
+
+Scripted faults (:mod:`agents.gpu.faults`) run on the simulator's clock, which starts at
+the first ``nvmlInit``. Without faults the load follows :func:`sim_model.utilization_pct`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pynvml
+
+from agents.gpu.faults import FaultSpec
+from agents.gpu.sim_events import (
+    ScheduledEvent,
+    SimEventData,
+    SimEventSet,
+    SimEventsMixin,
+    SimHandle,
+)
+from agents.gpu.sim_events import (
+    sim_error as _error,
+)
+from agents.gpu.sim_model import GpuState, SimGpuModel, gpu_state, utilization_pct
+
+#: XID the driver logs with a double-bit (uncorrectable) ECC error.
+XID_DOUBLE_BIT_ECC = 48
+#: Energy integration step (s): fine enough that Δenergy/Δt matches the reported power.
+_ENERGY_STEP_S = 0.05
+
+
+@dataclass(slots=True)
+class _Gpu:
+    index: int
+    uuid: str
+    pci_bus_id: str
+    power_limit_mw: int
+    locked_clocks_mhz: tuple[int, int] | None = None
+    energy_mj: float = 0.0
+    energy_t_s: float = 0.0
+
+
+class SimNvml(SimEventsMixin):
+    """``pynvml``-compatible simulated driver for ``gpu_count`` boards.
+
+    ``no_permission`` makes every ``nvmlDeviceSet*`` call raise NO_PERMISSION, as an
+    unprivileged agent sees on a real node; ``unsupported`` names functions that raise
+    NOT_SUPPORTED (a PCIe card has no NVLink, say); ``missing`` names functions that raise
+    FUNCTION_NOT_FOUND (an older driver); ``utilization_pct`` pins the load; ``identity``
+    (the node name) keeps UUIDs and load distinct between simulated nodes.
+    """
+
+    def __init__(
+        self,
+        *,
+        gpu_count: int = 8,
+        seed: int = 0,
+        identity: str = "",
+        faults: Iterable[FaultSpec] = (),
+        clock: Callable[[], float] = time.monotonic,
+        no_permission: bool = False,
+        unsupported: Iterable[str] = (),
+        missing: Iterable[str] = (),
+        utilization_pct: int | None = None,
+        model: SimGpuModel | None = None,
+    ) -> None:
+        self.model = model or SimGpuModel()
+        self.seed = seed
+        # Mixing the node's identity in keeps GPU UUIDs and load traces distinct between
+        # simulated nodes that share a seed (the controller keys GPUs by UUID).
+        self._key = f"{identity}:{seed}" if identity else str(seed)
+        self.faults = tuple(faults)
+        self.no_permission = no_permission
+        self.unsupported = frozenset(unsupported)
+        self.missing = frozenset(missing)
+        self.fixed_utilization_pct = utilization_pct
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._refcount = 0
+        self._t0: float | None = None
+        rng = random.Random(f"sim-nvml:{self._key}")
+        self._gpus = [
+            _Gpu(
+                index=i,
+                uuid=f"GPU-{uuid.UUID(int=rng.getrandbits(128), version=4)}",
+                pci_bus_id=f"00000000:{0x18 + 0x10 * i:02X}:00.0",
+                power_limit_mw=self.model.power_limit_default_mw,
+            )
+            for i in range(gpu_count)
+        ]
+        self._handles = [SimHandle(i) for i in range(gpu_count)]
+        self._events: list[ScheduledEvent] = []
+        self._schedule(self.faults)
+
+    def _schedule(self, faults: Iterable[FaultSpec]) -> None:
+        events = list(self._events)
+        for fault in faults:
+            # (event type, event data) the driver delivers for this fault. Like the real
+            # driver, an uncorrectable ECC error is both a double-bit ECC event and XID 48;
+            # a correctable one is a single-bit ECC event (event data 0 for both kinds).
+            due: list[tuple[int, int]] = []
+            if fault.kind == "xid":
+                due.append((pynvml.nvmlEventTypeXidCriticalError, fault.xid_code))
+            elif fault.kind == "ecc":
+                if fault.ecc_uncorrected:
+                    due.append((pynvml.nvmlEventTypeDoubleBitEccError, 0))
+                    due.append((pynvml.nvmlEventTypeXidCriticalError, XID_DOUBLE_BIT_ECC))
+                if fault.ecc_corrected:
+                    due.append((pynvml.nvmlEventTypeSingleBitEccError, 0))
+            for event_type, data in due:
+                events.append(ScheduledEvent(len(events), fault.gpu, fault.at_s, event_type, data))
+        self._events = sorted(events, key=lambda e: (e.at_s, e.ident))
+
+    def inject(self, fault: FaultSpec) -> FaultSpec:
+        """Add a fault while the driver runs, ``fault.at_s`` seconds from now (chaos drills
+        on the simulated cluster); returns it with its time on the driver's clock."""
+        if not 0 <= fault.gpu < len(self._gpus):
+            raise ValueError(f"gpu {fault.gpu} out of range (the node has {len(self._gpus)})")
+        with self._lock:
+            due = dataclasses.replace(fault, at_s=self.now_s() + fault.at_s)
+            self.faults = (*self.faults, due)
+            self._schedule([due])
+        return due
+
+    # ------------------------------------------------------------------ helpers
+
+    def now_s(self) -> float:
+        """Simulated time: seconds since the first ``nvmlInit`` (0 before it)."""
+        return 0.0 if self._t0 is None else self._clock() - self._t0
+
+    def _check(self, name: str) -> None:
+        if self._refcount <= 0:
+            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+        if name in self.missing:
+            raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        if name in self.unsupported:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def _gpu(self, handle: Any, name: str) -> _Gpu:
+        self._check(name)
+        if not isinstance(handle, SimHandle) or not 0 <= handle.index < len(self._gpus):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if self._is_lost(handle.index, self.now_s()):
+            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return self._gpus[handle.index]
+
+    def _is_lost(self, gpu: int, t_s: float) -> bool:
+        return any(f.kind == "lost" and f.gpu == gpu and t_s >= f.at_s for f in self.faults)
+
+    def _thermal_elapsed(self, gpu: int, t_s: float) -> float | None:
+        for f in self.faults:
+            if f.kind == "thermal" and f.gpu == gpu and f.at_s <= t_s < f.at_s + f.duration_s:
+                return t_s - f.at_s
+        return None
+
+    def _state(self, gpu: _Gpu, t_s: float) -> GpuState:
+        util = self.fixed_utilization_pct
+        if util is None:
+            util = utilization_pct(self.model, seed=self._key, gpu=gpu.index, t_s=t_s)
+        locked = gpu.locked_clocks_mhz[1] if gpu.locked_clocks_mhz else None
+        return gpu_state(
+            self.model,
+            utilization=util,
+            power_limit_w=gpu.power_limit_mw / 1000.0,
+            locked_max_mhz=locked,
+            thermal_elapsed_s=self._thermal_elapsed(gpu.index, t_s),
+            seed=self._key,
+            gpu=gpu.index,
+            t_s=t_s,
+        )
+
+    def _advance_energy(self, gpu: _Gpu, t_s: float) -> None:
+        """Integrate power up to ``t_s`` (left Riemann sum on a fine grid)."""
+        t = gpu.energy_t_s
+        while t < t_s:
+            step = min(_ENERGY_STEP_S, t_s - t)
+            gpu.energy_mj += self._state(gpu, t).power_w * step * 1000.0
+            t += step
+        gpu.energy_t_s = max(gpu.energy_t_s, t_s)
+
+    def _setter(self, handle: Any, name: str) -> _Gpu:
+        gpu = self._gpu(handle, name)
+        if self.no_permission:
+            raise _error(pynvml.NVML_ERROR_NO_PERMISSION)
+        # Settings change power from now on; bank the energy drawn under the old ones.
+        self._advance_energy(gpu, self.now_s())
+        return gpu
+
+    # ------------------------------------------------------------------ library
+
+    def nvmlInit(self) -> None:
+        self.nvmlInitWithFlags(0)
+
+    def nvmlInitWithFlags(self, flags: int) -> None:
+        with self._lock:
+            if self._t0 is None:
+                self._t0 = self._clock()
+            self._refcount += 1
+
+    def nvmlShutdown(self) -> None:
+        with self._lock:
+            self._check("nvmlShutdown")
+            self._refcount -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._check("nvmlSystemGetDriverVersion")
+        return "sim-550.54.15"
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._check("nvmlDeviceGetCount")
+        return len(self._gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> SimHandle:
+        self._check("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self._handles):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._handles[index]
+
+    # ------------------------------------------------------------------ identity
+
+    def nvmlDeviceGetIndex(self, handle: Any) -> int:
+        return self._gpu(handle, "nvmlDeviceGetIndex").index
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        return self._gpu(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetName(self, handle: Any) -> str:
+        self._gpu(handle, "nvmlDeviceGetName")
+        return self.model.name
+
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
+        gpu = self._gpu(handle, "nvmlDeviceGetPciInfo")
+        info = pynvml.nvmlPciInfo_t()
+        info.busId = gpu.pci_bus_id.encode()
+        info.busIdLegacy = gpu.pci_bus_id.encode()
+        info.domain, info.bus, info.device = 0, 0x18 + 0x10 * gpu.index, 0
+        info.pciDeviceId = 0x233010DE
+        return info
+
+    # ------------------------------------------------------------------ power
+
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+        with self._lock:
+            gpu = self._gpu(handle, "nvmlDeviceGetPowerUsage")
+            return int(self._state(gpu, self.now_s()).power_w * 1000)
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
+        with self._lock:
+            gpu = self._gpu(handle, "nvmlDeviceGetTotalEnergyConsumption")
+            self._advance_energy(gpu, self.now_s())
+            return int(gpu.energy_mj)
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
+        return self._gpu(handle, "nvmlDeviceGetEnforcedPowerLimit").power_limit_mw
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: Any) -> int:
+        return self._gpu(handle, "nvmlDeviceGetPowerManagementLimit").power_limit_mw
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: Any) -> list[int]:
+        self._gpu(handle, "nvmlDeviceGetPowerManagementLimitConstraints")
+        return [self.model.power_limit_min_mw, self.model.power_limit_max_mw]
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: Any) -> int:
+        self._gpu(handle, "nvmlDeviceGetPowerManagementDefaultLimit")
+        return self.model.power_limit_default_mw
+
+    def nvmlDeviceSetPowerManagementLimit(self, handle: Any, limit: int) -> None:
+        with self._lock:
+            gpu = self._setter(handle, "nvmlDeviceSetPowerManagementLimit")
+            if not self.model.power_limit_min_mw <= limit <= self.model.power_limit_max_mw:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            gpu.power_limit_mw = int(limit)
+
+    # ------------------------------------------------------------------ clocks, thermals
+
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        with self._lock:
+            gpu = self._gpu(handle, "nvmlDeviceGetTemperature")
+            if sensor != pynvml.NVML_TEMPERATURE_GPU:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            return int(self._state(gpu, self.now_s()).temperature_c)
+
+    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int:
+        with self._lock:
+            gpu = self._gpu(handle, "nvmlDeviceGetClockInfo")
+            state = self._state(gpu, self.now_s())
+            if type in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
+                return state.sm_clock_mhz
+            if type == pynvml.NVML_CLOCK_MEM:
+                return state.mem_clock_mhz
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: Any, type: int) -> int:
+        self._gpu(handle, "nvmlDeviceGetMaxClockInfo")
+        if type in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
+            return self.model.sm_clock_max_mhz
+        if type == pynvml.NVML_CLOCK_MEM:
+            return self.model.mem_clock_max_mhz
+        raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceSetGpuLockedClocks(
+        self, handle: Any, minGpuClockMHz: int, maxGpuClockMHz: int
+    ) -> None:
+        with self._lock:
+            gpu = self._setter(handle, "nvmlDeviceSetGpuLockedClocks")
+            if not 0 < minGpuClockMHz <= maxGpuClockMHz:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            top = min(maxGpuClockMHz, self.model.sm_clock_max_mhz)
+            gpu.locked_clocks_mhz = (min(minGpuClockMHz, top), top)
+
+    def nvmlDeviceResetGpuLockedClocks(self, handle: Any) -> None:
+        with self._lock:
+            self._setter(handle, "nvmlDeviceResetGpuLockedClocks").locked_clocks_mhz = None
+
+    def _clock_reasons(self, handle: Any, name: str) -> int:
+        with self._lock:
+            return self._state(self._gpu(handle, name), self.now_s()).throttle_mask
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+        return self._clock_reasons(handle, "nvmlDeviceGetCurrentClocksEventReasons")
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any) -> int:
+        return self._clock_reasons(handle, "nvmlDeviceGetCurrentClocksThrottleReasons")
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        with self._lock:
+            state = self._state(self._gpu(handle, "nvmlDeviceGetUtilizationRates"), self.now_s())
+            return pynvml.c_nvmlUtilization_t(
+                gpu=state.utilization_gpu_pct, memory=state.utilization_mem_pct
+            )
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        with self._lock:
+            state = self._state(self._gpu(handle, "nvmlDeviceGetMemoryInfo"), self.now_s())
+            total = self.model.memory_total_bytes
+            used = state.memory_used_bytes
+            return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
+
+    # ------------------------------------------------------------------ health counters
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: Any, errorType: int, counterType: int) -> int:
+        gpu = self._gpu(handle, "nvmlDeviceGetTotalEccErrors")
+        if counterType not in (pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        t_s = self.now_s()
+        due = [f for f in self.faults if f.kind == "ecc" and f.gpu == gpu.index and f.at_s <= t_s]
+        if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
+            return sum(f.ecc_corrected for f in due)
+        if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+            return sum(f.ecc_uncorrected for f in due)
+        raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
+        self._gpu(handle, "nvmlDeviceGetCurrPcieLinkGeneration")
+        return self.model.pcie_gen_max
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
+        self._gpu(handle, "nvmlDeviceGetCurrPcieLinkWidth")
+        return self.model.pcie_width_max
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
+        self._gpu(handle, "nvmlDeviceGetMaxPcieLinkGeneration")
+        return self.model.pcie_gen_max
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int:
+        self._gpu(handle, "nvmlDeviceGetMaxPcieLinkWidth")
+        return self.model.pcie_width_max
+
+    def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
+        self._gpu(device, "nvmlDeviceGetNvLinkState")
+        if not 0 <= link < pynvml.NVML_NVLINK_MAX_LINKS:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if link >= self.model.nvlink_count:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(pynvml.NVML_FEATURE_ENABLED)
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, device: Any, link: int, counter: int) -> int:
+        self.nvmlDeviceGetNvLinkState(device, link)
+        if not 0 <= counter < pynvml.NVML_NVLINK_ERROR_COUNT:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return 0
+
+
+def sim_nvml_function_names() -> list[str]:
+    """Every pynvml-named function the simulator implements (pinned by a test)."""
+    return sorted(n for n in dir(SimNvml) if n.startswith("nvml") and callable(getattr(SimNvml, n)))
+
+
+__all__ = [
+    "XID_DOUBLE_BIT_ECC",
+    "SimEventData",
+    "SimEventSet",
+    "SimHandle",
+    "SimNvml",
+    "sim_nvml_function_names",
+]

@@ -1,0 +1,421 @@
+"""The agent's Unix socket for job-side code (framing: :mod:`trainguard.framing`).
+
+A client says ``hello`` (job, rank, pid) once, then sends ``records`` batches; every frame
+gets exactly one ``reply`` carrying the job commands queued for that client. A frame that
+is valid framing but not a valid message gets ``ok=false`` with a one-line error and the
+connection stays; broken framing (oversized or truncated) ends the connection, because
+the byte stream can no longer be trusted.
+
+The socket is created ``0o660`` (owner and group: the training pods' group, not the world),
+a stale socket left by a crashed agent is replaced, a live one is refused, and the file is
+removed on shutdown.
+
+A rank that exits cleanly says so before its connection closes (an ``exited`` rank event,
+or a last frame with ``closing=True`` when it stops instrumenting). A rank killed from
+outside (SIGKILL, the OOM killer) can say nothing: its connection just closes, and its
+peers then fail inside their next collective and report *that*, which would blame them.
+So a client that disconnects without either is checked ``VANISH_GRACE_S`` later: if its
+process is gone (no ``/proc/<pid>``, or a zombie) or cannot be seen, and it did not
+reconnect meanwhile, the endpoint reports an ``exited`` event for it on its behalf, with
+``disconnected=True`` and no exit code or signal (they are unknown), stamped with the
+disconnect time on this node's clock. A live process that merely dropped its connection
+(a timeout on a wedged agent) is not reported; it reconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import TypeAdapter, ValidationError
+
+from agents.errors import ListenError
+from trainguard.framing import FrameError, encode_frame, read_frame
+from trainguard.wire import (
+    Command,
+    JobCommand,
+    JobRecords,
+    LocalHello,
+    LocalMessage,
+    LocalRecords,
+    LocalReply,
+    RankEvent,
+)
+
+log = logging.getLogger(__name__)
+
+_MESSAGE = TypeAdapter(LocalMessage)
+SOCKET_MODE = 0o660
+#: Concurrent clients; a node runs one per rank (8-ish) plus launchers.
+MAX_CLIENTS = 256
+#: Commands queued per client before the oldest are dropped (a client that never asks).
+MAX_QUEUED_COMMANDS = 64
+#: Closed sessions remembered for inspection.
+CLOSED_SESSIONS_KEPT = 256
+#: Seconds between a client's unannounced disconnect and the check whether its process is
+#: gone: lets a dying process become a zombie (its sockets close before it does) and a
+#: merely disconnected client reconnect, while the peers' collateral exits still wait for
+#: this report (the controller waits 10 s for it).
+VANISH_GRACE_S = 1.0
+
+RecordsSink = Callable[["Session", JobRecords, int], None]
+
+
+@dataclass(slots=True)
+class Session:
+    """One client connection, kept after it closes as a record of who talked to us."""
+
+    conn_id: int
+    connected_unix_s: float
+    #: Kernel-reported peer (SO_PEERCRED); the hello's pid may differ across PID namespaces.
+    peer_pid: int | None = None
+    peer_uid: int | None = None
+    hello: LocalHello | None = None
+    frames: int = 0
+    bad_frames: int = 0
+    disconnected_unix_s: float | None = None
+    close_reason: str = ""
+    #: The client sent an ``exited`` rank event or a ``closing`` frame: a clean goodbye.
+    said_goodbye: bool = False
+    #: The endpoint reported this client's rank as vanished (an exit with unknown cause).
+    reported_vanished: bool = False
+    queued: deque[Command] = field(default_factory=lambda: deque(maxlen=MAX_QUEUED_COMMANDS))
+
+
+def _one_line(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "frame"
+    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{loc}: {err['msg']}{more}"
+
+
+def _remove_stale_socket(path: Path) -> None:
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ListenError(
+            f"socket_path {path} exists and is not a socket; remove it or pick another path"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            log.info("replacing stale socket %s left by a previous agent", path)
+            path.unlink(missing_ok=True)
+            return
+        raise ListenError(f"socket_path {path}: cannot probe it ({exc})") from None
+    finally:
+        probe.close()
+    raise ListenError(f"another agent is listening on {path}; stop it or set another socket_path")
+
+
+class LocalEndpoint:
+    """Threaded server: one accept thread, one thread per client."""
+
+    def __init__(
+        self, path: Path, *, on_records: RecordsSink, vanish_grace_s: float = VANISH_GRACE_S
+    ) -> None:
+        self.path = path
+        self._on_records = on_records
+        self.vanish_grace_s = vanish_grace_s
+        self._lock = threading.Lock()
+        self._sessions: dict[int, Session] = {}
+        self._conns: dict[int, socket.socket] = {}
+        self._closed: deque[Session] = deque(maxlen=CLOSED_SESSIONS_KEPT)
+        self._server: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._next_id = 0
+        self._inode: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        _remove_stale_socket(self.path)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # no window where the socket is world-accessible
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            server.bind(str(self.path))
+            os.chmod(self.path, SOCKET_MODE)
+        except OSError as exc:
+            server.close()
+            raise ListenError(f"socket_path {self.path}: cannot create it ({exc})") from None
+        finally:
+            os.umask(old_umask)
+        self._inode = self.path.stat().st_ino
+        server.listen(64)
+        server.settimeout(0.2)
+        self._server = server
+        self._thread = threading.Thread(target=self._accept_loop, name="local-accept", daemon=True)
+        self._thread.start()
+        log.info("local endpoint listening on %s", self.path)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._server is not None:
+            self._server.close()
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            if self._inode is not None and self.path.stat().st_ino == self._inode:
+                self.path.unlink()  # only our own socket, not a successor's
+
+    # ------------------------------------------------------------------ sessions
+
+    def sessions(self) -> list[Session]:
+        """Live sessions first, then recently closed ones."""
+        with self._lock:
+            return list(self._sessions.values()) + list(self._closed)
+
+    def enqueue(self, cmd: JobCommand) -> int:
+        """Queue a job command for every connected client of its job; returns how many."""
+        with self._lock:
+            targets = [s for s in self._sessions.values() if s.hello and s.hello.job == cmd.job]
+            for session in targets:
+                session.queued.append(cmd)
+        return len(targets)
+
+    # ------------------------------------------------------------------ serving
+
+    def _accept_loop(self) -> None:
+        assert self._server is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("local endpoint accept failed: %s", exc)
+                time.sleep(0.1)
+                continue
+            with self._lock:
+                if len(self._sessions) >= MAX_CLIENTS:
+                    full = True
+                else:
+                    full = False
+                    self._next_id += 1
+                    session = Session(self._next_id, time.time(), *_peer_credentials(conn))
+                    self._sessions[session.conn_id] = session
+                    self._conns[session.conn_id] = conn
+            if full:
+                self._send(conn, LocalReply(ok=False, error=f"agent has {MAX_CLIENTS} clients"))
+                conn.close()
+                continue
+            conn.settimeout(None)
+            threading.Thread(
+                target=self._serve,
+                args=(conn, session),
+                name=f"local-{session.conn_id}",
+                daemon=True,
+            ).start()
+
+    def _send(self, conn: socket.socket, reply: LocalReply) -> bool:
+        try:
+            conn.sendall(encode_frame(reply.model_dump_json().encode()))
+            return True
+        except (OSError, FrameError):
+            return False
+
+    def _serve(self, conn: socket.socket, session: Session) -> None:
+        reason = "closed by client"
+        try:
+            while not self._stop.is_set():
+                try:
+                    payload = read_frame(conn)
+                except FrameError as exc:
+                    if "closed" not in str(exc):
+                        session.bad_frames += 1
+                        self._send(conn, LocalReply(ok=False, error=f"framing error: {exc}"))
+                        log.warning("local client %d: %s; dropping it", session.conn_id, exc)
+                    reason = str(exc)
+                    return
+                except OSError as exc:
+                    reason = f"socket error: {exc}"
+                    return
+                session.frames += 1
+                if not self._send(conn, self._reply(session, payload)):
+                    reason = "client went away before the reply"
+                    return
+        finally:
+            conn.close()
+            session.disconnected_unix_s = time.time()
+            session.close_reason = "agent stopping" if self._stop.is_set() else reason
+            with self._lock:
+                self._sessions.pop(session.conn_id, None)
+                self._conns.pop(session.conn_id, None)
+                self._closed.append(session)
+            if session.hello is not None and not session.said_goodbye and not self._stop.is_set():
+                timer = threading.Timer(self.vanish_grace_s, self._check_vanished, (session,))
+                timer.daemon = True
+                timer.start()
+
+    def _check_vanished(self, session: Session) -> None:
+        """Report the rank of a client that left without a goodbye, if its process is gone."""
+        hello = session.hello
+        if hello is None or self._stop.is_set():
+            return
+        with self._lock:
+            back = any(
+                s.hello is not None
+                and (s.hello.job, s.hello.rank, s.hello.pid) == (hello.job, hello.rank, hello.pid)
+                for s in self._sessions.values()
+            )
+        if back:
+            return  # the same process reconnected: it only lost its connection
+        state = process_state(session.peer_pid)
+        if state == "alive":
+            log.info(
+                "local client %d (job %s rank %d) disconnected without an exit record; its "
+                "process %s is alive",
+                session.conn_id,
+                hello.job,
+                hello.rank,
+                session.peer_pid,
+            )
+            return
+        session.reported_vanished = True
+        seen = "is gone" if state == "gone" else "cannot be seen from the agent"
+        log.warning(
+            "job %s rank %d (pid %d) vanished: its connection closed without an exit record "
+            "and its process %s; reporting it as exited (cause unknown)",
+            hello.job,
+            hello.rank,
+            hello.pid,
+            seen,
+        )
+        event = RankEvent(
+            job=hello.job,
+            rank=hello.rank,
+            kind="exited",
+            pid=hello.pid,
+            time_unix_s=session.disconnected_unix_s or time.time(),
+            local_rank=hello.local_rank,
+            gpu_index=hello.gpu_index,
+            world_size=hello.world_size,
+            error=(
+                f"rank process vanished without an exit record (process {seen}): "
+                "killed from outside? (SIGKILL, the OOM killer)"
+            ),
+            disconnected=True,
+        )
+        try:
+            self._on_records(session, JobRecords(rank_events=[event]), 0)
+        except Exception:  # a timer thread: log, never raise
+            log.exception("could not report vanished rank %d of job %s", hello.rank, hello.job)
+
+    def _reply(self, session: Session, payload: bytes) -> LocalReply:
+        try:
+            message = _MESSAGE.validate_python(json.loads(payload))
+        except (ValueError, ValidationError) as exc:
+            session.bad_frames += 1
+            error = _one_line(exc) if isinstance(exc, ValidationError) else f"not JSON: {exc}"
+            return LocalReply(ok=False, error=f"invalid frame: {error}"[:500])
+        if isinstance(message, LocalHello):
+            if session.hello is not None:
+                session.bad_frames += 1
+                return LocalReply(ok=False, error="hello already received on this connection")
+            session.hello = message
+            log.info(
+                "local client %d: job %s rank %d pid %d",
+                session.conn_id,
+                message.job,
+                message.rank,
+                message.pid,
+            )
+            return LocalReply(ok=True)
+        assert isinstance(message, LocalRecords)
+        if session.hello is None:
+            session.bad_frames += 1
+            return LocalReply(ok=False, error="send a hello frame before records")
+        foreign = _foreign_job(message.records, session.hello.job)
+        if foreign is not None:
+            session.bad_frames += 1
+            return LocalReply(
+                ok=False,
+                error=f"records for job {foreign!r} on a connection of job {session.hello.job!r}",
+            )
+        if message.closing or any(e.kind == "exited" for e in message.records.rank_events):
+            session.said_goodbye = True
+        self._on_records(session, message.records, len(payload))
+        with self._lock:
+            commands = list(session.queued)
+            session.queued.clear()
+        return LocalReply(ok=True, commands=commands)
+
+
+def _peer_credentials(conn: socket.socket) -> tuple[int | None, int | None]:
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):  # not Linux
+        return None, None
+    pid, uid, _gid = struct.unpack("3i", raw)
+    return pid, uid
+
+
+def process_state(pid: int | None) -> str:
+    """``alive``, ``gone`` (no such process, or a zombie) or ``unknown`` (pid not visible)."""
+    if pid is None or pid <= 0:  # SO_PEERCRED gives 0 for a peer in an invisible pid namespace
+        return "unknown"
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return "gone"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "gone"
+        except OSError:
+            return "alive"  # exists, not ours to signal
+        return "alive"
+    # "pid (comm) S ...": comm may hold spaces and parentheses; the state follows the last ")".
+    state = stat_line.rpartition(")")[2].split()[:1]
+    return "gone" if state and state[0] in ("Z", "X", "x") else "alive"
+
+
+def _foreign_job(records: JobRecords, job: str) -> str | None:
+    for group in (
+        records.steps,
+        records.inflight,
+        records.rank_events,
+        records.checkpoints,
+        records.probes,
+    ):
+        for record in group:
+            if record.job != job:
+                return record.job
+    return None
+
+
+__all__ = [
+    "MAX_CLIENTS",
+    "SOCKET_MODE",
+    "VANISH_GRACE_S",
+    "LocalEndpoint",
+    "Session",
+    "process_state",
+]

@@ -1,0 +1,262 @@
+"""Sending spooled reports to the controller, oldest first, until each is acknowledged.
+
+One thread, one request in flight, so reports arrive in seq order. Outcomes:
+
+* 200 with a valid :class:`~trainguard.wire.ReportReply` for this seq (``duplicate`` or
+  not): the report is delivered; delete it from the spool, hand the reply's commands on.
+* 408, 429, 5xx, timeouts, refused or dropped connections: the controller is busy or away;
+  retry the same report after an exponential backoff with full jitter (AWS architecture
+  blog, "Exponential Backoff and Jitter"): ``uniform(0, min(cap, base * 2**failures))``, at
+  least ``Retry-After`` when the server sends one. Full jitter spreads 2,000 agents that
+  lost the controller at the same moment over the whole window instead of in waves.
+* 401, 403, 404: the agent is misconfigured (token, role or URL), the report itself is
+  fine; keep it, log once, retry with the capped backoff so fixing the controller's token
+  list brings everything in.
+* any other 4xx (400, 413, 422, ...): the report itself is bad and would fail forever;
+  move it to ``rejected/`` with the reason, log once, go on with the next one.
+
+The bearer token is sent in a header and never logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+from pydantic import TypeAdapter, ValidationError
+
+from agents.spool import Spool
+from agents.stats import AgentStats
+from trainguard.wire import API_PREFIX, Command, ReportReply
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["delivered", "retry", "config", "rejected"]
+
+_RETRY_STATUSES = frozenset({408, 425, 429})
+_CONFIG_STATUSES = frozenset({401, 403, 404})
+
+
+@dataclass(kw_only=True, slots=True)
+class BackoffPolicy:
+    """Delays between failed attempts (full jitter)."""
+
+    #: First retry waits up to this long (s).
+    base_s: float = 0.5
+    #: No wait exceeds this (s); 30 s keeps a recovered controller's catch-up quick.
+    max_s: float = 30.0
+    #: Floor so a zero draw does not hammer a struggling server.
+    min_s: float = 0.05
+
+    def delay_s(
+        self, failures: int, rng: random.Random, retry_after_s: float | None = None
+    ) -> float:
+        ceiling = min(self.max_s, self.base_s * 2 ** min(failures, 30))
+        delay = max(self.min_s, rng.uniform(0, ceiling))
+        if retry_after_s is not None:
+            delay = max(delay, min(retry_after_s, self.max_s))
+        return delay
+
+
+def classify(status: int) -> Outcome:
+    if status == 200:
+        return "delivered"
+    if status in _RETRY_STATUSES or status >= 500:
+        return "retry"
+    if status in _CONFIG_STATUSES:
+        return "config"
+    return "rejected"
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        detail = body.get("detail") if isinstance(body, dict) else None
+        text = str(detail) if detail is not None else response.text
+    except ValueError:
+        text = response.text
+    return " ".join(text.split())[:300]
+
+
+_COMMAND = TypeAdapter(Command)
+
+
+def parse_reply(body: bytes) -> tuple[ReportReply, list[tuple[str, str]]]:
+    """The reply with the commands this agent understands, and (id, reason) for the rest.
+
+    Commands are validated one by one so that a newer controller's new command kind (or one
+    malformed command) costs that command, not the acknowledgement of the whole report,
+    which would otherwise be resent forever.
+    """
+    raw = json.loads(body)
+    if not isinstance(raw, dict):
+        raise ValueError("reply is not a JSON object")
+    raw_commands = raw.pop("commands", [])
+    reply = ReportReply.model_validate(raw)
+    invalid: list[tuple[str, str]] = []
+    for item in raw_commands if isinstance(raw_commands, list) else []:
+        try:
+            reply.commands.append(_COMMAND.validate_python(item))
+        except ValidationError as exc:
+            ident = item.get("id") if isinstance(item, dict) else None
+            kind = item.get("kind") if isinstance(item, dict) else None
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            reason = f"invalid {kind or 'command'} command: {where}: {err['msg']}"
+            invalid.append((str(ident)[:64] if isinstance(ident, str) and ident else "", reason))
+    return reply, invalid
+
+
+class Reporter:
+    """Drains the spool to ``POST {controller_url}/api/v1/reports`` on its own thread."""
+
+    def __init__(
+        self,
+        spool: Spool,
+        *,
+        controller_url: str,
+        token: str | None,
+        stats: AgentStats,
+        on_reply: Callable[[ReportReply], None],
+        timeout_s: float = 10.0,
+        backoff: BackoffPolicy | None = None,
+        transport: httpx.BaseTransport | None = None,
+        seed: int | None = None,
+        on_invalid_command: Callable[[str, str], object] | None = None,
+    ) -> None:
+        self._spool = spool
+        self._on_invalid_command = on_invalid_command
+        self._stats = stats
+        self._on_reply = on_reply
+        self._backoff = backoff or BackoffPolicy()
+        self._rng = random.Random(seed)
+        headers = {"User-Agent": "trainguard-agent"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._client = httpx.Client(
+            base_url=controller_url, headers=headers, timeout=timeout_s, transport=transport
+        )
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failures = 0
+        self._last_problem = ""
+        self.last_delay_s = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="reporter", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        """A new report is spooled (or the daemon wants a retry now)."""
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+        self._client.close()
+
+    # ------------------------------------------------------------------ one attempt
+
+    def send_oldest(self) -> Outcome | None:
+        """Try the oldest spooled report once; None when the spool is empty."""
+        item = self._spool.oldest()
+        if item is None:
+            return None
+        seq, body = item
+        try:
+            response = self._client.post(
+                f"{API_PREFIX}/reports",
+                content=body,
+                headers={"Content-Type": "application/json"},
+            )
+        except httpx.HTTPError as exc:
+            self._fail(f"controller unreachable ({type(exc).__name__}: {exc})")
+            return "retry"
+        outcome = classify(response.status_code)
+        if outcome == "delivered":
+            try:
+                reply, invalid = parse_reply(response.content)
+            except (ValueError, ValidationError) as exc:
+                self._fail(f"200 with an invalid ReportReply ({str(exc).splitlines()[0]})")
+                return "retry"
+            if reply.seq != seq:
+                self._fail(f"controller acknowledged seq {reply.seq} for report {seq}")
+                return "retry"
+            self._spool.acknowledge(seq)
+            self._stats.add("reports_sent_total")
+            self._stats.last_report_ok_unix_s = time.time()
+            if self._failures or self._last_problem:
+                log.info("controller reachable again; report %d delivered", seq)
+            self._failures, self._last_problem, self.last_delay_s = 0, "", 0.0
+            if reply.duplicate:
+                log.debug("report %d was already stored (duplicate)", seq)
+            for command_id, reason in invalid:
+                log.warning("controller sent a command this agent cannot run: %s", reason)
+                if command_id and self._on_invalid_command is not None:
+                    self._on_invalid_command(command_id, reason)
+            self._on_reply(reply)
+            return "delivered"
+        if outcome == "rejected":
+            reason = f"HTTP {response.status_code}: {_detail(response)}"
+            log.error("controller rejected report %d (%s); moved to rejected/", seq, reason)
+            self._spool.reject(seq, reason)
+            self._stats.add("reports_rejected_total")
+            return "rejected"
+        what = (
+            "check the agent token, its role and the controller URL"
+            if outcome == "config"
+            else "will retry"
+        )
+        self._fail(
+            f"HTTP {response.status_code} ({_detail(response)}); {what}",
+            retry_after_s=_retry_after(response),
+        )
+        return outcome
+
+    def _fail(self, problem: str, *, retry_after_s: float | None = None) -> None:
+        self._stats.add("report_failures_total")
+        self._failures += 1
+        self.last_delay_s = self._backoff.delay_s(self._failures, self._rng, retry_after_s)
+        if problem != self._last_problem:
+            # One line per kind of trouble, not one per retry.
+            log.warning("report delivery failed: %s", problem)
+            self._last_problem = problem
+
+    # ------------------------------------------------------------------ loop
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                outcome = self.send_oldest()
+            except Exception:
+                log.exception("reporter: unexpected error; backing off")
+                self._fail("unexpected error")
+                outcome = "retry"
+            if outcome is None:
+                self._wake.wait(timeout=1.0)
+            elif outcome in ("retry", "config"):
+                self._stop.wait(self.last_delay_s)
+
+
+__all__ = ["BackoffPolicy", "Reporter", "classify"]

@@ -1,0 +1,185 @@
+"""The agent's settings: one pydantic-settings class, env prefix ``TRAINGUARD_AGENT_``.
+
+Values come from keyword arguments (the CLI), then ``TRAINGUARD_AGENT_*`` environment
+variables, then defaults. :func:`load_settings` turns pydantic's multi-line validation
+report into one :class:`~agents.errors.AgentConfigError` line naming each bad field, which
+is what the CLI prints before exiting with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import warnings
+from pathlib import Path
+from typing import Annotated, Any
+
+import platformdirs
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from agents.errors import AgentConfigError
+from agents.gpu.backend import parse_gpus_setting
+from agents.gpu.faults import parse_fault_spec, split_fault_specs
+from trainguard.wire import NAME_PATTERN
+
+_NAME_RE = re.compile(NAME_PATTERN)
+#: sun_path is 108 bytes on Linux including the terminating NUL.
+_MAX_SOCKET_PATH_BYTES = 107
+
+
+def default_node_name() -> str:
+    """The hostname, lower-cased and squeezed into an RFC 1123 name."""
+    name = re.sub(r"[^a-z0-9.-]+", "-", socket.gethostname().lower()).strip("-.")
+    return name[:253] or "node"
+
+
+def default_socket_path() -> str:
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset and falls back to /tmp/runtime-<uid>,
+        # which is a fine place for the socket.
+        warnings.simplefilter("ignore")
+        runtime = platformdirs.user_runtime_dir("trainguard")
+    return str(Path(runtime) / "trainguard-agent.sock")
+
+
+class AgentSettings(BaseSettings):
+    """Everything the node agent daemon needs; see docs/agent.md for the why of each default."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TRAINGUARD_AGENT_", extra="forbid", validate_default=True
+    )
+
+    controller_url: str | None = Field(
+        default=None, description="Base URL of the controller, e.g. http://ctl:8470"
+    )
+    token: SecretStr | None = Field(default=None, description="Bearer token with the agent role")
+    node_name: str = Field(default_factory=default_node_name)
+    gpus: str = Field(default="auto", description="auto | nvml | sim:N")
+    sim_faults: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Fault specs for sim GPUs"
+    )
+    sim_seed: int = Field(default=0, description="Seed of the simulated GPUs' load and noise")
+    sim_no_permission: bool = Field(
+        default=False, description="Simulated nvmlDeviceSet* calls fail with NO_PERMISSION"
+    )
+    sim_fault_file: Path | None = Field(
+        default=None,
+        description="Text file followed while running: each appended line is a sim fault spec",
+    )
+    sample_interval_s: float = Field(default=1.0, gt=0, le=60)
+    report_interval_s: float = Field(default=5.0, gt=0, le=300)
+    report_timeout_s: float = Field(default=10.0, gt=0, le=120)
+    backoff_max_s: float = Field(default=30.0, gt=0, le=600)
+    spool_dir: Path | None = None
+    spool_max_bytes: int = Field(default=256 * 1024 * 1024, ge=64 * 1024)
+    socket_path: str = Field(default_factory=default_socket_path)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=9470, ge=-1, le=65535)
+    node_base_power_w: float = Field(default=0.0, ge=0)
+    powercap_dir: Path = Path("/sys/class/powercap")
+    labels: dict[str, str] = Field(default_factory=dict)
+    log_level: str = "info"
+
+    @field_validator("controller_url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError("must start with http:// or https:// followed by a host")
+        return value.rstrip("/")
+
+    @field_validator("node_name")
+    @classmethod
+    def _check_node_name(cls, value: str) -> str:
+        if not _NAME_RE.match(value):
+            raise ValueError(
+                "must be a lower-case RFC 1123 name (a-z, 0-9, '-', '.'; start and end "
+                "alphanumeric)"
+            )
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _check_gpus(cls, value: str) -> str:
+        try:
+            parse_gpus_setting(value)
+        except AgentConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return value.strip().lower()
+
+    @field_validator("sim_faults", mode="before")
+    @classmethod
+    def _split_faults(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON list of fault specs ({exc.msg})") from None
+        if isinstance(value, str | list | tuple):
+            return split_fault_specs(value)
+        return value
+
+    @field_validator("sim_faults")
+    @classmethod
+    def _check_faults(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            try:
+                parse_fault_spec(spec)
+            except AgentConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("socket_path")
+    @classmethod
+    def _check_socket(cls, value: str) -> str:
+        if value and len(value.encode()) > _MAX_SOCKET_PATH_BYTES:
+            raise ValueError(f"longer than {_MAX_SOCKET_PATH_BYTES} bytes (Unix socket limit)")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        if value.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError("must be one of debug, info, warning, error")
+        return value.lower()
+
+    @model_validator(mode="after")
+    def _derive(self) -> AgentSettings:
+        if self.report_interval_s < self.sample_interval_s:
+            raise ValueError(
+                f"report_interval_s ({self.report_interval_s}) must be >= sample_interval_s "
+                f"({self.sample_interval_s})"
+            )
+        if self.spool_dir is None:
+            state = Path(platformdirs.user_state_dir("trainguard"))
+            self.spool_dir = state / f"agent-{self.node_name}" / "spool"
+        return self
+
+    @property
+    def resolved_spool_dir(self) -> Path:
+        assert self.spool_dir is not None  # set by _derive
+        return self.spool_dir
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line: ``field: message; field: message``."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
+    return "invalid agent settings: " + "; ".join(parts)
+
+
+def load_settings(**overrides: Any) -> AgentSettings:
+    """Build settings from overrides + environment, raising one-line AgentConfigError."""
+    try:
+        return AgentSettings(**overrides)
+    except ValidationError as exc:
+        raise AgentConfigError(format_validation_error(exc)) from None
+
+
+__all__ = ["AgentSettings", "format_validation_error", "load_settings"]

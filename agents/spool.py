@@ -1,0 +1,258 @@
+"""The on-disk report spool: nothing a report carries is lost while the controller is away.
+
+Layout under ``spool_dir``::
+
+    state.json              agent_instance, next_seq, dropped/quarantined counters (atomic)
+    reports/000000000042.json   one report per file, named by zero-padded seq
+    journal/                pending-<seq>.jsonl, what the next report will carry (agents.batch)
+    rejected/               reports the controller refused as malformed (4xx), kept to inspect
+    quarantine/             files found torn or unreadable at start
+
+Guarantees: a report file is written with tmp + fsync + rename + directory fsync before it is
+sent, so after a crash (even ``kill -9`` or power loss) a report is either whole or absent;
+``seq`` never repeats for one ``agent_instance`` because ``next_seq`` is recovered as the
+larger of the state file and the newest spooled report; reports are sent oldest first and
+deleted only after the controller acknowledged them. The spool is bounded by bytes: when a
+new report does not fit, the oldest are dropped and counted in ``dropped_total``, which the
+next report carries to the controller.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from agents.atomic import fsync_dir, write_atomic
+from agents.errors import SpoolError
+from trainguard.wire import Report
+
+log = logging.getLogger(__name__)
+
+_REPORT_RE = re.compile(r"^(\d{12})\.json$")
+#: Rejected reports kept for inspection; older ones are deleted.
+MAX_REJECTED_FILES = 100
+
+
+@dataclass(kw_only=True, slots=True)
+class SpoolState:
+    agent_instance: str
+    next_seq: int = 0
+    dropped_total: int = 0
+    quarantined_total: int = 0
+    rejected_total: int = 0
+
+
+class Spool:
+    """Thread-safe; the daemon appends, the reporter thread reads, acknowledges, rejects."""
+
+    def __init__(self, root: Path, *, max_bytes: int) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self.reports_dir = root / "reports"
+        self.journal_dir = root / "journal"
+        self.rejected_dir = root / "rejected"
+        self.quarantine_dir = root / "quarantine"
+        self._state_path = root / "state.json"
+        self._lock = threading.RLock()
+        self._sizes: dict[int, int] = {}
+        self._total_bytes = 0
+        self.state = SpoolState(agent_instance="")
+        self._open()
+
+    # ------------------------------------------------------------------ start-up
+
+    def _open(self) -> None:
+        try:
+            self._recover()
+        except OSError as exc:
+            raise SpoolError(f"spool directory {self.root} is unusable: {exc}") from None
+
+    def _recover(self) -> None:
+        for d in (self.reports_dir, self.journal_dir, self.rejected_dir, self.quarantine_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.state = self._load_state()
+        for path in sorted(self.reports_dir.iterdir()):
+            self._admit_at_start(path)
+        newest = max(self._sizes, default=-1)
+        if newest + 1 > self.state.next_seq:
+            # The crash came after a report was written and before state.json caught up.
+            self.state.next_seq = newest + 1
+        self._save_state()
+
+    def _load_state(self) -> SpoolState:
+        try:
+            raw = json.loads(self._state_path.read_bytes())
+            state = SpoolState(
+                agent_instance=str(raw["agent_instance"]),
+                next_seq=int(raw["next_seq"]),
+                dropped_total=int(raw.get("dropped_total", 0)),
+                quarantined_total=int(raw.get("quarantined_total", 0)),
+                rejected_total=int(raw.get("rejected_total", 0)),
+            )
+            if not state.agent_instance or state.next_seq < 0:
+                raise ValueError("empty agent_instance or negative next_seq")
+            return state
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self._quarantine(self._state_path, f"unreadable state file ({exc})")
+        # A fresh instance id tells the controller this seq space is new, not a replay.
+        state = SpoolState(
+            agent_instance=uuid.uuid4().hex, quarantined_total=self.state.quarantined_total
+        )
+        log.info("spool %s: new agent instance %s", self.root, state.agent_instance)
+        return state
+
+    def _admit_at_start(self, path: Path) -> None:
+        if path.name.startswith(".") and path.name.endswith(".tmp"):
+            path.unlink(missing_ok=True)  # a write that never reached its rename
+            return
+        match = _REPORT_RE.match(path.name)
+        if not match:
+            self._quarantine(path, "unexpected file name")
+            return
+        seq = int(match.group(1))
+        try:
+            data = path.read_bytes()
+            report = Report.model_validate_json(data)
+            if report.seq != seq:
+                raise ValueError(f"holds seq {report.seq}")
+        except (OSError, ValueError, ValidationError) as exc:
+            self._quarantine(path, f"torn or invalid report ({str(exc).splitlines()[0]})")
+            return
+        self._sizes[seq] = len(data)
+        self._total_bytes += len(data)
+
+    def _quarantine(self, path: Path, why: str) -> None:
+        self.state.quarantined_total += 1
+        target = self.quarantine_dir / f"{path.name}.{uuid.uuid4().hex[:8]}"
+        log.warning("spool: quarantined %s: %s (moved to %s)", path.name, why, target)
+        try:
+            os.replace(path, target)
+        except OSError:
+            path.unlink(missing_ok=True)
+
+    def _save_state(self) -> None:
+        s = self.state
+        payload = {
+            "agent_instance": s.agent_instance,
+            "next_seq": s.next_seq,
+            "dropped_total": s.dropped_total,
+            "quarantined_total": s.quarantined_total,
+            "rejected_total": s.rejected_total,
+        }
+        write_atomic(self._state_path, json.dumps(payload).encode())
+
+    # ------------------------------------------------------------------ writing
+
+    @property
+    def agent_instance(self) -> str:
+        return self.state.agent_instance
+
+    @property
+    def next_seq(self) -> int:
+        with self._lock:
+            return self.state.next_seq
+
+    def path_for(self, seq: int) -> Path:
+        return self.reports_dir / f"{seq:012d}.json"
+
+    def append(self, build: Callable[[int, int], Report]) -> int:
+        """Build report ``next_seq`` with ``build(seq, dropped_total)`` and make it durable."""
+        with self._lock:
+            seq = self.state.next_seq
+            data = build(seq, self.state.dropped_total).model_dump_json().encode()
+            dropped = self._make_room(len(data))
+            if dropped:
+                data = build(seq, self.state.dropped_total).model_dump_json().encode()
+            write_atomic(self.path_for(seq), data)
+            self._sizes[seq] = len(data)
+            self._total_bytes += len(data)
+            self.state.next_seq = seq + 1
+            self._save_state()
+            return seq
+
+    def _make_room(self, incoming: int) -> int:
+        dropped = 0
+        while self._sizes and self._total_bytes + incoming > self.max_bytes:
+            oldest = min(self._sizes)
+            self.path_for(oldest).unlink(missing_ok=True)
+            self._forget(oldest)
+            dropped += 1
+        if dropped:
+            self.state.dropped_total += dropped
+            log.warning(
+                "spool full (%d bytes max): dropped the %d oldest report(s), %d in total",
+                self.max_bytes,
+                dropped,
+                self.state.dropped_total,
+            )
+        return dropped
+
+    # ------------------------------------------------------------------ reading, acknowledging
+
+    def pending(self) -> list[int]:
+        with self._lock:
+            return sorted(self._sizes)
+
+    def oldest(self) -> tuple[int, bytes] | None:
+        """The oldest unacknowledged report's seq and bytes (exactly as spooled)."""
+        with self._lock:
+            for seq in sorted(self._sizes):
+                try:
+                    return seq, self.path_for(seq).read_bytes()
+                except OSError as exc:
+                    self._forget(seq)
+                    log.error("spool: report %d vanished (%s); skipping it", seq, exc)
+            return None
+
+    def acknowledge(self, seq: int) -> None:
+        with self._lock:
+            self.path_for(seq).unlink(missing_ok=True)
+            self._forget(seq)
+
+    def reject(self, seq: int, reason: str) -> None:
+        """Move a report the controller refused out of the send queue, with the reason."""
+        with self._lock:
+            src = self.path_for(seq)
+            if seq not in self._sizes:
+                return
+            self._forget(seq)
+            self.state.rejected_total += 1
+            try:
+                os.replace(src, self.rejected_dir / src.name)
+                (self.rejected_dir / f"{src.name}.reason.txt").write_text(reason + "\n")
+                fsync_dir(self.rejected_dir)
+            except OSError as exc:
+                log.error("spool: cannot move rejected report %d (%s); deleting it", seq, exc)
+                src.unlink(missing_ok=True)
+            self._save_state()
+            self._prune_rejected()
+
+    def _prune_rejected(self) -> None:
+        files = sorted(p for p in self.rejected_dir.iterdir() if _REPORT_RE.match(p.name))
+        for old in files[:-MAX_REJECTED_FILES]:
+            old.unlink(missing_ok=True)
+            (self.rejected_dir / f"{old.name}.reason.txt").unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> tuple[int, int]:
+        """(reports waiting, bytes waiting)."""
+        with self._lock:
+            return len(self._sizes), self._total_bytes
+
+    def _forget(self, seq: int) -> None:
+        self._total_bytes -= self._sizes.pop(seq, 0)
+
+
+__all__ = ["MAX_REJECTED_FILES", "Spool", "SpoolState"]

@@ -1,0 +1,116 @@
+"""Command executor: GPU commands through the NVML-like API, job commands relayed."""
+
+from __future__ import annotations
+
+import pynvml
+import pytest
+from pydantic import TypeAdapter
+
+from agents.commands import CommandExecutor
+from agents.gpu.sim import SimNvml
+from trainguard.wire import Command, CommandAck, CommandStatus
+
+COMMAND = TypeAdapter(Command)
+
+
+def executor(
+    no_permission: bool = False, relay_clients: int = 0
+) -> tuple[CommandExecutor, SimNvml, list[CommandAck], list[object]]:
+    api = SimNvml(gpu_count=2, no_permission=no_permission, utilization_pct=100)
+    api.nvmlInit()
+    handles = [api.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
+    acks: list[CommandAck] = []
+    relayed: list[object] = []
+
+    def relay(cmd: object) -> int:
+        relayed.append(cmd)
+        return relay_clients
+
+    return CommandExecutor(api, handles, relay=relay, on_ack=acks.append), api, acks, relayed
+
+
+def cmd(**kw: object) -> Command:
+    return COMMAND.validate_python(kw)
+
+
+def test_set_and_reset_power_limit_convert_watts_to_milliwatts() -> None:
+    ex, api, acks, _ = executor()
+    h = api.nvmlDeviceGetHandleByIndex(1)
+    ex.handle([cmd(id="c1", kind="set_power_limit", gpu_index=1, limit_w=350.5)])
+    assert acks[-1].status == CommandStatus.SUCCEEDED
+    assert "350.5 W" in acks[-1].reason and "was 700 W" in acks[-1].reason
+    assert api.nvmlDeviceGetEnforcedPowerLimit(h) == 350_500
+    assert api.nvmlDeviceGetPowerUsage(h) <= 350_500  # the cap bites
+    ex.handle([cmd(id="c2", kind="reset_power_limit", gpu_index=1)])
+    assert acks[-1].status == CommandStatus.SUCCEEDED
+    assert api.nvmlDeviceGetEnforcedPowerLimit(h) == 700_000
+
+
+@pytest.mark.parametrize("limit_w", [150.0, 700.5, 5000.0])
+def test_out_of_range_power_limit_names_the_allowed_range(limit_w: float) -> None:
+    ex, api, _, _ = executor()
+    ack = ex.execute(cmd(id="c1", kind="set_power_limit", gpu_index=0, limit_w=limit_w))
+    assert ack.status == CommandStatus.FAILED and "allowed range 200-700 W" in ack.reason
+    assert api.nvmlDeviceGetEnforcedPowerLimit(api.nvmlDeviceGetHandleByIndex(0)) == 700_000
+
+
+def test_no_permission_is_a_failed_ack_saying_root_is_needed() -> None:
+    ex, _, _, _ = executor(no_permission=True)
+    for c in (
+        cmd(id="a", kind="set_power_limit", gpu_index=0, limit_w=300),
+        cmd(id="b", kind="lock_clocks", gpu_index=0, min_mhz=500, max_mhz=1400),
+        cmd(id="c", kind="unlock_clocks", gpu_index=0),
+    ):
+        ack = ex.execute(c)
+        assert ack.status == CommandStatus.FAILED
+        assert ack.reason.startswith("no permission:") and "needs root" in ack.reason
+
+
+def test_lock_and_unlock_clocks() -> None:
+    ex, api, _, _ = executor()
+    h = api.nvmlDeviceGetHandleByIndex(0)
+    ack = ex.execute(cmd(id="l1", kind="lock_clocks", gpu_index=0, min_mhz=600, max_mhz=1400))
+    assert ack.status == CommandStatus.SUCCEEDED
+    assert api.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM) == 1400
+    assert ex.locked_clock_mhz(0) == 1400
+    bad = ex.execute(cmd(id="l2", kind="lock_clocks", gpu_index=0, min_mhz=600, max_mhz=2500))
+    assert bad.status == CommandStatus.FAILED and "allowed range 1-1980 MHz" in bad.reason
+    inverted = ex.execute(cmd(id="l3", kind="lock_clocks", gpu_index=0, min_mhz=900, max_mhz=800))
+    assert inverted.status == CommandStatus.FAILED and "above max_mhz" in inverted.reason
+    assert ex.execute(cmd(id="u1", kind="unlock_clocks", gpu_index=0)).status == "succeeded"
+    assert api.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM) == 1980
+    assert ex.locked_clock_mhz(0) is None
+
+
+def test_unknown_gpu_index_fails_cleanly() -> None:
+    ex, _, _, _ = executor()
+    ack = ex.execute(cmd(id="x", kind="set_power_limit", gpu_index=7, limit_w=300))
+    assert (
+        ack.status == CommandStatus.FAILED and "out of range (this node has 2 GPUs)" in ack.reason
+    )
+
+
+def test_job_commands_are_relayed_or_fail_without_local_ranks() -> None:
+    ex, _, _, relayed = executor(relay_clients=3)
+    ack = ex.execute(cmd(id="j1", kind="job_checkpoint", job="train-a"))
+    assert ack.status == CommandStatus.RELAYED and "3 local client(s)" in ack.reason
+    assert len(relayed) == 1
+    lonely, _, _, _ = executor(relay_clients=0)
+    ack = lonely.execute(cmd(id="j2", kind="job_stop", job="train-b"))
+    assert (
+        ack.status == CommandStatus.FAILED and ack.reason == "no rank of job train-b on this node"
+    )
+
+
+def test_a_repeated_command_id_is_not_executed_twice() -> None:
+    ex, api, acks, relayed = executor(relay_clients=1)
+    h = api.nvmlDeviceGetHandleByIndex(0)
+    first = cmd(id="same", kind="set_power_limit", gpu_index=0, limit_w=300)
+    ex.handle([first])
+    api.nvmlDeviceSetPowerManagementLimit(h, 500_000)  # someone changes it meanwhile
+    ex.handle([first])
+    assert api.nvmlDeviceGetEnforcedPowerLimit(h) == 500_000  # not re-applied
+    assert acks[0] == acks[1]  # the same ack is sent again
+    job = cmd(id="j", kind="job_link_probe", job="t", at_step=5, pairs=[[0, 1]])
+    ex.handle([job, job])
+    assert len(relayed) == 1
