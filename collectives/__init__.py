@@ -1,0 +1,52 @@
+"""Job-side instrumentation of torch.distributed: the two lines a training script adds.
+
+::
+
+    import collectives
+    dist.init_process_group("nccl")
+    collectives.instrument(job="llama-7b")          # or TRAINGUARD_JOB from the launcher
+    for i, batch in enumerate(loader):
+        with collectives.step(i):
+            ...                                     # forward, backward, optimizer step
+        if collectives.should_checkpoint(i): save(...)
+        if collectives.should_stop(): break
+
+Every collective and point-to-point call is timed on this rank; per-step summaries,
+in-flight reports of stuck calls and rank events go to the node agent's Unix socket from a
+background thread. See ``docs/collectives.md``.
+"""
+
+from __future__ import annotations
+
+from .config import InstrumentConfig
+from .errors import CollectivesConfigError, CollectivesError, FaultSpecError, NotInstrumentedError
+from .runtime import (
+    add_faults,
+    current,
+    hook_optimizer,
+    instrument,
+    on_checkpoint,
+    report_checkpoint,
+    should_checkpoint,
+    should_stop,
+    step,
+    uninstrument,
+)
+
+__all__ = [
+    "CollectivesConfigError",
+    "CollectivesError",
+    "FaultSpecError",
+    "InstrumentConfig",
+    "NotInstrumentedError",
+    "add_faults",
+    "current",
+    "hook_optimizer",
+    "instrument",
+    "on_checkpoint",
+    "report_checkpoint",
+    "should_checkpoint",
+    "should_stop",
+    "step",
+    "uninstrument",
+]

@@ -1,0 +1,174 @@
+"""Knobs of the job-side instrumentation, and how the launcher sets them through env vars.
+
+A training script passes at most a job name; everything else has a default that suits a
+real job and can be overridden by the launcher (``TRAINGUARD_*`` env vars), so the two-line
+change in the script never needs editing when operators tune the watchdog.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+from trainguard.wire import NAME_PATTERN
+
+from .errors import CollectivesConfigError
+
+
+def default_agent_socket() -> str:
+    """Where the node agent listens by default (the same rule as ``agents.settings``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no XDG_RUNTIME_DIR: /tmp/runtime-<uid> is fine
+        runtime = platformdirs.user_runtime_dir("trainguard")
+    return str(Path(runtime) / "trainguard-agent.sock")
+
+
+#: Where the node agent listens unless the launcher says otherwise.
+DEFAULT_AGENT_SOCKET = default_agent_socket()
+
+ENV_JOB = "TRAINGUARD_JOB"
+ENV_SOCKET = "TRAINGUARD_AGENT_SOCKET"
+ENV_FAULTS = "TRAINGUARD_FAULTS"
+ENV_PREFIX = "TRAINGUARD_COLLECTIVES_"
+
+_NAME_RE = re.compile(NAME_PATTERN)
+
+
+@dataclass(kw_only=True, slots=True)
+class InstrumentConfig:
+    """Settings of one instrumented rank. Every ``*_s`` field is in seconds."""
+
+    job: str
+    """Job name (RFC 1123, as the controller knows the job)."""
+    agent_socket: str = DEFAULT_AGENT_SOCKET
+    """Path of the node agent's Unix socket."""
+    ship_interval_s: float = 0.15
+    """How often the background thread ships a batch and polls for commands: well under a
+    second so hangs and commands travel fast, well above the cost of one local frame."""
+    watchdog_interval_s: float = 0.25
+    """How often the watchdog looks at in-flight calls."""
+    watchdog_multiplier: float = 5.0
+    """A call is stuck after this many times the median duration of recent calls of its op."""
+    watchdog_floor_s: float = 2.0
+    """...but never before this: short collectives jitter by milliseconds, not seconds."""
+    watchdog_repeat_s: float = 1.0
+    """A stuck call is re-reported this often while it stays stuck."""
+    report_compute_stalls: bool = False
+    """Also report a training thread stuck *outside* any collective within a step (as
+    ``op="compute"``, ``group=""``). Off by default: detectors already name ranks that never
+    entered a stuck call, and early steps have no history to tell a stall from a long
+    forward pass."""
+    heartbeat_interval_s: float = 5.0
+    """Cadence of ``RankEvent(kind="heartbeat")``."""
+    history_calls: int = 4096
+    """Raw per-call records kept on the rank (ring buffer); they never leave the process."""
+    duration_window: int = 64
+    """Recent durations per op used for the watchdog's median."""
+    max_pending_records: int = 10_000
+    """Bound of each outgoing buffer (steps, in-flight, events, probes); oldest dropped."""
+    connect_backoff_max_s: float = 10.0
+    """Longest pause between attempts to reach an absent agent."""
+    socket_timeout_s: float = 2.0
+    """Send/receive timeout on the agent socket; a wedged agent is dropped after this."""
+    cuda_events: bool = True
+    """Time CUDA tensors' calls with CUDA events (ignored when CUDA is unavailable)."""
+    check_nonfinite: bool = True
+    """Before each reduction (all_reduce, reduce, reduce_scatter) inside a step, check this
+    rank's floating-point CPU input for NaN/Inf with one fused ``sum`` (NaN and Inf survive
+    it). That is how the controller names the rank a NaN came *from*: after the reduction
+    every rank holds it. Cost: ~4-8 us per call back to back, ~12-16 us right after another
+    collective on a loaded 2-core box, plus one read of the tensor (~0.1 ms per 4 MiB). CUDA
+    tensors are not checked (reading the result would synchronize the stream). Turn off for
+    fp16 jobs with dynamic loss scaling, whose overflows to Inf are routine."""
+    nonfinite_check_min_bytes: int = 1024
+    """...only on inputs of at least this many bytes. Smaller reductions are scalars and
+    flags (losses, norms, stop votes), not gradients, and are the ones issued by the
+    thousand: checking them would double the wrapper's per-call cost (docs/collectives.md)."""
+
+    def __post_init__(self) -> None:
+        validate_job_name(self.job)
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name.endswith("_s") and not value > 0:
+                raise CollectivesConfigError(f"{field.name} must be > 0 seconds, got {value!r}")
+        if self.watchdog_multiplier < 1:
+            raise CollectivesConfigError(
+                f"watchdog_multiplier must be >= 1, got {self.watchdog_multiplier!r}"
+            )
+        if self.nonfinite_check_min_bytes < 0:
+            raise CollectivesConfigError(
+                f"nonfinite_check_min_bytes must be >= 0, got {self.nonfinite_check_min_bytes!r}"
+            )
+        for name in ("history_calls", "duration_window", "max_pending_records"):
+            if getattr(self, name) < 1:
+                raise CollectivesConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+
+
+def validate_job_name(job: str) -> str:
+    if not isinstance(job, str) or not _NAME_RE.match(job) or len(job) > 253:
+        raise CollectivesConfigError(
+            f"job name {job!r} is not a lowercase RFC 1123 name (a-z, 0-9, '-', '.'); "
+            f"pass instrument(job=...) or set {ENV_JOB}"
+        )
+    return job
+
+
+def config_from_env(
+    job: str | None = None, env: Mapping[str, str] | None = None, **overrides: object
+) -> InstrumentConfig:
+    """Build the config from explicit arguments, then ``TRAINGUARD_*`` env vars, then defaults.
+
+    Numeric knobs come from ``TRAINGUARD_COLLECTIVES_<FIELD>`` (e.g.
+    ``TRAINGUARD_COLLECTIVES_WATCHDOG_FLOOR_S=5``).
+    """
+    env = os.environ if env is None else env
+    job = job if job is not None else env.get(ENV_JOB)
+    if not job:
+        raise CollectivesConfigError(f"no job name: pass instrument(job=...) or set {ENV_JOB}")
+    kwargs: dict[str, object] = {"job": job}
+    if env.get(ENV_SOCKET):
+        kwargs["agent_socket"] = env[ENV_SOCKET]
+    types = {f.name: f.type for f in dataclasses.fields(InstrumentConfig)}
+    for name, type_name in types.items():
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None or name in ("job", "agent_socket"):
+            continue
+        kwargs[name] = _parse_env_value(ENV_PREFIX + name.upper(), raw, str(type_name))
+    kwargs.update(overrides)
+    unknown = set(kwargs) - set(types)
+    if unknown:
+        raise CollectivesConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    return InstrumentConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def _parse_env_value(var: str, raw: str, type_name: str) -> object:
+    try:
+        if type_name == "bool":
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if type_name == "int":
+            return int(raw)
+        return float(raw)
+    except ValueError:
+        raise CollectivesConfigError(f"{var}={raw!r} is not a valid {type_name}") from None
+
+
+__all__ = [
+    "DEFAULT_AGENT_SOCKET",
+    "ENV_FAULTS",
+    "ENV_JOB",
+    "ENV_SOCKET",
+    "InstrumentConfig",
+    "config_from_env",
+    "validate_job_name",
+]

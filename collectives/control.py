@@ -1,0 +1,106 @@
+"""Controller commands relayed by the agent, turned into something a training loop can use.
+
+Commands arrive on the shipping thread at any time; the training thread acts on them only
+at step boundaries, where it is safe: a checkpoint request is answered by
+:func:`should_checkpoint` (or the callbacks of :func:`on_checkpoint`, called after the step),
+a stop request by :func:`should_stop`, and a link probe runs when the step named by
+``at_step`` starts, so every rank runs it at the same point of the program.
+
+Ranks agree on a step only through the command itself: the controller must pick
+``at_step`` ahead of the job's progress. A request without ``at_step`` fires at the next
+step boundary each rank sees, which is fine for one rank's own checkpoint but not for a
+collective one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.wire import (
+    Command,
+    JobCheckpoint,
+    JobCommand,
+    JobInjectFaults,
+    JobLinkProbe,
+    JobStop,
+)
+
+log = logging.getLogger("trainguard.collectives")
+
+CheckpointCallback = Callable[[int], None]
+
+
+@dataclass(slots=True)
+class _CheckpointRequest:
+    command_id: str
+    at_step: int | None
+
+
+class Control:
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._checkpoints: list[_CheckpointRequest] = []
+        self._probes: dict[str, JobLinkProbe] = {}
+        self._stop_reason: str | None = None
+        self._faults: list[list[dict[str, Any]]] = []
+        self.callbacks: list[CheckpointCallback] = []
+
+    def handle(self, commands: list[Command]) -> None:
+        with self._lock:
+            for cmd in commands:
+                if not isinstance(cmd, JobCommand):
+                    continue
+                if cmd.job != self.job or cmd.id in self._seen:
+                    continue
+                self._seen.add(cmd.id)
+                if isinstance(cmd, JobCheckpoint):
+                    self._checkpoints.append(_CheckpointRequest(cmd.id, cmd.at_step))
+                elif isinstance(cmd, JobStop):
+                    self._stop_reason = cmd.reason or cmd.id
+                elif isinstance(cmd, JobInjectFaults):
+                    self._faults.append([f.model_dump() for f in cmd.faults])
+                else:
+                    self._probes[cmd.id] = cmd
+                log.info("trainguard: received %s command %s", cmd.kind, cmd.id)
+
+    # ------------------------------------------------------------------ training thread
+
+    def checkpoint_due(self, step: int) -> bool:
+        """True (once per request) when a checkpoint request applies after ``step``."""
+        with self._lock:
+            due = [r for r in self._checkpoints if r.at_step is None or r.at_step <= step]
+            if not due:
+                return False
+            self._checkpoints = [r for r in self._checkpoints if r not in due]
+            return True
+
+    def faults_due(self) -> list[list[dict[str, Any]]]:
+        """Fault specs from chaos commands, to add on the training thread (once each)."""
+        with self._lock:
+            due, self._faults = self._faults, []
+        return due
+
+    def stop_requested(self) -> bool:
+        return self._stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    def probes_due(self, step: int) -> tuple[list[JobLinkProbe], list[JobLinkProbe]]:
+        """Probes to run at ``step``, and probes whose step has passed (too late to run)."""
+        with self._lock:
+            now = [p for p in self._probes.values() if p.at_step == step]
+            late = [p for p in self._probes.values() if p.at_step < step]
+            for p in now + late:
+                del self._probes[p.id]
+        return now, late
+
+
+__all__ = ["CheckpointCallback", "Control"]

@@ -1,0 +1,133 @@
+"""Bounded buffers between the training thread and the shipping thread.
+
+The training thread only appends; the shipping thread drains. Each kind of record has its
+own bound so a flood of one (a long outage filling up step summaries) cannot push out the
+rare, precious ones (a rank's exit event). When a buffer is full the oldest record goes and
+a drop counter grows: fresh data matters more than old data to a detector.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+from trainguard.wire import (
+    CheckpointEvent,
+    InflightCollective,
+    JobRecords,
+    ProbeResult,
+    RankEvent,
+    StepSummary,
+)
+
+
+class _Bounded:
+    __slots__ = ("dropped", "items", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.items: deque[Any] = deque()
+        self.limit = limit
+        self.dropped = 0
+
+    def append(self, item: Any) -> None:
+        self.items.append(item)
+        if len(self.items) > self.limit:
+            self.items.popleft()
+            self.dropped += 1
+
+    def drain(self) -> list[Any]:
+        out = []
+        while self.items:
+            try:
+                out.append(self.items.popleft())
+            except IndexError:  # pragma: no cover - emptied by another drainer
+                break
+        return out
+
+
+#: Per-kind list limit of ``wire.JobRecords`` for in-flight reports and rank events.
+_WIRE_LIMIT = 4_096
+
+
+def _newest(buf: _Bounded, limit: int) -> list[Any]:
+    """Drain ``buf``; keep the newest ``limit`` (the rest count as dropped)."""
+    items = buf.drain()
+    if len(items) > limit:
+        buf.dropped += len(items) - limit
+        items = items[-limit:]
+    return items
+
+
+class Outbox:
+    """What this rank still has to deliver to its node agent."""
+
+    def __init__(self, limit: int) -> None:
+        self._lock = threading.Lock()
+        self.steps = _Bounded(limit)
+        self.inflight = _Bounded(limit)
+        self.rank_events = _Bounded(limit)
+        self.probes = _Bounded(limit)
+        self.checkpoints = _Bounded(limit)
+
+    def add_step(self, record: StepSummary) -> None:
+        with self._lock:
+            self.steps.append(record)
+
+    def add_inflight(self, record: InflightCollective) -> None:
+        with self._lock:
+            self.inflight.append(record)
+
+    def add_event(self, record: RankEvent) -> None:
+        with self._lock:
+            self.rank_events.append(record)
+
+    def add_probe(self, record: ProbeResult) -> None:
+        with self._lock:
+            self.probes.append(record)
+
+    def add_checkpoint(self, record: CheckpointEvent) -> None:
+        with self._lock:
+            self.checkpoints.append(record)
+
+    def _buffers(self) -> tuple[_Bounded, ...]:
+        return (self.steps, self.inflight, self.rank_events, self.probes, self.checkpoints)
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(b.dropped for b in self._buffers())
+
+    def pending(self) -> int:
+        return sum(len(b.items) for b in self._buffers())
+
+    def drain(self, max_steps: int = 5_000) -> JobRecords:
+        """Take a batch (its size is kept well under the frame limit)."""
+        with self._lock:
+            steps: list[StepSummary] = []
+            while self.steps.items and len(steps) < max_steps:
+                steps.append(self.steps.items.popleft())
+            return JobRecords.model_construct(
+                steps=steps,
+                inflight=_newest(self.inflight, _WIRE_LIMIT),
+                rank_events=_newest(self.rank_events, _WIRE_LIMIT),
+                checkpoints=_newest(self.checkpoints, _WIRE_LIMIT),
+                probes=_newest(self.probes, _WIRE_LIMIT),
+            )
+
+    def requeue(self, batch: JobRecords) -> None:
+        """Put back a batch the agent never received, ahead of newer records."""
+        with self._lock:
+            for buf, items in (
+                (self.steps, batch.steps),
+                (self.inflight, batch.inflight),
+                (self.rank_events, batch.rank_events),
+                (self.probes, batch.probes),
+                (self.checkpoints, batch.checkpoints),
+            ):
+                buf.items.extendleft(reversed(items))
+                while len(buf.items) > buf.limit:
+                    buf.items.popleft()
+                    buf.dropped += 1
+
+
+__all__ = ["Outbox"]

@@ -1,0 +1,376 @@
+"""Per-call and per-step bookkeeping of one rank: the state every other part reads.
+
+The training thread calls :meth:`Recorder.enter`/:meth:`complete` around each collective and
+:meth:`step_start`/:meth:`step_end` around each step; the watchdog thread reads in-flight
+calls through :meth:`stuck`. Durations come from the rank's monotonic clock
+(``time.perf_counter``), or from CUDA events for calls on CUDA tensors: those are recorded
+around the launch and read later with ``Event.query()``, which never synchronizes, so a
+call on the GPU stays "in flight" until its end event has completed on the stream.
+
+Wait vs. compute: a step's collective wait is the time the training thread was blocked
+inside a collective call or a ``Work.wait()`` (on GPU: the collectives' event durations);
+compute is the rest of the step. A late arriver therefore shows high compute and low wait;
+the ranks waiting for it show the opposite.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.wire import InflightCollective, StepSummary
+
+from .config import InstrumentConfig
+from .outbox import Outbox
+
+now = time.perf_counter
+
+#: ``op`` of the in-flight record a rank sends when its training thread is stuck outside any
+#: collective inside a step (a non-communication hang seen from the culprit's side).
+COMPUTE_OP = "compute"
+
+
+@dataclass(slots=True, eq=False)
+class CallRecord:
+    """One collective or point-to-point call on this rank (kept in a local ring buffer)."""
+
+    op: str
+    group: str
+    seq: int
+    size_bytes: int
+    dtype: str
+    enter_s: float
+    step: int | None
+    async_op: bool = False
+    exit_s: float | None = None
+    blocked_s: float = 0.0
+    ok: bool = True
+    cuda: tuple[Any, Any] | None = None
+    reported_s: float = field(default=0.0, repr=False)
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.exit_s is None else self.exit_s - self.enter_s
+
+
+@dataclass(slots=True)
+class _Step:
+    step: int
+    start_s: float
+    wait_s: float = 0.0
+    bytes: int = 0
+    calls: int = 0
+    cuda_calls: list[CallRecord] = field(default_factory=list)
+    nonfinite: int = 0
+    nonfinite_first: CallRecord | None = None
+
+
+@dataclass(slots=True)
+class _PendingGpuStep:
+    summary: dict[str, Any]
+    calls: list[CallRecord]
+
+
+class Recorder:
+    def __init__(
+        self,
+        cfg: InstrumentConfig,
+        *,
+        rank: int,
+        world_size: int,
+        outbox: Outbox,
+        local_rank: int | None = None,
+        gpu_index: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.gpu_index = gpu_index
+        self.outbox = outbox
+        self.history: deque[CallRecord] = deque(maxlen=cfg.history_calls)
+        self._lock = threading.Lock()
+        self._seq: dict[str, int] = {}
+        self._last_done: dict[str, int] = {}
+        self._inflight: dict[int, CallRecord] = {}
+        #: Group id -> its global ranks (sorted), sent with in-flight reports.
+        self.group_ranks: dict[str, list[int]] = {}
+        self._durations: dict[str, deque[float]] = {}
+        self._segments: deque[float] = deque(maxlen=cfg.duration_window)
+        self._step: _Step | None = None
+        self._seg_start = now()
+        self._busy = 0
+        self._gpu_steps: deque[_PendingGpuStep] = deque()
+        self._stall_reported_s = 0.0
+        self.last_step: int | None = None
+
+    # ------------------------------------------------------------------ calls (hot path)
+
+    @property
+    def step(self) -> int | None:
+        s = self._step
+        return None if s is None else s.step
+
+    def compute_segment_s(self) -> float:
+        return now() - self._seg_start
+
+    def enter(
+        self, op: str, group: str, size_bytes: int, dtype: str, async_op: bool, t: float
+    ) -> CallRecord:
+        # No lock: only the training thread writes the counters, and single dict operations
+        # are atomic for the watchdog thread that reads them.
+        step = self._step
+        self._segments.append(t - self._seg_start)
+        self._busy += 1
+        seq = self._seq.get(group, 0) + 1
+        self._seq[group] = seq
+        rec = CallRecord(
+            op, group, seq, size_bytes, dtype, t, None if step is None else step.step, async_op
+        )
+        self._inflight[id(rec)] = rec
+        if step is not None:
+            step.bytes += size_bytes
+            step.calls += 1
+        return rec
+
+    def nonfinite_input(self, rec: CallRecord) -> None:
+        """``rec``'s input from this rank held NaN/Inf before the call (a rare, cold path)."""
+        step = self._step
+        if step is not None:
+            step.nonfinite += 1
+            if step.nonfinite_first is None:
+                step.nonfinite_first = rec
+
+    def finish(self, rec: CallRecord, t_start: float, t_end: float) -> None:
+        """A blocking CPU call returned: the fast path of :meth:`unblocked` + :meth:`complete`."""
+        self._busy -= 1
+        elapsed = t_end - t_start
+        rec.blocked_s = elapsed
+        rec.exit_s = t_end
+        self._seg_start = t_end
+        step = self._step
+        if step is not None:
+            step.wait_s += elapsed
+        del self._inflight[id(rec)]
+        group = rec.group
+        if rec.seq > self._last_done.get(group, 0):
+            self._last_done[group] = rec.seq
+        window = self._durations.get(rec.op)
+        if window is None:
+            window = self._durations[rec.op] = deque(maxlen=self.cfg.duration_window)
+        window.append(t_end - rec.enter_s)
+        self.history.append(rec)
+
+    def unblocked(self, t_start: float, t_end: float, rec: CallRecord) -> None:
+        """The training thread was blocked in ``rec``'s call or wait from t_start to t_end."""
+        self._busy -= 1
+        rec.blocked_s += t_end - t_start
+        self._seg_start = t_end
+        step = self._step
+        if step is not None and rec.cuda is None:
+            step.wait_s += t_end - t_start
+
+    def blocked(self) -> None:
+        self._busy += 1
+
+    def gpu_launched(self, rec: CallRecord) -> None:
+        step = self._step
+        if step is not None:
+            step.cuda_calls.append(rec)
+
+    def gpu_cancelled(self, rec: CallRecord) -> None:
+        """``rec`` is no longer timed by events (its future will close it on the CPU clock)."""
+        step = self._step
+        if step is not None and rec in step.cuda_calls:
+            step.cuda_calls.remove(rec)
+
+    def complete(self, rec: CallRecord, t: float, ok: bool = True) -> None:
+        with self._lock:
+            if rec.exit_s is not None:
+                return
+            rec.exit_s = t
+            rec.ok = ok
+            self._inflight.pop(id(rec), None)
+            if ok:
+                if rec.seq > self._last_done.get(rec.group, 0):
+                    self._last_done[rec.group] = rec.seq
+                window = self._durations.get(rec.op)
+                if window is None:
+                    window = self._durations[rec.op] = deque(maxlen=self.cfg.duration_window)
+                window.append(t - rec.enter_s)
+        self.history.append(rec)
+
+    def abandon(self, rec: CallRecord) -> None:
+        """Forget a call whose handle was dropped unwaited (its end is unknowable)."""
+        with self._lock:
+            self._inflight.pop(id(rec), None)
+            if rec.exit_s is None:  # lets a GPU step waiting on it be summarized
+                rec.exit_s = rec.enter_s + rec.blocked_s
+                rec.ok = False
+
+    def last_completed(self) -> dict[str, int]:
+        done = _copy(self._last_done)
+        return {g: done.get(g, 0) for g in _copy(self._seq)}
+
+    # ------------------------------------------------------------------ steps
+
+    def step_start(self, step: int) -> None:
+        t = now()
+        self._step = _Step(step, t)
+        self._seg_start = t
+        self._stall_reported_s = 0.0
+
+    def step_end(self) -> StepSummary | None:
+        step = self._step
+        if step is None:
+            return None
+        t = now()
+        self._step = None
+        self._seg_start = t
+        self.last_step = step.step
+        step_time = t - step.start_s
+        fields: dict[str, Any] = {
+            "job": self.cfg.job,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "step": step.step,
+            "step_time_s": step_time,
+            "collective_bytes": step.bytes,
+            "collective_calls": step.calls,
+            "local_rank": self.local_rank,
+            "gpu_index": self.gpu_index,
+            "end_unix_s": time.time(),
+            "wait_cpu_s": step.wait_s,
+        }
+        first = step.nonfinite_first
+        if first is not None:
+            fields["nonfinite_inputs"] = step.nonfinite
+            fields["nonfinite_first_op"] = first.op
+            fields["nonfinite_first_group"] = first.group
+            fields["nonfinite_first_seq"] = first.seq
+        if step.cuda_calls:
+            with self._lock:
+                self._gpu_steps.append(_PendingGpuStep(fields, step.cuda_calls))
+            self.poll_gpu()
+            return None
+        return self._emit(fields, step.wait_s)
+
+    def step_abort(self) -> None:
+        self._step = None
+        self._seg_start = now()
+
+    def _emit(self, fields: dict[str, Any], wait_s: float) -> StepSummary:
+        fields.pop("wait_cpu_s", None)
+        step_time = fields["step_time_s"]
+        wait = min(max(wait_s, 0.0), step_time)
+        summary = StepSummary(**fields, collective_wait_s=wait, compute_time_s=step_time - wait)
+        self.outbox.add_step(summary)
+        return summary
+
+    # ------------------------------------------------------------------ background thread
+
+    def poll_gpu(self) -> None:
+        """Complete CUDA-timed calls whose end event has fired; emit finished GPU steps."""
+        pending = [r for r in _copy(self._inflight).values() if r.cuda is not None]
+        for rec in pending:
+            start, end = rec.cuda
+            if end is not None and end.query():
+                rec.blocked_s = start.elapsed_time(end) / 1000.0
+                self.complete(rec, rec.enter_s + rec.blocked_s)
+        while True:
+            with self._lock:
+                if not self._gpu_steps:
+                    return
+                head = self._gpu_steps[0]
+                if any(r.exit_s is None for r in head.calls):
+                    return
+                self._gpu_steps.popleft()
+            cpu_wait = head.summary["wait_cpu_s"]
+            self._emit(head.summary, cpu_wait + sum(r.blocked_s for r in head.calls))
+
+    def stuck(self, t: float) -> list[InflightCollective]:
+        """In-flight calls past their adaptive deadline, due for a (re-)report."""
+        cfg = self.cfg
+        calls = list(_copy(self._inflight).values())
+        medians = {}
+        for op, window in _copy(self._durations).items():
+            values = _snapshot(window)
+            if values:
+                medians[op] = statistics.median(values)
+        out: list[InflightCollective] = []
+        last: dict[str, int] | None = None
+        for rec in calls:
+            elapsed = t - rec.enter_s
+            limit = max(cfg.watchdog_multiplier * medians.get(rec.op, 0.0), cfg.watchdog_floor_s)
+            if elapsed < limit or t - rec.reported_s < cfg.watchdog_repeat_s:
+                continue
+            rec.reported_s = t
+            last = self.last_completed() if last is None else last
+            out.append(
+                InflightCollective(
+                    job=cfg.job,
+                    rank=self.rank,
+                    group=rec.group,
+                    op=rec.op,
+                    seq=rec.seq,
+                    elapsed_s=elapsed,
+                    size_bytes=rec.size_bytes,
+                    last_completed_seq=last,
+                    step=rec.step,
+                    group_ranks=self.group_ranks.get(rec.group, []),
+                )
+            )
+        if cfg.report_compute_stalls:
+            stall = self._compute_stall(t)
+            if stall is not None:
+                out.append(stall)
+        return out
+
+    def _compute_stall(self, t: float) -> InflightCollective | None:
+        step = self._step
+        if step is None or self._busy > 0:
+            return None
+        cfg = self.cfg
+        elapsed = t - self._seg_start
+        segments = _snapshot(self._segments)
+        typical = statistics.median(segments) if segments else 0.0
+        limit = max(cfg.watchdog_multiplier * typical, cfg.watchdog_floor_s)
+        if elapsed < limit or t - self._stall_reported_s < cfg.watchdog_repeat_s:
+            return None
+        self._stall_reported_s = t
+        return InflightCollective(
+            job=cfg.job,
+            rank=self.rank,
+            group="",
+            op=COMPUTE_OP,
+            seq=0,
+            elapsed_s=elapsed,
+            last_completed_seq=self.last_completed(),
+            step=step.step,
+        )
+
+
+def _copy(mapping: dict[Any, Any]) -> dict[Any, Any]:
+    """Copy a dict another thread may be resizing (the copy itself runs under the GIL)."""
+    for _ in range(100):
+        try:
+            return dict(mapping)
+        except RuntimeError:  # pragma: no cover - resized mid-copy; try again
+            continue
+    return {}  # pragma: no cover
+
+
+def _snapshot(window: deque[float]) -> list[float]:
+    for _ in range(100):
+        try:
+            return list(window)
+        except RuntimeError:  # pragma: no cover - mutated mid-copy; try again
+            continue
+    return []  # pragma: no cover
+
+
+__all__ = ["COMPUTE_OP", "CallRecord", "Recorder"]

@@ -1,0 +1,377 @@
+"""One instrumented rank: wires recorder, wrapper, watchdog, faults and agent client together.
+
+There is at most one :class:`Session` per process (torch.distributed itself is per-process
+state); the module-level functions in :mod:`collectives` act on it and are harmless no-ops
+when instrumentation is off, so a training script keeps its two lines everywhere.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainguard.wire import CheckpointEvent, LocalHello, RankEvent
+
+from .client import AgentClient
+from .config import InstrumentConfig, config_from_env
+from .control import CheckpointCallback, Control
+from .errors import CollectivesConfigError, FaultSpecError, NotInstrumentedError
+from .faults import Fault, FaultInjector, injector_from_env
+from .outbox import Outbox
+from .probe import late_results, run_probe
+from .recorder import Recorder
+from .watchdog import Watchdog
+from .wrap import Instrumenter, raised_in_collective
+
+log = logging.getLogger("trainguard.collectives")
+
+_session: Session | None = None
+_session_lock = threading.Lock()
+
+
+def _gpu_index() -> int | None:
+    """The NVML index of this rank's GPU, which the node agent's samples are keyed by.
+
+    A launcher that knows it says so in ``TRAINGUARD_GPU_INDEX`` (CUDA's device number is
+    relative to ``CUDA_VISIBLE_DEVICES`` and need not match NVML's); otherwise the current
+    CUDA device; on CPU, none.
+    """
+    given = os.environ.get("TRAINGUARD_GPU_INDEX", "")
+    if given.isdigit():
+        return int(given)
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+class Session:
+    def __init__(self, cfg: InstrumentConfig, faults: Sequence[Fault] | None = None) -> None:
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        local = os.environ.get("LOCAL_RANK")
+        self.local_rank = int(local) if local and local.isdigit() else None
+        self.gpu_index = _gpu_index()
+        self.outbox = Outbox(cfg.max_pending_records)
+        self.recorder = Recorder(
+            cfg,
+            rank=self.rank,
+            world_size=self.world_size,
+            outbox=self.outbox,
+            local_rank=self.local_rank,
+            gpu_index=self.gpu_index,
+        )
+        if faults is None:
+            self.injector = injector_from_env(self.rank)
+        else:
+            self.injector = FaultInjector(self.rank, faults) if faults else None
+        if self.injector is not None:
+            self.injector.before_exit = self._dying
+        self.instrumenter = Instrumenter(
+            self.recorder, self.injector, cuda_events=cfg.cuda_events, sleep=time.sleep
+        )
+        self.control = Control(cfg.job)
+        self.watchdog = Watchdog(self.recorder, self.outbox, cfg.watchdog_interval_s)
+        hello = LocalHello(
+            job=cfg.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            pid=os.getpid(),
+            local_rank=self.local_rank,
+            gpu_index=self.gpu_index,
+        )
+        self.client = AgentClient(cfg, hello, self.outbox, self.control.handle, self._tick)
+        self._next_heartbeat = 0.0
+        self._exit_code: int | None = None
+        self._exit_error = ""
+        self._exit_in_collective = False
+        self._prev_excepthook = sys.excepthook
+        self.closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.instrumenter.patch()
+        self._event("started")
+        self._next_heartbeat = time.monotonic() + self.cfg.heartbeat_interval_s
+        self.watchdog.start()
+        self.client.start()
+        sys.excepthook = self._excepthook
+        atexit.register(self._atexit)
+
+    def close(self, *, exited: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.instrumenter.unpatch()
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_excepthook
+        atexit.unregister(self._atexit)
+        self.watchdog.stop()
+        if exited:
+            self._event(
+                "exited",
+                exit_code=self._exit_code,
+                error=self._exit_error,
+                collective_failed=self._exit_in_collective,
+            )
+        self.client.stop()
+
+    def add_faults(self, spec: Any) -> None:
+        if self.injector is None:
+            self.injector = FaultInjector(self.rank)
+            self.injector.before_exit = self._dying
+            self.instrumenter.injector = self.injector
+        self.injector.add(spec)
+
+    def _event(self, kind: str, **extra: Any) -> None:
+        self.outbox.add_event(
+            RankEvent(
+                job=self.cfg.job,
+                rank=self.rank,
+                kind=kind,
+                pid=os.getpid(),
+                time_unix_s=time.time(),
+                local_rank=self.local_rank,
+                gpu_index=self.gpu_index,
+                world_size=self.world_size,
+                **extra,
+            )
+        )
+
+    def _tick(self) -> None:
+        if time.monotonic() >= self._next_heartbeat:
+            self._next_heartbeat = time.monotonic() + self.cfg.heartbeat_interval_s
+            self._event("heartbeat")
+
+    def _excepthook(
+        self, kind: type[BaseException], value: BaseException, tb: TracebackType | None
+    ) -> None:
+        self._exit_code = 1
+        self._exit_error = " ".join(f"{kind.__name__}: {value}".split())[:1024]
+        # An exception that escaped a wrapped collective usually means a peer died or the
+        # link broke: the controller treats this exit as collateral of another fault.
+        self._exit_in_collective = raised_in_collective(tb)
+        self._prev_excepthook(kind, value, tb)
+
+    def _atexit(self) -> None:
+        global _session
+        self.close(exited=True)
+        with _session_lock:
+            if _session is self:
+                _session = None
+
+    def _dying(self, exit_code: int | None, sig: int | None) -> None:
+        """An injected crash is about to kill the process: say so while we still can."""
+        name = signal.Signals(sig).name if sig is not None else None
+        self._event("exited", exit_code=exit_code if sig is None else None, signal=name)
+        self.client.flush(timeout_s=1.0)
+
+    # ------------------------------------------------------------------ steps
+
+    def step_start(self, step: int) -> None:
+        for spec in self.control.faults_due():
+            try:
+                self.add_faults(spec)
+                log.warning("trainguard: chaos drill added faults %s", spec)
+            except FaultSpecError as exc:  # the controller checks kinds, the rank the rest
+                log.error("trainguard: chaos faults refused: %s", exc)
+        now_probes, late = self.control.probes_due(step)
+        for cmd in late:
+            for result in late_results(cmd, self.rank, step):
+                self.outbox.add_probe(result)
+        for cmd in now_probes:
+            self._run_probe(cmd, step)
+        self.recorder.step_start(step)
+        if self.injector is not None:
+            self.injector.on_step_start(step)
+
+    def step_end(self) -> None:
+        step = self.recorder.step
+        if step is not None and self.injector is not None:
+            self.injector.stretch_compute(step, self.recorder.compute_segment_s())
+        self.recorder.step_end()
+        if step is not None and self.control.callbacks and self.control.checkpoint_due(step):
+            for callback in list(self.control.callbacks):
+                callback(step)
+
+    def _run_probe(self, cmd: Any, step: int) -> None:
+        injector = self.injector
+        originals = self.instrumenter.originals
+
+        def link_delay(pair: tuple[int, int]) -> float:
+            return 0.0 if injector is None else injector.link_delay_s(step, pair)
+
+        for result in run_probe(
+            cmd,
+            rank=self.rank,
+            world_size=self.world_size,
+            isend=originals["isend"],
+            irecv=originals["irecv"],
+            link_delay_s=link_delay,
+        ):
+            self.outbox.add_probe(result)
+
+
+class StepContext:
+    """``with collectives.step(i):`` brackets one training step (a no-op when not instrumented)."""
+
+    __slots__ = ("_session", "_step")
+
+    def __init__(self, step: int) -> None:
+        self._step = step
+        self._session = _session
+
+    def __enter__(self) -> StepContext:
+        if self._session is not None and not self._session.closed:
+            self._session.step_start(self._step)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        session = self._session
+        if session is None or session.closed:
+            return
+        if kind is None:
+            session.step_end()
+        else:
+            session.recorder.step_abort()
+
+
+# ---------------------------------------------------------------------- public functions
+
+
+def instrument(
+    job: str | None = None,
+    *,
+    config: InstrumentConfig | None = None,
+    faults: Sequence[Fault] | None = None,
+    **overrides: Any,
+) -> Session:
+    """Start instrumenting this rank (call once, after ``init_process_group``)."""
+    global _session
+    if not dist.is_available() or not dist.is_initialized():
+        raise CollectivesConfigError(
+            "collectives.instrument() needs torch.distributed initialized: "
+            "call init_process_group() first"
+        )
+    cfg = config if config is not None else config_from_env(job, **overrides)
+    with _session_lock:
+        if _session is not None and not _session.closed:
+            if _session.cfg.job != cfg.job:
+                raise CollectivesConfigError(
+                    f"already instrumented for job {_session.cfg.job!r}; call uninstrument() first"
+                )
+            return _session
+        session = Session(cfg, faults)
+        session.start()
+        _session = session
+    return session
+
+
+def uninstrument() -> None:
+    """Restore the original torch.distributed functions and stop the background threads."""
+    global _session
+    with _session_lock:
+        session, _session = _session, None
+    if session is not None:
+        session.close()
+
+
+def current() -> Session | None:
+    return _session
+
+
+def step(i: int) -> StepContext:
+    return StepContext(i)
+
+
+def hook_optimizer(optimizer: torch.optim.Optimizer, start_step: int = 0) -> Callable[[], None]:
+    """Mark steps at each ``optimizer.step()`` instead of ``with step(i)``.
+
+    Step ``k`` runs from the end of one ``optimizer.step()`` to the end of the next, so the
+    first step starts at the first call. Returns a function that removes the hook.
+    """
+    counter = {"next": start_step, "open": False}
+
+    def post_hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
+        session = _session
+        if session is None or session.closed:
+            return
+        if counter["open"]:
+            session.step_end()
+        session.step_start(int(counter["next"]))
+        counter["next"] = int(counter["next"]) + 1
+        counter["open"] = True
+
+    handle = optimizer.register_step_post_hook(post_hook)
+    return handle.remove
+
+
+def should_checkpoint(step: int) -> bool:
+    """True once for each checkpoint request that applies after ``step``."""
+    session = _session
+    return session is not None and session.control.checkpoint_due(step)
+
+
+def should_stop() -> bool:
+    """True once the controller has asked this job to stop."""
+    session = _session
+    return session is not None and session.control.stop_requested()
+
+
+def on_checkpoint(callback: CheckpointCallback) -> None:
+    """Call ``callback(step)`` after the step at which a checkpoint request applies."""
+    session = _session
+    if session is None:
+        raise NotInstrumentedError("call collectives.instrument() before on_checkpoint()")
+    session.control.callbacks.append(callback)
+
+
+def report_checkpoint(event: CheckpointEvent) -> None:
+    """Deliver a checkpoint event to the node agent (and on to the controller).
+
+    Pass it as the checkpoint engine's sink:
+    ``checkpoint.Checkpointer(config, ..., event_sink=collectives.report_checkpoint)``.
+    Without ``instrument()`` it does nothing, like the rest of the job-side face.
+    """
+    session = _session
+    if session is not None:
+        session.outbox.add_checkpoint(event)
+
+
+def add_faults(spec: Any) -> None:
+    """Add faults at run time (parsed like ``TRAINGUARD_FAULTS``)."""
+    session = _session
+    if session is None:
+        raise NotInstrumentedError("call collectives.instrument() before add_faults()")
+    session.add_faults(spec)
+
+
+__all__ = [
+    "Session",
+    "StepContext",
+    "add_faults",
+    "current",
+    "hook_optimizer",
+    "instrument",
+    "on_checkpoint",
+    "report_checkpoint",
+    "should_checkpoint",
+    "should_stop",
+    "step",
+    "uninstrument",
+]

@@ -1,0 +1,387 @@
+"""Wrapping of torch.distributed's collective and point-to-point functions.
+
+Each function is replaced in both ``torch.distributed`` and
+``torch.distributed.distributed_c10d`` (code reaches them through either name, and
+``batch_isend_irecv`` compares ``P2POp.op`` against the c10d global by identity). A
+thread-local depth counter keeps a wrapped call made *inside* another wrapped call (e.g. a
+helper that is itself built on ``all_gather``) from being counted twice.
+
+Async calls (``async_op=True``, ``isend``/``irecv``) return a :class:`TimedWork` proxy: the
+call stays in flight until ``wait()`` returns, ``is_completed()`` says so, or the future
+from ``get_future()`` completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from .faults import FaultInjector
+from .groups import GroupInfo, GroupRegistry, p2p_channel
+from .recorder import CallRecord, Recorder, now
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    size_params: tuple[str, ...]
+    """Parameters whose tensors make up ``size_bytes`` (what the call moves for this rank)."""
+    input_param: str | None
+    """The tensor a ``nan`` fault poisons (the data this rank contributes)."""
+    peer_param: str | None = None
+    """Point-to-point only: the parameter naming the other rank."""
+    always_async: bool = False
+    reduces: bool = False
+    """A reduction: NaN/Inf in one rank's input spreads to every rank's result, so the input
+    is checked before the call (``InstrumentConfig.check_nonfinite``)."""
+
+
+OPS: dict[str, OpSpec] = {
+    "all_reduce": OpSpec(("tensor",), "tensor", reduces=True),
+    "all_gather": OpSpec(("tensor_list",), "tensor"),
+    "all_gather_into_tensor": OpSpec(("output_tensor",), "input_tensor"),
+    "reduce_scatter": OpSpec(("input_list",), "input_list", reduces=True),
+    "reduce_scatter_tensor": OpSpec(("input",), "input", reduces=True),
+    "broadcast": OpSpec(("tensor",), "tensor"),
+    "barrier": OpSpec((), None),
+    "all_to_all": OpSpec(("input_tensor_list",), "input_tensor_list"),
+    "all_to_all_single": OpSpec(("input",), "input"),
+    "reduce": OpSpec(("tensor",), "tensor", reduces=True),
+    "gather": OpSpec(("tensor",), "tensor"),
+    "scatter": OpSpec(("tensor",), "scatter_list"),
+    "send": OpSpec(("tensor",), "tensor", "dst"),
+    "recv": OpSpec(("tensor",), "tensor", "src"),
+    "isend": OpSpec(("tensor",), "tensor", "dst", always_async=True),
+    "irecv": OpSpec(("tensor",), "tensor", "src", always_async=True),
+}
+
+_tls = threading.local()
+
+
+class _Params:
+    """Positional-or-keyword lookup without ``inspect.Signature.bind`` (too slow per call)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.index = {name: i for i, name in enumerate(inspect.signature(fn).parameters)}
+
+    def get(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+        if kwargs and name in kwargs:
+            return kwargs[name]
+        i = self.index.get(name, 1 << 30)
+        return args[i] if i < len(args) else None
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _nbytes(value: Any) -> tuple[int, str]:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size(), _dtype_name(value.dtype)
+    if isinstance(value, list | tuple) and value:
+        total, dtype = 0, ""
+        for item in value:
+            n, d = _nbytes(item)
+            total += n
+            dtype = dtype or d
+        return total, dtype
+    return 0, ""
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, list | tuple):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                return item
+    return None
+
+
+def _nonfinite(value: Any, min_bytes: int = 0) -> bool:
+    """Whether a CPU floating-point tensor (or a list of them) of at least ``min_bytes``
+    holds NaN or Inf.
+
+    One fused ``sum`` (NaN and Inf survive it) instead of ``isfinite().all()``, which
+    allocates a bool per element and measured 3-45x slower. Half types sum in float32 so
+    large finite values cannot overflow into a false alarm. CUDA tensors are skipped:
+    reading the result would synchronize the stream.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.nbytes < max(min_bytes, 1) or value.is_cuda or not value.is_floating_point():
+            return False
+        wide = torch.float32 if value.element_size() < 4 else None
+        return not math.isfinite(float(value.sum(dtype=wide)))
+    if isinstance(value, list | tuple):
+        return any(_nonfinite(item, min_bytes) for item in value)
+    return False
+
+
+def _on_gpu(tensor: torch.Tensor) -> bool:
+    """Whether a call on ``tensor`` is timed with CUDA events (a seam for GPU-less tests)."""
+    return bool(tensor.is_cuda)
+
+
+class TimedWork:
+    """Proxy of a ``torch.distributed.Work`` that closes the call's record on completion."""
+
+    __slots__ = ("__weakref__", "_by_future", "_rec", "_recorder", "_work")
+
+    def __init__(self, work: Any, rec: CallRecord, recorder: Recorder) -> None:
+        self._work = work
+        self._rec = rec
+        self._recorder = recorder
+        self._by_future = False
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        rec, recorder = self._rec, self._recorder
+        if rec.exit_s is not None and rec.cuda is None:
+            return self._work.wait(*args, **kwargs)
+        recorder.blocked()
+        t0 = now()
+        try:
+            result = self._work.wait(*args, **kwargs)
+        except BaseException:
+            recorder.unblocked(t0, now(), rec)
+            recorder.complete(rec, now(), ok=False)
+            raise
+        t1 = now()
+        recorder.unblocked(t0, t1, rec)
+        if rec.cuda is not None:
+            if rec.cuda[1] is None:
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end.record()
+                rec.cuda = (rec.cuda[0], end)
+        else:
+            recorder.complete(rec, t1)
+        return result
+
+    def is_completed(self) -> bool:
+        done = bool(self._work.is_completed())
+        if done and self._rec.cuda is None:
+            self._recorder.complete(self._rec, now())
+        return done
+
+    def get_future(self) -> Any:
+        fut = self._work.get_future()
+        rec, recorder = self._rec, self._recorder
+        # The future closes the record, even after this proxy dies. On GPU the future
+        # completes with the stream work, so its CPU time stands in for the events.
+        self._by_future = True
+        if rec.cuda is not None:
+            rec.cuda = None
+            recorder.gpu_cancelled(rec)
+        fut.add_done_callback(lambda _f: recorder.complete(rec, now()))
+        return fut
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+    def __del__(self) -> None:
+        rec = self._rec
+        if rec.exit_s is None and not self._by_future:
+            with contextlib.suppress(Exception):  # never raise from a finalizer
+                if rec.cuda is not None:
+                    if rec.cuda[1] is None:  # never waited: no end event to read
+                        self._recorder.abandon(rec)
+                    # else: waited; the watchdog thread reads its events
+                elif self._work.is_completed():
+                    self._recorder.complete(rec, now())
+                else:
+                    self._recorder.abandon(rec)
+
+
+class Instrumenter:
+    """Owns the patched functions and turns every call into a :class:`CallRecord`."""
+
+    def __init__(
+        self,
+        recorder: Recorder,
+        injector: FaultInjector | None,
+        *,
+        cuda_events: bool,
+        sleep: Callable[[float], None],
+    ) -> None:
+        self.recorder = recorder
+        self.injector = injector
+        self.groups = GroupRegistry(on_new=self._new_group)
+        self.rank = recorder.rank
+        self.originals: dict[str, Callable[..., Any]] = {}
+        self._wrappers: dict[str, Callable[..., Any]] = {}
+        self._cuda = bool(cuda_events and torch.cuda.is_available())
+        self._sleep = sleep
+        self.check_nonfinite = recorder.cfg.check_nonfinite
+        self.nonfinite_min_bytes = recorder.cfg.nonfinite_check_min_bytes
+
+    def _new_group(self, info: GroupInfo) -> None:
+        self.recorder.group_ranks[info.id] = sorted(info.ranks)
+
+    # ------------------------------------------------------------------ patching
+
+    def patch(self) -> None:
+        self.groups.world()
+        for name, spec in OPS.items():
+            original = getattr(c10d, name)
+            self.originals[name] = original
+            wrapper = self._make_wrapper(name, spec, original)
+            self._wrappers[name] = wrapper
+            setattr(c10d, name, wrapper)
+            setattr(dist, name, wrapper)
+
+    def unpatch(self) -> None:
+        for name, original in self.originals.items():
+            for module in (c10d, dist):
+                if getattr(module, name, None) is self._wrappers[name]:
+                    setattr(module, name, original)
+        self.originals.clear()
+        self._wrappers.clear()
+
+    def _make_wrapper(
+        self, op: str, spec: OpSpec, original: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        params = _Params(original)
+        call = self.call
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if getattr(_tls, "depth", 0):
+                return original(*args, **kwargs)
+            return call(op, spec, params, original, args, kwargs)
+
+        wrapper.__trainguard_original__ = original  # type: ignore[attr-defined]
+        return wrapper
+
+    # ------------------------------------------------------------------ one call
+
+    def call(
+        self,
+        op: str,
+        spec: OpSpec,
+        params: _Params,
+        original: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        recorder = self.recorder
+        group = params.get(args, kwargs, "group")
+        if spec.peer_param is None:
+            info = self.groups.resolve(group)
+            gid, members = info.id, info.ranks
+        else:
+            peer = self._peer(params, args, kwargs, spec.peer_param, group)
+            gid = p2p_channel(self.rank, peer)
+            members = frozenset((self.rank,) if peer is None else (self.rank, peer))
+            if gid not in recorder.group_ranks:
+                recorder.group_ranks[gid] = sorted(members)
+        size, dtype = 0, ""
+        for name in spec.size_params:
+            n, d = _nbytes(params.get(args, kwargs, name))
+            size += n
+            dtype = dtype or d
+        async_op = spec.always_async or bool(params.get(args, kwargs, "async_op"))
+        injector = self.injector
+        inside = None
+        step = recorder.step
+        if injector is not None and step is not None:
+            injector.stretch_compute(step, recorder.compute_segment_s())
+            target = params.get(args, kwargs, spec.input_param) if spec.input_param else None
+            inside = injector.before_call(step, op, target)
+        # After the injector (a ``nan`` fault poisons the input there), before the call.
+        bad = (
+            spec.reduces
+            and spec.input_param is not None
+            and step is not None
+            and self.check_nonfinite
+            and _nonfinite(params.get(args, kwargs, spec.input_param), self.nonfinite_min_bytes)
+        )
+        cuda = False
+        if self._cuda and spec.size_params:
+            tensor = _first_tensor(params.get(args, kwargs, spec.size_params[0]))
+            cuda = tensor is not None and _on_gpu(tensor)
+        t0 = now()
+        rec = recorder.enter(op, gid, size, dtype, async_op, t0)
+        if bad:
+            recorder.nonfinite_input(rec)
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            rec.cuda = (start, None)
+        _tls.depth = 1
+        try:
+            if injector is not None and step is not None:
+                if inside is not None:
+                    injector.block(inside)
+                extra = injector.link_delay_s(step, members)
+                if extra > 0:
+                    self._sleep(extra)
+            result = original(*args, **kwargs)
+        except BaseException:
+            _tls.depth = 0
+            recorder.unblocked(t0, now(), rec)
+            recorder.complete(rec, now(), ok=False)
+            raise
+        _tls.depth = 0
+        t1 = now()
+        if not (async_op or cuda):
+            recorder.finish(rec, t0, t1)
+            return result
+        recorder.unblocked(t0, t1, rec)
+        if async_op and result is not None:
+            if cuda:
+                recorder.gpu_launched(rec)
+            return TimedWork(result, rec, recorder)
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end.record()
+            rec.cuda = (rec.cuda[0], end)  # type: ignore[index]
+            recorder.gpu_launched(rec)
+        else:
+            recorder.complete(rec, t1)
+        return result
+
+    def _peer(
+        self,
+        params: _Params,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str,
+        group: Any,
+    ) -> int | None:
+        peer = params.get(args, kwargs, name)
+        if peer is not None:
+            return int(peer)
+        group_peer = params.get(args, kwargs, "group_" + name)
+        if group_peer is None:
+            return None
+        return (
+            int(dist.get_global_rank(group, int(group_peer)))
+            if group is not None
+            else int(group_peer)
+        )
+
+
+__all__ = ["OPS", "Instrumenter", "OpSpec", "TimedWork"]
+
+
+def raised_in_collective(tb: TracebackType | None) -> bool:
+    """Whether a traceback passes through one of this module's collective wrappers."""
+    return any(frame.f_code.co_filename == __file__ for frame, _ in traceback.walk_tb(tb))

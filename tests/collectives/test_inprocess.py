@@ -1,0 +1,357 @@
+"""Instrumentation inside this process on a one-rank gloo group: fast checks of the details."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+import collectives
+from collectives.recorder import COMPUTE_OP
+from collectives.wrap import OPS
+from trainguard.wire import InflightCollective, JobCheckpoint, JobLinkProbe, JobStop
+
+pytestmark = pytest.mark.usefixtures("single_rank")
+
+
+def _session(**overrides: Any) -> Any:
+    overrides.setdefault("agent_socket", "/nonexistent/trainguard.sock")
+    return collectives.instrument("unit", **overrides)
+
+
+def test_uninstrument_restores_every_original_function() -> None:
+    before = {name: (getattr(dist, name), getattr(c10d, name)) for name in OPS}
+    session = _session()
+    for name in OPS:
+        assert getattr(dist, name) is getattr(c10d, name) is not before[name][0]
+        assert getattr(dist, name).__trainguard_original__ is before[name][0]
+    assert collectives.instrument("unit") is session  # idempotent for the same job
+    with pytest.raises(collectives.CollectivesConfigError, match="already instrumented"):
+        collectives.instrument("other")
+    collectives.uninstrument()
+    assert {name: (getattr(dist, name), getattr(c10d, name)) for name in OPS} == before
+    assert collectives.current() is None
+    dist.all_reduce(torch.ones(1))
+    assert len(session.recorder.history) == 0
+    assert not session.watchdog._thread.is_alive()
+
+
+def test_async_handles_stay_in_flight_until_waited() -> None:
+    session = _session()
+    rec = session.recorder
+    t = torch.ones(4)
+    work = dist.all_reduce(t, async_op=True)
+    assert type(work).__name__ == "TimedWork"
+    assert len(rec.history) == 0  # not complete before wait()
+    work.wait()
+    assert [(r.op, r.seq, r.async_op) for r in rec.history] == [("all_reduce", 1, True)]
+    fut = dist.broadcast(torch.ones(2), src=0, async_op=True).get_future()
+    fut.wait()
+    deadline = time.monotonic() + 5
+    while len(rec.history) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.op for r in rec.history] == ["all_reduce", "broadcast"]
+    dropped = dist.all_reduce(torch.ones(1), async_op=True)
+    time.sleep(0.05)
+    del dropped
+    gc.collect()
+    assert rec._inflight == {}  # an unwaited handle does not linger as a stuck call
+    assert rec.last_completed() == {rec.history[0].group: 3}
+
+
+def test_step_summary_splits_compute_and_wait() -> None:
+    session = _session()
+    with collectives.step(0):
+        time.sleep(0.05)
+        dist.all_reduce(torch.ones(1000))
+        dist.barrier()
+    (summary,) = list(session.outbox.steps.items)
+    assert summary.step == 0 and summary.collective_calls == 2
+    assert summary.collective_bytes == 4000
+    assert summary.compute_time_s >= 0.05
+    assert summary.compute_time_s + summary.collective_wait_s == pytest.approx(summary.step_time_s)
+    history = list(session.recorder.history)
+    assert summary.collective_wait_s >= sum(r.duration_s for r in history) * 0.99
+    with pytest.raises(RuntimeError), collectives.step(1):
+        dist.all_reduce(torch.ones(1))
+        raise RuntimeError("step failed")
+    assert len(session.outbox.steps.items) == 1  # a failed step is no step
+
+
+def test_a_call_stuck_inside_is_reported_while_it_lasts_then_completes() -> None:
+    session = _session(
+        watchdog_floor_s=0.2,
+        watchdog_repeat_s=0.1,
+        watchdog_interval_s=0.05,
+        report_compute_stalls=True,  # inside a collective, so no compute report anyway
+    )
+    collectives.add_faults(
+        [
+            {
+                "kind": "hang",
+                "rank": 0,
+                "at_step": 1,
+                "op": "all_reduce",
+                "where": "inside",
+                "duration_s": 0.8,
+            }
+        ]
+    )
+    with collectives.step(0):
+        dist.all_reduce(torch.ones(1))
+    with collectives.step(1):
+        dist.all_reduce(torch.ones(1))
+    reports = [x for x in session.outbox.inflight.items if x.op == "all_reduce"]
+    assert len(reports) >= 2
+    assert {(x.seq, x.step, x.size_bytes) for x in reports} == {(2, 1, 4)}
+    assert all(x.last_completed_seq == {reports[0].group: 1} for x in reports)
+    assert all(x.group_ranks == [0] for x in reports)
+    assert all(x.elapsed_s >= 0.2 for x in reports)
+    assert not [x for x in session.outbox.inflight.items if x.op == COMPUTE_OP]
+    steps = list(session.outbox.steps.items)
+    assert steps[1].collective_wait_s >= 0.8  # the hang was inside the collective
+
+
+def test_a_thread_stuck_outside_collectives_is_silent_by_default() -> None:
+    session = _session(watchdog_floor_s=0.2, watchdog_interval_s=0.05)
+    with collectives.step(0):
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.5)
+    assert list(session.outbox.inflight.items) == []
+
+
+def test_a_thread_stuck_outside_collectives_reports_compute_when_asked() -> None:
+    session = _session(
+        watchdog_floor_s=0.2,
+        watchdog_repeat_s=5,
+        watchdog_interval_s=0.05,
+        report_compute_stalls=True,
+    )
+    with collectives.step(0):
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.6)
+    reports = list(session.outbox.inflight.items)
+    assert len(reports) == 1  # repeat_s=5: reported once while it lasted
+    (stall,) = reports
+    assert (stall.op, stall.group, stall.seq, stall.step) == (COMPUTE_OP, "", 0, 0)
+    assert stall.elapsed_s >= 0.2 and stall.last_completed_seq
+    time.sleep(0.3)
+    assert len(session.outbox.inflight.items) == 1  # outside a step nothing is "stuck"
+
+
+def test_watchdog_deadline_follows_the_median_with_a_floor() -> None:
+    session = _session(watchdog_floor_s=0.1, watchdog_multiplier=5, watchdog_repeat_s=1)
+    session.watchdog.stop()
+    rec = session.recorder
+    for i in range(5):  # five completed all_reduces of 0.2 s: deadline 5 x 0.2 = 1.0 s
+        call = rec.enter("all_reduce", "g", 8, "float32", False, 100.0 + i)
+        rec.complete(call, 100.2 + i)
+    stuck = rec.enter("all_reduce", "g", 8, "float32", False, 200.0)
+    other = rec.enter("broadcast", "g", 8, "float32", False, 200.0)  # no history: the floor
+    assert [(x.op, x.seq) for x in rec.stuck(200.5)] == [("broadcast", 7)]
+    assert rec.stuck(200.9) == []  # broadcast re-reported only after repeat_s
+    found: list[InflightCollective] = rec.stuck(201.6)
+    assert sorted((x.op, x.seq) for x in found) == [("all_reduce", 6), ("broadcast", 7)]
+    assert all(x.last_completed_seq == {"g": 5} for x in found)
+    rec.complete(stuck, 202.0)
+    rec.complete(other, 202.0)
+    assert rec.stuck(210.0) == []
+
+
+def test_commands_reach_the_training_loop() -> None:
+    session = _session()
+    seen: list[int] = []
+    collectives.on_checkpoint(seen.append)
+    session.control.handle(
+        [
+            JobCheckpoint(id="c1", job="unit", at_step=2),
+            JobCheckpoint(id="c1", job="unit", at_step=0),  # a re-delivered id is ignored
+            JobCheckpoint(id="c2", job="someone-else", at_step=1),
+            JobLinkProbe(id="odd", job="unit", at_step=1, pairs=[(0, 5)], size_bytes=8),
+        ]
+    )
+    assert not collectives.should_stop()
+    for i in range(4):
+        with collectives.step(i):
+            dist.all_reduce(torch.ones(1))
+    assert seen == [2]
+    session.control.handle([JobCheckpoint(id="c3", job="unit")])  # no at_step: next boundary
+    assert collectives.should_checkpoint(4) and not collectives.should_checkpoint(5)
+    session.control.handle([JobStop(id="s", job="unit", reason="operator")])
+    assert collectives.should_stop() and session.control.stop_reason == "operator"
+    session.control.handle(
+        [JobLinkProbe(id="late", job="unit", at_step=2, pairs=[(0, 1)], size_bytes=8)]
+    )
+    with collectives.step(6):
+        pass
+    odd, late = list(session.outbox.probes.items)
+    assert not odd.ok and "outside the job" in odd.error and odd.dst_rank == 5
+    assert not late.ok and "step 6, after at_step 2" in late.error and late.src_rank == 0
+
+
+def test_optimizer_hook_marks_steps() -> None:
+    session = _session()
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    remove = collectives.hook_optimizer(opt, start_step=10)
+    for _ in range(3):
+        loss = model(torch.ones(1, 2)).sum()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)  # type: ignore[arg-type]
+        opt.step()
+    remove()
+    steps = [(s.step, s.collective_calls) for s in session.outbox.steps.items]
+    assert steps == [(10, 2), (11, 2)]  # step k ends at the optimizer.step() after it opened
+
+
+def test_two_lines_are_harmless_without_instrumentation() -> None:
+    collectives.uninstrument()
+    with collectives.step(0):
+        dist.all_reduce(torch.ones(1))
+    assert not collectives.should_stop() and not collectives.should_checkpoint(0)
+    with pytest.raises(collectives.NotInstrumentedError):
+        collectives.on_checkpoint(lambda step: None)
+
+
+def test_background_threads_are_daemons() -> None:
+    _session()
+    names = {t.name: t.daemon for t in threading.enumerate() if t.name.startswith("trainguard")}
+    assert names == {"trainguard-ship": True, "trainguard-watchdog": True}
+
+
+def test_ddp_gradients_are_seen_through_the_standard_allreduce_hook() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    session = _session()
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    )
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(2):
+        with collectives.step(i):
+            loss = model(torch.ones(4, 8)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    deadline = time.monotonic() + 5
+    while len(session.recorder.history) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    grads = (8 * 8 + 8 + 8 + 1) * 4  # one bucket holding every gradient
+    assert [(r.op, r.seq, r.size_bytes, r.async_op, r.step) for r in session.recorder.history] == [
+        ("all_reduce", 1, grads, True, 0),
+        ("all_reduce", 2, grads, True, 1),
+    ]
+    assert session.recorder._inflight == {}
+
+
+class FakeCudaEvent:
+    """Stand-in for ``torch.cuda.Event`` (no GPU here): fires when the test says so, and
+    reports each kernel as 40 ms longer than the CPU saw, as a GPU stream would."""
+
+    fired = False
+    kernel_ms = 40.0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.t: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return FakeCudaEvent.fired
+
+    def elapsed_time(self, end: FakeCudaEvent) -> float:
+        assert FakeCudaEvent.fired, "elapsed_time before the end event fired would block"
+        assert self.t is not None and end.t is not None
+        return (end.t - self.t) * 1000 + self.kernel_ms
+
+
+def test_gpu_calls_stay_in_flight_until_their_events_fire(monkeypatch: Any) -> None:
+    from collectives import wrap
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    monkeypatch.setattr(FakeCudaEvent, "fired", False)
+    monkeypatch.setattr(wrap, "_on_gpu", lambda tensor: True)
+    session = _session(watchdog_floor_s=0.2, watchdog_repeat_s=5, watchdog_interval_s=0.05)
+    session.instrumenter._cuda = True
+    with collectives.step(0):
+        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+    time.sleep(0.5)
+    # launched but not finished on the "stream": no history, no step summary, reported stuck
+    assert len(session.recorder.history) == 0 and not session.outbox.steps.items
+    assert sorted(x.seq for x in session.outbox.inflight.items) == [1, 2]
+    FakeCudaEvent.fired = True
+    deadline = time.monotonic() + 5
+    while not session.outbox.steps.items and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (summary,) = list(session.outbox.steps.items)
+    durations = [r.blocked_s for r in session.recorder.history]
+    assert len(durations) == 2 and all(d >= 0.04 for d in durations)
+    assert summary.collective_wait_s == pytest.approx(min(sum(durations), summary.step_time_s))
+    assert summary.collective_calls == 2
+    # a future-driven call (what DDP's comm hook does) is closed by its future instead
+    with collectives.step(1):
+        dist.all_reduce(torch.ones(4), async_op=True).get_future().wait()
+    deadline = time.monotonic() + 5
+    while len(session.outbox.steps.items) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [s.step for s in session.outbox.steps.items] == [0, 1]
+    # torch runs done-callbacks after waking wait(), on the thread that completed the
+    # future: the record closes shortly after, not necessarily before step 1 is summarized
+    deadline = time.monotonic() + 5
+    while session.recorder._inflight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert session.recorder._inflight == {}
+
+
+def test_nonfinite_reduction_inputs_are_counted_before_the_call_spreads_them() -> None:
+    session = _session(nonfinite_check_min_bytes=8)
+    with collectives.step(0):
+        dist.all_reduce(torch.ones(8))
+        dist.broadcast(torch.full((4,), float("nan")), src=0)  # not a reduction: unchecked
+        dist.all_reduce(torch.tensor([1.0, float("inf")]))
+        dist.all_reduce(torch.full((4,), float("nan"), dtype=torch.bfloat16))
+        dist.all_reduce(torch.tensor([1, 2]))  # integers cannot be NaN
+        dist.all_reduce(torch.tensor([float("nan")]))  # 4 bytes: below the size floor
+    with collectives.step(1):
+        dist.all_reduce(torch.full((4,), 6e4, dtype=torch.float16))  # sums past fp16's max
+        dist.reduce_scatter_tensor(torch.zeros(2), torch.tensor([0.0, float("nan")]))
+    dist.all_reduce(torch.full((2,), float("nan")))  # outside a step: no summary to carry it
+    first, second = list(session.outbox.steps.items)
+    ops = [(r.op, r.seq) for r in session.recorder.history][:3]
+    assert ops == [("all_reduce", 1), ("broadcast", 2), ("all_reduce", 3)]
+    assert first.nonfinite_inputs == 2
+    assert (first.nonfinite_first_op, first.nonfinite_first_seq) == ("all_reduce", 3)
+    assert first.nonfinite_first_group == session.recorder.history[0].group
+    assert second.nonfinite_inputs == 1
+    assert (second.nonfinite_first_op, second.nonfinite_first_seq) == ("reduce_scatter_tensor", 8)
+
+
+def test_nan_fault_is_seen_on_the_poisoned_rank_and_the_check_can_be_turned_off() -> None:
+    session = _session()
+    collectives.add_faults([{"kind": "nan", "rank": 0, "at_step": 1, "call": 2}])
+    for i in range(3):
+        with collectives.step(i):
+            dist.all_reduce(torch.ones(256))  # 1 KiB: the default size floor
+            dist.all_reduce(torch.ones(256))
+    counts = [
+        (s.step, s.nonfinite_inputs, s.nonfinite_first_seq) for s in session.outbox.steps.items
+    ]
+    assert counts == [(0, 0, None), (1, 1, 4), (2, 0, None)]
+    collectives.uninstrument()
+    session = _session(check_nonfinite=False)
+    with collectives.step(0):
+        dist.all_reduce(torch.full((256,), float("nan")))
+    assert [s.nonfinite_inputs for s in session.outbox.steps.items] == [0]
