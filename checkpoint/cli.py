@@ -1,0 +1,279 @@
+"""``trainguard checkpoint ...``: inspect, verify and convert checkpoints.
+
+Importing this module does not import torch (the CLI starts fast and ``inspect`` works
+without it); commands that need tensors import it when they run. Errors are one line on
+stderr: exit status 2 when the command cannot run (bad arguments, no checkpoint), 1 when
+``verify`` ran and found damage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompleteError,
+)
+from checkpoint.store import CheckpointReader, CheckpointStore
+
+app = typer.Typer(
+    name="checkpoint",
+    help="Inspect, verify and convert trainguard checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class Output(StrEnum):
+    table = "table"
+    json = "json"
+
+
+class ConvertFormat(StrEnum):
+    universal = "universal"
+    safetensors = "safetensors"
+    dcp = "dcp"
+
+
+class ImportFormat(StrEnum):
+    safetensors = "safetensors"
+    dcp = "dcp"
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _age(unix_s: float) -> str:
+    secs = max(0, int(time.time() - unix_s))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if secs >= size:
+            return f"{secs // size}{unit}"
+    return f"{secs}s"
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{nbytes}B"  # pragma: no cover
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    for row in [headers, *rows]:
+        typer.echo("   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _open(root: Path, step: int | None) -> CheckpointReader:
+    store = CheckpointStore(root)
+    return store.open(step) if step is not None else store.open_latest()
+
+
+@app.command("inspect")
+def inspect_cmd(
+    root: Annotated[Path, typer.Argument(help="Checkpoint directory (holds step-* folders)")],
+    step: Annotated[int | None, typer.Option(help="Show this checkpoint's tensors")] = None,
+    output: Annotated[Output, typer.Option("-o", "--output")] = Output.table,
+) -> None:
+    """List checkpoints, or the tensors of one (no torch needed)."""
+    if not root.is_dir():
+        raise _fail(f"{root}: no such directory")
+    store = CheckpointStore(root)
+    try:
+        if step is None:
+            _list(store, output)
+        else:
+            with store.open(step) as reader:
+                _tensors(reader, output)
+    except CheckpointError as exc:
+        raise _fail(str(exc)) from None
+
+
+def _list(store: CheckpointStore, output: Output) -> None:
+    rows: list[dict[str, Any]] = []
+    pointer = None
+    with contextlib.suppress(CheckpointError):
+        pointer = store.latest_pointer()
+    for info in store.list():
+        row: dict[str, Any] = {
+            "step": info.step,
+            "complete": info.complete,
+            "world": None,
+            "size_bytes": None,
+            "created_unix_s": None,
+            "latest": info.step == pointer,
+            "problem": info.problem,
+        }
+        if info.complete:
+            try:
+                with store.open(info.step) as reader:
+                    m = reader.manifest
+                    row.update(
+                        world=m.world_size,
+                        size_bytes=m.total_bytes,
+                        created_unix_s=m.created_unix_s,
+                        layout=m.layout,
+                    )
+            except CheckpointError as exc:
+                row.update(complete=False, problem=str(exc))
+        rows.append(row)
+    if output == Output.json:
+        typer.echo(json.dumps({"root": str(store.root), "checkpoints": rows}))
+        return
+    _table(
+        ["STEP", "STATUS", "WORLD", "SIZE", "AGE", "LATEST"],
+        [
+            [
+                str(r["step"]),
+                "complete" if r["complete"] else "partial",
+                str(r["world"]) if r["world"] else "-",
+                _size(r["size_bytes"]) if r["size_bytes"] is not None else "-",
+                _age(r["created_unix_s"]) if r["created_unix_s"] else "-",
+                "*" if r["latest"] else "-",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _tensors(reader: CheckpointReader, output: Output) -> None:
+    rows: list[dict[str, Any]] = []
+    for rank in range(reader.manifest.world_size):
+        for e in reader.entries(rank):
+            g = e.global_map
+            rows.append(
+                {
+                    "rank": rank,
+                    "name": e.name,
+                    "dtype": e.dtype,
+                    "shape": e.shape,
+                    "size_bytes": e.nbytes,
+                    "global_shape": g.shape if g else None,
+                    "placement": g.placement if g else None,
+                    "offsets": [p.offsets for p in g.pieces] if g else None,
+                }
+            )
+    if output == Output.json:
+        typer.echo(
+            json.dumps(
+                {
+                    "step": reader.step,
+                    "world_size": reader.manifest.world_size,
+                    "layout": reader.manifest.layout,
+                    "tensors": rows,
+                }
+            )
+        )
+        return
+    _table(
+        ["RANK", "NAME", "DTYPE", "SHAPE", "SIZE", "GLOBAL", "PLACEMENT"],
+        [
+            [
+                str(r["rank"]),
+                r["name"],
+                r["dtype"],
+                "x".join(map(str, r["shape"])) or "()",
+                _size(r["size_bytes"]),
+                "x".join(map(str, r["global_shape"])) if r["global_shape"] is not None else "-",
+                r["placement"] or "-",
+            ]
+            for r in rows
+        ],
+    )
+
+
+@app.command("verify")
+def verify_cmd(
+    root: Annotated[Path, typer.Argument(help="Checkpoint directory")],
+    step: Annotated[int | None, typer.Option(help="Default: what 'latest' resolves to")] = None,
+    quick: Annotated[bool, typer.Option(help="Check manifests and sizes only")] = False,
+) -> None:
+    """Re-read every byte and check it against the recorded CRCs and SHA-256."""
+    if not root.is_dir():
+        raise _fail(f"{root}: no such directory")
+    store = CheckpointStore(root)
+    target = step if step is not None else store.latest_pointer()
+    if target is None:
+        raise _fail(f"{root}: no 'latest' pointer; pass --step")
+    try:
+        with store.open(target) as reader:
+            reader.verify(deep=not quick)
+            m = reader.manifest
+    except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
+        raise _fail(str(exc), code=1) from None
+    except CheckpointError as exc:
+        raise _fail(str(exc)) from None
+    what = "manifests and sizes" if quick else f"{_size(m.total_bytes)} re-read"
+    typer.echo(f"ok: step {m.step}, {m.world_size} rank(s), {what}")
+
+
+@app.command("convert")
+def convert_cmd(
+    src: Annotated[Path, typer.Argument(help="Checkpoint directory to read")],
+    out: Annotated[Path, typer.Argument(help="Directory (universal, dcp) or file to write")],
+    to: Annotated[ConvertFormat, typer.Option(help="Output form")] = ConvertFormat.universal,
+    step: Annotated[int | None, typer.Option(help="Default: newest complete")] = None,
+    check: Annotated[bool, typer.Option(help="Check replicated copies are equal")] = True,
+) -> None:
+    """Consolidate a sharded checkpoint into one tensor per parameter."""
+    if not src.is_dir():
+        raise _fail(f"{src}: no such directory")
+    from checkpoint import convert
+
+    fn = {
+        ConvertFormat.universal: convert.to_universal,
+        ConvertFormat.safetensors: convert.to_safetensors,
+        ConvertFormat.dcp: convert.to_dcp,
+    }[to]
+    try:
+        written = fn(src, out, step=step, check=check)
+    except CheckpointError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(f"wrote {out} ({to.value}, {_size(written)})")
+
+
+@app.command("import")
+def import_cmd(
+    src: Annotated[Path, typer.Argument(help="safetensors file or DCP directory")],
+    out: Annotated[Path, typer.Argument(help="Checkpoint directory to create")],
+    source: Annotated[ImportFormat, typer.Option("--from", help="Input format")],
+    step: Annotated[int, typer.Option(help="Step number to record")] = 0,
+) -> None:
+    """Bring a safetensors file or a torch.distributed.checkpoint directory in."""
+    if not src.exists():
+        raise _fail(f"{src}: no such file or directory")
+    from checkpoint import convert
+
+    try:
+        if source == ImportFormat.safetensors:
+            written = convert.from_safetensors(src, out, step=step)
+        else:
+            written = convert.from_dcp(src, out, step=step)
+    except CheckpointError as exc:
+        raise _fail(str(exc)) from None
+    except Exception as exc:  # a foreign file we cannot parse: one line, not a traceback
+        raise _fail(f"{src}: cannot read as {source.value} ({type(exc).__name__}: {exc})") from None
+    typer.echo(f"wrote {out} (step {step}, {_size(written)})")
+
+
+def main() -> None:  # pragma: no cover - `python -m checkpoint.cli`
+    app(prog_name="trainguard checkpoint")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

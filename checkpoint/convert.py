@@ -1,0 +1,168 @@
+"""Offline conversions: consolidated (universal) form, safetensors, and PyTorch DCP.
+
+The consolidated form is an ordinary checkpoint of this package saved by one rank, with one
+whole tensor per global name and identity maps, so the same resharding loader reads it into
+any layout, and ``inspect``/``verify`` work on it unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import tempfile
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint.errors import CheckpointConfigError
+from checkpoint.manifest import SKELETON_ENTRY, Entry, rank_data_name, step_dir_name
+from checkpoint.reshard import consolidate, identity_map
+from checkpoint.snapshot import TensorRef
+from checkpoint.storage import (
+    DEFAULT_CHUNK_BYTES,
+    DataFileWriter,
+    apply_retention,
+    commit,
+    fsync_dir,
+    new_rank_manifest,
+    write_rank_manifest,
+)
+from checkpoint.store import CheckpointStore
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    return memoryview(flat.numpy().data)
+
+
+def write_consolidated(
+    root: Path,
+    step: int,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    layout: Mapping[str, int] | None = None,
+) -> int:
+    """Write ``tensors`` as a complete one-rank checkpoint, streaming one tensor at a time.
+
+    The skeleton is written last in the file (its size is known only at the end), which
+    readers do not mind: entries carry their own offsets. Returns bytes written.
+    """
+    step_dir = root / step_dir_name(step)
+    step_dir.mkdir(parents=True, exist_ok=True)
+    fsync_dir(root)
+    writer = DataFileWriter(
+        step_dir / rank_data_name(0), chunk_bytes=DEFAULT_CHUNK_BYTES, sha256=True
+    )
+    entries: list[Entry] = []
+    tree: dict[str, Any] = {}
+    try:
+        for name, tensor in tensors:
+            writer.pad_to(-(-writer.size_bytes // 64) * 64)
+            nbytes = tensor.numel() * tensor.element_size()
+            entries.append(
+                Entry(
+                    name=name,
+                    dtype=str(tensor.dtype).removeprefix("torch."),
+                    shape=list(tensor.shape),
+                    offset=writer.size_bytes,
+                    nbytes=nbytes,
+                    global_map=identity_map(name, tensor),
+                )
+            )
+            if nbytes:
+                writer.write(_bytes_of(tensor))
+            tree[name] = TensorRef(name)
+        buf = io.BytesIO()
+        pickle.dump(tree, buf, protocol=pickle.HIGHEST_PROTOCOL)
+        skeleton = buf.getvalue()
+        entries.append(
+            Entry(
+                name=SKELETON_ENTRY,
+                dtype="uint8",
+                shape=[len(skeleton)],
+                offset=writer.size_bytes,
+                nbytes=len(skeleton),
+            )
+        )
+        writer.write(skeleton)
+        info = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    world_layout = dict(layout or {"world": 1})
+    write_rank_manifest(
+        step_dir,
+        new_rank_manifest(
+            step=step, rank=0, world_size=1, layout=world_layout, data_file=info, entries=entries
+        ),
+    )
+    commit(root, step, world_size=1, layout=world_layout, timeout_s=1.0)
+    apply_retention(root, keep_last=1_000_000, newest_committed=step)
+    return info.size_bytes
+
+
+def _open(src: Path, step: int | None) -> Any:
+    store = CheckpointStore(src)
+    return store.open(step) if step is not None else store.open_latest()
+
+
+def to_universal(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> int:
+    with _open(src, step) as reader:
+        return write_consolidated(out, reader.step, consolidate(reader, check_replicas=check))
+
+
+def to_safetensors(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> int:
+    from safetensors.torch import save_file
+
+    with _open(src, step) as reader:
+        tensors = dict(consolidate(reader, check_replicas=check))
+        save_file(tensors, str(out), metadata={"step": str(reader.step)})
+    return out.stat().st_size
+
+
+def to_dcp(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> int:
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    with _open(src, step) as reader:
+        tensors = dict(consolidate(reader, check_replicas=check))
+    with warnings.catch_warnings():  # "assuming ... a single process": exactly the intent
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        save(tensors, checkpoint_id=str(out), no_dist=True)
+    return sum(p.stat().st_size for p in out.iterdir())
+
+
+def _flatten(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _flatten(value, f"{prefix}/{key}" if prefix else str(key))
+
+
+def from_safetensors(src: Path, out: Path, *, step: int = 0) -> int:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(src))
+    return write_consolidated(out, step, sorted(tensors.items()))
+
+
+def from_dcp(src: Path, out: Path, *, step: int = 0) -> int:
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if not (src / ".metadata").is_file():
+        raise CheckpointConfigError(f"{src}: not a DCP checkpoint (no .metadata)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "state.pt"
+        try:
+            dcp_to_torch_save(str(src), str(path))
+        except CheckpointException as exc:  # a BaseException in torch: keep it contained
+            raise CheckpointConfigError(f"{src}: DCP load failed ({exc!s:.200})") from None
+        state = torch.load(path, weights_only=True)
+    tensors = sorted(_flatten(state, ""))
+    if not tensors:
+        raise CheckpointConfigError(f"{src}: the DCP checkpoint holds no tensors")
+    return write_consolidated(out, step, tensors)

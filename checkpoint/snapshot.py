@@ -1,0 +1,204 @@
+"""Turning a training state into tensors plus a pickled skeleton, and back.
+
+``capture`` walks the state the user hands to ``save``: modules, optimizers and schedulers
+(anything with ``state_dict``/``load_state_dict``), dicts, lists, tensors and plain values.
+Tensors are replaced in the skeleton by :class:`TensorRef` placeholders; everything else is
+pickled at once, on the training thread, because it is small and may change right after
+``save`` returns (the scheduler's ``last_epoch``, the data loader position).
+
+Parameters and optimizer state are marked *lazy*: they do not change until the optimizer
+steps, so their copy can run in the background; buffers (BatchNorm statistics, which the
+forward pass updates) and loose tensors are copied before ``save`` returns.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from checkpoint.errors import CheckpointConfigError, CheckpointCorruptError
+from checkpoint.manifest import GlobalMap
+
+RNG_KEY = "__rng__"
+
+#: Maps (entry name, tensor) to (local tensor to store, its place in the global tensor).
+#: :mod:`checkpoint.universal` provides one for DTensors and explicit sharding specs.
+ShardingHook = Callable[[str, torch.Tensor], tuple[torch.Tensor, GlobalMap | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """Stands for the tensor stored under entry ``name`` inside the pickled skeleton."""
+
+    name: str
+
+
+@dataclass(kw_only=True, slots=True)
+class CapturedTensor:
+    name: str
+    tensor: torch.Tensor
+    lazy: bool
+    global_map: GlobalMap | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class Captured:
+    skeleton: bytes
+    tensors: list[CapturedTensor] = field(default_factory=list)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+
+
+#: Leaf types ``walk`` returns untouched without further checks (exact types: a subclass
+#: may carry state_dict and friends).
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def _is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+class _Walker:
+    def __init__(self, lazy_ok: bool, sharding: ShardingHook | None) -> None:
+        self.lazy_ok = lazy_ok
+        self.sharding = sharding
+        self._names: set[str] = set()
+        self.out = Captured(skeleton=b"")
+        self._lazy_ptrs: set[int] = set()
+
+    def tensor(self, name: str, value: torch.Tensor) -> TensorRef:
+        if name in self._names:  # a key containing "/" can collide with a nested path
+            name = f"{name}#{len(self.out.tensors)}"
+        self._names.add(name)
+        global_map = None
+        if self.sharding is not None:
+            value, global_map = self.sharding(name, value)
+        value = value.detach()
+        lazy = self.lazy_ok and value.untyped_storage().data_ptr() in self._lazy_ptrs
+        self.out.tensors.append(
+            CapturedTensor(name=name, tensor=value, lazy=lazy, global_map=global_map)
+        )
+        return TensorRef(name)
+
+    def walk(self, obj: Any, name: str) -> Any:
+        if type(obj) in _SCALARS:  # most leaves; Python's RNG state alone has 625 ints
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(name, obj)
+        if isinstance(obj, torch.nn.Module):
+            for param in obj.parameters():
+                self._lazy_ptrs.add(param.untyped_storage().data_ptr())
+            return self.walk(dict(obj.state_dict()), name)
+        if isinstance(obj, torch.optim.Optimizer):
+            self.out.optimizers.append(obj)
+            sd = obj.state_dict()
+            for per_param in sd["state"].values():
+                for value in per_param.values():
+                    if isinstance(value, torch.Tensor):
+                        self._lazy_ptrs.add(value.untyped_storage().data_ptr())
+            return self.walk(sd, name)
+        if _is_stateful(obj):
+            return self.walk(obj.state_dict(), name)
+        if isinstance(obj, Mapping):
+            return {k: self.walk(v, f"{name}/{k}" if name else str(k)) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            if all(type(v) in _SCALARS for v in obj):
+                return obj  # nothing inside to replace; pickled as it is
+            items = [self.walk(v, f"{name}/{i}") for i, v in enumerate(obj)]
+            return type(obj)(items) if isinstance(obj, list) or type(obj) is tuple else items
+        return obj
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generators: torch CPU (and CUDA), Python, and NumPy."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def capture(
+    state: Mapping[str, Any], *, include_rng: bool, sharding: ShardingHook | None = None
+) -> Captured:
+    """Split ``state`` into tensors and a pickled skeleton (see module docstring)."""
+    if not isinstance(state, Mapping):
+        raise CheckpointConfigError("save(state, step): state must be a mapping of name -> value")
+    if RNG_KEY in state:
+        raise CheckpointConfigError(f"save(state, step): the key {RNG_KEY!r} is reserved")
+    has_optimizer = any(isinstance(v, torch.optim.Optimizer) for v in state.values())
+    walker = _Walker(lazy_ok=has_optimizer, sharding=sharding)
+    # Modules and optimizers first, so their storages are known before loose tensors.
+    owners = torch.nn.Module | torch.optim.Optimizer
+    order = sorted(state, key=lambda k: not isinstance(state[k], owners))
+    tree = {str(key): walker.walk(state[key], str(key)) for key in order}
+    if include_rng:
+        walker.sharding = None  # RNG states are per rank, never part of a global tensor
+        tree[RNG_KEY] = walker.walk(rng_state(), RNG_KEY)
+    buf = io.BytesIO()
+    pickle.dump(tree, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    walker.out.skeleton = buf.getvalue()
+    return walker.out
+
+
+def _fill(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(obj, TensorRef):
+        return tensors[obj.name]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, tensors) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def rebuild(skeleton: bytes, tensors: Mapping[str, torch.Tensor], *, where: str) -> dict[str, Any]:
+    try:
+        tree = pickle.loads(skeleton)
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{where}: state skeleton does not unpickle ({exc})") from exc
+    if not isinstance(tree, dict):
+        raise CheckpointCorruptError(f"{where}: state skeleton is not a dict")
+    return _fill(tree, tensors)  # type: ignore[no-any-return]
+
+
+def apply(
+    loaded: Mapping[str, Any], targets: Mapping[str, Any], *, restore_rng: bool
+) -> dict[str, Any]:
+    """Load ``loaded`` into the stateful objects of ``targets``; return the plain values."""
+    plain: dict[str, Any] = {}
+    for key, value in loaded.items():
+        if key == RNG_KEY:
+            continue
+        target = targets.get(key)
+        if target is not None and _is_stateful(target):
+            target.load_state_dict(value)
+        else:
+            plain[key] = value
+    if restore_rng and RNG_KEY in loaded:
+        set_rng_state(loaded[RNG_KEY])
+    return plain

@@ -1,0 +1,277 @@
+"""Writing checkpoints so that a crash at any instant leaves the last complete one loadable.
+
+Commit protocol (one checkpoint, ``W`` ranks)::
+
+    every rank r:  rank-r.bin   stream + fsync, then rename from a temp name
+                   rank-r.json  (sizes, SHA-256, chunk CRCs, tensor table) temp+fsync+rename
+    rank 0:        wait until all W rank manifests exist and parse
+                   MANIFEST.json  temp + fsync + rename + fsync(dir)   <- the commit point
+                   latest         temp + fsync + rename + fsync(root)
+                   retention: delete older checkpoints beyond keep_last, never the newest
+                   complete one, and partial directories older than the new commit
+
+A reader treats a directory without a parseable ``MANIFEST.json`` as absent, so a kill -9 at
+any point leaves at most an orphan directory and ``latest`` pointing at a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from checkpoint.crc import crc32
+from checkpoint.errors import CheckpointIncompleteError, CheckpointWriteError
+from checkpoint.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    DataFileInfo,
+    Entry,
+    Manifest,
+    RankManifest,
+    RankRecord,
+    parse_rank_manifest,
+    rank_manifest_name,
+    step_dir_name,
+    to_json_bytes,
+)
+
+#: Granularity of the per-chunk CRCs: a resharding reader reads whole chunks, so smaller
+#: chunks read less surplus; larger ones keep the rank manifest short (4 GiB -> 1,024 CRCs).
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (a rename is only durable once its dir is)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
+    tmp = _tmp_name(path)
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class DataFileWriter:
+    """Streams one rank's data file, checksumming as it goes.
+
+    CRC (and SHA-256) run on a helper thread while ``write`` copies the same bytes into the
+    page cache: both release the GIL, and checksumming in line cost 30% of the write time
+    (0.25 s per GB). The caller keeps each buffer unchanged until :meth:`finish`.
+    """
+
+    def __init__(self, path: Path, *, chunk_bytes: int, sha256: bool) -> None:
+        self.path = path
+        self._tmp = _tmp_name(path)
+        self._fh = open(self._tmp, "wb", buffering=0)  # noqa: SIM115 - closed in finish/abort
+        self._sha = hashlib.sha256() if sha256 else None
+        self._chunk_bytes = chunk_bytes
+        self._crcs: list[int] = []
+        self._crc = 0
+        self._in_chunk = 0
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
+        self._pending: list[Future[None]] = []
+        self.size_bytes = 0
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        self.size_bytes += len(view)
+        self._pending.append(self._hasher.submit(self._account, view))
+        while len(view):
+            written = self._fh.write(view)
+            if written is None or written <= 0:
+                raise OSError(f"short write to {self._tmp}")
+            view = view[written:]
+        if len(self._pending) > 64:  # surface hashing errors early, bound the queue
+            done = [f for f in self._pending if f.done()]
+            for fut in done:
+                fut.result()
+            self._pending = [f for f in self._pending if not f.done()]
+
+    def _account(self, view: memoryview) -> None:
+        if self._sha is not None:
+            self._sha.update(view)
+        while len(view):
+            take = min(len(view), self._chunk_bytes - self._in_chunk)
+            self._crc = crc32(view[:take], self._crc)
+            self._in_chunk += take
+            view = view[take:]
+            if self._in_chunk == self._chunk_bytes:
+                self._crcs.append(self._crc)
+                self._crc, self._in_chunk = 0, 0
+
+    def pad_to(self, offset: int) -> None:
+        if offset > self.size_bytes:
+            self.write(bytes(offset - self.size_bytes))
+
+    def finish(self) -> DataFileInfo:
+        self._hasher.shutdown(wait=True)
+        for fut in self._pending:
+            fut.result()
+        if self._in_chunk:
+            self._crcs.append(self._crc)
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        os.replace(self._tmp, self.path)
+        return DataFileInfo(
+            name=self.path.name,
+            size_bytes=self.size_bytes,
+            sha256=self._sha.hexdigest() if self._sha is not None else "",
+            chunk_bytes=self._chunk_bytes,
+            chunk_crc32=self._crcs,
+        )
+
+    def abort(self) -> None:
+        self._hasher.shutdown(wait=True, cancel_futures=True)
+        with contextlib.suppress(OSError):
+            self._fh.close()
+        with contextlib.suppress(OSError):
+            self._tmp.unlink()
+
+
+def write_rank_manifest(step_dir: Path, manifest: RankManifest) -> None:
+    write_atomic(step_dir / rank_manifest_name(manifest.rank), to_json_bytes(manifest))
+
+
+def new_rank_manifest(
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    layout: dict[str, int],
+    data_file: DataFileInfo,
+    entries: list[Entry],
+) -> RankManifest:
+    return RankManifest(
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        layout=dict(layout),
+        data_file=data_file,
+        entries=entries,
+        created_unix_s=time.time(),
+    )
+
+
+def commit(
+    root: Path,
+    step: int,
+    *,
+    world_size: int,
+    layout: dict[str, int],
+    timeout_s: float,
+    poll_s: float = 0.05,
+) -> Manifest:
+    """Rank 0: wait for every rank's part, then write ``MANIFEST.json`` and move ``latest``.
+
+    Waits on files rather than a collective because it runs off the training thread, where
+    a collective would race the trainer's own calls on the same process group.
+    """
+    step_dir = root / step_dir_name(step)
+    deadline = time.monotonic() + timeout_s
+    records: dict[int, RankRecord] = {}
+    while len(records) < world_size:
+        for rank in range(world_size):
+            if rank in records:
+                continue
+            path = step_dir / rank_manifest_name(rank)
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            part = parse_rank_manifest(path, data)
+            if part.step != step or part.world_size != world_size:
+                raise CheckpointWriteError(
+                    f"{path}: belongs to step {part.step} world {part.world_size}, "
+                    f"expected step {step} world {world_size}"
+                )
+            records[rank] = RankRecord(
+                rank=rank,
+                manifest=path.name,
+                manifest_sha256=hashlib.sha256(data).hexdigest(),
+                data_file=part.data_file.name,
+                size_bytes=part.data_file.size_bytes,
+                sha256=part.data_file.sha256,
+            )
+        if len(records) < world_size:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(records))
+                raise CheckpointIncompleteError(
+                    f"{step_dir}: ranks {missing} did not finish within {timeout_s:g} s; "
+                    "checkpoint left uncommitted"
+                )
+            time.sleep(poll_s)
+    manifest = Manifest(
+        step=step,
+        world_size=world_size,
+        layout=dict(layout),
+        ranks=[records[r] for r in range(world_size)],
+        total_bytes=sum(r.size_bytes for r in records.values()),
+        created_unix_s=time.time(),
+    )
+    write_atomic(step_dir / MANIFEST_NAME, to_json_bytes(manifest))
+    write_atomic(root / LATEST_NAME, (step_dir_name(step) + "\n").encode())
+    return manifest
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps whose ``MANIFEST.json`` exists (cheap; verification is the reader's job)."""
+    out = []
+    for step, path in step_dirs(root):
+        if (path / MANIFEST_NAME).is_file():
+            out.append(step)
+    return out
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    out: list[tuple[int, Path]] = []
+    if not root.is_dir():
+        return out
+    for path in root.iterdir():
+        name = path.name
+        if path.is_dir() and name.startswith("step-") and name[5:].isdigit():
+            out.append((int(name[5:]), path))
+    return sorted(out)
+
+
+def apply_retention(root: Path, *, keep_last: int, newest_committed: int) -> list[int]:
+    """Delete all but the ``keep_last`` newest committed checkpoints, plus partial ones
+    older than ``newest_committed``. Returns the deleted steps.
+
+    Only ever called right after a commit, so the checkpoint just committed is among those
+    kept and the previous complete one is never removed before a newer one exists.
+    """
+    keep_last = max(1, keep_last)
+    committed = [s for s in committed_steps(root) if s <= newest_committed]
+    keep = set(committed[-keep_last:]) | {newest_committed}
+    deleted = []
+    for step, path in step_dirs(root):
+        if step in keep or step > newest_committed:
+            continue  # newer directories belong to saves still in flight
+        # Remove the manifest first so a crash mid-delete leaves a partial, not a "complete"
+        # checkpoint with missing shards.
+        with contextlib.suppress(FileNotFoundError):
+            (path / MANIFEST_NAME).unlink()
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(step)
+    if deleted:
+        fsync_dir(root)
+    return deleted

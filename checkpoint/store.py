@@ -1,0 +1,243 @@
+"""Reading checkpoints back: finding the newest complete one, verifying, reading bytes.
+
+Every byte handed to a caller has been checked against a CRC-32 of the 4 MiB chunk it came
+from, so a flipped bit surfaces as :class:`CheckpointCorruptError` naming the file and the
+offset instead of as a silently wrong weight. ``verify(deep=True)`` also re-hashes whole
+files against the SHA-256 recorded at commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpoint.crc import crc32
+from checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+)
+from checkpoint.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    Entry,
+    Manifest,
+    RankManifest,
+    parse_manifest,
+    parse_rank_manifest,
+    step_dir_name,
+)
+from checkpoint.storage import step_dirs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    complete: bool
+    problem: str = ""
+
+
+class CheckpointReader:
+    """One complete checkpoint, opened; rank manifests are parsed and checked on demand."""
+
+    def __init__(self, path: Path, manifest: Manifest) -> None:
+        self.path = path
+        self.manifest = manifest
+        self._ranks: dict[int, RankManifest] = {}
+        self._fds: dict[int, int] = {}
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    def rank_manifest(self, rank: int) -> RankManifest:
+        if rank in self._ranks:
+            return self._ranks[rank]
+        if not 0 <= rank < self.manifest.world_size:
+            raise CheckpointNotFoundError(
+                f"{self.path}: no rank {rank} (saved with world size {self.manifest.world_size})"
+            )
+        record = self.manifest.ranks[rank]
+        path = self.path / record.manifest
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError as exc:
+            raise CheckpointIncompleteError(f"{path}: rank manifest missing") from exc
+        if hashlib.sha256(data).hexdigest() != record.manifest_sha256:
+            raise CheckpointCorruptError(f"{path}: SHA-256 differs from MANIFEST.json")
+        part = parse_rank_manifest(path, data)
+        self._ranks[rank] = part
+        return part
+
+    def entries(self, rank: int) -> list[Entry]:
+        return self.rank_manifest(rank).entries
+
+    def _fd(self, rank: int) -> int:
+        if rank not in self._fds:
+            part = self.rank_manifest(rank)
+            path = self.path / part.data_file.name
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError as exc:
+                raise CheckpointIncompleteError(f"{path}: data file missing") from exc
+            size = os.fstat(fd).st_size
+            if size != part.data_file.size_bytes:
+                os.close(fd)
+                raise CheckpointCorruptError(
+                    f"{path}: {size} bytes on disk, manifest says {part.data_file.size_bytes}"
+                )
+            self._fds[rank] = fd
+        return self._fds[rank]
+
+    def read(self, rank: int, offset: int, nbytes: int, *, what: str = "") -> bytes:
+        """Bytes ``[offset, offset+nbytes)`` of ``rank``'s data file, CRC-checked per chunk.
+
+        Reads whole chunks around the range: the cost of verifying a partial read.
+        """
+        part = self.rank_manifest(rank)
+        info = part.data_file
+        if offset < 0 or offset + nbytes > info.size_bytes:
+            raise CheckpointCorruptError(
+                f"{self.path / info.name}: range {offset}+{nbytes} past end ({info.size_bytes})"
+            )
+        if nbytes == 0:
+            return b""
+        cb = info.chunk_bytes
+        first, last = offset // cb, (offset + nbytes - 1) // cb
+        start = first * cb
+        end = min((last + 1) * cb, info.size_bytes)
+        data = os.pread(self._fd(rank), end - start, start)
+        if len(data) != end - start:
+            raise CheckpointCorruptError(f"{self.path / info.name}: short read at {start}")
+        view = memoryview(data)
+        for chunk in range(first, last + 1):
+            lo = chunk * cb - start
+            piece = view[lo : lo + cb]
+            if crc32(piece) != info.chunk_crc32[chunk]:
+                where = f" (tensor {what})" if what else ""
+                raise CheckpointCorruptError(
+                    f"{self.path / info.name}: CRC mismatch in bytes "
+                    f"{chunk * cb}..{chunk * cb + len(piece)}{where}"
+                )
+        lo = offset - start
+        return bytes(view[lo : lo + nbytes]) if (lo or nbytes != len(data)) else data
+
+    def read_entry(self, rank: int, entry: Entry) -> bytes:
+        return self.read(rank, entry.offset, entry.nbytes, what=entry.name)
+
+    def verify(self, *, deep: bool = True) -> None:
+        """Raise the first problem found; ``deep`` re-reads and hashes every byte."""
+        for rank in range(self.manifest.world_size):
+            part = self.rank_manifest(rank)
+            fd = self._fd(rank)
+            record = self.manifest.ranks[rank]
+            if record.size_bytes != part.data_file.size_bytes:
+                raise CheckpointCorruptError(
+                    f"{self.path / record.data_file}: size differs between manifests"
+                )
+            if not deep:
+                continue
+            info = part.data_file
+            sha = hashlib.sha256()
+            for chunk, expected in enumerate(info.chunk_crc32):
+                data = os.pread(fd, info.chunk_bytes, chunk * info.chunk_bytes)
+                if crc32(data) != expected:
+                    raise CheckpointCorruptError(
+                        f"{self.path / info.name}: CRC mismatch in bytes "
+                        f"{chunk * info.chunk_bytes}..{chunk * info.chunk_bytes + len(data)}"
+                    )
+                sha.update(data)
+            if info.sha256 and sha.hexdigest() != info.sha256:
+                raise CheckpointCorruptError(f"{self.path / info.name}: SHA-256 mismatch")
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CheckpointStore:
+    """A directory of checkpoints, as a reader sees it."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def latest_pointer(self) -> int | None:
+        try:
+            name = (self.root / LATEST_NAME).read_text().strip()
+        except FileNotFoundError:
+            return None
+        if not (name.startswith("step-") and name[5:].isdigit()):
+            raise CheckpointCorruptError(f"{self.root / LATEST_NAME}: bad content {name!r}")
+        return int(name[5:])
+
+    def list(self) -> list[CheckpointInfo]:
+        out = []
+        for step, path in step_dirs(self.root):
+            problem = ""
+            if not (path / MANIFEST_NAME).is_file():
+                problem = "no MANIFEST.json (uncommitted)"
+            out.append(CheckpointInfo(step=step, path=path, complete=not problem, problem=problem))
+        return out
+
+    def open(self, step: int) -> CheckpointReader:
+        """Open checkpoint ``step``; raises if it is not committed or its manifests are bad."""
+        path = self.root / step_dir_name(step)
+        if not path.is_dir():
+            raise CheckpointNotFoundError(f"{path}: no such checkpoint")
+        try:
+            manifest = parse_manifest(path / MANIFEST_NAME)
+        except FileNotFoundError as exc:
+            raise CheckpointIncompleteError(
+                f"{path / MANIFEST_NAME}: missing, checkpoint was never committed"
+            ) from exc
+        if manifest.step != step:
+            raise CheckpointCorruptError(f"{path / MANIFEST_NAME}: says step {manifest.step}")
+        reader = CheckpointReader(path, manifest)
+        try:
+            reader.verify(deep=False)
+        except CheckpointError:
+            reader.close()
+            raise
+        return reader
+
+    def candidates(self) -> Iterator[int]:
+        """Steps to try for "latest": the pointer first, then committed ones, newest first."""
+        seen = set()
+        pointer = None
+        try:
+            pointer = self.latest_pointer()
+        except CheckpointCorruptError as exc:
+            log.warning("%s", exc)
+        if pointer is not None:
+            seen.add(pointer)
+            yield pointer
+        for info in reversed(self.list()):
+            if info.complete and info.step not in seen:
+                yield info.step
+
+    def open_latest(self) -> CheckpointReader:
+        """The newest checkpoint that opens cleanly, skipping broken ones with a warning."""
+        problems = []
+        for step in self.candidates():
+            try:
+                return self.open(step)
+            except CheckpointError as exc:
+                log.warning("skipping checkpoint step %d: %s", step, exc)
+                problems.append(str(exc))
+        detail = "; ".join(problems) if problems else "none found"
+        raise CheckpointNotFoundError(f"{self.root}: no complete checkpoint ({detail})")

@@ -1,0 +1,267 @@
+"""Persisting one rank's snapshot from a host buffer to storage (no torch here).
+
+The same code runs in a thread of the trainer or in the writer process
+(:mod:`checkpoint._writer_proc`); it streams each tensor as soon as the copier reports it
+ready, so writing overlaps the device-to-host copy instead of waiting for all of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from checkpoint.bufferfile import BufferFileWriter, gaps_are_zero
+from checkpoint.errors import CheckpointWriteError
+from checkpoint.manifest import (
+    DataFileInfo,
+    Entry,
+    entry_from_dict,
+    plain,
+    rank_data_name,
+    rank_manifest_name,
+    step_dir_name,
+)
+from checkpoint.storage import (
+    DEFAULT_CHUNK_BYTES,
+    DataFileWriter,
+    apply_retention,
+    commit,
+    fsync_dir,
+    new_rank_manifest,
+    write_atomic,
+    write_rank_manifest,
+)
+
+#: Largest single write; bounded so progress and aborts are noticed between writes.
+WRITE_SLICE_BYTES = 16 << 20
+
+
+@dataclass(kw_only=True, slots=True)
+class PersistJob:
+    """Everything a writer needs to persist one rank's part of one checkpoint."""
+
+    job_id: int
+    root: str
+    step: int
+    rank: int
+    world_size: int
+    layout: dict[str, int]
+    entries: list[Entry]
+    keep_last: int
+    commit_timeout_s: float
+    sha256: bool = True
+    #: Second tier: after the local commit, the same files are copied here and committed.
+    mirror_root: str = ""
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: Threads computing chunk CRCs beside the writes.
+    hash_threads: int = 2
+    #: Bulk writes with O_DIRECT (no page-cache copy) where the file system allows it.
+    direct_io: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form for the writer process (see :func:`checkpoint.manifest.plain`)."""
+        out: dict[str, Any] = plain(self)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> PersistJob:
+        raw = dict(raw)
+        raw["entries"] = [entry_from_dict(e) for e in raw["entries"]]
+        return cls(**raw)
+
+
+@dataclass(kw_only=True, slots=True)
+class PersistResult:
+    bytes_written: int
+    durable_s: float
+    committed: bool = False
+    commit_s: float = 0.0
+    deleted_steps: list[int] = field(default_factory=list)
+
+
+def persist_part(
+    job: PersistJob,
+    buffer: memoryview,
+    wait_ready: Callable[[int], bool],
+    on_durable: Callable[[PersistResult], None] | None = None,
+    on_committed: Callable[[PersistResult], None] | None = None,
+) -> PersistResult:
+    """Write entries ``0..n-1`` of ``job`` from ``buffer`` and, on rank 0, commit.
+
+    ``wait_ready(i)`` blocks until entry ``i`` is in the buffer; it returns False when the
+    snapshot was abandoned (its copy will never finish), and then nothing is committed.
+    """
+    t0 = time.monotonic()
+    root = Path(job.root)
+    step_dir = root / step_dir_name(job.step)
+    step_dir.mkdir(parents=True, exist_ok=True)
+    # The new directory's entry in root must be durable before this part counts as durable;
+    # that journal commit overlaps the data writes instead of delaying the first one.
+    root_synced = _Background(fsync_dir, root)
+    data_path = step_dir / rank_data_name(job.rank)
+    spans = [(e.offset, e.nbytes) for e in job.entries]
+    if gaps_are_zero(buffer, spans):
+        info = _write_from_buffer(job, buffer, data_path, wait_ready)
+    else:  # a caller that left bytes between tensors: stream entry by entry, pad with zeros
+        info = _write_by_entry(job, buffer, data_path, wait_ready)
+    write_rank_manifest(
+        step_dir,
+        new_rank_manifest(
+            step=job.step,
+            rank=job.rank,
+            world_size=job.world_size,
+            layout=job.layout,
+            data_file=info,
+            entries=job.entries,
+        ),
+    )
+    root_synced.result()
+    result = PersistResult(bytes_written=info.size_bytes, durable_s=time.monotonic() - t0)
+    if on_durable is not None:
+        on_durable(result)
+    if job.rank == 0:
+        t1 = time.monotonic()
+        commit(
+            root,
+            job.step,
+            world_size=job.world_size,
+            layout=job.layout,
+            timeout_s=job.commit_timeout_s,
+        )
+        result.committed = True
+        result.deleted_steps = apply_retention(
+            root, keep_last=job.keep_last, newest_committed=job.step
+        )
+        result.commit_s = time.monotonic() - t1
+        if on_committed is not None:
+            on_committed(result)
+    if job.mirror_root:
+        try:
+            mirror_part(job, Path(job.mirror_root))
+        except Exception as exc:
+            raise CheckpointWriteError(
+                f"step {job.step} rank {job.rank}: committed locally, copy to "
+                f"{job.mirror_root} failed ({type(exc).__name__}: {exc})"
+            ) from exc
+    return result
+
+
+class _Background:
+    """Run ``fn(arg)`` on a short-lived thread; :meth:`result` joins and re-raises."""
+
+    def __init__(self, fn: Callable[[Path], None], arg: Path) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, arg), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[Path], None], arg: Path) -> None:
+        try:
+            fn(arg)
+        except BaseException as exc:  # handed to the caller in result()
+            self._error = exc
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _abandoned(job: PersistJob, entry: Entry) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"step {job.step} rank {job.rank}: snapshot abandoned before entry {entry.name} was copied"
+    )
+
+
+def _write_from_buffer(
+    job: PersistJob, buffer: memoryview, path: Path, wait_ready: Callable[[int], bool]
+) -> DataFileInfo:
+    """The buffer prefix is the file: write it as the copier makes it final (O_DIRECT,
+    parallel chunk CRCs; see :mod:`checkpoint.bufferfile`)."""
+    writer = BufferFileWriter(
+        path,
+        buffer,
+        chunk_bytes=job.chunk_bytes,
+        sha256=job.sha256,
+        hash_threads=job.hash_threads,
+        direct=job.direct_io,
+    )
+    try:
+        end = 0
+        for index, entry in enumerate(job.entries):
+            if not wait_ready(index):
+                raise _abandoned(job, entry)
+            end = entry.offset + entry.nbytes
+            writer.advance(end)
+        return writer.finish(end)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _write_by_entry(
+    job: PersistJob, buffer: memoryview, path: Path, wait_ready: Callable[[int], bool]
+) -> DataFileInfo:
+    writer = DataFileWriter(path, chunk_bytes=job.chunk_bytes, sha256=job.sha256)
+    try:
+        for index, entry in enumerate(job.entries):
+            if not wait_ready(index):
+                raise _abandoned(job, entry)
+            writer.pad_to(entry.offset)
+            pos = entry.offset
+            end = entry.offset + entry.nbytes
+            while pos < end:
+                nxt = min(end, pos + WRITE_SLICE_BYTES)
+                writer.write(buffer[pos:nxt])
+                pos = nxt
+        return writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice`` (Linux: per thread, inherited by
+    the threads it starts). The writer yields the CPU to the training threads: its work
+    is latency-tolerant, theirs is not. Failure (no setpriority here) is harmless."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
+def mirror_part(job: PersistJob, mirror: Path) -> None:
+    """Copy this rank's committed files to the second tier; rank 0 commits there too.
+
+    The rank manifest is copied byte for byte, so the mirror's MANIFEST.json pins the same
+    SHA-256 and the copy is verified by the same CRCs when read.
+    """
+    src = Path(job.root) / step_dir_name(job.step)
+    dst = mirror / step_dir_name(job.step)
+    dst.mkdir(parents=True, exist_ok=True)
+    fsync_dir(mirror)
+    data = src / rank_data_name(job.rank)
+    tmp = dst / f".{data.name}.tmp-{os.getpid()}"
+    with open(data, "rb") as fin, open(tmp, "wb") as fout:
+        shutil.copyfileobj(fin, fout, WRITE_SLICE_BYTES)
+        fout.flush()
+        os.fsync(fout.fileno())
+    os.replace(tmp, dst / data.name)
+    manifest = rank_manifest_name(job.rank)
+    write_atomic(dst / manifest, (src / manifest).read_bytes())
+    if job.rank == 0:
+        commit(
+            mirror,
+            job.step,
+            world_size=job.world_size,
+            layout=job.layout,
+            timeout_s=job.commit_timeout_s,
+        )
+        apply_retention(mirror, keep_last=job.keep_last, newest_committed=job.step)

@@ -1,0 +1,80 @@
+"""Rank bodies for the multi-process (gloo) universal-checkpoint test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from checkpoint import CheckpointConfig, Checkpointer
+from checkpoint.reshard import load_resharded
+from checkpoint.rules import ParallelLayout
+from tests.checkpoint.megatron import full_state, ln_mean, rank_state
+
+#: Modules the test fork server imports once, so that its children start in milliseconds.
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed.tensor",
+    "checkpoint.engine",
+    "checkpoint.reshard",
+    "tests.checkpoint.crash_trainer",
+    "tests.checkpoint.dist_worker",
+]
+
+
+def dtensor_full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"dt/w": torch.randn(8, 6, generator=g), "dt/b": torch.randn(8, generator=g)}
+
+
+def _init(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+
+def save_rank(rank: int, root: str, init_file: str) -> None:
+    """TP=2 x DP=2: Megatron-style plain shards + ZeRO-1 moments + two DTensors."""
+    _init(rank, 4, init_file)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    layout = ParallelLayout(tp=2, tp_rank=rank % 2, dp=2, dp_rank=rank // 2)
+    state, spec = rank_state(full_state(), layout, pad_rows=6)
+    dfull = dtensor_full()
+    state["dt/w"] = distribute_tensor(dfull["dt/w"], mesh, [Replicate(), Shard(0)])
+    state["dt/b"] = distribute_tensor(dfull["dt/b"], mesh, [Shard(0), Replicate()])
+    engine = Checkpointer(
+        CheckpointConfig(root=root, writer="process"),
+        rank=rank,
+        world_size=4,
+        layout={"tp": 2, "dp": 2},
+        sharding=spec,
+    )
+    engine.save(state, step=5)
+    engine.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def load_rank(rank: int, root: str, init_file: str, out_dir: str) -> None:
+    """TP=1 x DP=3, DTensors resharded along the other dimension onto a 3-rank mesh."""
+    _init(rank, 3, init_file)
+    mesh = init_device_mesh("cpu", (3,))
+    full = full_state()
+    expected, spec = rank_state(full, ParallelLayout(tp=1, dp=3, dp_rank=rank), pad_rows=12)
+    targets: dict[str, torch.Tensor] = {
+        k: torch.full_like(v, float("nan")) for k, v in expected.items()
+    }
+    dfull = dtensor_full()
+    targets["dt/w"] = distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1)])
+    targets["dt/b"] = distribute_tensor(torch.zeros(8), mesh, [Replicate()])
+    result = load_resharded(root, targets, sharding=spec)
+    assert result.step == 5
+    for name, value in expected.items():
+        want = ln_mean(full, 4) if name == "model/ln.weight" else value
+        assert torch.equal(targets[name], want), (rank, name)
+    for name in ("dt/w", "dt/b"):
+        assert torch.equal(targets[name].full_tensor(), dfull[name]), (rank, name)
+    Path(out_dir, f"ok-{rank}").write_text(str(result.bytes_read))
+    dist.barrier()
+    dist.destroy_process_group()
