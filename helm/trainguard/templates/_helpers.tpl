@@ -1,0 +1,102 @@
+{{/* Chart name, truncated to the 63 characters a DNS label allows. */}}
+{{- define "trainguard.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name: <release>-<chart>, or the release name when it already holds the chart name. */}}
+{{- define "trainguard.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "trainguard.agentName" -}}
+{{- printf "%s-agent" (include "trainguard.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "trainguard.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "trainguard.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: trainguard
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "trainguard.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "trainguard.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "trainguard.controllerSelectorLabels" -}}
+{{ include "trainguard.selectorLabels" . }}
+app.kubernetes.io/component: controller
+{{- end -}}
+
+{{- define "trainguard.agentSelectorLabels" -}}
+{{ include "trainguard.selectorLabels" . }}
+app.kubernetes.io/component: agent
+{{- end -}}
+
+{{- define "trainguard.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "trainguard.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "trainguard.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "trainguard.jobNamespace" -}}
+{{- default .Release.Namespace .Values.controller.jobNamespace -}}
+{{- end -}}
+
+{{/* The Secret with tokens (and, when the chart holds it, the database URL). */}}
+{{- define "trainguard.secretName" -}}
+{{- default (include "trainguard.fullname" .) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{/* true when the controller uses PostgreSQL (a URL in values or an existing Secret). */}}
+{{- define "trainguard.usesPostgres" -}}
+{{- if or .Values.database.url .Values.database.existingSecret -}}true{{- end -}}
+{{- end -}}
+
+{{/* The plaintext agent token from values: auth.agentToken, else the first agent-role token. */}}
+{{- define "trainguard.agentToken" -}}
+{{- $token := .Values.auth.agentToken -}}
+{{- if not $token -}}
+{{- range .Values.auth.tokens -}}
+{{- if and (not $token) (eq .role "agent") .token -}}
+{{- $token = .token -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $token -}}
+{{- end -}}
+
+{{/* Refuse values that would render an unusable release, each with a message that says
+what to set. Included by every workload template. */}}
+{{- define "trainguard.validate" -}}
+{{- if and (not .Values.auth.existingSecret) (not .Values.auth.tokens) -}}
+{{- fail "auth.tokens is empty and auth.existingSecret is not set: give at least one API token (auth.tokens: [{name: agents, role: agent, token: <openssl rand -hex 24>}, ...]) or the name of a Secret with keys `tokens` and `agent-token` (auth.existingSecret)" -}}
+{{- end -}}
+{{- if and .Values.agent.enabled (not .Values.auth.existingSecret) (not (include "trainguard.agentToken" .)) -}}
+{{- fail "the agents need a plaintext agent-role token: add an entry with role: agent and token: ... to auth.tokens, or set auth.agentToken (or agent.enabled: false)" -}}
+{{- end -}}
+{{- if and (gt (int .Values.controller.replicas) 1) (not (include "trainguard.usesPostgres" .)) -}}
+{{- fail "controller.replicas > 1 needs PostgreSQL (database.url or database.existingSecret): replicas on the embedded SQLite database cannot share it" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,654 @@
+"""The Helm chart (helm/trainguard) through a real ``helm`` binary.
+
+``helm lint --strict`` and ``helm template`` with several value sets; the rendered manifests
+are parsed and checked against the code they deploy (the actuator's ``RBAC_RULES``, the
+controller's and agent's settings classes) and validated offline with
+``kubernetes-validate -k 1.33 --strict``. helm comes from the same registry wheel as the
+kubectl of the CLI tests (tests/cli/cli_k8s_tools.py); without it the tests skip, except
+under ``CI=true`` where they fail.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from agents.settings import AgentSettings
+from controller.actuators.kubernetes import RBAC_RULES, rbac_rules_yaml
+from controller.settings import ControllerSettings
+from tests.cli.cli_k8s_tools import ToolUnavailable, helm
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "trainguard"
+NAMESPACE = "gpu-ops"
+RELEASE = "tg"
+FULLNAME = f"{RELEASE}-trainguard"
+K8S_VERSION = "1.33"
+
+AGENT_TOKEN = "agent-token-4f1d9c2e7a"
+OPERATOR_TOKEN = "operator-token-b83e11c0d5"
+DB_PASSWORD = "pg-pass-7c1e90ab"
+DB_URL = f"postgresql+psycopg://trainguard:{DB_PASSWORD}@postgres.db.svc:5432/trainguard"
+SECRETS = (AGENT_TOKEN, OPERATOR_TOKEN, DB_PASSWORD)
+
+TOKENS = {
+    "auth": {
+        "tokens": [
+            {"name": "agents", "role": "agent", "token": AGENT_TOKEN},
+            {"name": "sre", "role": "operator", "token": OPERATOR_TOKEN},
+        ]
+    }
+}
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+#: Value sets every structural test runs over (name -> values).
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": TOKENS,
+    "postgres-ha": _merge(
+        TOKENS,
+        {
+            "database": {"url": DB_URL},
+            "controller": {
+                "replicas": 3,
+                "config": {"node_lost_after_s": 60, "policy_dry_run": True},
+                "podDisruptionBudget": {"enabled": True},
+            },
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+            "grafanaDashboard": {"enabled": True},
+        },
+    ),
+    "existing-secrets": {
+        "auth": {"existingSecret": "tg-auth"},
+        "database": {"existingSecret": "tg-db", "existingSecretKey": "url"},
+        "controller": {"jobNamespace": "train", "replicas": 2},
+        "agent": {"privileged": True, "runtimeClassName": ""},
+        "rbac": {"jobsets": False},
+    },
+    "sqlite-pvc-no-actuator": _merge(
+        TOKENS,
+        {
+            "database": {"sqlite": {"persistence": {"enabled": True, "storageClass": "fast"}}},
+            "controller": {"actuator": "none"},
+            "agent": {"enabled": False},
+            "serviceMonitor": {"enabled": True},
+        },
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def helm_bin() -> Path:
+    try:
+        return helm()
+    except ToolUnavailable as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"helm is required in CI: {exc}")
+        pytest.skip(f"no helm here: {exc}")
+
+
+def _run_helm(
+    helm_bin: Path, tmp_path: Path, values: dict[str, Any], *args: str
+) -> subprocess.CompletedProcess[str]:
+    values_file = tmp_path / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    return subprocess.run(
+        [str(helm_bin), *args, "-f", str(values_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},  # no user helm config
+    )
+
+
+def _template(helm_bin: Path, tmp_path: Path, values: dict[str, Any]) -> str:
+    proc = _run_helm(
+        helm_bin, tmp_path, values, "template", RELEASE, str(CHART), "--namespace", NAMESPACE
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _docs(rendered: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(rendered) if doc]
+
+
+def _render(helm_bin: Path, tmp_path: Path, values: dict[str, Any]) -> list[dict[str, Any]]:
+    return _docs(_template(helm_bin, tmp_path, values))
+
+
+def _one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {len(found)}"
+    doc: dict[str, Any] = found[0]
+    return doc
+
+
+def _kinds(docs: list[dict[str, Any]]) -> list[str]:
+    return [d["kind"] for d in docs]
+
+
+def _container(workload: dict[str, Any], name: str) -> dict[str, Any]:
+    pod = workload["spec"]["template"]["spec"]
+    (found,) = [c for c in pod["containers"] if c["name"] == name]
+    container: dict[str, Any] = found
+    return container
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+# -- lint and render ---------------------------------------------------------------------
+
+
+def test_lint_strict(helm_bin: Path, tmp_path: Path) -> None:
+    bare = subprocess.run(
+        [str(helm_bin), "lint", "--strict", str(CHART)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert bare.returncode == 0, bare.stdout + bare.stderr
+    for values in VALUE_SETS.values():
+        proc = _run_helm(helm_bin, tmp_path, values, "lint", "--strict", str(CHART))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_renders_valid_kubernetes_1_33(helm_bin: Path, tmp_path: Path, name: str) -> None:
+    validator = Path(sys.executable).parent / "kubernetes-validate"
+    if not validator.exists():
+        reason = "kubernetes-validate is not installed (pip install -e '.[dev]')"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    rendered = _template(helm_bin, tmp_path, VALUE_SETS[name])
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(rendered)
+    proc = subprocess.run(
+        [str(validator), "-k", K8S_VERSION, "--strict", "--quiet", str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    # The only kind without a bundled schema is the Prometheus Operator's ServiceMonitor (a
+    # warning, not a failure); every other object must validate.
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    unknown = re.findall(r"Couldn't find schema for kind (\w+)", proc.stdout + proc.stderr)
+    assert set(unknown) <= {"ServiceMonitor"}
+
+
+def test_default_objects(helm_bin: Path, tmp_path: Path) -> None:
+    docs = _render(helm_bin, tmp_path, TOKENS)
+    assert sorted(_kinds(docs)) == sorted(
+        [
+            "ServiceAccount",
+            "Secret",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
+            "Role",
+            "RoleBinding",
+            "Service",
+            "Service",
+            "Deployment",
+            "DaemonSet",
+        ]
+    )
+    deployment = _one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"  # one SQLite writer
+    for doc in docs:
+        if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+            assert doc["metadata"]["namespace"] in (NAMESPACE, "default")
+
+
+# -- RBAC: exactly the actuator's rules ---------------------------------------------------
+
+
+def test_rbac_file_is_the_code() -> None:
+    shipped = yaml.safe_load((CHART / "files" / "rbac-rules.yaml").read_text())
+    assert shipped == {"rules": [dict(rule) for rule in RBAC_RULES]}
+    assert shipped == yaml.safe_load(rbac_rules_yaml())
+
+
+def _rbac(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {
+        f"{d['kind']}/{d['metadata'].get('namespace', '')}/{d['metadata']['name']}": d
+        for d in docs
+        if d["apiVersion"].startswith("rbac.authorization.k8s.io/")
+    }
+
+
+def test_rbac_rules_equal_code(helm_bin: Path, tmp_path: Path) -> None:
+    docs = _render(helm_bin, tmp_path, TOKENS)
+    rbac = _rbac(docs)
+    cluster = rbac[f"ClusterRole//{FULLNAME}-nodes"]["rules"]
+    jobs = rbac[f"Role/{NAMESPACE}/{FULLNAME}-jobs"]["rules"]
+    node_events = rbac[f"Role/default/{FULLNAME}-node-events"]["rules"]
+    # Nodes are cluster-scoped; everything else lives in the job namespace.
+    assert cluster + jobs == [dict(rule) for rule in RBAC_RULES]
+    assert all("nodes" in rule["resources"] for rule in cluster)
+    # Events about Nodes may only be written in `default`.
+    assert node_events == [r for r in RBAC_RULES if r["resources"] == ["events"]]
+    for binding in (
+        rbac[f"ClusterRoleBinding//{FULLNAME}-nodes"],
+        rbac[f"RoleBinding/{NAMESPACE}/{FULLNAME}-jobs"],
+        rbac[f"RoleBinding/default/{FULLNAME}-node-events"],
+    ):
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}
+        ]
+        assert binding["roleRef"]["name"] == binding["metadata"]["name"]
+    sa = _one(docs, "ServiceAccount")
+    assert sa["metadata"]["name"] == FULLNAME
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == FULLNAME
+    assert pod["automountServiceAccountToken"] is True
+
+
+def test_rbac_in_job_namespace_and_optional_kinds(helm_bin: Path, tmp_path: Path) -> None:
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["existing-secrets"])
+    rbac = _rbac(docs)
+    jobs = rbac[f"Role/train/{FULLNAME}-jobs"]["rules"]
+    assert rbac[f"RoleBinding/train/{FULLNAME}-jobs"]["subjects"][0]["namespace"] == NAMESPACE
+    expected = [dict(r) for r in RBAC_RULES if "jobsets" not in r["resources"]]
+    assert rbac[f"ClusterRole//{FULLNAME}-nodes"]["rules"] + jobs == expected
+    env = _env(_container(_one(docs, "Deployment"), "controller"))
+    assert env["TRAINGUARD_KUBE_NAMESPACE"]["value"] == "train"
+
+
+def test_job_namespace_default_needs_one_role(helm_bin: Path, tmp_path: Path) -> None:
+    docs = _render(helm_bin, tmp_path, _merge(TOKENS, {"controller": {"jobNamespace": "default"}}))
+    roles = [d for d in docs if d["kind"] == "Role"]
+    assert [(r["metadata"]["namespace"], r["metadata"]["name"]) for r in roles] == [
+        ("default", f"{FULLNAME}-jobs")
+    ]
+    cluster = _one(docs, "ClusterRole")["rules"]
+    assert cluster + roles[0]["rules"] == [dict(rule) for rule in RBAC_RULES]
+
+
+def test_no_rbac_without_kubernetes_actuator(helm_bin: Path, tmp_path: Path) -> None:
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["sqlite-pvc-no-actuator"])
+    assert not _rbac(docs)
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+
+
+# -- controller ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_controller_pod_hardened(helm_bin: Path, tmp_path: Path, name: str) -> None:
+    deployment = _one(_render(helm_bin, tmp_path, VALUE_SETS[name]), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["enableServiceLinks"] is False
+    for container in [*pod["containers"], *pod.get("initContainers", [])]:
+        ctx = container["securityContext"]
+        assert ctx["runAsNonRoot"] is True
+        assert ctx["allowPrivilegeEscalation"] is False
+        assert ctx["readOnlyRootFilesystem"] is True
+        assert ctx["capabilities"] == {"drop": ["ALL"]}
+        assert container["resources"]["requests"]
+    controller = _container(deployment, "controller")
+    assert controller["command"] == ["trainguard", "controller"]
+    assert controller["ports"] == [{"name": "http", "containerPort": 8470, "protocol": "TCP"}]
+    assert controller["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert controller["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def _settings_env(
+    container: dict[str, Any], secrets: dict[tuple[str, str], str], node: str = "gpu-node-1"
+) -> dict[str, str]:
+    """A container's environment as the process would see it (secretKeyRef resolved)."""
+    out = {}
+    for name, entry in _env(container).items():
+        if "value" in entry:
+            out[name] = entry["value"]
+        elif "secretKeyRef" in entry["valueFrom"]:
+            ref = entry["valueFrom"]["secretKeyRef"]
+            out[name] = secrets[(ref["name"], ref["key"])]
+        elif entry["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName":
+            out[name] = node
+    return out
+
+
+def _chart_secrets(docs: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    return {
+        (doc["metadata"]["name"], key): base64.b64decode(value).decode()
+        for doc in docs
+        if doc["kind"] == "Secret"
+        for key, value in doc["data"].items()
+    }
+
+
+@pytest.mark.parametrize("name", ["defaults", "postgres-ha"])
+def test_controller_env_is_valid_settings(
+    helm_bin: Path, tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The environment the chart gives the controller is accepted by ControllerSettings."""
+    docs = _render(helm_bin, tmp_path, VALUE_SETS[name])
+    controller = _container(_one(docs, "Deployment"), "controller")
+    env = _settings_env(controller, _chart_secrets(docs))
+    for key in [k for k in os.environ if k.startswith("TRAINGUARD_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        if key.startswith("TRAINGUARD_") and key != "TRAINGUARD_CONFIG_FILE":
+            monkeypatch.setenv(key, value)
+    settings = ControllerSettings()
+    assert (settings.host, settings.port, settings.actuator) == ("0.0.0.0", 8470, "kubernetes")
+    assert settings.kube_namespace == NAMESPACE
+    assert {t.name: t.token for t in settings.tokens} == {
+        "agents": AGENT_TOKEN,
+        "sre": OPERATOR_TOKEN,
+    }
+    if name == "defaults":
+        assert settings.database_url == "sqlite:////var/lib/trainguard/trainguard.db"
+        mounts = {m["mountPath"] for m in controller["volumeMounts"]}
+        assert "/var/lib/trainguard" in mounts
+    else:
+        assert settings.database_url == DB_URL
+        migrate = _one(docs, "Deployment")["spec"]["template"]["spec"]["initContainers"][0]
+        assert migrate["command"] == ["trainguard", "db", "upgrade"]
+        config = yaml.safe_load(_one(docs, "ConfigMap", FULLNAME)["data"]["config.yaml"])
+        assert config == {"node_lost_after_s": 60, "policy_dry_run": True}
+        assert env["TRAINGUARD_CONFIG_FILE"] == "/etc/trainguard/config.yaml"
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_no_secret_in_plain_env(helm_bin: Path, tmp_path: Path, name: str) -> None:
+    docs = _render(helm_bin, tmp_path, VALUE_SETS[name])
+    outside_secrets = yaml.safe_dump([d for d in docs if d["kind"] != "Secret"])
+    for secret in SECRETS:
+        assert secret not in outside_secrets
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "DaemonSet"):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        for container in [*pod["containers"], *pod.get("initContainers", [])]:
+            env = _env(container)
+            for key in ("TRAINGUARD_TOKENS", "TRAINGUARD_AGENT_TOKEN"):
+                if key in env:
+                    assert set(env[key]) == {"name", "valueFrom"}
+                    assert "secretKeyRef" in env[key]["valueFrom"]
+            database = env.get("TRAINGUARD_DATABASE_URL", {})
+            if "value" in database:  # only the embedded SQLite path is plain
+                assert database["value"].startswith("sqlite:///")
+
+
+def test_existing_secrets_are_referenced(helm_bin: Path, tmp_path: Path) -> None:
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["existing-secrets"])
+    assert "Secret" not in _kinds(docs)
+    env = _env(_container(_one(docs, "Deployment"), "controller"))
+    assert env["TRAINGUARD_TOKENS"]["valueFrom"]["secretKeyRef"] == {
+        "name": "tg-auth",
+        "key": "tokens",
+    }
+    assert env["TRAINGUARD_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "tg-db",
+        "key": "url",
+    }
+    agent_env = _env(_container(_one(docs, "DaemonSet"), "agent"))
+    assert agent_env["TRAINGUARD_AGENT_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "tg-auth",
+        "key": "agent-token",
+    }
+
+
+def test_sqlite_persistence(helm_bin: Path, tmp_path: Path) -> None:
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["sqlite-pvc-no-actuator"])
+    pvc = _one(docs, "PersistentVolumeClaim")
+    assert pvc["spec"]["storageClassName"] == "fast"
+    volumes = _one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    (data,) = [v for v in volumes if v["name"] == "data"]
+    assert data["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert "DaemonSet" not in _kinds(docs)
+
+
+# -- agent --------------------------------------------------------------------------------
+
+
+def test_agent_daemonset(helm_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = _render(helm_bin, tmp_path, TOKENS)
+    ds = _one(docs, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    agent = _container(ds, "agent")
+    assert agent["command"] == [
+        "trainguard",
+        "agent",
+        "--controller",
+        f"http://{FULLNAME}:8470",
+    ]
+    env = _env(agent)
+    assert env["TRAINGUARD_AGENT_NODE_NAME"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "spec.nodeName"}
+    }
+    assert env["TRAINGUARD_AGENT_METRICS_HOST"]["value"] == "0.0.0.0"
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["automountServiceAccountToken"] is False
+    assert {"key": "trainguard.io/isolated", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    # The socket directory is a hostPath, mounted where the socket path points.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["socket-dir"]["hostPath"] == {
+        "path": "/run/trainguard",
+        "type": "DirectoryOrCreate",
+    }
+    mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
+    socket_path = env["TRAINGUARD_AGENT_SOCKET_PATH"]["value"]
+    assert Path(socket_path).parent == Path(mounts["socket-dir"]) == Path("/run/trainguard")
+    assert agent["ports"] == [{"name": "metrics", "containerPort": 9470, "protocol": "TCP"}]
+    # Non-root by default; power and clock commands need agent.privileged.
+    ctx = agent["securityContext"]
+    assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] != 0
+    assert ctx["capabilities"] == {"drop": ["ALL"]}
+    assert ctx["allowPrivilegeEscalation"] is False
+    # The environment is one the agent's settings accept, on this node.
+    for key in [k for k in os.environ if k.startswith("TRAINGUARD_")]:
+        monkeypatch.delenv(key)
+    resolved = _settings_env(agent, _chart_secrets(docs))
+    for key, value in resolved.items():
+        if key.startswith("TRAINGUARD_AGENT_"):
+            monkeypatch.setenv(key, value)
+    settings = AgentSettings(controller_url=agent["command"][-1])
+    assert settings.node_name == "gpu-node-1"
+    assert settings.token is not None and settings.token.get_secret_value() == AGENT_TOKEN
+    assert (settings.metrics_host, settings.metrics_port) == ("0.0.0.0", 9470)
+    assert settings.socket_path == "/run/trainguard/agent.sock"
+    assert str(settings.resolved_spool_dir).startswith(mounts["spool"])
+
+
+def test_agent_privileged_value(helm_bin: Path, tmp_path: Path) -> None:
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["existing-secrets"])
+    ds = _one(docs, "DaemonSet")
+    ctx = _container(ds, "agent")["securityContext"]
+    assert ctx["runAsUser"] == 0
+    assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    assert "privileged" not in ctx
+    pod = ds["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in pod
+    assert "initContainers" not in pod  # root creates its own directories
+
+
+# -- monitoring ---------------------------------------------------------------------------
+
+
+def test_service_monitor_only_when_enabled(helm_bin: Path, tmp_path: Path) -> None:
+    assert "ServiceMonitor" not in _kinds(_render(helm_bin, tmp_path, TOKENS))
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["postgres-ha"])
+    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
+    assert set(monitors) == {FULLNAME, f"{FULLNAME}-agent"}
+    assert monitors[FULLNAME]["metadata"]["labels"]["release"] == "prom"
+    assert monitors[FULLNAME]["spec"]["endpoints"][0]["port"] == "http"
+    assert monitors[f"{FULLNAME}-agent"]["spec"]["endpoints"][0]["port"] == "metrics"
+    # Without agents only the controller is scraped.
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["sqlite-pvc-no-actuator"])
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "ServiceMonitor"] == [FULLNAME]
+
+
+def test_grafana_dashboard_only_when_enabled(helm_bin: Path, tmp_path: Path) -> None:
+    assert "ConfigMap" not in _kinds(_render(helm_bin, tmp_path, TOKENS))
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["postgres-ha"])
+    dashboard = _one(docs, "ConfigMap", f"{FULLNAME}-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    panels = json.loads(dashboard["data"]["trainguard.json"])["panels"]
+    exprs = [target["expr"] for panel in panels for target in panel["targets"]]
+    # Every metric the dashboard queries is one the controller or the agent exports.
+    sources = "".join(
+        path.read_text()
+        for folder in ("controller", "agents")
+        for path in (ROOT / folder).rglob("*.py")
+    )
+    names = {
+        re.sub(r"_(total|bucket)$", "", m) for e in exprs for m in re.findall(r"trainguard_\w+", e)
+    }
+    assert len(names) >= 10
+    for name in names:
+        assert f'"{name}"' in sources, f"dashboard queries {name}, which nothing exports"
+
+
+def test_ha_replicas_on_postgres(helm_bin: Path, tmp_path: Path) -> None:
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["postgres-ha"])
+    deployment = _one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert _one(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    volumes = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert "data" not in volumes  # no SQLite volume on PostgreSQL
+
+
+def test_notes_explain_access(helm_bin: Path, tmp_path: Path) -> None:
+    proc = _run_helm(
+        helm_bin,
+        tmp_path,
+        TOKENS,
+        "install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--dry-run=client",
+    )
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert f"port-forward svc/{FULLNAME} 8470:8470" in notes
+    assert "kubectl trainguard nodes" in notes
+    assert "TRAINGUARD_AGENT_SOCKET=/run/trainguard/agent.sock" in notes
+    assert "not highly available" in notes or "no high availability" in notes
+
+
+# -- bad values ---------------------------------------------------------------------------
+
+HEX = "0" * 64
+BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
+    "replicas not a number": (
+        _merge(TOKENS, {"controller": {"replicas": "x"}}),
+        "/controller/replicas",
+    ),
+    "no tokens, no existingSecret": ({}, "auth.tokens is empty and auth.existingSecret is not set"),
+    "short token": (
+        {"auth": {"tokens": [{"name": "a", "role": "agent", "token": "short"}]}},
+        "/auth/tokens/0/token",
+    ),
+    "token and sha256": (
+        {
+            "auth": {
+                "tokens": [{"name": "a", "role": "agent", "token": AGENT_TOKEN, "sha256": "0" * 64}]
+            }
+        },
+        "/auth/tokens/0",
+    ),
+    "unknown role": (
+        {"auth": {"tokens": [{"name": "a", "role": "admin", "token": AGENT_TOKEN}]}},
+        "/auth/tokens/0/role",
+    ),
+    "agent token only hashed": (
+        {"auth": {"tokens": [{"name": "a", "role": "agent", "sha256": "a" * 64}]}},
+        "the agents need a plaintext agent-role token",
+    ),
+    "ha on sqlite": (
+        _merge(TOKENS, {"controller": {"replicas": 2}}),
+        "controller.replicas > 1 needs PostgreSQL",
+    ),
+    "misspelt key": (_merge(TOKENS, {"controller": {"replica": 2}}), "replica"),
+    "bad actuator": (_merge(TOKENS, {"controller": {"actuator": "ssh"}}), "/controller/actuator"),
+    "not a postgres url": (
+        _merge(TOKENS, {"database": {"url": "mysql://x@y/z"}}),
+        "/database/url",
+    ),
+    "tokens in controller.config": (
+        _merge(TOKENS, {"controller": {"config": {"tokens": []}}}),
+        "/controller/config",
+    ),
+    "postgres url without the psycopg driver": (
+        _merge(TOKENS, {"database": {"url": "postgresql://tg:pw@pg/tg"}}),
+        "/database/url",
+    ),
+    "bad gpus": (_merge(TOKENS, {"agent": {"gpus": "all"}}), "/agent/gpus"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_bad_values_fail_clearly(helm_bin: Path, tmp_path: Path, case: str) -> None:
+    values, message = BAD_VALUES[case]
+    proc = _run_helm(
+        helm_bin, tmp_path, values, "template", RELEASE, str(CHART), "--namespace", NAMESPACE
+    )
+    assert proc.returncode != 0, f"{case}: rendered\n{proc.stdout[:500]}"
+    assert message in proc.stderr, proc.stderr
+
+
+# -- values.yaml documents every key ------------------------------------------------------
+
+
+def test_every_values_key_is_commented() -> None:
+    """Each key of values.yaml has a comment above it, or sits under a commented parent."""
+    undocumented = []
+    stack: list[tuple[int, bool]] = []  # (indent, documented) of the enclosing keys
+    previous = ""
+    for line in (CHART / "values.yaml").read_text().splitlines():
+        stripped = line.strip()
+        match = re.match(r"^(\s*)([A-Za-z0-9_.-]+):(.*)$", line)
+        if match and not stripped.startswith("#"):
+            indent = len(match.group(1))
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            documented = previous.startswith("#") or (bool(stack) and stack[-1][1])
+            leaf = match.group(3).strip() != ""
+            if leaf and not documented:
+                undocumented.append(stripped)
+            stack.append((indent, documented))
+        if stripped:
+            previous = stripped
+    assert not undocumented, f"values.yaml keys without a comment: {undocumented}"
+
+
+def test_schema_is_json() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["additionalProperties"] is False
