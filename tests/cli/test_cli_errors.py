@@ -1,0 +1,166 @@
+"""Exit statuses and one-line errors: 2 for what the user typed, 1 for outages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.cli.cli_testkit import CliResult, CliServer
+from trainguard.cli.app import run
+from trainguard.cli.procs import free_port
+
+Cli = Callable[..., CliResult]
+
+
+def _one_line(result: CliResult, code: int) -> str:
+    assert result.code == code, (result.out, result.err)
+    assert result.out == ""
+    assert result.err.endswith("\n") and result.err.count("\n") == 1, result.err
+    assert result.err.startswith("error: ")
+    assert "Traceback" not in result.err
+    return result.err.strip()
+
+
+def test_unknown_node_is_exit_2(cli: Cli) -> None:
+    assert _one_line(cli("node", "nope"), 2) == 'error: node "nope" not found'
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["nodes", "-o", "xml"], "'xml' is not one of"),
+        (["nodes", "--bogus"], "no such option: --bogus"),
+        (["nodes", "--health", "sick"], "'sick' is not one of"),
+        (["incidents", "--state", "closed"], "'closed' is not one of"),
+        (["node"], "missing argument"),
+        (["frobnicate"], "no such command 'frobnicate'"),
+        (["status", "-o", "name"], 'output format "name" is not supported by status'),
+        (
+            ["nodes", "--server", "localhost:8470"],
+            'invalid controller URL "localhost:8470" (--server or TRAINGUARD_SERVER)',
+        ),
+        (["controller", "--port", "70000"], "'--port'"),
+        (["controller", "--config", "/nonexistent/tg.yaml"], "does not exist"),
+        (["agent", "--gpus", "tpu:4", "--controller", "http://127.0.0.1:1"], "gpus"),
+        (
+            ["agent", "--sim-fault", "kind=xid,gpu=x", "--controller", "http://127.0.0.1:1"],
+            "sim_faults",
+        ),
+        (["demo", "--scenario", "meteor"], "'--scenario'"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(cli: Cli, args: list[str], fragment: str) -> None:
+    message = _one_line(cli(*args), 2)
+    assert fragment in message
+
+
+def test_usage_error_names_the_command_to_get_help(cli: Cli) -> None:
+    assert _one_line(cli("nodes", "--bogus"), 2).endswith("(see 'trainguard nodes --help')")
+
+
+def test_unreachable_controller_is_exit_1(cli: Cli) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    message = _one_line(cli("nodes", "--server", url), 1)
+    assert message == f"error: cannot reach controller at {url}: connection refused"
+
+
+def test_missing_and_wrong_token_are_explained(
+    cli: Cli, cli_server: CliServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRAINGUARD_TOKEN")
+    assert _one_line(cli("nodes"), 1) == "error: unauthorized: set --token or TRAINGUARD_TOKEN"
+    wrong = _one_line(cli("nodes", "--token", "not-the-token-at-all"), 1)
+    assert wrong.startswith("error: unauthorized: the controller rejected the token")
+
+
+def test_agent_token_is_forbidden_for_reads(cli: Cli, cli_server: CliServer) -> None:
+    message = _one_line(cli("nodes", "--token", cli_server.agent_token), 1)
+    assert message.startswith("error: forbidden:")
+
+
+def test_server_and_token_come_from_the_environment(cli: Cli, cli_server: CliServer) -> None:
+    result = cli("nodes", "-o", "name")
+    assert result.code == 0 and result.out.startswith("node/")
+
+
+def test_connection_flags_before_or_after_the_command(
+    cli: Cli, cli_server: CliServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRAINGUARD_SERVER")
+    monkeypatch.delenv("TRAINGUARD_TOKEN")
+    url, token = cli_server.url, cli_server.viewer_token
+    dead = f"http://127.0.0.1:{free_port()}"
+    before = cli("--server", url, "--token", token, "nodes", "-o", "name")
+    assert before.code == 0 and len(before.out.split()) == 3
+    after = cli("nodes", "-s", url, "--token", token, "-o", "name")
+    assert after.out == before.out
+    # The flag after the command wins over the one before it, which wins over the env.
+    monkeypatch.setenv("TRAINGUARD_SERVER", dead)
+    assert cli("--server", url, "--token", token, "nodes").code == 0
+    assert cli("--server", dead, "--token", token, "nodes", "--server", url).code == 0
+    assert _one_line(cli("--server", url, "--token", token, "nodes", "--server", dead), 1)
+
+
+def test_no_arguments_prints_help_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run([], prog_name="trainguard") == 0
+    assert "Usage: trainguard" in capsys.readouterr().out
+
+
+def test_console_script_exit_codes_and_no_traceback() -> None:
+    port = free_port()
+    bad = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "nodes", "-o", "bogus"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
+    down = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "status", "--server", f"http://127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+    )
+    assert down.returncode == 1
+    assert down.stderr == (
+        f"error: cannot reach controller at http://127.0.0.1:{port}: connection refused\n"
+    )
+
+
+def test_debug_env_shows_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINGUARD_DEBUG", "1")
+    from trainguard.cli.errors import Unreachable
+
+    with pytest.raises(Unreachable):
+        run(["nodes", "--server", f"http://127.0.0.1:{free_port()}"])
+
+
+def test_agent_nvml_without_a_driver_is_one_line_exit_2(cli: Cli, tmp_path: Path) -> None:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass
+    else:  # pragma: no cover - a machine with a GPU driver would start a real agent
+        pynvml.nvmlShutdown()
+        pytest.skip("NVML works here; this test is about its absence")
+    args = ["--controller", "http://127.0.0.1:9", "--gpus", "nvml"]
+    args += ["--spool-dir", str(tmp_path), "--socket-path", "", "--metrics-port", "-1"]
+    message = _one_line(cli("agent", *args), 2)
+    assert "NVML not available" in message
+
+
+def test_bad_policy_file_refuses_to_start_with_exit_2(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("rules: [{kind: hang, steps: [reboot]}]\n")
+    monkeypatch.setenv("TRAINGUARD_POLICY_FILE", str(policy))
+    database = f"sqlite:///{tmp_path / 'tg.db'}"
+    result = cli("controller", "--dev", "--port", "0", "--database-url", database)
+    assert result.code == 2, result.err
+    last = result.err.strip().splitlines()[-1]  # a dev-mode warning may come first
+    assert last.startswith("error: policy file") and "rules.0.steps.0" in last

@@ -1,0 +1,141 @@
+"""The service commands: ``db upgrade``, ``controller`` (flags, config file, refusals)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.cli.cli_testkit import controller_ready, feed
+from trainguard.cli.app import run
+from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
+
+
+def _tg(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cli_argv(*args), capture_output=True, text=True, timeout=60, env=env)
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")} | extra
+
+
+def test_db_upgrade_reports_the_revision_and_is_idempotent(db_url: str) -> None:
+    first = _tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("database at ") and " is at revision " in first.stdout
+    second = _tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
+    assert second.returncode == 0 and second.stdout == first.stdout
+
+
+def test_printed_database_urls_hide_passwords() -> None:
+    from trainguard.cli.cmd_serve import redact_url
+
+    assert redact_url("postgresql://tg:s3cret@db:5432/tg") == "postgresql://tg:***@db:5432/tg"
+    assert redact_url("postgresql://tg@db/tg") == "postgresql://tg@db/tg"
+    assert redact_url("sqlite:////var/lib/tg.db") == "sqlite:////var/lib/tg.db"
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_controller_refuses_unmigrated_postgres_in_one_line(db_url: str) -> None:
+    token = secrets.token_urlsafe(24)
+    env = _clean_env(
+        TRAINGUARD_TOKENS=json.dumps([{"name": "v", "role": "viewer", "token": token}])
+    )
+    proc = _tg("controller", "--port", str(free_port()), "--database-url", db_url, env=env)
+    assert proc.returncode == 1
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and "trainguard db upgrade" in error_lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_controller_without_tokens_outside_dev_is_exit_2(tmp_path: Path) -> None:
+    proc = _tg("controller", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/x.db",
+               env=_clean_env())  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: invalid controller settings: no API tokens configured")
+    assert proc.stderr.count("\n") == 1
+
+
+def test_controller_on_a_taken_port_is_exit_1(tmp_path: Path) -> None:
+    token = secrets.token_urlsafe(24)
+    env = _clean_env(
+        TRAINGUARD_TOKENS=json.dumps([{"name": "v", "role": "viewer", "token": token}])
+    )
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _tg("controller", "--port", str(port), "--database-url",
+                   f"sqlite:///{tmp_path}/x.db", env=env)  # fmt: skip
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "in use" in errors[0].lower(), proc.stderr
+
+
+def test_controller_reads_config_file_and_flags_override_it(tmp_path: Path) -> None:
+    viewer, agent = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    flag_port, file_port = free_port(), free_port()
+    config = tmp_path / "controller.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "port": file_port,
+                "database_url": f"sqlite:///{tmp_path / 'from-config.db'}",
+                "tokens": [
+                    {"name": "v", "role": "viewer", "token": viewer},
+                    {"name": "a", "role": "agent", "token": agent},
+                ],
+            }
+        )
+    )
+    argv = cli_argv("controller", "--config", str(config), "--port", str(flag_port))
+    url = f"http://127.0.0.1:{flag_port}"
+    with ProcessSet(tmp_path / "logs") as procs:
+        child = procs.start("controller", argv, env=_clean_env())
+        assert wait_until(lambda: controller_ready(url) or not child.alive(), timeout_s=60)
+        assert child.alive(), child.log_tail()
+        assert (tmp_path / "from-config.db").exists()
+        reply = httpx.get(f"{url}/api/v1/status", headers={"Authorization": f"Bearer {viewer}"})
+        assert reply.status_code == 200
+        # uvicorn shuts down gracefully, then re-raises SIGTERM, as a well-behaved daemon does
+        assert procs.stop("controller") in (0, -signal.SIGTERM)
+
+
+def test_cli_against_live_controller_on_each_database(
+    live_controller: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The in-process controller fixture, on SQLite and PostgreSQL, seen through the CLI."""
+    from tests.cli.cli_testkit import CliServer
+
+    server = CliServer(
+        url=live_controller.url,
+        viewer_token=live_controller.viewer_token,
+        agent_token=live_controller.agent_token,
+    )
+    feed(server)
+    common = ["--server", server.url, "--token", server.viewer_token]
+    assert run(["status", "-o", "json", *common]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["database"] == live_controller.settings.database_kind()
+    assert status["nodes_total"] == 3
+    assert run(["nodes", "-o", "name", *common]) == 0
+    assert capsys.readouterr().out.split() == ["node/node-a", "node/node-b", "node/node-c"]
+
+
+def test_module_entry_point_matches_console_script() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "--version"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("trainguard ")
