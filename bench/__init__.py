@@ -1,0 +1,1 @@
+"""Benchmarks: one script per capability, run as `python -m bench.<name> [--quick] [--json]`."""
