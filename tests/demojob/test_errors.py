@@ -1,0 +1,104 @@
+"""The demo job refuses a bad environment (exit 2) and a checkpoint it cannot load (exit 3)
+with one line that says why, and steps over a damaged newest checkpoint to an older one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from demojob.config import JobConfigError, config_from_env
+from tests.demojob.launch import ROOT, free_port, job_env, launch
+
+GOOD = {
+    "RANK": "1",
+    "WORLD_SIZE": "4",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "TRAINGUARD_JOB": "demo",
+    "TG_TP": "2",
+    "TG_STEPS": "10",
+    "TG_CKPT_DIR": "/tmp/x",
+}
+
+
+def test_good_environment_parses_with_documented_defaults() -> None:
+    cfg = config_from_env(GOOD)
+    assert (cfg.tp, cfg.dp, cfg.tp_rank, cfg.dp_rank) == (2, 2, 1, 0)
+    assert (cfg.ckpt_every, cfg.global_batch, cfg.step_sleep_s, cfg.seed) == (5, 8, 0.1, 0)
+    assert (cfg.generation, cfg.local_rank, cfg.log_path) == (0, 1, None)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"TG_TP": None}, "TG_TP is not set"),
+        ({"TG_TP": "3"}, "TG_TP=3 does not divide WORLD_SIZE=4"),
+        ({"TG_TP": "4", "WORLD_SIZE": "8"}, None),  # fine: 4 heads split 4 ways
+        ({"TG_GLOBAL_BATCH": "6", "TG_TP": "1"}, "not divisible by the data-parallel size 4"),
+        ({"TG_STEPS": "ten"}, "TG_STEPS='ten' is not an integer"),
+        ({"TG_STEPS": "0"}, "TG_STEPS must be >= 1, got 0"),
+        ({"TG_STEP_SLEEP_S": "-1"}, "TG_STEP_SLEEP_S must be a finite number >= 0"),
+        ({"RANK": "4"}, "RANK 4 is outside WORLD_SIZE 4"),
+        ({"TG_CKPT_DIR": ""}, "TG_CKPT_DIR is not set"),
+        ({"MASTER_PORT": None}, "MASTER_PORT is not set"),
+    ],
+)
+def test_bad_settings_are_named(change: dict[str, str | None], message: str | None) -> None:
+    env = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
+    if message is None:
+        config_from_env(env)
+        return
+    with pytest.raises(JobConfigError, match=message):
+        config_from_env(env)
+
+
+@pytest.mark.slow
+def test_bad_environment_exits_2_with_one_line(tmp_path: Path) -> None:
+    env = job_env(0, 2, free_port(), tmp_path, TG_TP=2, TG_STEPS=4, TG_GLOBAL_BATCH=7)
+    env["TG_CKPT_DIR"] = str(tmp_path / "ckpt")
+    env["WORLD_SIZE"], env["TG_TP"] = "2", "1"  # DP=2 cannot split a batch of 7
+    proc = subprocess.run(
+        [sys.executable, "-m", "demojob.train"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "demojob: bad environment: TG_GLOBAL_BATCH=7 is not divisible by the data-parallel size 2"
+    ]
+
+
+def _flip_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(data)
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_fall_back_then_exit_3(tmp_path: Path) -> None:
+    root, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    job = {"TG_TP": 1, "TG_CKPT_DIR": root, "TG_CKPT_EVERY": 2, "log": log}
+    first = launch(1, tmp_path, TG_STEPS=4, **job)
+    assert first.codes == [0], first.explain()
+    newest, older = root / "step-000000000004", root / "step-000000000002"
+    _flip_byte(newest / "rank-00000.bin", (newest / "rank-00000.bin").stat().st_size // 2)
+
+    again = launch(1, tmp_path, TG_STEPS=5, **job)
+    assert again.codes == [0], again.explain()
+    assert "resumed from step 2 (tp=1 dp=1 -> tp=1 dp=1)" in again.stdout[0]
+    assert "skipping checkpoint step 4: " in again.stderr[0]
+    assert "CRC mismatch" in again.stderr[0]
+
+    for step_dir in (root / "step-000000000005", newest, older):
+        _flip_byte(step_dir / "rank-00000.bin", (step_dir / "rank-00000.bin").stat().st_size // 2)
+    last = launch(1, tmp_path, TG_STEPS=6, **job)
+    assert last.codes == [3], last.explain()
+    final = last.stderr[0].splitlines()[-1]
+    assert final.startswith(f"demojob: rank 0: cannot resume from {root}: ")
+    assert "CRC mismatch" in final

@@ -1,0 +1,54 @@
+"""One rank of a small instrumented training job, for the detection end-to-end tests.
+
+Real torch.distributed (gloo over loopback), real ``collectives`` instrumentation talking to
+a real agent over its Unix socket. Each step does a little real work plus a fixed sleep, so
+steps are periodic the way training steps are, and faults from ``TRAINGUARD_FAULTS`` act on
+top. Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TRAINGUARD_JOB,
+TRAINGUARD_AGENT_SOCKET, TRAINGUARD_FAULTS, TG_STEPS, TG_COMPUTE_S.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import collectives
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    collectives.instrument()
+    steps = int(os.environ.get("TG_STEPS", "100"))
+    compute_s = float(os.environ.get("TG_COMPUTE_S", "0.05"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        with collectives.step(step):
+            x = torch.randn(32, 64)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            time.sleep(compute_s)
+            for p in model.parameters():
+                assert p.grad is not None
+                dist.all_reduce(p.grad)
+            opt.step()
+            opt.zero_grad()
+        if collectives.should_stop():
+            break
+    dist.barrier()
+    collectives.uninstrument()
+    dist.destroy_process_group()
+    # Uninstrumented, nothing of ours runs at exit; skipping interpreter finalization avoids
+    # a rare SIGABRT while gloo's threads wind down after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
