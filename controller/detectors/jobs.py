@@ -7,6 +7,13 @@ per finding key) and, when a finding asks for it, starts a link-probe round: a
 Each node's command has its own id, which the ranks echo as ``probe_id``; the adapter maps
 those ids back to the round and localizes once every probed pair answered or the round's
 deadline passed.
+
+A communication hang cannot be probed in place: every rank is blocked inside the stuck
+call and never reaches a future step. Its probe is deferred to the job's next run (the
+restart the remediation policy orders, or an operator's): once the restarted job has
+stepped on every rank, the round probes the ring of its ranks, so a link that is still
+slow, or slow from the first step (which the ``comm_slow`` detector, comparing against the
+job's own past, cannot see), is named.
 """
 
 from __future__ import annotations
@@ -14,11 +21,12 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.commands import CommandService
 from controller.detectors.c4d import C4DConfig, Finding, FindingKind, JobTrackers
+from controller.detectors.c4d.hang import ring_pairs
 from controller.detectors.cause import straggler_cause
 from controller.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState
@@ -33,6 +41,8 @@ MIN_LEAD_STEPS = 5
 #: A probe round that has not heard back from every pair this long after its step is
 #: localized from what arrived (missing pairs are treated as failed transfers).
 PROBE_DEADLINE_S = 60.0
+#: A communication hang's deferred probe is dropped if the job has not run again by then.
+DEFERRED_PROBE_TTL_S = 6 * 3600.0
 
 
 @dataclass(slots=True)
@@ -44,6 +54,20 @@ class ProbeRound:
     deadline_unix_s: float
     command_ids: set[str] = field(default_factory=set)
     seen_pairs: set[tuple[int, int]] = field(default_factory=set)
+    #: Incident key of the communication hang this round follows up (deferred rounds).
+    after: str | None = None
+
+
+@dataclass(slots=True)
+class DeferredProbe:
+    """A communication hang's probe, waiting for the job's next run."""
+
+    job: str
+    hang_key: str
+    hang_summary: str
+    #: The tracker's incarnation when the hang was seen; the probe runs in a later one.
+    incarnation: int
+    expires_unix_s: float
 
 
 class JobDetector:
@@ -64,6 +88,7 @@ class JobDetector:
         self._commands = commands
         self.tick_interval_s = tick_interval_s
         self.rounds: dict[str, ProbeRound] = {}
+        self.deferred: dict[str, DeferredProbe] = {}
         self._round_of_command: dict[str, str] = {}
 
     async def on_report(self, report: wire.Report, received_unix_s: float) -> None:
@@ -88,6 +113,8 @@ class JobDetector:
             done = probe_round.seen_pairs >= set(probe_round.pairs)
             if done or now_unix_s > probe_round.deadline_unix_s:
                 await self._finish_round(probe_round, now_unix_s)
+        for deferred in list(self.deferred.values()):
+            await self._maybe_start_deferred(deferred, now_unix_s)
 
     async def _apply(self, finding: Finding, now_unix_s: float) -> None:
         if finding.resolved:
@@ -114,9 +141,47 @@ class JobDetector:
             evidence=evidence,
         )
         _, opened = await self._incidents.open_or_bump(spec)
-        if opened and finding.probe_pairs and finding.kind != "comm_hang":
-            # A hung job never reaches a future step; its probe runs after the restart.
-            await self._start_round(finding, now_unix_s)
+        if not (opened and finding.probe_pairs):
+            return
+        tracker = self.trackers.jobs.get(finding.job)
+        if finding.kind is FindingKind.COMM_HANG:
+            if tracker is not None:  # a hung job never reaches a future step: next run
+                self.deferred[finding.job] = DeferredProbe(
+                    job=finding.job,
+                    hang_key=finding.key,
+                    hang_summary=finding.summary,
+                    incarnation=tracker.incarnation,
+                    expires_unix_s=now_unix_s + DEFERRED_PROBE_TTL_S,
+                )
+                log.info(
+                    "link probe deferred to the job's next run",
+                    extra={"fields": {"job": finding.job, "incident": finding.key}},
+                )
+            return
+        await self._start_round(
+            finding.job, finding.probe_pairs, f"localize: {finding.summary}", now_unix_s
+        )
+
+    async def _maybe_start_deferred(self, deferred: DeferredProbe, now_unix_s: float) -> None:
+        tracker = self.trackers.jobs.get(deferred.job)
+        if tracker is None or now_unix_s > deferred.expires_unix_s:
+            del self.deferred[deferred.job]
+            return
+        ranks = tuple(sorted(tracker.rank_node))
+        restarted_and_stepping = (
+            tracker.incarnation > deferred.incarnation
+            and tracker.world_size > 1
+            and ranks == tuple(range(tracker.world_size))
+            and tracker.stragglers.last is not None  # a step compared: its time is known
+        )
+        if not restarted_and_stepping:
+            return
+        del self.deferred[deferred.job]
+        # The restarted job may run on other nodes or fewer ranks: probe it as it runs now.
+        reason = f"localize after the communication hang ({deferred.hang_summary})"
+        await self._start_round(
+            deferred.job, ring_pairs(ranks), reason, now_unix_s, after=deferred.hang_key
+        )
 
     def _gpu_cause(self, finding: Finding) -> tuple[list[str], dict[str, Any]]:
         tracker = self.trackers.jobs.get(finding.job)
@@ -139,27 +204,32 @@ class JobDetector:
         gpu = node_state.gpus.get(gpu_index)
         return gpu.latest if gpu else None
 
-    async def _start_round(self, finding: Finding, now_unix_s: float) -> None:
-        tracker = self.trackers.jobs.get(finding.job)
+    async def _start_round(
+        self,
+        job: str,
+        pairs: tuple[tuple[int, int], ...],
+        reason: str,
+        now_unix_s: float,
+        *,
+        after: str | None = None,
+    ) -> None:
+        tracker = self.trackers.jobs.get(job)
         if tracker is None:
             return
         step_s = tracker.stragglers.last.median_step_s if tracker.stragglers.last else 1.0
         lead = max(MIN_LEAD_STEPS, math.ceil(PROBE_LEAD_S / max(step_s, 1e-3)))
         at_step = tracker.newest_step + lead
         probe_round = ProbeRound(
-            job=finding.job,
+            job=job,
             round_id=uuid.uuid4().hex[:16],
             at_step=at_step,
-            pairs=finding.probe_pairs,
+            pairs=pairs,
             deadline_unix_s=now_unix_s + lead * step_s + PROBE_DEADLINE_S,
+            after=after,
         )
         for node in sorted(set(tracker.rank_node.values())):
             request = wire.JobLinkProbe(
-                id="assigned-by-server",
-                job=finding.job,
-                at_step=at_step,
-                pairs=list(finding.probe_pairs),
-                reason=f"localize: {finding.summary}",
+                id="assigned-by-server", job=job, at_step=at_step, pairs=list(pairs), reason=reason
             )
             try:
                 command = await self._commands.create(node, request, by="detector:c4d")
@@ -174,7 +244,7 @@ class JobDetector:
                 "link probe scheduled",
                 extra={
                     "fields": {
-                        "job": finding.job,
+                        "job": job,
                         "at_step": at_step,
                         "round": probe_round.round_id,
                     }
@@ -210,5 +280,17 @@ class JobDetector:
                 )
             )
         finding = tracker.finish_probe(probe_round.round_id)
+        if finding is not None and probe_round.after is not None:
+            finding = replace(
+                finding,
+                summary=f"{finding.summary} (probed after the communication hang)",
+                evidence={**finding.evidence, "after_incident": probe_round.after},
+            )
         if finding is not None:
             await self._apply(finding, now_unix_s)
+        elif probe_round.after is not None:
+            log.warning(
+                "the probe after the communication hang found every link healthy; the hang "
+                "was transient or is outside the probed paths",
+                extra={"fields": {"job": probe_round.job, "incident": probe_round.after}},
+            )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -201,3 +202,36 @@ def test_chaos_drill_on_a_running_job_is_detected(cluster: DetectionCluster) -> 
         assert httpx.post(url, json=body, headers=viewer).status_code == 403
     finally:
         cluster.stop_job(ranks)
+
+
+def test_communication_hang_is_localized_by_the_probe_after_restart(
+    cluster: DetectionCluster,
+) -> None:
+    """A degraded link (slow from the first step, so no rise for ``comm_slow`` to see) and a
+    transfer over it that never finishes: every rank is inside the call. The hang is
+    reported as a communication hang; the job is restarted in place (what the policy's
+    restart does), and the probe deferred to the new run names the link."""
+    link = {"kind": "slow_link", "ranks": [1, 2], "from_step": 0, "delay_s": 0.03}
+    stuck = {"kind": "hang", "rank": 1, "at_step": 20, "op": "all_reduce", "where": "inside"}
+    ranks = cluster.run_job("commhang", [link, stuck], steps=400)
+    try:
+        hang = cluster.wait_incident("commhang", "comm_hang", timeout_s=60)
+        assert hang["ranks"] == [0, 1, 2, 3] and hang["evidence"]["op"] == "all_reduce"
+        assert kinds(cluster.incidents("commhang")) == ["comm_hang"]
+    finally:
+        for child in ranks:  # the whole job at once, as a restart stops it
+            child.send(signal.SIGTERM)
+        for child in ranks:
+            cluster.base.procs.stop(child.name, timeout_s=10)
+    ranks = cluster.run_job("commhang", [link], steps=3000)
+    try:
+        found = cluster.wait_incident("commhang", "slow_link", timeout_s=120)
+        assert found["ranks"] == [1, 2] and found["evidence"]["scope"] == "link"
+        assert found["evidence"]["slow_pairs"] == [[1, 2]]
+        assert found["evidence"]["after_incident"].startswith("comm_hang:commhang:")
+    finally:
+        cluster.stop_job(ranks)
+    by_kind = {i["kind"]: i for i in cluster.incidents("commhang")}
+    # the restart closed the hang; stopping a hung job is no crash of any rank
+    assert by_kind["comm_hang"]["state"] == "resolved", by_kind["comm_hang"]
+    assert "rank_crash" not in by_kind and "comm_failure" not in by_kind, by_kind

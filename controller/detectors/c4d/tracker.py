@@ -53,6 +53,8 @@ class JobTracker:
     nonfinite: NonfiniteState = field(init=False)
     open_hangs: set[str] = field(default_factory=set)
     probes: dict[str, list[ProbeResult]] = field(default_factory=dict)
+    #: How many times the job restarted since the tracker first saw it.
+    incarnation: int = 0
     _findings: list[Finding] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -113,7 +115,7 @@ class JobTracker:
         for key in sorted(self.open_hangs):
             kind = FindingKind.COMM_HANG if key.startswith("comm_hang:") else FindingKind.HANG
             self._findings.append(self._resolved(kind, key))
-        fresh = JobTracker(job=self.job, cfg=self.cfg)
+        fresh = JobTracker(job=self.job, cfg=self.cfg, incarnation=self.incarnation + 1)
         fresh._findings = self._findings
         for name in JobTracker.__dataclass_fields__:
             setattr(self, name, getattr(fresh, name))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -69,6 +70,27 @@ class Nodes:
             ]
             commands += [(node, c) for c in self.post(node, {"steps": rows})["commands"]]
         return commands
+
+
+def answer_probes(
+    nodes: Nodes, probes: dict[str, dict[str, Any]], gbps: Callable[[int, int], float]
+) -> None:
+    """Each node's ranks answer their node's probe command with ``gbps(src, dst)``."""
+    size = 8 << 20
+    for node, command in probes.items():
+        results = [
+            {
+                "job": JOB,
+                "probe_id": command["id"],
+                "src_rank": src,
+                "dst_rank": dst,
+                "size_bytes": size,
+                "duration_s": size * 8 / (gbps(src, dst) * 1e9),
+            }
+            for src, dst in command["pairs"]
+            if node_of(src) == node
+        ]
+        nodes.post(node, {"probes": results})
 
 
 def wait_for_incidents(live: Any, kind: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
@@ -140,21 +162,7 @@ def test_slow_communication_triggers_a_probe_that_localizes_the_rank(controller_
     assert len(pairs) == 8
     # Ranks answer through their own node's agent, echoing that node's command id; every
     # pair that touches rank 5 is slow.
-    size = 8 << 20
-    for node, command in probes.items():
-        results = [
-            {
-                "job": JOB,
-                "probe_id": command["id"],
-                "src_rank": src,
-                "dst_rank": dst,
-                "size_bytes": size,
-                "duration_s": size * 8 / ((10.0 if 5 in (src, dst) else 100.0) * 1e9),
-            }
-            for src, dst in pairs
-            if node_of(src) == node
-        ]
-        nodes.post(node, {"probes": results})
+    answer_probes(nodes, probes, lambda src, dst: 10.0 if 5 in (src, dst) else 100.0)
     (link,) = wait_for_incidents(live, "slow_link")
     assert link["ranks"] == [5] and link["node"] == "c4d-node-1"
     assert link["evidence"]["scope"] == "rank"
@@ -177,3 +185,53 @@ def test_chaos_drill_waits_for_every_rank_to_report(controller_factory) -> None:
         sent = client.post(f"/api/v1/jobs/{JOB}/faults", json=body)
         assert sent.status_code == 201, sent.text
         assert sorted(c["node"] for c in sent.json()["data"]) == ["c4d-node-0", "c4d-node-1"]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_communication_hang_is_localized_by_a_probe_in_the_next_run(controller_factory) -> None:  # type: ignore[no-untyped-def]
+    """Every rank is stuck inside the call, so no future step exists to probe at; the round
+    is ordered once the restarted job steps again, over the ring of its ranks."""
+    live = controller_factory()
+    nodes = Nodes(live, world=8)
+    for step in range(5):
+        nodes.steps(step, compute={}, comm_s=0.05)
+    group = list(range(8))
+    for node in ("c4d-node-0", "c4d-node-1"):
+        stuck = [
+            {"job": JOB, "rank": r, "group": "g0", "op": "all_reduce", "seq": 40, "step": 5}
+            | {"elapsed_s": 30.0, "last_completed_seq": {"g0": 39}, "group_ranks": group}
+            for r in group
+            if node_of(r) == node
+        ]
+        assert not [c for c in nodes.post(node, {"inflight": stuck})["commands"]]
+    (hang,) = wait_for_incidents(live, "comm_hang")
+    assert hang["ranks"] == group and "communication hang" in hang["summary"]
+    # No probe while the job is hung (its ranks could never run one).
+    time.sleep(1.5)
+    carried = nodes.steps(5, compute={}, comm_s=0.05)
+    assert not [c for _, c in carried if c["kind"] == "job_link_probe"]
+    # The job restarts (same ranks: a restart in place) and steps again.
+    now = time.time()
+    for node in ("c4d-node-0", "c4d-node-1"):
+        started = [
+            {"job": JOB, "rank": r, "kind": "started", "time_unix_s": now, "world_size": 8}
+            for r in group
+            if node_of(r) == node
+        ]
+        nodes.post(node, {"rank_events": started})
+    probes: dict[str, dict[str, Any]] = {}
+    step, deadline = 3, time.monotonic() + 15
+    while len(probes) < 2 and time.monotonic() < deadline:
+        carried = nodes.steps(step, compute={}, comm_s=0.05)
+        probes.update((n, c) for n, c in carried if c["kind"] == "job_link_probe")
+        step += 1
+        time.sleep(0.1)
+    assert sorted(probes) == ["c4d-node-0", "c4d-node-1"], "no probe after the restart"
+    command = probes["c4d-node-0"]
+    assert command["at_step"] > step - 1 and "communication hang" in command["reason"]
+    assert sorted(map(tuple, command["pairs"])) == sorted((r, (r + 1) % 8) for r in group)
+    answer_probes(nodes, probes, lambda src, dst: 5.0 if {src, dst} == {2, 3} else 100.0)
+    (link,) = wait_for_incidents(live, "slow_link")
+    assert link["ranks"] == [2, 3] and link["evidence"]["scope"] == "link"
+    assert link["evidence"]["after_incident"] == f"comm_hang:{JOB}:g0:40"
+    assert "after the communication hang" in link["summary"]
