@@ -56,7 +56,9 @@ class DetectionCluster:
             ok = wait_until(lambda n=node: os.path.exists(self.sockets[n]), timeout_s=30)
             assert ok, self.base.procs[node].log_tail(30)
 
-    def run_job(self, job: str, faults: list[dict[str, Any]], steps: int) -> list[Child]:
+    def run_job(
+        self, job: str, faults: list[dict[str, Any]], steps: int, jitter: float = 0.0
+    ) -> list[Child]:
         port = free_port()
         ranks = []
         for rank in range(WORLD):
@@ -72,6 +74,7 @@ class DetectionCluster:
                     "TRAINGUARD_FAULTS": json.dumps(faults),
                     "TG_STEPS": str(steps),
                     "TG_COMPUTE_S": "0.05",
+                    "TG_JITTER": str(jitter),
                     "OMP_NUM_THREADS": "1",
                 }
             )
@@ -117,8 +120,8 @@ def kinds(incidents: list[dict[str, Any]]) -> list[str]:
     return sorted(i["kind"] for i in incidents)
 
 
-def test_healthy_job_opens_nothing(cluster: DetectionCluster) -> None:
-    ranks = cluster.run_job("healthy", [], steps=120)
+def test_healthy_job_with_20pct_jitter_opens_nothing(cluster: DetectionCluster) -> None:
+    ranks = cluster.run_job("healthy", [], steps=150, jitter=0.2)
     assert wait_until(lambda: all(not r.alive() for r in ranks), timeout_s=90)
     assert [r.popen.returncode for r in ranks] == [0] * WORLD
     time.sleep(2.5)  # the last reports and a detector tick
@@ -133,6 +136,19 @@ def test_straggler_names_the_slow_rank_and_its_node(cluster: DetectionCluster) -
         assert incident["ranks"] == [2] and incident["node"] == node_of(2)
         assert incident["evidence"]["slowdown_pct"] > 40
         assert kinds(cluster.incidents("straggle")) == ["straggler"]
+    finally:
+        cluster.stop_job(ranks)
+
+
+def test_slowdown_names_the_slowed_rank(cluster: DetectionCluster) -> None:
+    """Compute stretched by a factor (a GPU at lower clocks), not a fixed delay."""
+    faults = [{"kind": "slowdown", "rank": 1, "from_step": 5, "factor": 1.5}]
+    ranks = cluster.run_job("slowdown", faults, steps=400)
+    try:
+        incident = cluster.wait_incident("slowdown", "straggler", timeout_s=60)
+        assert incident["ranks"] == [1] and incident["node"] == node_of(1)
+        assert incident["evidence"]["slowdown_pct"] > 25
+        assert kinds(cluster.incidents("slowdown")) == ["straggler"]
     finally:
         cluster.stop_job(ranks)
 

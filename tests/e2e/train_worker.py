@@ -4,12 +4,14 @@ Real torch.distributed (gloo over loopback), real ``collectives`` instrumentatio
 a real agent over its Unix socket. Each step does a little real work plus a fixed sleep, so
 steps are periodic the way training steps are, and faults from ``TRAINGUARD_FAULTS`` act on
 top. Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TRAINGUARD_JOB,
-TRAINGUARD_AGENT_SOCKET, TRAINGUARD_FAULTS, TG_STEPS, TG_COMPUTE_S.
+TRAINGUARD_AGENT_SOCKET, TRAINGUARD_FAULTS, TG_STEPS, TG_COMPUTE_S, TG_JITTER (each step's
+sleep varies uniformly by ± this fraction, seeded per rank: ordinary noise, not a fault).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import sys
 import time
 
@@ -24,6 +26,8 @@ def main() -> None:
     collectives.instrument()
     steps = int(os.environ.get("TG_STEPS", "100"))
     compute_s = float(os.environ.get("TG_COMPUTE_S", "0.05"))
+    jitter = float(os.environ.get("TG_JITTER", "0"))
+    noise = random.Random(dist.get_rank())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -32,7 +36,7 @@ def main() -> None:
             x = torch.randn(32, 64)
             loss = model(x).pow(2).mean()
             loss.backward()
-            time.sleep(compute_s)
+            time.sleep(compute_s * (1.0 + noise.uniform(-jitter, jitter)))
             for p in model.parameters():
                 assert p.grad is not None
                 dist.all_reduce(p.grad)
