@@ -20,7 +20,7 @@ import math
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -45,6 +45,11 @@ class OpSpec:
     reduces: bool = False
     """A reduction: NaN/Inf in one rank's input spreads to every rank's result, so the input
     is checked before the call (``InstrumentConfig.check_nonfinite``)."""
+    input_is_size: bool = field(init=False)
+    """The input is the (only) sized argument, so its size is known before the check."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_is_size", self.size_params == (self.input_param,))
 
 
 OPS: dict[str, OpSpec] = {
@@ -96,7 +101,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _nbytes(value: Any) -> tuple[int, str]:
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size(), _dtype_name(value.dtype)
+        return value.nbytes, _dtype_name(value.dtype)
     if isinstance(value, list | tuple) and value:
         total, dtype = 0, ""
         for item in value:
@@ -292,30 +297,39 @@ class Instrumenter:
             members = frozenset((self.rank,) if peer is None else (self.rank, peer))
             if gid not in recorder.group_ranks:
                 recorder.group_ranks[gid] = sorted(members)
+        # Every lookup below runs on each call of the training thread: each argument is
+        # fetched once, and the NaN/Inf check is skipped before a call when the size
+        # already says the input is under its threshold.
         size, dtype = 0, ""
+        first = None
         for name in spec.size_params:
-            n, d = _nbytes(params.get(args, kwargs, name))
+            value = params.get(args, kwargs, name)
+            if first is None:
+                first = value
+            n, d = _nbytes(value)
             size += n
             dtype = dtype or d
         async_op = spec.always_async or bool(params.get(args, kwargs, "async_op"))
         injector = self.injector
         inside = None
         step = recorder.step
+        source = None
+        if spec.input_param is not None:
+            source = first if spec.input_is_size else params.get(args, kwargs, spec.input_param)
         if injector is not None and step is not None:
             injector.stretch_compute(step, recorder.compute_segment_s())
-            target = params.get(args, kwargs, spec.input_param) if spec.input_param else None
-            inside = injector.before_call(step, op, target)
+            inside = injector.before_call(step, op, source)
         # After the injector (a ``nan`` fault poisons the input there), before the call.
         bad = (
             spec.reduces
-            and spec.input_param is not None
             and step is not None
             and self.check_nonfinite
-            and _nonfinite(params.get(args, kwargs, spec.input_param), self.nonfinite_min_bytes)
+            and (size >= self.nonfinite_min_bytes or not spec.input_is_size)
+            and _nonfinite(source, self.nonfinite_min_bytes)
         )
         cuda = False
-        if self._cuda and spec.size_params:
-            tensor = _first_tensor(params.get(args, kwargs, spec.size_params[0]))
+        if self._cuda and first is not None:
+            tensor = _first_tensor(first)
             cuda = tensor is not None and _on_gpu(tensor)
         t0 = now()
         rec = recorder.enter(op, gid, size, dtype, async_op, t0)
