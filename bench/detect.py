@@ -256,7 +256,7 @@ def probe_results(
 def judge(
     sc: Scenario, found: list[tuple[float, int, Finding]], fault_t: float | None, fault_step: int
 ) -> Outcome:
-    opened = [(t, s, f) for t, s, f in found if not f.resolved]
+    opened = [(t, s, f) for t, s, f in found if not (f.resolved or f.refresh)]
     hits = [(t, s, f) for t, s, f in opened if f.kind in sc.kinds]
     named = tuple(sorted({r for _, _, f in hits for r in f.ranks}))
     # comm_slow is the first half of a slow-link finding (it orders the probe); anywhere

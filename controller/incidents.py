@@ -62,10 +62,14 @@ class IncidentService:
         count: int = 1,
         events: list[dict[str, Any]] | None = None,
         also_write: set[RowKey] | None = None,
+        refresh: bool = False,
     ) -> tuple[IncidentState, bool]:
         """Open a new incident, or add ``count`` to the open one with the same key.
 
-        Returns the incident and whether it was newly opened.
+        With ``refresh`` the open incident also takes the spec's summary and evidence (a
+        newer reading of the same condition, e.g. a straggler growing slower), so what the
+        operator and the remediation policy read is current. Returns the incident and
+        whether it was newly opened.
         """
         now = time.time()
         existing = self._state.incidents_by_key.get(spec.dedupe_key)
@@ -73,6 +77,9 @@ class IncidentService:
         if existing is not None:
             existing.count += count
             existing.updated_unix_s = now
+            if refresh:
+                existing.summary = spec.summary
+                existing.evidence.update(spec.evidence or {})
             if events:
                 kept = [*existing.evidence.get("events", []), *events]
                 existing.evidence["events"] = kept[-MAX_EVIDENCE_EVENTS:]
@@ -80,6 +87,7 @@ class IncidentService:
                 "count": existing.count,
                 "updated_unix_s": now,
                 "evidence": dict(existing.evidence),
+                **({"summary": existing.summary} if refresh else {}),
             }
             incident_id = existing.id
 

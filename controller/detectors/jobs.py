@@ -140,6 +140,9 @@ class JobDetector:
             ranks=list(finding.ranks),
             evidence=evidence,
         )
+        if finding.refresh:
+            await self._incidents.open_or_bump(spec, count=0, refresh=True)
+            return
         _, opened = await self._incidents.open_or_bump(spec)
         if not (opened and finding.probe_pairs):
             return

@@ -286,6 +286,30 @@ def test_a_cheap_straggler_is_only_alerted(controller_factory, tmp_path) -> None
     assert [(a["kind"], a["status"]) for a in of(live, incident)] == [("alert", "succeeded")]
     assert actuator.calls == []
     assert live.controller.remediation.decided.get(incident) is None  # still watched
+    # The detector's refresh says it grew past the threshold: now it escalates.
+    state = live.controller.state.incidents[incident]
+    spec = IncidentSpec(
+        kind="straggler",
+        severity="warning",
+        summary="rank 1 computes 30% longer than its peers",
+        dedupe_key=state.dedupe_key,
+        node="n1",
+        job="gpt",
+        evidence={"slowdown_pct": 30.0},
+    )
+    on_loop(live, live.controller.incidents.open_or_bump(spec, count=0, refresh=True))
+    wait_for(lambda: any(a["kind"] == "restart_job" for a in of(live, incident)))
+    assert [a["kind"] for a in of(live, incident)] == [
+        "alert",
+        "checkpoint",
+        "isolate_node",
+        "restart_job",
+    ]
+    shown = httpx.get(
+        f"{live.url}/api/v1/incidents/{incident}", headers=live.headers("viewer"), timeout=10
+    ).json()
+    assert shown["evidence"]["slowdown_pct"] == 30.0 and shown["count"] == 1
+    assert shown["summary"] == "rank 1 computes 30% longer than its peers"
 
 
 def test_restart_rate_limit_holds_and_survives_a_controller_restart(  # type: ignore[no-untyped-def]

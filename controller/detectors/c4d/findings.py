@@ -47,3 +47,6 @@ class Finding:
     probe_pairs: tuple[tuple[int, int], ...] = ()
     #: True when the condition has cleared and an open incident with ``key`` may resolve.
     resolved: bool = False
+    #: A newer reading of a condition already reported (same key): the open incident's
+    #: summary and evidence are brought up to date instead of counting a new occurrence.
+    refresh: bool = False

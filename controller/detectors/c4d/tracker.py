@@ -23,6 +23,12 @@ from trainguard.wire import InflightCollective, JobRecords, ProbeResult, RankEve
 
 log = logging.getLogger(__name__)
 
+#: An open straggler's incident is refreshed when its slowdown moved by this much (absolute
+#: and relative to the last report), or after this many seconds in any case.
+STRAGGLER_REFRESH_MIN_CHANGE = 0.05
+STRAGGLER_REFRESH_REL_CHANGE = 0.25
+STRAGGLER_REFRESH_S = 60.0
+
 #: Steps older than the newest by this many are compared even if some rank never reported
 #: them (its agent may be gone); younger ones wait for stragglers' late summaries.
 STEP_GRACE = 2
@@ -55,6 +61,8 @@ class JobTracker:
     probes: dict[str, list[ProbeResult]] = field(default_factory=dict)
     #: How many times the job restarted since the tracker first saw it.
     incarnation: int = 0
+    #: Open straggler rank -> (slowdown last reported, controller time of that report).
+    _straggler_reported: dict[int, tuple[float, float]] = field(default_factory=dict)
     _findings: list[Finding] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -202,14 +210,38 @@ class JobTracker:
         opened, cleared = self.stragglers.transitions(now_s)
         for rank in sorted(opened):
             out.append(self._straggler_finding(rank, resolved=False))
+            self._straggler_reported[rank] = (self.stragglers.slowdown(rank), now_s)
         for rank in sorted(cleared):
             out.append(self._straggler_finding(rank, resolved=True))
+            self._straggler_reported.pop(rank, None)
+        out.extend(self._straggler_refreshes(opened, now_s))
         out.extend(
             self._comm_slow(verdict.flagged, verdict.comm_wait_s, verdict.median_step_s, now_s)
         )
         recovered = self.nonfinite.compared(rows)
         if recovered is not None:
             out.append(recovered)
+        return out
+
+    def _straggler_refreshes(self, opened: set[int], now_s: float) -> list[Finding]:
+        """Newer readings of open stragglers, when the slowdown moved or a while passed.
+
+        A straggler first confirmed at 12% may be at 40% a minute later; the remediation
+        policy's cost threshold and the operator read the open incident, and its updates
+        also keep a live straggler from looking stale.
+        """
+        out = []
+        for rank in sorted(self.stragglers.open_ranks - opened):
+            slowdown = self.stragglers.slowdown(rank)
+            last, last_s = self._straggler_reported.get(rank, (slowdown, now_s))
+            moved = abs(slowdown - last) >= max(
+                STRAGGLER_REFRESH_MIN_CHANGE, STRAGGLER_REFRESH_REL_CHANGE * abs(last)
+            )
+            if moved or now_s - last_s >= STRAGGLER_REFRESH_S:
+                out.append(replace(self._straggler_finding(rank, resolved=False), refresh=True))
+                self._straggler_reported[rank] = (slowdown, now_s)
+            elif rank not in self._straggler_reported:
+                self._straggler_reported[rank] = (slowdown, now_s)
         return out
 
     def _straggler_finding(self, rank: int, *, resolved: bool) -> Finding:

@@ -79,9 +79,13 @@ def test_persistent_straggler_is_named_with_its_slowdown_and_then_clears() -> No
     assert [(f.ranks, f.nodes, f.resolved) for f in stragglers] == [((5,), ("node-1",), False)]
     assert 15 <= stragglers[0].evidence["slowdown_pct"] <= 25
     assert stragglers[0].evidence["gpu_index"] == 1
-    # Fixed: once the window rolls over, the straggler resolves, once.
+    # Fixed: as the window rolls over the open incident's reading falls, then it resolves,
+    # once.
     later = run_steps(trackers, 30, 60, world=8, jitter=0.05)
-    assert [(f.kind, f.ranks, f.resolved) for f in later] == [(FindingKind.STRAGGLER, (5,), True)]
+    news = [(f.kind, f.ranks, f.resolved) for f in later if not f.refresh]
+    assert news == [(FindingKind.STRAGGLER, (5,), True)]
+    readings = [f.evidence["slowdown_pct"] for f in later if f.refresh]
+    assert readings == sorted(readings, reverse=True) and readings[-1] < 15
 
 
 @pytest.mark.parametrize("world", [2, 3, 8])
@@ -449,3 +453,20 @@ def test_a_restarted_job_is_judged_afresh_on_its_new_layout() -> None:
         (FindingKind.STRAGGLER, (1,), False),
     ]
     assert trackers.jobs[JOB].world_size == 6
+
+
+def test_a_growing_straggler_refreshes_its_open_incident() -> None:
+    """Opened at ~12%, the rank slows to ~45%: the incident's reading follows (the policy's
+    cost threshold and the operator read it), as a refresh of the same key, not a new one."""
+    trackers = JobTrackers()
+    found = run_steps(trackers, 0, 30, world=8, compute={5: 1.12}, jitter=0.02)
+    (opened,) = [f for f in found if f.kind is FindingKind.STRAGGLER]
+    assert not opened.refresh and 8 <= opened.evidence["slowdown_pct"] <= 16
+    later = run_steps(trackers, 30, 60, world=8, compute={5: 1.45}, jitter=0.02)
+    assert later and all(f.refresh and f.key == opened.key for f in later), later
+    assert 40 <= later[-1].evidence["slowdown_pct"] <= 50
+    assert f"computes {later[-1].evidence['slowdown_pct']:.0f}% longer" in later[-1].summary
+    # Steady now: nothing more until a minute has passed on the controller's clock.
+    assert run_steps(trackers, 60, 80, world=8, compute={5: 1.45}, jitter=0.02) == []
+    again = run_steps(trackers, 80, 150, world=8, compute={5: 1.45}, jitter=0.02)
+    assert again and all(f.refresh for f in again)
