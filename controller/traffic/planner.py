@@ -135,6 +135,8 @@ class Plan:
             "plan_time_s": self.plan_time_s,
             "moved_flows": self.moved_flows,
             "hash_moved_flows": self.hash_moved_flows,
+            # True only when the exact search proved no plan has a lower busiest-link time.
+            "proven_optimal": self.proven_optimal,
         }
 
 

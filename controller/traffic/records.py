@@ -135,6 +135,7 @@ def restore(planner: Planner, doc: dict[str, Any]) -> tuple[Plan, IntArray] | No
         plan_time_s=float(stats.get("plan_time_s") or 0.0),
         moved_flows=int(stats.get("moved_flows") or 0),
         hash_moved_flows=int(stats.get("hash_moved_flows") or 0),
+        proven_optimal=bool(stats.get("proven_optimal")),
         changes=list(doc.get("changes", [])),
         path_matrix=matrix,
     )

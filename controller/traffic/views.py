@@ -47,6 +47,7 @@ def brief(live: LivePlan) -> dict[str, Any]:
         "max_link_load_bytes": stats["max_link_load_bytes"],
         "busiest_link": stats["busiest_link"],
         "moved_flows": stats["moved_flows"],
+        "proven_optimal": stats["proven_optimal"],
     }
 
 

@@ -71,6 +71,8 @@ def test_plan_from_reported_placement_then_link_down_moves_only_affected_flows(
     assert [o["node"] for o in plan["launcher_order"]] == ["tg-0", "tg-1", "tg-2", "tg-3"]
     assert plan["nccl_env"]["NCCL_MAX_NCHANNELS"] == "2"
     assert plan["stats"]["max_link_load_bytes"] > 0
+    # 8 flows: small enough for the exact search, which proves the plan optimal
+    assert plan["proven_optimal"] is True and plan["stats"]["proven_optimal"] is True
     before = flow_paths(plan)
     assert len(before) == plan["flows"] == 8  # 4 ring edges between nodes x 2 channels
     on_down = {k for k, p in before.items() if set(p) & set(DOWN)}
@@ -114,6 +116,7 @@ def test_plans_and_link_states_survive_a_restart(
         assert viewer.get("/api/v1/plans").json()["count"] == 1
         topo = viewer.get("/api/v1/topology").json()
     assert after["version"] == before["version"] == 2
+    assert after["proven_optimal"] == before["proven_optimal"]
     assert after["source_ports"] == before["source_ports"]
     assert after["versions"] == before["versions"]
     assert sorted(topo["down_links"]) == ["spine-1->tor-b", "tor-b->spine-1"]
@@ -124,6 +127,18 @@ def test_plans_and_link_states_survive_a_restart(
             json={"state": "slow", "capacity_factor": 0.5},
         )
     assert reply.status_code == 200 and reply.json()["plans"][0]["version"] == 3
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_proof_of_optimality_survives_a_restart(
+    planned: tuple[Any, httpx.Client, dict[str, Any]],
+) -> None:
+    live, _client, plan = planned
+    assert plan["proven_optimal"] is True
+    live.restart()
+    with httpx.Client(base_url=live.url, headers=live.headers("viewer")) as viewer:
+        (restored,) = viewer.get("/api/v1/plans").json()["data"]
+    assert restored["plan_id"] == plan["plan_id"] and restored["proven_optimal"] is True
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
