@@ -9,9 +9,10 @@ interleaved step by step), whose median step times give the overhead as a share 
 A 2-rank gloo round trip on a loaded box jitters by far more than the wrapper costs, so the
 wrapper's own cost is also measured rank-locally around a no-op (no communication at all),
 and the load average is printed next to the figures. Finally a single-rank gloo group runs
-real ``all_reduce`` calls in interleaved blocks of plain and wrapped calls inside a step;
-the median of the block differences is the per-call overhead without another process's
-scheduling in the way (on 2 cores, two ranks plus their threads contend for the CPUs).
+real ``all_reduce`` calls in interleaved blocks of plain and wrapped calls inside a step,
+pinned to one CPU; the median of the block differences is the per-call overhead without
+another process's scheduling, or cross-core hand-offs, in the way (on 2 cores, two ranks
+plus their threads contend for the CPUs).
 
     python -m bench.collectives [--quick] [--json]
 """
@@ -148,7 +149,15 @@ def _rank(rank: int, store: str, out: str, quick: bool) -> None:
 
 
 def _single_rank(_index: int, store: str, out: str, quick: bool) -> None:
-    """Interleaved blocks of plain and wrapped all_reduce on a 1-rank gloo group."""
+    """Interleaved blocks of plain and wrapped all_reduce on a 1-rank gloo group.
+
+    The process is pinned to one CPU: unpinned, the training thread and gloo's worker
+    thread hand each call across cores, which on a 2-core VM made the plain call swing
+    between 55 and 106 µs from run to run and buried the wrapper's few µs in that noise.
+    Both arms run pinned alike.
+    """
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     session = collectives.instrument(
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         ("overhead per call (target < 10 µs)", f"{result['overhead_us_per_call']:.1f} µs"),
         ("ratio wrapped / plain", f"{result['ratio']:.3f}"),
         (
-            "overhead per call, 1-rank gloo, interleaved blocks (target < 10 µs)",
+            "overhead per call, 1-rank gloo on one CPU, interleaved blocks (target < 10 µs)",
             f"{result['overhead_us_per_call_1rank']:.1f} µs over "
             f"{result['plain_us_per_call_1rank']:.1f} µs",
         ),

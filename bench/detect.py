@@ -424,7 +424,8 @@ def main() -> None:
     if overhead:
         print(
             f"wrapper overhead: {overhead['overhead_us_per_call_1rank']} us/call over plain "
-            f"{overhead['plain_us_per_call_1rank']} us/call all_reduce (1-rank gloo, interleaved);"
+            f"{overhead['plain_us_per_call_1rank']} us/call all_reduce "
+            "(1-rank gloo on one CPU, interleaved);"
             f" {overhead['overhead_us_per_call']} us/call with 2 ranks on 2 cores"
         )
     print(f"{'RANKS':>7} {'PARSE_US/REC':>13} {'DETECT_US/REC':>14} {'DETECT_MS/STEP':>15}")
@@ -442,8 +443,9 @@ def main() -> None:
         "straggler_detect_steps_p50": (
             statistics.median(straggler_steps) if straggler_steps else None
         ),
-        # Per-call cost on a 1-rank gloo group (interleaved blocks): the wrapper's cost
-        # without the scheduling noise of two ranks sharing two cores, reported beside it.
+        # Per-call cost on a 1-rank gloo group pinned to one CPU (interleaved blocks): the
+        # wrapper's cost without the scheduling noise of two ranks sharing two cores or of
+        # cross-core hand-offs to gloo's thread; the 2-rank figure is reported beside it.
         "overhead_us_per_call": overhead.get("overhead_us_per_call_1rank"),
         "plain_us_per_call": overhead.get("plain_us_per_call_1rank"),
         "overhead_us_per_call_2ranks": overhead.get("overhead_us_per_call"),
