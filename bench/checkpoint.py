@@ -13,7 +13,8 @@ training loop is *blocked* per checkpoint and the time until the checkpoint is *
 
 Also measured in the same run: the disk's own sequential write bandwidth (write + fsync of
 the same number of bytes), the step-time overhead of checkpointing every step in a small
-training loop, and a resharded load (saved TP=4, loaded TP=3) against a same-layout load.
+training loop (training on every core, then on one core fewer: the host CPU a GPU node
+leaves free), and a resharded load (saved TP=4, loaded TP=3) against a same-layout load.
 
     python -m bench.checkpoint [--quick] [--json] [--sizes-mb 256,1024]
 """
@@ -356,6 +357,23 @@ def main() -> None:
                 f"{o['step_with_ckpt_s'] * 1e3:.1f} ms ({o['step_overhead_pct']:+.1f}%)"
             )
         overhead = overheads[DEFAULT_WRITER]
+        # The same loop with training on one core fewer: on a GPU node the step runs on the
+        # GPU and host cores are free for the engine; here, with every core computing, the
+        # engine's CPU time is taken from the step almost one for one.
+        threads = torch.get_num_threads()
+        free_core: dict[str, float] | None = None
+        if threads > 1:
+            torch.set_num_threads(threads - 1)
+            try:
+                free_core = step_overhead(tmp, 6 if args.quick else 12, DEFAULT_WRITER)
+            finally:
+                torch.set_num_threads(threads)
+            print(
+                f"every-step checkpointing, writer {DEFAULT_WRITER}, training on "
+                f"{threads - 1} of {threads} threads (a core left free): step "
+                f"{free_core['step_s'] * 1e3:.1f} ms -> {free_core['step_with_ckpt_s'] * 1e3:.1f}"
+                f" ms ({free_core['step_overhead_pct']:+.1f}%)"
+            )
         reshard = reshard_ratio(tmp, min(sizes), repeats)
         print(
             f"load TP=4 -> TP=4 {reshard['same_layout_load_s']:.3f} s, TP=4 -> TP=3 "
@@ -385,6 +403,7 @@ def main() -> None:
         "step_overhead_pct": overhead["step_overhead_pct"],
         "step_overhead_pct_proc": overheads["process"]["step_overhead_pct"],
         "step_overhead_pct_thread": overheads["thread"]["step_overhead_pct"],
+        "step_overhead_pct_free_core": free_core["step_overhead_pct"] if free_core else None,
         "reshard_load_ratio": reshard["reshard_load_ratio"],
         "load_average": os.getloadavg()[0],
         "sizes": results,
