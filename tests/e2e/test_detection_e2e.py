@@ -233,6 +233,7 @@ def test_communication_hang_is_localized_by_the_probe_after_restart(
     try:
         hang = cluster.wait_incident("commhang", "comm_hang", timeout_s=60)
         assert hang["ranks"] == [0, 1, 2, 3] and hang["evidence"]["op"] == "all_reduce"
+        assert hang["evidence"]["probe"].startswith("deferred")
         assert kinds(cluster.incidents("commhang")) == ["comm_hang"]
     finally:
         for child in ranks:  # the whole job at once, as a restart stops it

@@ -376,8 +376,9 @@ class JobTracker:
         if call.communication:
             nodes = tuple(sorted({self.rank_node.get(r, "?") for r in call.members}))
             # Every member is inside the call: the path between them is at fault, but which
-            # link is unknown until a probe runs.
+            # link is unknown until a probe runs, and none can run while all are blocked.
             evidence["confidence"] = 0.5
+            evidence["probe"] = "deferred: the link probe runs once the job steps again"
             return Finding(
                 kind=FindingKind.COMM_HANG,
                 job=self.job,

@@ -253,6 +253,7 @@ def test_all_members_inside_means_a_communication_hang_with_probe_pairs() -> Non
     (finding,) = trackers.evaluate(10.0)
     assert finding.kind is FindingKind.COMM_HANG
     assert finding.probe_pairs == ((0, 1), (1, 2), (2, 3), (3, 0))
+    assert finding.evidence["probe"].startswith("deferred")  # the operator is told when
 
 
 def test_short_stalls_are_not_hangs_and_cleared_hangs_resolve() -> None:
