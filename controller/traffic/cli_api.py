@@ -53,6 +53,7 @@ PLANS = ResourceView(
         Column("AGE", age_of("created_unix_s")),
         Column("BUSIEST-LINK", field("busiest_link"), wide=True),
         Column("MOVED", field("moved_flows"), wide=True),
+        Column("OPTIMAL", lambda p, _now: "proven" if p.get("proven_optimal") else "-", wide=True),
     ),
 )
 
@@ -74,6 +75,7 @@ def render_plan(plan: JsonObject, fmt: OutputFormat) -> str:
         ("Layout", " ".join(f"{k}={v}" for k, v in layout.items())),
         ("Flows", f"{cell(stats.get('flows'))} ({cell(stats.get('flows_via_spine'))} via spine)"),
         ("Max link time", f"{float(stats.get('max_link_time_s') or 0) * 1e3:.3f} ms"),
+        ("Optimal", "proven by the exact search" if plan.get("proven_optimal") else "not proven"),
         ("Busiest link", cell(stats.get("busiest_link"))),
         ("Bond imbalance", f"{float(stats.get('bond_imbalance') or 0):.3f}"),
         ("NCCL env", " ".join(f"{k}={v}" for k, v in (plan.get("nccl_env") or {}).items())),

@@ -244,11 +244,15 @@ def test_cli_plan_list_and_get(
     header, row = out.splitlines()
     assert header.split() == ["ID", "JOB", "VERSION", "NODES", "FLOWS", "MAX-LINK-MS", "AGE"]
     assert row.split()[:5] == [plan["plan_id"], JOB, "2", "4", "8"]
+    code, out, _ = cli("plan", "list", "-o", "wide")
+    header, row = out.splitlines()
+    assert header.split()[-1] == "OPTIMAL" and row.split()[-1] == "-"  # re-planned: no proof
     code, out, _ = cli("plan", "list", "-o", "name")
     assert out.strip() == f"plan/{plan['plan_id']}"
     code, out, _ = cli("plan", "get", plan["plan_id"])
     assert code == 0
     assert f"ID:             {plan['plan_id']}" in out
+    assert "Optimal:        not proven" in out
     assert "NODE-RANK   NODE   FIRST-RANK" in out and "1           tg-1   2" in out
     assert "tor-a--spine-0=0.0" in out
     code, out, _ = cli("plan", "get", plan["plan_id"], "-o", "wide")
