@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.waiting import wait_for
+
 # Detection does not depend on the database; test_ctl_health covers both backends.
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
@@ -24,17 +26,6 @@ MakeReport = Callable[..., dict[str, Any]]
 HOT = {"throttle_reasons": ["hw_thermal_slowdown"], "throttle_reasons_mask": 0x40}
 CAPPED = {"throttle_reasons": ["sw_power_cap"], "throttle_reasons_mask": 0x4}
 IDLE = {"throttle_reasons": ["gpu_idle"], "throttle_reasons_mask": 0x1}
-
-
-def _wait_for(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 class Agent:
@@ -113,7 +104,7 @@ def test_ecc_burst_opens_one_incident_and_a_storm_bumps_it(
     for _ in range(4):  # the storm goes on: the same incident counts it
         agent.post(_ecc([value + 100, value + 200]))
         value += 200
-    bumped = _wait_for(lambda: [i for i in _incidents(live) if i["count"] == 9])
+    bumped = wait_for(lambda: [i for i in _incidents(live) if i["count"] == 9])
     assert len(bumped) == 1 and len(_incidents(live)) == 1
     assert bumped[0]["evidence"]["ecc"]["ecc_corrected_total"] == value
     assert bumped[0]["evidence"]["since_unix_s"] == began
@@ -185,7 +176,7 @@ def test_recovery_resolves_the_incident(
         time.sleep(0.2)
         return _incidents(live, state="resolved")
 
-    _wait_for(lambda: len(resolved()) == 2)
+    wait_for(lambda: len(resolved()) == 2)
     assert _incidents(live, state="open") == []
     for incident in _incidents(live, state="resolved"):
         assert incident["resolved_unix_s"] - last_bad >= 2.0  # not before 2 x 1 s of quiet
@@ -212,7 +203,7 @@ def test_default_policy_asks_the_job_for_a_protective_checkpoint(
         data = viewer.get("/api/v1/commands", params={"node": "deg-j"}).json()["data"]
         return [c for c in data if c["kind"] == "job_checkpoint"]
 
-    (command,) = _wait_for(checkpoint_commands)
+    (command,) = wait_for(checkpoint_commands)
     assert command["params"]["job"] == "gpt"
     actions = viewer.get("/api/v1/actions").json()["data"]
     (action,) = [a for a in actions if a["kind"] == "checkpoint"]

@@ -4,22 +4,12 @@ GPUs, silent agents."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-
-def _wait_for(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
+from tests.waiting import wait_for
 
 
 def _xids(code: int, n: int, t0: float) -> list[dict[str, Any]]:
@@ -145,12 +135,12 @@ def test_silent_agent_marks_node_lost_and_back(controller_factory, ctl_report) -
     fault = {6: {"xid_events": [{"code": 48, "time_unix_s": time.time()}]}}
     _post_report(live, ctl_report("node-f", 0, samples=1, gpu_overrides=fault))
 
-    _wait_for(lambda: _get(live, "/api/v1/nodes/node-q")["health"] == "lost")
+    wait_for(lambda: _get(live, "/api/v1/nodes/node-q")["health"] == "lost")
     node = _get(live, "/api/v1/nodes/node-q")
     assert node["health_reason"].startswith("no report for")
     lost = _get(live, "/api/v1/incidents", kind="node_lost", node="node-q", state="open")
     assert lost["count"] == 1 and lost["data"][0]["severity"] == "critical"
-    _wait_for(lambda: _get(live, "/api/v1/nodes/node-f")["health"] == "lost")
+    wait_for(lambda: _get(live, "/api/v1/nodes/node-f")["health"] == "lost")
 
     # Each node is read right after its own report, before it can fall silent again.
     _post_report(live, ctl_report("node-q", 1, samples=1))
@@ -179,6 +169,6 @@ def test_node_lost_survives_a_failing_tick(controller_factory, ctl_report) -> No
 
     incidents.open_or_bump = flaky
     _post_report(live, ctl_report("node-t", 0, samples=1))
-    _wait_for(lambda: _get(live, "/api/v1/incidents", kind="node_lost")["count"] == 1)
+    wait_for(lambda: _get(live, "/api/v1/incidents", kind="node_lost")["count"] == 1)
     assert calls["n"] >= 2
     assert _get(live, "/api/v1/nodes/node-t")["health"] == "lost"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +24,9 @@ import pytest
 from controller.actuators.base import Placement
 from controller.incidents import IncidentSpec
 from tests.remediation.recording import RecordingActuator
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.1)
 
 
 class Agents:
