@@ -101,6 +101,7 @@ class IncidentService:
         evidence = dict(spec.evidence or {})
         if events:
             evidence["events"] = events[-MAX_EVIDENCE_EVENTS:]
+        count = max(count, 1)  # a refresh (count 0) of a condition no longer open opens it
         row: dict[str, Any] = {
             "kind": spec.kind,
             "severity": spec.severity,

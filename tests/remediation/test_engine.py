@@ -12,6 +12,7 @@ real job is exercised by the end-to-end recovery tests.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import Coroutine
@@ -300,6 +301,12 @@ def test_a_cheap_straggler_is_only_alerted(controller_factory, tmp_path) -> None
     ).json()
     assert shown["evidence"]["slowdown_pct"] == 30.0 and shown["count"] == 1
     assert shown["summary"] == "rank 1 computes 30% longer than its peers"
+    # A refresh of a condition no longer open (an operator resolved it) opens it again.
+    gone = dataclasses.replace(spec, dedupe_key="test:straggler:resolved-by-hand")
+    reopened, opened = on_loop(
+        live, live.controller.incidents.open_or_bump(gone, count=0, refresh=True)
+    )
+    assert opened and reopened.count == 1
 
 
 def test_restart_rate_limit_holds_and_survives_a_controller_restart(  # type: ignore[no-untyped-def]

@@ -61,7 +61,8 @@ class JobTracker:
     probes: dict[str, list[ProbeResult]] = field(default_factory=dict)
     #: How many times the job restarted since the tracker first saw it.
     incarnation: int = 0
-    #: Open straggler rank -> (slowdown last reported, controller time of that report).
+    #: Open straggler rank -> (slowdown last reported, controller time of that report);
+    #: its keys are the open stragglers.
     _straggler_reported: dict[int, tuple[float, float]] = field(default_factory=dict)
     _findings: list[Finding] = field(default_factory=list)
 
@@ -214,7 +215,7 @@ class JobTracker:
         for rank in sorted(cleared):
             out.append(self._straggler_finding(rank, resolved=True))
             self._straggler_reported.pop(rank, None)
-        out.extend(self._straggler_refreshes(opened, now_s))
+        out.extend(self._straggler_refreshes(now_s))
         out.extend(
             self._comm_slow(verdict.flagged, verdict.comm_wait_s, verdict.median_step_s, now_s)
         )
@@ -223,7 +224,7 @@ class JobTracker:
             out.append(recovered)
         return out
 
-    def _straggler_refreshes(self, opened: set[int], now_s: float) -> list[Finding]:
+    def _straggler_refreshes(self, now_s: float) -> list[Finding]:
         """Newer readings of open stragglers, when the slowdown moved or a while passed.
 
         A straggler first confirmed at 12% may be at 40% a minute later; the remediation
@@ -231,16 +232,13 @@ class JobTracker:
         also keep a live straggler from looking stale.
         """
         out = []
-        for rank in sorted(self.stragglers.open_ranks - opened):
+        for rank, (last, last_s) in sorted(self._straggler_reported.items()):
             slowdown = self.stragglers.slowdown(rank)
-            last, last_s = self._straggler_reported.get(rank, (slowdown, now_s))
             moved = abs(slowdown - last) >= max(
                 STRAGGLER_REFRESH_MIN_CHANGE, STRAGGLER_REFRESH_REL_CHANGE * abs(last)
             )
             if moved or now_s - last_s >= STRAGGLER_REFRESH_S:
                 out.append(replace(self._straggler_finding(rank, resolved=False), refresh=True))
-                self._straggler_reported[rank] = (slowdown, now_s)
-            elif rank not in self._straggler_reported:
                 self._straggler_reported[rank] = (slowdown, now_s)
         return out
 
