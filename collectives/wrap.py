@@ -300,15 +300,14 @@ class Instrumenter:
         # Every lookup below runs on each call of the training thread: each argument is
         # fetched once, and the NaN/Inf check is skipped before a call when the size
         # already says the input is under its threshold.
-        size, dtype = 0, ""
-        first = None
-        for name in spec.size_params:
-            value = params.get(args, kwargs, name)
-            if first is None:
-                first = value
-            n, d = _nbytes(value)
-            size += n
-            dtype = dtype or d
+        size, dtype, first = 0, "", None
+        if spec.size_params:
+            first = params.get(args, kwargs, spec.size_params[0])
+            size, dtype = _nbytes(first)
+            for name in spec.size_params[1:]:
+                n, d = _nbytes(params.get(args, kwargs, name))
+                size += n
+                dtype = dtype or d
         async_op = spec.always_async or bool(params.get(args, kwargs, "async_op"))
         injector = self.injector
         inside = None

@@ -146,8 +146,8 @@ class JobDetector:
         _, opened = await self._incidents.open_or_bump(spec)
         if not (opened and finding.probe_pairs):
             return
-        tracker = self.trackers.jobs.get(finding.job)
         if finding.kind is FindingKind.COMM_HANG:
+            tracker = self.trackers.jobs.get(finding.job)
             if tracker is not None:  # a hung job never reaches a future step: next run
                 self.deferred[finding.job] = DeferredProbe(
                     job=finding.job,
