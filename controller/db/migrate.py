@@ -8,16 +8,21 @@ migrating is a deliberate step of an upgrade.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, event, text
 
 from controller.db.session import make_engine
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+
+#: Key of the PostgreSQL advisory lock that serializes migrations (any constant that no
+#: other user of the database picks; this is "trainguard" read as ASCII, truncated).
+MIGRATION_LOCK_KEY = 0x747261696E677561
 
 
 def alembic_config(database_url: str) -> Config:
@@ -43,12 +48,46 @@ def current_revision(engine: Engine) -> str | None:
         return revision_of(conn)
 
 
+def _begin_immediate(engine: Engine) -> None:
+    """Make this (migration-only) SQLite engine take the write lock when a transaction
+    begins, and run DDL inside it.
+
+    pysqlite begins transactions lazily and only for DML, so two migrating processes would
+    both read "no version table" and then collide (``table ... already exists`` or an
+    immediate ``database is locked``). ``BEGIN IMMEDIATE`` makes the second one wait (busy
+    timeout) until the first commits, and then find the head revision.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _driver_autocommit(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # SQLAlchemy, not the driver, emits BEGIN
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
 def upgrade(database_url: str, revision: str = "head") -> str:
-    """Bring the schema at ``database_url`` to ``revision``; returns the revision now in place."""
+    """Bring the schema at ``database_url`` to ``revision``; returns the revision now in place.
+
+    Safe to run from several processes at once (two controller pods' migration init
+    containers, or ``trainguard db upgrade`` beside a starting SQLite controller): one
+    migrates, the others wait for it and then find nothing to do.
+    """
     engine = make_engine(database_url)
+    if engine.dialect.name == "sqlite":
+        _begin_immediate(engine)
     try:
         config = alembic_config(database_url)
         with engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                # Two controller pods starting together both run the migration init
+                # container; unserialized, the second fails with DuplicateTable and its pod
+                # crash-loops. Held until this transaction ends, so the waiter then sees
+                # the head revision and does nothing.
+                conn.execute(
+                    text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY}
+                )
             config.attributes["connection"] = conn
             command.upgrade(config, revision)
         current = current_revision(engine)

@@ -44,6 +44,29 @@ def test_migrations_from_empty_match_models(db_url: str) -> None:
         engine.dispose()
 
 
+def test_concurrent_upgrades_all_succeed(db_url: str) -> None:
+    """Two controller pods' migration init containers (``trainguard db upgrade``) start
+    together: one migrates, the others wait and find the head. Unserialized, the losers
+    failed with ``DuplicateTable`` / ``table ... already exists`` / ``database is locked``
+    on most runs of this test."""
+    cmd = [sys.executable, "-m", "trainguard.cli", "db", "upgrade", "--database-url", db_url]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    for rc, out, err in results:
+        assert rc == 0, err[-2000:]
+        assert out.strip().endswith(f"is at revision {head_revision()}")
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            versions = conn.execute(text("SELECT version_num FROM alembic_version")).all()
+        assert [v for (v,) in versions] == [head_revision()]
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_sqlite_pragmas(db_url: str) -> None:
     engine = make_engine(db_url)
