@@ -17,7 +17,10 @@ Spec (a list, or ``{"faults": [...]}``), every field checked strictly::
     {"kind": "nan",       "rank": 0, "at_step": 4, "op": "all_reduce", "call": 1}
 
 Steps: ``at_step`` (one step) or ``from_step``/``to_step`` (inclusive; defaults 0 and
-forever). Faults act only inside ``collectives.step(...)``. Where each acts:
+forever). Faults act only inside ``collectives.step(...)``. Any fault may also name a
+``generation``: it is then armed only in the run whose ``TRAINGUARD_GENERATION`` (set by
+the controller's actuator on every restart; 0 when unset) matches, so a scenario can break
+the first run and watch the restarted one recover from it. Where each acts:
 
 * ``delay``: sleeps ``delay_s + U(0, jitter_s)`` at step start (compute time). The random
   part comes from ``Random(f"{seed}:{rank}:{step}")``, so it replays.
@@ -71,7 +74,7 @@ KNOWN_OPS = frozenset(
     }
 )
 KINDS = ("delay", "slowdown", "hang", "crash", "slow_link", "nan")
-_COMMON = {"kind", "rank", "at_step", "from_step", "to_step"}
+_COMMON = {"kind", "rank", "at_step", "from_step", "to_step", "generation"}
 _FIELDS: dict[str, set[str]] = {
     "delay": _COMMON | {"delay_s", "jitter_s", "seed"},
     "slowdown": _COMMON | {"factor"},
@@ -100,6 +103,8 @@ class Fault:
     duration_s: float | None = None
     exit_code: int | None = None
     signal: int | None = None
+    #: Armed only in this generation of the job (None: in every one).
+    generation: int | None = None
 
     def active(self, step: int) -> bool:
         return step >= self.from_step and (self.to_step is None or step <= self.to_step)
@@ -168,6 +173,8 @@ def _parse_one(item: Any, where: str) -> Fault:
         allowed = ", ".join(sorted(_FIELDS[kind]))
         raise FaultSpecError(f"{where}: unknown field '{unknown[0]}' (allowed: {allowed})")
     args: dict[str, Any] = {"kind": kind, "ranks": _ranks(item, kind, where)}
+    if item.get("generation") is not None:
+        args["generation"] = _int(where, "generation", item["generation"])
     if "at_step" in item:
         if "from_step" in item or "to_step" in item:
             raise FaultSpecError(f"{where}: give 'at_step' or 'from_step'/'to_step', not both")
@@ -360,6 +367,9 @@ def injector_from_env(rank: int, env: Mapping[str, str] | None = None) -> FaultI
     env = os.environ if env is None else env
     value = env.get("TRAINGUARD_FAULTS", "")
     faults = load_faults(value) if value.strip() else []
+    raw = env.get("TRAINGUARD_GENERATION", "").strip()
+    generation = int(raw) if raw.isdigit() else 0
+    faults = [f for f in faults if f.generation is None or f.generation == generation]
     return FaultInjector(rank, faults) if faults else None
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from collectives.errors import FaultSpecError
-from collectives.faults import Fault, FaultInjector, load_faults, parse_faults
+from collectives.faults import Fault, FaultInjector, injector_from_env, load_faults, parse_faults
 
 FULL_SPEC = [
     {
@@ -102,6 +102,28 @@ def test_env_value_is_json_text_or_a_file_path(tmp_path: Path) -> None:
     bad.write_text('[{"kind": "nan"}]')
     with pytest.raises(FaultSpecError, match=r"bad\.json.*fault #1 \(nan\): 'rank' is required"):
         load_faults(str(bad))
+
+
+def test_a_fault_can_be_armed_in_one_generation_only() -> None:
+    """A restarted job (new ``TRAINGUARD_GENERATION``) must not meet the fault again."""
+    spec = json.dumps(
+        [
+            {"kind": "nan", "rank": 0, "at_step": 4, "generation": 0},
+            {"kind": "delay", "rank": 0, "delay_s": 0.1, "generation": 1},
+            {"kind": "slowdown", "rank": 0, "factor": 2.0},
+        ]
+    )
+
+    def kinds(env: dict[str, str]) -> list[str]:
+        injector = injector_from_env(0, env)
+        return sorted(f.kind for f in injector._faults) if injector is not None else []
+
+    assert kinds({"TRAINGUARD_FAULTS": spec}) == ["nan", "slowdown"]  # unset: generation 0
+    assert kinds({"TRAINGUARD_FAULTS": spec, "TRAINGUARD_GENERATION": "0"}) == ["nan", "slowdown"]
+    assert kinds({"TRAINGUARD_FAULTS": spec, "TRAINGUARD_GENERATION": "1"}) == ["delay", "slowdown"]
+    assert kinds({"TRAINGUARD_FAULTS": spec, "TRAINGUARD_GENERATION": "2"}) == ["slowdown"]
+    with pytest.raises(FaultSpecError, match="'generation' must be an integer >= 0"):
+        parse_faults([{"kind": "nan", "rank": 0, "generation": -1}])
 
 
 def test_random_delays_replay_exactly() -> None:
