@@ -67,6 +67,7 @@ STEP_ACTION_KIND = {
     Step.CHECKPOINT: "checkpoint",
     Step.ISOLATE: "isolate_node",
     Step.RESTART: "restart_job",
+    Step.ROLLBACK: "restart_job",  # a restart from an older step: the same budget and ledger
 }
 INTERRUPTED = (
     "interrupted: the leader stopped during this step (failover or shutdown); its outcome is"
@@ -368,6 +369,10 @@ class RemediationEngine:
             cost = incident.evidence.get("slowdown_pct")
             if not isinstance(cost, int | float) or cost < rule.min_cost_pct:
                 return  # cheap so far; it may grow while the incident stays open
+        if rule.min_bad_steps > 0:
+            bad = incident.evidence.get("bad_steps")
+            if not isinstance(bad, int) or bad < rule.min_bad_steps:
+                return  # possibly a skipped overflow; a diverged job adds one per step
         self.decided[incident.id] = "acted"
         targets: list[str | None] = list(jobs) or [None]
         for target in targets:
@@ -381,6 +386,8 @@ class RemediationEngine:
             conditions = [f"persists {rule.after_s:g} s"] if rule.after_s > 0 else []
             if rule.min_cost_pct > 0:
                 conditions.append(f"costs >= {rule.min_cost_pct:g} % of job throughput")
+            if rule.min_bad_steps > 0:
+                conditions.append(f"lasts {rule.min_bad_steps} steps")
             outcome += f"; then {', '.join(rule.actions)}" + (
                 f" if it {' and '.join(conditions)}" if conditions else ""
             )
@@ -462,7 +469,7 @@ class RemediationEngine:
             for step in steps:
                 ok, outcome = await self._step(step, rem, incident, rule)
                 rem.outcome = outcome
-                if not ok and step is Step.RESTART:
+                if not ok and step in (Step.RESTART, Step.ROLLBACK):
                     failed = outcome
         except Exception as exc:  # a remediation must never take the engine down
             log.exception("remediation failed", extra={"fields": {"remediation": rem.id}})
@@ -489,6 +496,8 @@ class RemediationEngine:
             return await self._isolate(rem, incident, rule)
         if step is Step.RESTART:
             return await self._restart(rem, incident)
+        if step is Step.ROLLBACK:
+            return await self._rollback(rem, incident)
         return True, ""
 
     async def _record(
@@ -701,8 +710,11 @@ class RemediationEngine:
                     excluded.add(name)
         return excluded
 
-    async def _plan(self, job: str, current: Placement, *, grow_back: bool) -> RestartPlan:
-        """The next placement of ``job``; ``grow_back``: only healthy spares are added."""
+    async def _plan(
+        self, job: str, current: Placement, *, grow_back: bool, resume_step: int | None = None
+    ) -> RestartPlan:
+        """The next placement of ``job``; ``grow_back``: only healthy spares are added.
+        ``resume_step``: the checkpoint to resume from (default: the newest committed)."""
         assert self.actuator is not None
         candidates = await self.actuator.candidate_nodes(job)
         book = self.book(job)
@@ -716,10 +728,53 @@ class RemediationEngine:
             dp_must_divide=divide,
             original_nodes=self._original_nodes[job],
             grow=self.policy.restarts.grow or grow_back,
-            resume_step=book.checkpoint[0] if book.checkpoint else None,
+            resume_step=resume_step
+            if resume_step is not None
+            else (book.checkpoint[0] if book.checkpoint else None),
         )
 
-    async def _restart(self, rem: Remediation, incident: IncidentState | None) -> tuple[bool, str]:
+    async def _rollback(self, rem: Remediation, incident: IncidentState | None) -> tuple[bool, str]:
+        """Restart from the newest checkpoint committed before the incident's first bad step.
+
+        The committed steps come from the database (the agents' checkpoint events), not from
+        memory, so a leader that took over after the NaN still finds them.
+        """
+        job = rem.job
+        if job is None:
+            return True, "no job to roll back"
+        bad = incident.evidence.get("step") if incident is not None else None
+        if not isinstance(bad, int) or isinstance(bad, bool):
+            outcome = (
+                "the incident names no step where the damage began: nothing to roll back "
+                "to; restart the job by hand from a checkpoint you trust"
+            )
+            await self._record(incident, rem, "restart_job", job, {}, "skipped", outcome)
+            return False, outcome
+        clean = await self._store.read(
+            lambda session: history.newest_committed_before(session, job, bad)
+        )
+        if clean is None:
+            outcome = (
+                f"no checkpoint of job {job} was committed before step {bad}: nothing clean "
+                "to roll back to; the job keeps running, decide by hand"
+            )
+            params = {"rollback": {"bad_step": bad}}
+            await self._record(incident, rem, "restart_job", job, params, "skipped", outcome)
+            return False, outcome
+        return await self._restart(
+            rem, incident, resume_step=clean, extra={"rollback": {"bad_step": bad}}
+        )
+
+    async def _restart(
+        self,
+        rem: Remediation,
+        incident: IncidentState | None,
+        *,
+        resume_step: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> tuple[bool, str]:
+        """Restart ``rem``'s job without excluded nodes, from ``resume_step`` (default: the
+        newest committed checkpoint); ``extra`` goes into the action's parameters."""
         job = rem.job
         now = time.time()
         if job is None:
@@ -738,10 +793,10 @@ class RemediationEngine:
             await self._record(incident, rem, "restart_job", job, {}, "skipped", outcome)
             return False, outcome
         book = self.book(job)
-        plan = await self._plan(job, current, grow_back=rem.grow)
+        plan = await self._plan(job, current, grow_back=rem.grow, resume_step=resume_step)
         placement = plan.placement
         resume_step = placement.resume_step if placement is not None else None
-        params: dict[str, Any] = {
+        params: dict[str, Any] = dict(extra or {}) | {
             "plan": plan.kind,
             "reason": plan.reason,
             "from_nodes": list(current.nodes),

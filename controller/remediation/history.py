@@ -12,7 +12,9 @@ the durable action log, with bounded queries on indexed columns (``trigger``,
 * :func:`interrupted_grows`: grow-back rows left ``pending``, closed by the new leader;
 * :func:`replay`: the goodput ledger's incidents, from the ``goodput`` parameters each
   ``restart_job`` row carries (fault, detection, steps reached and resumed from, and, once
-  the job stepped again, when it resumed), and :func:`job_starts` for the wall clock.
+  the job stepped again, when it resumed), and :func:`job_starts` for the wall clock;
+* :func:`newest_committed_before`: the checkpoint a ``rollback`` resumes from, from the
+  agents' checkpoint events (a new leader has no such memory).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from controller.db.models import Action, Job
+from controller.db.models import Action, Checkpoint, Job
 from controller.remediation.goodput import GoodputLedger
 
 #: Most restart rows read back; more restarts than this within one rate-limit window would
@@ -151,3 +153,15 @@ def replay(ledger: GoodputLedger, rows: list[RestartRow]) -> int:
             continue  # a row written by another version: its cost is not rebuilt
         replayed += 1
     return replayed
+
+
+def newest_committed_before(session: Session, job: str, step: int) -> int | None:
+    """The newest checkpoint step of ``job`` committed (rank 0's ``committed`` event) below
+    ``step``, or None. Strictly below: the checkpoint labelled ``step`` holds the weights
+    that the damaged step started from, which may already carry the cause (an overflowing
+    update shows up as NaN only in the next step's gradients)."""
+    query = select(func.max(Checkpoint.step)).where(
+        Checkpoint.job_name == job, Checkpoint.kind == "committed", Checkpoint.step < step
+    )
+    found = session.execute(query).scalar()
+    return int(found) if found is not None else None

@@ -10,7 +10,8 @@ isolated and the job restarted without it; a hang restarts the job (the culprit'
 isolated only with hardware evidence or when it hangs again, because most hangs are
 software); a straggler is alerted at once and escalated (checkpoint, isolate, restart) only
 once it has persisted and costs enough throughput; rising correctable errors or throttling
-ask for a protective checkpoint.
+ask for a protective checkpoint; NaN/Inf in a collective rolls the job back to the newest
+checkpoint committed before it appeared.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class Step(StrEnum):
     ISOLATE = "isolate"
     #: Stop the job and start it again without isolated nodes, from the newest checkpoint.
     RESTART = "restart"
+    #: Like ``restart``, but from the newest checkpoint committed *before* the step the
+    #: incident's evidence names (``evidence.step``: where NaN/Inf first appeared), so the
+    #: job does not resume from a state that already carries the damage.
+    ROLLBACK = "rollback"
 
 
 class IsolateWhen(StrEnum):
@@ -63,6 +68,11 @@ class Rule(BaseModel):
     #: Run the steps after ``alert`` only if the incident costs at least this share of job
     #: throughput (``evidence.slowdown_pct`` of a straggler); ``0`` always acts.
     min_cost_pct: float = Field(default=0.0, ge=0.0, le=100.0)
+    #: Run the steps after ``alert`` only once the incident counts this many steps with the
+    #: fault (``evidence.bad_steps`` of a ``nonfinite`` incident); ``0`` always acts. An
+    #: fp16 overflow that dynamic loss scaling skips is one bad step, a diverged model is
+    #: every step from then on.
+    min_bad_steps: int = Field(default=0, ge=0, le=10_000)
     isolate_when: IsolateWhen = IsolateWhen.ALWAYS
     #: Shown with the policy; why the rule is there.
     description: str = Field(default="", max_length=512)
@@ -71,6 +81,10 @@ class Rule(BaseModel):
     def _steps_make_sense(self) -> Rule:
         if len(set(self.steps)) != len(self.steps):
             raise ValueError(f"rule for {self.kind!r} repeats a step: {self.steps}")
+        if Step.RESTART in self.steps and Step.ROLLBACK in self.steps:
+            raise ValueError(
+                f"rule for {self.kind!r}: 'restart' and 'rollback' both restart the job; choose one"
+            )
         if Step.ALERT in self.steps[1:]:
             raise ValueError(
                 f"rule for {self.kind!r}: 'alert' must be the first step (it is recorded at"
@@ -189,6 +203,19 @@ DEFAULT_RULES: tuple[Rule, ...] = (
         description=(
             "correctable ECC errors rising or hardware throttling: the GPU may fail soon, "
             "so save the job's state while it still can"
+        ),
+    ),
+    Rule(
+        kind="nonfinite",
+        steps=[Step.ALERT, Step.CAPTURE_EVIDENCE, Step.ISOLATE, Step.ROLLBACK],
+        min_bad_steps=3,
+        isolate_when=IsolateWhen.HARDWARE_OR_REPEAT,
+        description=(
+            "NaN/Inf entered a collective in 3 steps (1 is an fp16 overflow the loss scaler "
+            "skips): every later checkpoint carries it and retention would soon delete the "
+            "clean ones, so stop and resume from the newest checkpoint committed before the "
+            "first bad step; isolate the origin's node only when it repeats or "
+            "has hardware evidence (a bad data shard also has a single origin)"
         ),
     ),
     Rule(kind="*", steps=[Step.ALERT]),

@@ -214,6 +214,24 @@ def recording(live: Any, *, nodes: tuple[str, ...], pool: list[str]) -> Recordin
     return actuator
 
 
+def refresh_incident(
+    live: Any, incident: int, summary: str, evidence: dict[str, Any]
+) -> IncidentSpec:
+    """What a detector's refresh does: a newer reading of the open incident, same key."""
+    state = live.controller.state.incidents[incident]
+    spec = IncidentSpec(
+        kind=state.kind,
+        severity=state.severity,
+        summary=summary,
+        dedupe_key=state.dedupe_key,
+        node=state.node,
+        job=state.job,
+        evidence=evidence,
+    )
+    on_loop(live, live.controller.incidents.open_or_bump(spec, count=0, refresh=True))
+    return spec
+
+
 def of(live: Any, incident: int) -> list[dict[str, Any]]:
     return [a for a in actions(live) if a["trigger"] == f"incident:{incident}"]
 
@@ -278,17 +296,9 @@ def test_a_cheap_straggler_is_only_alerted(controller_factory, tmp_path) -> None
     assert actuator.calls == []
     assert live.controller.remediation.decided.get(incident) is None  # still watched
     # The detector's refresh says it grew past the threshold: now it escalates.
-    state = live.controller.state.incidents[incident]
-    spec = IncidentSpec(
-        kind="straggler",
-        severity="warning",
-        summary="rank 1 computes 30% longer than its peers",
-        dedupe_key=state.dedupe_key,
-        node="n1",
-        job="gpt",
-        evidence={"slowdown_pct": 30.0},
+    spec = refresh_incident(
+        live, incident, "rank 1 computes 30% longer than its peers", {"slowdown_pct": 30.0}
     )
-    on_loop(live, live.controller.incidents.open_or_bump(spec, count=0, refresh=True))
     wait_for(lambda: any(a["kind"] == "restart_job" for a in of(live, incident)))
     assert [a["kind"] for a in of(live, incident)] == [
         "alert",
@@ -430,3 +440,89 @@ def test_goodput_is_rebuilt_from_the_restart_rows_by_a_new_leader(
     keys = ("incident_id", "kind", "state", "recomputed_steps", "restart_s", "recomputed_s")
     assert [{k: i[k] for k in keys} for i in after] == [{k: i[k] for k in keys} for i in before]
     assert after[0]["lost_s"] == pytest.approx(before[0]["lost_s"], abs=0.5)
+
+
+def committed(
+    agents: Agents, node: str, job: str, steps: list[int], *, kind: str = "committed"
+) -> None:
+    """Rank 0 of ``job`` reports checkpoint events of ``kind`` for ``steps``."""
+    now = time.time()
+    events = [{"job": job, "rank": 0, "step": s, "kind": kind, "time_unix_s": now} for s in steps]
+    agents.report(node, job={"checkpoints": events})
+
+
+NAN_EVIDENCE = {
+    "step": 30,
+    "op": "all_reduce",
+    "origin_ranks": [2],
+    "confidence": 1.0,
+    "bad_steps": 3,
+}
+
+
+def test_nonfinite_rolls_back_to_the_newest_checkpoint_before_the_bad_step(  # type: ignore[no-untyped-def]
+    controller_factory,
+) -> None:
+    """The default policy: NaN first seen at step 30 with checkpoints committed at 10, 20
+    and 30 (the last one may hold the damage) restarts the job from step 20. A checkpoint
+    that only got as far as ``durable`` never counts."""
+    live = controller_factory()
+    agents = Agents(live)
+    for i in range(3):
+        agents.report(f"n{i}")
+    agents.steps("n0", "gpt", [(s, time.time() - 40 + s) for s in range(28, 32)])
+    committed(agents, "n0", "gpt", [10, 20, 30])
+    committed(agents, "n0", "gpt", [25], kind="durable")
+    actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1", "n2"])
+    # One bad step may be an fp16 overflow that the loss scaler skips: alerted only.
+    incident = open_incident(
+        live, "nonfinite", node="n1", severity="critical", evidence=NAN_EVIDENCE | {"bad_steps": 1}
+    )
+    alert = wait_for(lambda: of(live, incident))
+    assert [a["kind"] for a in alert] == ["alert"]
+    assert "rollback if it lasts 3 steps" in alert[0]["outcome"]
+    time.sleep(2)
+    assert [a["kind"] for a in of(live, incident)] == ["alert"] and actuator.calls == []
+    # The detector's refresh: the NaN is still there two steps later (a diverged model).
+    refresh_incident(
+        live, incident, "job gpt step 30: NaN; NaN/Inf in 3 steps so far", NAN_EVIDENCE
+    )
+    rows = wait_for(
+        lambda: (
+            [
+                a
+                for a in of(live, incident)
+                if a["kind"] == "restart_job" and a["status"] != "pending"
+            ]
+            and of(live, incident)
+        )
+    )
+    kinds = [a["kind"] for a in rows]
+    assert kinds[:2] == ["alert", "capture_evidence"] and kinds[-1] == "restart_job", kinds
+    isolate = [a for a in rows if a["kind"] == "isolate_node"]
+    assert isolate and isolate[0]["status"] == "skipped"  # a first offence: no hardware evidence
+    restart = rows[-1]
+    assert restart["status"] == "succeeded", restart["outcome"]
+    assert restart["params"]["resume_step"] == 20
+    assert restart["params"]["rollback"] == {"bad_step": 30}
+    assert "from step 20" in restart["outcome"]
+    assert [p.resume_step for p in actuator.restarts()] == [20]
+
+
+def test_nonfinite_without_a_clean_checkpoint_is_left_to_a_human(controller_factory) -> None:  # type: ignore[no-untyped-def]
+    live = controller_factory()
+    agents = Agents(live)
+    agents.report("n0")
+    agents.steps("n0", "gpt", [(5, time.time())])
+    committed(agents, "n0", "gpt", [5])
+    actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1"])
+    evidence = dict(NAN_EVIDENCE, step=5)
+    incident = open_incident(live, "nonfinite", severity="critical", evidence=evidence)
+    rows = wait_for(lambda: [a for a in of(live, incident) if a["kind"] == "restart_job"])
+    assert rows[0]["status"] == "skipped"
+    assert rows[0]["outcome"].startswith(
+        "no checkpoint of job gpt was committed before step 5: nothing clean to roll back to"
+    )
+    assert actuator.restarts() == []
+    remediation = next(r for r in live.controller.remediation.remediations if r.job == "gpt")
+    wait_for(lambda: remediation.state == "failed")

@@ -61,6 +61,10 @@ def test_policy_files(tmp_path: Path) -> None:
     path.write_text("rules: [{kind: hang, steps: [restart, alert]}]\n")
     with pytest.raises(PolicyError, match="'alert' must be the first step"):
         load_policy(path)
+    path.write_text("rules: [{kind: nonfinite, steps: [restart, rollback]}]\n")
+    with pytest.raises(PolicyError, match="'restart' and 'rollback' both restart the job"):
+        load_policy(path)
+    assert load_policy(None).rule_for("nonfinite", "critical").steps[-1] is Step.ROLLBACK  # type: ignore[union-attr]
     path.write_text("rules: [{kind: straggler, steps: [restart], after_s: 400}]\n")
     with pytest.raises(PolicyError, match=r"must be below guards\.stale_after_s=300"):
         load_policy(path)

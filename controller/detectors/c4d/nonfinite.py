@@ -11,12 +11,16 @@ saw it later received it.
 
 One incident per job: it opens at the first such step (once no earlier step can still
 turn up) and resolves after ``window_steps`` clean steps (a job that skips bad steps, as
-dynamic loss scaling does, recovers on its own).
+dynamic loss scaling does, recovers on its own). While it is open, every later step that
+still carries NaN/Inf is counted in ``evidence.bad_steps`` (a refresh of the incident):
+an fp16 overflow that the loss scaler skips stays at 1, a diverged model whose weights are
+NaN grows by one per step, which is what the remediation policy's ``min_bad_steps`` waits
+for before rolling the job back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from controller.detectors.c4d.findings import Finding, FindingKind
 from trainguard.wire import StepSummary
@@ -43,6 +47,10 @@ def origins(rows: dict[int, StepSummary]) -> tuple[int, ...]:
 
 #: Steps whose per-rank report counts are kept (to tell when a step is complete).
 _STEPS_KEPT = 256
+#: Refresh the open incident for each of its first bad steps, then every this many (enough
+#: to keep its evidence fresh for the remediation guard without a write per step).
+_REFRESH_EVERY_AFTER = 10
+_REFRESH_EVERY = 50
 
 
 @dataclass(slots=True)
@@ -56,6 +64,10 @@ class NonfiniteState:
     grace_s: float
     open: bool = False
     clean_streak: int = 0
+    #: Steps with NaN/Inf since the incident opened, its first step included.
+    bad_steps: int = 0
+    #: The opening finding (refreshes repeat it with ``bad_steps`` updated).
+    opened: Finding | None = None
     ranks_per_step: dict[int, int] = field(default_factory=dict)
     bad: dict[int, dict[int, StepSummary]] = field(default_factory=dict)
     first_seen_s: float | None = None
@@ -89,10 +101,11 @@ class NonfiniteState:
             return None
         rows = self.bad[step]
         reported = max(self.ranks_per_step.get(step, 0), len(rows))
-        self.open, self.clean_streak = True, 0
+        self.open, self.clean_streak, self.bad_steps = True, 0, 1
         self.bad.clear()
         self.first_seen_s = None
-        return self._finding(step, rows, reported, rank_node)
+        self.opened = self._finding(step, rows, reported, rank_node)
+        return self.opened
 
     def compared(self, rows: dict[int, StepSummary]) -> Finding | None:
         """A step was compared: count clean steps towards resolving an open incident."""
@@ -100,11 +113,11 @@ class NonfiniteState:
             return None
         if any(s.nonfinite_inputs for s in rows.values()):
             self.clean_streak = 0
-            return None
+            return self._still_bad(rows)
         self.clean_streak += 1
         if self.clean_streak < self.clear_steps:
             return None
-        self.open = False
+        self.open, self.opened = False, None
         return Finding(
             kind=FindingKind.NONFINITE,
             job=self.job,
@@ -112,6 +125,24 @@ class NonfiniteState:
             summary=f"job {self.job}: {self.clean_streak} steps without NaN/Inf inputs",
             key=self.key,
             resolved=True,
+        )
+
+    def _still_bad(self, rows: dict[int, StepSummary]) -> Finding | None:
+        """A step after the opening one still carries NaN/Inf: count it, refresh the incident."""
+        opened = self.opened
+        if opened is None or not rows:
+            return None
+        if next(iter(rows.values())).step <= int(opened.evidence["step"]):
+            return None  # the opening step (or an earlier one) compared late: already counted
+        self.bad_steps += 1
+        n = self.bad_steps
+        if n > _REFRESH_EVERY_AFTER and n % _REFRESH_EVERY:
+            return None
+        return replace(
+            opened,
+            summary=f"{opened.summary}; NaN/Inf in {n} steps so far",
+            evidence={**opened.evidence, "bad_steps": n},
+            refresh=True,
         )
 
     @property
@@ -156,5 +187,6 @@ class NonfiniteState:
                 "gpu_index": first.gpu_index if len(culprits) == 1 else None,
                 # A single origin among clean peers is unambiguous; all ranks at once is not.
                 "confidence": 0.5 if everyone else 1.0,
+                "bad_steps": 1,
             },
         )

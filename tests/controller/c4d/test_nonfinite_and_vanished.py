@@ -54,8 +54,14 @@ def test_the_rank_whose_input_was_nan_first_is_named_not_the_ranks_it_spread_to(
     found += feed(trackers, rows, 10.0)
     for step in range(11, 15):
         found += feed(trackers, [summary(r, step, 4 * step + 1, 2) for r in range(WORLD)], step)
-    (finding,) = found
+    (finding,) = [f for f in found if not f.refresh]
+    # Every later step still carries NaN (the weights are NaN now): counted, refreshed.
+    refreshes = [f for f in found if f.refresh]
+    assert [f.evidence["bad_steps"] for f in refreshes] == [2, 3, 4, 5]
+    assert all(f.key == finding.key and f.evidence["step"] == 10 for f in refreshes)
+    assert refreshes[-1].summary.endswith("NaN/Inf in 5 steps so far")
     assert finding.kind is FindingKind.NONFINITE and not finding.resolved
+    assert finding.evidence["bad_steps"] == 1
     assert finding.ranks == (2,) and finding.nodes == ("node-1",)
     ev = finding.evidence
     assert (ev["step"], ev["op"], ev["group"], ev["seq"]) == (10, "all_reduce", "w0", 41)
