@@ -414,9 +414,9 @@ def test_a_shrunk_job_grows_back_when_its_node_is_released(controller_factory, t
     assert len(actuator.restarts()) == 2
 
 
-def test_goodput_is_rebuilt_from_the_restart_rows_by_a_new_leader(
+def test_goodput_is_rebuilt_from_the_restart_rows_by_a_new_leader(  # type: ignore[no-untyped-def]
     controller_factory, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     path = policy_file(tmp_path, "rules: [{kind: comm_failure, steps: [restart]}]\n")
     live = controller_factory(policy_file=path)
     agents = Agents(live)
