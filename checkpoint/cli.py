@@ -132,8 +132,11 @@ def _list(store: CheckpointStore, output: Output) -> None:
             except CheckpointError as exc:
                 row.update(complete=False, problem=str(exc))
         rows.append(row)
+    abandoned = store.abandoned()
     if output == Output.json:
-        typer.echo(json.dumps({"root": str(store.root), "checkpoints": rows}))
+        typer.echo(
+            json.dumps({"root": str(store.root), "checkpoints": rows, "abandoned": abandoned})
+        )
         return
     _table(
         ["STEP", "STATUS", "WORLD", "SIZE", "AGE", "LATEST"],
@@ -149,6 +152,11 @@ def _list(store: CheckpointStore, output: Output) -> None:
             for r in rows
         ],
     )
+    if abandoned:  # kept for forensics; says why a step seems to be missing
+        typer.echo(
+            f"set aside in {store.abandoned_root} (never loaded): "
+            f"steps {', '.join(map(str, abandoned))}"
+        )
 
 
 def _tensors(reader: CheckpointReader, output: Output) -> None:

@@ -20,6 +20,9 @@ from checkpoint.errors import CheckpointCorruptError
 FORMAT_VERSION = 1
 MANIFEST_NAME = "MANIFEST.json"
 LATEST_NAME = "latest"
+#: Folder under the root that step directories of an abandoned timeline are moved into; not
+#: ``step-*``, so loading, listing and retention never see what is in it.
+ABANDONED_NAME = "abandoned"
 #: Entry holding the pickled skeleton of the state (everything that is not a tensor).
 SKELETON_ENTRY = "__skeleton__"
 

@@ -4,13 +4,18 @@ Every byte handed to a caller has been checked against a CRC-32 of the 4 MiB chu
 from, so a flipped bit surfaces as :class:`CheckpointCorruptError` naming the file and the
 offset instead of as a silently wrong weight. ``verify(deep=True)`` also re-hashes whole
 files against the SHA-256 recorded at commit.
+
+The one write here, :meth:`CheckpointStore.set_aside_after`, belongs to resuming: a job that
+resumes from an older checkpoint moves the newer step directories out of its way first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +28,7 @@ from checkpoint.errors import (
     CheckpointNotFoundError,
 )
 from checkpoint.manifest import (
+    ABANDONED_NAME,
     LATEST_NAME,
     MANIFEST_NAME,
     Entry,
@@ -32,7 +38,7 @@ from checkpoint.manifest import (
     parse_rank_manifest,
     step_dir_name,
 )
-from checkpoint.storage import step_dirs
+from checkpoint.storage import committed_steps, fsync_dir, step_dirs, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +190,59 @@ class CheckpointStore:
         if not (name.startswith("step-") and name[5:].isdigit()):
             raise CheckpointCorruptError(f"{self.root / LATEST_NAME}: bad content {name!r}")
         return int(name[5:])
+
+    @property
+    def abandoned_root(self) -> Path:
+        """Where :meth:`set_aside_after` keeps the step directories it moves."""
+        return self.root / ABANDONED_NAME
+
+    def abandoned(self) -> list[int]:
+        """Steps set aside under :attr:`abandoned_root`, oldest first (never loaded)."""
+        return [step for step, _ in step_dirs(self.abandoned_root)]
+
+    def set_aside_after(self, step: int) -> list[int]:
+        """Move every step directory newer than ``step``, complete or partial, into
+        ``abandoned/``; return the moved steps, oldest first.
+
+        Why: a job resumed from ``step`` (a rollback, a fallback past a damaged checkpoint, a
+        restart after a crash mid-save) saves those step numbers again. Rank 0's commit takes
+        any parseable ``rank-<r>.json`` of the step as that rank's new part, so a manifest
+        left by the abandoned timeline could be committed beside the new ones; and
+        ``latest`` / :meth:`candidates` would offer the abandoned (say NaN) state on the
+        next restart. Moved, not deleted, to keep them for forensics; a step already under
+        ``abandoned/`` is replaced by the newer copy.
+
+        Call it before anything saves into this root (the demo job: rank 0, once the ranks
+        agree on the resume step, then a barrier). ``latest`` is repointed first, to the
+        newest committed step <= ``step`` (removed if there is none), so a crash part-way
+        leaves a pointer that names no abandoned step; calling again finishes the move.
+        """
+        pointer = None
+        with contextlib.suppress(CheckpointCorruptError):  # not ours to repair
+            pointer = self.latest_pointer()
+        if pointer is not None and pointer > step:
+            latest = self.root / LATEST_NAME
+            kept = [s for s in committed_steps(self.root) if s <= step]
+            if kept:
+                write_atomic(latest, (step_dir_name(kept[-1]) + "\n").encode())
+            else:
+                latest.unlink(missing_ok=True)
+                fsync_dir(self.root)
+        newer = [(s, path) for s, path in step_dirs(self.root) if s > step]
+        if not newer:
+            return []
+        dest = self.abandoned_root
+        dest.mkdir(exist_ok=True)
+        for _, path in newer:
+            target = dest / path.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            else:
+                target.unlink(missing_ok=True)
+            path.rename(target)
+        fsync_dir(dest)
+        fsync_dir(self.root)
+        return [s for s, _ in newer]
 
     def list(self) -> list[CheckpointInfo]:
         out = []

@@ -15,6 +15,7 @@ from checkpoint.cli import app
 from checkpoint.manifest import rank_data_name, step_dir_name
 from checkpoint.reshard import load_resharded
 from checkpoint.rules import ParallelLayout
+from checkpoint.store import CheckpointStore
 from tests.checkpoint.megatron import PADDED_PER_TP, full_state, ln_mean, rank_state, save_sharded
 
 runner = CliRunner()
@@ -40,6 +41,18 @@ def test_inspect_lists_checkpoints(saved: tuple[Path, dict[str, torch.Tensor]]) 
     out = json.loads(runner.invoke(app, ["inspect", str(root), "-o", "json"]).output)
     assert [c["step"] for c in out["checkpoints"]] == [10, 11]
     assert out["checkpoints"][0]["layout"] == {"tp": 2, "dp": 2}
+
+
+def test_inspect_names_set_aside_steps(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    root, _ = saved
+    assert CheckpointStore(root).set_aside_after(10) == [11]
+    result = runner.invoke(app, ["inspect", str(root)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert [line.split()[0] for line in lines[1:-1]] == ["10"]
+    assert lines[-1] == f"set aside in {root / 'abandoned'} (never loaded): steps 11"
+    out = json.loads(runner.invoke(app, ["inspect", str(root), "-o", "json"]).output)
+    assert ([c["step"] for c in out["checkpoints"]], out["abandoned"]) == ([10], [11])
 
 
 def test_inspect_one_checkpoint_shows_global_mapping(

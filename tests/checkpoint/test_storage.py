@@ -186,3 +186,83 @@ def test_tampered_rank_manifest_is_caught(tmp_path: Path) -> None:
 def test_empty_root_has_no_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError, match="no complete checkpoint"):
         CheckpointStore(tmp_path / "nothing").open_latest()
+
+
+def _stale_part(root: Path, step: int, rank: int) -> Path:
+    """A step directory a crash mid-save left: one rank's part, no MANIFEST.json (``rank``
+    not 0, which would wait for the others to commit)."""
+    _save(root, step, world=2, ranks=[rank])
+    return root / step_dir_name(step)
+
+
+def test_set_aside_moves_newer_steps_and_repoints_latest(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        _save(tmp_path, step)
+    _stale_part(tmp_path, 7, rank=1)
+    store = CheckpointStore(tmp_path)
+    assert store.latest_pointer() == 6
+
+    assert store.set_aside_after(4) == [6, 7]
+    assert [i.step for i in store.list()] == [2, 4]
+    assert store.abandoned() == [6, 7]
+    assert (tmp_path / "abandoned" / step_dir_name(6) / MANIFEST_NAME).is_file()
+    assert (tmp_path / "abandoned" / step_dir_name(7) / "rank-00001.json").is_file()
+    assert store.latest_pointer() == 4
+    assert list(store.candidates()) == [4, 2]
+    with store.open_latest() as reader:
+        assert reader.step == 4
+    with pytest.raises(CheckpointNotFoundError):
+        store.open(6)
+    assert store.set_aside_after(4) == []  # idempotent
+
+
+def test_set_aside_replaces_an_older_abandoned_copy(tmp_path: Path) -> None:
+    _save(tmp_path, 2)
+    _stale_part(tmp_path, 4, rank=1)
+    store = CheckpointStore(tmp_path)
+    assert store.set_aside_after(2) == [4]
+    # the resumed timeline saves step 4 again, fully this time, and is abandoned in turn
+    _save(tmp_path, 4)
+    assert store.set_aside_after(2) == [4]
+    moved = tmp_path / "abandoned" / step_dir_name(4)
+    assert (moved / MANIFEST_NAME).is_file()  # the newer copy, not the partial one
+    assert not (moved / "rank-00001.json").exists()
+    assert store.abandoned() == [4]
+    assert store.latest_pointer() == 2
+
+
+def test_set_aside_before_any_commit_removes_latest(tmp_path: Path) -> None:
+    _save(tmp_path, 3)
+    _stale_part(tmp_path, 5, rank=1)
+    store = CheckpointStore(tmp_path)
+    assert store.set_aside_after(-1) == [3, 5]  # a fresh start: everything is newer
+    assert store.latest_pointer() is None
+    assert store.list() == [] and list(store.candidates()) == []
+    with pytest.raises(CheckpointNotFoundError, match="no complete checkpoint"):
+        store.open_latest()
+    # a new timeline commits step 5 from its own parts only
+    _save(tmp_path, 5, world=2)
+    with store.open_latest() as reader:
+        assert reader.step == 5
+        reader.verify()
+    assert CheckpointStore(tmp_path / "missing").set_aside_after(0) == []
+
+
+def test_stale_rank_manifest_would_be_committed_without_set_aside(tmp_path: Path) -> None:
+    """The hazard set_aside_after removes: commit takes a leftover part for a peer's."""
+    _save(tmp_path, 2, world=2)
+    stale = _stale_part(tmp_path, 4, rank=1)
+    stale_part = (stale / "rank-00001.json").read_bytes()
+    # rank 0 of the resumed timeline saves step 4 and commits at once: rank 1's part
+    # is the abandoned timeline's, yet the checkpoint reads as complete
+    _save(tmp_path, 4, world=2, ranks=[0], timeout_s=0.5)
+    assert (stale / "rank-00001.json").read_bytes() == stale_part
+    assert CheckpointStore(tmp_path).latest_pointer() == 4
+
+    fresh = tmp_path / "fresh"
+    _save(fresh, 2, world=2)
+    _stale_part(fresh, 4, rank=1)
+    assert CheckpointStore(fresh).set_aside_after(2) == [4]
+    with pytest.raises(CheckpointIncompleteError, match=r"ranks \[1\]"):
+        _save(fresh, 4, world=2, ranks=[0], timeout_s=0.3)
+    assert CheckpointStore(fresh).latest_pointer() == 2
