@@ -26,6 +26,9 @@ class JobConfig:
     local_rank: int
     generation: int
     """Restart count from TRAINGUARD_GENERATION (0 on the first launch); only logged."""
+    resume_step: int | None
+    """TRAINGUARD_RESUME_STEP: resume from the newest committed checkpoint at or before this
+    step (the controller's rollback point); ``None`` (unset or empty): the newest one."""
     tp: int
     """Tensor-parallel size; DP = world_size / tp."""
     steps: int
@@ -67,6 +70,15 @@ def _int(env: Mapping[str, str], name: str, default: int | None, *, minimum: int
     if value < minimum:
         raise JobConfigError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def _optional_int(env: Mapping[str, str], name: str, *, minimum: int) -> int | None:
+    """An integer setting whose absence means something; empty counts as absent, because a
+    Kubernetes downward-API mapping of a missing annotation gives an empty string."""
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    return _int(env, name, None, minimum=minimum)
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -111,6 +123,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> JobConfig:
         world_size=world,
         local_rank=_int(env, "LOCAL_RANK", rank, minimum=0),
         generation=_int(env, "TRAINGUARD_GENERATION", 0, minimum=0),
+        resume_step=_optional_int(env, "TRAINGUARD_RESUME_STEP", minimum=0),
         tp=tp,
         steps=_int(env, "TG_STEPS", None, minimum=1),
         ckpt_dir=Path(ckpt_dir),

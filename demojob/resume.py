@@ -7,8 +7,9 @@ rule for a parameter and for its Adam moments (``optim/state/<i>/exp_avg*``, ``i
 the parameter's index, which is the same in every layout). That makes each checkpoint
 universal: a job with another TP or DP size fills its own shards from it.
 
-Resume tries the committed checkpoints newest first (the caller makes the ranks agree on
-one that every rank could load). Saved by the same layout: every rank reads
+Resume tries the committed checkpoints newest first, none past TRAINGUARD_RESUME_STEP (the
+caller makes the ranks agree on one that every rank could load, then sets aside the step
+directories newer than it). Saved by the same layout: every rank reads
 back its own part (``load_state``: bit-exact, RNG included). Another layout:
 ``load_resharded`` fills this rank's parameters and moments from the saved fragments; the
 Adam step count is the checkpoint step (one optimizer step per training step).
@@ -59,15 +60,18 @@ class Resumed:
     resharded: bool
 
 
-def committed_steps(root: Path) -> list[int]:
-    """Committed checkpoint steps to try, newest first (``latest`` pointer first).
+def committed_steps(root: Path, *, at_most: int | None = None) -> list[int]:
+    """Committed checkpoint steps to try, newest first (``latest`` pointer first), only those
+    ``<= at_most`` when given (TRAINGUARD_RESUME_STEP: steps after it are what a rollback
+    leaves behind, so neither the pointer nor a fallback may go past it).
 
     Every rank computes the same list: the directory is shared and nothing writes to it
     before the job has resumed.
     """
     if not root.is_dir():
         return []
-    return list(CheckpointStore(root).candidates())
+    steps = CheckpointStore(root).candidates()
+    return [s for s in steps if at_most is None or s <= at_most]
 
 
 def _empty_adam_state(optim: torch.optim.Optimizer, step: int) -> dict[str, torch.Tensor]:

@@ -1,7 +1,9 @@
 """One rank of the demo job: ``python -m demojob.train`` (env contract in docs/demo-job.md).
 
 Exit status: 0 after the last step or a controller stop (a checkpoint is durable first),
-2 for a bad environment, 3 when the newest checkpoint cannot be loaded. Faults injected by
+2 for a bad environment, 3 when no checkpoint can be loaded (a damaged one on every
+candidate, none at or before TRAINGUARD_RESUME_STEP) or the newer step directories cannot be
+set aside. Faults injected by
 ``TRAINGUARD_FAULTS`` (``collectives``) exit however the fault says.
 """
 
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import collectives
-from checkpoint import CheckpointConfig, Checkpointer, CheckpointError
+from checkpoint import CheckpointConfig, Checkpointer, CheckpointError, CheckpointStore
 from demojob.config import JobConfig, JobConfigError, config_from_env
 from demojob.data import local_batch
 from demojob.model import build_model
@@ -33,14 +35,40 @@ def _die(code: int, message: str) -> NoReturn:
     os._exit(code)  # no finalization: gloo threads of a half-started group can abort it
 
 
+def _check_same_bound(cfg: JobConfig) -> None:
+    """Exit 2 unless every rank got the same TRAINGUARD_RESUME_STEP.
+
+    Ranks with different bounds would walk different candidate lists in step with each
+    other's all-reduces and could resume from different checkpoints without noticing.
+    """
+    bound = -1 if cfg.resume_step is None else cfg.resume_step
+    seen = torch.tensor([bound, -bound], dtype=torch.int64)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # [max, -min]
+    if int(seen[0]) != bound or int(seen[1]) != -bound:
+        lo, hi = -int(seen[1]), int(seen[0])
+        _die(2, f"bad environment: TRAINGUARD_RESUME_STEP differs between ranks ({lo}..{hi})")
+
+
 def _resume_all(cfg: JobConfig, model: torch.nn.Module, optim: Any) -> Resumed | None:
-    """Resume every rank from the newest checkpoint that all of them can load.
+    """Resume every rank from the newest checkpoint that all of them can load, none past
+    TRAINGUARD_RESUME_STEP when it is set.
 
     A checkpoint one rank cannot read (a damaged shard) is skipped by all ranks, with a
     warning, for the next older one; when none loads, every rank exits 3. ``None``: no
-    checkpoint was ever committed, start fresh.
+    checkpoint was ever committed, start fresh. A bound with no committed checkpoint at or
+    before it also exits 3: the controller asked for that rollback point (the steps after
+    it may hold NaNs), and starting over instead would throw away the run it meant to keep.
     """
-    steps = committed_steps(cfg.ckpt_dir)
+    _check_same_bound(cfg)
+    steps = committed_steps(cfg.ckpt_dir, at_most=cfg.resume_step)
+    if not steps and cfg.resume_step is not None:
+        committed = sorted(set(committed_steps(cfg.ckpt_dir)))
+        _die(
+            3,
+            f"rank {cfg.rank}: cannot resume from {cfg.ckpt_dir}: no committed checkpoint at "
+            f"or before TRAINGUARD_RESUME_STEP={cfg.resume_step} "
+            f"(committed: {', '.join(map(str, committed)) or 'none'})",
+        )
     error = ""
     for step in steps:
         resumed: Resumed | None = None
@@ -64,6 +92,37 @@ def _resume_all(cfg: JobConfig, model: torch.nn.Module, optim: Any) -> Resumed |
     return None
 
 
+def _set_aside_newer(cfg: JobConfig, resumed: Resumed | None) -> None:
+    """Rank 0 moves the step directories newer than the resume point into ``abandoned/``;
+    then every rank waits for it.
+
+    This run saves those step numbers again: a rank manifest left there by the abandoned
+    timeline could be committed as a peer's part of the new checkpoint, and ``latest``
+    could offer the abandoned state on the next restart. Every rank has finished reading
+    checkpoints by now (the resume agreement is a collective), and the barrier keeps any
+    rank from saving before the move. On a fresh start only partial directories can be
+    there (a committed one would have been resumed from, or exited 3): they go too.
+    """
+    if cfg.rank == 0:
+        after = resumed.step if resumed is not None else -1
+        store = CheckpointStore(cfg.ckpt_dir)
+        try:
+            moved = store.set_aside_after(after)
+        except OSError as exc:
+            _die(3, f"rank 0: cannot set aside checkpoints newer than step {after}: {exc}")
+        if moved:
+            why = (
+                "before a fresh start" if resumed is None else f"newer than the resume step {after}"
+            )
+            print(
+                f"demojob: rank 0: set aside checkpoint steps {', '.join(map(str, moved))} "
+                f"({why}) in {store.abandoned_root}",
+                file=sys.stderr,
+                flush=True,
+            )
+    dist.barrier()
+
+
 def _announce(cfg: JobConfig, resumed: Resumed | None) -> None:
     if cfg.rank != 0:
         return
@@ -74,6 +133,8 @@ def _announce(cfg: JobConfig, resumed: Resumed | None) -> None:
             f"generation {cfg.generation} resumed from step {resumed.step} "
             f"(tp={resumed.saved_tp} dp={resumed.saved_dp} -> tp={cfg.tp} dp={cfg.dp})"
         )
+    if cfg.resume_step is not None:
+        line += f", TRAINGUARD_RESUME_STEP={cfg.resume_step}"
     print(f"demojob: {line}", flush=True)
 
 
@@ -114,6 +175,7 @@ def run(cfg: JobConfig) -> int:
     model = build_model(groups, cfg.tp_rank, cfg.seed)
     optim = torch.optim.Adam(model.parameters(), lr=LR)
     resumed = _resume_all(cfg, model, optim)
+    _set_aside_newer(cfg, resumed)
     _announce(cfg, resumed)
     ckpt = Checkpointer(
         CheckpointConfig(root=cfg.ckpt_dir),

@@ -8,6 +8,8 @@ Scenario (real gloo ranks, checkpoints every 4 steps, 12 steps in all):
   fault from ``TRAINGUARD_FAULTS``, as a chaos drill would inject): the newest complete
   checkpoint is step 8, and steps 8 and 9 are lost work.
 * a relaunch then resumes from step 8, either as the same 4 ranks or as TP=2 x DP=1.
+* ``rollback``: the finished baseline relaunched with TRAINGUARD_RESUME_STEP=8 (what the
+  controller's NaN rollback sets) goes back to step 8 and sets step 12 aside.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from typing import Any
 import pytest
 import torch
 
+from checkpoint import CheckpointStore
 from demojob.data import global_batch
 from demojob.model import build_model
 from demojob.parallel import Groups
+from demojob.resume import committed_steps
 from tests.demojob.launch import Run, launch
 
 pytestmark = pytest.mark.slow
@@ -115,3 +119,50 @@ def test_shrunk_run_resumes_from_resharded_checkpoint(
     # its own checkpoints now have the new layout, so the next restart needs no resharding
     meta = json.loads((tmp / "ckpt-shrunk" / "step-000000000012" / "MANIFEST.json").read_text())
     assert (meta["world_size"], meta["layout"]) == (2, {"tp": 2, "dp": 1})
+
+
+def test_rollback_resumes_at_the_bound_and_sets_newer_steps_aside(
+    tmp: Path, baseline: dict[int, float]
+) -> None:
+    root = tmp / "ckpt-rollback"
+    shutil.copytree(tmp / "ckpt-baseline", root)
+    assert CheckpointStore(root).latest_pointer() == STEPS
+    job = {**_job(tmp, "rollback"), "TG_TP": 2, "TG_CKPT_DIR": root}
+    # two ranks, not four: half the start-up time on a small machine, at the price of a
+    # resharded resume (losses close to the baseline's, not equal)
+    run = launch(2, tmp, TRAINGUARD_GENERATION=1, TRAINGUARD_RESUME_STEP=RESUME_AT, **job)
+    assert run.codes == [0] * 2, run.explain()
+    assert (
+        "generation 1 resumed from step 8 (tp=2 dp=2 -> tp=2 dp=1), TRAINGUARD_RESUME_STEP=8"
+        in run.stdout[0]
+    )
+    assert (
+        f"demojob: rank 0: set aside checkpoint steps 12 (newer than the resume step 8) "
+        f"in {root / 'abandoned'}" in run.stderr[0].splitlines()
+    )
+    assert [r["step"] for r in run.log] == list(range(RESUME_AT, STEPS))
+    assert run.log[0]["resumed_from"] == RESUME_AT
+    for step, loss in _losses(run).items():  # the rolled-back timeline, not a fresh model
+        assert loss == pytest.approx(baseline[step], abs=1e-4), step
+
+    store = CheckpointStore(root)
+    assert store.abandoned() == [STEPS]
+    assert [(i.step, i.complete) for i in store.list()] == [(4, True), (8, True), (12, True)]
+    with store.open_latest() as reader:
+        assert reader.step == STEPS
+        reader.verify(deep=True)
+        old = json.loads((store.abandoned_root / reader.path.name / "MANIFEST.json").read_text())
+        assert reader.manifest.created_unix_s > old["created_unix_s"]  # saved anew
+    # the bound is an upper limit: a step between checkpoints takes the one before it
+    assert committed_steps(root, at_most=11) == [8, 4]
+    assert committed_steps(root, at_most=12) == [12, 8, 4]
+
+    # a rollback point before every committed checkpoint: refuse, touch nothing
+    short = {**job, "TG_TP": 1, "log": tmp / "rollback-too-far.jsonl"}
+    refused = launch(1, tmp, TRAINGUARD_GENERATION=2, TRAINGUARD_RESUME_STEP=3, **short)
+    assert refused.codes == [3], refused.explain()
+    assert refused.stderr[0].splitlines()[-1] == (
+        f"demojob: rank 0: cannot resume from {root}: no committed checkpoint at or before "
+        "TRAINGUARD_RESUME_STEP=3 (committed: 4, 8, 12)"
+    )
+    assert (store.abandoned(), [i.step for i in store.list()]) == ([STEPS], [4, 8, 12])
