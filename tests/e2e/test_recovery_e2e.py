@@ -13,6 +13,7 @@ run again match the first run's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -39,7 +40,7 @@ class RecoveryCluster:
         self.fault_files = {n: workdir / f"{n}.faults" for n in NODES}
         self.loss_log = workdir / "loss.jsonl"
 
-    def start(self) -> None:
+    def start(self, extra_env: dict[str, str] | None = None) -> None:
         jobs = [
             {
                 "name": JOB,
@@ -58,6 +59,7 @@ class RecoveryCluster:
                     "TG_STEP_SLEEP_S": "0.1",
                     "TG_LOG": str(self.loss_log),
                     "OMP_NUM_THREADS": "1",
+                    **(extra_env or {}),
                 },
                 "node_env": {n: {"TRAINGUARD_AGENT_SOCKET": self.sockets[n]} for n in NODES},
             }
@@ -110,10 +112,12 @@ class RecoveryCluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[RecoveryCluster]:
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RecoveryCluster]:
+    """The cluster, its job started with ``@pytest.mark.job_env({...})``'s extra env."""
+    marker = request.node.get_closest_marker("job_env")
     c = RecoveryCluster(tmp_path)
     try:
-        c.start()
+        c.start(marker.args[0] if marker else None)
         yield c
     finally:
         c.base.close()
@@ -187,3 +191,44 @@ def test_fatal_xids_are_survived_by_restarts_on_the_spare_then_on_fewer_ranks(
     metrics = httpx.get(f"{cluster.base.server}/metrics", timeout=10).text
     assert f'trainguard_job_goodput_ratio{{job="{JOB}"}}' in metrics
     assert "trainguard_nodes_isolated 2.0" in metrics
+
+
+NAN_STEP = 14
+
+
+@pytest.mark.job_env(
+    {
+        "TRAINGUARD_FAULTS": json.dumps(
+            [{"kind": "nan", "rank": 2, "at_step": NAN_STEP, "generation": 0}]
+        )
+    }
+)
+def test_nan_rolls_the_job_back_to_the_checkpoint_before_it(cluster: RecoveryCluster) -> None:
+    """Rank 2 feeds NaN into an all-reduce at step 14 of the first run: every rank's weights
+    turn NaN, and the checkpoints after it carry them. The controller's default policy rolls
+    the job back to the newest checkpoint committed before step 14 (step 10), the job sets
+    the newer, poisoned checkpoints aside, and the second run trains on with finite losses
+    that repeat the first run's exactly up to the bad step."""
+    cluster.wait("generation 1 resumed", lambda: len(cluster.generation(1)) >= 3, 150)
+    gen0, gen1 = cluster.generation(0), cluster.generation(1)
+    first = {r["step"]: r["loss"] for r in gen0}
+    assert all(math.isnan(loss) for step, loss in first.items() if step >= NAN_STEP), first
+    assert gen1[0]["resumed_from"] == 10 and gen1[0]["step"] == 10
+    replayed = [r for r in gen1 if r["step"] < NAN_STEP]
+    assert replayed and all(r["loss"] == first[r["step"]] for r in replayed), replayed
+    cluster.wait(
+        "generation 1 past the bad step",
+        lambda: cluster.generation(1)[-1]["step"] > NAN_STEP + 3,
+        60,
+    )
+    assert all(math.isfinite(r["loss"]) for r in cluster.generation(1))
+    restarts = [a for a in cluster.get("/api/v1/actions")["data"] if a["kind"] == "restart_job"]
+    assert len(restarts) == 1, restarts
+    assert restarts[0]["params"]["rollback"] == {"bad_step": NAN_STEP}
+    assert restarts[0]["params"]["resume_step"] == 10
+    incidents = cluster.get("/api/v1/incidents")["data"]
+    nan = [i for i in incidents if i["kind"] == "nonfinite"]
+    assert len(nan) == 1 and nan[0]["evidence"]["origin_ranks"] == [2], incidents
+    # The poisoned checkpoints of the first run are kept for forensics, out of the way.
+    abandoned = sorted(p.name for p in (cluster.workdir / "ckpt" / "abandoned").iterdir())
+    assert abandoned and all(int(name.split("-")[1]) > 10 for name in abandoned), abandoned
