@@ -200,7 +200,10 @@ NAN_STEP = 14
     {
         "TRAINGUARD_FAULTS": json.dumps(
             [{"kind": "nan", "rank": 2, "at_step": NAN_STEP, "generation": 0}]
-        )
+        ),
+        # Checkpoints 10, 20, 30: retention (keep 3) deletes 10 only after the poisoned 40
+        # commits, 26 steps after the NaN, far beyond detection even on a loaded machine.
+        "TG_CKPT_EVERY": "10",
     }
 )
 def test_nan_rolls_the_job_back_to_the_checkpoint_before_it(cluster: RecoveryCluster) -> None:
