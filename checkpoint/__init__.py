@@ -20,6 +20,7 @@ Exceptions::
      ├── CheckpointLayoutError      fragments cannot be mapped onto the requested layout
      │    └── ShardingRuleError     rule spec invalid or a parameter matched no rule
      └── CheckpointWriteError       a save failed; temporary, the previous checkpoint stands
+          └── CheckpointSupersededError  a newer run fenced the root; this writer stops
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from checkpoint.errors import (
     CheckpointIncompleteError,
     CheckpointLayoutError,
     CheckpointNotFoundError,
+    CheckpointSupersededError,
     CheckpointWriteError,
     ShardingRuleError,
 )
@@ -56,6 +58,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointReader",
     "CheckpointStore",
+    "CheckpointSupersededError",
     "CheckpointWriteError",
     "Checkpointer",
     "ParallelLayout",

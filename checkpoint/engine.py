@@ -114,7 +114,13 @@ class Checkpointer:
         job: str = "local",
         event_sink: EventSink | None = None,
         sharding: ShardingHook | None = None,
+        run_id: str = "",
     ) -> None:
+        """``run_id``: the same string on every rank of this start of the job, different
+        from any earlier start's (the demo job broadcasts a random one). It keeps an earlier
+        run's leftovers out of this run's commits and, once this run has claimed the root
+        (:meth:`CheckpointStore.set_aside_after`), an earlier run's surviving writer out of
+        the root. Empty: neither protection (a single run, or a caller that fences itself)."""
         config.validate()
         if not 0 <= rank < world_size:
             raise CheckpointConfigError(f"rank {rank} outside world size {world_size}")
@@ -124,6 +130,7 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self.layout = dict(layout or {"world": world_size})
         self.job = job
+        self.run_id = run_id
         self.event_sink = event_sink
         self.sharding = sharding
         self.cond = threading.Condition()
@@ -257,6 +264,7 @@ class Checkpointer:
             chunk_bytes=self.config.chunk_bytes,
             hash_threads=self.config.hash_threads,
             direct_io=self.config.direct_io,
+            run_id=self.run_id,
         )
         with self.cond:
             self._pending[snap.snap_id] = snap

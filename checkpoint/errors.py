@@ -39,3 +39,8 @@ class ShardingRuleError(CheckpointLayoutError):
 class CheckpointWriteError(CheckpointError):
     """A save failed (I/O error, commit timeout). Temporary: the previous checkpoint stands
     and the next save may succeed."""
+
+
+class CheckpointSupersededError(CheckpointWriteError):
+    """A newer run of the job has fenced the checkpoint root: this (older) run's writer
+    must not commit there any more. Final for that writer."""

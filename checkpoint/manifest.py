@@ -23,6 +23,8 @@ LATEST_NAME = "latest"
 #: Folder under the root that step directories of an abandoned timeline are moved into; not
 #: ``step-*``, so loading, listing and retention never see what is in it.
 ABANDONED_NAME = "abandoned"
+#: File naming the run that owns the root (see :func:`checkpoint.storage.check_fence`).
+FENCE_NAME = "FENCE"
 #: Entry holding the pickled skeleton of the state (everything that is not a tensor).
 SKELETON_ENTRY = "__skeleton__"
 
@@ -95,6 +97,8 @@ class RankManifest:
     data_file: DataFileInfo
     entries: list[Entry]
     created_unix_s: float
+    #: The run (one start of the job) that wrote this part; "" when the writer names none.
+    run_id: str = ""
     format_version: int = FORMAT_VERSION
 
     def entry(self, name: str) -> Entry:
@@ -219,6 +223,7 @@ def parse_rank_manifest(path: Path, data: bytes | None = None) -> RankManifest:
             ),
             entries=[entry_from_dict(e) for e in raw["entries"]],
             created_unix_s=float(raw["created_unix_s"]),
+            run_id=str(raw.get("run_id", "")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(f"{path}: malformed rank manifest ({exc!r})") from exc

@@ -12,6 +12,14 @@ Commit protocol (one checkpoint, ``W`` ranks)::
 
 A reader treats a directory without a parseable ``MANIFEST.json`` as absent, so a kill -9 at
 any point leaves at most an orphan directory and ``latest`` pointing at a complete checkpoint.
+
+Runs and the fence. A writer that was given a ``run_id`` (one start of the job; all its
+ranks share it) stamps it into its rank manifests, and rank 0 commits only parts of its own
+run: a part left by an earlier run of the same step (a crash mid-save, a rollback) is not
+taken for a peer's new one. A run that takes over the root writes its id to ``FENCE``
+first; a writer of an older run that is still alive (the writer process outlives its
+trainer on purpose, to persist what was in host memory) then stops before writing, and
+never commits or moves ``latest`` again.
 """
 
 from __future__ import annotations
@@ -25,8 +33,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from checkpoint.crc import crc32
-from checkpoint.errors import CheckpointIncompleteError, CheckpointWriteError
+from checkpoint.errors import (
+    CheckpointIncompleteError,
+    CheckpointSupersededError,
+    CheckpointWriteError,
+)
 from checkpoint.manifest import (
+    FENCE_NAME,
     LATEST_NAME,
     MANIFEST_NAME,
     DataFileInfo,
@@ -147,6 +160,34 @@ class DataFileWriter:
             self._tmp.unlink()
 
 
+def read_fence(root: Path) -> str:
+    """The run that owns ``root`` ("" when none has claimed it)."""
+    try:
+        return (root / FENCE_NAME).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return ""
+
+
+def write_fence(root: Path, run_id: str) -> None:
+    """Claim ``root`` for ``run_id``: writers of any other run stop committing here."""
+    if not run_id or "\n" in run_id:
+        raise ValueError(f"run_id must be a non-empty single line, got {run_id!r}")
+    write_atomic(root / FENCE_NAME, (run_id + "\n").encode())
+
+
+def check_fence(root: Path, run_id: str, what: str) -> None:
+    """Raise :class:`CheckpointSupersededError` if another run has claimed ``root``.
+    A writer without a run id, or a root nobody claimed, passes."""
+    if not run_id:
+        return
+    owner = read_fence(root)
+    if owner and owner != run_id:
+        raise CheckpointSupersededError(
+            f"{what}: run {owner!r} has taken over {root}; this writer (run {run_id!r}) "
+            "belongs to an earlier run and stops"
+        )
+
+
 def write_rank_manifest(step_dir: Path, manifest: RankManifest) -> None:
     write_atomic(step_dir / rank_manifest_name(manifest.rank), to_json_bytes(manifest))
 
@@ -159,8 +200,10 @@ def new_rank_manifest(
     layout: dict[str, int],
     data_file: DataFileInfo,
     entries: list[Entry],
+    run_id: str = "",
 ) -> RankManifest:
     return RankManifest(
+        run_id=run_id,
         step=step,
         rank=rank,
         world_size=world_size,
@@ -179,11 +222,14 @@ def commit(
     layout: dict[str, int],
     timeout_s: float,
     poll_s: float = 0.05,
+    run_id: str = "",
 ) -> Manifest:
     """Rank 0: wait for every rank's part, then write ``MANIFEST.json`` and move ``latest``.
 
     Waits on files rather than a collective because it runs off the training thread, where
-    a collective would race the trainer's own calls on the same process group.
+    a collective would race the trainer's own calls on the same process group. With a
+    ``run_id``, a part written by another run counts as not there yet (this run's part will
+    replace it), and a fence naming another run stops the commit (module docstring).
     """
     step_dir = root / step_dir_name(step)
     deadline = time.monotonic() + timeout_s
@@ -198,6 +244,8 @@ def commit(
             except FileNotFoundError:
                 continue
             part = parse_rank_manifest(path, data)
+            if run_id and part.run_id != run_id:
+                continue  # an earlier run's part of this step: wait for this run's
             if part.step != step or part.world_size != world_size:
                 raise CheckpointWriteError(
                     f"{path}: belongs to step {part.step} world {part.world_size}, "
@@ -227,7 +275,9 @@ def commit(
         total_bytes=sum(r.size_bytes for r in records.values()),
         created_unix_s=time.time(),
     )
+    check_fence(root, run_id, f"{step_dir}: not committed")
     write_atomic(step_dir / MANIFEST_NAME, to_json_bytes(manifest))
+    check_fence(root, run_id, f"{step_dir}: committed, latest not moved")
     write_atomic(root / LATEST_NAME, (step_dir_name(step) + "\n").encode())
     return manifest
 

@@ -38,7 +38,13 @@ from checkpoint.manifest import (
     parse_rank_manifest,
     step_dir_name,
 )
-from checkpoint.storage import committed_steps, fsync_dir, step_dirs, write_atomic
+from checkpoint.storage import (
+    committed_steps,
+    fsync_dir,
+    step_dirs,
+    write_atomic,
+    write_fence,
+)
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +206,7 @@ class CheckpointStore:
         """Steps set aside under :attr:`abandoned_root`, oldest first (never loaded)."""
         return [step for step, _ in step_dirs(self.abandoned_root)]
 
-    def set_aside_after(self, step: int) -> list[int]:
+    def set_aside_after(self, step: int, *, run_id: str = "") -> list[int]:
         """Move every step directory newer than ``step``, complete or partial, into
         ``abandoned/``; return the moved steps, oldest first.
 
@@ -216,7 +222,15 @@ class CheckpointStore:
         agree on the resume step, then a barrier). ``latest`` is repointed first, to the
         newest committed step <= ``step`` (removed if there is none), so a crash part-way
         leaves a pointer that names no abandoned step; calling again finishes the move.
+
+        ``run_id`` (the resuming run's, as given to its ``Checkpointer``) is written to the
+        root's fence before anything moves: a writer of an earlier run that is still
+        persisting (the writer process outlives its trainer) then stops instead of
+        committing into the root or moving ``latest`` behind this run's back.
         """
+        if run_id:
+            self.root.mkdir(parents=True, exist_ok=True)  # a fresh start claims it too
+            write_fence(self.root, run_id)
         pointer = None
         with contextlib.suppress(CheckpointCorruptError):  # not ours to repair
             pointer = self.latest_pointer()

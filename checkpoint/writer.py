@@ -32,6 +32,7 @@ from checkpoint.storage import (
     DEFAULT_CHUNK_BYTES,
     DataFileWriter,
     apply_retention,
+    check_fence,
     commit,
     fsync_dir,
     new_rank_manifest,
@@ -64,6 +65,8 @@ class PersistJob:
     hash_threads: int = 2
     #: Bulk writes with O_DIRECT (no page-cache copy) where the file system allows it.
     direct_io: bool = True
+    #: The run this save belongs to ("" = none); see :mod:`checkpoint.storage` on fences.
+    run_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form for the writer process (see :func:`checkpoint.manifest.plain`)."""
@@ -101,6 +104,7 @@ def persist_part(
     t0 = time.monotonic()
     root = Path(job.root)
     step_dir = root / step_dir_name(job.step)
+    check_fence(root, job.run_id, f"step {job.step} rank {job.rank}: not written")
     step_dir.mkdir(parents=True, exist_ok=True)
     # The new directory's entry in root must be durable before this part counts as durable;
     # that journal commit overlaps the data writes instead of delaying the first one.
@@ -120,6 +124,7 @@ def persist_part(
             layout=job.layout,
             data_file=info,
             entries=job.entries,
+            run_id=job.run_id,
         ),
     )
     root_synced.result()
@@ -134,6 +139,7 @@ def persist_part(
             world_size=job.world_size,
             layout=job.layout,
             timeout_s=job.commit_timeout_s,
+            run_id=job.run_id,
         )
         result.committed = True
         result.deleted_steps = apply_retention(
@@ -263,5 +269,6 @@ def mirror_part(job: PersistJob, mirror: Path) -> None:
             world_size=job.world_size,
             layout=job.layout,
             timeout_s=job.commit_timeout_s,
+            run_id=job.run_id,
         )
         apply_retention(mirror, keep_last=job.keep_last, newest_committed=job.step)

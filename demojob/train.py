@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 from typing import Any, NoReturn, TextIO
@@ -92,7 +93,19 @@ def _resume_all(cfg: JobConfig, model: torch.nn.Module, optim: Any) -> Resumed |
     return None
 
 
-def _set_aside_newer(cfg: JobConfig, resumed: Resumed | None) -> None:
+def _run_id(cfg: JobConfig) -> str:
+    """One id for this start of the job, the same on every rank (rank 0 draws it).
+
+    Stamped into every rank's checkpoint parts and written to the checkpoint root's fence
+    (``checkpoint.storage``): rank 0 commits only this run's parts, and a writer process of
+    an earlier run that is still persisting stops instead of committing behind our back.
+    """
+    box = [f"gen{cfg.generation}-{secrets.token_hex(6)}" if cfg.rank == 0 else ""]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def _set_aside_newer(cfg: JobConfig, resumed: Resumed | None, run_id: str) -> None:
     """Rank 0 moves the step directories newer than the resume point into ``abandoned/``;
     then every rank waits for it.
 
@@ -107,7 +120,7 @@ def _set_aside_newer(cfg: JobConfig, resumed: Resumed | None) -> None:
         after = resumed.step if resumed is not None else -1
         store = CheckpointStore(cfg.ckpt_dir)
         try:
-            moved = store.set_aside_after(after)
+            moved = store.set_aside_after(after, run_id=run_id)
         except OSError as exc:
             _die(3, f"rank 0: cannot set aside checkpoints newer than step {after}: {exc}")
         if moved:
@@ -175,7 +188,8 @@ def run(cfg: JobConfig) -> int:
     model = build_model(groups, cfg.tp_rank, cfg.seed)
     optim = torch.optim.Adam(model.parameters(), lr=LR)
     resumed = _resume_all(cfg, model, optim)
-    _set_aside_newer(cfg, resumed)
+    run_id = _run_id(cfg)
+    _set_aside_newer(cfg, resumed, run_id)
     _announce(cfg, resumed)
     ckpt = Checkpointer(
         CheckpointConfig(root=cfg.ckpt_dir),
@@ -185,6 +199,7 @@ def run(cfg: JobConfig) -> int:
         job=os.environ["TRAINGUARD_JOB"],
         event_sink=collectives.report_checkpoint,
         sharding=sharding_spec(model, cfg),
+        run_id=run_id,
     )
     state = train_state(model, optim)
     start = resumed.step if resumed is not None else 0

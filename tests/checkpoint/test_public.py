@@ -17,6 +17,7 @@ PUBLIC = {
     "CheckpointNotFoundError",
     "CheckpointReader",
     "CheckpointStore",
+    "CheckpointSupersededError",
     "CheckpointWriteError",
     "Checkpointer",
     "ParallelLayout",

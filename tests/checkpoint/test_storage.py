@@ -12,9 +12,16 @@ from checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
+    CheckpointSupersededError,
 )
 from checkpoint.manifest import MANIFEST_NAME, Entry, rank_data_name, step_dir_name
-from checkpoint.storage import DataFileWriter, apply_retention
+from checkpoint.storage import (
+    DataFileWriter,
+    apply_retention,
+    commit,
+    read_fence,
+    write_fence,
+)
 from checkpoint.store import CheckpointStore
 from checkpoint.writer import PersistJob, persist_part
 
@@ -38,6 +45,7 @@ def _save(
     chunk_bytes: int = 4096,
     timeout_s: float = 5.0,
     ranks: list[int] | None = None,
+    run_id: str = "",
 ) -> bytes:
     entries, blob = _entries(list(sizes))
     for rank in ranks if ranks is not None else reversed(range(world)):  # rank 0 commits
@@ -52,6 +60,7 @@ def _save(
             keep_last=keep_last,
             commit_timeout_s=timeout_s,
             chunk_bytes=chunk_bytes,
+            run_id=run_id,
         )
         persist_part(job, memoryview(blob), lambda i: True)
     return blob
@@ -266,3 +275,42 @@ def test_stale_rank_manifest_would_be_committed_without_set_aside(tmp_path: Path
     with pytest.raises(CheckpointIncompleteError, match=r"ranks \[1\]"):
         _save(fresh, 4, world=2, ranks=[0], timeout_s=0.3)
     assert CheckpointStore(fresh).latest_pointer() == 2
+
+
+def test_rank0_commits_only_parts_of_its_own_run(tmp_path: Path) -> None:
+    """With run ids, a leftover part of an earlier run is not taken for a peer's new one,
+    even where nothing set it aside (a restart that resumed from the newest checkpoint
+    after a crash mid-save of the next one)."""
+    _save(tmp_path, 2, world=2, run_id="run-a")
+    stale = _stale_part(tmp_path, 4, rank=1)  # the crashed run's (no run id) rank 1
+    with pytest.raises(CheckpointIncompleteError, match=r"ranks \[1\]"):
+        _save(tmp_path, 4, world=2, ranks=[0], timeout_s=0.3, run_id="run-b")
+    assert CheckpointStore(tmp_path).latest_pointer() == 2
+    # This run's rank 1 replaces the leftover; now rank 0 commits.
+    _save(tmp_path, 4, world=2, run_id="run-b")
+    assert CheckpointStore(tmp_path).latest_pointer() == 4
+    assert '"run_id":"run-b"' in (stale / "rank-00001.json").read_text()
+    with CheckpointStore(tmp_path).open(4) as reader:
+        reader.verify(deep=True)
+
+
+def test_a_fenced_out_writer_neither_writes_nor_commits(tmp_path: Path) -> None:
+    """A newer run claimed the root (set_aside_after with its run id): a writer of the
+    earlier run that is still alive stops before writing, and a commit it was inside
+    does not move ``latest``."""
+    _save(tmp_path, 2, run_id="run-a")
+    _save(tmp_path, 4, run_id="run-a")
+    assert CheckpointStore(tmp_path).set_aside_after(2, run_id="run-b") == [4]
+    assert read_fence(tmp_path) == "run-b"
+    with pytest.raises(CheckpointSupersededError, match="run 'run-b' has taken over"):
+        _save(tmp_path, 6, run_id="run-a")
+    assert not (tmp_path / step_dir_name(6)).exists()
+    with pytest.raises(CheckpointSupersededError, match="not committed"):
+        commit(tmp_path, 2, world_size=1, layout={"dp": 1}, timeout_s=1, run_id="run-a")
+    assert CheckpointStore(tmp_path).latest_pointer() == 2
+    # The new run and writers that name no run (a single-run caller) go on as before.
+    _save(tmp_path, 4, run_id="run-b")
+    _save(tmp_path, 6)
+    assert CheckpointStore(tmp_path).latest_pointer() == 6
+    with pytest.raises(ValueError, match="single line"):
+        write_fence(tmp_path, "a\nb")
