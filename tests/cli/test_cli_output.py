@@ -266,8 +266,12 @@ def test_remediation_policy_and_goodput_commands(cli: Cli, cli_server: CliServer
     assert api["enabled"] is False and api["remediations"] == []
     policy = _ok(cli("policy"))
     headers, rows = _rows(policy.split("\n\n", 1)[0])
-    assert headers == ["KIND", "SEVERITY", "STEPS", "AFTER-S", "MIN-COST-%", "ISOLATE"]
+    assert headers == [
+        "KIND", "SEVERITY", "STEPS", "AFTER-S", "MIN-COST-%", "MIN-BAD-STEPS", "ISOLATE"
+    ]  # fmt: skip
     assert [r[0] for r in rows] == [rule["kind"] for rule in api["policy"]["rules"]]
+    nonfinite = next(r for r in rows if r[0] == "nonfinite")
+    assert nonfinite[2] == "alert,capture_evidence,isolate,rollback" and nonfinite[5] == "3"
     assert "MAX_ISOLATED_FRACTION" in policy
     missing = cli("goodput", "no-such-job")
     assert missing.code == 2 and "has no goodput record" in missing.err

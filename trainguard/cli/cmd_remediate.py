@@ -43,6 +43,7 @@ RULES = (
     Column("STEPS", field("steps")),
     Column("AFTER-S", field("after_s")),
     Column("MIN-COST-%", field("min_cost_pct")),
+    Column("MIN-BAD-STEPS", field("min_bad_steps")),
     Column("ISOLATE", field("isolate_when")),
 )
 
