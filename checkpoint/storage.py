@@ -260,6 +260,10 @@ def commit(
                 sha256=part.data_file.sha256,
             )
         if len(records) < world_size:
+            # A newer run that claimed the root will never supply this run's missing
+            # parts: stop now, not at the timeout (a surviving writer would otherwise hold
+            # its host buffer, and its process, for the whole commit_timeout_s).
+            check_fence(root, run_id, f"{step_dir}: not committed")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(records))
                 raise CheckpointIncompleteError(

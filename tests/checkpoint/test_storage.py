@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -314,3 +315,29 @@ def test_a_fenced_out_writer_neither_writes_nor_commits(tmp_path: Path) -> None:
     assert CheckpointStore(tmp_path).latest_pointer() == 6
     with pytest.raises(ValueError, match="single line"):
         write_fence(tmp_path, "a\nb")
+
+
+def test_a_commit_waiting_for_parts_stops_when_a_newer_run_claims_the_root(
+    tmp_path: Path,
+) -> None:
+    """An earlier run's rank-0 writer, persisting its last snapshot after its trainer was
+    stopped, waits for peers that will never write. Once the next run claims the root it
+    gives up at once instead of after ``commit_timeout_s`` (600 s by default)."""
+    errors: list[BaseException] = []
+
+    def rank0() -> None:
+        try:
+            _save(tmp_path, 4, world=2, ranks=[0], timeout_s=120, run_id="run-a")
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=rank0)
+    waiter.start()
+    while not (tmp_path / step_dir_name(4) / "rank-00000.json").exists():
+        assert waiter.is_alive(), errors
+        time.sleep(0.01)
+    write_fence(tmp_path, "run-b")
+    waiter.join(timeout=30)
+    assert not waiter.is_alive(), "the commit kept waiting after the root was claimed"
+    assert len(errors) == 1 and isinstance(errors[0], CheckpointSupersededError)
+    assert CheckpointStore(tmp_path).latest_pointer() is None
