@@ -160,6 +160,15 @@ class DataFileWriter:
             self._tmp.unlink()
 
 
+def write_latest(root: Path, step: int | None) -> None:
+    """Point ``latest`` at ``step`` atomically, or remove it (``None``); durable either way."""
+    if step is None:
+        (root / LATEST_NAME).unlink(missing_ok=True)
+        fsync_dir(root)
+    else:
+        write_atomic(root / LATEST_NAME, (step_dir_name(step) + "\n").encode())
+
+
 def read_fence(root: Path) -> str:
     """The run that owns ``root`` ("" when none has claimed it)."""
     try:
@@ -282,7 +291,7 @@ def commit(
     check_fence(root, run_id, f"{step_dir}: not committed")
     write_atomic(step_dir / MANIFEST_NAME, to_json_bytes(manifest))
     check_fence(root, run_id, f"{step_dir}: committed, latest not moved")
-    write_atomic(root / LATEST_NAME, (step_dir_name(step) + "\n").encode())
+    write_latest(root, step)
     return manifest
 
 

@@ -42,8 +42,8 @@ from checkpoint.storage import (
     committed_steps,
     fsync_dir,
     step_dirs,
-    write_atomic,
     write_fence,
+    write_latest,
 )
 
 log = logging.getLogger(__name__)
@@ -235,13 +235,8 @@ class CheckpointStore:
         with contextlib.suppress(CheckpointCorruptError):  # not ours to repair
             pointer = self.latest_pointer()
         if pointer is not None and pointer > step:
-            latest = self.root / LATEST_NAME
             kept = [s for s in committed_steps(self.root) if s <= step]
-            if kept:
-                write_atomic(latest, (step_dir_name(kept[-1]) + "\n").encode())
-            else:
-                latest.unlink(missing_ok=True)
-                fsync_dir(self.root)
+            write_latest(self.root, kept[-1] if kept else None)
         newer = [(s, path) for s, path in step_dirs(self.root) if s > step]
         if not newer:
             return []

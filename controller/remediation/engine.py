@@ -753,17 +753,15 @@ class RemediationEngine:
         clean = await self._store.read(
             lambda session: history.newest_committed_before(session, job, bad)
         )
+        params = {"rollback": {"bad_step": bad}}
         if clean is None:
             outcome = (
                 f"no checkpoint of job {job} was committed before step {bad}: nothing clean "
                 "to roll back to; the job keeps running, decide by hand"
             )
-            params = {"rollback": {"bad_step": bad}}
             await self._record(incident, rem, "restart_job", job, params, "skipped", outcome)
             return False, outcome
-        return await self._restart(
-            rem, incident, resume_step=clean, extra={"rollback": {"bad_step": bad}}
-        )
+        return await self._restart(rem, incident, resume_step=clean, extra=params)
 
     async def _restart(
         self,

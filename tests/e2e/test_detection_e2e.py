@@ -128,27 +128,26 @@ def test_healthy_job_with_20pct_jitter_opens_nothing(cluster: DetectionCluster) 
     assert cluster.incidents("healthy") == []
 
 
-def test_straggler_names_the_slow_rank_and_its_node(cluster: DetectionCluster) -> None:
-    faults = [{"kind": "delay", "rank": 2, "from_step": 5, "delay_s": 0.04}]
-    ranks = cluster.run_job("straggle", faults, steps=400)
+@pytest.mark.parametrize(
+    ("job", "fault", "min_slowdown_pct"),
+    [
+        # A fixed delay per step (a straggler's extra work).
+        ("straggle", {"kind": "delay", "rank": 2, "from_step": 5, "delay_s": 0.04}, 40),
+        # Compute stretched by a factor (a GPU at lower clocks).
+        ("slowdown", {"kind": "slowdown", "rank": 1, "from_step": 5, "factor": 1.5}, 25),
+    ],
+    ids=["delay", "slowdown"],
+)
+def test_straggler_names_the_slowed_rank_and_its_node(
+    cluster: DetectionCluster, job: str, fault: dict[str, Any], min_slowdown_pct: float
+) -> None:
+    ranks = cluster.run_job(job, [fault], steps=400)
     try:
-        incident = cluster.wait_incident("straggle", "straggler", timeout_s=60)
-        assert incident["ranks"] == [2] and incident["node"] == node_of(2)
-        assert incident["evidence"]["slowdown_pct"] > 40
-        assert kinds(cluster.incidents("straggle")) == ["straggler"]
-    finally:
-        cluster.stop_job(ranks)
-
-
-def test_slowdown_names_the_slowed_rank(cluster: DetectionCluster) -> None:
-    """Compute stretched by a factor (a GPU at lower clocks), not a fixed delay."""
-    faults = [{"kind": "slowdown", "rank": 1, "from_step": 5, "factor": 1.5}]
-    ranks = cluster.run_job("slowdown", faults, steps=400)
-    try:
-        incident = cluster.wait_incident("slowdown", "straggler", timeout_s=60)
-        assert incident["ranks"] == [1] and incident["node"] == node_of(1)
-        assert incident["evidence"]["slowdown_pct"] > 25
-        assert kinds(cluster.incidents("slowdown")) == ["straggler"]
+        incident = cluster.wait_incident(job, "straggler", timeout_s=60)
+        slowed = fault["rank"]
+        assert incident["ranks"] == [slowed] and incident["node"] == node_of(slowed)
+        assert incident["evidence"]["slowdown_pct"] > min_slowdown_pct
+        assert kinds(cluster.incidents(job)) == ["straggler"]
     finally:
         cluster.stop_job(ranks)
 
