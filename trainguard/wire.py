@@ -70,14 +70,44 @@ class GpuInfo(WireModel):
     mem_clock_max_mhz: NonNegInt | None = None
 
 
+class NicInfo(WireModel):
+    """One RDMA port's static description and its PCIe distance to each GPU.
+
+    ``gpu_affinity`` uses nvidia-smi ``topo -m`` levels, nearest first: ``PIX`` (one PCIe
+    switch between them), ``PXB`` (several switches, no host bridge), ``PHB`` (same host
+    bridge / root complex), ``NODE`` (same NUMA node, different host bridges), ``SYS``
+    (across the CPU interconnect).
+    """
+
+    device: str = Field(max_length=64, description="e.g. mlx5_0")
+    port: NonNegInt
+    link_layer: str = Field(default="", max_length=32, description="InfiniBand | Ethernet")
+    pci_bus_id: str = Field(default="", max_length=64)
+    netdev: str = Field(default="", max_length=64, description="Ethernet interface, if any")
+    numa_node: int | None = None
+    gpu_affinity: dict[int, str] = Field(default_factory=dict, description="GPU index -> level")
+
+
 class NodeIdentity(WireModel):
     name: Name
     hostname: str = Field(default="", max_length=253)
     labels: dict[str, str] = Field(default_factory=dict)
     gpus: list[GpuInfo] = Field(default_factory=list, max_length=64)
     agent_version: str = Field(default="", max_length=64)
-    backend: Literal["nvml", "sim"] = "nvml"
+    backend: Literal["nvml", "sim"] = Field(
+        default="nvml", description="nvml: real GPUs read through NVML; sim: simulated GPUs"
+    )
     driver_version: str = Field(default="", max_length=64)
+    gpu_error: str = Field(
+        default="",
+        max_length=512,
+        description=(
+            "Why NVML could not be used on a node that has NVIDIA device files (the nvmlInit "
+            "error); empty when NVML works or the node has no NVIDIA devices. A node reporting "
+            "this is unhealthy: its GPUs exist but cannot be watched"
+        ),
+    )
+    nics: list[NicInfo] = Field(default_factory=list, max_length=256)
 
 
 # --------------------------------------------------------------------------- GPU samples
@@ -123,6 +153,25 @@ class XidEvent(WireModel):
     detail: str = Field(default="", max_length=512)
 
 
+class NvLinkSample(WireModel):
+    """One NVLink of one GPU: state and its error counters since driver load."""
+
+    link: NonNegInt
+    active: bool
+    crc_errors_total: NonNegInt | None = Field(default=None, description="DL CRC flit + data")
+    replay_errors_total: NonNegInt | None = None
+    recovery_errors_total: NonNegInt | None = None
+
+
+class EccLocationCounts(WireModel):
+    """ECC errors at one memory location (``nvmlDeviceGetMemoryErrorCounter``)."""
+
+    location: str = Field(max_length=32, description="l1_cache, l2_cache, dram, sram, ...")
+    counter: Literal["volatile", "aggregate"]
+    corrected: NonNegInt | None = None
+    uncorrected: NonNegInt | None = None
+
+
 class GpuSample(WireModel):
     """One GPU at one instant. ``None`` means the driver did not answer for that field."""
 
@@ -154,6 +203,112 @@ class GpuSample(WireModel):
     nvlink_crc_errors_total: NonNegInt | None = None
     nvlink_replay_errors_total: NonNegInt | None = None
     nvlink_recovery_errors_total: NonNegInt | None = None
+    unknown: bool = Field(
+        default=False,
+        description=(
+            "Nothing could be read this tick: an NVML call hung past the agent's timeout or "
+            "failed unexpectedly; ``error`` says which. Unknown is not healthy"
+        ),
+    )
+    error: str = Field(
+        default="", max_length=512, description="First NVML error of this sample, one line"
+    )
+    ecc_corrected_aggregate_total: NonNegInt | None = Field(
+        default=None, description="Corrected ECC errors over the board's life"
+    )
+    ecc_uncorrected_aggregate_total: NonNegInt | None = None
+    ecc_locations: list[EccLocationCounts] = Field(default_factory=list, max_length=32)
+    retired_pages_sbe: NonNegInt | None = Field(
+        default=None, description="Pages retired for multiple single-bit errors (pre-Ampere)"
+    )
+    retired_pages_dbe: NonNegInt | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_correctable: NonNegInt | None = Field(
+        default=None, description="Rows remapped after correctable errors (Ampere and later)"
+    )
+    remapped_rows_uncorrectable: NonNegInt | None = None
+    row_remap_pending: bool | None = Field(
+        default=None, description="A remap waits for a GPU reset to take effect"
+    )
+    row_remap_failed: bool | None = Field(
+        default=None, description="A row could not be remapped: the GPU needs service"
+    )
+    pcie_replay_total: NonNegInt | None = Field(
+        default=None, description="PCIe replay counter (nvmlDeviceGetPcieReplayCounter)"
+    )
+    nvlinks: list[NvLinkSample] = Field(default_factory=list, max_length=32)
+    fabric_state: str | None = Field(
+        default=None,
+        max_length=32,
+        description="GPU fabric state: not_supported, not_started, in_progress, completed",
+    )
+    fabric_status: int | None = Field(
+        default=None, description="nvmlReturn_t of the fabric registration (0 = success)"
+    )
+    mig_mode: bool | None = None
+    mig_mode_pending: bool | None = None
+
+
+#: Kinds of :class:`HardwareEvent` the agent sends today (an older controller ignores kinds
+#: it does not know; the set may grow).
+HARDWARE_EVENT_KINDS = (
+    "nvlink_down",
+    "nvlink_up",
+    "pcie_link_degraded",
+    "pcie_link_restored",
+    "nic_port_down",
+    "nic_port_up",
+    "nic_gone",
+    "nic_back",
+    "nic_errors_rising",
+    "bond_member_down",
+    "bond_member_up",
+    "gpu_unknown",
+)
+
+
+class HardwareEvent(WireModel):
+    """A change the agent saw between two ticks: a link flap, a NIC gone, errors rising."""
+
+    kind: str = Field(max_length=32)
+    time_unix_s: NonNegFloat
+    gpu_index: NonNegInt | None = None
+    device: str = Field(default="", max_length=64, description="NIC device or bond name")
+    port: NonNegInt | None = Field(default=None, description="RDMA port or NVLink number")
+    counter: str = Field(default="", max_length=64, description="Counter that rose, if any")
+    delta: NonNegInt | None = Field(default=None, description="How much it rose this interval")
+    detail: str = Field(default="", max_length=512)
+
+
+class NicPortSample(WireModel):
+    """One RDMA port read from ``/sys/class/infiniband/<device>/ports/<port>/``."""
+
+    device: str = Field(max_length=64)
+    port: NonNegInt
+    state: str = Field(default="", max_length=32, description="e.g. ACTIVE, DOWN (sysfs text)")
+    phys_state: str = Field(default="", max_length=32, description="e.g. LinkUp, Disabled")
+    rate_gbps: NonNegFloat | None = None
+    link_layer: str = Field(default="", max_length=32)
+    counters: dict[str, NonNegInt] = Field(
+        default_factory=dict, description="counters/ and hw_counters/ files, name -> value"
+    )
+
+
+class BondMember(WireModel):
+    name: str = Field(max_length=64)
+    mii_status: str = Field(default="", max_length=16, description="up | down")
+    operstate: str = Field(default="", max_length=16)
+    speed_mbps: int | None = None
+    link_failure_count: NonNegInt | None = None
+
+
+class BondSample(WireModel):
+    """An Ethernet bond from ``/sys/class/net/<bond>/bonding/`` and its members."""
+
+    name: str = Field(max_length=64)
+    mode: str = Field(default="", max_length=64)
+    active_slave: str = Field(default="", max_length=64)
+    members: list[BondMember] = Field(default_factory=list, max_length=32)
 
 
 class NodeSample(WireModel):
@@ -163,6 +318,9 @@ class NodeSample(WireModel):
     gpus: list[GpuSample] = Field(default_factory=list, max_length=64)
     node_power_w: NonNegFloat | None = None
     node_power_source: Literal["rapl", "gpu_sum", "none"] = "none"
+    nics: list[NicPortSample] = Field(default_factory=list, max_length=256)
+    bonds: list[BondSample] = Field(default_factory=list, max_length=64)
+    events: list[HardwareEvent] = Field(default_factory=list, max_length=4_096)
 
 
 # --------------------------------------------------------------------------- job records
@@ -447,6 +605,10 @@ class LocalHello(WireModel):
     pid: NonNegInt
     local_rank: NonNegInt | None = None
     gpu_index: NonNegInt | None = None
+    pod: str = Field(
+        default="", max_length=253, description="Kubernetes pod of the rank (downward API)"
+    )
+    namespace: str = Field(default="", max_length=63, description="Namespace of that pod")
 
 
 class LocalRecords(WireModel):
@@ -478,17 +640,22 @@ __all__ = [
     "API_VERSION",
     "FAULT_KINDS",
     "GPU_COMMAND_KINDS",
+    "HARDWARE_EVENT_KINDS",
     "JOB_COMMAND_KINDS",
     "MAX_REPORT_BYTES",
     "SCHEMA_VERSION",
     "THROTTLE_REASON_BITS",
+    "BondMember",
+    "BondSample",
     "CheckpointEvent",
     "Command",
     "CommandAck",
     "CommandStatus",
+    "EccLocationCounts",
     "FaultSpec",
     "GpuInfo",
     "GpuSample",
+    "HardwareEvent",
     "InflightCollective",
     "JobCheckpoint",
     "JobCommand",
@@ -501,8 +668,11 @@ __all__ = [
     "LocalRecords",
     "LocalReply",
     "LockClocks",
+    "NicInfo",
+    "NicPortSample",
     "NodeIdentity",
     "NodeSample",
+    "NvLinkSample",
     "ProbeResult",
     "RankEvent",
     "Report",
