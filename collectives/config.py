@@ -87,6 +87,10 @@ class InstrumentConfig:
     collective on a loaded 2-core box, plus one read of the tensor (~0.1 ms per 4 MiB). CUDA
     tensors are not checked (reading the result would synchronize the stream). Turn off for
     fp16 jobs with dynamic loss scaling, whose overflows to Inf are routine."""
+    role: str | None = None
+    """What work this rank does, when the job knows better than the mesh/pipeline it builds
+    (e.g. ``"expert"``); sent in every step summary so detectors compare only ranks of the
+    same role. ``None``: derived (``collectives.roles``)."""
     nonfinite_check_min_bytes: int = 1024
     """...only on inputs of at least this many bytes. Smaller reductions are scalars and
     flags (losses, norms, stop votes), not gradients, and are the ones issued by the
@@ -149,6 +153,8 @@ def config_from_env(
 
 
 def _parse_env_value(var: str, raw: str, type_name: str) -> object:
+    if "str" in type_name:
+        return raw or None
     try:
         if type_name == "bool":
             if raw.lower() in ("1", "true", "yes", "on"):

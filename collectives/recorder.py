@@ -20,12 +20,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.wire import InflightCollective, StepSummary
 
 from .config import InstrumentConfig
 from .outbox import Outbox
+
+if TYPE_CHECKING:
+    from .roles import RoleTracker
 
 now = time.perf_counter
 
@@ -107,6 +110,8 @@ class Recorder:
         self._gpu_steps: deque[_PendingGpuStep] = deque()
         self._stall_reported_s = 0.0
         self.last_step: int | None = None
+        #: Role fields of every summary (``roles.RoleTracker.fields``); set by the session.
+        self.roles: RoleTracker | None = None
 
     # ------------------------------------------------------------------ calls (hot path)
 
@@ -246,6 +251,9 @@ class Recorder:
             "end_unix_s": time.time(),
             "wait_cpu_s": step.wait_s,
         }
+        roles = self.roles
+        if roles is not None:
+            fields.update(roles.fields)
         first = step.nonfinite_first
         if first is not None:
             fields["nonfinite_inputs"] = step.nonfinite

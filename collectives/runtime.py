@@ -31,6 +31,7 @@ from .faults import Fault, FaultInjector, injector_from_env
 from .outbox import Outbox
 from .probe import late_results, run_probe
 from .recorder import Recorder
+from .roles import RoleTracker
 from .watchdog import Watchdog
 from .wrap import Instrumenter, raised_in_collective
 
@@ -70,6 +71,8 @@ class Session:
             local_rank=self.local_rank,
             gpu_index=self.gpu_index,
         )
+        self.roles = RoleTracker(self.rank, self.world_size, role=cfg.role)
+        self.recorder.roles = self.roles
         if faults is None:
             self.injector = injector_from_env(self.rank)
         else:
@@ -101,6 +104,7 @@ class Session:
 
     def start(self) -> None:
         self.instrumenter.patch()
+        self.roles.watch()
         self._event("started")
         self._next_heartbeat = time.monotonic() + self.cfg.heartbeat_interval_s
         self.watchdog.start()
@@ -113,6 +117,7 @@ class Session:
             return
         self.closed = True
         self.instrumenter.unpatch()
+        self.roles.unwatch()
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._prev_excepthook
         atexit.unregister(self._atexit)
@@ -259,9 +264,15 @@ def instrument(
     *,
     config: InstrumentConfig | None = None,
     faults: Sequence[Fault] | None = None,
+    mesh: Any = None,
     **overrides: Any,
 ) -> Session:
-    """Start instrumenting this rank (call once, after ``init_process_group``)."""
+    """Start instrumenting this rank (call once, after ``init_process_group``).
+
+    ``role="..."`` declares what this rank does (else derived from the DeviceMesh and
+    pipeline stages the job builds); ``mesh`` names the job's DeviceMesh when it is not
+    the one with the most dimensions this process holds.
+    """
     global _session
     if not dist.is_available() or not dist.is_initialized():
         raise CollectivesConfigError(
@@ -278,8 +289,27 @@ def instrument(
             return _session
         session = Session(cfg, faults)
         session.start()
+        if mesh is not None:
+            session.roles.see_mesh(mesh, force=True)
         _session = session
     return session
+
+
+def set_role(
+    role: str | None = None,
+    *,
+    pp_stage: int | None = None,
+    dp_rank: int | None = None,
+    tp_rank: int | None = None,
+    group_ranks: Sequence[int] | None = None,
+) -> None:
+    """Declare (part of) this rank's role after ``instrument()``; it wins over derivation."""
+    session = _session
+    if session is None:
+        raise NotInstrumentedError("call collectives.instrument() before set_role()")
+    session.roles.declare(
+        role=role, pp_stage=pp_stage, dp_rank=dp_rank, tp_rank=tp_rank, group_ranks=group_ranks
+    )
 
 
 def uninstrument() -> None:
@@ -370,6 +400,7 @@ __all__ = [
     "instrument",
     "on_checkpoint",
     "report_checkpoint",
+    "set_role",
     "should_checkpoint",
     "should_stop",
     "step",

@@ -362,6 +362,29 @@ class StepSummary(WireModel):
         default=None,
         description="Per-group sequence number of the first such call (comparable across ranks)",
     )
+    role: str | None = Field(
+        default=None,
+        max_length=128,
+        description=(
+            "What work this rank does, declared by the job (instrument(role=...)) or derived "
+            "from its pipeline stage ('pp_stage=2'); ranks are compared only with the same role"
+        ),
+    )
+    pp_stage: NonNegInt | None = Field(
+        default=None, description="Position in the pipeline (pipelining stage or mesh 'pp' dim)"
+    )
+    dp_rank: NonNegInt | None = Field(
+        default=None, description="Data-parallel index (mesh 'dp*' dims, row-major)"
+    )
+    tp_rank: NonNegInt | None = Field(default=None, description="Tensor-parallel index")
+    group_ranks: list[NonNegInt] = Field(
+        default_factory=list,
+        max_length=100_000,
+        description=(
+            "Global ranks of this rank's peer group, those doing the same work (same pipeline "
+            "stage of the mesh), itself included; empty when unknown"
+        ),
+    )
 
 
 class InflightCollective(WireModel):

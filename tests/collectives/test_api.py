@@ -21,6 +21,7 @@ def test_public_names_are_pinned() -> None:
         "instrument",
         "on_checkpoint",
         "report_checkpoint",
+        "set_role",
         "should_checkpoint",
         "should_stop",
         "step",

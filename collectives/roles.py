@@ -1,0 +1,226 @@
+"""What work this rank does, so detectors compare it only with ranks that do the same.
+
+Ranks of one job are not all alike: the last pipeline stage computes the loss, MoE experts
+move uneven all-to-all volumes, TP groups may differ in size. A detector that compares every
+rank with every other raises false stragglers, so each step summary carries this rank's
+*role* and its *peer group* (``StepSummary.role``, ``pp_stage``, ``dp_rank``, ``tp_rank``,
+``group_ranks``).
+
+Where the facts come from, strongest first:
+
+1. ``collectives.instrument(..., role=...)`` / :func:`collectives.set_role`: the job says so.
+2. A ``torch.distributed.pipelining`` stage built on this rank: its position in the pipeline
+   group is ``pp_stage`` (with interleaved schedules a rank holds several stages, always at
+   the same position of the pipeline group).
+3. A ``DeviceMesh`` (``init_device_mesh(..., mesh_dim_names=("pp", "dp", "tp"))``): the
+   coordinates on dims named ``pp``, ``dp*``/``fsdp``/``hsdp``/``replicate``/``shard`` and
+   ``tp`` give the stage and the data/tensor-parallel ranks; the peer group is every rank of
+   the mesh at the same ``pp`` coordinate (data- and tensor-parallel ranks of one stage do
+   the same work).
+
+Meshes and stages built after ``instrument()`` are seen through a thin wrapper of their
+constructors; a mesh built before it is found once, at ``instrument()`` time, among live
+objects. ``group_ranks`` is empty when the peers are unknown (a pipeline without a mesh
+across data-parallel replicas): detectors then group by ``role`` alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+_PP_NAMES = frozenset({"pp", "pipe", "pipeline"})
+_TP_NAMES = frozenset({"tp", "tensor"})
+_DP_PREFIXES = ("dp", "fsdp", "hsdp", "ddp", "replicate", "shard")
+MAX_ROLE_LEN = 128
+
+
+def _is_dp(name: str) -> bool:
+    return name.startswith(_DP_PREFIXES) or name in ("data",)
+
+
+class RoleTracker:
+    """This rank's role fields, updated from meshes/stages as the job builds them.
+
+    The training thread reads :attr:`fields` once per step (a dict swap, no lock needed);
+    updates come from the constructors' wrappers or from :meth:`declare`.
+    """
+
+    def __init__(self, rank: int, world_size: int, role: str | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._lock = threading.Lock()
+        self._declared: dict[str, Any] = {}
+        self._mesh: dict[str, Any] = {}
+        self._stage_positions: set[int] = set()
+        self._stage_peers: list[int] | None = None
+        self.fields: dict[str, Any] = {}
+        self._patched: list[tuple[Any, str, Any]] = []
+        if role is not None:
+            self.declare(role=role)
+        else:
+            self._rebuild()
+
+    # ------------------------------------------------------------------ sources
+
+    def declare(
+        self,
+        *,
+        role: str | None = None,
+        pp_stage: int | None = None,
+        dp_rank: int | None = None,
+        tp_rank: int | None = None,
+        group_ranks: Sequence[int] | None = None,
+    ) -> None:
+        """The job's own word; it wins over anything derived."""
+        if role is not None and (not isinstance(role, str) or not 0 < len(role) <= MAX_ROLE_LEN):
+            from .errors import CollectivesConfigError
+
+            raise CollectivesConfigError(
+                f"role must be a non-empty string of at most {MAX_ROLE_LEN} characters, "
+                f"got {role!r}"
+            )
+        given = {
+            "role": role,
+            "pp_stage": pp_stage,
+            "dp_rank": dp_rank,
+            "tp_rank": tp_rank,
+            "group_ranks": None if group_ranks is None else sorted(int(r) for r in group_ranks),
+        }
+        with self._lock:
+            self._declared.update({k: v for k, v in given.items() if v is not None})
+            self._rebuild()
+
+    def see_mesh(self, mesh: Any, *, force: bool = False) -> None:
+        """Derive from a DeviceMesh this rank belongs to (the root mesh of a slice).
+
+        ``force``: the job named this mesh; later meshes no longer replace it."""
+        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        derived = mesh_fields(root)
+        if derived is None:
+            return
+        with self._lock:
+            # A mesh with more dims says more (a later 1-D helper mesh must not hide a 3-D one).
+            if force:
+                derived["_forced"] = True
+            elif self._mesh.get("_forced") or len(derived["_dims"]) < len(
+                self._mesh.get("_dims", ())
+            ):
+                return
+            self._mesh = derived
+            self._rebuild()
+
+    def see_stage(self, stage: Any) -> None:
+        """Derive from a pipelining stage built on this rank."""
+        position = int(getattr(stage, "group_rank", stage.stage_index))
+        group = getattr(stage, "group", None)
+        peers: list[int] | None = None
+        if group is None or dist.get_world_size(group) == self.world_size:
+            peers = [self.rank]  # the pipeline spans the job: no replica does this stage's work
+        with self._lock:
+            self._stage_positions.add(position)
+            if peers is not None:
+                self._stage_peers = peers
+            self._rebuild()
+
+    # ------------------------------------------------------------------ result
+
+    def _rebuild(self) -> None:
+        out: dict[str, Any] = {
+            "role": None,
+            "pp_stage": None,
+            "dp_rank": None,
+            "tp_rank": None,
+            "group_ranks": [],
+        }
+        mesh = self._mesh
+        for key in ("pp_stage", "dp_rank", "tp_rank", "group_ranks"):
+            if mesh.get(key) is not None:
+                out[key] = mesh[key]
+        if self._stage_positions:
+            out["pp_stage"] = min(self._stage_positions)
+            if self._stage_peers is not None and not mesh.get("group_ranks"):
+                out["group_ranks"] = list(self._stage_peers)
+        if out["pp_stage"] is not None:
+            out["role"] = f"pp_stage={out['pp_stage']}"
+        for key, value in self._declared.items():
+            out[key] = value
+        self.fields = out
+
+    # ------------------------------------------------------------------ auto-derivation
+
+    def watch(self) -> None:
+        """Wrap the DeviceMesh and pipeline-stage constructors; look at those built already."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        self._wrap_init(DeviceMesh, self.see_mesh)
+        self._wrap_init(_PipelineStageBase, self.see_stage)
+        for obj in _live((DeviceMesh, _PipelineStageBase)):
+            if isinstance(obj, DeviceMesh):
+                self.see_mesh(obj)
+            else:
+                self.see_stage(obj)
+
+    def unwatch(self) -> None:
+        for cls, name, original in reversed(self._patched):
+            setattr(cls, name, original)
+        self._patched.clear()
+
+    def _wrap_init(self, cls: Any, see: Callable[[Any], None]) -> None:
+        original = cls.__init__
+
+        @functools.wraps(original)
+        def init(obj: Any, *args: Any, **kwargs: Any) -> None:
+            original(obj, *args, **kwargs)
+            with contextlib.suppress(Exception):  # never break the job's setup over a role
+                see(obj)
+
+        cls.__init__ = init
+        self._patched.append((cls, "__init__", original))
+
+
+def mesh_fields(mesh: Any) -> dict[str, Any] | None:
+    """This rank's role fields on ``mesh`` (None when the rank is not in it)."""
+    ranks = mesh.mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    names = tuple(mesh.mesh_dim_names or ())
+    out: dict[str, Any] = {"_dims": names or tuple(range(ranks.ndim))}
+    dp_dims: list[int] = []
+    pp_dim: int | None = None
+    for i, name in enumerate(names):
+        low = name.lower()
+        if low in _PP_NAMES:
+            pp_dim = i
+            out["pp_stage"] = int(coord[i])
+        elif low in _TP_NAMES:
+            out["tp_rank"] = int(coord[i])
+        elif _is_dp(low):
+            dp_dims.append(i)
+    if dp_dims:
+        index = 0
+        for i in dp_dims:  # row-major over the data-parallel dims (replicate, shard)
+            index = index * int(ranks.shape[i]) + int(coord[i])
+        out["dp_rank"] = index
+    peers = ranks if pp_dim is None else ranks.select(pp_dim, int(coord[pp_dim]))
+    out["group_ranks"] = sorted(int(r) for r in peers.flatten().tolist())
+    return out
+
+
+def _live(cls: tuple[type, ...]) -> list[Any]:
+    """Instances of ``cls`` alive now (one scan, at instrument() time only; ~10 ms here)."""
+    with warnings.catch_warnings():  # isinstance() on deprecated torch aliases warns
+        warnings.simplefilter("ignore")
+        return [obj for obj in gc.get_objects() if isinstance(obj, cls)]
+
+
+__all__ = ["MAX_ROLE_LEN", "RoleTracker", "mesh_fields"]

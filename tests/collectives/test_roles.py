@@ -1,0 +1,128 @@
+"""Roles and peer groups in step summaries: derived from DeviceMesh / pipelining, or declared.
+
+Meshes here are real ``DeviceMesh`` objects laid out for an 8-rank job and seen from one of
+its ranks (``_rank``) without creating its process groups: the layout arithmetic is what is
+tested; the multi-process FSDP2/pipelining runs (test_torch_parallel.py) check it on real
+groups.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+import collectives
+from collectives.config import config_from_env
+from collectives.roles import RoleTracker, mesh_fields
+
+pytestmark = pytest.mark.usefixtures("single_rank")
+
+
+def _mesh(names: tuple[str, ...], shape: tuple[int, ...], rank: int) -> DeviceMesh:
+    n = 1
+    for s in shape:
+        n *= s
+    return DeviceMesh(
+        "cpu",
+        torch.arange(n).reshape(shape),
+        mesh_dim_names=names,
+        _init_backend=False,
+        _rank=rank,
+    )
+
+
+def _one_step(session: Any) -> Any:
+    with collectives.step(0):
+        dist.all_reduce(torch.ones(4))
+    return list(session.outbox.steps.items)[-1]
+
+
+def test_pp_dp_tp_mesh_gives_stage_ranks_and_stage_peers() -> None:
+    # rank r sits at (pp, dp, tp) = (r // 4, r // 2 % 2, r % 2)
+    for rank in range(8):
+        fields = mesh_fields(_mesh(("pp", "dp", "tp"), (2, 2, 2), rank))
+        assert fields is not None
+        assert (fields["pp_stage"], fields["dp_rank"], fields["tp_rank"]) == (
+            rank // 4,
+            rank // 2 % 2,
+            rank % 2,
+        )
+        stage = rank // 4
+        assert fields["group_ranks"] == list(range(4 * stage, 4 * stage + 4))
+
+
+def test_hsdp_dims_flatten_row_major_and_without_pp_every_rank_is_a_peer() -> None:
+    fields = mesh_fields(_mesh(("dp_replicate", "dp_shard", "tp"), (2, 2, 2), 6))
+    assert fields is not None
+    assert fields["dp_rank"] == 3 and fields["tp_rank"] == 0
+    assert "pp_stage" not in fields
+    assert fields["group_ranks"] == list(range(8))
+
+
+def test_a_mesh_built_after_instrument_sets_the_summary_role_fields() -> None:
+    session = collectives.instrument("unit", agent_socket="/nonexistent/tg.sock")
+    first = _one_step(session)
+    assert (first.role, first.pp_stage, first.group_ranks) == (None, None, [])
+    mesh = _mesh(("pp", "dp", "tp"), (2, 2, 2), 5)
+    _mesh(("dp",), (8,), 5)  # a later, smaller helper mesh must not hide the 3-D one
+    summary = _one_step(session)
+    assert summary.role == "pp_stage=1"
+    assert (summary.pp_stage, summary.dp_rank, summary.tp_rank) == (1, 0, 1)
+    assert summary.group_ranks == [4, 5, 6, 7]
+    collectives.uninstrument()
+    assert DeviceMesh.__init__.__name__ == "__init__"
+    assert not hasattr(DeviceMesh.__init__, "__wrapped__")
+    del mesh
+
+
+def test_a_mesh_built_before_instrument_is_found() -> None:
+    mesh = _mesh(("pp", "tp"), (4, 2), 7)
+    session = collectives.instrument("unit", agent_socket="/nonexistent/tg.sock")
+    summary = _one_step(session)
+    assert (summary.role, summary.pp_stage, summary.tp_rank) == ("pp_stage=3", 3, 1)
+    assert summary.group_ranks == [6, 7]
+    del mesh
+
+
+def test_declared_role_wins_and_set_role_refines_it() -> None:
+    mesh = _mesh(("pp", "dp"), (2, 4), 1)
+    session = collectives.instrument("unit", agent_socket="/nonexistent/tg.sock", role="expert")
+    summary = _one_step(session)
+    assert summary.role == "expert"
+    assert (summary.pp_stage, summary.dp_rank) == (0, 1)  # the rest still derived
+    collectives.set_role(group_ranks=[1, 3])
+    summary = _one_step(session)
+    assert (summary.role, summary.group_ranks) == ("expert", [1, 3])
+    with pytest.raises(collectives.CollectivesConfigError, match="role must be"):
+        collectives.set_role("x" * 200)
+    del mesh
+
+
+def test_explicit_mesh_is_kept_over_a_bigger_one() -> None:
+    small = _mesh(("pp",), (8,), 2)
+    session = collectives.instrument("unit", agent_socket="/nonexistent/tg.sock", mesh=small)
+    big = _mesh(("pp", "dp", "tp"), (2, 2, 2), 2)
+    summary = _one_step(session)
+    assert (summary.pp_stage, summary.group_ranks) == (2, [2])
+    del small, big
+
+
+def test_a_pipeline_stage_spanning_the_job_is_its_own_peer_group() -> None:
+    from torch.distributed.pipelining import PipelineStage
+
+    session = collectives.instrument("unit", agent_socket="/nonexistent/tg.sock")
+    stage = PipelineStage(torch.nn.Linear(2, 2), 0, 1, torch.device("cpu"))
+    summary = _one_step(session)
+    assert (summary.role, summary.pp_stage, summary.group_ranks) == ("pp_stage=0", 0, [0])
+    del stage
+
+
+def test_role_comes_from_the_launcher_env_too() -> None:
+    cfg = config_from_env("unit", env={"TRAINGUARD_COLLECTIVES_ROLE": "expert"})
+    assert cfg.role == "expert"
+    tracker = RoleTracker(0, 1, role=cfg.role)
+    assert tracker.fields["role"] == "expert"
