@@ -5,7 +5,7 @@ compute with random jitter, synchronous collectives (everyone waits for the slow
 step summaries reaching the controller a report interval later, in-flight records from
 the ranks' watchdogs while a call is stuck (re-sent every second), rank exits, and a link
 probe round when the detectors ask for one. The records go through the controller's real
-detectors (``controller.detectors.c4d``), ticked once a simulated second, exactly as in
+detectors (``controller.logic.detection.c4d``), ticked once a simulated second, exactly as in
 the controller loop; only time is simulated, so thousands of steps take seconds.
 
 Scenarios: healthy (long, 20% jitter), stragglers at 10/20/50%, a hang before a
@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.detectors.c4d import C4DConfig, Finding, FindingKind, JobTrackers
-from controller.detectors.cause import straggler_cause
+from controller.logic.detection.c4d import C4DConfig, Finding, FindingKind, JobTrackers
+from controller.logic.detection.cause import straggler_cause
 from trainguard.wire import (
     GpuSample,
     InflightCollective,

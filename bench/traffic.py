@@ -40,13 +40,13 @@ from typing import Any
 
 import numpy as np
 
-from controller.traffic.compare import SimConfig, Variant, compare, unplanned_traffic
-from controller.traffic.enforce import enforce
-from controller.traffic.fattree import FatTreeSpec, build_fat_tree
-from controller.traffic.hashing import HashConfig
-from controller.traffic.jobs import JobSpec
-from controller.traffic.lp import solve_lp
-from controller.traffic.planner import Plan, Planner, PlannerConfig
+from controller.logic.traffic.compare import SimConfig, Variant, compare, unplanned_traffic
+from controller.logic.traffic.enforce import enforce
+from controller.logic.traffic.fattree import FatTreeSpec, build_fat_tree
+from controller.logic.traffic.hashing import HashConfig
+from controller.logic.traffic.jobs import JobSpec
+from controller.logic.traffic.lp import solve_lp
+from controller.logic.traffic.planner import Plan, Planner, PlannerConfig
 
 CLUSTER_FACTOR = 2
 SIZES = (512, 4096)

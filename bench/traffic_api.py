@@ -35,11 +35,11 @@ import numpy as np
 import uvicorn
 import yaml
 
-from controller.traffic.enforce import enforce, enforce_changed
-from controller.traffic.fattree import FatTreeSpec, build_fat_tree
-from controller.traffic.hashing import HashConfig
-from controller.traffic.jobs import JobSpec
-from controller.traffic.planner import Planner
+from controller.logic.traffic.enforce import enforce, enforce_changed
+from controller.logic.traffic.fattree import FatTreeSpec, build_fat_tree
+from controller.logic.traffic.hashing import HashConfig
+from controller.logic.traffic.jobs import JobSpec
+from controller.logic.traffic.planner import Planner
 
 FABRIC = {"nics_per_node": 8, "ports_per_nic": 2, "port_speed_gbps": 200.0, "nodes_per_leaf": 16}
 
@@ -48,7 +48,7 @@ class Server:
     """One controller in a thread; the bench talks to it only over HTTP."""
 
     def __init__(self, workdir: Path, topology_file: Path) -> None:
-        from controller.app import create_app
+        from controller.api.app import create_app
         from controller.server import uvicorn_config
         from controller.settings import ControllerSettings
 

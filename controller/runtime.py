@@ -16,29 +16,29 @@ from importlib.metadata import PackageNotFoundError, version
 from sqlalchemy import Connection, delete, text
 from sqlalchemy.orm import Session
 
-from controller.actions import ActionService
 from controller.auth import Authenticator
-from controller.commands import CommandService
 from controller.db.migrate import head_revision, is_up_to_date, revision_of, upgrade
 from controller.db.models import GpuHistory
 from controller.db.session import make_engine
-from controller.detectors import Ticker
-from controller.detectors.degraded import DegradedGpuDetector
-from controller.detectors.health import HealthDetector
-from controller.detectors.jobs import JobDetector
 from controller.errors import NotMigrated
-from controller.incidents import IncidentService
-from controller.ingest import IngestService
-from controller.leader import LeaderElector, build_lock
 from controller.loader import load_state
-from controller.metrics import ControllerMetrics
-from controller.powerctl import build_power
-from controller.remediation.metrics import RemediationCollector
-from controller.remediation.wiring import build_remediation
+from controller.services.actions import ActionService
+from controller.services.commands import CommandService
+from controller.services.detection import Ticker
+from controller.services.detection.degraded import DegradedGpuDetector
+from controller.services.detection.health import HealthDetector
+from controller.services.detection.jobs import JobDetector
+from controller.services.incidents import IncidentService
+from controller.services.ingest import IngestService
+from controller.services.leader import LeaderElector, build_lock
+from controller.services.metrics import ControllerMetrics
+from controller.services.power import build_power
+from controller.services.remediation.metrics import RemediationCollector
+from controller.services.remediation.wiring import build_remediation
+from controller.services.traffic.service import build_traffic
 from controller.settings import ControllerSettings
 from controller.state import ClusterState
 from controller.store import Store
-from controller.traffic.service import build_traffic
 from controller.writer import GroupCommitWriter
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class Controller:
         self.auth = Authenticator(
             settings.tokens, allow_anonymous_read=settings.allow_anonymous_read
         )
-        #: Only the elected replica loads state and acts (``controller.leader``).
+        #: Only the elected replica loads state and acts (``controller.services.leader``).
         self.leader = LeaderElector(
             build_lock(
                 settings.database_url,

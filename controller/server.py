@@ -8,7 +8,7 @@ import socket
 
 import uvicorn
 
-from controller.app import create_app
+from controller.api.app import create_app
 from controller.logs import configure_logging
 from controller.runtime import prepare_database
 from controller.settings import ControllerSettings

@@ -97,7 +97,7 @@ class LiveController:
         return {"Authorization": f"Bearer {token}"}
 
     def start(self) -> None:
-        from controller.app import create_app
+        from controller.api.app import create_app
         from controller.server import uvicorn_config
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

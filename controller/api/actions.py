@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from controller import queries
 from controller.api.deps import AUTH_ERRORS, ControllerDep, Page, require_viewer
 from controller.auth import Principal
 from controller.runtime import Controller
 from controller.schemas import ActionsPublic
+from controller.services import queries
 
 router = APIRouter(tags=["actions"])
 

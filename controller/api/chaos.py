@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Body, Depends, Path
 from pydantic import BaseModel, Field
 
-from controller import chaos, queries
 from controller.api.deps import AUTH_ERRORS, NOT_FOUND, ControllerDep, require_operator
 from controller.auth import Principal
 from controller.runtime import Controller
 from controller.schemas import CommandsPublic
+from controller.services import chaos, queries
 from trainguard import wire
 
 router = APIRouter(tags=["jobs"])

@@ -6,11 +6,11 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Query
 
-from controller import queries
 from controller.api.deps import AUTH_ERRORS, ControllerDep, Page, require_viewer
 from controller.auth import Principal
 from controller.runtime import Controller
 from controller.schemas import CommandsPublic
+from controller.services import queries
 
 router = APIRouter(tags=["commands"])
 

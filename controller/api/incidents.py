@@ -6,7 +6,6 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Path, Query
 
-from controller import queries
 from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
@@ -19,6 +18,7 @@ from controller.auth import Principal
 from controller.errors import Conflict, NotFound
 from controller.runtime import Controller
 from controller.schemas import IncidentPublic, IncidentsPublic
+from controller.services import queries
 
 router = APIRouter(tags=["incidents"])
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Path
 
-from controller import queries
 from controller.api.deps import AUTH_ERRORS, NOT_FOUND, ControllerDep, Page, require_viewer
 from controller.auth import Principal
 from controller.errors import NotFound
 from controller.runtime import Controller
 from controller.schemas import JobDetail, JobsPublic
+from controller.services import queries
 
 router = APIRouter(tags=["jobs"])
 

@@ -7,7 +7,6 @@ from typing import Literal
 
 from fastapi import APIRouter, Body, Depends, Path, Query
 
-from controller import queries
 from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
@@ -20,6 +19,7 @@ from controller.auth import Principal
 from controller.errors import NotFound
 from controller.runtime import Controller
 from controller.schemas import CommandPublic, CommandRequest, NodeDetail, NodesPublic
+from controller.services import queries
 
 router = APIRouter(tags=["nodes"])
 

@@ -15,15 +15,15 @@ from controller.api.deps import (
     require_viewer,
 )
 from controller.auth import Principal
-from controller.powerctl.schemas import (
+from controller.runtime import Controller
+from controller.schemas import ErrorPublic
+from controller.services.power.schemas import (
     JobPriorityBody,
     JobPriorityPublic,
     PowerDomainsPublic,
     PriorityBody,
     PriorityPublic,
 )
-from controller.runtime import Controller
-from controller.schemas import ErrorPublic
 
 router = APIRouter(tags=["power"])
 

@@ -17,7 +17,7 @@ from controller.api.deps import (
 )
 from controller.auth import Principal
 from controller.errors import Conflict, NotFound
-from controller.remediation.rules import Policy
+from controller.logic.remediation.rules import Policy
 from controller.runtime import Controller
 
 router = APIRouter(tags=["remediation"])

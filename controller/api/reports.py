@@ -26,8 +26,8 @@ from controller.api.deps import (
 from controller.api.handlers import error_payload, payload_too_large
 from controller.auth import REPORT_ROLES, Principal
 from controller.errors import ControllerError, MalformedBody
-from controller.ingest import parse_report
 from controller.runtime import Controller
+from controller.services.ingest import parse_report
 from trainguard import wire
 
 log = logging.getLogger(__name__)

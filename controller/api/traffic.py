@@ -1,4 +1,4 @@
-"""Fabric topology, link health and traffic plans (``controller.traffic.service``).
+"""Fabric topology, link health and traffic plans (``controller.services.traffic.service``).
 
 Link names contain ``/`` and ``>`` (``node-1/nic0/p0->tor-a``), so the link is a path
 parameter that may span segments; ``a--b`` names both directions of a cable.
@@ -21,8 +21,8 @@ from controller.api.deps import (
 from controller.auth import Principal
 from controller.runtime import Controller
 from controller.schemas import ErrorPublic
-from controller.traffic import views
-from controller.traffic.placement import Layout
+from controller.services.traffic import views
+from controller.services.traffic.placement import Layout
 
 router = APIRouter(tags=["traffic"])
 

@@ -243,7 +243,7 @@ class PowerDomain(Base):
 
 
 class TrafficPlanVersion(Base):
-    """One version of a job's traffic plan (``controller.traffic.service``).
+    """One version of a job's traffic plan (``controller.services.traffic.service``).
 
     Every version is kept, so the history an operator sees survives restarts; ``document``
     holds the summary and, for restoring the newest version, each flow's path and port.

@@ -301,7 +301,7 @@ def test_crash_faults_exit_with_the_code_or_signal_and_say_so(
 def test_a_poisoned_gradient_is_traced_to_the_rank_that_produced_it(
     tmp_path: Path, collectives_agent: Any, rank_launcher: Any
 ) -> None:
-    from controller.detectors.c4d import FindingKind, JobTrackers
+    from controller.logic.detection.c4d import FindingKind, JobTrackers
 
     agent = collectives_agent
     # rank 2's third gradient (the second layer's weight) turns NaN at step 5; the all_reduce
@@ -351,7 +351,7 @@ def test_a_rank_killed_from_outside_is_named_not_its_survivors(
     import time
 
     from agents.local_endpoint import LocalEndpoint, Session
-    from controller.detectors.c4d import FindingKind, JobTrackers
+    from controller.logic.detection.c4d import FindingKind, JobTrackers
     from trainguard.wire import JobRecords
 
     arrived: list[tuple[str, JobRecords]] = []

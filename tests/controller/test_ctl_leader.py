@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 
 from controller.db.models import Incident
 from controller.db.session import make_engine
-from controller.leader import LOST_DETAIL, STANDBY_DETAIL, FileLock, LeadershipLost
+from controller.services.leader import LOST_DETAIL, STANDBY_DETAIL, FileLock, LeadershipLost
 from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
 
 NODE_LOST_AFTER_S = 2.0

@@ -19,13 +19,13 @@ from sqlalchemy import Connection
 
 from controller.db.migrate import upgrade
 from controller.db.session import make_engine
-from controller.detectors.health import (
+from controller.services.detection.health import (
     APPLICATION_XIDS,
     FATAL_XIDS,
     HealthDetector,
     xid_class,
 )
-from controller.incidents import IncidentService
+from controller.services.incidents import IncidentService
 from controller.state import ClusterState, GpuState, IncidentState, NodeState
 from controller.store import Store, table, upsert
 from controller.writer import GroupCommitWriter

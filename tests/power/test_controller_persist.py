@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from controller.db.models import PowerDomain
-from controller.powerctl.persist import from_rows, to_rows, validate
+from controller.services.power.persist import from_rows, to_rows, validate
 from power import ConfigError, Priority
 
 TREE: dict[str, Any] = {

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from controller.actuators.base import Placement
-from controller.incidents import IncidentSpec
+from controller.services.incidents import IncidentSpec
 from tests.remediation.recording import RecordingActuator
 from tests.waiting import wait_for
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.remediation.goodput import GoodputLedger
+from controller.logic.remediation.goodput import GoodputLedger
 
 
 def run_steps(g: GoodputLedger, first: int, last: int, t0: float, duration: float = 1.0) -> float:
@@ -157,7 +157,7 @@ def test_empty_ledger_snapshot() -> None:
 
 
 def test_a_ledger_replayed_from_restart_rows_charges_what_the_live_one_did() -> None:
-    from controller.remediation.history import RestartRow, replay
+    from controller.services.remediation.history import RestartRow, replay
 
     live = GoodputLedger("gpt")
     t = run_steps(live, 1, 10, 0.0)  # t = 10

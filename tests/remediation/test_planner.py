@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.actuators.base import Placement
-from controller.remediation.planner import plan_restart
+from controller.logic.remediation.planner import plan_restart
 
 
 def placement(nodes: str, rpn: int = 2, tp: int = 1, generation: int = 3) -> Placement:

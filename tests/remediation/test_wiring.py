@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.remediation.rules import PolicyError, Step, load_policy
-from controller.remediation.wiring import load_local_jobs
+from controller.logic.remediation.rules import PolicyError, Step, load_policy
+from controller.services.remediation.wiring import load_local_jobs
 
 GOOD_JOB = (
     "- name: gpt\n"

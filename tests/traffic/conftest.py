@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.traffic.fattree import FatTreeSpec, build_fat_tree
-from controller.traffic.topology import Topology
+from controller.logic.traffic.fattree import FatTreeSpec, build_fat_tree
+from controller.logic.traffic.topology import Topology
 
 
 def small_fabric(**kw: object) -> Topology:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import bench.traffic as bt
-from controller.traffic.jobs import JobSpec
-from controller.traffic.planner import Planner, PlannerConfig
+from controller.logic.traffic.jobs import JobSpec
+from controller.logic.traffic.planner import Planner, PlannerConfig
 
 from .conftest import small_fabric
 

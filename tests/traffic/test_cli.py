@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from controller.traffic.cli import app
+from trainguard.cli.cmd_plan import app
 
 runner = CliRunner()
 

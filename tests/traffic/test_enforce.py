@@ -8,12 +8,12 @@ import zlib
 import numpy as np
 import pytest
 
-from controller.traffic.enforce import enforce, enforce_changed, walk
-from controller.traffic.errors import EnforcementError
-from controller.traffic.hashing import HASH_FUNCTIONS, HashConfig, hash_one, hash_ports
-from controller.traffic.jobs import JobSpec
-from controller.traffic.planner import Planner, PlannerConfig
-from controller.traffic.topology import Topology
+from controller.logic.traffic.enforce import enforce, enforce_changed, walk
+from controller.logic.traffic.errors import EnforcementError
+from controller.logic.traffic.hashing import HASH_FUNCTIONS, HashConfig, hash_one, hash_ports
+from controller.logic.traffic.jobs import JobSpec
+from controller.logic.traffic.planner import Planner, PlannerConfig
+from controller.logic.traffic.topology import Topology
 
 from .conftest import small_fabric
 
@@ -162,8 +162,8 @@ def test_bad_hash_config_and_exhausted_port_range() -> None:
 
 
 def test_reachable_mask_is_sound_and_hash_aware_enforcement_keeps_balance() -> None:
-    from controller.traffic.enforce import _find_port
-    from controller.traffic.reach import reachable
+    from controller.logic.traffic.enforce import _find_port
+    from controller.logic.traffic.reach import reachable
 
     topo = small_fabric(nodes=64, nics_per_node=2, nodes_per_leaf=8)
     names = [topo.nodes[i].name for i in np.random.default_rng(9).permutation(64)[:48]]

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from controller.traffic.jobs import Collective, Flows, JobSpec
-from controller.traffic.planner import Plan, Planner, PlannerConfig
-from controller.traffic.topofile import topology_from_dict
-from controller.traffic.topology import Topology
+from controller.logic.traffic.jobs import Collective, Flows, JobSpec
+from controller.logic.traffic.planner import Plan, Planner, PlannerConfig
+from controller.logic.traffic.topofile import topology_from_dict
+from controller.logic.traffic.topology import Topology
 
 GBPS = 1e9 / 8
 MAX_COMBOS = 20_000
@@ -220,8 +220,8 @@ def test_replan_keeps_moved_flows_within_capacity(sizes: list[int], down: int) -
 
 
 def test_enforcement_keeps_the_proof_only_when_no_flow_moved() -> None:
-    from controller.traffic.enforce import enforce
-    from controller.traffic.hashing import HashConfig
+    from controller.logic.traffic.enforce import enforce
+    from controller.logic.traffic.hashing import HashConfig
 
     topo = two_spines(hosts=5)
     unit = 100 * GBPS / 6

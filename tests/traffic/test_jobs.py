@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.traffic.errors import JobSpecError
-from controller.traffic.jobs import (
+from controller.logic.traffic.errors import JobSpecError
+from controller.logic.traffic.jobs import (
     JobSpec,
     build_flows,
     node_locality_key,

@@ -7,17 +7,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.traffic.enforce import enforce
-from controller.traffic.hashing import HashConfig
-from controller.traffic.jobs import JobSpec
-from controller.traffic.outputs import (
+from controller.logic.traffic.enforce import enforce
+from controller.logic.traffic.hashing import HashConfig
+from controller.logic.traffic.jobs import JobSpec
+from controller.logic.traffic.outputs import (
     launcher_order,
     nccl_env,
     plan_to_dict,
     qp_map,
     write_json_atomic,
 )
-from controller.traffic.planner import Planner
+from controller.logic.traffic.planner import Planner
 
 from .conftest import small_fabric
 
@@ -66,7 +66,7 @@ def test_atomic_write_leaves_old_file_when_serialization_fails(tmp_path: Path) -
 
 
 def test_package_face_is_lazy_and_complete() -> None:
-    import controller.traffic as traffic
+    import controller.logic.traffic as traffic
 
     for name in traffic.__all__:
         assert getattr(traffic, name) is not None

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.traffic.errors import PlanError
-from controller.traffic.jobs import Collective, Flows, JobSpec
-from controller.traffic.planner import Planner, PlannerConfig
-from controller.traffic.topofile import topology_from_dict
-from controller.traffic.topology import Topology
+from controller.logic.traffic.errors import PlanError
+from controller.logic.traffic.jobs import Collective, Flows, JobSpec
+from controller.logic.traffic.planner import Planner, PlannerConfig
+from controller.logic.traffic.topofile import topology_from_dict
+from controller.logic.traffic.topology import Topology
 
 from .conftest import small_fabric
 
@@ -158,7 +158,7 @@ def test_partitioned_fabric_raises_plan_error() -> None:
 
 def test_lp_bound_is_below_every_plan_and_greedy_meets_it_on_a_balanced_case() -> None:
     pytest.importorskip("scipy")
-    from controller.traffic.lp import solve_lp
+    from controller.logic.traffic.lp import solve_lp
 
     topo = two_leaves(spines=4)
     order = [f"{leaf}{i}" for i in range(4) for leaf in "ab"]
@@ -172,7 +172,7 @@ def test_lp_bound_is_below_every_plan_and_greedy_meets_it_on_a_balanced_case() -
 
 
 def test_slow_pairs_localize_to_the_shared_link_and_replan_avoids_it() -> None:
-    from controller.traffic.localize import rank_nic, suspect_links
+    from controller.logic.traffic.localize import rank_nic, suspect_links
 
     topo = small_fabric(nodes=16)
     nodes = [topo.nodes[i].name for i in np.random.default_rng(5).permutation(16)]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.traffic.compare import (
+from controller.logic.traffic.compare import (
     SimConfig,
     compare,
     ecmp_paths,
@@ -12,9 +12,9 @@ from controller.traffic.compare import (
     traffic_of,
     unplanned_traffic,
 )
-from controller.traffic.jobs import JobSpec
-from controller.traffic.planner import Planner, PlannerConfig
-from controller.traffic.sim import completion_times, max_min_rates
+from controller.logic.traffic.jobs import JobSpec
+from controller.logic.traffic.planner import Planner, PlannerConfig
+from controller.logic.traffic.sim import completion_times, max_min_rates
 
 from .conftest import small_fabric
 

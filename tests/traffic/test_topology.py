@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.traffic.errors import TopologyError
-from controller.traffic.fattree import FatTreeSpec, build_fat_tree
-from controller.traffic.topofile import (
+from controller.logic.traffic.errors import TopologyError
+from controller.logic.traffic.fattree import FatTreeSpec, build_fat_tree
+from controller.logic.traffic.topofile import (
     LabelFabric,
     load_topology,
     topology_from_dict,

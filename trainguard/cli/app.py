@@ -25,7 +25,7 @@ from trainguard.cli.options import Server, Token, remember_connection
 OPTIONAL_SUBAPPS: tuple[tuple[str, str], ...] = (
     ("checkpoint", "checkpoint.cli"),
     ("power", "power.cli"),
-    ("plan", "controller.traffic.cli"),
+    ("plan", "trainguard.cli.cmd_plan"),
 )
 
 HELP = (

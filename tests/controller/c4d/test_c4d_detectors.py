@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from controller.detectors.c4d import C4DConfig, FindingKind, JobTrackers
-from controller.detectors.c4d.probe import localize
+from controller.logic.detection.c4d import C4DConfig, FindingKind, JobTrackers
+from controller.logic.detection.c4d.probe import localize
 from trainguard.wire import (
     InflightCollective,
     JobRecords,

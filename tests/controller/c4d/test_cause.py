@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controller.detectors.cause import straggler_cause
+from controller.logic.detection.cause import straggler_cause
 from trainguard.wire import GpuSample, ThrottleReason
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from controller.detectors.c4d import FindingKind, JobTrackers
-from controller.detectors.c4d.nonfinite import origins
+from controller.logic.detection.c4d import FindingKind, JobTrackers
+from controller.logic.detection.c4d.nonfinite import origins
 from trainguard.wire import JobRecords, RankEvent, StepSummary
 
 JOB = "llm-7b"

@@ -1,0 +1,1 @@
+"""Detection logic (C4D-style findings, straggler causes) over plain data."""

@@ -1,0 +1,93 @@
+"""Slow communication: the whole job waits longer in collectives while compute stays even.
+
+A slow link or NIC slows every collective it carries, and in a ring or tree collective that
+slows every rank alike, including the last rank to arrive. That rank waits for the transfer
+alone, so its wait (the low 5% quantile of the step's waits) is the step's pure
+communication time, unmoved by compute jitter on other ranks.
+
+The detector keeps a reference window of that time from healthy steps and a short recent
+window. It calls the job slow when the recent median exceeds the reference by
+``comm_slow_factor`` *and* by ``straggler_z`` standard errors of the reference noise (so
+jittery jobs need a bigger rise), with no straggler candidate to explain the rise, for
+``straggler_confirm_steps`` steps in a row. Recovery needs the recent median back within
+half the factor for as many steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+
+from controller.logic.detection.c4d.config import C4DConfig
+from controller.logic.detection.c4d.robust import MAD_TO_SIGMA, mad
+
+#: Healthy steps kept as the reference (a few minutes of training at typical step times).
+REFERENCE_STEPS = 200
+
+
+@dataclass(slots=True)
+class CommSlowState:
+    cfg: C4DConfig
+    reference: deque[float] = field(default_factory=lambda: deque(maxlen=REFERENCE_STEPS))
+    recent: deque[float] = field(init=False)
+    #: (consecutive steps, controller time the streak began), or None when not in one
+    high_since: tuple[int, float] | None = None
+    calm_since: tuple[int, float] | None = None
+    open: bool = False
+    reference_wait_s: float = 0.0
+    recent_wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.recent = deque(maxlen=self.cfg.comm_slow_window_steps)
+
+    def add(
+        self, wait_s: float, step_s: float, straggler_candidates: bool, now_s: float
+    ) -> str | None:
+        """Feed one step's median wait; returns "opened", "resolved" or None."""
+        self.recent.append(wait_s)
+        if len(self.reference) < 2 * self.cfg.window_steps:
+            self.reference.append(wait_s)
+            return None
+        ref = median(self.reference)
+        rec = median(self.recent)
+        self.reference_wait_s, self.recent_wait_s = ref, rec
+        sigma = MAD_TO_SIGMA * mad(self.reference, ref)
+        stderr = 1.2533 * sigma / math.sqrt(len(self.recent))
+        rise = rec - ref
+        high = (
+            not straggler_candidates
+            and rise > self.cfg.comm_slow_factor * ref
+            and rise > self.cfg.comm_slow_min_step_share * step_s
+            and rise > self.cfg.straggler_z * stderr
+        )
+        calm = rise < self.cfg.comm_slow_factor / 2 * ref
+        self.high_since = _streak(self.high_since, high, now_s)
+        self.calm_since = _streak(self.calm_since, calm, now_s)
+        if not self.open and not high and calm:
+            self.reference.append(wait_s)
+        if not self.open and self._confirmed(self.high_since, now_s):
+            self.open = True
+            self.calm_since = None
+            return "opened"
+        if self.open and self._confirmed(self.calm_since, now_s):
+            self.open = False
+            self.high_since = None
+            return "resolved"
+        return None
+
+    def _confirmed(self, streak: tuple[int, float] | None, now_s: float) -> bool:
+        return (
+            streak is not None
+            and streak[0] >= self.cfg.straggler_confirm_steps
+            and now_s - streak[1] >= self.cfg.confirm_min_s
+        )
+
+
+def _streak(
+    streak: tuple[int, float] | None, holds: bool, now_s: float
+) -> tuple[int, float] | None:
+    if not holds:
+        return None
+    return (1, now_s) if streak is None else (streak[0] + 1, streak[1])

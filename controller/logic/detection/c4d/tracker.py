@@ -1,0 +1,462 @@
+"""Per-job detection state: the sliding windows the detectors read, fed record by record.
+
+Ingest calls :meth:`JobTrackers.observe` with every accepted report's job records (and the
+node that carried them, which is how ranks are mapped to nodes); a periodic tick calls
+:meth:`JobTrackers.evaluate`. Everything is in memory and bounded per job: a window of
+steps, the latest in-flight record per (rank, group), crash events not yet reported.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+from controller.logic.detection.c4d.comm_slow import CommSlowState
+from controller.logic.detection.c4d.config import C4DConfig
+from controller.logic.detection.c4d.crash import CrashState
+from controller.logic.detection.c4d.findings import Finding, FindingKind
+from controller.logic.detection.c4d.hang import StuckCall, classify, ring_pairs
+from controller.logic.detection.c4d.nonfinite import NonfiniteState
+from controller.logic.detection.c4d.probe import localize
+from controller.logic.detection.c4d.straggler import StragglerState
+from trainguard.wire import InflightCollective, JobRecords, ProbeResult, RankEvent, StepSummary
+
+log = logging.getLogger(__name__)
+
+#: An open straggler's incident is refreshed when its slowdown moved by this much (absolute
+#: and relative to the last report), or after this many seconds in any case.
+STRAGGLER_REFRESH_MIN_CHANGE = 0.05
+STRAGGLER_REFRESH_REL_CHANGE = 0.25
+STRAGGLER_REFRESH_S = 60.0
+
+#: Steps older than the newest by this many are compared even if some rank never reported
+#: them (its agent may be gone); younger ones wait for stragglers' late summaries.
+STEP_GRACE = 2
+
+
+@dataclass(slots=True)
+class _Inflight:
+    record: InflightCollective
+    received_s: float
+
+
+@dataclass(slots=True)
+class JobTracker:
+    job: str
+    cfg: C4DConfig
+    world_size: int = 0
+    rank_node: dict[int, str] = field(default_factory=dict)
+    rank_gpu: dict[int, int | None] = field(default_factory=dict)
+    pending_steps: dict[int, dict[int, StepSummary]] = field(default_factory=dict)
+    last_compared_step: int = -1
+    newest_step: int = -1
+    inflight: dict[tuple[int, str], _Inflight] = field(default_factory=dict)
+    last_completed: dict[int, dict[str, int]] = field(default_factory=dict)
+    last_step_of_rank: dict[int, int] = field(default_factory=dict)
+    stragglers: StragglerState = field(init=False)
+    comm: CommSlowState = field(init=False)
+    crashes: CrashState = field(init=False)
+    nonfinite: NonfiniteState = field(init=False)
+    open_hangs: set[str] = field(default_factory=set)
+    probes: dict[str, list[ProbeResult]] = field(default_factory=dict)
+    #: How many times the job restarted since the tracker first saw it.
+    incarnation: int = 0
+    #: Open straggler rank -> (slowdown last reported, controller time of that report);
+    #: its keys are the open stragglers.
+    _straggler_reported: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _findings: list[Finding] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stragglers = StragglerState(self.cfg)
+        self.comm = CommSlowState(self.cfg)
+        self.crashes = CrashState(self.job)
+        self.nonfinite = NonfiniteState(
+            self.job, clear_steps=self.cfg.window_steps, grace_s=self.cfg.nonfinite_grace_s
+        )
+
+    # ------------------------------------------------------------------ intake
+
+    def observe_step(self, node: str, s: StepSummary, now_s: float = 0.0) -> None:
+        self.world_size = max(self.world_size, s.world_size)
+        self.rank_node[s.rank] = node
+        self.rank_gpu[s.rank] = s.gpu_index
+        self.nonfinite.observe(s, now_s)
+        self.last_step_of_rank[s.rank] = max(self.last_step_of_rank.get(s.rank, -1), s.step)
+        if s.step <= self.last_compared_step:
+            return  # arrived after its step was compared; too late to matter
+        self.pending_steps.setdefault(s.step, {})[s.rank] = s
+        self.newest_step = max(self.newest_step, s.step)
+        # A rank that finished a later step is no longer stuck in an older call.
+        for rank_group in [k for k in self.inflight if k[0] == s.rank]:
+            rec = self.inflight[rank_group].record
+            if rec.step is not None and rec.step < s.step:
+                del self.inflight[rank_group]
+
+    def observe_inflight(self, node: str, rec: InflightCollective, now_s: float) -> None:
+        if not rec.group:
+            return  # a stall outside any collective (opt-in on the rank); hangs need a call
+        self.rank_node[rec.rank] = node
+        self.last_completed.setdefault(rec.rank, {}).update(rec.last_completed_seq)
+        self.inflight[(rec.rank, rec.group)] = _Inflight(rec, now_s)
+
+    def observe_rank_event(self, node: str, ev: RankEvent, now_s: float) -> None:
+        if ev.kind == "started" and ev.rank in self.last_step_of_rank:
+            self._new_incarnation()
+        self.rank_node[ev.rank] = node
+        if ev.world_size:
+            self.world_size = max(self.world_size, ev.world_size)
+        self._findings.extend(self.crashes.observe(node, ev, now_s))
+
+    def _new_incarnation(self) -> None:
+        """The job restarted (a rank that already stepped starts again): begin afresh.
+
+        A job resumed from a checkpoint repeats step numbers already compared, may run on
+        other nodes and with a different world size; windows, in-flight calls and crash
+        bookkeeping of the previous run would blind or mislead the detectors. What the
+        previous run left open resolves: those ranks and collectives are gone.
+        """
+        for rank in sorted(self.stragglers.open_ranks):
+            self._findings.append(self._straggler_finding(rank, resolved=True))
+        if self.comm.open:
+            self._findings.append(self._resolved(FindingKind.COMM_SLOW, f"comm_slow:{self.job}"))
+        if self.nonfinite.open:
+            self._findings.append(self._resolved(FindingKind.NONFINITE, self.nonfinite.key))
+        for key in sorted(self.open_hangs):
+            kind = FindingKind.COMM_HANG if key.startswith("comm_hang:") else FindingKind.HANG
+            self._findings.append(self._resolved(kind, key))
+        fresh = JobTracker(job=self.job, cfg=self.cfg, incarnation=self.incarnation + 1)
+        fresh._findings = self._findings
+        for name in JobTracker.__dataclass_fields__:
+            setattr(self, name, getattr(fresh, name))
+
+    def _resolved(self, kind: FindingKind, key: str) -> Finding:
+        return Finding(
+            kind=kind,
+            job=self.job,
+            severity="warning",
+            summary=f"job {self.job} restarted; the condition ended with the previous run",
+            key=key,
+            resolved=True,
+        )
+
+    def observe_probe(self, res: ProbeResult) -> None:
+        self.probes.setdefault(res.probe_id, []).append(res)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, now_s: float) -> list[Finding]:
+        out, self._findings = self._findings, []
+        out.extend(self.crashes.evaluate(now_s, self.world_size))
+        for step in self._ready_steps():
+            rows = self.pending_steps.pop(step)
+            self.last_compared_step = step
+            out.extend(self._compare_step(step, rows, now_s))
+        out.extend(self._check_hangs(now_s))
+        nonfinite = self.nonfinite.evaluate(now_s, self.world_size, self.rank_node)
+        if nonfinite is not None:
+            out.append(nonfinite)
+        return out
+
+    def finish_probe(self, probe_id: str) -> Finding | None:
+        """Localize from a completed probe round (call once its results are in)."""
+        results = self.probes.pop(probe_id, [])
+        if not results:
+            return None
+        verdict = localize(results, self.rank_node, self.cfg.probe_slow_fraction)
+        if verdict.scope == "none":
+            return None
+        where = {
+            "rank": f"rank(s) {list(verdict.culprit_ranks)} on {list(verdict.culprit_nodes)}",
+            "node": f"node(s) {list(verdict.culprit_nodes)}",
+            "link": f"the link between ranks {list(verdict.culprit_ranks)}",
+            "failed": f"ranks {list(verdict.culprit_ranks)} (probe transfers failed)",
+        }[verdict.scope]
+        return Finding(
+            kind=FindingKind.SLOW_LINK,
+            job=self.job,
+            severity="warning",
+            summary=f"link probe of job {self.job} localizes slow communication to {where}",
+            key=f"slow_link:{self.job}:{probe_id}",
+            ranks=verdict.culprit_ranks,
+            nodes=verdict.culprit_nodes,
+            evidence={
+                "scope": verdict.scope,
+                # A rank common to every slow pair is the sharpest answer a probe gives.
+                "confidence": {"rank": 0.9, "node": 0.8, "link": 0.7, "failed": 0.5}[verdict.scope],
+                "median_gbps": round(verdict.median_gbps, 3),
+                "slow_pairs": [list(p) for p in verdict.slow_pairs],
+                "pair_gbps": {f"{a}-{b}": round(g, 3) for (a, b), g in verdict.pair_gbps.items()},
+            },
+        )
+
+    def _ready_steps(self) -> list[int]:
+        ready = []
+        need = max(2, int(self.cfg.min_step_coverage * self.world_size + 0.999))
+        for step in sorted(self.pending_steps):
+            rows = self.pending_steps[step]
+            complete = len(rows) >= self.world_size
+            aged = step <= self.newest_step - STEP_GRACE and len(rows) >= need
+            if complete or aged:
+                ready.append(step)
+            elif step <= self.newest_step - STEP_GRACE:
+                del self.pending_steps[step]  # too few ranks ever reported it
+                continue
+            else:
+                break
+        return ready
+
+    def _compare_step(self, step: int, rows: dict[int, StepSummary], now_s: float) -> list[Finding]:
+        verdict = self.stragglers.add(step, rows)
+        out: list[Finding] = []
+        opened, cleared = self.stragglers.transitions(now_s)
+        for rank in sorted(opened):
+            out.append(self._straggler_finding(rank, resolved=False))
+            self._straggler_reported[rank] = (self.stragglers.slowdown(rank), now_s)
+        for rank in sorted(cleared):
+            out.append(self._straggler_finding(rank, resolved=True))
+            self._straggler_reported.pop(rank, None)
+        out.extend(self._straggler_refreshes(now_s))
+        out.extend(
+            self._comm_slow(verdict.flagged, verdict.comm_wait_s, verdict.median_step_s, now_s)
+        )
+        recovered = self.nonfinite.compared(rows)
+        if recovered is not None:
+            out.append(recovered)
+        return out
+
+    def _straggler_refreshes(self, now_s: float) -> list[Finding]:
+        """Newer readings of open stragglers, when the slowdown moved or a while passed.
+
+        A straggler first confirmed at 12% may be at 40% a minute later; the remediation
+        policy's cost threshold and the operator read the open incident, and its updates
+        also keep a live straggler from looking stale.
+        """
+        out = []
+        for rank, (last, last_s) in sorted(self._straggler_reported.items()):
+            slowdown = self.stragglers.slowdown(rank)
+            moved = abs(slowdown - last) >= max(
+                STRAGGLER_REFRESH_MIN_CHANGE, STRAGGLER_REFRESH_REL_CHANGE * abs(last)
+            )
+            if moved or now_s - last_s >= STRAGGLER_REFRESH_S:
+                out.append(replace(self._straggler_finding(rank, resolved=False), refresh=True))
+                self._straggler_reported[rank] = (slowdown, now_s)
+        return out
+
+    def _straggler_finding(self, rank: int, *, resolved: bool) -> Finding:
+        node = self.rank_node.get(rank, "?")
+        slowdown = self.stragglers.slowdown(rank)
+        cost = self.stragglers.step_cost(rank)
+        return Finding(
+            kind=FindingKind.STRAGGLER,
+            job=self.job,
+            severity="warning",
+            summary=(
+                f"rank {rank} of job {self.job} on {node} (GPU {self.rank_gpu.get(rank)}) "
+                f"computes {slowdown:.0%} longer than its peers, costing ~{cost:.0%} of "
+                "each step"
+            ),
+            key=f"straggler:{self.job}:{rank}",
+            ranks=(rank,),
+            nodes=(node,),
+            evidence={
+                "slowdown_pct": round(100 * slowdown, 1),
+                "step_cost_pct": round(100 * cost, 1),
+                "gpu_index": self.rank_gpu.get(rank),
+                "score": round(self.stragglers.scores.get(rank, 0.0), 4),
+                "confidence": self.stragglers.confidence(rank),
+                "window_steps": len(self.stragglers.compute_ratio.get(rank, ())),
+            },
+            resolved=resolved,
+        )
+
+    def _comm_slow(
+        self, flagged: set[int], wait_s: float, step_s: float, now_s: float
+    ) -> list[Finding]:
+        change = self.comm.add(wait_s, step_s, straggler_candidates=bool(flagged), now_s=now_s)
+        key = f"comm_slow:{self.job}"
+        if change == "resolved":
+            summary = f"job {self.job}: collective wait back to normal"
+            return [
+                Finding(
+                    kind=FindingKind.COMM_SLOW,
+                    job=self.job,
+                    severity="warning",
+                    summary=summary,
+                    key=key,
+                    resolved=True,
+                )
+            ]
+        if change != "opened":
+            return []
+        ranks = tuple(sorted(self.rank_node))
+        ref, rec = self.comm.reference_wait_s, self.comm.recent_wait_s
+        return [
+            Finding(
+                kind=FindingKind.COMM_SLOW,
+                job=self.job,
+                severity="warning",
+                summary=(
+                    f"job {self.job}: collective wait rose from {ref * 1e3:.1f} ms to "
+                    f"{rec * 1e3:.1f} ms per step on every rank with compute balanced; "
+                    "probing links"
+                ),
+                key=key,
+                ranks=ranks,
+                nodes=tuple(sorted(set(self.rank_node.values()))),
+                # Which link is slow is unknown until the probe round answers.
+                evidence={
+                    "reference_wait_s": ref,
+                    "wait_s": rec,
+                    "step_s": step_s,
+                    "confidence": 0.5,
+                },
+                probe_pairs=ring_pairs(ranks),
+            )
+        ]
+
+    def _check_hangs(self, now_s: float) -> list[Finding]:
+        expired = [
+            k for k, v in self.inflight.items() if now_s - v.received_s > self.cfg.inflight_ttl_s
+        ]
+        for rank_group in expired:
+            del self.inflight[rank_group]
+        live = [v.record for v in self.inflight.values()]
+        dead = self.crashes.reported
+        # One fault, one incident: non-communication hangs are keyed by who is absent (a hung
+        # rank leaves a stuck call in every group it belongs to), and calls whose absentees
+        # all died are already explained by their crash incident.
+        by_key: dict[str, list[StuckCall]] = {}
+        calls = classify(live, self.world_size, self.last_completed)
+        # A rank waiting inside some stuck call is a victim wherever else it is absent (a
+        # rank blocked in its tensor-parallel all-reduce never reaches the data-parallel
+        # one); only absentees stuck nowhere are culprits.
+        waiting = {rank for call in calls for rank in call.entered}
+        for call in calls:
+            if call.elapsed_s < self.cfg.hang_timeout_s:
+                continue
+            culprits = tuple(r for r in call.absent if r not in waiting)
+            if call.absent and not culprits:
+                continue  # explained by the stuck call its absentees are waiting in
+            call = replace(call, absent=culprits)
+            if call.absent and set(call.absent) <= dead:
+                continue
+            if call.communication:
+                key = f"comm_hang:{self.job}:{call.group}:{call.seq}"
+            else:
+                key = f"hang:{self.job}:ranks:{','.join(map(str, call.absent))}"
+            by_key.setdefault(key, []).append(call)
+        out: list[Finding] = []
+        for key, calls in by_key.items():
+            if key not in self.open_hangs:
+                self.open_hangs.add(key)
+                out.append(self._hang_finding(calls, key))
+        for key in sorted(self.open_hangs - set(by_key)):
+            self.open_hangs.discard(key)
+            kind = FindingKind.COMM_HANG if key.startswith("comm_hang:") else FindingKind.HANG
+            out.append(
+                Finding(
+                    kind=kind,
+                    job=self.job,
+                    severity="critical",
+                    summary=f"job {self.job}: the stuck collectives moved on",
+                    key=key,
+                    resolved=True,
+                )
+            )
+        return out
+
+    def _hang_finding(self, calls: list[StuckCall], key: str) -> Finding:
+        call = max(calls, key=lambda c: c.elapsed_s)
+        what = f"{call.op} #{call.seq} in group {call.group}"
+        evidence = _call_evidence(call)
+        if len(calls) > 1:
+            evidence["stuck_calls"] = [_call_evidence(c) for c in calls]
+        if call.communication:
+            nodes = tuple(sorted({self.rank_node.get(r, "?") for r in call.members}))
+            # Every member is inside the call: the path between them is at fault, but which
+            # link is unknown until a probe runs, and none can run while all are blocked.
+            evidence["confidence"] = 0.5
+            evidence["probe"] = "deferred: the link probe runs once the job steps again"
+            return Finding(
+                kind=FindingKind.COMM_HANG,
+                job=self.job,
+                severity="critical",
+                summary=(
+                    f"job {self.job}: all {len(call.members)} ranks entered {what} and none "
+                    f"finished after {call.elapsed_s:.0f}s: communication hang; a link probe "
+                    "after restart localizes it"
+                ),
+                key=key,
+                ranks=call.members,
+                nodes=nodes,
+                evidence=evidence,
+                probe_pairs=ring_pairs(call.members),
+            )
+        nodes = tuple(sorted({self.rank_node.get(r, "?") for r in call.absent}))
+        # An absentee that is itself stuck in another collective may be a victim of a chain;
+        # one stuck nowhere is the origin.
+        inflight_ranks = {rank for rank, _ in self.inflight}
+        evidence["confidence"] = 0.8 if set(call.absent) & inflight_ranks else 1.0
+        return Finding(
+            kind=FindingKind.HANG,
+            job=self.job,
+            severity="critical",
+            summary=(
+                f"job {self.job}: rank(s) {list(call.absent)} on {list(nodes)} never entered "
+                f"{what}; {len(call.entered)} peers waiting {call.elapsed_s:.0f}s"
+            ),
+            key=key,
+            ranks=call.absent,
+            nodes=nodes,
+            evidence=evidence,
+        )
+
+
+def _call_evidence(call: StuckCall) -> dict[str, object]:
+    return {
+        "group": call.group,
+        "seq": call.seq,
+        "op": call.op,
+        "elapsed_s": round(call.elapsed_s, 3),
+        "entered": list(call.entered),
+        "passed": list(call.passed),
+        "absent": list(call.absent),
+    }
+
+
+class JobTrackers:
+    """All jobs' trackers; the one object ingest and the periodic tick talk to."""
+
+    def __init__(self, cfg: C4DConfig | None = None) -> None:
+        self.cfg = cfg or C4DConfig()
+        self.jobs: dict[str, JobTracker] = {}
+
+    def tracker(self, job: str) -> JobTracker:
+        t = self.jobs.get(job)
+        if t is None:
+            t = self.jobs[job] = JobTracker(job=job, cfg=self.cfg)
+        return t
+
+    def observe(self, node: str, records: JobRecords, now_s: float) -> None:
+        # Rank events first: a restarted rank's "started" precedes its new steps in the
+        # same batch, and must reset the job before they are counted.
+        for ev in records.rank_events:
+            self.tracker(ev.job).observe_rank_event(node, ev, now_s)
+        for s in records.steps:
+            self.tracker(s.job).observe_step(node, s, now_s)
+        for rec in records.inflight:
+            self.tracker(rec.job).observe_inflight(node, rec, now_s)
+        for res in records.probes:
+            self.tracker(res.job).observe_probe(res)
+
+    def evaluate(self, now_s: float) -> list[Finding]:
+        out: list[Finding] = []
+        for tracker in list(self.jobs.values()):
+            try:
+                out.extend(tracker.evaluate(now_s))
+            except Exception:  # one job's bad data must not blind the others
+                log.exception("job detector failed for job %s", tracker.job)
+        return out
+
+    def forget(self, job: str) -> None:
+        self.jobs.pop(job, None)

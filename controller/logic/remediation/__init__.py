@@ -1,0 +1,1 @@
+"""Remediation decisions: rules, guards, restart planning and the goodput ledger."""

@@ -1,0 +1,2 @@
+"""Glue: services that feed the pure logic (controller.logic) with state and carry out
+its decisions."""

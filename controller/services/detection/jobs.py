@@ -1,0 +1,299 @@
+"""Job detectors in the controller loop: C4D trackers fed by ingest, findings to incidents.
+
+:mod:`controller.logic.detection.c4d` is pure; this module is its adapter. Every stored report's
+job records go to the trackers; each tick turns findings into incidents (one open incident
+per finding key) and, when a finding asks for it, starts a link-probe round: a
+``job_link_probe`` command to every node hosting the job, all naming the same future step.
+Each node's command has its own id, which the ranks echo as ``probe_id``; the adapter maps
+those ids back to the round and localizes once every probed pair answered or the round's
+deadline passed.
+
+A communication hang cannot be probed in place: every rank is blocked inside the stuck
+call and never reaches a future step. Its probe is deferred to the job's next run (the
+restart the remediation policy orders, or an operator's): once the restarted job has
+stepped on every rank, the round probes the ring of its ranks, so a link that is still
+slow, or slow from the first step (which the ``comm_slow`` detector, comparing against the
+job's own past, cannot see), is named.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from controller.logic.detection.c4d import C4DConfig, Finding, FindingKind, JobTrackers
+from controller.logic.detection.c4d.hang import ring_pairs
+from controller.logic.detection.cause import straggler_cause
+from controller.services.commands import CommandService
+from controller.services.incidents import IncidentService, IncidentSpec
+from controller.state import ClusterState
+from trainguard import wire
+
+log = logging.getLogger(__name__)
+
+#: Commands reach ranks at the agent's next report reply, then the ranks' next poll, so a
+#: probe is scheduled this many seconds of training ahead (at least ``MIN_LEAD_STEPS``).
+PROBE_LEAD_S = 15.0
+MIN_LEAD_STEPS = 5
+#: A probe round that has not heard back from every pair this long after its step is
+#: localized from what arrived (missing pairs are treated as failed transfers).
+PROBE_DEADLINE_S = 60.0
+#: A communication hang's deferred probe is dropped if the job has not run again by then.
+DEFERRED_PROBE_TTL_S = 6 * 3600.0
+
+
+@dataclass(slots=True)
+class ProbeRound:
+    job: str
+    round_id: str
+    at_step: int
+    pairs: tuple[tuple[int, int], ...]
+    deadline_unix_s: float
+    command_ids: set[str] = field(default_factory=set)
+    seen_pairs: set[tuple[int, int]] = field(default_factory=set)
+    #: Incident key of the communication hang this round follows up (deferred rounds).
+    after: str | None = None
+
+
+@dataclass(slots=True)
+class DeferredProbe:
+    """A communication hang's probe, waiting for the job's next run."""
+
+    job: str
+    hang_key: str
+    hang_summary: str
+    #: The tracker's incarnation when the hang was seen; the probe runs in a later one.
+    incarnation: int
+    expires_unix_s: float
+
+
+class JobDetector:
+    """``ReportObserver`` + ``Ticker`` running the C4D trackers for every job."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        incidents: IncidentService,
+        commands: CommandService,
+        *,
+        config: C4DConfig | None = None,
+        tick_interval_s: float = 1.0,
+    ) -> None:
+        self.trackers = JobTrackers(config)
+        self._state = state
+        self._incidents = incidents
+        self._commands = commands
+        self.tick_interval_s = tick_interval_s
+        self.rounds: dict[str, ProbeRound] = {}
+        self.deferred: dict[str, DeferredProbe] = {}
+        self._round_of_command: dict[str, str] = {}
+
+    async def on_report(self, report: wire.Report, received_unix_s: float) -> None:
+        records = report.job
+        if records.is_empty():
+            return
+        if records.probes:  # rare: rewrite command ids to round ids (a copy, off the hot path)
+            probes = []
+            for res in records.probes:
+                round_id = self._round_of_command.get(res.probe_id)
+                if round_id is None:
+                    continue  # a probe this controller did not start (or from before a restart)
+                self.rounds[round_id].seen_pairs.add((res.src_rank, res.dst_rank))
+                probes.append(res.model_copy(update={"probe_id": round_id}))
+            records = records.model_copy(update={"probes": probes})
+        self.trackers.observe(report.node.name, records, received_unix_s)
+
+    async def tick(self, now_unix_s: float) -> None:
+        for finding in self.trackers.evaluate(now_unix_s):
+            await self._apply(finding, now_unix_s)
+        for probe_round in list(self.rounds.values()):
+            done = probe_round.seen_pairs >= set(probe_round.pairs)
+            if done or now_unix_s > probe_round.deadline_unix_s:
+                await self._finish_round(probe_round, now_unix_s)
+        for deferred in list(self.deferred.values()):
+            await self._maybe_start_deferred(deferred, now_unix_s)
+
+    async def _apply(self, finding: Finding, now_unix_s: float) -> None:
+        if finding.resolved:
+            incident = self._incidents.find_open(finding.key)
+            if incident is not None:
+                await self._incidents.resolve(incident, note=finding.summary)
+            return
+        summary, evidence = finding.summary, {**finding.evidence, "nodes": list(finding.nodes)}
+        if finding.kind is FindingKind.STRAGGLER:
+            causes, facts = self._gpu_cause(finding)
+            evidence["gpu"] = facts
+            evidence["causes"] = causes
+            if causes:
+                summary += "; likely cause: " + ", ".join(causes)
+        spec = IncidentSpec(
+            kind=str(finding.kind),
+            severity=finding.severity,
+            summary=summary,
+            dedupe_key=finding.key,
+            node=finding.nodes[0] if len(finding.nodes) == 1 else None,
+            gpu_index=evidence.get("gpu_index") if len(finding.ranks) == 1 else None,
+            job=finding.job,
+            ranks=list(finding.ranks),
+            evidence=evidence,
+        )
+        if finding.refresh:
+            await self._incidents.open_or_bump(spec, count=0, refresh=True)
+            return
+        _, opened = await self._incidents.open_or_bump(spec)
+        if not (opened and finding.probe_pairs):
+            return
+        if finding.kind is FindingKind.COMM_HANG:
+            tracker = self.trackers.jobs.get(finding.job)
+            if tracker is not None:  # a hung job never reaches a future step: next run
+                self.deferred[finding.job] = DeferredProbe(
+                    job=finding.job,
+                    hang_key=finding.key,
+                    hang_summary=finding.summary,
+                    incarnation=tracker.incarnation,
+                    expires_unix_s=now_unix_s + DEFERRED_PROBE_TTL_S,
+                )
+                log.info(
+                    "link probe deferred to the job's next run",
+                    extra={"fields": {"job": finding.job, "incident": finding.key}},
+                )
+            return
+        await self._start_round(
+            finding.job, finding.probe_pairs, f"localize: {finding.summary}", now_unix_s
+        )
+
+    async def _maybe_start_deferred(self, deferred: DeferredProbe, now_unix_s: float) -> None:
+        tracker = self.trackers.jobs.get(deferred.job)
+        if tracker is None or now_unix_s > deferred.expires_unix_s:
+            del self.deferred[deferred.job]
+            return
+        ranks = tuple(sorted(tracker.rank_node))
+        restarted_and_stepping = (
+            tracker.incarnation > deferred.incarnation
+            and tracker.world_size > 1
+            and ranks == tuple(range(tracker.world_size))
+            and tracker.stragglers.last is not None  # a step compared: its time is known
+        )
+        if not restarted_and_stepping:
+            return
+        del self.deferred[deferred.job]
+        # The restarted job may run on other nodes or fewer ranks: probe it as it runs now.
+        reason = f"localize after the communication hang ({deferred.hang_summary})"
+        await self._start_round(
+            deferred.job, ring_pairs(ranks), reason, now_unix_s, after=deferred.hang_key
+        )
+
+    def _gpu_cause(self, finding: Finding) -> tuple[list[str], dict[str, Any]]:
+        tracker = self.trackers.jobs.get(finding.job)
+        if tracker is None or not finding.ranks:
+            return [], {}
+        rank = finding.ranks[0]
+        peers = [
+            sample
+            for r in tracker.rank_node
+            if r != rank and (sample := self._sample(tracker.rank_node[r], tracker.rank_gpu.get(r)))
+        ]
+        return straggler_cause(
+            self._sample(tracker.rank_node.get(rank), tracker.rank_gpu.get(rank)), peers
+        )
+
+    def _sample(self, node: str | None, gpu_index: int | None) -> wire.GpuSample | None:
+        node_state = self._state.nodes.get(node) if node else None
+        if node_state is None or gpu_index is None:
+            return None
+        gpu = node_state.gpus.get(gpu_index)
+        return gpu.latest if gpu else None
+
+    async def _start_round(
+        self,
+        job: str,
+        pairs: tuple[tuple[int, int], ...],
+        reason: str,
+        now_unix_s: float,
+        *,
+        after: str | None = None,
+    ) -> None:
+        tracker = self.trackers.jobs.get(job)
+        if tracker is None:
+            return
+        step_s = tracker.stragglers.last.median_step_s if tracker.stragglers.last else 1.0
+        lead = max(MIN_LEAD_STEPS, math.ceil(PROBE_LEAD_S / max(step_s, 1e-3)))
+        at_step = tracker.newest_step + lead
+        probe_round = ProbeRound(
+            job=job,
+            round_id=uuid.uuid4().hex[:16],
+            at_step=at_step,
+            pairs=pairs,
+            deadline_unix_s=now_unix_s + lead * step_s + PROBE_DEADLINE_S,
+            after=after,
+        )
+        for node in sorted(set(tracker.rank_node.values())):
+            request = wire.JobLinkProbe(
+                id="assigned-by-server", job=job, at_step=at_step, pairs=list(pairs), reason=reason
+            )
+            try:
+                command = await self._commands.create(node, request, by="detector:c4d")
+            except Exception:
+                log.exception("could not queue link probe", extra={"fields": {"node": node}})
+                continue
+            probe_round.command_ids.add(command.id)
+            self._round_of_command[command.id] = probe_round.round_id
+        if probe_round.command_ids:
+            self.rounds[probe_round.round_id] = probe_round
+            log.info(
+                "link probe scheduled",
+                extra={
+                    "fields": {
+                        "job": job,
+                        "at_step": at_step,
+                        "round": probe_round.round_id,
+                    }
+                },
+            )
+
+    async def _finish_round(self, probe_round: ProbeRound, now_unix_s: float) -> None:
+        del self.rounds[probe_round.round_id]
+        for command_id in probe_round.command_ids:
+            self._round_of_command.pop(command_id, None)
+        tracker = self.trackers.jobs.get(probe_round.job)
+        if tracker is None:
+            return
+        if not probe_round.seen_pairs:
+            log.warning(
+                "link probe round got no results; nothing to localize",
+                extra={"fields": {"job": probe_round.job, "round": probe_round.round_id}},
+            )
+            tracker.probes.pop(probe_round.round_id, None)
+            return
+        missing = set(probe_round.pairs) - probe_round.seen_pairs
+        for src, dst in sorted(missing):
+            tracker.observe_probe(
+                wire.ProbeResult(
+                    job=probe_round.job,
+                    probe_id=probe_round.round_id,
+                    src_rank=src,
+                    dst_rank=dst,
+                    size_bytes=0,
+                    duration_s=0.0,
+                    ok=False,
+                    error="no result before the probe deadline",
+                )
+            )
+        finding = tracker.finish_probe(probe_round.round_id)
+        if finding is not None and probe_round.after is not None:
+            finding = replace(
+                finding,
+                summary=f"{finding.summary} (probed after the communication hang)",
+                evidence={**finding.evidence, "after_incident": probe_round.after},
+            )
+        if finding is not None:
+            await self._apply(finding, now_unix_s)
+        elif probe_round.after is not None:
+            log.warning(
+                "the probe after the communication hang found every link healthy; the hang "
+                "was transient or is outside the probed paths",
+                extra={"fields": {"job": probe_round.job, "incident": probe_round.after}},
+            )

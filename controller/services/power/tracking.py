@@ -1,0 +1,222 @@
+"""Bookkeeping of the policy's Actions: created with the command, finished with its ack,
+completed with the power effect the readings showed.
+
+One action per command (per GPU and knob). Its ``params`` carry what an operator needs to
+judge it: the knob and target (clock or limit), the domain, level and threshold that
+caused it, the domain's power before; then the domain's power after and how long after the
+command the readings showed it (``reflected_after_s``: the first complete reading that
+moved by ``EFFECT_DELTA_FRAC`` of the budget the expected way; ``None`` when none did
+within ``EFFECT_TIMEOUT_S``, e.g. an uncap on an idle server), and, when a level change
+of a domain above caused it, that change's effect as the policy measured it
+(``level_change``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from controller.services.actions import ActionService
+from controller.state import CommandState
+from power import ActuationEffect, Decision, DomainStatus, DomainTree
+from power.tick_io import EFFECT_DELTA_FRAC, EFFECT_TIMEOUT_S
+from trainguard.wire import LockClocks, SetPowerLimit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Open:
+    action_id: int
+    node: str
+    created_unix_s: float
+    params: dict[str, Any]
+    command_id: str | None
+    domain: str | None
+    budget_w: float | None
+    power_before_w: float | None
+    up: bool
+    """Expected direction of the domain's power: up after an uncap or a looser cap."""
+    command_done: bool = False
+    effect_done: bool = False
+    level_done: bool = False
+
+
+def action_kind(decision: Decision) -> str:
+    return (
+        "power_cap" if isinstance(decision.command, LockClocks | SetPowerLimit) else "power_uncap"
+    )
+
+
+def decision_params(decision: Decision, power_before_w: float | None) -> dict[str, Any]:
+    cmd = decision.command
+    params: dict[str, Any] = {
+        "knob": decision.knob.value,
+        "command": cmd.kind,
+        "domain": decision.domain,
+        "level": decision.level.name,
+        "threshold_frac": decision.threshold_frac,
+        "budget_w": decision.budget_w,
+        "power_before_w": None if power_before_w is None else round(power_before_w, 1),
+        "reason": decision.reason,
+    }
+    if isinstance(cmd, LockClocks):
+        params["clock_mhz"] = cmd.max_mhz
+        params["clock_min_mhz"] = cmd.min_mhz
+    elif isinstance(cmd, SetPowerLimit):
+        params["limit_w"] = round(cmd.limit_w, 1)
+    return params
+
+
+class ActionTracker:
+    def __init__(self, actions: ActionService) -> None:
+        self._actions = actions
+        self.open: list[_Open] = []
+        #: Last target sent per (node, GPU, knob); None = uncapped.
+        self._targets: dict[tuple[str, int, str], float | None] = {}
+
+    async def record(
+        self,
+        decision: Decision,
+        command_id: str | None,
+        domain: DomainStatus | None,
+        now: float,
+        *,
+        failed: str | None = None,
+    ) -> None:
+        power_before_w = None if domain is None else domain.power_w
+        params = decision_params(decision, power_before_w)
+        target = _target(decision)
+        key = (decision.node, decision.gpu_index, decision.knob.value)
+        previous = self._targets.get(key)
+        up = target is None or (previous is not None and target > previous)
+        if failed is None:
+            self._targets[key] = target
+        params["command_id"] = command_id
+        level = decision.level.name.lower()
+        action_id = await self._actions.create(
+            kind=action_kind(decision),
+            target=f"{decision.node}:gpu{decision.gpu_index}",
+            trigger=f"power:{decision.domain or '-'}:{level}",
+            params=params,
+            status="failed" if failed else "pending",
+            outcome=failed or "",
+            created_unix_s=now,
+        )
+        if failed is None:
+            self.open.append(
+                _Open(
+                    action_id,
+                    decision.node,
+                    now,
+                    params,
+                    command_id,
+                    decision.domain,
+                    None if domain is None else domain.budget_w,
+                    power_before_w,
+                    up,
+                )
+            )
+
+    async def on_statuses(self, statuses: Mapping[str, DomainStatus], now: float) -> None:
+        """Power after: the first complete reading of the action's domain that moved."""
+        for entry in self.open:
+            if entry.effect_done or entry.domain is None or entry.power_before_w is None:
+                continue
+            st = statuses.get(entry.domain)
+            if st is None or entry.budget_w is None:
+                continue
+            delta = EFFECT_DELTA_FRAC * entry.budget_w
+            before = entry.power_before_w
+            moved = st.power_w >= before + delta if entry.up else st.power_w <= before - delta
+            timed_out = now - entry.created_unix_s >= EFFECT_TIMEOUT_S
+            if not ((st.complete and moved) or timed_out):
+                continue
+            entry.effect_done = True
+            observed = st.complete and moved
+            entry.params.update(
+                power_after_w=round(st.power_w, 1),
+                effect_observed=observed,
+                reflected_after_s=round(now - entry.created_unix_s, 3) if observed else None,
+            )
+            await self._actions.update(entry.action_id, params=dict(entry.params))
+
+    async def on_commands(self, commands: Mapping[str, CommandState], now: float) -> None:
+        """Finish actions whose command reached a final status."""
+        for entry in self.open:
+            if entry.command_done or entry.command_id is None:
+                continue
+            command = commands.get(entry.command_id)
+            if command is None:
+                status, outcome, done = "failed", "command forgotten before an ack", now
+            elif command.status in ("pending", "sent"):
+                continue
+            else:
+                status = "succeeded" if command.status == "succeeded" else "failed"
+                outcome = command.reason or command.status
+                done = command.finished_unix_s or now
+            entry.command_done = True
+            entry.params["command_status"] = command.status if command else "forgotten"
+            entry.params["command_latency_s"] = round(max(0.0, done - entry.created_unix_s), 3)
+            await self._actions.update(
+                entry.action_id,
+                params=dict(entry.params),
+                status=status,
+                outcome=outcome[:2000],
+                finished_unix_s=done,
+            )
+        await self._forget(now)
+
+    async def on_effects(self, effects: list[ActuationEffect], tree: DomainTree) -> None:
+        """Write each level change's effect onto the actions issued since it."""
+        for effect in effects:
+            for entry in self.open:
+                if entry.level_done or entry.created_unix_s < effect.started_s - 1e-6:
+                    continue
+                if not _covers(tree, effect.domain, entry.node):
+                    continue
+                entry.level_done = True
+                entry.params["level_change"] = {
+                    "domain": effect.domain,
+                    "from": effect.from_level.name,
+                    "to": effect.to_level.name,
+                    "power_before_w": round(effect.power_before_w, 1),
+                    "power_after_w": round(effect.power_after_w, 1),
+                    "observed": effect.observed,
+                    "latency_s": round(effect.latency_s, 3) if effect.observed else None,
+                }
+                await self._actions.update(entry.action_id, params=dict(entry.params))
+
+    async def _forget(self, now: float) -> None:
+        keep = []
+        for entry in self.open:
+            expired = now - entry.created_unix_s > EFFECT_TIMEOUT_S + 60.0
+            if entry.command_done and ((entry.effect_done and entry.level_done) or expired):
+                continue
+            if expired and not entry.command_done:
+                continue  # the command service expires it; stop tracking
+            keep.append(entry)
+        self.open = keep
+
+
+def _target(decision: Decision) -> float | None:
+    cmd = decision.command
+    if isinstance(cmd, LockClocks):
+        return float(cmd.max_mhz)
+    if isinstance(cmd, SetPowerLimit):
+        return cmd.limit_w
+    return None
+
+
+def _covers(tree: DomainTree, domain: str, node: str) -> bool:
+    """Whether ``domain`` is the node's server, above it, or one of its GPUs."""
+    server = tree.by_name.get(node)
+    dom = tree.by_name.get(domain)
+    if server is None or dom is None:
+        return False
+    return dom in server.ancestors() or dom.parent is server
+
+
+__all__ = ["ActionTracker", "action_kind", "decision_params"]

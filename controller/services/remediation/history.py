@@ -1,0 +1,167 @@
+"""What earlier leaders did, read back from the action rows when a leader starts acting.
+
+The engine keeps its guard rails in memory for speed, but memory dies with a controller.
+Everything a new leader (after a restart or a failover) must not forget is rebuilt here from
+the durable action log, with bounded queries on indexed columns (``trigger``,
+``created_unix_s``):
+
+* :func:`incident_actions`: the rows of the open incidents (decided ones are never acted on
+  twice; a ``pending`` row is a step its leader was inside when it went away);
+* :func:`restarts`: recent ``restart_job`` rows, which refill the per-job restart budget
+  (so the rate limit survives a failover) and say each job's original size (for grow-back);
+* :func:`interrupted_grows`: grow-back rows left ``pending``, closed by the new leader;
+* :func:`replay`: the goodput ledger's incidents, from the ``goodput`` parameters each
+  ``restart_job`` row carries (fault, detection, steps reached and resumed from, and, once
+  the job stepped again, when it resumed), and :func:`job_starts` for the wall clock;
+* :func:`newest_committed_before`: the checkpoint a ``rollback`` resumes from, from the
+  agents' checkpoint events (a new leader has no such memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from controller.db.models import Action, Checkpoint, Job
+from controller.logic.remediation.goodput import GoodputLedger
+
+#: Most restart rows read back; more restarts than this within one rate-limit window would
+#: already have been refused.
+RESTART_ROWS = 1000
+#: Triggers per ``IN (…)`` query.
+BATCH = 500
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentAction:
+    id: int
+    incident_id: int
+    kind: str
+    status: str
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RestartRow:
+    id: int
+    job: str
+    trigger: str
+    status: str
+    #: When the restart took effect (its row's end), or began when still ``pending``.
+    at_unix_s: float
+    params: dict[str, Any]
+
+
+def incident_actions(session: Session, incident_ids: list[int]) -> list[IncidentAction]:
+    """Every action row triggered by one of ``incident_ids``, oldest first."""
+    triggers = [f"incident:{i}" for i in incident_ids]
+    rows: list[IncidentAction] = []
+    for start in range(0, len(triggers), BATCH):
+        query = (
+            select(Action.id, Action.trigger, Action.kind, Action.status, Action.params)
+            .where(Action.trigger.in_(triggers[start : start + BATCH]))
+            .order_by(Action.id)
+        )
+        for action_id, trigger, kind, status, params in session.execute(query):
+            try:
+                incident_id = int(str(trigger).split(":", 1)[1])
+            except (IndexError, ValueError):
+                continue
+            rows.append(IncidentAction(action_id, incident_id, kind, status, params or {}))
+    return sorted(rows, key=lambda r: r.id)
+
+
+def restarts(session: Session) -> list[RestartRow]:
+    """The newest ``restart_job`` rows that took (or may have taken) effect, oldest first.
+
+    ``pending`` rows count: their leader went away inside the actuator call, which may have
+    gone through; the rate limit errs on the side of fewer restarts.
+    """
+    query = (
+        select(
+            Action.id,
+            Action.target,
+            Action.trigger,
+            Action.status,
+            Action.created_unix_s,
+            Action.finished_unix_s,
+            Action.params,
+        )
+        .where(Action.kind == "restart_job", Action.status.in_(("succeeded", "pending")))
+        .order_by(Action.id.desc())
+        .limit(RESTART_ROWS)
+    )
+    rows = [
+        RestartRow(r[0], r[1], r[2], r[3], r[5] if r[5] is not None else r[4], r[6] or {})
+        for r in session.execute(query)
+    ]
+    return rows[::-1]
+
+
+def interrupted_grows(session: Session, since_unix_s: float) -> list[int]:
+    """Ids of grow-back rows (trigger ``grow:<job>``) still ``pending`` since ``since_unix_s``."""
+    query = (
+        select(Action.id, Action.trigger)
+        .where(Action.created_unix_s >= since_unix_s, Action.status == "pending")
+        .order_by(Action.id)
+    )
+    return [r[0] for r in session.execute(query) if str(r[1]).startswith("grow:")]
+
+
+def job_starts(session: Session, jobs: list[str]) -> dict[str, float]:
+    """When the controller first saw each of ``jobs`` (the goodput ledger's wall start)."""
+    found: dict[str, float] = {}
+    for start in range(0, len(jobs), BATCH):
+        query = select(Job.name, Job.first_seen_unix_s).where(
+            Job.name.in_(jobs[start : start + BATCH])
+        )
+        found |= {str(name): float(seen) for name, seen in session.execute(query)}
+    return found
+
+
+def replay(ledger: GoodputLedger, rows: list[RestartRow]) -> int:
+    """Feed ``ledger`` the restarts of its job recorded in ``rows`` (oldest first).
+
+    Returns how many were replayed. Incidents that ended without a restart (a straggler
+    that went away) leave no ``restart_job`` row and are not rebuilt.
+    """
+    replayed = 0
+    for row in rows:
+        facts = row.params.get("goodput")
+        if row.job != ledger.job or row.status != "succeeded" or not isinstance(facts, dict):
+            continue
+        try:
+            ledger_id = str(facts["ledger_id"])
+            ledger.fault(float(facts["fault_unix_s"]), ledger_id, str(facts["kind"]))
+            ledger.detected(float(facts["detected_unix_s"]), ledger_id)
+            step_s = facts.get("step_s")
+            restarted = facts.get("restart_unix_s")
+            ledger.restart_started(
+                float(restarted) if isinstance(restarted, int | float) else row.at_unix_s,
+                ledger_id,
+                int(facts["last_step"]),
+                int(facts["resume_step"]),
+                step_s=float(step_s) if isinstance(step_s, int | float) else None,
+            )
+            resumed = facts.get("resumed_unix_s")
+            if isinstance(resumed, int | float):
+                ledger.resumed(float(resumed))
+        except (KeyError, TypeError, ValueError):
+            continue  # a row written by another version: its cost is not rebuilt
+        replayed += 1
+    return replayed
+
+
+def newest_committed_before(session: Session, job: str, step: int) -> int | None:
+    """The newest checkpoint step of ``job`` committed (rank 0's ``committed`` event) below
+    ``step``, or None. Strictly below: the checkpoint labelled ``step`` holds the weights
+    that the damaged step started from, which may already carry the cause (an overflowing
+    update shows up as NaN only in the next step's gradients)."""
+    query = select(func.max(Checkpoint.step)).where(
+        Checkpoint.job_name == job, Checkpoint.kind == "committed", Checkpoint.step < step
+    )
+    found = session.execute(query).scalar()
+    return int(found) if found is not None else None

@@ -1,0 +1,115 @@
+"""What the remediation engine keeps per remediation and per job, and what it reads from an
+incident's evidence (its culprit node, when its fault began)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.logic.remediation.goodput import GoodputLedger
+from controller.state import IncidentState
+
+
+@dataclass(slots=True)
+class Remediation:
+    id: str
+    #: ``None`` for a grow-back restart, which no incident triggers.
+    incident_id: int | None
+    incident_kind: str
+    job: str | None
+    node: str | None
+    steps: list[str]
+    started_unix_s: float
+    dry_run: bool
+    #: The trigger of its action rows: ``incident:<id>``, or ``grow:<job>`` for a grow-back.
+    trigger: str = ""
+    #: A grow-back restart (capacity returned), not a response to an incident.
+    grow: bool = False
+    state: str = "running"  # running | done | failed
+    outcome: str = ""
+    finished_unix_s: float | None = None
+    #: After a restart: the generation started and when its first step arrived.
+    generation: int | None = None
+    restarted_unix_s: float | None = None
+    resumed_unix_s: float | None = None
+    resume_step: int | None = None
+    #: The restart's action row and its parameters (updated when the job resumes).
+    restart_action: int | None = None
+    restart_params: dict[str, Any] | None = None
+
+    @property
+    def ledger_id(self) -> str:
+        """The goodput ledger's name for what this remediation costs the job."""
+        return str(self.incident_id) if self.incident_id is not None else f"grow:{self.id}"
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "trigger": self.trigger,
+            "incident": self.incident_id,
+            "incident_kind": self.incident_kind,
+            "job": self.job,
+            "node": self.node,
+            "steps": self.steps,
+            "dry_run": self.dry_run,
+            "state": self.state,
+            "outcome": self.outcome,
+            "started_unix_s": self.started_unix_s,
+            "finished_unix_s": self.finished_unix_s,
+            "generation": self.generation,
+            "resume_step": self.resume_step,
+            "restarted_unix_s": self.restarted_unix_s,
+            "resumed_unix_s": self.resumed_unix_s,
+        }
+
+
+@dataclass(slots=True)
+class JobBook:
+    """What the engine tracks per job between reports."""
+
+    ledger: GoodputLedger
+    #: Newest committed checkpoint: (step, controller time it was reported).
+    checkpoint: tuple[int, float] | None = None
+    running: Remediation | None = None
+    #: Set by a restart; cleared when the first step of the new generation arrives.
+    awaiting_resume: Remediation | None = None
+    last_restart_unix_s: float | None = None
+    #: When the newest remediation of the job began: incidents opened after it are its
+    #: consequences (ranks stopped, peers timing out) until the job has settled.
+    last_remediation_unix_s: float | None = None
+    resumed_unix_s: float | None = None
+    culprits: dict[str, list[float]] = field(default_factory=dict)
+
+
+def culprit_node(incident: IncidentState) -> str | None:
+    """The one node an incident names (itself, or a single node in its evidence)."""
+    if incident.node is not None:
+        return incident.node
+    nodes = incident.evidence.get("nodes")
+    if isinstance(nodes, list) and len(nodes) == 1 and isinstance(nodes[0], str):
+        return nodes[0]
+    return None
+
+
+def fault_time(incident: IncidentState) -> float:
+    """When the fault began, as far as the evidence tells (else when it was opened):
+    the goodput ledger charges detection delay from here."""
+    evidence = incident.evidence
+    opened = incident.opened_unix_s
+    candidates: list[float] = []
+    for key in ("since_unix_s", "first_event_unix_s", "start_unix_s", "last_report_unix_s"):
+        value = evidence.get(key)
+        if isinstance(value, int | float):
+            candidates.append(float(value))
+    events = evidence.get("events")
+    if isinstance(events, list):  # e.g. the XIDs of a gpu_fault
+        candidates += [
+            float(e["time_unix_s"])
+            for e in events
+            if isinstance(e, dict) and isinstance(e.get("time_unix_s"), int | float)
+        ]
+    elapsed = evidence.get("elapsed_s")
+    if isinstance(elapsed, int | float):  # a hang: time the peers have been waiting
+        candidates.append(opened - float(elapsed))
+    valid = [t for t in candidates if 0 < t <= opened]
+    return min(valid) if valid else opened

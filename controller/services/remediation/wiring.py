@@ -1,0 +1,132 @@
+"""Build the remediation engine from settings: its policy, its actuator, its local jobs.
+
+Kept apart from ``controller.runtime`` so the choice of actuator (and the Kubernetes
+client it needs) is made in one place, and the local jobs file is validated at start with
+an error that names the field.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from controller.actuators.base import Actuator, Placement
+from controller.actuators.local import LocalJobSpec, LocalProcessActuator
+from controller.logic.remediation.rules import PolicyError, first_error, load_policy, read_document
+from controller.services.remediation.engine import RemediationEngine
+from controller.settings import ControllerSettings
+
+if TYPE_CHECKING:
+    from controller.runtime import Controller
+
+
+class LocalJob(BaseModel):
+    """One entry of ``local_jobs_file``: a job the local actuator runs and restarts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=253)
+    #: The rank command; ``python`` as its first word means this controller's interpreter.
+    argv: list[str] = Field(min_length=1)
+    #: Simulated nodes the job may use, spares last.
+    pool: list[str] = Field(min_length=1)
+    #: Nodes of the first launch (default: as many of ``pool`` as ``nodes_count`` says).
+    nodes: list[str] | None = None
+    nodes_count: int | None = Field(default=None, ge=1)
+    ranks_per_node: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    node_env: dict[str, dict[str, str]] = Field(default_factory=dict)
+    log_dir: Path = Path(".")
+    cwd: Path | None = None
+    min_dp: int = Field(default=1, ge=1)
+    #: The global batch: every data-parallel size a restart picks must divide it.
+    global_batch: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _initial_nodes(self) -> LocalJob:
+        nodes = self.first_nodes()
+        if not nodes or any(n not in self.pool for n in nodes):
+            raise ValueError(f"job {self.name!r}: nodes must be a non-empty subset of pool")
+        return self
+
+    def first_nodes(self) -> list[str]:
+        if self.nodes is not None:
+            return self.nodes
+        return self.pool[: self.nodes_count or len(self.pool)]
+
+    def spec(self) -> LocalJobSpec:
+        argv = [sys.executable if i == 0 and a == "python" else a for i, a in enumerate(self.argv)]
+        return LocalJobSpec(
+            name=self.name,
+            argv=argv,
+            pool=self.pool,
+            ranks_per_node=self.ranks_per_node,
+            tp=self.tp,
+            env=self.env,
+            node_env=self.node_env,
+            log_dir=self.log_dir,
+            min_dp=self.min_dp,
+            dp_must_divide=self.global_batch,
+            cwd=self.cwd,
+        )
+
+    def placement(self) -> Placement:
+        return Placement(
+            job=self.name,
+            nodes=tuple(self.first_nodes()),
+            ranks_per_node=self.ranks_per_node,
+            tp=self.tp,
+        )
+
+
+def load_local_jobs(path: Path) -> list[LocalJob]:
+    document = read_document(path, "local_jobs_file")
+    if not isinstance(document, list):
+        raise PolicyError(f"local_jobs_file {path}: expected a YAML list of jobs")
+    jobs = []
+    for i, entry in enumerate(document):
+        try:
+            jobs.append(LocalJob.model_validate(entry))
+        except ValidationError as exc:
+            raise PolicyError(f"local_jobs_file {path}: {first_error(exc, f'[{i}].')}") from None
+        except ValueError as exc:
+            raise PolicyError(f"local_jobs_file {path}: [{i}]: {exc}") from None
+    return jobs
+
+
+def build_actuator(settings: ControllerSettings) -> Actuator | None:
+    if settings.actuator == "local":
+        return LocalProcessActuator()
+    if settings.actuator == "kubernetes":
+        from controller.actuators.kubernetes import KubernetesActuator
+
+        return KubernetesActuator.from_environment(settings.kube_namespace)
+    return None
+
+
+def build_remediation(
+    settings: ControllerSettings, controller: Controller, is_leader: Callable[[], bool]
+) -> RemediationEngine:
+    policy = load_policy(settings.policy_file)
+    if settings.policy_dry_run is not None:
+        policy = policy.model_copy(update={"dry_run": settings.policy_dry_run})
+    local_jobs = load_local_jobs(settings.local_jobs_file) if settings.local_jobs_file else []
+    if local_jobs and settings.actuator != "local":
+        raise PolicyError("local_jobs_file is set but the actuator is not 'local'")
+    engine = RemediationEngine(
+        controller.state,
+        controller.store,
+        controller.incidents,
+        controller.commands,
+        controller.actions,
+        build_actuator(settings),
+        policy,
+        is_leader=is_leader,
+    )
+    engine.local_jobs = [(job.spec(), job.placement()) for job in local_jobs]
+    return engine

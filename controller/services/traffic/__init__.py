@@ -1,0 +1,1 @@
+"""The controller side of traffic planning: fabric, versioned plans, link health, API views."""

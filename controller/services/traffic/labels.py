@@ -1,0 +1,67 @@
+"""The fabric from node labels: for clusters whose nodes say which leaf each NIC is cabled to.
+
+Agents report their node's labels; nodes labelled ``topology.trainguard.io/nic<k>:
+leafA[,leafB]`` describe their own NICs, and the ``topology_labels`` setting supplies what no
+node can know (spine count, oversubscription, default port speed). The fabric is rebuilt
+when the labelled nodes or their labels change; the service then re-plans every plan on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from controller.errors import StartupError
+from controller.logic.traffic.topofile import LABEL_PREFIX, LabelFabric, topology_from_labels
+from controller.logic.traffic.topology import Topology
+from controller.state import ClusterState
+
+LabelKey = tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+
+
+def label_fabric(raw: Mapping[str, Any] | None) -> LabelFabric | None:
+    """The ``topology_labels`` setting as a ``LabelFabric``; bad values stop the start."""
+    if raw is None:
+        return None
+    known = {"spines", "oversubscription", "port_speed_gbps", "name"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise StartupError(f"topology_labels.{unknown[0]}: unknown key (use {sorted(known)})")
+    try:
+        fabric = LabelFabric(
+            spines=int(raw.get("spines", 8)),
+            oversubscription=float(raw.get("oversubscription", 1.0)),
+            port_speed_gbps=float(raw.get("port_speed_gbps", 200.0)),
+            name=str(raw.get("name", "labels")),
+        )
+    except (TypeError, ValueError) as exc:
+        raise StartupError(f"topology_labels: {exc}") from None
+    if fabric.spines < 1 or not fabric.oversubscription > 0 or not fabric.port_speed_gbps > 0:
+        raise StartupError("topology_labels: spines >= 1, oversubscription > 0, speed > 0")
+    return fabric
+
+
+class LabelSource:
+    def __init__(self, state: ClusterState, fabric: LabelFabric) -> None:
+        self._state = state
+        self.fabric = fabric
+
+    def _labels(self) -> dict[str, dict[str, str]]:
+        out = {}
+        for name, node in self._state.nodes.items():
+            mine = {k: v for k, v in node.labels.items() if k.startswith(LABEL_PREFIX)}
+            if mine:
+                out[name] = mine
+        return out
+
+    def key(self) -> LabelKey:
+        """Changes exactly when the fabric the labels describe may have changed."""
+        return tuple(
+            (n, tuple(sorted(labels.items()))) for n, labels in sorted(self._labels().items())
+        )
+
+    def build(self) -> Topology:
+        return topology_from_labels(self._labels(), self.fabric)
+
+
+__all__ = ["LabelKey", "LabelSource", "label_fabric"]

@@ -1,0 +1,97 @@
+"""Reacting to ``slow_link`` incidents: suspect fabric links marked slow, plans re-made.
+
+The job detectors' probe round localizes slow communication to rank pairs; this hook, run
+by ``IncidentService.open_hooks`` when such an incident opens, maps the pairs to links
+(:func:`.placement.slow_link_suspects`), marks them slow at the measured bandwidth ratio and
+re-plans through the service, off the detector's path (its own task). Each outcome, good or
+bad, is recorded as a ``traffic_replan`` action so an operator can see what was done and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from controller.services.traffic import placement
+from controller.state import ClusterState, IncidentState
+
+if TYPE_CHECKING:
+    from controller.services.traffic.service import TrafficService
+
+log = logging.getLogger(__name__)
+
+
+class SlowLinkReaction:
+    def __init__(self, service: TrafficService, state: ClusterState) -> None:
+        self._service = service
+        self._state = state
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def opened(self, incident: IncidentState) -> None:
+        if incident.kind != "slow_link":
+            return
+        task = asyncio.get_running_loop().create_task(self.react(incident))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def suspects(self, incident: IncidentState) -> tuple[list[str], float]:
+        live = self._service.plan_of(incident.job or "")
+        job = self._state.jobs.get(incident.job or "")
+        if live is None or job is None:
+            return [], 1.0
+        return placement.slow_link_suspects(live.plan, job, incident.evidence)
+
+    async def react(self, incident: IncidentState) -> None:
+        """Mark the suspect links slow and re-plan; the outcome is an audited action."""
+        trigger = f"incident:{incident.id}"
+        try:
+            links, factor = self.suspects(incident)
+            if not links:
+                log.info(
+                    "slow-link incident: no planned flows on the slow pairs; nothing to re-plan",
+                    extra={"fields": {"incident": incident.id, "job": incident.job}},
+                )
+                return
+            result = await self._service.set_links([(n, factor) for n in links], reason=trigger)
+        except Exception as exc:
+            log.exception("slow-link re-plan failed", extra={"fields": {"incident": incident.id}})
+            await self._record(incident, trigger, {}, "failed", f"{type(exc).__name__}: {exc}")
+            return
+        moved = sum(p["moved_flows"] for p in result["plans"])
+        outcome = (
+            f"marked {len(links)} link(s) slow at {factor:.2f} of capacity; re-planned "
+            f"{len(result['plans'])} plan(s), {moved} flow(s) moved in {result['replan_ms']:.1f} ms"
+        )
+        await self._record(incident, trigger, result, "succeeded", outcome)
+
+    async def _record(
+        self,
+        incident: IncidentState,
+        trigger: str,
+        params: dict[str, Any],
+        status: str,
+        outcome: str,
+    ) -> None:
+        actions = self._service.actions
+        if actions is None:
+            return
+        try:
+            await actions.create(
+                kind="traffic_replan",
+                target=f"job:{incident.job}",
+                trigger=trigger,
+                params=params,
+                status=status,
+                outcome=outcome,
+            )
+        except Exception:
+            log.exception("could not record the re-plan action")
+
+
+__all__ = ["SlowLinkReaction"]
