@@ -65,7 +65,21 @@ def test_usage_error_names_the_command_to_get_help(cli: Cli) -> None:
 def test_unreachable_controller_is_exit_1(cli: Cli) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     message = _one_line(cli("nodes", "--server", url), 1)
-    assert message == f"error: cannot reach controller at {url}: connection refused"
+    assert message == (
+        f"error: cannot reach controller at {url}: connection refused; is it running? "
+        "In a cluster use your kubeconfig (--context, -n) or `kubectl port-forward`"
+    )
+
+
+def test_kubectl_short_server_flag_is_refused_with_a_hint(cli: Cli) -> None:
+    """kubectl's -s names the API server; taking it as the controller would be a trap."""
+    message = _one_line(cli("nodes", "-s", "https://10.0.0.1:6443"), 2)
+    assert "-s is kubectl's API-server flag" in message and "--server URL" in message
+
+
+def test_server_flag_and_kubeconfig_flags_exclude_each_other(cli: Cli) -> None:
+    message = _one_line(cli("nodes", "--server", "http://127.0.0.1:1", "--context", "x"), 2)
+    assert "give one or the other" in message
 
 
 def test_missing_and_wrong_token_are_explained(
@@ -96,7 +110,7 @@ def test_connection_flags_before_or_after_the_command(
     dead = f"http://127.0.0.1:{free_port()}"
     before = cli("--server", url, "--token", token, "nodes", "-o", "name")
     assert before.code == 0 and len(before.out.split()) == 3
-    after = cli("nodes", "-s", url, "--token", token, "-o", "name")
+    after = cli("nodes", "--server", url, "--token", token, "-o", "name")
     assert after.out == before.out
     # The flag after the command wins over the one before it, which wins over the env.
     monkeypatch.setenv("TRAINGUARD_SERVER", dead)
@@ -124,9 +138,10 @@ def test_console_script_exit_codes_and_no_traceback() -> None:
         text=True,
     )
     assert down.returncode == 1
-    assert down.stderr == (
-        f"error: cannot reach controller at http://127.0.0.1:{port}: connection refused\n"
+    assert down.stderr.startswith(
+        f"error: cannot reach controller at http://127.0.0.1:{port}: connection refused; "
     )
+    assert down.stderr.count("\n") == 1
 
 
 def test_debug_env_shows_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:

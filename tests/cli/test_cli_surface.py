@@ -19,9 +19,12 @@ from trainguard.cli.app import (
 )
 from trainguard.cli.output import human_age
 
-CLIENT = ["--server/-s", "--token", "--output/-o"]
+CLIENT = ["--server", "--token", "--output/-o"]
 EXPECTED = {
-    "<root>": ["--server/-s", "--token", "--version"],
+    "<root>": [
+        "--server", "--token", "--kubeconfig", "--context", "--namespace/-n", "--service",
+        "--version",
+    ],
     "actions": CLIENT,
     "agent": [
         "--controller", "--token", "--node-name", "--gpus", "--sim-fault", "--sim-fault-file",
@@ -37,12 +40,12 @@ EXPECTED = {
     "demo": ["--scenario", "--keep-running"],
     "goodput": ["JOB", *CLIENT],
     "incidents": ["--state", "--kind", "--node", "--job", *CLIENT],
-    "isolate": ["NODE", "--reason", "--server/-s", "--token"],
+    "isolate": ["NODE", "--reason", "--server", "--token"],
     "jobs": CLIENT,
     "node": ["NAME", *CLIENT],
     "nodes": ["--health", *CLIENT],
     "policy": CLIENT,
-    "release": ["NODE", "--reason", "--server/-s", "--token"],
+    "release": ["NODE", "--reason", "--server", "--token"],
     "remediation": CLIENT,
     "status": CLIENT,
 }  # fmt: skip
@@ -100,7 +103,8 @@ def test_own_commands_skip_optional_imports() -> None:
     ("argv", "word"),
     [
         (["nodes"], "nodes"),
-        (["-s", "http://x:1", "incidents", "--kind", "gpu_fault"], "incidents"),
+        (["--server", "http://x:1", "incidents", "--kind", "gpu_fault"], "incidents"),
+        (["-n", "tg", "--context", "prod", "nodes"], "nodes"),
         (["--token", "nodes", "status"], "status"),
         (["--server=http://x:1", "jobs"], "jobs"),
         (["--help"], None),

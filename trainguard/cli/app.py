@@ -19,7 +19,16 @@ import typer
 from trainguard import __version__
 from trainguard.cli import cmd_get, cmd_remediate, cmd_serve
 from trainguard.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError
-from trainguard.cli.options import Server, Token, remember_connection
+from trainguard.cli.kubeproxy import KubeFlags, hoist_kube_flags
+from trainguard.cli.options import (
+    Context,
+    Kubeconfig,
+    Namespace,
+    Server,
+    Service,
+    Token,
+    remember_connection,
+)
 
 #: Sub-apps other packages own; mounted only when importable, so the CLI works without them.
 OPTIONAL_SUBAPPS: tuple[tuple[str, str], ...] = (
@@ -65,6 +74,10 @@ def build_app(argv: Sequence[str] = ()) -> typer.Typer:
         ctx: typer.Context,
         server: Server = None,
         token: Token = None,
+        kubeconfig: Kubeconfig = None,
+        context: Context = None,
+        namespace: Namespace = None,
+        service: Service = None,
         version: bool = typer.Option(
             False,
             "--version",
@@ -74,7 +87,10 @@ def build_app(argv: Sequence[str] = ()) -> typer.Typer:
         ),
     ) -> None:
         """Root options."""
-        remember_connection(ctx, server, token)
+        kube = KubeFlags(
+            kubeconfig=kubeconfig, context=context, namespace=namespace, service=service
+        )
+        remember_connection(ctx, server, token, kube)
 
     cmd_get.register(app)
     cmd_remediate.register(app)
@@ -116,7 +132,9 @@ def mount_optional_subapps(app: typer.Typer, argv: Sequence[str]) -> list[str]:
 
 
 #: Root options that take a value, so the value is not mistaken for the command.
-_ROOT_VALUE_OPTIONS = frozenset({"--server", "-s", "--token"})
+_ROOT_VALUE_OPTIONS = frozenset(
+    {"--server", "--token", "--kubeconfig", "--context", "-n", "--namespace", "--service"}
+)
 
 
 def command_word(argv: Sequence[str]) -> str | None:
@@ -162,6 +180,8 @@ def run(argv: Sequence[str] | None = None, prog_name: str | None = None) -> int:
     prog = prog_name or program_name(sys.argv[0] if sys.argv else "trainguard")
     debug = os.environ.get("TRAINGUARD_DEBUG", "") not in ("", "0", "false")
     try:
+        # kubectl's global flags may stand anywhere (`nodes -n tg`); the root declares them.
+        args = hoist_kube_flags(args)
         command = typer.main.get_command(build_app(args))
         result = command.main(args=args, prog_name=prog, standalone_mode=False)
     except CliError as exc:

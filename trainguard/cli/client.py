@@ -3,10 +3,16 @@
 It returns the API's JSON objects unchanged (``-o json`` prints exactly what the server
 sent) and turns every transport or HTTP failure into a :mod:`trainguard.cli.errors`
 exception whose message tells the user what to do next.
+
+Two ways in: a controller URL (``--server``), or the Kubernetes API server's service proxy
+(:mod:`trainguard.cli.kubeproxy`), where the API server's own refusals (a ``Status`` object:
+unknown Service, no ready endpoint, credentials refused) are told apart from the
+controller's answers.
 """
 
 from __future__ import annotations
 
+import ssl
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -14,6 +20,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from trainguard.cli.errors import BadInput, NotFound, ServerError, Unauthorized, Unreachable
+from trainguard.cli.kubeproxy import TOKEN_HEADER, ProxyEndpoint
 from trainguard.wire import API_PREFIX
 
 DEFAULT_SERVER = "http://127.0.0.1:8470"
@@ -52,13 +59,46 @@ def _reason(exc: httpx.TransportError) -> str:
 class ApiClient:
     """Synchronous API client; use as a context manager so the connection pool is closed."""
 
-    def __init__(self, server: str, token: str | None = None, *, timeout_s: float = 10.0) -> None:
-        self.server = check_server_url(server)
+    def __init__(
+        self,
+        server: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        proxy: ProxyEndpoint | None = None,
+    ) -> None:
         self._token = token or None
+        self._proxy = proxy
         headers = {"Accept": "application/json"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s)
+        verify: ssl.SSLContext | bool = True
+        if proxy is None:
+            self.server = check_server_url(server)
+            self.where = f"controller at {self.server}"
+            if self._token:
+                headers["Authorization"] = f"Bearer {self._token}"
+        else:
+            self.server = proxy.base_url
+            self.where = f"controller ({proxy.description})"
+            headers |= proxy.headers  # the API server's credentials
+            if self._token:
+                headers[TOKEN_HEADER] = self._token
+            verify = proxy.verify
+        self._http = httpx.Client(
+            base_url=self.server, headers=headers, timeout=timeout_s, verify=verify
+        )
+
+    @classmethod
+    def through(cls, proxy: ProxyEndpoint, token: str | None = None) -> ApiClient:
+        """A client that reaches the controller through the API server's service proxy."""
+        return cls(proxy.base_url, token, proxy=proxy)
+
+    def _unreachable_hint(self) -> str:
+        if self._proxy is not None:
+            return "check --context and -n/--service, or reach it directly with --server URL"
+        return (
+            "is it running? In a cluster use your kubeconfig (--context, -n) "
+            "or `kubectl port-forward`"
+        )
 
     def __enter__(self) -> ApiClient:
         return self
@@ -92,22 +132,25 @@ class ApiClient:
             response = self._http.request(method, path, params=clean, json=body)
         except httpx.TimeoutException as exc:
             raise Unreachable(
-                f"controller at {self.server} did not answer in time ({type(exc).__name__})"
+                f"{self.where} did not answer in time ({type(exc).__name__}); "
+                f"{self._unreachable_hint()}"
             ) from exc
         except httpx.TransportError as exc:
-            raise Unreachable(f"cannot reach controller at {self.server}: {_reason(exc)}") from exc
+            raise Unreachable(
+                f"cannot reach {self.where}: {_reason(exc)}; {self._unreachable_hint()}"
+            ) from exc
         self._raise_for_status(response)
         try:
             return response.json()
         except ValueError as exc:
-            raise ServerError(
-                f"controller at {self.server} sent a non-JSON answer to {method} {path}"
-            ) from exc
+            raise ServerError(f"{self.where} sent a non-JSON answer to {method} {path}") from exc
 
     def _raise_for_status(self, response: httpx.Response) -> None:
         status = response.status_code
         if status < 400:
             return
+        if self._proxy is not None:
+            self._raise_for_api_server(response)
         detail = _detail(response)
         if status == 401:
             if self._token:
@@ -122,7 +165,37 @@ class ApiClient:
             raise NotFound(detail)
         if 400 <= status < 500:
             raise BadInput(f"controller rejected the request: {detail}")
-        raise ServerError(f"controller at {self.server} answered {status}: {detail}")
+        raise ServerError(f"{self.where} answered {status}: {detail}")
+
+    def _raise_for_api_server(self, response: httpx.Response) -> None:
+        """The API server's own refusals come as a ``Status`` object, never as ``detail``."""
+        body = _json(response)
+        if not isinstance(body, dict) or body.get("kind") != "Status":
+            return
+        assert self._proxy is not None
+        message = " ".join(str(body.get("message") or response.reason_phrase).split())
+        where = self._proxy.description
+        status = response.status_code
+        if status == 401:
+            raise Unauthorized(
+                f"the API server rejected your kubeconfig credentials ({where}): {message}"
+            )
+        if status == 403:
+            raise Unauthorized(
+                f"the API server forbids the service proxy ({where}): {message}; "
+                "you need get and create on services/proxy in that namespace"
+            )
+        if status == 404:
+            raise Unreachable(
+                f"no controller Service: {message} ({where}); "
+                "set -n/--namespace and --service to where the chart is installed"
+            )
+        if status in (502, 503):
+            raise Unreachable(
+                f"no ready controller behind {where}: {message}; "
+                "see `kubectl get pods` in that namespace"
+            )
+        raise ServerError(f"the API server answered {status} ({where}): {message}")
 
     def _list(self, path: str, params: dict[str, Any] | None = None) -> list[JsonObject]:
         """Walk every page of a ``{"data", "count"}`` list endpoint."""
@@ -216,6 +289,13 @@ class ApiClient:
         except NotFound as exc:
             raise NotFound(f'plan "{plan_id}" not found') from exc
         return result
+
+
+def _json(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
 
 
 def _detail(response: httpx.Response) -> str:
