@@ -151,5 +151,5 @@ def test_cli_surface_is_frozen() -> None:
     )
     assert "--link-down" in flags["create"] and "--qp-map" in flags["create"]
     # API-backed: the rest of the CLI's connection and output flags (plan ID is an argument).
-    client = sorted(["--server", "-s", "--token", "--output", "-o"])
+    client = sorted(["--server", "--token", "--output", "-o"])
     assert flags["list"] == client and flags["get"] == sorted([*client, "plan_id"])

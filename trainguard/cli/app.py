@@ -17,7 +17,7 @@ from pathlib import Path
 import typer
 
 from trainguard import __version__
-from trainguard.cli import cmd_get, cmd_remediate, cmd_serve
+from trainguard.cli import cmd_get, cmd_plan, cmd_remediate, cmd_serve
 from trainguard.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError
 from trainguard.cli.kubeproxy import KubeFlags, hoist_kube_flags
 from trainguard.cli.options import (
@@ -34,7 +34,6 @@ from trainguard.cli.options import (
 OPTIONAL_SUBAPPS: tuple[tuple[str, str], ...] = (
     ("checkpoint", "checkpoint.cli"),
     ("power", "power.cli"),
-    ("plan", "trainguard.cli.cmd_plan"),
 )
 
 HELP = (
@@ -93,6 +92,7 @@ def build_app(argv: Sequence[str] = ()) -> typer.Typer:
         remember_connection(ctx, server, token, kube)
 
     cmd_get.register(app)
+    cmd_plan.register(app)
     cmd_remediate.register(app)
     cmd_serve.register(app)
     from trainguard.cli import demo

@@ -295,4 +295,10 @@ from trainguard.cli import cmd_plan_api as cli_api  # noqa: E402  (registers ``p
 
 cli_api.register(app)
 
-__all__ = ["app"]
+
+def register(root: typer.Typer) -> None:
+    """Mount ``trainguard plan …`` on the root command (imports only typer until it runs)."""
+    root.add_typer(app, name="plan", rich_help_panel="More")
+
+
+__all__ = ["app", "register"]
