@@ -20,6 +20,9 @@ _FLAGS: list[tuple[str, str, Any]] = [
     ("--token", "token", str),
     ("--node-name", "node_name", str),
     ("--gpus", "gpus", str),
+    ("--dev-dir", "dev_dir", str),
+    ("--nvml-timeout", "nvml_timeout_s", float),
+    ("--sysfs-root", "sysfs_root", str),
     ("--sim-seed", "sim_seed", int),
     ("--sim-fault-file", "sim_fault_file", str),
     ("--sample-interval", "sample_interval_s", float),
@@ -50,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--sim-no-permission", dest="sim_no_permission", action="store_true", default=None
+    )
+    parser.add_argument(
+        "--foreground",
+        dest="foreground",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="exit non-zero when NVML fails on a GPU node (default: when stdin is a terminal)",
     )
     parser.add_argument(
         "--label",

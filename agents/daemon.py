@@ -7,6 +7,7 @@ Threads::
                 into a spooled report
     reporter    send spooled reports oldest first; run the reply's commands
     xid-watcher block in nvmlEventSetWait_v2 for critical XIDs
+    nvml-gpuN   one per GPU: that GPU's NVML reads, so a hung call costs only that GPU
     local-*     one per job-side client on the Unix socket
     metrics     prometheus_client's HTTP server
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,12 +30,13 @@ from types import FrameType
 import trainguard
 from agents.batch import Batch
 from agents.commands import CommandExecutor
-from agents.errors import AgentConfigError
+from agents.errors import AgentConfigError, GpuWatchError
 from agents.gpu.backend import GpuBackend, open_backend
 from agents.gpu.fault_file import FaultFile
 from agents.gpu.sim import SimNvml
 from agents.local_endpoint import LocalEndpoint, Session
 from agents.metrics import MetricsServer, MetricsSource
+from agents.nics import NicMonitor
 from agents.node_power import NodePowerSampler, RaplReader
 from agents.reporter import BackoffPolicy, Reporter
 from agents.sampler import GpuSampler
@@ -58,6 +61,10 @@ log = logging.getLogger(__name__)
 MIN_URGENT_GAP_S = 0.25
 #: On shutdown, how long the reporter may keep sending what is spooled.
 SHUTDOWN_DRAIN_S = 2.0
+#: Hardware events that are sent at once rather than at the next report interval.
+URGENT_EVENTS = frozenset(
+    {"gpu_unknown", "nvlink_down", "nic_port_down", "nic_gone", "bond_member_down"}
+)
 
 
 class Agent:
@@ -83,6 +90,7 @@ class Agent:
             seed=settings.sim_seed,
             sim_no_permission=settings.sim_no_permission,
             identity=settings.node_name,
+            dev_dir=settings.dev_dir,
         )
         try:
             self._build(settings)
@@ -104,8 +112,10 @@ class Agent:
             xid_source=lambda i: self.xids.drain(i) if self.xids else [],
             locked_clock_mhz=lambda i: self.executor.locked_clock_mhz(i) if self.executor else None,
             on_lost=lambda i: self.request_report(f"GPU {i} lost"),
+            timeout_s=settings.nvml_timeout_s,
         )
         inventory = self.sampler.open()
+        self.nics = NicMonitor(settings.sysfs_root)
         self.executor = CommandExecutor(
             api, self.sampler.handles, relay=self._relay, on_ack=self._on_ack
         )
@@ -123,6 +133,8 @@ class Agent:
             agent_version=trainguard.__version__,
             backend=self.backend.kind,
             driver_version=self.backend.driver_version[:64],
+            gpu_error=self.backend.error,
+            nics=self.nics.inventory({g.index: g.pci_bus_id for g in inventory if g.pci_bus_id}),
         )
         token = settings.token.get_secret_value() if settings.token else None
         self.reporter = Reporter(
@@ -137,7 +149,7 @@ class Agent:
         )
         self.metrics: MetricsServer | None = None
         self.metrics_source = MetricsSource(
-            hostname=self.identity.hostname,
+            hostname=settings.node_name,
             inventory=inventory,
             stats=self.stats,
             spool_stats=self.spool.stats,
@@ -151,7 +163,8 @@ class Agent:
 
     def start(self) -> None:
         assert self.xids is not None
-        self.xids.start()
+        if self.identity.gpus:
+            self.xids.start()
         if self.endpoint is not None:
             self.endpoint.start()
         if self.settings.metrics_port >= 0:
@@ -190,6 +203,7 @@ class Agent:
         if self.metrics is not None:
             self.metrics.stop()
         self.batch.close()
+        self.sampler.close()
         self.backend.shutdown()
         log.info("agent stopped; %d report(s) left in the spool", self.spool.stats()[0])
 
@@ -207,10 +221,23 @@ class Agent:
                 due = self.backend.api.inject(fault)
                 log.warning("simulated fault injected: %s", due.to_spec())
         gpus = self.sampler.sample()
+        now = time.time()
         power_w, source = self.node_power.node_power(gpus)
+        nics, nic_events = self.nics.sample(now)
+        bonds, bond_events = self.nics.bonds(now)
+        events = [*self.sampler.take_events(), *nic_events, *bond_events]
         sample = NodeSample(
-            time_unix_s=time.time(), gpus=gpus, node_power_w=power_w, node_power_source=source
+            time_unix_s=now,
+            gpus=gpus,
+            node_power_w=power_w,
+            node_power_source=source,
+            nics=nics,
+            bonds=bonds,
+            events=events[-4096:],
         )
+        urgent = [e for e in events if e.kind in URGENT_EVENTS]
+        if urgent:
+            self.request_report(f"{urgent[0].kind}: {urgent[0].detail}")
         self.batch.add_sample(sample)
         self.metrics_source.latest = sample
         return sample
@@ -331,6 +358,21 @@ def run(settings: AgentSettings) -> None:
     _configure_logging(settings.log_level)
     stop = threading.Event()
     agent = Agent(settings)
+    foreground = settings.foreground
+    if foreground is None:
+        foreground = sys.stdin is not None and sys.stdin.isatty()
+    if agent.backend.error and foreground:
+        # Report the node unhealthy once (best effort), then fail loudly: a person who
+        # started the agent by hand must see that its GPUs are not being watched.
+        try:
+            agent.start()
+            agent.flush()
+        finally:
+            agent.stop()
+        raise GpuWatchError(
+            f"{agent.backend.error}; reported node {settings.node_name} unhealthy. "
+            "Run with --no-foreground to keep reporting, or gpus=sim:N to simulate"
+        )
 
     def _on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("received %s; stopping", signal.Signals(signum).name)

@@ -7,6 +7,8 @@ one line that says what to do next, so the CLI can print ``str(exc)`` and exit w
     AgentError                      anything the agent refuses or cannot do
     ├── AgentConfigError            bad settings or fault spec (exit 2): fix the flag/env var
     ├── BackendUnavailableError     gpus=nvml but NVML cannot load (exit 2)
+    ├── GpuWatchError               NVML fails on a node with NVIDIA devices, agent started in
+    │                               the foreground (exit 3, after reporting the node unhealthy)
     ├── ListenError                 the local socket or metrics port cannot be used (exit 2):
     │                               a live agent owns it, it is not a socket, the port is taken
     └── SpoolError                  the spool directory is unusable (exit 1)
@@ -36,6 +38,12 @@ class BackendUnavailableError(AgentError):
     exit_code = 2
 
 
+class GpuWatchError(AgentError):
+    """NVML failed where NVIDIA devices exist; the node was reported unhealthy first."""
+
+    exit_code = 3
+
+
 class ListenError(AgentError):
     """The agent cannot listen where it was told to (socket path or metrics port)."""
 
@@ -52,6 +60,7 @@ __all__ = [
     "AgentConfigError",
     "AgentError",
     "BackendUnavailableError",
+    "GpuWatchError",
     "ListenError",
     "SpoolError",
 ]

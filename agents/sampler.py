@@ -6,30 +6,43 @@ NVML error becomes ``None`` with one log line per (GPU, field, error). GPU_IS_LO
 GPU's sample with ``lost=True``, which the daemon treats as urgent.
 
 Counters are read in the scope that answers "did it change since driver load": volatile ECC
-totals and NVLink error counters summed over the links found active at start.
+totals and NVLink error counters per link (and summed) over the links found active at start;
+the pre-failure signals (aggregate and per-location ECC, retired pages, row remapping, PCIe
+replays, fabric, MIG) come from :mod:`agents.gpu_health`.
+
+Each GPU is read on a worker thread of its own, and the sampler waits at most
+``timeout_s`` for all of them. A GPU whose reads did not finish in time (a dying GPU can
+hang inside the driver) is reported ``unknown`` and skipped until its stuck call returns,
+so one hung GPU never stops the heartbeat, and an unexpected exception on one GPU costs
+that GPU's sample only (partial failure is data, not a crash).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pynvml
 
-from trainguard.wire import GpuInfo, GpuSample, XidEvent, decode_throttle_reasons
+from agents.gpu_health import (
+    GpuTransitions,
+    ecc_locations_present,
+    read_links_and_fabric,
+    read_memory_health,
+)
+from trainguard.wire import GpuInfo, GpuSample, HardwareEvent, XidEvent, decode_throttle_reasons
 
 log = logging.getLogger(__name__)
 
-_NVLINK_COUNTERS = {
-    "nvlink_crc_errors_total": (
-        pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
-        pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
-    ),
-    "nvlink_replay_errors_total": (pynvml.NVML_NVLINK_ERROR_DL_REPLAY,),
-    "nvlink_recovery_errors_total": (pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,),
-}
+#: Default longest wait for one tick's NVML reads of all GPUs (s).
+DEFAULT_TIMEOUT_S = 1.0
+#: The inventory at start may take this many sampling timeouts (it asks more questions).
+OPEN_TIMEOUT_FACTOR = 5
 
 
 class GpuLostError(Exception):
@@ -46,6 +59,55 @@ class _Gpu:
     handle: Any
     info: GpuInfo
     nvlinks: list[int] = field(default_factory=list)
+    ecc_locations: list[str] = field(default_factory=list)
+    #: The first NVML error (other than NOT_SUPPORTED) of the sample being read.
+    error: str = ""
+
+
+class _Worker:
+    """One daemon thread that runs a GPU's reads, so a hung NVML call blocks only it."""
+
+    def __init__(self, name: str) -> None:
+        self._cond = threading.Condition()
+        self._job: Callable[[], Any] | None = None
+        self._done = threading.Event()
+        self.result: Any = None
+        self.exc: BaseException | None = None
+        self.busy_since: float | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        with self._cond:
+            self._job, self.result, self.exc = job, None, None
+            self.busy_since = time.monotonic()
+            self._done.clear()
+            self._cond.notify()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(max(0.0, timeout_s))
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None and not self._stop:
+                    self._cond.wait()
+                if self._stop or self._job is None:
+                    return
+                job: Callable[[], Any] = self._job
+                self._job = None
+            try:
+                self.result = job()
+            except BaseException as exc:  # handed to the sampler, which decides
+                self.exc = exc
+            self.busy_since = None
+            self._done.set()
 
 
 class GpuSampler:
@@ -58,8 +120,16 @@ class GpuSampler:
         xid_source: Callable[[int], list[XidEvent]] | None = None,
         locked_clock_mhz: Callable[[int], int | None] | None = None,
         on_lost: Callable[[int], None] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._api = api
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._workers: dict[int, _Worker] = {}
+        self._transitions = GpuTransitions()
+        #: Hardware events (link flaps, PCIe drops, GPUs turning unknown) not yet taken.
+        self.events: list[HardwareEvent] = []
         self._xid_source = xid_source
         self._locked_clock_mhz = locked_clock_mhz
         self._on_lost = on_lost
@@ -71,14 +141,46 @@ class GpuSampler:
     # ------------------------------------------------------------------ discovery
 
     def open(self) -> list[GpuInfo]:
-        """Enumerate GPUs and read their static inventory (names, limits, max clocks)."""
+        """Enumerate GPUs and read their static inventory (names, limits, max clocks).
+
+        Each GPU's inventory is read on its worker; one that does not answer within
+        ``OPEN_TIMEOUT_FACTOR`` sampling timeouts keeps a placeholder identity and is
+        sampled as unknown until its stuck call returns.
+        """
         count = int(self._api.nvmlDeviceGetCount())
         self._gpus = []
         for index in range(count):
             handle = self._api.nvmlDeviceGetHandleByIndex(index)
-            self._gpus.append(_Gpu(index, handle, self._inventory(index, handle)))
-            self._gpus[-1].nvlinks = self._active_nvlinks(index, handle)
+            self._workers[index] = worker = _Worker(f"nvml-gpu{index}")
+            worker.submit(functools.partial(self._discover, index, handle))
+            self._gpus.append(
+                _Gpu(index, handle, GpuInfo(index=index, uuid=f"gpu-{index}-unknown"))
+            )
+        deadline = time.monotonic() + self.timeout_s * OPEN_TIMEOUT_FACTOR
+        for i, gpu in enumerate(self._gpus):
+            worker = self._workers[gpu.index]
+            if worker.wait(deadline - time.monotonic()) and worker.exc is None:
+                self._gpus[i] = worker.result
+            else:
+                log.error(
+                    "GPU %d: no inventory (%s); it is reported unknown until NVML answers",
+                    gpu.index,
+                    repr(worker.exc) if worker.exc else "NVML call hung",
+                )
         return self.inventory
+
+    def _discover(self, index: int, handle: Any) -> _Gpu:
+        gpu = _Gpu(index, handle, self._inventory(index, handle))
+        gpu.nvlinks = self._active_nvlinks(index, handle)
+        gpu.ecc_locations = ecc_locations_present(
+            lambda what, fn, *args: self._ask_quietly(index, what, fn, *args), self._api, handle
+        )
+        return gpu
+
+    def close(self) -> None:
+        """Stop the worker threads (one stuck in a hung call ends when the call returns)."""
+        for worker in self._workers.values():
+            worker.stop()
 
     @property
     def inventory(self) -> list[GpuInfo]:
@@ -147,37 +249,76 @@ class GpuSampler:
         except pynvml.NVMLError as exc:
             if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
                 raise GpuLostError from None
+            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                return None
+            if not gpu.error:
+                gpu.error = f"{what}: {exc}"[:512]
             key = (gpu.index, what, int(exc.value))
-            if exc.value != pynvml.NVML_ERROR_NOT_SUPPORTED and key not in self._warned:
+            if key not in self._warned:
                 self._warned.add(key)
                 log.warning("GPU %d: %s unavailable (%s); reporting null", gpu.index, what, exc)
             return None
 
+    def take_events(self) -> list[HardwareEvent]:
+        events, self.events = self.events, []
+        return events
+
     def sample(self) -> list[GpuSample]:
-        """One sample per GPU; never raises for a driver error."""
+        """One sample per GPU, read in parallel; never raises for a driver error or hang."""
+        now = self._clock()
+        started: list[_Gpu] = []
+        for gpu in self._gpus:
+            worker = self._workers[gpu.index]
+            if worker.busy_since is None:
+                worker.submit(functools.partial(self._sample_one, gpu))
+                started.append(gpu)
+        deadline = time.monotonic() + self.timeout_s
         out = []
         for gpu in self._gpus:
+            worker = self._workers[gpu.index]
             xids = self._xid_source(gpu.index) if self._xid_source else []
-            try:
-                sample = self._sample_one(gpu)
-            except GpuLostError:
-                sample = GpuSample(index=gpu.index, uuid=gpu.info.uuid, lost=True)
-                if gpu.index not in self.lost:
-                    self.lost.add(gpu.index)
-                    log.error(
-                        "GPU %d (%s) is lost (NVML_ERROR_GPU_IS_LOST)", gpu.index, gpu.info.uuid
-                    )
-                    if self._on_lost is not None:
-                        self._on_lost(gpu.index)
-            else:
-                if gpu.index in self.lost:
-                    self.lost.discard(gpu.index)
-                    log.warning("GPU %d answers again", gpu.index)
+            sample = self._collect(gpu, worker, gpu in started, deadline)
             sample.xid_events = xids[-1024:]
+            self.events.extend(self._transitions.update(sample, now))
             out.append(sample)
         return out
 
+    def _collect(self, gpu: _Gpu, worker: _Worker, started: bool, deadline: float) -> GpuSample:
+        if not started or not worker.wait(deadline - time.monotonic()):
+            stuck_s = time.monotonic() - (worker.busy_since or time.monotonic())
+            return GpuSample(
+                index=gpu.index,
+                uuid=gpu.info.uuid,
+                unknown=True,
+                error=f"NVML did not answer within {self.timeout_s:g} s "
+                f"(a call has been stuck for {stuck_s:.1f} s)",
+            )
+        if isinstance(worker.exc, GpuLostError):
+            return self._lost(gpu)
+        if worker.exc is not None:
+            log.error("GPU %d: sampling failed: %r", gpu.index, worker.exc)
+            return GpuSample(
+                index=gpu.index,
+                uuid=gpu.info.uuid,
+                unknown=True,
+                error=f"sampling failed: {worker.exc!r}"[:512],
+            )
+        sample: GpuSample = worker.result
+        if gpu.index in self.lost:
+            self.lost.discard(gpu.index)
+            log.warning("GPU %d answers again", gpu.index)
+        return sample
+
+    def _lost(self, gpu: _Gpu) -> GpuSample:
+        if gpu.index not in self.lost:
+            self.lost.add(gpu.index)
+            log.error("GPU %d (%s) is lost (NVML_ERROR_GPU_IS_LOST)", gpu.index, gpu.info.uuid)
+            if self._on_lost is not None:
+                self._on_lost(gpu.index)
+        return GpuSample(index=gpu.index, uuid=gpu.info.uuid, lost=True)
+
     def _sample_one(self, gpu: _Gpu) -> GpuSample:
+        gpu.error = ""
         api, h, ask = self._api, gpu.handle, self._ask
         power_mw = ask(gpu, "power", api.nvmlDeviceGetPowerUsage, h)
         energy_mj = ask(gpu, "energy", api.nvmlDeviceGetTotalEnergyConsumption, h)
@@ -203,6 +344,10 @@ class GpuSampler:
                 ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
             )
         }
+
+        def health_ask(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+            return ask(gpu, what, fn, *args)
+
         pcie = {
             name: ask(gpu, name, fn, h)
             for name, fn in (
@@ -233,7 +378,9 @@ class GpuSampler:
             ecc_corrected_total=_int_or_none(ecc["corrected"]),
             ecc_uncorrected_total=_int_or_none(ecc["uncorrected"]),
             **{k: _int_or_none(v) for k, v in pcie.items()},
-            **self._nvlink_totals(gpu),
+            **read_memory_health(health_ask, api, h, gpu.ecc_locations),
+            **read_links_and_fabric(health_ask, api, h, gpu.nvlinks),
+            error=gpu.error,
         )
 
     def _throttle_mask(self, gpu: _Gpu) -> Any:
@@ -250,25 +397,6 @@ class GpuSampler:
         return self._ask(
             gpu, "throttle reasons", self._api.nvmlDeviceGetCurrentClocksThrottleReasons, gpu.handle
         )
-
-    def _nvlink_totals(self, gpu: _Gpu) -> dict[str, int | None]:
-        totals: dict[str, int | None] = {}
-        for name, counters in _NVLINK_COUNTERS.items():
-            total: int | None = None
-            for link in gpu.nvlinks:
-                for counter in counters:
-                    value = self._ask(
-                        gpu,
-                        name,
-                        self._api.nvmlDeviceGetNvLinkErrorCounter,
-                        gpu.handle,
-                        link,
-                        counter,
-                    )
-                    if value is not None:
-                        total = (total or 0) + int(value)
-            totals[name] = total
-        return totals
 
 
 def _raise(exc: Exception) -> None:

@@ -57,6 +57,26 @@ class AgentSettings(BaseSettings):
     token: SecretStr | None = Field(default=None, description="Bearer token with the agent role")
     node_name: str = Field(default_factory=default_node_name)
     gpus: str = Field(default="auto", description="auto | nvml | sim:N")
+    dev_dir: Path = Field(
+        default=Path("/dev"), description="Where NVIDIA device files (nvidia0, nvidiactl) live"
+    )
+    foreground: bool | None = Field(
+        default=None,
+        description=(
+            "Started by hand: exit non-zero when NVML fails on a GPU node (after reporting it). "
+            "false (a DaemonSet): keep running and report the node unhealthy. "
+            "Unset: true when stdin is a terminal"
+        ),
+    )
+    nvml_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="Longest wait for one GPU's NVML reads per tick; past it the GPU is unknown",
+    )
+    sysfs_root: Path = Field(
+        default=Path("/sys"), description="Root of sysfs (RDMA ports, bonds, PCIe topology)"
+    )
     sim_faults: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Fault specs for sim GPUs"
     )

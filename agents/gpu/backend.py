@@ -1,9 +1,18 @@
-"""Choosing the GPU backend: the real ``pynvml`` module or the simulated driver.
+"""Choosing the GPU backend: the real ``pynvml`` module or, only when asked, the simulator.
 
 Both are used through the same attribute names (``api.nvmlDeviceGetPowerUsage(h)``), so
-the rest of the agent never knows which one it holds. ``auto`` prefers real NVML and falls
-back to ``sim:8`` with one log line, so a laptop demo works; ``nvml`` insists, so a
-misconfigured GPU node fails loudly instead of reporting made-up numbers.
+the rest of the agent never knows which one it holds. The rule is *never pretend*: a node
+whose driver broke must not show up as eight healthy GPUs. So:
+
+``auto``
+    NVML when ``nvmlInit`` works. When it does not, the NVIDIA device files decide: a node
+    without ``/dev/nvidia*`` has no GPUs and reports zero of them (healthy); a node *with*
+    them has GPUs the agent cannot watch, so the backend carries the NVML error, the report
+    says so (``NodeIdentity.gpu_error``) and the controller marks the node unhealthy.
+``nvml``
+    As ``auto``, except that a node without device files is a configuration error (exit 2).
+``sim:N``
+    N simulated GPUs; the only way to get simulated GPUs. Reports say ``backend: sim``.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import pynvml
@@ -25,22 +35,53 @@ log = logging.getLogger(__name__)
 _SIM_RE = re.compile(r"^sim:(\d+)$")
 #: Upper bound for simulated GPUs per node (``wire.NodeSample.gpus`` holds at most 64).
 MAX_SIM_GPUS = 64
-AUTO_FALLBACK_GPUS = 8
+#: Where the NVIDIA driver's device files live (tests point this at a temporary folder).
+DEFAULT_DEV_DIR = Path("/dev")
 
 
 @dataclass(kw_only=True, slots=True)
 class GpuBackend:
-    """An initialised NVML-like API plus what the report should say about it."""
+    """An initialised NVML-like API plus what the report should say about it.
+
+    ``error`` is set when NVML failed on a node that has NVIDIA devices: ``api`` then
+    answers zero GPUs and the node reports itself unhealthy with that text.
+    """
 
     api: Any
     kind: Literal["nvml", "sim"]
     driver_version: str = ""
+    error: str = ""
 
     def shutdown(self) -> None:
         try:
             self.api.nvmlShutdown()
         except pynvml.NVMLError as exc:
             log.debug("nvmlShutdown failed: %s", exc)
+
+
+class NoGpus:
+    """The NVML surface of a node with no usable GPU: zero devices, nothing to watch.
+
+    Used for a node without NVIDIA devices (true: it has none) and for a node whose NVML
+    failed (then the backend's ``error`` says why the count is zero).
+    """
+
+    def nvmlShutdown(self) -> None:
+        return None
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 0
+
+    def nvmlEventSetCreate(self) -> Any:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+
+
+def nvidia_device_files(dev_dir: Path = DEFAULT_DEV_DIR) -> list[str]:
+    """Names of the NVIDIA driver's device files (``nvidia0``, ``nvidiactl``, ...)."""
+    try:
+        return sorted(p.name for p in dev_dir.iterdir() if p.name.startswith("nvidia"))
+    except OSError:
+        return []
 
 
 def parse_gpus_setting(value: str) -> tuple[Literal["auto", "nvml", "sim"], int]:
@@ -57,13 +98,13 @@ def parse_gpus_setting(value: str) -> tuple[Literal["auto", "nvml", "sim"], int]
     return "sim", count
 
 
-def _open_nvml() -> GpuBackend:
-    pynvml.nvmlInit()
+def _open_nvml(nvml: Any) -> GpuBackend:
+    nvml.nvmlInit()
     try:
-        driver = str(pynvml.nvmlSystemGetDriverVersion())
+        driver = str(nvml.nvmlSystemGetDriverVersion())
     except pynvml.NVMLError:
         driver = ""
-    return GpuBackend(api=pynvml, kind="nvml", driver_version=driver)
+    return GpuBackend(api=nvml, kind="nvml", driver_version=driver)
 
 
 def _open_sim(
@@ -83,37 +124,54 @@ def open_backend(
     seed: int = 0,
     sim_no_permission: bool = False,
     identity: str = "",
+    dev_dir: Path = DEFAULT_DEV_DIR,
+    nvml: Any = pynvml,
 ) -> GpuBackend:
     """Initialise the backend named by the ``gpus`` setting (see module docstring).
 
-    ``identity`` (the node name) makes simulated GPU UUIDs unique per simulated node.
+    ``identity`` (the node name) makes simulated GPU UUIDs unique per simulated node;
+    ``nvml`` is the module to initialise (the real ``pynvml``; tests may hand in a
+    simulated driver to exercise this choice).
     """
     mode, count = parse_gpus_setting(gpus)
-    if mode in ("auto", "nvml"):
-        try:
-            backend = _open_nvml()
-        except pynvml.NVMLError as exc:
+    if mode == "sim":
+        faults = parse_fault_specs(fault_specs, gpu_count=count)
+        return _open_sim(
+            count, faults=faults, seed=seed, no_permission=sim_no_permission, identity=identity
+        )
+    if fault_specs:
+        raise AgentConfigError(
+            f"sim_faults: scripted faults need simulated GPUs, but gpus={mode}; set gpus=sim:N"
+        )
+    try:
+        return _open_nvml(nvml)
+    except pynvml.NVMLError as exc:
+        devices = nvidia_device_files(dev_dir)
+        if not devices:
             if mode == "nvml":
                 raise BackendUnavailableError(
-                    f"gpus=nvml: NVML not available ({exc}); install the NVIDIA driver "
-                    f"or run with gpus=sim:{AUTO_FALLBACK_GPUS}"
+                    f"gpus=nvml: NVML not available ({exc}) and no NVIDIA device files in "
+                    f"{dev_dir}; install the NVIDIA driver, or use gpus=auto on a node "
+                    "without GPUs"
                 ) from None
-            log.warning(
-                "NVML not available (%s); using simulated GPUs sim:%d", exc, AUTO_FALLBACK_GPUS
-            )
-            count = AUTO_FALLBACK_GPUS
-        else:
-            if fault_specs:
-                backend.shutdown()
-                raise AgentConfigError(
-                    "sim_faults: scripted faults need simulated GPUs, but real NVML is in use; "
-                    "set gpus=sim:N"
-                )
-            return backend
-    faults = parse_fault_specs(fault_specs, gpu_count=count)
-    return _open_sim(
-        count, faults=faults, seed=seed, no_permission=sim_no_permission, identity=identity
-    )
+            log.info("no NVIDIA device files in %s: this node has no GPUs", dev_dir)
+            return GpuBackend(api=NoGpus(), kind="nvml")
+        shown = ", ".join(f"{dev_dir / d}" for d in devices[:3])
+        more = f" and {len(devices) - 3} more" if len(devices) > 3 else ""
+        error = (
+            f"NVML failed ({exc}) although NVIDIA devices exist ({shown}{more}); "
+            "check the driver with nvidia-smi"
+        )
+        log.error("%s; reporting this node unhealthy", error)
+        return GpuBackend(api=NoGpus(), kind="nvml", error=error[:512])
 
 
-__all__ = ["MAX_SIM_GPUS", "GpuBackend", "open_backend", "parse_gpus_setting"]
+__all__ = [
+    "DEFAULT_DEV_DIR",
+    "MAX_SIM_GPUS",
+    "GpuBackend",
+    "NoGpus",
+    "nvidia_device_files",
+    "open_backend",
+    "parse_gpus_setting",
+]

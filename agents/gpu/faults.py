@@ -7,6 +7,18 @@ A spec is ``key=value`` pairs joined by commas; ``kind`` and ``gpu`` are always 
     kind=ecc,gpu=1,at=10,uncorrected=1  ECC counters grow (corrected=N, uncorrected=N)
     kind=thermal,gpu=2,at=5,duration=30 temperature climbs, thermal throttle bits, clocks drop
     kind=lost,gpu=0,at=30               every call on GPU 0 raises NVML_ERROR_GPU_IS_LOST
+    kind=hang,gpu=1,at=5,duration=60    every call on GPU 1 blocks (a dying GPU's driver)
+    kind=nvml_error,gpu=1,code=999      every call on GPU 1 raises that NVML error code
+    kind=nvlink,gpu=0,link=3,crc=40,replay=2,recovery=1,down=1
+                                        link 3's error counters grow; down=1 takes it down
+    kind=pcie,gpu=0,width=8,gen=4,replay=12
+                                        the PCIe link trains down; the replay counter grows
+    kind=remap,gpu=2,correctable=1,uncorrectable=1,pending=1,failed=0
+                                        row remapping (Ampere and later boards)
+    kind=retire,gpu=2,sbe=2,dbe=1,pending=1
+                                        page retirement (boards before Ampere)
+    kind=fabric,gpu=0,state=2,status=0  NVSwitch fabric state (1 not started, 2 in progress,
+                                        3 completed) and registration status (nvmlReturn_t)
 
 Several specs may be given as a list or joined with ``;``. Parsing is strict: an unknown
 key, a missing key or a bad number is an :class:`~agents.errors.AgentConfigError` naming
@@ -22,16 +34,35 @@ from typing import Literal
 
 from agents.errors import AgentConfigError
 
-FaultKind = Literal["xid", "ecc", "thermal", "lost"]
+FaultKind = Literal[
+    "xid", "ecc", "thermal", "lost", "hang", "nvml_error", "nvlink", "pcie", "remap", "retire",
+    "fabric",
+]  # fmt: skip
 
-_KINDS: tuple[FaultKind, ...] = ("xid", "ecc", "thermal", "lost")
+_KINDS: tuple[FaultKind, ...] = (
+    "xid", "ecc", "thermal", "lost", "hang", "nvml_error", "nvlink", "pcie", "remap", "retire",
+    "fabric",
+)  # fmt: skip
 _COMMON = {"kind", "gpu", "at"}
+#: Integer parameters of the kinds that carry them in ``FaultSpec.values`` (key -> default).
+_VALUES: dict[str, dict[str, int]] = {
+    "nvml_error": {"code": 999},  # NVML_ERROR_UNKNOWN
+    "nvlink": {"link": 0, "crc": 0, "replay": 0, "recovery": 0, "down": 0},
+    "pcie": {"width": 0, "gen": 0, "replay": 0},
+    "remap": {"correctable": 0, "uncorrectable": 0, "pending": 0, "failed": 0},
+    "retire": {"sbe": 0, "dbe": 0, "pending": 0},
+    "fabric": {"state": 3, "status": 0},
+}
 _ALLOWED: dict[str, set[str]] = {
     "xid": _COMMON | {"code"},
-    "ecc": _COMMON | {"corrected", "uncorrected"},
+    "ecc": _COMMON | {"corrected", "uncorrected", "location"},
     "thermal": _COMMON | {"duration"},
     "lost": _COMMON,
+    "hang": _COMMON | {"duration"},
+    **{kind: _COMMON | set(keys) for kind, keys in _VALUES.items()},
 }
+#: ECC locations a fault may name (``NVML_MEMORY_LOCATION_*`` without the prefix).
+ECC_LOCATIONS = ("dram", "sram", "l1_cache", "l2_cache", "register_file")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -46,8 +77,16 @@ class FaultSpec:
     #: Counts added to the volatile ECC counters at ``at_s`` (kind=ecc).
     ecc_corrected: int = 0
     ecc_uncorrected: int = 0
-    #: How long a thermal excursion lasts; ``inf`` means until the agent stops (kind=thermal).
+    #: How long a thermal excursion or a hang lasts; ``inf`` means until the agent stops.
     duration_s: float = math.inf
+    #: Where the ECC errors happen (kind=ecc), one of :data:`ECC_LOCATIONS`.
+    ecc_location: str = "dram"
+    #: Integer parameters of the other kinds, e.g. (("link", 3), ("crc", 40)) for nvlink.
+    values: tuple[tuple[str, int], ...] = ()
+
+    def value(self, key: str) -> int:
+        """A parameter of this fault (its default when the spec did not give it)."""
+        return dict(self.values).get(key, _VALUES.get(self.kind, {}).get(key, 0))
 
     def to_spec(self) -> str:
         """The canonical spec string, so a parsed fault can be logged and re-parsed."""
@@ -56,8 +95,11 @@ class FaultSpec:
             parts.append(f"code={self.xid_code}")
         elif self.kind == "ecc":
             parts += [f"corrected={self.ecc_corrected}", f"uncorrected={self.ecc_uncorrected}"]
-        elif self.kind == "thermal" and math.isfinite(self.duration_s):
+            if self.ecc_location != "dram":
+                parts.append(f"location={self.ecc_location}")
+        elif self.kind in ("thermal", "hang") and math.isfinite(self.duration_s):
             parts.append(f"duration={self.duration_s:g}")
+        parts += [f"{key}={value}" for key, value in self.values]
         return ",".join(parts)
 
 
@@ -125,17 +167,32 @@ def parse_fault_spec(spec: str) -> FaultSpec:
         uncorrected = _int(text, "uncorrected", fields.get("uncorrected", "0"))
         if corrected == 0 and uncorrected == 0:
             corrected = 1  # a bare kind=ecc means "one correctable error", the mildest case
+        location = fields.get("location", "dram")
+        if location not in ECC_LOCATIONS:
+            raise AgentConfigError(
+                f"fault spec {text!r}: location={location!r} (one of {', '.join(ECC_LOCATIONS)})"
+            )
         return FaultSpec(
-            kind="ecc", gpu=gpu, at_s=at_s, ecc_corrected=corrected, ecc_uncorrected=uncorrected
+            kind="ecc",
+            gpu=gpu,
+            at_s=at_s,
+            ecc_corrected=corrected,
+            ecc_uncorrected=uncorrected,
+            ecc_location=location,
         )
-    if kind == "thermal":
+    if kind in ("thermal", "hang"):
         duration = _seconds(text, "duration", fields["duration"]) if "duration" in fields else None
         return FaultSpec(
-            kind="thermal",
+            kind="thermal" if kind == "thermal" else "hang",
             gpu=gpu,
             at_s=at_s,
             duration_s=math.inf if duration is None else duration,
         )
+    if kind in _VALUES:
+        values = tuple(
+            (key, _int(text, key, fields[key])) for key in _VALUES[kind] if key in fields
+        )
+        return FaultSpec(kind=kind, gpu=gpu, at_s=at_s, values=values)  # type: ignore[arg-type]
     return FaultSpec(kind="lost", gpu=gpu, at_s=at_s)
 
 
@@ -161,4 +218,11 @@ def parse_fault_specs(raw: str | Iterable[str], *, gpu_count: int | None = None)
     return faults
 
 
-__all__ = ["FaultKind", "FaultSpec", "parse_fault_spec", "parse_fault_specs", "split_fault_specs"]
+__all__ = [
+    "ECC_LOCATIONS",
+    "FaultKind",
+    "FaultSpec",
+    "parse_fault_spec",
+    "parse_fault_specs",
+    "split_fault_specs",
+]

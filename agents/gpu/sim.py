@@ -11,11 +11,15 @@ read exactly as they do from the driver.
 
 Scripted faults (:mod:`agents.gpu.faults`) run on the simulator's clock, which starts at
 the first ``nvmlInit``. Without faults the load follows :func:`sim_model.utilization_pct`.
+Every ``nvmlDevice*`` call on a GPU with a due ``hang`` fault blocks (outside the driver
+lock, so the other GPUs keep answering) until the hang's duration passes or the driver is
+shut down; a due ``nvml_error`` fault makes every call on that GPU raise its code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import threading
 import time
@@ -43,6 +47,14 @@ from agents.gpu.sim_model import GpuState, SimGpuModel, gpu_state, utilization_p
 XID_DOUBLE_BIT_ECC = 48
 #: Energy integration step (s): fine enough that Δenergy/Δt matches the reported power.
 _ENERGY_STEP_S = 0.05
+#: ``NVML_MEMORY_LOCATION_*`` value of each location name a fault may use.
+_LOCATIONS = {
+    "l1_cache": pynvml.NVML_MEMORY_LOCATION_L1_CACHE,
+    "l2_cache": pynvml.NVML_MEMORY_LOCATION_L2_CACHE,
+    "dram": pynvml.NVML_MEMORY_LOCATION_DRAM,
+    "register_file": pynvml.NVML_MEMORY_LOCATION_REGISTER_FILE,
+    "sram": pynvml.NVML_MEMORY_LOCATION_SRAM,
+}
 
 
 @dataclass(slots=True)
@@ -105,6 +117,8 @@ class SimNvml(SimEventsMixin):
             for i in range(gpu_count)
         ]
         self._handles = [SimHandle(i) for i in range(gpu_count)]
+        self._released = threading.Event()
+        self._mig_mode = [self.model.mig_mode] * gpu_count
         self._events: list[ScheduledEvent] = []
         self._schedule(self.faults)
 
@@ -159,6 +173,24 @@ class SimNvml(SimEventsMixin):
         if self._is_lost(handle.index, self.now_s()):
             raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
         return self._gpus[handle.index]
+
+    def _due(self, kind: str, gpu: int, t_s: float | None = None) -> list[FaultSpec]:
+        t = self.now_s() if t_s is None else t_s
+        return [f for f in self.faults if f.kind == kind and f.gpu == gpu and f.at_s <= t]
+
+    def _before_device_call(self, index: int) -> None:
+        """Hang or fail like a dying GPU's driver; runs before the driver lock is taken."""
+        while not self._released.is_set():
+            t_s = self.now_s()
+            if not any(t_s < f.at_s + f.duration_s for f in self._due("hang", index, t_s)):
+                break
+            self._released.wait(0.01)
+        for fault in self._due("nvml_error", index):
+            raise _error(fault.value("code"))
+
+    def release_hangs(self) -> None:
+        """End every simulated hang now (also done by the last ``nvmlShutdown``)."""
+        self._released.set()
 
     def _is_lost(self, gpu: int, t_s: float) -> bool:
         return any(f.kind == "lost" and f.gpu == gpu and t_s >= f.at_s for f in self.faults)
@@ -217,6 +249,8 @@ class SimNvml(SimEventsMixin):
         with self._lock:
             self._check("nvmlShutdown")
             self._refcount -= 1
+            if self._refcount == 0:
+                self.release_hangs()
 
     def nvmlSystemGetDriverVersion(self) -> str:
         self._check("nvmlSystemGetDriverVersion")
@@ -366,13 +400,22 @@ class SimNvml(SimEventsMixin):
             return sum(f.ecc_uncorrected for f in due)
         raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
+    def _pcie(self, gpu: int, key: str, best: int) -> int:
+        """The link as trained now: the lowest value a due ``pcie`` fault set, else ``best``."""
+        values = [f.value(key) for f in self._due("pcie", gpu) if f.value(key) > 0]
+        return min([best, *values])
+
     def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
-        self._gpu(handle, "nvmlDeviceGetCurrPcieLinkGeneration")
-        return self.model.pcie_gen_max
+        gpu = self._gpu(handle, "nvmlDeviceGetCurrPcieLinkGeneration")
+        return self._pcie(gpu.index, "gen", self.model.pcie_gen_max)
 
     def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
-        self._gpu(handle, "nvmlDeviceGetCurrPcieLinkWidth")
-        return self.model.pcie_width_max
+        gpu = self._gpu(handle, "nvmlDeviceGetCurrPcieLinkWidth")
+        return self._pcie(gpu.index, "width", self.model.pcie_width_max)
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+        gpu = self._gpu(handle, "nvmlDeviceGetPcieReplayCounter")
+        return sum(f.value("replay") for f in self._due("pcie", gpu.index))
 
     def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
         self._gpu(handle, "nvmlDeviceGetMaxPcieLinkGeneration")
@@ -388,13 +431,111 @@ class SimNvml(SimEventsMixin):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if link >= self.model.nvlink_count:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        faults = self._link_faults(device.index, link)
+        if any(f.value("down") for f in faults):
+            return int(pynvml.NVML_FEATURE_DISABLED)
         return int(pynvml.NVML_FEATURE_ENABLED)
+
+    def _link_faults(self, gpu: int, link: int) -> list[FaultSpec]:
+        return [f for f in self._due("nvlink", gpu) if f.value("link") == link]
 
     def nvmlDeviceGetNvLinkErrorCounter(self, device: Any, link: int, counter: int) -> int:
         self.nvmlDeviceGetNvLinkState(device, link)
         if not 0 <= counter < pynvml.NVML_NVLINK_ERROR_COUNT:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return 0
+        key = {
+            pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc",
+            pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay",
+            pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
+        }.get(counter)
+        if key is None:
+            return 0  # CRC data and ECC data stay 0: "crc" counts flit errors
+        return sum(f.value(key) for f in self._link_faults(device.index, link))
+
+    # ------------------------------------------------------------------ pre-failure signals
+
+    def nvmlDeviceGetMemoryErrorCounter(
+        self, handle: Any, errorType: int, counterType: int, locationType: int
+    ) -> int:
+        gpu = self._gpu(handle, "nvmlDeviceGetMemoryErrorCounter")
+        if counterType not in (pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        names = [n for n, v in _LOCATIONS.items() if v == locationType]
+        if not names or names[0] not in self.model.ecc_locations:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        due = [f for f in self._due("ecc", gpu.index) if f.ecc_location == names[0]]
+        if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
+            return sum(f.ecc_corrected for f in due)
+        if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+            return sum(f.ecc_uncorrected for f in due)
+        raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetRetiredPages(self, device: Any, sourceFilter: int) -> list[int]:
+        gpu = self._gpu(device, "nvmlDeviceGetRetiredPages")
+        if not self.model.page_retirement:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        key = {
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS: "sbe",
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR: "dbe",
+        }.get(sourceFilter)
+        if key is None:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        count = sum(f.value(key) for f in self._due("retire", gpu.index))
+        return [0x1000 * (i + 1) for i in range(count)]  # page addresses, as pynvml returns
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, device: Any) -> int:
+        gpu = self._gpu(device, "nvmlDeviceGetRetiredPagesPendingStatus")
+        if not self.model.page_retirement:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(any(f.value("pending") for f in self._due("retire", gpu.index)))
+
+    def nvmlDeviceGetRemappedRows(self, device: Any) -> tuple[int, int, int, int]:
+        gpu = self._gpu(device, "nvmlDeviceGetRemappedRows")
+        if not self.model.row_remapping:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        due = self._due("remap", gpu.index)
+        return (
+            sum(f.value("correctable") for f in due),
+            sum(f.value("uncorrectable") for f in due),
+            int(any(f.value("pending") for f in due)),
+            int(any(f.value("failed") for f in due)),
+        )
+
+    def nvmlDeviceGetGpuFabricInfo(self, device: Any, gpuFabricInfo: Any) -> int:
+        gpu = self._gpu(device, "nvmlDeviceGetGpuFabricInfo")
+        if not self.model.fabric_supported:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        due = self._due("fabric", gpu.index)
+        gpuFabricInfo.state = (
+            due[-1].value("state") if due else pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
+        )
+        gpuFabricInfo.status = due[-1].value("status") if due else pynvml.NVML_SUCCESS
+        gpuFabricInfo.cliqueId = 1
+        return int(pynvml.NVML_SUCCESS)
+
+    def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
+        gpu = self._gpu(device, "nvmlDeviceGetMigMode")
+        return [self._mig_mode[gpu.index], self._mig_mode[gpu.index]]
+
+
+def _device_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(self: SimNvml, *args: Any, **kwargs: Any) -> Any:
+        handle = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(handle, SimHandle):
+            self._before_device_call(handle.index)
+        return fn(self, *args, **kwargs)
+
+    return call
+
+
+# Every per-device call can hang or fail through a fault; enumeration calls cannot.
+for _name in dir(SimNvml):
+    if _name.startswith("nvmlDevice") and _name not in (
+        "nvmlDeviceGetCount",
+        "nvmlDeviceGetHandleByIndex",
+    ):
+        setattr(SimNvml, _name, _device_call(getattr(SimNvml, _name)))
 
 
 def sim_nvml_function_names() -> list[str]:

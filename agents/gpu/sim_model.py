@@ -48,6 +48,15 @@ class SimGpuModel:
     pcie_gen_max: int = 5
     pcie_width_max: int = 16
     nvlink_count: int = 18
+    #: Row remapping (Ampere and later) vs. page retirement (Volta/Turing): a board has one.
+    row_remapping: bool = True
+    page_retirement: bool = False
+    #: ``nvmlDeviceGetGpuFabricInfo`` answers (Hopper and later in an NVSwitch system).
+    fabric_supported: bool = True
+    #: MIG mode at start (``NVML_DEVICE_MIG_DISABLE`` / ``_ENABLE``); H100 supports MIG.
+    mig_mode: int = 0
+    #: Memory locations whose ECC counters answer (others raise NOT_SUPPORTED), as on H100.
+    ecc_locations: tuple[str, ...] = ("dram", "sram")
     #: Training-step period of the default load pattern (s) and its busy fraction.
     step_period_s: float = 2.0
     busy_fraction: float = 0.85

@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from agents.daemon import Agent
-from agents.errors import AgentConfigError, BackendUnavailableError, ListenError, SpoolError
-from agents.gpu.backend import open_backend
+from agents.errors import AgentConfigError, ListenError, SpoolError
 from agents.settings import AgentSettings, load_settings
 from tests.agents.agents_testkit import TOKEN, FakeController, LocalClient
 from trainguard.wire import InflightCollective, JobRecords, Report
@@ -39,6 +38,8 @@ def settings(tmp_path: Path, sock_dir: Path, url: str, **kw: Any) -> AgentSettin
         "metrics_port": 0,
         "backoff_max_s": 0.2,
         "powercap_dir": tmp_path / "no-powercap",
+        "sysfs_root": tmp_path / "no-sys",
+        "dev_dir": tmp_path / "no-dev",
     }
     base.update(kw)
     return load_settings(**base)
@@ -223,31 +224,6 @@ def test_env_prefix_and_fault_list_from_env(
     assert "s3cret" not in repr(s) and s.spool_dir is not None and "agent-n" in str(s.spool_dir)
 
 
-def test_auto_falls_back_to_sim_in_one_line_and_nvml_refuses(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    import pynvml
-
-    try:
-        pynvml.nvmlInit()
-        pynvml.nvmlShutdown()
-        pytest.skip("this machine has a working NVML")
-    except pynvml.NVMLError:
-        pass
-    with caplog.at_level("WARNING"):
-        backend = open_backend("auto")
-    assert backend.kind == "sim" and backend.api.nvmlDeviceGetCount() == 8
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines == [
-        "NVML not available (NVML Shared Library Not Found); using simulated GPUs sim:8"
-    ]
-    with pytest.raises(BackendUnavailableError) as exc:
-        open_backend("nvml")
-    assert exc.value.exit_code == 2 and "\n" not in str(exc.value)
-    with pytest.raises(AgentConfigError, match="gpu=9 but only 8"):
-        open_backend("auto", fault_specs=["kind=lost,gpu=9"])
-
-
 def test_unusable_spool_and_busy_metrics_port_are_one_line_errors(
     tmp_path: Path, sock_dir: Path, agents_controller: FakeController
 ) -> None:
@@ -294,3 +270,32 @@ def test_an_uncorrectable_ecc_event_asks_for_a_report_at_once(
         )
     # A corrected error is counted by the next sample, never an urgent report of its own.
     assert not any("GPU 1" in r for r in reasons)
+
+
+def test_a_hung_gpu_does_not_stop_the_heartbeat(
+    tmp_path: Path, sock_dir: Path, agents_controller: FakeController
+) -> None:
+    s = settings(
+        tmp_path,
+        sock_dir,
+        agents_controller.url,
+        report_interval_s=0.2,
+        nvml_timeout_s=0.5,
+        sim_faults=["kind=hang,gpu=1,at=0.3"],
+    )
+    agent = Agent(s)
+    with Running(agent):
+        agents_controller.wait_for(
+            lambda: any(
+                g.unknown for r in agents_controller.state.ordered() for x in r.samples
+                for g in x.gpus
+            )
+            and len(agents_controller.state.reports) >= 6
+        )  # fmt: skip
+    reports = agents_controller.state.ordered()
+    unknown = [g for r in reports for x in r.samples for g in x.gpus if g.unknown]
+    assert {g.index for g in unknown} == {1} and "did not answer" in unknown[0].error
+    events = [e for r in reports for x in r.samples for e in x.events]
+    assert [(e.kind, e.gpu_index) for e in events] == [("gpu_unknown", 1)]
+    last = [x for r in reports for x in r.samples][-1]
+    assert [g.power_w is not None for g in last.gpus] == [True, False, True, True]

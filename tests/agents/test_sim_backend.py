@@ -26,7 +26,10 @@ USED_BY_AGENT = {
     "nvmlDeviceGetMaxPcieLinkWidth", "nvmlDeviceGetNvLinkState", "nvmlDeviceGetNvLinkErrorCounter",
     "nvmlDeviceSetPowerManagementLimit", "nvmlDeviceSetGpuLockedClocks",
     "nvmlDeviceResetGpuLockedClocks", "nvmlEventSetCreate", "nvmlDeviceRegisterEvents",
-    "nvmlEventSetWait_v2", "nvmlEventSetFree",
+    "nvmlEventSetWait_v2", "nvmlEventSetFree", "nvmlDeviceGetMemoryErrorCounter",
+    "nvmlDeviceGetRetiredPages", "nvmlDeviceGetRetiredPagesPendingStatus",
+    "nvmlDeviceGetRemappedRows", "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetGpuFabricInfo",
+    "nvmlDeviceGetMigMode",
 }  # fmt: skip
 
 

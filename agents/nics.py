@@ -1,0 +1,428 @@
+"""The network cards: RDMA ports, Ethernet bonds and GPU-to-NIC PCIe distance, from sysfs.
+
+Everything is read from files under one root (``/sys`` on a node; tests build a tree laid
+out as the kernel does), each path from the kernel's own documentation:
+
+* ``class/infiniband/<dev>/ports/<n>/{state,phys_state,rate,link_layer}`` and
+  ``counters/``, ``hw_counters/`` -- Documentation/ABI/stable/sysfs-class-infiniband.
+  ``state`` reads ``4: ACTIVE``, ``phys_state`` ``5: LinkUp``, ``rate`` ``400 Gb/sec (4X NDR)``.
+* ``class/infiniband/<dev>/device`` -- a link to the PCI function (same document);
+  ``<pci function>/numa_node`` -- Documentation/ABI/testing/sysfs-bus-pci.
+* ``class/net/bonding_masters``, ``class/net/<bond>/bonding/{mode,slaves,active_slave}``,
+  ``class/net/<slave>/bonding_slave/{mii_status,link_failure_count}`` --
+  Documentation/networking/bonding.rst ("Configuring Bonding Manually via Sysfs").
+* ``class/net/<if>/{operstate,speed}`` -- Documentation/ABI/testing/sysfs-class-net.
+* ``bus/pci/devices/<domain:bus:dev.fn>`` -- links into ``devices/pci<domain>:<bus>/...``,
+  whose path is the PCIe tree (Documentation/ABI/testing/sysfs-bus-pci).
+
+A NIC can vanish while the agent runs (a firmware reset, a card falling off the bus): every
+read tolerates a missing file, and the device's disappearance is itself an event.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainguard.wire import (
+    BondMember,
+    BondSample,
+    HardwareEvent,
+    NicInfo,
+    NicPortSample,
+)
+
+log = logging.getLogger(__name__)
+
+#: Counters reported per port (``counters/`` then ``hw_counters/``); a bounded list keeps a
+#: report small (mlx5 exposes ~60 files per port). Missing files are skipped.
+PORT_COUNTERS = (
+    "symbol_error",
+    "port_rcv_errors",
+    "link_downed",
+    "link_error_recovery",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+    "port_rcv_remote_physical_errors",
+    "port_xmit_discards",
+    "port_xmit_wait",
+    "port_xmit_data",
+    "port_rcv_data",
+)
+HW_COUNTERS = (
+    "np_cnp_sent",
+    "np_ecn_marked_roce_packets",
+    "rp_cnp_handled",
+    "rp_cnp_ignored",
+    "out_of_buffer",
+    "out_of_sequence",
+    "packet_seq_err",
+    "local_ack_timeout_err",
+    "rnr_nak_retry_err",
+    "req_cqe_error",
+    "resp_cqe_error",
+)
+#: Counters whose rise means the link is going bad (an event past the threshold).
+ERROR_COUNTERS = (
+    "symbol_error",
+    "port_rcv_errors",
+    "link_error_recovery",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+    "port_rcv_remote_physical_errors",
+    "packet_seq_err",
+    "local_ack_timeout_err",
+)
+_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read(path)
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _state_name(text: str | None) -> str:
+    """``4: ACTIVE`` -> ``ACTIVE`` (the kernel prints the number and the name)."""
+    if not text:
+        return ""
+    return text.split(":", 1)[-1].strip()
+
+
+def parse_rate_gbps(text: str | None) -> float | None:
+    """``400 Gb/sec (4X NDR)`` -> 400.0."""
+    if not text:
+        return None
+    match = re.match(r"^\s*([0-9.]+)\s*Gb/sec", text)
+    return float(match.group(1)) if match else None
+
+
+def sysfs_bdf(bus_id: str) -> str:
+    """NVML's ``00000000:18:00.0`` -> sysfs ``0000:18:00.0`` (4-digit domain, lower case)."""
+    text = bus_id.strip().lower()
+    domain, sep, rest = text.partition(":")
+    if not sep:
+        return text
+    return f"{int(domain, 16):04x}:{rest}" if domain else rest
+
+
+def _pci_chain(root: Path, device_link: Path) -> tuple[str, list[str]] | None:
+    """(host bridge, [PCI functions from the root port down to the device])."""
+    try:
+        real = Path(os.path.realpath(device_link))
+    except OSError:
+        return None
+    parts = real.parts
+    for i, part in enumerate(parts):
+        if part.startswith("pci") and ":" in part:
+            chain = [p for p in parts[i + 1 :] if _BDF.match(p)]
+            return part, chain
+    return None
+
+
+def affinity_level(
+    a: tuple[str, list[str]] | None,
+    b: tuple[str, list[str]] | None,
+    numa_a: int | None,
+    numa_b: int | None,
+) -> str:
+    """nvidia-smi ``topo -m`` level between two PCI devices (see ``wire.NicInfo``).
+
+    PIX when at most one switch port on each side separates them below their deepest
+    common bridge, PXB when more; PHB when they meet only at the host bridge; NODE when
+    the host bridges differ but the NUMA node is the same; SYS otherwise (or unknown).
+    """
+    if a is None or b is None:
+        return "SYS"
+    (host_a, chain_a), (host_b, chain_b) = a, b
+    if host_a != host_b:
+        same_numa = numa_a is not None and numa_a >= 0 and numa_a == numa_b
+        return "NODE" if same_numa else "SYS"
+    common = 0
+    for x, y in zip(chain_a[:-1], chain_b[:-1], strict=False):
+        if x != y:
+            break
+        common += 1
+    if common == 0:
+        return "PHB"
+    between = (len(chain_a) - 1 - common) + (len(chain_b) - 1 - common)
+    return "PIX" if between <= 2 else "PXB"
+
+
+@dataclass(slots=True)
+class _CounterWindow:
+    """Values of one counter over the last ``window_s`` seconds, to see a rate rise."""
+
+    points: deque[tuple[float, int]] = field(default_factory=deque)
+    rising: bool = False
+
+
+class NicMonitor:
+    """Reads RDMA ports and bonds each tick and turns changes into events.
+
+    Events: ``nic_port_down``/``nic_port_up`` when a port's state changes, also when the
+    ``link_downed`` counter rose between two ticks (a flap too short for a poll to see),
+    ``nic_gone``/``nic_back`` when a device directory disappears or returns,
+    ``nic_errors_rising`` when an error counter grows by ``error_threshold`` or more within
+    ``window_s`` (once per episode), ``bond_member_down``/``bond_member_up``.
+    """
+
+    def __init__(
+        self, root: Path = Path("/sys"), *, error_threshold: int = 10, window_s: float = 60.0
+    ) -> None:
+        self.root = root
+        self.error_threshold = error_threshold
+        self.window_s = window_s
+        self._ib = root / "class" / "infiniband"
+        self._net = root / "class" / "net"
+        self._ports: dict[tuple[str, int], NicPortSample] = {}
+        self._devices: set[str] = set()
+        self._looked = False
+        self._windows: dict[tuple[str, int, str], _CounterWindow] = {}
+        self._members: dict[tuple[str, str], str] = {}
+
+    # ------------------------------------------------------------------ inventory
+
+    def devices(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self._ib.iterdir())
+        except OSError:
+            return []
+
+    def ports(self, device: str) -> list[int]:
+        try:
+            names = [p.name for p in (self._ib / device / "ports").iterdir()]
+        except OSError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def inventory(self, gpu_bus_ids: Mapping[int, str]) -> list[NicInfo]:
+        """Every RDMA port with its PCI function and its PCIe distance to each GPU."""
+        gpus = {}
+        for index, bus_id in gpu_bus_ids.items():
+            link = self.root / "bus" / "pci" / "devices" / sysfs_bdf(bus_id)
+            gpus[index] = (_pci_chain(self.root, link), _read_int(link / "numa_node"))
+        out = []
+        for device in self.devices():
+            dev_link = self._ib / device / "device"
+            chain = _pci_chain(self.root, dev_link)
+            numa = _read_int(dev_link / "numa_node")
+            try:
+                netdevs = sorted(p.name for p in (dev_link / "net").iterdir())
+            except OSError:
+                netdevs = []
+            for port in self.ports(device):
+                base = self._ib / device / "ports" / str(port)
+                out.append(
+                    NicInfo(
+                        device=device[:64],
+                        port=port,
+                        link_layer=(_read(base / "link_layer") or "")[:32],
+                        pci_bus_id=chain[1][-1] if chain and chain[1] else "",
+                        netdev=netdevs[0][:64] if netdevs else "",
+                        numa_node=numa,
+                        gpu_affinity={
+                            index: affinity_level(chain, g_chain, numa, g_numa)
+                            for index, (g_chain, g_numa) in gpus.items()
+                        },
+                    )
+                )
+        return out
+
+    # ------------------------------------------------------------------ sampling
+
+    def read_port(self, device: str, port: int) -> NicPortSample | None:
+        base = self._ib / device / "ports" / str(port)
+        state = _read(base / "state")
+        if state is None:
+            return None
+        counters: dict[str, int] = {}
+        for folder, names in (("counters", PORT_COUNTERS), ("hw_counters", HW_COUNTERS)):
+            for name in names:
+                value = _read_int(base / folder / name)
+                if value is not None and value >= 0:
+                    counters[name] = value
+        return NicPortSample(
+            device=device[:64],
+            port=port,
+            state=_state_name(state)[:32],
+            phys_state=_state_name(_read(base / "phys_state"))[:32],
+            rate_gbps=parse_rate_gbps(_read(base / "rate")),
+            link_layer=(_read(base / "link_layer") or "")[:32],
+            counters=counters,
+        )
+
+    def sample(self, now_unix_s: float) -> tuple[list[NicPortSample], list[HardwareEvent]]:
+        events: list[HardwareEvent] = []
+        ports: list[NicPortSample] = []
+        present = set(self.devices())
+        for device in sorted(self._devices - present):
+            events.append(
+                HardwareEvent(
+                    kind="nic_gone",
+                    time_unix_s=now_unix_s,
+                    device=device,
+                    detail=f"{device} disappeared from {self._ib}",
+                )
+            )
+            for key in [k for k in self._ports if k[0] == device]:
+                del self._ports[key]
+        for device in sorted(present - self._devices):
+            if self._looked:  # not the first look: it came (back)
+                events.append(
+                    HardwareEvent(
+                        kind="nic_back",
+                        time_unix_s=now_unix_s,
+                        device=device,
+                        detail=f"{device} appeared",
+                    )
+                )
+        self._devices = present
+        self._looked = True
+        for device in sorted(present):
+            for port in self.ports(device):
+                sample = self.read_port(device, port)
+                if sample is None:
+                    continue
+                events += self._port_events(sample, now_unix_s)
+                self._ports[(device, port)] = sample
+                ports.append(sample)
+        return ports, events
+
+    def _port_events(self, sample: NicPortSample, now: float) -> list[HardwareEvent]:
+        events: list[HardwareEvent] = []
+        before = self._ports.get((sample.device, sample.port))
+
+        def event(kind: str, detail: str, counter: str = "", delta: int | None = None) -> None:
+            events.append(
+                HardwareEvent(
+                    kind=kind,
+                    time_unix_s=now,
+                    device=sample.device,
+                    port=sample.port,
+                    counter=counter,
+                    delta=delta,
+                    detail=detail,
+                )
+            )
+
+        name = f"{sample.device} port {sample.port}"
+        if before is not None:
+            was_up, is_up = before.state == "ACTIVE", sample.state == "ACTIVE"
+            downs = sample.counters.get("link_downed", 0) - before.counters.get("link_downed", 0)
+            if was_up and not is_up:
+                event("nic_port_down", f"{name} {sample.state} ({sample.phys_state})")
+            elif is_up and not was_up:
+                event("nic_port_up", f"{name} ACTIVE at {sample.rate_gbps or 0:g} Gb/s")
+            elif downs > 0:
+                event(
+                    "nic_port_down",
+                    f"{name} went down {downs} time(s) and came back between two reads",
+                    "link_downed",
+                    downs,
+                )
+        for counter in ERROR_COUNTERS:
+            value = sample.counters.get(counter)
+            rose = None if value is None else self._rise(sample, counter, value, now)
+            if rose is not None:
+                rise, span_s = rose
+                event(
+                    "nic_errors_rising",
+                    f"{name}: {counter} +{rise} in {span_s:.0f} s",
+                    counter,
+                    rise,
+                )
+        return events
+
+    def _rise(
+        self, sample: NicPortSample, counter: str, value: int, now: float
+    ) -> tuple[int, float] | None:
+        """(rise, seconds) when ``counter`` just passed the threshold within the window."""
+        window = self._windows.setdefault((sample.device, sample.port, counter), _CounterWindow())
+        points = window.points
+        if points and value < points[-1][1]:
+            points.clear()  # counter reset (driver reload, port counters cleared)
+        points.append((now, value))
+        while len(points) > 1 and points[1][0] <= now - self.window_s:
+            points.popleft()
+        rise = value - points[0][1]
+        if rise >= self.error_threshold and not window.rising:
+            window.rising = True
+            return rise, now - points[0][0]
+        if rise < self.error_threshold:
+            window.rising = False
+        return None
+
+    # ------------------------------------------------------------------ bonds
+
+    def bonds(self, now_unix_s: float) -> tuple[list[BondSample], list[HardwareEvent]]:
+        names = (_read(self._net / "bonding_masters") or "").split()
+        out, events = [], []
+        for bond in names:
+            base = self._net / bond / "bonding"
+            members = []
+            for slave in (_read(base / "slaves") or "").split():
+                node = self._net / slave
+                mii = _read(node / "bonding_slave" / "mii_status") or ""
+                members.append(
+                    BondMember(
+                        name=slave[:64],
+                        mii_status=mii[:16],
+                        operstate=(_read(node / "operstate") or "")[:16],
+                        speed_mbps=_read_int(node / "speed"),
+                        link_failure_count=_nonneg(
+                            _read_int(node / "bonding_slave" / "link_failure_count")
+                        ),
+                    )
+                )
+                before = self._members.get((bond, slave))
+                self._members[(bond, slave)] = mii
+                if before is not None and before != mii and mii in ("up", "down"):
+                    events.append(
+                        HardwareEvent(
+                            kind=f"bond_member_{mii}",
+                            time_unix_s=now_unix_s,
+                            device=bond[:64],
+                            detail=f"{slave} of {bond} is {mii}",
+                        )
+                    )
+            out.append(
+                BondSample(
+                    name=bond[:64],
+                    mode=(_read(base / "mode") or "")[:64],
+                    active_slave=(_read(base / "active_slave") or "")[:64],
+                    members=members[:32],
+                )
+            )
+        return out, events
+
+
+def _nonneg(value: int | None) -> int | None:
+    return value if value is None or value >= 0 else None
+
+
+__all__ = [
+    "ERROR_COUNTERS",
+    "HW_COUNTERS",
+    "PORT_COUNTERS",
+    "NicMonitor",
+    "affinity_level",
+    "parse_rate_gbps",
+    "sysfs_bdf",
+]
