@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv browser demo test test-fast lint bench clean
+.PHONY: venv browser demo test test-fast gpu-check lint bench clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,11 @@ test: $(STAMP) browser
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
+
+# The CUDA paths (collectives' event timing, on-device NaN/Inf check, probes; the checkpoint
+# copier): run wherever a GPU is at hand. Every test in tests/gpu skips without CUDA.
+gpu-check: $(STAMP)
+	$(PY) -m pytest -m gpu tests/gpu -v
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

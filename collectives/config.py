@@ -78,7 +78,13 @@ class InstrumentConfig:
     socket_timeout_s: float = 2.0
     """Send/receive timeout on the agent socket; a wedged agent is dropped after this."""
     cuda_events: bool = True
-    """Time CUDA tensors' calls with CUDA events (ignored when CUDA is unavailable)."""
+    """Time CUDA tensors' calls with CUDA events on the stream that runs them, read back by a
+    poller with ``Event.query()`` (ignored when CUDA is unavailable); NaN/Inf checks of CUDA
+    tensors run on the device and are read back the same way."""
+    device_path_on_cpu: bool = False
+    """Run CPU tensors' calls through that device path too (a CPU "event" fires when the
+    Work's future completes; NaN/Inf flags are read back through the same copy-and-mark):
+    how the tests and the benchmark exercise the GPU code on gloo. Off for real CPU jobs."""
     check_nonfinite: bool = True
     """Before each reduction (all_reduce, reduce, reduce_scatter) inside a step, check this
     rank's floating-point CPU input for NaN/Inf with one fused ``sum`` (NaN and Inf survive
@@ -91,6 +97,9 @@ class InstrumentConfig:
     """What work this rank does, when the job knows better than the mesh/pipeline it builds
     (e.g. ``"expert"``); sent in every step summary so detectors compare only ranks of the
     same role. ``None``: derived (``collectives.roles``)."""
+    nonfinite_every_steps: int = 1
+    """On a device, check reduction inputs for NaN/Inf only every this many steps (the check
+    costs a few tiny kernels per reduction and one 16-byte copy per step, never a sync)."""
     nonfinite_check_min_bytes: int = 1024
     """...only on inputs of at least this many bytes. Smaller reductions are scalars and
     flags (losses, norms, stop votes), not gradients, and are the ones issued by the
@@ -110,7 +119,12 @@ class InstrumentConfig:
             raise CollectivesConfigError(
                 f"nonfinite_check_min_bytes must be >= 0, got {self.nonfinite_check_min_bytes!r}"
             )
-        for name in ("history_calls", "duration_window", "max_pending_records"):
+        for name in (
+            "history_calls",
+            "duration_window",
+            "max_pending_records",
+            "nonfinite_every_steps",
+        ):
             if getattr(self, name) < 1:
                 raise CollectivesConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
 

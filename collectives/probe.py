@@ -11,10 +11,18 @@ starts, so it does not count as the step's compute.
 
 Each transfer waits at most ``timeout_s``: a partner that never joins (it got the command
 too late) yields ``ok=False`` instead of a hang.
+
+Where: on the group's device (``cuda:LOCAL_RANK`` under NCCL, which cannot send CPU
+tensors; the CPU under gloo), on a dedicated process group over all ranks that
+:func:`probe_group` creates once, at ``instrument()`` time (every rank calls it there, in
+the same order, so the collective ``new_group`` cannot deadlock). The probe traffic thus has
+its own communicator: it never shares one with the job's collectives, and it runs between
+steps, never while a step's collectives are in flight.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from trainguard.wire import JobLinkProbe, ProbeResult
 
@@ -39,6 +48,8 @@ def run_probe(
     link_delay_s: Callable[[tuple[int, int]], float],
     repeats: int = 3,
     timeout_s: float = 30.0,
+    group: Any = None,
+    device: torch.device | None = None,
 ) -> list[ProbeResult]:
     results: list[ProbeResult] = []
     buf: torch.Tensor | None = None
@@ -46,7 +57,7 @@ def run_probe(
         if rank not in (src, dst) or src == dst:
             continue
         if buf is None:
-            buf = torch.zeros(cmd.size_bytes, dtype=torch.uint8)
+            buf = torch.zeros(cmd.size_bytes, dtype=torch.uint8, device=device)
         peer = dst if rank == src else src
         if peer >= world_size:
             if rank == src:
@@ -56,7 +67,7 @@ def run_probe(
         delay = link_delay_s((src, dst))
         try:
             rtts = [
-                _round(rank == src, peer, buf, isend, irecv, delay, timeout_s)
+                _round(rank == src, peer, buf, isend, irecv, delay, timeout_s, group)
                 for _ in range(repeats + 1)
             ][1:]
         except Exception as exc:
@@ -86,24 +97,52 @@ def _round(
     irecv: Callable[..., Any],
     delay_s: float,
     timeout_s: float,
+    group: Any = None,
 ) -> float:
     timeout = timedelta(seconds=timeout_s)
     t0 = time.perf_counter()
     if initiator:
-        _send(buf, peer, isend, delay_s, timeout)
-        irecv(buf, src=peer, tag=PROBE_TAG).wait(timeout)
+        _send(buf, peer, isend, delay_s, timeout, group)
+        _wait(irecv(buf, src=peer, group=group, tag=PROBE_TAG), buf, timeout)
     else:
-        irecv(buf, src=peer, tag=PROBE_TAG).wait(timeout)
-        _send(buf, peer, isend, delay_s, timeout)
+        _wait(irecv(buf, src=peer, group=group, tag=PROBE_TAG), buf, timeout)
+        _send(buf, peer, isend, delay_s, timeout, group)
     return time.perf_counter() - t0
 
 
 def _send(
-    buf: torch.Tensor, peer: int, isend: Callable[..., Any], delay_s: float, timeout: timedelta
+    buf: torch.Tensor,
+    peer: int,
+    isend: Callable[..., Any],
+    delay_s: float,
+    timeout: timedelta,
+    group: Any,
 ) -> None:
     if delay_s > 0:
         time.sleep(delay_s)  # an injected slow link costs this much per transfer
-    isend(buf, dst=peer, tag=PROBE_TAG).wait(timeout)
+    _wait(isend(buf, dst=peer, group=group, tag=PROBE_TAG), buf, timeout)
+
+
+def _wait(work: Any, buf: torch.Tensor, timeout: timedelta) -> None:
+    work.wait(timeout)
+    if buf.is_cuda:  # the probe, not the job, is timed here: wait for the transfer itself
+        torch.cuda.current_stream(buf.device).synchronize()
+
+
+def probe_device(backend: str) -> torch.device:
+    """The device a probe buffer must live on for ``backend``."""
+    if "nccl" in backend.lower() and torch.cuda.is_available():
+        local = os.environ.get("LOCAL_RANK", "")
+        index = int(local) if local.isdigit() else torch.cuda.current_device()
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def probe_group(world_size: int) -> Any:
+    """The probes' own process group over all ranks (collective: every rank, same point)."""
+    if world_size < 2:
+        return None
+    return dist.new_group(ranks=list(range(world_size)), backend=dist.get_backend())
 
 
 def _result(
@@ -126,4 +165,4 @@ def _one_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:500]
 
 
-__all__ = ["PROBE_TAG", "late_results", "run_probe"]
+__all__ = ["PROBE_TAG", "late_results", "probe_device", "probe_group", "run_probe"]

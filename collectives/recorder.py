@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any
 from trainguard.wire import InflightCollective, StepSummary
 
 from .config import InstrumentConfig
+from .finite import StepFlags
 from .outbox import Outbox
 
 if TYPE_CHECKING:
     from .roles import RoleTracker
+    from .timing import EventClock, Mark
 
 now = time.perf_counter
 
@@ -52,7 +54,11 @@ class CallRecord:
     exit_s: float | None = None
     blocked_s: float = 0.0
     ok: bool = True
-    cuda: tuple[Any, Any] | None = None
+    events: tuple[Mark, Mark | None] | None = None
+    """Device marks (start, end) of a call timed on its stream (``collectives.timing``);
+    end is None until it is known (an async call under blocking wait: at ``wait()``)."""
+    enqueue_s: float = 0.0
+    """Host time spent launching an event-timed call (its device duration is apart)."""
     reported_s: float = field(default=0.0, repr=False)
 
     @property
@@ -67,7 +73,9 @@ class _Step:
     wait_s: float = 0.0
     bytes: int = 0
     calls: int = 0
-    cuda_calls: list[CallRecord] = field(default_factory=list)
+    event_calls: list[CallRecord] = field(default_factory=list)
+    enqueue_s: float = 0.0
+    flags: StepFlags | None = None
     nonfinite: int = 0
     nonfinite_first: CallRecord | None = None
 
@@ -76,6 +84,8 @@ class _Step:
 class _PendingGpuStep:
     summary: dict[str, Any]
     calls: list[CallRecord]
+    flags: StepFlags | None = None
+    flag_copy: tuple[Any, Mark] | None = None
 
 
 class Recorder:
@@ -112,6 +122,8 @@ class Recorder:
         self.last_step: int | None = None
         #: Role fields of every summary (``roles.RoleTracker.fields``); set by the session.
         self.roles: RoleTracker | None = None
+        #: Clock of event-timed calls and NaN/Inf flag copies (``collectives.timing``).
+        self.clock: EventClock | None = None
 
     # ------------------------------------------------------------------ calls (hot path)
 
@@ -176,22 +188,38 @@ class Recorder:
         rec.blocked_s += t_end - t_start
         self._seg_start = t_end
         step = self._step
-        if step is not None and rec.cuda is None:
+        if step is not None and rec.events is None:
             step.wait_s += t_end - t_start
 
     def blocked(self) -> None:
         self._busy += 1
 
-    def gpu_launched(self, rec: CallRecord) -> None:
+    def event_launched(self, rec: CallRecord, enqueue_s: float) -> None:
+        """``rec`` was launched on a device; the poller closes it when its end mark fires."""
+        rec.enqueue_s = enqueue_s
         step = self._step
         if step is not None:
-            step.cuda_calls.append(rec)
+            step.event_calls.append(rec)
+            step.enqueue_s += enqueue_s
 
-    def gpu_cancelled(self, rec: CallRecord) -> None:
-        """``rec`` is no longer timed by events (its future will close it on the CPU clock)."""
+    def event_cancelled(self, rec: CallRecord) -> None:
+        """``rec`` is no longer timed by marks (its future closes it on the CPU clock)."""
+        rec.enqueue_s = 0.0
         step = self._step
-        if step is not None and rec in step.cuda_calls:
-            step.cuda_calls.remove(rec)
+        if step is not None and rec in step.event_calls:
+            step.event_calls.remove(rec)
+
+    def device_nonfinite(self, value: Any, rec: CallRecord) -> None:
+        """Queue the on-device NaN/Inf check of ``rec``'s input (``collectives.finite``)."""
+        step = self._step
+        if step is None:
+            return
+        every = self.cfg.nonfinite_every_steps
+        if every > 1 and step.step % every:
+            return
+        if step.flags is None:
+            step.flags = StepFlags()
+        step.flags.add(value, rec, self.cfg.nonfinite_check_min_bytes)
 
     def complete(self, rec: CallRecord, t: float, ok: bool = True) -> None:
         with self._lock:
@@ -260,10 +288,17 @@ class Recorder:
             fields["nonfinite_first_op"] = first.op
             fields["nonfinite_first_group"] = first.group
             fields["nonfinite_first_seq"] = first.seq
-        if step.cuda_calls:
+        flags = step.flags
+        flag_copy = None
+        if flags is not None and self.clock is not None:
+            flag_copy = flags.read_back(self.clock)
+        if step.event_calls or flag_copy is not None:
+            if step.event_calls:
+                fields["collective_enqueue_s"] = step.enqueue_s
+            pending = _PendingGpuStep(fields, step.event_calls, flags, flag_copy)
             with self._lock:
-                self._gpu_steps.append(_PendingGpuStep(fields, step.cuda_calls))
-            self.poll_gpu()
+                self._gpu_steps.append(pending)
+            self.poll_events()
             return None
         return self._emit(fields, step.wait_s)
 
@@ -281,13 +316,14 @@ class Recorder:
 
     # ------------------------------------------------------------------ background thread
 
-    def poll_gpu(self) -> None:
-        """Complete CUDA-timed calls whose end event has fired; emit finished GPU steps."""
-        pending = [r for r in _copy(self._inflight).values() if r.cuda is not None]
+    def poll_events(self) -> None:
+        """The poller: complete event-timed calls whose end mark has fired (``query()``,
+        never a synchronize) and emit the steps whose calls and NaN/Inf flags are all in."""
+        pending = [r for r in _copy(self._inflight).values() if r.events is not None]
         for rec in pending:
-            start, end = rec.cuda
+            start, end = rec.events
             if end is not None and end.query():
-                rec.blocked_s = start.elapsed_time(end) / 1000.0
+                rec.blocked_s = end.seconds_since(start)
                 self.complete(rec, rec.enter_s + rec.blocked_s)
         while True:
             with self._lock:
@@ -296,7 +332,11 @@ class Recorder:
                 head = self._gpu_steps[0]
                 if any(r.exit_s is None for r in head.calls):
                     return
+                if head.flag_copy is not None and not head.flag_copy[1].query():
+                    return
                 self._gpu_steps.popleft()
+            if head.flags is not None and head.flag_copy is not None:
+                _fill_nonfinite(head.summary, *head.flags.resolve(head.flag_copy[0]))
             cpu_wait = head.summary["wait_cpu_s"]
             self._emit(head.summary, cpu_wait + sum(r.blocked_s for r in head.calls))
 
@@ -360,6 +400,17 @@ class Recorder:
             last_completed_seq=self.last_completed(),
             step=step.step,
         )
+
+
+def _fill_nonfinite(fields: dict[str, Any], count: int, first: CallRecord | None) -> None:
+    """Add the device check's tally to a summary (the CPU check may have counted too)."""
+    if not count:
+        return
+    fields["nonfinite_inputs"] = fields.get("nonfinite_inputs", 0) + count
+    if first is not None and "nonfinite_first_op" not in fields:
+        fields["nonfinite_first_op"] = first.op
+        fields["nonfinite_first_group"] = first.group
+        fields["nonfinite_first_seq"] = first.seq
 
 
 def _copy(mapping: dict[Any, Any]) -> dict[Any, Any]:

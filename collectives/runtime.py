@@ -29,9 +29,10 @@ from .control import CheckpointCallback, Control
 from .errors import CollectivesConfigError, FaultSpecError, NotInstrumentedError
 from .faults import Fault, FaultInjector, injector_from_env
 from .outbox import Outbox
-from .probe import late_results, run_probe
+from .probe import late_results, probe_device, probe_group, run_probe
 from .recorder import Recorder
 from .roles import RoleTracker
+from .timing import default_clock
 from .watchdog import Watchdog
 from .wrap import Instrumenter, raised_in_collective
 
@@ -80,7 +81,10 @@ class Session:
         if self.injector is not None:
             self.injector.before_exit = self._dying
         self.instrumenter = Instrumenter(
-            self.recorder, self.injector, cuda_events=cfg.cuda_events, sleep=time.sleep
+            self.recorder,
+            self.injector,
+            clock=default_clock(cfg.device_path_on_cpu, cfg.cuda_events),
+            sleep=time.sleep,
         )
         self.control = Control(cfg.job)
         self.watchdog = Watchdog(self.recorder, self.outbox, cfg.watchdog_interval_s)
@@ -99,10 +103,15 @@ class Session:
         self._exit_in_collective = False
         self._prev_excepthook = sys.excepthook
         self.closed = False
+        self.probe_group: Any = None
+        self.probe_device = torch.device("cpu")
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        # Before the wrapper: creating the probes' group is collective, and not the job's.
+        self.probe_group = probe_group(self.world_size)
+        self.probe_device = probe_device(str(dist.get_backend()))
         self.instrumenter.patch()
         self.roles.watch()
         self._event("started")
@@ -223,6 +232,8 @@ class Session:
             isend=originals["isend"],
             irecv=originals["irecv"],
             link_delay_s=link_delay,
+            group=self.probe_group,
+            device=self.probe_device,
         ):
             self.outbox.add_probe(result)
 

@@ -37,7 +37,7 @@ class Watchdog:
         self._thread.join(timeout=self.interval_s * 4)
 
     def tick(self) -> None:
-        self.recorder.poll_gpu()
+        self.recorder.poll_events()
         for record in self.recorder.stuck(now()):
             self.reports += 1
             self.outbox.add_inflight(record)

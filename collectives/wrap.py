@@ -31,6 +31,7 @@ from torch.distributed import distributed_c10d as c10d
 from .faults import FaultInjector
 from .groups import GroupInfo, GroupRegistry, p2p_channel
 from .recorder import CallRecord, Recorder, now
+from .timing import EventClock
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +148,12 @@ def _on_gpu(tensor: torch.Tensor) -> bool:
 
 
 class TimedWork:
-    """Proxy of a ``torch.distributed.Work`` that closes the call's record on completion."""
+    """Proxy of a ``torch.distributed.Work`` that closes the call's record on completion.
+
+    A device-timed call (``rec.events``) is closed by the poller when its end mark fires,
+    whatever the job does with the handle; the others close on ``wait()``,
+    ``is_completed()`` or the future's completion.
+    """
 
     __slots__ = ("__weakref__", "_by_future", "_rec", "_recorder", "_work")
 
@@ -159,7 +165,7 @@ class TimedWork:
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         rec, recorder = self._rec, self._recorder
-        if rec.exit_s is not None and rec.cuda is None:
+        if rec.exit_s is not None and rec.events is None:
             return self._work.wait(*args, **kwargs)
         recorder.blocked()
         t0 = now()
@@ -171,30 +177,30 @@ class TimedWork:
             raise
         t1 = now()
         recorder.unblocked(t0, t1, rec)
-        if rec.cuda is not None:
-            if rec.cuda[1] is None:
-                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end.record()
-                rec.cuda = (rec.cuda[0], end)
-        else:
+        events = rec.events
+        if events is None:
             recorder.complete(rec, t1)
+        elif events[1] is None and recorder.clock is not None:
+            # Blocking wait: no end mark could be had at launch; the stream is past it now.
+            rec.events = (events[0], recorder.clock.end_sync())
         return result
 
     def is_completed(self) -> bool:
         done = bool(self._work.is_completed())
-        if done and self._rec.cuda is None:
+        if done and self._rec.events is None:
             self._recorder.complete(self._rec, now())
         return done
 
     def get_future(self) -> Any:
         fut = self._work.get_future()
         rec, recorder = self._rec, self._recorder
-        # The future closes the record, even after this proxy dies. On GPU the future
-        # completes with the stream work, so its CPU time stands in for the events.
         self._by_future = True
-        if rec.cuda is not None:
-            rec.cuda = None
-            recorder.gpu_cancelled(rec)
+        events = rec.events
+        if events is not None and events[1] is not None:
+            return fut  # the end mark closes it: NCCL completes this future at enqueue
+        if events is not None:  # no end mark (blocking wait): the future is all there is
+            rec.events = None
+            recorder.event_cancelled(rec)
         fut.add_done_callback(lambda _f: recorder.complete(rec, now()))
         return fut
 
@@ -205,10 +211,10 @@ class TimedWork:
         rec = self._rec
         if rec.exit_s is None and not self._by_future:
             with contextlib.suppress(Exception):  # never raise from a finalizer
-                if rec.cuda is not None:
-                    if rec.cuda[1] is None:  # never waited: no end event to read
+                if rec.events is not None:
+                    if rec.events[1] is None:  # never waited: no end mark to read
                         self._recorder.abandon(rec)
-                    # else: waited; the watchdog thread reads its events
+                    # else: the poller reads its marks
                 elif self._work.is_completed():
                     self._recorder.complete(rec, now())
                 else:
@@ -223,7 +229,7 @@ class Instrumenter:
         recorder: Recorder,
         injector: FaultInjector | None,
         *,
-        cuda_events: bool,
+        clock: EventClock | None,
         sleep: Callable[[float], None],
     ) -> None:
         self.recorder = recorder
@@ -232,7 +238,10 @@ class Instrumenter:
         self.rank = recorder.rank
         self.originals: dict[str, Callable[..., Any]] = {}
         self._wrappers: dict[str, Callable[..., Any]] = {}
-        self._cuda = bool(cuda_events and torch.cuda.is_available())
+        self.clock = clock
+        #: Which tensors are timed with the clock's marks: CUDA ones, or all (CPU clock).
+        self._device_only = clock is not None and clock.name == "cuda"
+        recorder.clock = clock
         self._sleep = sleep
         self.check_nonfinite = recorder.cfg.check_nonfinite
         self.nonfinite_min_bytes = recorder.cfg.nonfinite_check_min_bytes
@@ -318,26 +327,29 @@ class Instrumenter:
         if injector is not None and step is not None:
             injector.stretch_compute(step, recorder.compute_segment_s())
             inside = injector.before_call(step, op, source)
+        clock = self.clock
+        timed = False
+        if clock is not None and first is not None:
+            tensor = _first_tensor(first)
+            timed = tensor is not None and (not self._device_only or _on_gpu(tensor))
         # After the injector (a ``nan`` fault poisons the input there), before the call.
-        bad = (
+        check = (
             spec.reduces
             and step is not None
             and self.check_nonfinite
             and (size >= self.nonfinite_min_bytes or not spec.input_is_size)
-            and _nonfinite(source, self.nonfinite_min_bytes)
         )
-        cuda = False
-        if self._cuda and first is not None:
-            tensor = _first_tensor(first)
-            cuda = tensor is not None and _on_gpu(tensor)
+        bad = check and not timed and _nonfinite(source, self.nonfinite_min_bytes)
         t0 = now()
         rec = recorder.enter(op, gid, size, dtype, async_op, t0)
         if bad:
             recorder.nonfinite_input(rec)
-        if cuda:
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            start.record()
-            rec.cuda = (start, None)
+        start = None
+        if timed:
+            if check:  # queued on the stream ahead of the reduction that would spread it
+                recorder.device_nonfinite(source, rec)
+            start = clock.start()  # type: ignore[union-attr]
+            rec.events = (start, None)
         _tls.depth = 1
         try:
             if injector is not None and step is not None:
@@ -354,21 +366,22 @@ class Instrumenter:
             raise
         _tls.depth = 0
         t1 = now()
-        if not (async_op or cuda):
-            recorder.finish(rec, t0, t1)
+        if start is None:
+            if not async_op:
+                recorder.finish(rec, t0, t1)
+                return result
+            recorder.unblocked(t0, t1, rec)
+            if result is not None:
+                return TimedWork(result, rec, recorder)
+            recorder.complete(rec, t1)
             return result
         recorder.unblocked(t0, t1, rec)
         if async_op and result is not None:
-            if cuda:
-                recorder.gpu_launched(rec)
+            rec.events = (start, clock.end_async(result))  # type: ignore[union-attr]
+            recorder.event_launched(rec, t1 - t0)
             return TimedWork(result, rec, recorder)
-        if cuda:
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end.record()
-            rec.cuda = (rec.cuda[0], end)  # type: ignore[index]
-            recorder.gpu_launched(rec)
-        else:
-            recorder.complete(rec, t1)
+        rec.events = (start, clock.end_sync())  # type: ignore[union-attr]
+        recorder.event_launched(rec, t1 - t0)
         return result
 
     def _peer(

@@ -362,6 +362,13 @@ class StepSummary(WireModel):
         default=None,
         description="Per-group sequence number of the first such call (comparable across ranks)",
     )
+    collective_enqueue_s: NonNegFloat | None = Field(
+        default=None,
+        description=(
+            "Host time spent launching the step's device-timed collectives (CUDA events); "
+            "their device durations make up collective_wait_s. None: no device-timed call"
+        ),
+    )
     role: str | None = Field(
         default=None,
         max_length=128,

@@ -63,6 +63,12 @@ def scenario_ops(out: Path) -> dict[str, Any]:
     sub = dist.new_group([0, 2])
     session = collectives.instrument()
     wrapped = dist.all_reduce is not original
+    probe_group = session.probe_group
+    probe_group_info = {
+        "ranks": dist.get_process_group_ranks(probe_group),
+        "own": probe_group is not dist.group.WORLD,
+        "device": str(session.probe_device),
+    }
     f = lambda n: torch.full((n,), float(RANK + 1))  # noqa: E731
     with collectives.step(0):
         dist.all_reduce(f(4))
@@ -136,6 +142,7 @@ def scenario_ops(out: Path) -> dict[str, Any]:
         "weights": weights,
         "connect_failures": failures,
         "sub_group_ranks": [0, 2],
+        "probe_group": probe_group_info,
     }
 
 

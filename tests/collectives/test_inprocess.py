@@ -254,68 +254,6 @@ def test_ddp_gradients_are_seen_through_the_standard_allreduce_hook() -> None:
     assert session.recorder._inflight == {}
 
 
-class FakeCudaEvent:
-    """Stand-in for ``torch.cuda.Event`` (no GPU here): fires when the test says so, and
-    reports each kernel as 40 ms longer than the CPU saw, as a GPU stream would."""
-
-    fired = False
-    kernel_ms = 40.0
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        assert enable_timing
-        self.t: float | None = None
-
-    def record(self, stream: Any = None) -> None:
-        self.t = time.perf_counter()
-
-    def query(self) -> bool:
-        return FakeCudaEvent.fired
-
-    def elapsed_time(self, end: FakeCudaEvent) -> float:
-        assert FakeCudaEvent.fired, "elapsed_time before the end event fired would block"
-        assert self.t is not None and end.t is not None
-        return (end.t - self.t) * 1000 + self.kernel_ms
-
-
-def test_gpu_calls_stay_in_flight_until_their_events_fire(monkeypatch: Any) -> None:
-    from collectives import wrap
-
-    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
-    monkeypatch.setattr(FakeCudaEvent, "fired", False)
-    monkeypatch.setattr(wrap, "_on_gpu", lambda tensor: True)
-    session = _session(watchdog_floor_s=0.2, watchdog_repeat_s=5, watchdog_interval_s=0.05)
-    session.instrumenter._cuda = True
-    with collectives.step(0):
-        dist.all_reduce(torch.ones(4))
-        dist.all_reduce(torch.ones(4), async_op=True).wait()
-    time.sleep(0.5)
-    # launched but not finished on the "stream": no history, no step summary, reported stuck
-    assert len(session.recorder.history) == 0 and not session.outbox.steps.items
-    assert sorted(x.seq for x in session.outbox.inflight.items) == [1, 2]
-    FakeCudaEvent.fired = True
-    deadline = time.monotonic() + 5
-    while not session.outbox.steps.items and time.monotonic() < deadline:
-        time.sleep(0.02)
-    (summary,) = list(session.outbox.steps.items)
-    durations = [r.blocked_s for r in session.recorder.history]
-    assert len(durations) == 2 and all(d >= 0.04 for d in durations)
-    assert summary.collective_wait_s == pytest.approx(min(sum(durations), summary.step_time_s))
-    assert summary.collective_calls == 2
-    # a future-driven call (what DDP's comm hook does) is closed by its future instead
-    with collectives.step(1):
-        dist.all_reduce(torch.ones(4), async_op=True).get_future().wait()
-    deadline = time.monotonic() + 5
-    while len(session.outbox.steps.items) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert [s.step for s in session.outbox.steps.items] == [0, 1]
-    # torch runs done-callbacks after waking wait(), on the thread that completed the
-    # future: the record closes shortly after, not necessarily before step 1 is summarized
-    deadline = time.monotonic() + 5
-    while session.recorder._inflight and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert session.recorder._inflight == {}
-
-
 def test_nonfinite_reduction_inputs_are_counted_before_the_call_spreads_them() -> None:
     session = _session(nonfinite_check_min_bytes=8)
     with collectives.step(0):

@@ -52,6 +52,8 @@ def test_every_op_is_recorded_alike_on_every_rank_and_no_agent_costs_nothing(
     world_ids = set()
     for rank, res in enumerate(results):
         assert res["wrapped"] and res["restored"]
+        # link probes get their own group over all ranks, on the CPU under gloo
+        assert res["probe_group"] == {"ranks": [0, 1, 2], "own": True, "device": "cpu"}
         hist = res["history"]
         step0 = [h for h in hist if h["step"] == 0]
         world = [h for h in step0 if h["group"] == step0[0]["group"]]

@@ -1,0 +1,119 @@
+"""The collectives' CUDA paths on a real GPU (``make gpu-check``; skipped without CUDA).
+
+Covers issue 15 items 1-3 where they can only be proven on a device: CUDA-event timing of
+synchronous, asynchronous and future-driven (DDP comm hook) calls that stays in flight while
+the stream is busy and never synchronizes the training thread (``torch.cuda`` sync debug
+mode set to ``error`` around the steps), the NaN/Inf flag read back without a sync, and a
+link probe buffer on ``cuda:LOCAL_RANK`` on its own NCCL group. One rank, NCCL.
+
+These tests have not run yet: no GPU was available where they were written.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import collectives
+from collectives.timing import CudaEventClock
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not dist.is_nccl_available(), reason="needs NCCL"),
+]
+
+#: GPU cycles ``torch.cuda._sleep`` spins: ~0.1-0.3 s on current parts, enough to see a
+#: call still in flight after the host has returned from it.
+BUSY_CYCLES = 300_000_000
+
+
+@pytest.fixture
+def nccl_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        collectives.uninstrument()
+        dist.destroy_process_group()
+
+
+def _session(**overrides: Any) -> Any:
+    overrides.setdefault("agent_socket", "/nonexistent/trainguard.sock")
+    overrides.setdefault("watchdog_interval_s", 0.02)
+    return collectives.instrument("gpu-check", **overrides)
+
+
+def _until(predicate: Any, timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.mark.usefixtures("nccl_rank")
+def test_cuda_calls_are_timed_on_the_stream_and_never_sync_the_host() -> None:
+    session = _session()
+    assert isinstance(session.instrumenter.clock, CudaEventClock)
+    x = torch.ones(1 << 20, device="cuda")
+    rec = session.recorder
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with collectives.step(0):
+            torch.cuda._sleep(BUSY_CYCLES)  # the stream is busy: NCCL runs after this
+            dist.all_reduce(x)
+            in_flight_after_sync_call = len(rec._inflight)
+            work = dist.all_reduce(x, async_op=True)
+            fut = dist.all_reduce(x, async_op=True).get_future()
+            work.wait()  # a stream dependency, not a host wait
+            in_flight_after_wait = len(rec._inflight)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert in_flight_after_sync_call == 1
+    assert in_flight_after_wait == 3  # the GPU is still sleeping: nothing has finished
+    assert _until(lambda: session.outbox.steps.items)
+    (summary,) = list(session.outbox.steps.items)
+    fut.wait()
+    calls = list(rec.history)
+    assert [c.op for c in calls] == ["all_reduce"] * 3
+    assert all(c.events is not None and c.blocked_s > 0 for c in calls)
+    # host launch time is kept apart from the device time and is far shorter than the sleep
+    assert summary.collective_enqueue_s is not None
+    assert summary.collective_enqueue_s == pytest.approx(sum(c.enqueue_s for c in calls))
+    assert summary.step_time_s < summary.collective_enqueue_s + 0.5
+
+
+@pytest.mark.usefixtures("nccl_rank")
+def test_nan_in_a_cuda_gradient_is_counted_without_a_sync() -> None:
+    session = _session()
+    good = torch.ones(1024, device="cuda")
+    bad = torch.full((1024,), float("nan"), device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with collectives.step(0):
+            dist.all_reduce(good)
+            dist.all_reduce(bad)
+            dist.all_reduce(good)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert _until(lambda: session.outbox.steps.items)
+    (summary,) = list(session.outbox.steps.items)
+    assert summary.nonfinite_inputs == 1
+    assert (summary.nonfinite_first_op, summary.nonfinite_first_seq) == ("all_reduce", 2)
+
+
+@pytest.mark.usefixtures("nccl_rank")
+def test_probe_runs_on_the_ranks_gpu() -> None:
+    session = _session()
+    assert session.probe_device == torch.device("cuda", int(os.environ["LOCAL_RANK"]))
