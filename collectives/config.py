@@ -65,6 +65,11 @@ class InstrumentConfig:
     ``op="compute"``, ``group=""``). Off by default: detectors already name ranks that never
     entered a stuck call, and early steps have no history to tell a stall from a long
     forward pass."""
+    min_collective_timeout_s: float = 300.0
+    """Torch timeouts shorter than this (process-group timeout, NCCL heartbeat) get a
+    warning at ``instrument()``: trainguard needs ~8 s to name a hang's culprit, then time to
+    collect the Flight Recorder dumps and restart the job; 5 minutes leaves room for a busy
+    controller and stays under NCCL's 10-minute default (``collectives/timeouts.py``)."""
     heartbeat_interval_s: float = 5.0
     """Cadence of ``RankEvent(kind="heartbeat")``."""
     history_calls: int = 4096

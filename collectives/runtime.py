@@ -32,6 +32,7 @@ from .outbox import Outbox
 from .probe import late_results, probe_device, probe_group, run_probe
 from .recorder import Recorder
 from .roles import RoleTracker
+from .timeouts import check_timeouts
 from .timing import default_clock
 from .watchdog import Watchdog
 from .wrap import Instrumenter, raised_in_collective
@@ -105,6 +106,7 @@ class Session:
         self.closed = False
         self.probe_group: Any = None
         self.probe_device = torch.device("cpu")
+        self.timeout_warnings: list[str] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -112,6 +114,7 @@ class Session:
         # Before the wrapper: creating the probes' group is collective, and not the job's.
         self.probe_group = probe_group(self.world_size)
         self.probe_device = probe_device(str(dist.get_backend()))
+        self.timeout_warnings = check_timeouts(self.cfg.min_collective_timeout_s, os.environ)
         self.instrumenter.patch()
         self.roles.watch()
         self._event("started")
