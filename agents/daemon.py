@@ -156,6 +156,7 @@ class Agent:
             spool_dropped_total=lambda: self.spool.state.dropped_total,
             local_clients=self._local_clients,
             records_dropped_total=lambda: self.batch.dropped_records_total,
+            gpu_pods=self._gpu_pods,
         )
         self.metrics_port: int | None = None
 
@@ -235,6 +236,8 @@ class Agent:
             bonds=bonds,
             events=events[-4096:],
         )
+        if events:
+            self.stats.count_events([e.kind for e in events])
         urgent = [e for e in events if e.kind in URGENT_EVENTS]
         if urgent:
             self.request_report(f"{urgent[0].kind}: {urgent[0].detail}")
@@ -329,6 +332,18 @@ class Agent:
         if self.endpoint is None:
             return 0
         return sum(1 for s in self.endpoint.sessions() if s.disconnected_unix_s is None)
+
+    def _gpu_pods(self) -> dict[int, tuple[str, str]]:
+        """GPU index -> (pod, namespace) from connected ranks that said both."""
+        if self.endpoint is None:
+            return {}
+        out = {}
+        for session in self.endpoint.sessions():
+            hello = session.hello
+            live = session.disconnected_unix_s is None
+            if live and hello is not None and hello.pod and hello.gpu_index is not None:
+                out[hello.gpu_index] = (hello.pod, hello.namespace)
+        return out
 
     def _relay(self, cmd: JobCommand) -> int:
         return self.endpoint.enqueue(cmd) if self.endpoint is not None else 0

@@ -1,10 +1,19 @@
-"""Prometheus ``/metrics`` for the agent: GPU gauges in dcgm-exporter's label style.
+"""Prometheus ``/metrics`` for the agent: GPU series with dcgm-exporter's label names.
 
 A custom collector reads the latest sample at scrape time (no second polling loop, no
 stale gauges to reset). Names carry base units (watts, joules, hertz, bytes, ratio) and
-``_total`` on counters; NVML's mJ, MHz and percent are converted here. Label values are
-bounded: per-GPU labels come from the inventory, ``reason`` from the fixed NVML bit list,
-``xid`` from codes actually seen (a small set), ``type`` is corrected|uncorrected.
+``_total`` on counters; NVML's mJ, MHz and percent are converted here.
+
+Per-GPU labels are dcgm-exporter's: ``gpu``, ``UUID``, ``pci_bus_id``, ``device``
+(``nvidia<N>``), ``modelName``, ``Hostname`` (the *node* name, stable across agent
+rollouts, never the pod name), plus ``pod`` and ``namespace`` of the job using the GPU
+when a rank told the agent (empty otherwise, which Prometheus treats as absent). So
+Grafana panels written for dcgm-exporter can select our series by the same labels.
+
+Cardinality is bounded and small (docs/agent.md counts it): throttle reasons are one
+bitmask gauge per GPU (dcgm's ``DCGM_FI_DEV_CLOCKS_EVENT_REASONS``), not one series per
+reason; NVLink errors are summed per GPU by type; ``xid`` only takes codes actually seen;
+NIC counters come from a fixed list.
 """
 
 from __future__ import annotations
@@ -22,12 +31,16 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from agents.errors import ListenError
+from agents.nics import ERROR_COUNTERS
 from agents.stats import AgentStats
-from trainguard.wire import GpuInfo, NodeSample, ThrottleReason
+from trainguard.wire import GpuInfo, GpuSample, NodeSample
 
 log = logging.getLogger(__name__)
 
-_GPU_LABELS = ["gpu", "UUID", "pci_bus_id", "modelName", "hostname"]
+_GPU_LABELS = ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "pod", "namespace"]
+_NIC_LABELS = ["device", "port", "Hostname"]
+#: Congestion counters exported per port (RoCE ECN/CNP); errors come from ERROR_COUNTERS.
+_CONGESTION_COUNTERS = ("np_cnp_sent", "np_ecn_marked_roce_packets", "rp_cnp_handled")
 #: XID codes are below ~200 today; anything odd is folded into one label value.
 _MAX_XID_LABEL = 1000
 
@@ -43,6 +56,8 @@ class MetricsSource:
     spool_dropped_total: Callable[[], int]
     local_clients: Callable[[], int] = lambda: 0
     records_dropped_total: Callable[[], int] = lambda: 0
+    #: GPU index -> (pod, namespace) of the job using it, from the ranks' hellos.
+    gpu_pods: Callable[[], dict[int, tuple[str, str]]] = dict
     latest: NodeSample | None = None
 
 
@@ -50,11 +65,11 @@ class AgentCollector(Collector):
     def __init__(self, source: MetricsSource) -> None:
         self._src = source
 
-    def _labels(self, index: int) -> list[str]:
+    def _labels(self, index: int, pods: dict[int, tuple[str, str]] | None = None) -> list[str]:
         inv = {g.index: g for g in self._src.inventory}.get(index)
-        if inv is None:
-            return [str(index), "", "", "", self._src.hostname]
-        return [str(index), inv.uuid, inv.pci_bus_id, inv.name, self._src.hostname]
+        pod, namespace = (pods or {}).get(index, ("", ""))
+        uuid, bus, name = (inv.uuid, inv.pci_bus_id, inv.name) if inv else ("", "", "")
+        return [str(index), uuid, bus, f"nvidia{index}", name, self._src.hostname, pod, namespace]
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -71,40 +86,10 @@ class AgentCollector(Collector):
         def gauge(name: str, doc: str, extra: Sequence[str] = ()) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=[*_GPU_LABELS, *extra])
 
-        power = gauge("trainguard_gpu_power_watts", "GPU board power draw")
-        energy = CounterMetricFamily(
-            "trainguard_gpu_energy_joules", "GPU energy since driver load", labels=_GPU_LABELS
-        )
-        temp = gauge("trainguard_gpu_temperature_celsius", "GPU core temperature")
-        sm = gauge("trainguard_gpu_sm_clock_hertz", "SM clock")
-        mem = gauge("trainguard_gpu_memory_clock_hertz", "Memory clock")
-        util = gauge("trainguard_gpu_utilization_ratio", "GPU busy fraction (0-1)")
-        used = gauge("trainguard_gpu_memory_used_bytes", "Framebuffer memory in use")
-        limit = gauge("trainguard_gpu_power_limit_watts", "Enforced power limit")
-        lost = gauge("trainguard_gpu_lost", "1 when NVML reports the GPU lost")
-        ecc = CounterMetricFamily(
-            "trainguard_gpu_ecc_errors", "Volatile ECC errors", labels=[*_GPU_LABELS, "type"]
-        )
-        throttle = gauge(
-            "trainguard_gpu_throttle_reason", "1 when the clock-event reason is active", ["reason"]
-        )
+        pods = self._src.gpu_pods()
+        families = _GpuFamilies(gauge)
         for g in sample.gpus:
-            labels = self._labels(g.index)
-            lost.add_metric(labels, 1.0 if g.lost else 0.0)
-            _maybe(power, labels, g.power_w)
-            _maybe(energy, labels, g.energy_j)
-            _maybe(temp, labels, g.temperature_c)
-            _maybe(sm, labels, g.sm_clock_mhz, 1e6)
-            _maybe(mem, labels, g.mem_clock_mhz, 1e6)
-            _maybe(util, labels, g.utilization_gpu_pct, 0.01)
-            _maybe(used, labels, g.memory_used_bytes)
-            _maybe(limit, labels, g.power_limit_w)
-            _maybe(ecc, [*labels, "corrected"], g.ecc_corrected_total)
-            _maybe(ecc, [*labels, "uncorrected"], g.ecc_uncorrected_total)
-            if not g.lost:
-                active = set(g.throttle_reasons)
-                for reason in ThrottleReason:
-                    throttle.add_metric([*labels, reason.value], 1.0 if reason in active else 0.0)
+            families.add(self._labels(g.index, pods), g)
         xid = CounterMetricFamily(
             "trainguard_gpu_xid_errors",
             "XID events seen by this agent",
@@ -112,17 +97,52 @@ class AgentCollector(Collector):
         )
         with self._src.stats._lock:
             xids = dict(self._src.stats.xid_total)
+            hw_events = dict(self._src.stats.hardware_events_total)
         for (gpu, code), count in sorted(xids.items()):
             code_label = str(code) if 0 <= code < _MAX_XID_LABEL else "other"
-            xid.add_metric([*self._labels(gpu), code_label], float(count))
+            xid.add_metric([*self._labels(gpu, pods), code_label], float(count))
         node = GaugeMetricFamily(
             "trainguard_node_power_watts",
             "Node power (see source label)",
-            labels=["hostname", "source"],
+            labels=["Hostname", "source"],
         )
         if sample.node_power_w is not None:
             node.add_metric([self._src.hostname, sample.node_power_source], sample.node_power_w)
-        yield from (power, energy, temp, sm, mem, util, used, limit, lost, ecc, throttle, xid, node)
+        events = CounterMetricFamily(
+            "trainguard_node_hardware_events",
+            "Hardware events seen (link flaps, NICs gone, errors rising, GPUs unknown)",
+            labels=["Hostname", "kind"],
+        )
+        for kind, count in sorted(hw_events.items()):
+            events.add_metric([self._src.hostname, kind], float(count))
+        yield from (*families.all(), xid, node, events, *self._nic_metrics(sample))
+
+    def _nic_metrics(self, sample: NodeSample) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "trainguard_nic_port_up", "1 when the RDMA port is ACTIVE", labels=_NIC_LABELS
+        )
+        rate = GaugeMetricFamily(
+            "trainguard_nic_port_rate_bits_per_second", "Link rate", labels=_NIC_LABELS
+        )
+        errors = CounterMetricFamily(
+            "trainguard_nic_port_errors",
+            "Port error counters (sysfs counters/ and hw_counters/)",
+            labels=[*_NIC_LABELS, "counter"],
+        )
+        congestion = CounterMetricFamily(
+            "trainguard_nic_port_congestion",
+            "RoCE congestion notifications (CNP sent/handled, ECN marked)",
+            labels=[*_NIC_LABELS, "counter"],
+        )
+        for port in sample.nics:
+            labels = [port.device, str(port.port), self._src.hostname]
+            up.add_metric(labels, 1.0 if port.state == "ACTIVE" else 0.0)
+            _maybe(rate, labels, port.rate_gbps, 1e9)
+            for name in (*ERROR_COUNTERS, "link_downed"):
+                _maybe(errors, [*labels, name], port.counters.get(name))
+            for name in _CONGESTION_COUNTERS:
+                _maybe(congestion, [*labels, name], port.counters.get(name))
+        yield from (up, rate, errors, congestion)
 
     def _agent_metrics(self) -> Iterator[Metric]:
         stats = self._src.stats
@@ -176,7 +196,84 @@ class AgentCollector(Collector):
             )
 
 
-def _maybe(family: Any, labels: list[str], value: float | int | None, scale: float = 1.0) -> None:
+class _GpuFamilies:
+    """Every per-GPU family, filled one GPU sample at a time."""
+
+    def __init__(self, gauge: Callable[..., GaugeMetricFamily]) -> None:
+        def counter(name: str, doc: str, extra: Sequence[str] = ()) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=[*_GPU_LABELS, *extra])
+
+        self.power = gauge("trainguard_gpu_power_watts", "GPU board power draw")
+        self.energy = counter("trainguard_gpu_energy_joules", "GPU energy since driver load")
+        self.temp = gauge("trainguard_gpu_temperature_celsius", "GPU core temperature")
+        self.sm = gauge("trainguard_gpu_sm_clock_hertz", "SM clock")
+        self.mem = gauge("trainguard_gpu_memory_clock_hertz", "Memory clock")
+        self.util = gauge("trainguard_gpu_utilization_ratio", "GPU busy fraction (0-1)")
+        self.used = gauge("trainguard_gpu_memory_used_bytes", "Framebuffer memory in use")
+        self.limit = gauge("trainguard_gpu_power_limit_watts", "Enforced power limit")
+        self.lost = gauge("trainguard_gpu_lost", "1 when NVML reports the GPU lost")
+        self.unknown = gauge("trainguard_gpu_unknown", "1 when NVML did not answer in time")
+        self.ecc = counter("trainguard_gpu_ecc_errors", "Volatile ECC errors", ["type"])
+        self.ecc_aggregate = counter(
+            "trainguard_gpu_ecc_aggregate_errors", "ECC errors over the board's life", ["type"]
+        )
+        self.reasons = gauge(
+            "trainguard_gpu_clocks_event_reasons",
+            "NVML clocks-event (throttle) reason bitmask (nvmlClocksEventReason* bits)",
+        )
+        self.remapped = counter("trainguard_gpu_remapped_rows", "Rows remapped by cause", ["type"])
+        self.remap_pending = gauge(
+            "trainguard_gpu_row_remap_pending", "1 when a remap waits for a GPU reset"
+        )
+        self.remap_failed = gauge("trainguard_gpu_row_remap_failed", "1 when a remap failed")
+        self.retired = counter("trainguard_gpu_retired_pages", "Retired pages by cause", ["cause"])
+        self.pcie_replays = counter("trainguard_gpu_pcie_replays", "PCIe replay counter")
+        self.pcie_width = gauge("trainguard_gpu_pcie_link_width", "PCIe lanes in use")
+        self.nvlink_errors = counter(
+            "trainguard_gpu_nvlink_errors", "NVLink errors summed over links", ["type"]
+        )
+        self.nvlinks_down = gauge(
+            "trainguard_gpu_nvlinks_down", "NVLinks that were up at start and are down now"
+        )
+
+    def add(self, labels: list[str], g: GpuSample) -> None:
+        self.lost.add_metric(labels, 1.0 if g.lost else 0.0)
+        self.unknown.add_metric(labels, 1.0 if g.unknown else 0.0)
+        _maybe(self.power, labels, g.power_w)
+        _maybe(self.energy, labels, g.energy_j)
+        _maybe(self.temp, labels, g.temperature_c)
+        _maybe(self.sm, labels, g.sm_clock_mhz, 1e6)
+        _maybe(self.mem, labels, g.mem_clock_mhz, 1e6)
+        _maybe(self.util, labels, g.utilization_gpu_pct, 0.01)
+        _maybe(self.used, labels, g.memory_used_bytes)
+        _maybe(self.limit, labels, g.power_limit_w)
+        _maybe(self.ecc, [*labels, "corrected"], g.ecc_corrected_total)
+        _maybe(self.ecc, [*labels, "uncorrected"], g.ecc_uncorrected_total)
+        _maybe(self.ecc_aggregate, [*labels, "corrected"], g.ecc_corrected_aggregate_total)
+        _maybe(self.ecc_aggregate, [*labels, "uncorrected"], g.ecc_uncorrected_aggregate_total)
+        if not (g.lost or g.unknown):
+            self.reasons.add_metric(labels, float(g.throttle_reasons_mask))
+        _maybe(self.remapped, [*labels, "correctable"], g.remapped_rows_correctable)
+        _maybe(self.remapped, [*labels, "uncorrectable"], g.remapped_rows_uncorrectable)
+        _maybe(self.remap_pending, labels, g.row_remap_pending)
+        _maybe(self.remap_failed, labels, g.row_remap_failed)
+        _maybe(self.retired, [*labels, "sbe"], g.retired_pages_sbe)
+        _maybe(self.retired, [*labels, "dbe"], g.retired_pages_dbe)
+        _maybe(self.pcie_replays, labels, g.pcie_replay_total)
+        _maybe(self.pcie_width, labels, g.pcie_link_width)
+        _maybe(self.nvlink_errors, [*labels, "crc"], g.nvlink_crc_errors_total)
+        _maybe(self.nvlink_errors, [*labels, "replay"], g.nvlink_replay_errors_total)
+        _maybe(self.nvlink_errors, [*labels, "recovery"], g.nvlink_recovery_errors_total)
+        if g.nvlinks:
+            self.nvlinks_down.add_metric(labels, float(sum(not n.active for n in g.nvlinks)))
+
+    def all(self) -> list[Metric]:
+        return [v for v in vars(self).values() if isinstance(v, Metric)]
+
+
+def _maybe(
+    family: Any, labels: list[str], value: float | int | bool | None, scale: float = 1.0
+) -> None:
     if value is not None:
         family.add_metric(labels, float(value) * scale)
 

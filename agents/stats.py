@@ -15,6 +15,8 @@ class AgentStats:
     commands_total: Counter[str] = field(default_factory=Counter)
     #: (gpu index, xid code) -> events seen since start.
     xid_total: Counter[tuple[int, int]] = field(default_factory=Counter)
+    #: HardwareEvent kind -> events seen since start.
+    hardware_events_total: Counter[str] = field(default_factory=Counter)
     last_report_ok_unix_s: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -25,6 +27,10 @@ class AgentStats:
     def count_xid(self, gpu: int, code: int) -> None:
         with self._lock:
             self.xid_total[(gpu, code)] += 1
+
+    def count_events(self, kinds: list[str]) -> None:
+        with self._lock:
+            self.hardware_events_total.update(kinds)
 
     def count_command(self, status: str) -> None:
         with self._lock:
