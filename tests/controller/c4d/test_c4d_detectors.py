@@ -80,8 +80,10 @@ def test_persistent_straggler_is_named_with_its_slowdown_and_then_clears() -> No
     assert 15 <= stragglers[0].evidence["slowdown_pct"] <= 25
     assert stragglers[0].evidence["gpu_index"] == 1
     # Fixed: as the window rolls over the open incident's reading falls, then it resolves,
-    # once.
+    # once, after three whole windows (60 steps) of calm (hysteresis against flapping).
     later = run_steps(trackers, 30, 60, world=8, jitter=0.05)
+    assert [f for f in later if not f.refresh] == []
+    later += run_steps(trackers, 60, 110, world=8, jitter=0.05)
     news = [(f.kind, f.ranks, f.resolved) for f in later if not f.refresh]
     assert news == [(FindingKind.STRAGGLER, (5,), True)]
     readings = [f.evidence["slowdown_pct"] for f in later if f.refresh]
@@ -158,9 +160,9 @@ def test_a_late_summary_still_counts_for_its_step() -> None:
     found = []
     for step in range(25):
         rows = step_records(step, 4, compute={3: 1.25})
-        feed(trackers, [r for r in rows if r.rank != 3])
+        feed(trackers, [r for r in rows if r.rank != 3], float(step))
         found += trackers.evaluate(float(step))
-        feed(trackers, [r for r in rows if r.rank == 3])
+        feed(trackers, [r for r in rows if r.rank == 3], float(step) + 0.5)
         found += trackers.evaluate(float(step) + 0.5)
     assert [(f.kind, f.ranks) for f in found] == [(FindingKind.STRAGGLER, (3,))]
 

@@ -26,8 +26,24 @@ class C4DConfig:
     peers (MAD = 0) do not turn a 0.1% difference into an infinite z-score."""
 
     straggler_confirm_steps: int = 3
-    """Consecutive steps a rank must look slow before a straggler opens, and look normal
-    again (within half the slowdown threshold) before it resolves (hysteresis)."""
+    """Steps (of the last ``straggler_confirm_of_steps``) a rank must look slow before a
+    straggler opens; after that many calm steps in a row an open straggler counts as
+    "looking normal", so its next slow phase is counted as a flap."""
+
+    straggler_confirm_of_steps: int = 5
+    """...out of this many recent compared steps (k-of-n): a rank that looks slow in 3 of
+    its last 5 steps opens, so one noisy normal-looking step inside a slow phase does not
+    restart the count, while 3 scattered flags in a long run do not add up."""
+
+    straggler_clear_windows: int = 3
+    """An open straggler resolves only after this many full windows (``window_steps``
+    each) of consecutive calm steps: a node that flaps between slow and normal every few
+    tens of steps stays one open incident (its flaps counted) instead of a new one per
+    slow phase."""
+
+    bytes_skew: float = 0.1
+    """Peers whose collective bytes per step differ by more than this fraction (MoE
+    all-to-all with uneven routing) are compared on compute normalized by bytes moved."""
 
     confirm_min_s: float = 5.0
     """Seconds on the controller's clock a straggler or slow-communication condition must
@@ -36,6 +52,17 @@ class C4DConfig:
 
     min_step_coverage: float = 0.9
     """Share of the job's ranks that must have reported a step before it is compared."""
+
+    step_wait_s: float = 12.0
+    """How long (controller clock, from a step's first summary) an incomplete step waits for
+    its missing ranks' summaries. Agents report on their own 5 s timers with independent
+    phases, so one node's summaries of a step can arrive ~5 s after another's; two report
+    intervals plus delivery margin keep such steps whole. A step is compared sooner once
+    every missing rank has reported a later step (it will not report this one)."""
+
+    max_pending_steps: int = 512
+    """Bound on steps held waiting for late summaries (memory per job); the oldest is
+    compared (or dropped) first when more arrive."""
 
     hang_timeout_s: float = 6.0
     """Floor on how long a collective must be stuck before the controller calls a hang.
@@ -72,6 +99,12 @@ class C4DConfig:
             raise ValueError("window_steps must be at least 4")
         if not 0 < self.straggler_confirm_steps <= self.window_steps:
             raise ValueError("need 0 < straggler_confirm_steps <= window_steps")
+        if self.straggler_confirm_of_steps < self.straggler_confirm_steps:
+            raise ValueError("need straggler_confirm_of_steps >= straggler_confirm_steps")
+        if self.straggler_clear_windows < 1:
+            raise ValueError("straggler_clear_windows must be at least 1")
+        if self.step_wait_s < 0 or self.max_pending_steps < 1:
+            raise ValueError("step_wait_s must be >= 0 and max_pending_steps >= 1")
         if not 0 < self.min_step_coverage <= 1:
             raise ValueError("min_step_coverage must be in (0, 1]")
         if self.hang_timeout_s <= 0 or self.inflight_ttl_s <= 0:

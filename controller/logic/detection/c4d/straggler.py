@@ -1,18 +1,26 @@
-"""Straggler detection: the rank that computes persistently longer and waits less.
+"""Straggler detection: the rank that computes persistently longer than its peers, waiting less.
 
 In synchronous training every rank waits at each collective for the slowest one. The slow
 rank arrives last, so it waits least, while its peers' wait grows by its extra compute time.
 Requiring both signals (long compute *and* short wait) keeps a rank that merely sits behind
 a slow link, or a step with data-dependent compute on every rank, from being blamed.
 
-Single steps are noisy (data-dependent work, the OS, the allocator), so ranks are compared
-on *windowed* statistics: each step, every rank's compute time is divided by that step's
-median (which cancels work that varies for all ranks alike); a rank's score is the median of
-those ratios over the last ``window_steps`` steps. A score far above its peers' scores
-(median/MAD, robust to the outlier itself) for ``straggler_confirm_steps`` consecutive steps
-opens a straggler; a score back within half the slowdown threshold for as many steps clears
-it. A 10% straggler stands out after about half a window, while ±20% per-step jitter on a
-healthy job averages away.
+Ranks are compared only with their *peers* (:mod:`.peers`): ranks reporting the same role
+and peer group. A pipeline's last stage computing the loss, or an MoE expert receiving twice
+the tokens, is not slow, it does other work. Where peers move different collective volumes
+(uneven all-to-all), a rank's compute is compared with what its peers' compute predicts for
+the bytes it moved (a robust slope of compute over bytes, learned over steps).
+
+Single steps are noisy and heavy-tailed (the OS, the allocator, a multi-x spike now and
+then), so ranks are compared on *windowed* robust statistics: each step, every rank's
+compute time is divided by its peers' median (or byte-predicted) compute in that step; its
+score is the median of those ratios over the last ``window_steps`` steps, and its spread is
+the groups' pooled MAD. A spike is one ratio of twenty and does not move the median.
+
+Hysteresis: a straggler opens when flagged in ``straggler_confirm_steps`` of the last
+``straggler_confirm_of_steps`` steps (and ``confirm_min_s`` seconds), and resolves only after
+``straggler_clear_windows`` full windows of calm steps. A node flapping between slow and
+normal stays one open incident, with each return to slow counted as a flap.
 """
 
 from __future__ import annotations
@@ -23,11 +31,24 @@ from dataclasses import dataclass, field
 from statistics import median
 
 from controller.logic.detection.c4d.config import C4DConfig
-from controller.logic.detection.c4d.robust import MAD_TO_SIGMA, peer_baselines
+from controller.logic.detection.c4d.evidence import (
+    Comparison,
+    Normalization,
+    PeerGroupEvidence,
+    StragglerEvidence,
+    TimeStats,
+)
+from controller.logic.detection.c4d.peers import PeerIndex, PeerKey
+from controller.logic.detection.c4d.robust import MAD_TO_SIGMA, mad, peer_baselines
 from trainguard.wire import StepSummary
 
 #: Weight of one step in the moving estimate of per-step noise (a memory of ~50 steps).
 NOISE_ALPHA = 0.02
+#: A rank informs the compute-per-byte slope only if its bytes differ from the group median
+#: by this fraction (smaller differences make the slope all noise).
+SLOPE_MIN_BYTES_DIFF = 0.05
+#: Per-step slope estimates kept; their median is the slope used.
+SLOPE_STEPS = 64
 
 
 @dataclass(slots=True)
@@ -44,66 +65,123 @@ class StepVerdict:
     median_step_s: float
 
 
-@dataclass(slots=True)
-class StragglerState:
-    """Per-job windows of compute ratios and wait offsets, with confirmation and hysteresis."""
+def _window(store: dict[int, deque[float]], rank: int, size: int) -> deque[float]:
+    q = store.get(rank)
+    if q is None:
+        q = store[rank] = deque(maxlen=size)
+    return q
 
+
+def _stats(values: list[float]) -> TimeStats:
+    if not values:
+        return TimeStats(median=0.0, spread=0.0, steps=0)
+    center = median(values)
+    return TimeStats(
+        median=round(center, 6), spread=round(mad(values, center), 6), steps=len(values)
+    )
+
+
+@dataclass(slots=True)
+class PeerWindows:
+    """One peer group's windows: per-rank ratios and raw times, scores after each step."""
+
+    key: PeerKey
     cfg: C4DConfig
-    compute_ratio: dict[int, deque[float]] = field(default_factory=dict)
+    ratio: dict[int, deque[float]] = field(default_factory=dict)
     wait_offset: dict[int, deque[float]] = field(default_factory=dict)
+    compute_s: dict[int, deque[float]] = field(default_factory=dict)
+    wait_s: dict[int, deque[float]] = field(default_factory=dict)
+    step_s: dict[int, deque[float]] = field(default_factory=dict)
+    bytes_moved: dict[int, deque[float]] = field(default_factory=dict)
+    slopes: deque[float] = field(default_factory=lambda: deque(maxlen=SLOPE_STEPS))
+    normalized: bool = False
+    pp_stage: int | None = None
     steps_seen: int = 0
-    last: StepVerdict | None = None
     scores: dict[int, float] = field(default_factory=dict)
     #: rank -> standard errors its score lies above its peers' (after the last step)
     z: dict[int, float] = field(default_factory=dict)
-    #: rank -> (consecutive steps, controller time the streak began)
-    slow_since: dict[int, tuple[int, float]] = field(default_factory=dict)
-    calm_since: dict[int, tuple[int, float]] = field(default_factory=dict)
-    open_ranks: set[int] = field(default_factory=set)
-    _step_cost: dict[int, float] = field(default_factory=dict)
+    flagged: set[int] = field(default_factory=set)
+    step_cost: dict[int, float] = field(default_factory=dict)
     _sigma: float = 0.0
     _noise_steps: int = 0
 
-    def add(self, step: int, rows: dict[int, StepSummary]) -> StepVerdict:
-        ranks = sorted(rows)
-        compute = [rows[r].compute_time_s for r in ranks]
-        wait = [rows[r].collective_wait_s for r in ranks]
-        med_c, med_w = median(compute), median(wait)
-        med_step = median(rows[r].step_time_s for r in ranks)
-        window = self.cfg.window_steps
-        peer_compute = peer_baselines(compute)
-        for rank, c, w, (peer_c, _) in zip(ranks, compute, wait, peer_compute, strict=True):
-            self.compute_ratio.setdefault(rank, deque(maxlen=window)).append(
-                c / peer_c if peer_c > 0 else 1.0
-            )
-            self.wait_offset.setdefault(rank, deque(maxlen=window)).append(
-                (w - med_w) / med_step if med_step > 0 else 0.0
-            )
-        self.steps_seen += 1
-        flagged = self._judge(med_c, med_step)
-        low = sorted(wait)[int(0.05 * len(wait))]
-        self.last = StepVerdict(step, flagged, low, med_c, med_step)
-        return self.last
+    def forget(self, rank: int) -> None:
+        """The rank now reports another role: its windows here no longer apply."""
+        for store in (
+            self.ratio,
+            self.wait_offset,
+            self.compute_s,
+            self.wait_s,
+            self.step_s,
+            self.bytes_moved,
+            self.scores,
+            self.z,
+            self.step_cost,
+        ):
+            store.pop(rank, None)
+        self.flagged.discard(rank)
 
-    def _judge(self, med_compute_s: float, med_step_s: float) -> set[int]:
-        """Score every rank on its window and return those that look slow now."""
+    def add(self, rows: list[StepSummary]) -> None:
+        compute = [s.compute_time_s for s in rows]
+        wait = [s.collective_wait_s for s in rows]
+        med_w = median(wait)
+        med_step = median(s.step_time_s for s in rows)
+        expected = self._expected(rows, compute)
+        n = self.cfg.window_steps
+        self.pp_stage = rows[0].pp_stage
+        for s, c, w, e in zip(rows, compute, wait, expected, strict=True):
+            r = s.rank
+            _window(self.ratio, r, n).append(c / e if e > 0 else 1.0)
+            _window(self.wait_offset, r, n).append((w - med_w) / med_step if med_step > 0 else 0.0)
+            _window(self.compute_s, r, n).append(c)
+            _window(self.wait_s, r, n).append(w)
+            _window(self.step_s, r, n).append(s.step_time_s)
+            _window(self.bytes_moved, r, n).append(float(s.collective_bytes))
+        self.steps_seen += 1
+        self._judge(median(compute), med_step)
+
+    def _expected(self, rows: list[StepSummary], compute: list[float]) -> list[float]:
+        """Each rank's compute as its peers' predict it: their median, or, where peers
+        moved different volumes, their median shifted along the compute-per-byte slope."""
+        peer_c = [c for c, _ in peer_baselines(compute)]
+        nbytes = [float(s.collective_bytes) for s in rows]
+        lo, hi = min(nbytes), max(nbytes)
+        self.normalized = lo > 0 and hi > (1 + self.cfg.bytes_skew) * lo
+        if not self.normalized:
+            return peer_c
+        med_c, med_b = median(compute), median(nbytes)
+        step_slopes = [
+            (c - med_c) / (b - med_b)
+            for c, b in zip(compute, nbytes, strict=True)
+            if abs(b - med_b) > SLOPE_MIN_BYTES_DIFF * med_b
+        ]
+        if step_slopes:  # more bytes never means less work: a negative slope is noise
+            self.slopes.append(max(0.0, median(step_slopes)))
+        slope = median(self.slopes) if self.slopes else 0.0
+        peer_b = [b for b, _ in peer_baselines(nbytes)]
+        return [
+            max(pc + slope * (b - pb), 0.25 * pc)
+            for pc, b, pb in zip(peer_c, nbytes, peer_b, strict=True)
+        ]
+
+    def _judge(self, med_compute_s: float, med_step_s: float) -> None:
+        """Score every rank on its window and mark those that look slow now."""
         need = max(2, self.cfg.window_steps // 2)
-        ranks = [r for r, q in self.compute_ratio.items() if len(q) >= need]
+        ranks = [r for r, q in self.ratio.items() if len(q) >= need]
+        self.flagged = set()
         if self.steps_seen < need or len(ranks) < 2:
-            return set()
-        scores = [median(self.compute_ratio[r]) for r in ranks]
+            return
+        scores = [median(self.ratio[r]) for r in ranks]
         stderr = max(self._score_stderr(ranks, scores), self.cfg.straggler_scale_floor)
-        flagged: set[int] = set()
         self.scores = dict(zip(ranks, scores, strict=True))
         for rank, score in self.scores.items():
             waits_less = median(self.wait_offset[rank]) < 0
             slow_enough = score > 1 + self.cfg.straggler_min_slowdown
             self.z[rank] = (score - 1) / stderr
             if slow_enough and self.z[rank] > self.cfg.straggler_z and waits_less:
-                flagged.add(rank)
+                self.flagged.add(rank)
             if med_step_s > 0:
-                self._step_cost[rank] = max(0.0, (score - 1) * med_compute_s / med_step_s)
-        return flagged
+                self.step_cost[rank] = max(0.0, (score - 1) * med_compute_s / med_step_s)
 
     def _score_stderr(self, ranks: list[int], scores: list[float]) -> float:
         """Standard error of a windowed score under the no-straggler hypothesis.
@@ -111,67 +189,205 @@ class StragglerState:
         A rank's per-step ratio already holds both its own noise and its peers' median's,
         and one rank's ratios are independent across steps, so the median of ``n`` of them
         has a standard error of about 1.2533 * sigma / sqrt(n). Sigma is the typical
-        deviation of a step's ratio from its rank's score, tracked as a slow moving average
-        over steps: estimated from one window alone it shrinks exactly when a rank's ratios
-        cluster by chance, which is also when its score looks extreme. The larger of the
-        two estimates is used.
+        deviation of a step's ratio from its rank's score (a MAD, so multi-x spikes do not
+        inflate it), tracked as a slow moving average over steps: estimated from one window
+        alone it shrinks exactly when a rank's ratios cluster by chance, which is also when
+        its score looks extreme. The larger of the two estimates is used.
         """
         pairs = list(zip(ranks, scores, strict=True))
-        latest = [abs(self.compute_ratio[r][-1] - score) for r, score in pairs]
+        latest = [abs(self.ratio[r][-1] - score) for r, score in pairs]
         self._noise_steps += 1
         # A plain mean until the average has ~1/alpha steps behind it, then a moving one.
         weight = max(NOISE_ALPHA, 1 / self._noise_steps)
         self._sigma += weight * (MAD_TO_SIGMA * median(latest) - self._sigma)
-        window = [abs(x - score) for r, score in pairs for x in self.compute_ratio[r]]
+        window = [abs(x - score) for r, score in pairs for x in self.ratio[r]]
         sigma = max(self._sigma, MAD_TO_SIGMA * median(window))
-        n = min(len(self.compute_ratio[r]) for r in ranks)
+        n = min(len(self.ratio[r]) for r in ranks)
         return 1.2533 * sigma / math.sqrt(n)
 
-    def transitions(self, now_s: float) -> tuple[set[int], set[int]]:
-        """Ranks confirmed slow now, and open ranks confirmed recovered now.
+    def compare(self, rank: int, store: dict[int, deque[float]]) -> Comparison:
+        """The rank's window of ``store`` next to its peers' windows, pooled."""
+        peers = [x for r, q in store.items() if r != rank and r in self.scores for x in q]
+        return Comparison(culprit=_stats(list(store.get(rank, ()))), peers=_stats(peers))
 
-        Confirmation takes ``straggler_confirm_steps`` steps in a row *and*
-        ``confirm_min_s`` seconds on the controller's clock, so a few seconds of contention
-        cannot open an incident however short the steps are.
-        """
+
+@dataclass(slots=True)
+class _Hold:
+    """Per-rank hysteresis: k-of-n to open, whole calm windows to close, flaps between."""
+
+    recent: deque[bool]
+    #: Controller time of the first flag since ``recent`` was last all clear.
+    since_s: float | None = None
+    calm_steps: int = 0
+    calm_since_s: float = 0.0
+    flaps: int = 0
+    #: Open and calm for ``straggler_confirm_steps`` steps: the next slow step is a flap.
+    normal_phase: bool = False
+
+
+@dataclass(slots=True)
+class StragglerState:
+    """Per-job straggler state: peer groups' windows, and confirmation with hysteresis."""
+
+    cfg: C4DConfig
+    peers: PeerIndex = field(default_factory=PeerIndex)
+    groups: dict[PeerKey, PeerWindows] = field(default_factory=dict)
+    rank_group: dict[int, PeerKey] = field(default_factory=dict)
+    steps_seen: int = 0
+    last: StepVerdict | None = None
+    holds: dict[int, _Hold] = field(default_factory=dict)
+    open_ranks: set[int] = field(default_factory=set)
+    #: Ranks scored in the last step (in a group with a peer and a full enough window).
+    _scored: list[int] = field(default_factory=list)
+
+    def add(self, step: int, rows: dict[int, StepSummary]) -> StepVerdict:
+        by_group: dict[PeerKey, list[StepSummary]] = {}
+        for s in rows.values():
+            key = self.peers.key(s)
+            old = self.rank_group.get(s.rank)
+            if old != key:
+                if old is not None and old in self.groups:
+                    self.groups[old].forget(s.rank)
+                self.rank_group[s.rank] = key
+            by_group.setdefault(key, []).append(s)
+        flagged: set[int] = set()
+        scored: list[int] = []
+        for key, members in by_group.items():
+            if len(members) < 2:
+                continue  # no peer reported this step: nothing to compare with
+            group = self.groups.get(key)
+            if group is None:
+                group = self.groups[key] = PeerWindows(key, self.cfg)
+            group.add(members)
+            flagged |= group.flagged
+            scored += [s.rank for s in members if s.rank in group.scores]
+        self._scored = scored
+        self.steps_seen += 1
+        waits = sorted(s.collective_wait_s for s in rows.values())
+        self.last = StepVerdict(
+            step,
+            flagged,
+            waits[int(0.05 * len(waits))],
+            median(s.compute_time_s for s in rows.values()),
+            median(s.step_time_s for s in rows.values()),
+        )
+        return self.last
+
+    def transitions(self, now_s: float) -> tuple[set[int], set[int]]:
+        """Ranks confirmed slow now, and open ranks confirmed recovered now."""
+        cfg = self.cfg
         flagged = self.last.flagged if self.last else set()
         opened: set[int] = set()
         cleared: set[int] = set()
-        for rank in list(self.scores):
+        clear_steps = cfg.straggler_clear_windows * cfg.window_steps
+        for rank in self._scored:
+            hold = self.holds.get(rank)
+            if hold is None:
+                hold = self.holds[rank] = _Hold(deque(maxlen=cfg.straggler_confirm_of_steps))
+            slow = rank in flagged
+            hold.recent.append(slow)
+            if slow and hold.since_s is None:
+                hold.since_s = now_s
+            elif not any(hold.recent):
+                hold.since_s = None
             if rank not in self.open_ranks:
-                if self._persisted(self.slow_since, rank, rank in flagged, now_s):
+                if (
+                    hold.since_s is not None
+                    and sum(hold.recent) >= cfg.straggler_confirm_steps
+                    and now_s - hold.since_s >= cfg.confirm_min_s
+                ):
                     opened.add(rank)
+                    hold.calm_steps, hold.flaps, hold.normal_phase = 0, 0, False
                 continue
-            calm = self.scores[rank] < 1 + self.cfg.straggler_min_slowdown / 2
-            if self._persisted(self.calm_since, rank, calm, now_s):
-                cleared.add(rank)
+            if not slow and self.score(rank) < 1 + cfg.straggler_min_slowdown / 2:
+                if hold.calm_steps == 0:
+                    hold.calm_since_s = now_s
+                hold.calm_steps += 1
+                hold.normal_phase |= hold.calm_steps >= cfg.straggler_confirm_steps
+                if (
+                    hold.calm_steps >= clear_steps
+                    and now_s - hold.calm_since_s >= cfg.confirm_min_s
+                ):
+                    cleared.add(rank)
+                    hold.recent.clear()
+                    hold.since_s = None
+                continue
+            hold.calm_steps = 0
+            if slow and hold.normal_phase:
+                hold.flaps += 1
+                hold.normal_phase = False
         self.open_ranks = (self.open_ranks | opened) - cleared
-        for rank in opened | cleared:
-            self.slow_since.pop(rank, None)
-            self.calm_since.pop(rank, None)
         return opened, cleared
 
-    def _persisted(
-        self, since: dict[int, tuple[int, float]], rank: int, holds: bool, now_s: float
-    ) -> bool:
-        if not holds:
-            since.pop(rank, None)
-            return False
-        steps, start_s = since.get(rank, (0, now_s))
-        since[rank] = (steps + 1, start_s)
-        return (
-            steps + 1 >= self.cfg.straggler_confirm_steps
-            and now_s - start_s >= self.cfg.confirm_min_s
-        )
+    # ------------------------------------------------------------------ readings
+
+    def group_of(self, rank: int) -> PeerWindows | None:
+        key = self.rank_group.get(rank)
+        return self.groups.get(key) if key is not None else None
+
+    def score(self, rank: int) -> float:
+        group = self.group_of(rank)
+        return group.scores.get(rank, 1.0) if group else 1.0
 
     def slowdown(self, rank: int) -> float:
         """How much longer the rank computes than its peers (its score minus one)."""
-        return self.scores.get(rank, 1.0) - 1
+        return self.score(rank) - 1
 
     def confidence(self, rank: int) -> float:
         """0.5 at the detection threshold, 1.0 at twice the threshold or beyond."""
-        return round(min(1.0, self.z.get(rank, 0.0) / (2 * self.cfg.straggler_z)), 2)
+        group = self.group_of(rank)
+        z = group.z.get(rank, 0.0) if group else 0.0
+        return round(min(1.0, max(0.0, z) / (2 * self.cfg.straggler_z)), 2)
 
     def step_cost(self, rank: int) -> float:
         """Share of each step the job loses waiting for this rank."""
-        return self._step_cost.get(rank, 0.0)
+        group = self.group_of(rank)
+        return group.step_cost.get(rank, 0.0) if group else 0.0
+
+    def flaps(self, rank: int) -> int:
+        hold = self.holds.get(rank)
+        return hold.flaps if hold else 0
+
+    def evidence(self, rank: int, node: str, gpu_index: int | None) -> StragglerEvidence:
+        """The verdict on ``rank`` with the numbers behind it, for the incident."""
+        group = self.group_of(rank)
+        hold = self.holds.get(rank)
+        key = self.rank_group.get(rank)
+        if group is None or key is None:  # never scored (a restart resolving an old rank)
+            group = PeerWindows(key or PeerKey("", ()), self.cfg)
+        members = sorted(group.scores)
+        slowdown = self.slowdown(rank)
+        norm = Normalization.BYTES if group.normalized else Normalization.PEER_MEDIAN
+        against = "byte-predicted compute" if group.normalized else "median compute"
+        return StragglerEvidence(
+            rank=rank,
+            node=node,
+            gpu_index=gpu_index,
+            slowdown_pct=round(100 * slowdown, 1),
+            step_cost_pct=round(100 * self.step_cost(rank), 1),
+            score=round(self.score(rank), 4),
+            z=round(group.z.get(rank, 0.0), 2),
+            confidence=self.confidence(rank),
+            window_steps=len(group.ratio.get(rank, ())),
+            peer_group=PeerGroupEvidence(
+                label=(key or PeerKey("", ())).label(),
+                basis=group.key.basis,
+                role=group.key.role or None,
+                ranks=members,
+                why=group.key.why(group.pp_stage),
+            ),
+            normalization=norm,
+            compute_s=group.compare(rank, group.compute_s),
+            collective_wait_s=group.compare(rank, group.wait_s),
+            step_time_s=group.compare(rank, group.step_s),
+            bytes_moved=group.compare(rank, group.bytes_moved) if group.normalized else None,
+            flagged_steps=sum(hold.recent) if hold else 0,
+            of_steps=len(hold.recent) if hold else 0,
+            flaps=hold.flaps if hold else 0,
+            verdict=(
+                f"windowed median of its compute over its {len(members) - 1} peers' "
+                f"{against} is {self.score(rank):.3f} ({slowdown:+.0%}), "
+                f"{group.z.get(rank, 0.0):.1f} standard errors above 1, and it waits less "
+                "in collectives than they do"
+            ),
+        )

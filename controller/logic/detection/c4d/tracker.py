@@ -29,10 +29,6 @@ STRAGGLER_REFRESH_MIN_CHANGE = 0.05
 STRAGGLER_REFRESH_REL_CHANGE = 0.25
 STRAGGLER_REFRESH_S = 60.0
 
-#: Steps older than the newest by this many are compared even if some rank never reported
-#: them (its agent may be gone); younger ones wait for stragglers' late summaries.
-STEP_GRACE = 2
-
 
 @dataclass(slots=True)
 class _Inflight:
@@ -48,6 +44,8 @@ class JobTracker:
     rank_node: dict[int, str] = field(default_factory=dict)
     rank_gpu: dict[int, int | None] = field(default_factory=dict)
     pending_steps: dict[int, dict[int, StepSummary]] = field(default_factory=dict)
+    #: step -> controller time its first summary arrived (the late-summary wait starts then)
+    pending_since: dict[int, float] = field(default_factory=dict)
     last_compared_step: int = -1
     newest_step: int = -1
     inflight: dict[tuple[int, str], _Inflight] = field(default_factory=dict)
@@ -58,12 +56,14 @@ class JobTracker:
     crashes: CrashState = field(init=False)
     nonfinite: NonfiniteState = field(init=False)
     open_hangs: set[str] = field(default_factory=set)
+    #: open hang key -> the stuck calls (group, seq) it stands for
+    _hang_calls: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
     probes: dict[str, list[ProbeResult]] = field(default_factory=dict)
     #: How many times the job restarted since the tracker first saw it.
     incarnation: int = 0
-    #: Open straggler rank -> (slowdown last reported, controller time of that report);
-    #: its keys are the open stragglers.
-    _straggler_reported: dict[int, tuple[float, float]] = field(default_factory=dict)
+    #: Open straggler rank -> (slowdown last reported, flaps last reported, controller time
+    #: of that report); its keys are the open stragglers.
+    _straggler_reported: dict[int, tuple[float, int, float]] = field(default_factory=dict)
     _findings: list[Finding] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -84,7 +84,11 @@ class JobTracker:
         self.last_step_of_rank[s.rank] = max(self.last_step_of_rank.get(s.rank, -1), s.step)
         if s.step <= self.last_compared_step:
             return  # arrived after its step was compared; too late to matter
-        self.pending_steps.setdefault(s.step, {})[s.rank] = s
+        rows = self.pending_steps.get(s.step)
+        if rows is None:
+            rows = self.pending_steps[s.step] = {}
+            self.pending_since[s.step] = now_s
+        rows[s.rank] = s
         self.newest_step = max(self.newest_step, s.step)
         # A rank that finished a later step is no longer stuck in an older call.
         for rank_group in [k for k in self.inflight if k[0] == s.rank]:
@@ -147,8 +151,9 @@ class JobTracker:
     def evaluate(self, now_s: float) -> list[Finding]:
         out, self._findings = self._findings, []
         out.extend(self.crashes.evaluate(now_s, self.world_size))
-        for step in self._ready_steps():
+        for step in self._ready_steps(now_s):
             rows = self.pending_steps.pop(step)
+            self.pending_since.pop(step, None)
             self.last_compared_step = step
             out.extend(self._compare_step(step, rows, now_s))
         out.extend(self._check_hangs(now_s))
@@ -189,20 +194,36 @@ class JobTracker:
             },
         )
 
-    def _ready_steps(self) -> list[int]:
+    def _ready_steps(self, now_s: float) -> list[int]:
+        """Pending steps to compare now, oldest first (a per-step watermark).
+
+        A step is ready once every rank reported it, or once each missing rank has reported
+        a later step (it never will report this one), or once it waited ``step_wait_s``
+        since its first summary (a node's agent may be gone). Agents batch on their own
+        timers, so a step complete on one node may lack another's summaries for seconds;
+        comparing it early would drop them (and with them, a slow node's own steps). Steps
+        are compared in order: a younger complete step waits behind an older one.
+        """
         ready = []
         need = max(2, int(self.cfg.min_step_coverage * self.world_size + 0.999))
+        overflow = len(self.pending_steps) - self.cfg.max_pending_steps
         for step in sorted(self.pending_steps):
             rows = self.pending_steps[step]
-            complete = len(rows) >= self.world_size
-            aged = step <= self.newest_step - STEP_GRACE and len(rows) >= need
-            if complete or aged:
-                ready.append(step)
-            elif step <= self.newest_step - STEP_GRACE:
-                del self.pending_steps[step]  # too few ranks ever reported it
+            waited = now_s - self.pending_since.get(step, now_s) >= self.cfg.step_wait_s
+            settled = len(rows) >= self.world_size or all(
+                self.last_step_of_rank.get(r, -1) > step
+                for r in range(self.world_size)
+                if r not in rows
+            )
+            if settled or waited or overflow > 0:
+                overflow -= 1
+                if len(rows) >= need:
+                    ready.append(step)
+                else:  # too few ranks ever reported it
+                    del self.pending_steps[step]
+                    self.pending_since.pop(step, None)
                 continue
-            else:
-                break
+            break
         return ready
 
     def _compare_step(self, step: int, rows: dict[int, StepSummary], now_s: float) -> list[Finding]:
@@ -211,7 +232,11 @@ class JobTracker:
         opened, cleared = self.stragglers.transitions(now_s)
         for rank in sorted(opened):
             out.append(self._straggler_finding(rank, resolved=False))
-            self._straggler_reported[rank] = (self.stragglers.slowdown(rank), now_s)
+            self._straggler_reported[rank] = (
+                self.stragglers.slowdown(rank),
+                self.stragglers.flaps(rank),
+                now_s,
+            )
         for rank in sorted(cleared):
             out.append(self._straggler_finding(rank, resolved=True))
             self._straggler_reported.pop(rank, None)
@@ -232,40 +257,36 @@ class JobTracker:
         also keep a live straggler from looking stale.
         """
         out = []
-        for rank, (last, last_s) in sorted(self._straggler_reported.items()):
+        for rank, (last, last_flaps, last_s) in sorted(self._straggler_reported.items()):
             slowdown = self.stragglers.slowdown(rank)
+            flaps = self.stragglers.flaps(rank)
             moved = abs(slowdown - last) >= max(
                 STRAGGLER_REFRESH_MIN_CHANGE, STRAGGLER_REFRESH_REL_CHANGE * abs(last)
             )
-            if moved or now_s - last_s >= STRAGGLER_REFRESH_S:
+            if moved or flaps != last_flaps or now_s - last_s >= STRAGGLER_REFRESH_S:
                 out.append(replace(self._straggler_finding(rank, resolved=False), refresh=True))
-                self._straggler_reported[rank] = (slowdown, now_s)
+                self._straggler_reported[rank] = (slowdown, flaps, now_s)
         return out
 
     def _straggler_finding(self, rank: int, *, resolved: bool) -> Finding:
         node = self.rank_node.get(rank, "?")
-        slowdown = self.stragglers.slowdown(rank)
-        cost = self.stragglers.step_cost(rank)
+        ev = self.stragglers.evidence(rank, node, self.rank_gpu.get(rank))
+        group = ev.peer_group
+        peers = "its peers" if group.label == "job" else f"its peers ({group.label})"
+        flaps = f"; flapped {ev.flaps}x between slow and normal" if ev.flaps else ""
         return Finding(
             kind=FindingKind.STRAGGLER,
             job=self.job,
             severity="warning",
             summary=(
-                f"rank {rank} of job {self.job} on {node} (GPU {self.rank_gpu.get(rank)}) "
-                f"computes {slowdown:.0%} longer than its peers, costing ~{cost:.0%} of "
-                "each step"
+                f"rank {rank} of job {self.job} on {node} (GPU {ev.gpu_index}) "
+                f"computes {ev.slowdown_pct / 100:.0%} longer than {peers}, costing "
+                f"~{ev.step_cost_pct / 100:.0%} of each step{flaps}"
             ),
             key=f"straggler:{self.job}:{rank}",
             ranks=(rank,),
             nodes=(node,),
-            evidence={
-                "slowdown_pct": round(100 * slowdown, 1),
-                "step_cost_pct": round(100 * cost, 1),
-                "gpu_index": self.rank_gpu.get(rank),
-                "score": round(self.stragglers.scores.get(rank, 0.0), 4),
-                "confidence": self.stragglers.confidence(rank),
-                "window_steps": len(self.stragglers.compute_ratio.get(rank, ())),
-            },
+            evidence=ev.as_json(),
             resolved=resolved,
         )
 
@@ -315,10 +336,7 @@ class JobTracker:
         ]
 
     def _check_hangs(self, now_s: float) -> list[Finding]:
-        expired = [
-            k for k, v in self.inflight.items() if now_s - v.received_s > self.cfg.inflight_ttl_s
-        ]
-        for rank_group in expired:
+        for rank_group in self._expired_inflight(now_s):
             del self.inflight[rank_group]
         live = [v.record for v in self.inflight.values()]
         dead = self.crashes.reported
@@ -347,11 +365,13 @@ class JobTracker:
             by_key.setdefault(key, []).append(call)
         out: list[Finding] = []
         for key, calls in by_key.items():
+            self._hang_calls[key] = {(c.group, c.seq) for c in calls}
             if key not in self.open_hangs:
                 self.open_hangs.add(key)
                 out.append(self._hang_finding(calls, key))
         for key in sorted(self.open_hangs - set(by_key)):
             self.open_hangs.discard(key)
+            self._hang_calls.pop(key, None)
             kind = FindingKind.COMM_HANG if key.startswith("comm_hang:") else FindingKind.HANG
             out.append(
                 Finding(
@@ -364,6 +384,33 @@ class JobTracker:
                 )
             )
         return out
+
+    def _expired_inflight(self, now_s: float) -> list[tuple[int, str]]:
+        """In-flight records to drop: not refreshed for ``inflight_ttl_s``, unless they are
+        part of an open hang whose call another rank still reports stuck.
+
+        A waiting rank's agent may go quiet (its node lost, its reports delayed) while the
+        hang goes on; its silence is not progress. Dropping its record would turn it from
+        *entered* into *absent*, and the hang into a new incident blaming the waiting rank.
+        Such a record is held for as long as some other rank keeps the call alive; when
+        nobody refreshes the call any longer, the job is gone or moving, and it expires.
+        """
+        ttl = self.cfg.inflight_ttl_s
+        stale = [k for k, v in self.inflight.items() if now_s - v.received_s > ttl]
+        if not stale or not self._hang_calls:
+            return stale
+        held = set().union(*self._hang_calls.values())
+        alive = {
+            (v.record.group, v.record.seq)
+            for v in self.inflight.values()
+            if now_s - v.received_s <= ttl
+        }
+        return [
+            k
+            for k in stale
+            if (call := (self.inflight[k].record.group, self.inflight[k].record.seq)) not in held
+            or call not in alive
+        ]
 
     def _hang_finding(self, calls: list[StuckCall], key: str) -> Finding:
         call = max(calls, key=lambda c: c.elapsed_s)

@@ -1,0 +1,104 @@
+"""Which ranks are compared with which: peer groups from the roles the ranks report.
+
+The straggler premise (ranks doing the same work take the same time) holds only among
+ranks that really do the same work. The last pipeline stage computes the loss; MoE experts
+receive uneven token counts; a job may run TP groups of different sizes. Each step summary
+carries the rank's ``role`` (declared with ``collectives.instrument(role=...)`` or derived
+from its pipeline stage) and ``group_ranks`` (its peers, from the job's DeviceMesh or
+declared); ranks that report the same pair are one peer group and are compared only with
+each other. A rank that reports neither is in the job-wide group (pure data parallelism,
+the premise C4D and MegaScale start from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from trainguard.wire import StepSummary
+
+
+class PeerBasis(StrEnum):
+    """Why ranks were put in one group (shown to the operator with the verdict)."""
+
+    #: Their summaries list the same peer ranks (a DeviceMesh stage, or declared), and the
+    #: same role if any.
+    GROUP_RANKS = "group_ranks"
+    #: Same role (declared, or ``pp_stage=<n>`` derived from pipelining), no member list.
+    ROLE = "role"
+    #: Nothing reported: every rank of the job is assumed to do the same work.
+    JOB = "job"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerKey:
+    """Identity of a peer group: the role and the member list the ranks report."""
+
+    role: str
+    members: tuple[int, ...]
+
+    @property
+    def basis(self) -> PeerBasis:
+        if self.members:
+            return PeerBasis.GROUP_RANKS
+        return PeerBasis.ROLE if self.role else PeerBasis.JOB
+
+    def label(self) -> str:
+        """Short stable text for keys and logs (``job``, ``role=pp_stage=2``, ...)."""
+        parts = []
+        if self.role:
+            parts.append(f"role={self.role}")
+        if self.members:
+            parts.append(f"ranks={_span(self.members)}")
+        return ",".join(parts) or "job"
+
+    def why(self, pp_stage: int | None) -> str:
+        """The reason these ranks are peers, in words an operator can check."""
+        stage = f" (pipeline stage {pp_stage})" if pp_stage is not None else ""
+        if self.basis is PeerBasis.GROUP_RANKS:
+            role = f" and role {self.role!r}" if self.role else ""
+            return (
+                f"ranks that report the same peer group {_span(self.members)}{role}{stage}: "
+                "the same work per step (from the job's DeviceMesh or its declaration)"
+            )
+        if self.basis is PeerBasis.ROLE:
+            return f"ranks with the same role {self.role!r}{stage}"
+        return "every rank of the job: none reported a role or peer group (data parallel)"
+
+
+JOB_WIDE = PeerKey("", ())
+
+
+class PeerIndex:
+    """rank -> PeerKey, recomputed only when a rank's reported role/group changes.
+
+    ``group_ranks`` can hold thousands of ranks; building a tuple of it for every summary
+    would cost more than the detector itself, so a cheap fingerprint decides whether the
+    cached key still holds.
+    """
+
+    __slots__ = ("_cache",)
+
+    def __init__(self) -> None:
+        self._cache: dict[int, tuple[tuple[object, ...], PeerKey]] = {}
+
+    def key(self, s: StepSummary) -> PeerKey:
+        g = s.group_ranks
+        finger: tuple[object, ...] = (
+            (s.role, len(g), g[0], g[len(g) // 2], g[-1]) if g else (s.role,)
+        )
+        hit = self._cache.get(s.rank)
+        if hit is not None and hit[0] == finger:
+            return hit[1]
+        key = PeerKey(s.role or "", tuple(sorted(g))) if (g or s.role) else JOB_WIDE
+        self._cache[s.rank] = (finger, key)
+        return key
+
+
+def _span(members: tuple[int, ...]) -> str:
+    """``[4..7]`` for a contiguous run, the list otherwise (shortened past 16)."""
+    if len(members) > 2 and members[-1] - members[0] == len(members) - 1:
+        return f"[{members[0]}..{members[-1]}]"
+    if len(members) > 16:
+        return "[" + ", ".join(map(str, members[:8])) + f", ... ({len(members)} ranks)]"
+    return str(list(members))
