@@ -50,13 +50,19 @@ def _watts(key: str) -> Callable[[JsonObject, float], str]:
     return lambda item, _now: unit(item.get(key), "W")
 
 
+def _gpu_count(item: JsonObject, _now: float) -> str:
+    """GPU count, marked ``(sim)`` when the agent simulates them: never mistaken for real."""
+    count = cell(item.get("gpu_count"))
+    return f"{count} (sim)" if item.get("backend") == "sim" else count
+
+
 NODES = ResourceView(
     kind="node",
     plural="nodes",
     columns=(
         Column("NAME", field("name")),
         Column("HEALTH", field("health")),
-        Column("GPUS", field("gpu_count")),
+        Column("GPUS", _gpu_count),
         Column("UNHEALTHY-GPUS", field("gpus_unhealthy")),
         Column("INCIDENTS", field("open_incidents")),
         Column("LAST-REPORT", age_of("last_report_unix_s")),
@@ -196,7 +202,7 @@ def render_node(detail: JsonObject, fmt: OutputFormat, *, now_unix_s: float | No
         ("Name", cell(detail.get("name"))),
         ("Health", health),
         ("Hostname", cell(detail.get("hostname"))),
-        ("Backend", cell(detail.get("backend"))),
+        ("Backend", _backend(detail.get("backend"))),
         ("Agent version", cell(detail.get("agent_version"))),
         (
             "GPUs",
@@ -217,6 +223,12 @@ def render_node(detail: JsonObject, fmt: OutputFormat, *, now_unix_s: float | No
         return body + "\n\nNo GPUs reported."
     table = table_of(gpus, GPUS.columns, wide=fmt is OutputFormat.WIDE, now_unix_s=now)
     return body + "\n\n" + table
+
+
+def _backend(value: Any) -> str:
+    if value == "sim":
+        return "sim (simulated GPUs, not real hardware)"
+    return "nvml (real GPUs)" if value == "nvml" else cell(value)
 
 
 def _ago(unix_s: Any, now: float) -> str:

@@ -36,6 +36,14 @@ unhealthy. It stays so until the incident is resolved. An agent silent for longe
 ``node_lost_after_s`` (measured on the controller's clock) makes its node ``lost`` with a
 ``node_lost`` incident; its next report resolves that incident and the node returns to
 healthy, or to unhealthy if a GPU fault is still open.
+
+The agent's pre-failure signals (row remapping, retired pages, NVLink state, PCIe, fabric,
+NVML hangs, NIC ports, bonds) are classified by the pure rule table in
+:mod:`controller.logic.detection.hw_rules`: ``fatal`` findings take the ``gpu_fault`` path
+above, ``degrade`` ones open one ``hw_degraded`` warning per GPU or NIC, NIC error rises an
+``nic_errors`` info record; a node whose agent reports ``gpu_error`` (NVML broken where
+NVIDIA devices exist) is unhealthy with a ``gpu_watch_failed`` incident until it reports
+without one.
 """
 
 from __future__ import annotations
@@ -44,8 +52,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.logic.detection.hw_rules import HwFinding, HwRules
 from controller.services.incidents import IncidentService, IncidentSpec
-from controller.state import ClusterState, GpuState, IncidentState, NodeState, RowKey
+from controller.db.keys import GpuKey, NodeKey, RowKey
+from controller.state import ClusterState, GpuState, IncidentState, NodeState
 from controller.writer import GroupCommitWriter
 from trainguard import wire
 
@@ -109,6 +119,9 @@ class HealthDetector:
         self.node_lost_after_s = node_lost_after_s
         self.tick_interval_s = min(1.0, node_lost_after_s / 4)
         incidents.resolve_hooks.append(self._on_resolved)
+        self._hw = HwRules()
+        #: Node -> why its GPUs cannot be watched (the agent's ``gpu_error``).
+        self._gpu_errors: dict[str, str] = {}
 
     # ------------------------------------------------------------------ reports
 
@@ -135,8 +148,70 @@ class HealthDetector:
                 await self._gpu_fault(node, index, found)
             for kind, (count, events) in found.xids.items():
                 await self._record_xids(node, index, kind, count, events)
+        await self._gpu_watch(node, report.node.gpu_error)
+        for finding in self._hw.findings(report):
+            await self._hw_finding(node, finding)
         if dirty:
             self._writer.mark_dirty(dirty)
+
+    async def _gpu_watch(self, node: NodeState, error: str) -> None:
+        """A node whose NVML is broken is unhealthy until its agent reports without error."""
+        before = self._gpu_errors.get(node.name)
+        if error == (before or ""):
+            return
+        key = f"gpu_watch_failed:{node.name}"
+        if error:
+            self._gpu_errors[node.name] = error
+            self._recompute_node(node)
+            await self._incidents.open_or_bump(
+                IncidentSpec(
+                    kind="gpu_watch_failed",
+                    severity="critical",
+                    summary=f"{node.name}: GPUs not watched: {error}",
+                    dedupe_key=key,
+                    node=node.name,
+                    evidence={"gpu_error": error},
+                ),
+                also_write={NodeKey(node.name)},
+            )
+            return
+        del self._gpu_errors[node.name]
+        self._recompute_node(node)
+        incident = self._incidents.find_open(key)
+        if incident is not None:
+            await self._incidents.resolve(
+                incident, note="NVML works again", also_write={NodeKey(node.name)}
+            )
+        else:
+            self._writer.mark_dirty({NodeKey(node.name)})
+
+    async def _hw_finding(self, node: NodeState, f: HwFinding) -> None:
+        event = {"time_unix_s": f.time_unix_s, "signal": f.signal, "detail": f.reason}
+        if f.level == "fatal" and f.gpu_index is not None:
+            found = _GpuFindings(fault_reasons=[f.reason], fault_events=[event])
+            await self._gpu_fault(node, f.gpu_index, found)
+            return
+        if f.level == "fatal":
+            return  # node-level fatal (gpu_watch_failed) is handled by _gpu_watch
+        if f.level == "degrade":
+            kind, severity = "hw_degraded", "warning"
+        elif f.signal == "nic_errors_rising":
+            kind, severity = "nic_errors", "info"
+        else:
+            return
+        where = f.device or (f"gpu{f.gpu_index}" if f.gpu_index is not None else "node")
+        await self._incidents.open_or_bump(
+            IncidentSpec(
+                kind=kind,
+                severity=severity,
+                summary=f"{node.name}: {f.reason}",
+                dedupe_key=f"{kind}:{node.name}:{where}",
+                node=node.name,
+                gpu_index=f.gpu_index,
+                evidence={"signal": f.signal, "device": f.device},
+            ),
+            events=[event],
+        )
 
     def _inspect(
         self,
@@ -184,7 +259,7 @@ class HealthDetector:
             if before != value:
                 # Also when it drops (a driver reload resets the volatile counter).
                 gpu.ecc_uncorrected_total = value
-                dirty.add(("gpus", (node.name, sample.index)))
+                dirty.add(GpuKey(node.name, sample.index))
 
     async def _gpu_fault(self, node: NodeState, index: int, found: _GpuFindings) -> None:
         gpu = node.gpus.get(index)
@@ -213,7 +288,7 @@ class HealthDetector:
             spec,
             count=len(found.fault_events),
             events=found.fault_events,
-            also_write={("nodes", (node.name,)), ("gpus", (node.name, index))},
+            also_write={NodeKey(node.name), GpuKey(node.name, index)},
         )
 
     async def _record_xids(
@@ -266,7 +341,7 @@ class HealthDetector:
                         node=node.name,
                         evidence={"last_report_unix_s": node.last_report_unix_s},
                     ),
-                    also_write={("nodes", (node.name,))},
+                    also_write={NodeKey(node.name)},
                 )
             except Exception:
                 # Not recorded: stay as we were so the next tick tries again.
@@ -286,10 +361,10 @@ class HealthDetector:
         incident = self._incidents.find_open(f"node_lost:{node.name}")
         if incident is not None:
             await self._incidents.resolve(
-                incident, note="agent reported again", also_write={("nodes", (node.name,))}
+                incident, note="agent reported again", also_write={NodeKey(node.name)}
             )
         else:
-            self._writer.mark_dirty({("nodes", (node.name,))})
+            self._writer.mark_dirty({NodeKey(node.name)})
 
     # ------------------------------------------------------------------ resolution
 
@@ -308,17 +383,19 @@ class HealthDetector:
             "gpu healthy again",
             extra={"fields": {"node": node.name, "gpu": gpu.index, "incident": incident.id}},
         )
-        return {("nodes", (node.name,)), ("gpus", (node.name, gpu.index))}
+        return {NodeKey(node.name), GpuKey(node.name, gpu.index)}
 
-    @staticmethod
-    def _recompute_node(node: NodeState) -> None:
+    def _recompute_node(self, node: NodeState) -> None:
         if node.health == "lost":
             return
         bad = [
             g for g in sorted(node.gpus.values(), key=lambda g: g.index) if g.health != "healthy"
         ]
         before = node.health
-        if bad:
+        gpu_error = self._gpu_errors.get(node.name)
+        if gpu_error:
+            node.health, node.health_reason = "unhealthy", f"GPUs not watched: {gpu_error}"
+        elif bad:
             more = f" (+{len(bad) - 1} more GPUs)" if len(bad) > 1 else ""
             node.health, node.health_reason = "unhealthy", bad[0].health_reason + more
         else:

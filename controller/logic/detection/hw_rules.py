@@ -1,0 +1,183 @@
+"""Which hardware signal means what: the rule table for the agent's pre-failure signals.
+
+Pure: plain data in, findings out, no I/O, no clock. The health detector feeds it every
+report and acts on the findings. Three levels, as NVSentinel and DCGM health watches
+classify (docs/agent.md, "Health rules", is the table for operators):
+
+``fatal``
+    The GPU (or node) must not run work: it is marked unhealthy and a ``gpu_fault``
+    incident opens (the remediation policy isolates on it).
+``degrade``
+    Works, but worse or at risk (a link down, a remap waiting for a reset, NVML not
+    answering): one ``hw_degraded`` warning incident per GPU or NIC, health unchanged.
+``count``
+    Only counted (metrics, sample history): corrected ECC, replays, CRC errors, throttling.
+    NIC error-rate rises are also kept as an ``nic_errors`` info record, the evidence the
+    slow-link investigation starts from.
+
+Conditions that persist (a remap pending for hours) produce one finding when they appear,
+not one per report; the memo of what was seen is per (node, GPU/port).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trainguard import wire
+
+Level = Literal["fatal", "degrade", "count"]
+
+#: Retired pages (single + double bit) at which DCGM fails a board's memory health.
+RETIRED_PAGES_LIMIT = 60
+
+#: signal -> (level, meaning). The docs table is generated from the same words.
+RULES: dict[str, tuple[Level, str]] = {
+    "gpu_lost": ("fatal", "NVML_ERROR_GPU_IS_LOST: the GPU fell off the bus"),
+    "xid_fatal": ("fatal", "an XID in the fatal list (48, 61-64, 74, 79, 92, 94, 95, 119, 120)"),
+    "ecc_uncorrectable": ("fatal", "the volatile uncorrectable ECC count grew"),
+    "row_remap_failed": ("fatal", "a row could not be remapped: the GPU needs service"),
+    "retired_pages_limit": ("fatal", f"{RETIRED_PAGES_LIMIT}+ retired pages (DCGM's limit)"),
+    "fabric_failed": ("fatal", "the GPU's NVLink fabric registration failed (status != 0)"),
+    "gpu_watch_failed": ("fatal", "NVML fails on a node with NVIDIA devices (node-level)"),
+    "gpu_unknown": ("degrade", "an NVML call hung past the agent's timeout"),
+    "row_remap_pending": ("degrade", "a remap waits for a GPU reset"),
+    "retired_pages_pending": ("degrade", "a page retirement waits for a GPU reset"),
+    "nvlink_down": ("degrade", "an NVLink that was up at agent start is down"),
+    "pcie_link_degraded": ("degrade", "PCIe width below max, or generation below max while busy"),
+    "fabric_not_ready": ("degrade", "fabric state not_started / in_progress"),
+    "nic_port_down": ("degrade", "an RDMA port left ACTIVE, or flapped (link_downed rose)"),
+    "nic_gone": ("degrade", "an RDMA device disappeared from sysfs"),
+    "bond_member_down": ("degrade", "an Ethernet bond member's MII status went down"),
+    "nic_errors_rising": ("count", "an RDMA error counter rose past the agent's threshold"),
+    "xid_other": ("count", "application / unclassified XIDs (recorded, never unhealthy)"),
+    "ecc_corrected": ("count", "corrected ECC errors (volatile, aggregate, by location)"),
+    "remapped_rows": ("count", "rows remapped (correctable / uncorrectable causes)"),
+    "pcie_replays": ("count", "PCIe replay counter"),
+    "nvlink_errors": ("count", "NVLink CRC / replay / recovery counters"),
+    "throttle": ("count", "clocks-event (throttle) reasons"),
+    "mig_mode": ("count", "MIG mode current / pending"),
+    "nic_congestion": ("count", "RoCE CNP / ECN counters"),
+}
+
+_EVENT_SIGNALS = {
+    "pcie_link_degraded": None,
+    "nic_port_down": None,
+    "nic_gone": None,
+    "bond_member_down": None,
+    "nic_errors_rising": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class HwFinding:
+    signal: str
+    level: Level
+    node: str
+    gpu_index: int | None
+    #: NIC device (or bond) the finding is about, for per-device dedupe.
+    device: str
+    reason: str
+    time_unix_s: float
+
+
+@dataclass(slots=True)
+class _Seen:
+    flags: set[str] = field(default_factory=set)
+
+
+class HwRules:
+    """Turns reports into findings; remembers standing conditions so each is found once."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, int], _Seen] = {}
+
+    def findings(self, report: wire.Report) -> list[HwFinding]:
+        node = report.node.name
+        out: list[HwFinding] = []
+        if report.node.gpu_error:
+            t = report.samples[-1].time_unix_s if report.samples else report.sent_unix_s
+            out.append(self._finding("gpu_watch_failed", node, None, "", report.node.gpu_error, t))
+        for sample in report.samples:
+            for g in sample.gpus:
+                out += self._gpu(node, g, sample.time_unix_s)
+            for event in sample.events:
+                if event.kind in _EVENT_SIGNALS:
+                    where = event.device or (
+                        f"GPU {event.gpu_index}" if event.gpu_index is not None else ""
+                    )
+                    reason = event.detail or f"{event.kind} on {where}"
+                    out.append(
+                        self._finding(
+                            event.kind, node, event.gpu_index, event.device, reason,
+                            event.time_unix_s,
+                        )
+                    )  # fmt: skip
+        return out
+
+    def _finding(
+        self, signal: str, node: str, gpu: int | None, device: str, reason: str, t: float
+    ) -> HwFinding:
+        return HwFinding(signal, RULES[signal][0], node, gpu, device, reason, t)
+
+    def _standing(self, node: str, gpu: int, flag: str, present: bool) -> bool:
+        """True when ``flag`` just appeared on this GPU (it was not present before)."""
+        seen = self._seen.setdefault((node, gpu), _Seen())
+        if not present:
+            seen.flags.discard(flag)
+            return False
+        if flag in seen.flags:
+            return False
+        seen.flags.add(flag)
+        return True
+
+    def _gpu(self, node: str, g: wire.GpuSample, t: float) -> list[HwFinding]:
+        out: list[HwFinding] = []
+        i = g.index
+
+        def check(signal: str, present: bool, reason: str, flag: str | None = None) -> None:
+            if self._standing(node, i, flag or signal, present):
+                out.append(self._finding(signal, node, i, "", reason, t))
+
+        check("gpu_unknown", g.unknown, f"GPU {i} unknown: {g.error or 'NVML did not answer'}")
+        if g.unknown or g.lost:
+            return out
+        check("row_remap_failed", g.row_remap_failed is True, f"GPU {i}: row remapping failed")
+        check(
+            "row_remap_pending",
+            g.row_remap_pending is True,
+            f"GPU {i}: row remap pending, needs a GPU reset",
+        )
+        check(
+            "retired_pages_pending",
+            g.retired_pages_pending is True,
+            f"GPU {i}: page retirement pending, needs a GPU reset",
+        )
+        retired = (g.retired_pages_sbe or 0) + (g.retired_pages_dbe or 0)
+        check(
+            "retired_pages_limit",
+            retired >= RETIRED_PAGES_LIMIT,
+            f"GPU {i}: {retired} retired pages (limit {RETIRED_PAGES_LIMIT})",
+        )
+        status = g.fabric_status
+        check(
+            "fabric_failed",
+            g.fabric_state == "completed" and status not in (None, 0),
+            f"GPU {i}: NVLink fabric registration failed (nvmlReturn {status})",
+        )
+        check(
+            "fabric_not_ready",
+            g.fabric_state in ("not_started", "in_progress"),
+            f"GPU {i}: NVLink fabric {g.fabric_state}",
+        )
+        for link in g.nvlinks:
+            check(
+                "nvlink_down",
+                not link.active,
+                f"GPU {i}: NVLink {link.link} down",
+                flag=f"nvlink_down:{link.link}",
+            )
+        return out
+
+
+__all__ = ["RETIRED_PAGES_LIMIT", "RULES", "HwFinding", "HwRules", "Level"]
