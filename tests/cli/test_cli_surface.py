@@ -42,6 +42,7 @@ EXPECTED = {
     "incidents": ["--state", "--kind", "--node", "--job", *CLIENT],
     "isolate": ["NODE", "--reason", "--server", "--token"],
     "jobs": CLIENT,
+    "leader-label": ["--metrics-url", "--interval", "--pod", "--pod-namespace", "--kubeconfig"],
     "node": ["NAME", *CLIENT],
     "nodes": ["--health", *CLIENT],
     "policy": CLIENT,

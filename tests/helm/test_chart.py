@@ -60,39 +60,26 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: Value sets every structural test runs over (name -> values).
+#: Value sets every structural test runs over: helm/trainguard/ci/<name>-values.yaml (the
+#: chart-testing convention, so `ct lint` and `ct install` use the same files).
+CI_DIR = CHART / "ci"
 VALUE_SETS: dict[str, dict[str, Any]] = {
-    "defaults": TOKENS,
-    "postgres-ha": _merge(
-        TOKENS,
-        {
-            "database": {"url": DB_URL},
-            "controller": {
-                "replicas": 3,
-                "config": {"node_lost_after_s": 60, "policy_dry_run": True},
-                "podDisruptionBudget": {"enabled": True},
-            },
-            "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
-            "grafanaDashboard": {"enabled": True},
-        },
-    ),
-    "existing-secrets": {
-        "auth": {"existingSecret": "tg-auth"},
-        "database": {"existingSecret": "tg-db", "existingSecretKey": "url"},
-        "controller": {"jobNamespace": "train", "replicas": 2},
-        "agent": {"privileged": True, "runtimeClassName": ""},
-        "rbac": {"jobsets": False},
-    },
-    "sqlite-pvc-no-actuator": _merge(
-        TOKENS,
-        {
-            "database": {"sqlite": {"persistence": {"enabled": True, "storageClass": "fast"}}},
-            "controller": {"actuator": "none"},
-            "agent": {"enabled": False},
-            "serviceMonitor": {"enabled": True},
-        },
-    ),
+    path.name.removesuffix("-values.yaml"): yaml.safe_load(path.read_text())
+    for path in sorted(CI_DIR.glob("*-values.yaml"))
 }
+#: The API the ServiceMonitor and PrometheusRule need; `helm template` is told it exists.
+PROMETHEUS_API = "monitoring.coreos.com/v1"
+
+
+def test_ci_values_files_are_the_value_sets() -> None:
+    assert set(VALUE_SETS) == {
+        "defaults",
+        "postgres-ha",
+        "existing-secrets",
+        "sqlite-pvc-no-actuator",
+    }
+    assert VALUE_SETS["defaults"] == TOKENS
+    assert all(p.name.endswith("-values.yaml") for p in CI_DIR.iterdir())
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +106,15 @@ def _run_helm(
     )
 
 
-def _template(helm_bin: Path, tmp_path: Path, values: dict[str, Any]) -> str:
+def _template(
+    helm_bin: Path, tmp_path: Path, values: dict[str, Any], *, prometheus_api: bool = True
+) -> str:
+    """``helm template``; by default as on a cluster that serves the Prometheus Operator API."""
+    extra = ["--api-versions", PROMETHEUS_API] if prometheus_api else []
     proc = _run_helm(
-        helm_bin, tmp_path, values, "template", RELEASE, str(CHART), "--namespace", NAMESPACE
-    )
+        helm_bin, tmp_path, values, "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+        *extra,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -131,8 +123,10 @@ def _docs(rendered: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(rendered) if doc]
 
 
-def _render(helm_bin: Path, tmp_path: Path, values: dict[str, Any]) -> list[dict[str, Any]]:
-    return _docs(_template(helm_bin, tmp_path, values))
+def _render(
+    helm_bin: Path, tmp_path: Path, values: dict[str, Any], *, prometheus_api: bool = True
+) -> list[dict[str, Any]]:
+    return _docs(_template(helm_bin, tmp_path, values, prometheus_api=prometheus_api))
 
 
 def _one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -191,11 +185,11 @@ def test_renders_valid_kubernetes_1_33(helm_bin: Path, tmp_path: Path, name: str
         text=True,
         timeout=300,
     )
-    # The only kind without a bundled schema is the Prometheus Operator's ServiceMonitor (a
-    # warning, not a failure); every other object must validate.
+    # The only kinds without a bundled schema are the Prometheus Operator's ServiceMonitor
+    # and PrometheusRule (a warning, not a failure); every other object must validate.
     assert proc.returncode == 0, proc.stdout + proc.stderr
     unknown = re.findall(r"Couldn't find schema for kind (\w+)", proc.stdout + proc.stderr)
-    assert set(unknown) <= {"ServiceMonitor"}
+    assert set(unknown) <= {"ServiceMonitor", "PrometheusRule"}
 
 
 def test_default_objects(helm_bin: Path, tmp_path: Path) -> None:
@@ -371,8 +365,6 @@ def test_controller_env_is_valid_settings(
         assert "/var/lib/trainguard" in mounts
     else:
         assert settings.database_url == DB_URL
-        migrate = _one(docs, "Deployment")["spec"]["template"]["spec"]["initContainers"][0]
-        assert migrate["command"] == ["trainguard", "db", "upgrade"]
         config = yaml.safe_load(_one(docs, "ConfigMap", FULLNAME)["data"]["config.yaml"])
         assert config == {"node_lost_after_s": 60, "policy_dry_run": True}
         assert env["TRAINGUARD_CONFIG_FILE"] == "/etc/trainguard/config.yaml"
@@ -385,7 +377,7 @@ def test_no_secret_in_plain_env(helm_bin: Path, tmp_path: Path, name: str) -> No
     for secret in SECRETS:
         assert secret not in outside_secrets
     for doc in docs:
-        if doc["kind"] not in ("Deployment", "DaemonSet"):
+        if doc["kind"] not in ("Deployment", "DaemonSet", "Job"):
             continue
         pod = doc["spec"]["template"]["spec"]
         for container in [*pod["containers"], *pod.get("initContainers", [])]:
@@ -451,9 +443,10 @@ def test_agent_daemonset(helm_bin: Path, tmp_path: Path, monkeypatch: pytest.Mon
     assert pod["runtimeClassName"] == "nvidia"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["automountServiceAccountToken"] is False
-    assert {"key": "trainguard.io/isolated", "operator": "Exists", "effect": "NoSchedule"} in pod[
-        "tolerations"
-    ]
+    # Every taint tolerated (isolated, not-ready, pressure, the GPU taint), and scheduled and
+    # kept like other node daemons.
+    assert pod["tolerations"] == [{"operator": "Exists"}]
+    assert pod["priorityClassName"] == "system-node-critical"
     # The socket directory is a hostPath, mounted where the socket path points.
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["socket-dir"]["hostPath"] == {
@@ -501,6 +494,9 @@ def test_agent_privileged_value(helm_bin: Path, tmp_path: Path) -> None:
 
 def test_service_monitor_only_when_enabled(helm_bin: Path, tmp_path: Path) -> None:
     assert "ServiceMonitor" not in _kinds(_render(helm_bin, tmp_path, TOKENS))
+    # Enabled on a cluster without the Prometheus Operator's API: nothing, not a failure.
+    bare = _render(helm_bin, tmp_path, VALUE_SETS["postgres-ha"], prometheus_api=False)
+    assert not {"ServiceMonitor", "PrometheusRule"} & set(_kinds(bare))
     docs = _render(helm_bin, tmp_path, VALUE_SETS["postgres-ha"])
     monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
     assert set(monitors) == {FULLNAME, f"{FULLNAME}-agent"}
@@ -537,8 +533,15 @@ def test_ha_replicas_on_postgres(helm_bin: Path, tmp_path: Path) -> None:
     docs = _render(helm_bin, tmp_path, VALUE_SETS["postgres-ha"])
     deployment = _one(docs, "Deployment")
     assert deployment["spec"]["replicas"] == 3
-    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
-    assert _one(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    # One old pod may go before its replacement is Ready: a rollout never waits on a pod
+    # that cannot become Ready, and never needs room for more than replicas + 1 pods.
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 1},
+    }
+    pdb = _one(docs, "PodDisruptionBudget")["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # never blocks a drain
     volumes = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
     assert "data" not in volumes  # no SQLite volume on PostgreSQL
 
@@ -559,6 +562,8 @@ def test_notes_explain_access(helm_bin: Path, tmp_path: Path) -> None:
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert f"port-forward svc/{FULLNAME} 8470:8470" in notes
     assert "kubectl trainguard nodes" in notes
+    # The plugin goes through the API server: the release's namespace and Service named.
+    assert f"kubectl trainguard status -n {NAMESPACE} --service {FULLNAME}" in notes
     assert "TRAINGUARD_AGENT_SOCKET=/run/trainguard/agent.sock" in notes
     assert "not highly available" in notes or "no high availability" in notes
 
@@ -652,3 +657,150 @@ def test_every_values_key_is_commented() -> None:
 def test_schema_is_json() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["additionalProperties"] is False
+
+
+# -- rollouts, migrations, leader routing (issue 22) ---------------------------------------
+
+
+def _hooks(doc: dict[str, Any]) -> set[str]:
+    return set(doc["metadata"].get("annotations", {}).get("helm.sh/hook", "").split(","))
+
+
+def test_migrations_run_once_as_a_pre_install_and_pre_upgrade_hook(
+    helm_bin: Path, tmp_path: Path
+) -> None:
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["postgres-ha"])
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert "initContainers" not in pod  # a new pod never migrates under a serving leader
+    job = _one(docs, "Job", f"{FULLNAME}-migrate")
+    assert _hooks(job) == {"pre-install", "pre-upgrade"}
+    spec = job["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["command"][:3] == ["trainguard", "db", "upgrade"]
+    assert container["image"] == "trainguard-controller:0.1.0"
+    assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+    # On a first install the chart's Secret does not exist yet: the URL comes from a hook
+    # Secret created before the Job (lower weight) and removed with it.
+    ref = _env(container)["TRAINGUARD_DATABASE_URL"]["valueFrom"]["secretKeyRef"]
+    secret = _one(docs, "Secret", ref["name"])
+    assert _hooks(secret) == _hooks(job)
+    weight = int(secret["metadata"]["annotations"]["helm.sh/hook-weight"])
+    assert weight < int(job["metadata"]["annotations"]["helm.sh/hook-weight"])
+    assert base64.b64decode(secret["data"][ref["key"]]).decode() == DB_URL
+    assert container["command"][3:] == ["--database-url", "$(TRAINGUARD_DATABASE_URL)"]
+    # With the user's Secret it is referenced directly; SQLite needs no Job.
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["existing-secrets"])
+    job = _one(docs, "Job", f"{FULLNAME}-migrate")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert _env(container)["TRAINGUARD_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "tg-db",
+        "key": "url",
+    }
+    assert container["image"] == "registry.example.com/ml/trainguard-controller:0.1.0-rc1"
+    assert "Job" not in _kinds(_render(helm_bin, tmp_path, TOKENS))
+
+
+def test_service_routes_to_the_leader_label_set_by_the_sidecar(
+    helm_bin: Path, tmp_path: Path
+) -> None:
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["postgres-ha"])
+    service = _one(docs, "Service", FULLNAME)
+    assert service["spec"]["selector"]["trainguard.io/leader"] == "true"
+    deployment = _one(docs, "Deployment")
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["labels"]["trainguard.io/leader"] == "false"  # until it leads
+    assert "trainguard.io/leader" not in deployment["spec"]["selector"]["matchLabels"]
+    sidecar = _container(deployment, "leader-label")
+    assert sidecar["command"][:2] == ["trainguard", "leader-label"]
+    assert "http://127.0.0.1:8470/metrics" in sidecar["command"]
+    env = _env(sidecar)
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    rbac = _rbac(docs)
+    assert rbac[f"Role/{NAMESPACE}/{FULLNAME}-leader"]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}
+    ]
+    binding = rbac[f"RoleBinding/{NAMESPACE}/{FULLNAME}-leader"]
+    assert binding["subjects"][0]["name"] == template["spec"]["serviceAccountName"]
+    # The sidecar's command is one the CLI has, with flags it accepts.
+    from trainguard.cli.app import run
+
+    assert run([*sidecar["command"][1:], "--help"], prog_name="trainguard") == 0
+    # Turned off (or on SQLite): every Ready replica is selected, no sidecar, no Role.
+    for name in ("existing-secrets", "defaults"):
+        docs = _render(helm_bin, tmp_path, VALUE_SETS[name])
+        assert "trainguard.io/leader" not in _one(docs, "Service", FULLNAME)["spec"]["selector"]
+        pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+        assert [c["name"] for c in pod["containers"]] == ["controller"]
+        assert f"Role/{NAMESPACE}/{FULLNAME}-leader" not in _rbac(docs)
+
+
+# -- alerts ---------------------------------------------------------------------------------
+
+EXPECTED_ALERTS = {
+    "TrainguardNoLeader",
+    "TrainguardTwoLeaders",
+    "TrainguardAgentSilent",
+    "TrainguardHangOpen",
+    "TrainguardStragglerOpen",
+    "TrainguardGpuFaultOpen",
+    "TrainguardPowerAboveBudget",
+    "TrainguardGoodputLow",
+}
+
+
+def _code_sources(*folders: str) -> str:
+    return "".join(p.read_text() for f in folders for p in (ROOT / f).rglob("*.py"))
+
+
+def test_prometheus_rule_alerts_use_real_metrics_and_have_runbooks(
+    helm_bin: Path, tmp_path: Path
+) -> None:
+    promql = pytest.importorskip("promql_parser")
+    docs = _render(helm_bin, tmp_path, VALUE_SETS["postgres-ha"])
+    rule = _one(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == EXPECTED_ALERTS
+    sources = _code_sources("controller", "agents")
+    runbook = (ROOT / "docs" / "runbook.md").read_text()
+    headings = {line[3:].strip().lower() for line in runbook.splitlines() if line[:3] == "## "}
+    for name, alert in alerts.items():
+        expr = alert["expr"]
+        promql.parse(expr)  # valid PromQL, or ValueError
+        assert f'namespace="{NAMESPACE}"' in expr, name  # this release's targets only
+        metrics = set(re.findall(r"trainguard_\w+", expr))
+        assert metrics, name
+        for metric in metrics:
+            assert f'"{metric}"' in sources, f"{name} uses {metric}, which nothing exports"
+        for kinds in re.findall(r'kind=~?"([^"]+)"', expr):
+            for kind in kinds.split("|"):
+                assert f'"{kind}"' in sources, f"{name}: no incident kind {kind!r} in the code"
+        assert alert["labels"]["severity"] in ("critical", "warning")
+        anchor = name.lower()
+        assert alert["annotations"]["runbook"] == f"docs/runbook.md#{anchor}"
+        assert anchor in headings, f"docs/runbook.md has no section for {name}"
+        base = VALUE_SETS["postgres-ha"]["prometheusRule"]["runbookBaseUrl"]
+        assert alert["annotations"]["runbook_url"] == f"{base}#{anchor}"
+    assert alerts["TrainguardGoodputLow"]["expr"].endswith("< 0.9")
+    assert alerts["TrainguardAgentSilent"]["for"] == "5m"
+    # Opt-in: not rendered by default even where the CRDs exist.
+    assert "PrometheusRule" not in _kinds(_render(helm_bin, tmp_path, TOKENS))
+
+
+# -- images and the chart README -------------------------------------------------------------
+
+
+def test_chart_readme_values_table_is_up_to_date() -> None:
+    sys.path.insert(0, str(ROOT / "helm"))
+    try:
+        import values_table
+    finally:
+        sys.path.remove(str(ROOT / "helm"))
+    readme = (CHART / "README.md").read_text()
+    values_text = (CHART / "values.yaml").read_text()
+    assert values_table.updated_readme(readme, values_text) == readme, (
+        "helm/trainguard/README.md is out of date: run python helm/values_table.py"
+    )
+    documented = {path for path, _ in values_table.documented_keys(values_text)}
+    assert {"image.registry", "agent.priorityClassName", "prometheusRule.enabled"} <= documented

@@ -17,7 +17,7 @@ from pathlib import Path
 import typer
 
 from trainguard import __version__
-from trainguard.cli import cmd_get, cmd_plan, cmd_remediate, cmd_serve
+from trainguard.cli import cmd_get, cmd_plan, cmd_remediate, cmd_serve, leader_label
 from trainguard.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError
 from trainguard.cli.kubeproxy import KubeFlags, hoist_kube_flags
 from trainguard.cli.options import (
@@ -95,6 +95,7 @@ def build_app(argv: Sequence[str] = ()) -> typer.Typer:
     cmd_plan.register(app)
     cmd_remediate.register(app)
     cmd_serve.register(app)
+    leader_label.register(app)
     from trainguard.cli import demo
 
     demo.register(app)

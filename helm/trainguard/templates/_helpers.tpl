@@ -56,8 +56,32 @@ app.kubernetes.io/component: agent
 {{- end -}}
 {{- end -}}
 
-{{- define "trainguard.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{/* An image reference: (dict "root" $ "repository" <name>) -> [registry/]name:tag. */}}
+{{- define "trainguard.imageRef" -}}
+{{- $root := .root -}}
+{{- $name := .repository -}}
+{{- with $root.Values.image.registry }}{{ $name = printf "%s/%s" (trimSuffix "/" .) $name }}{{ end -}}
+{{- printf "%s:%s" $name (default $root.Chart.AppVersion $root.Values.image.tag) -}}
+{{- end -}}
+
+{{/* The controller image (Dockerfile target `controller`); the migration Job uses it too. */}}
+{{- define "trainguard.controllerImage" -}}
+{{- include "trainguard.imageRef" (dict "root" . "repository" .Values.controller.image.repository) -}}
+{{- end -}}
+
+{{/* The agent image (Dockerfile target `agent`). */}}
+{{- define "trainguard.agentImage" -}}
+{{- include "trainguard.imageRef" (dict "root" . "repository" .Values.agent.image.repository) -}}
+{{- end -}}
+
+{{/* true when the controller pods carry the leader label and the Service selects it. */}}
+{{- define "trainguard.leaderLabel" -}}
+{{- if and (include "trainguard.usesPostgres" .) .Values.controller.leaderLabel.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* true where the cluster serves the Prometheus Operator's API (ServiceMonitor, PrometheusRule). */}}
+{{- define "trainguard.hasPrometheusOperator" -}}
+{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" -}}true{{- end -}}
 {{- end -}}
 
 {{- define "trainguard.jobNamespace" -}}
@@ -99,4 +123,12 @@ what to set. Included by every workload template. */}}
 {{- if and (gt (int .Values.controller.replicas) 1) (not (include "trainguard.usesPostgres" .)) -}}
 {{- fail "controller.replicas > 1 needs PostgreSQL (database.url or database.existingSecret): replicas on the embedded SQLite database cannot share it" -}}
 {{- end -}}
+{{- end -}}
+
+{{/* An alert's runbook annotations: (dict "r" .Values.prometheusRule "alert" NAME). */}}
+{{- define "trainguard.runbook" -}}
+runbook: {{ printf "docs/runbook.md#%s" (lower .alert) | quote }}
+{{- with .r.runbookBaseUrl }}
+runbook_url: {{ printf "%s#%s" . (lower $.alert) | quote }}
+{{- end }}
 {{- end -}}
