@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv browser demo test test-fast gpu-check lint bench clean
+.PHONY: venv browser web-assets demo test test-fast gpu-check lint bench clean
 
 venv: $(STAMP)
 
@@ -28,16 +28,27 @@ browser:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	fi
 
-demo: $(STAMP)
+# The dashboard's browser code: npm packages pinned by web/frontend/package-lock.json
+# (uPlot; esbuild to bundle), built into web/static/ (served under /ui/, packaged with the
+# wheel). Rebuilt only when a source or the lockfile changed.
+WEB_SRC := $(wildcard web/frontend/src/*.* web/frontend/src/*/*.*) web/frontend/build.mjs
+WEB_STAMP := web/static/app.js
+
+web-assets: $(WEB_STAMP)
+
+$(WEB_STAMP): web/frontend/package-lock.json $(WEB_SRC)
+	cd web/frontend && npm ci --no-audit --no-fund --loglevel=error && node build.mjs
+
+demo: $(STAMP) web-assets
 	$(VENV)/bin/trainguard demo
 
 # Two workers: the suite is half waiting on subprocesses and sockets, so it fits two cores.
 PYTEST_WORKERS ?= 2
 
-test: $(STAMP) browser
+test: $(STAMP) browser web-assets
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) web-assets
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 
 # The CUDA paths (collectives' event timing, on-device NaN/Inf check, probes; the checkpoint

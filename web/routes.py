@@ -1,14 +1,17 @@
-"""Serve the operator dashboard: three static files under ``/ui/``, and ``/`` sends there.
+"""Serve the operator dashboard: three built files under ``/ui/``, and ``/`` sends there.
 
-The page is read-only and talks to the JSON API from the browser (``web/static/app.js``),
-so nothing here touches controller state: mounting needs only the FastAPI app. The files
-are read once when the app is built (a missing one fails start-up, not a request) and are
-served with fixed content types and a Content-Security-Policy that allows nothing but this
-origin: no inline script, no third-party code, no frames.
+The page talks to the JSON API from the browser, so nothing here touches controller state:
+mounting needs only the FastAPI app. The files are built from ``web/frontend`` (npm,
+esbuild; ``make web-assets``) into ``web/static`` and packaged with the wheel. They are
+read once when the app is built and served with fixed content types and a
+Content-Security-Policy that allows nothing but this origin: no inline script, no CDN, no
+frames. A source checkout that has not built them serves a one-line page saying so (503)
+rather than refusing to start the controller.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from importlib import resources
 
@@ -40,12 +43,23 @@ _HEADERS = {
 }
 
 
-def _read_asset(filename: str) -> bytes:
-    return resources.files("web").joinpath("static", filename).read_bytes()
+log = logging.getLogger(__name__)
+
+#: What a checkout without built assets answers instead of the dashboard.
+NOT_BUILT = b"dashboard assets are not built: run `make web-assets` (npm ci + esbuild)\n"
 
 
-def _asset_endpoint(body: bytes, media_type: str) -> Callable[[], Awaitable[Response]]:
+def _read_asset(filename: str) -> bytes | None:
+    try:
+        return resources.files("web").joinpath("static", filename).read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _asset_endpoint(body: bytes | None, media_type: str) -> Callable[[], Awaitable[Response]]:
     async def serve() -> Response:
+        if body is None:
+            return Response(NOT_BUILT, 503, media_type="text/plain", headers=_HEADERS)
         return Response(content=body, media_type=media_type, headers=_HEADERS)
 
     return serve
@@ -57,14 +71,23 @@ async def _to_ui() -> RedirectResponse:
 
 def mount_dashboard(app: FastAPI) -> None:
     """Add the dashboard's routes to ``app`` (kept out of the OpenAPI schema)."""
+    missing = []
     for name, (filename, media_type) in _ASSETS.items():
-        endpoint = _asset_endpoint(_read_asset(filename), media_type)
+        body = _read_asset(filename)
+        if body is None:
+            missing.append(filename)
+        endpoint = _asset_endpoint(body, media_type)
         app.add_api_route(
             UI_PATH + name,
             endpoint,
             methods=["GET", "HEAD"],
             include_in_schema=False,
             name=f"dashboard:{filename}",
+        )
+    if missing:
+        log.warning(
+            "dashboard assets missing; /ui/ answers 503 until `make web-assets` builds them",
+            extra={"fields": {"missing": missing}},
         )
     for path in ("/", UI_PATH.rstrip("/")):
         app.add_api_route(path, _to_ui, methods=["GET", "HEAD"], include_in_schema=False)

@@ -8,6 +8,7 @@ from controller.api import (
     actions,
     chaos,
     commands,
+    dashboard,
     incidents,
     jobs,
     nodes,
@@ -27,5 +28,6 @@ def api_router() -> APIRouter:
         router.include_router(module.router, prefix=API_PREFIX)
     router.include_router(power_api.router, prefix=API_PREFIX)
     router.include_router(traffic_api.router, prefix=API_PREFIX)
+    router.include_router(dashboard.router, prefix=API_PREFIX)
     router.include_router(probes.router)
     return router

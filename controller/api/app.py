@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from controller.api import api_router
+from controller.api.dashboard import attach_feed
 from controller.api.handlers import BodyLimitMiddleware, install_error_handlers
 from controller.api.reports import ReportFastPath
 from controller.api.standby import StandbyGate
@@ -63,6 +64,7 @@ def create_app(settings: ControllerSettings, *, tune_gc: bool = False) -> FastAP
         lifespan=lifespan,
     )
     app.state.controller = controller
+    app.state.dashboard_feed = attach_feed(controller)
     app.include_router(api_router())
     mount_dashboard(app)
     install_error_handlers(app)

@@ -9,6 +9,8 @@ the reason, except under ``CI=true`` where they fail (as ``db_url`` treats Postg
 from __future__ import annotations
 
 import os
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -127,5 +129,195 @@ def browser_page(chromium: Any) -> Iterator[Any]:
     page.set_default_timeout(15_000)
     try:
         yield page
+    finally:
+        context.close()
+
+
+# ----------------------------------------------------------------------------- live cluster
+
+#: Text a hostile client could put in a free-text field; it must show up verbatim.
+HOSTILE = '<img src=x onerror="window.__pwned=1"><b>bold</b>'
+
+
+class Cluster:
+    """One controller, three in-process node agents on the simulated GPU backend, and a
+    4-rank job whose ranks (threads here) hand step summaries to those agents' sockets as
+    the collectives wrapper would. Shared by every browser test of a module (time budget)."""
+
+    def __init__(self, live: Any, root: Path) -> None:
+        self.live = live
+        self.root = root
+        self.agents: list[Any] = []
+        self.fault_files: dict[str, Path] = {}
+        self.sockets: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        #: rank -> extra seconds added to its step (a straggler the test turns on).
+        self.slow: dict[int, float] = {}
+        self.step = 0
+
+    def start_agent(self, name: str, labels: dict[str, str] | None = None) -> None:
+        from agents.daemon import Agent
+        from agents.settings import load_settings
+
+        spool = self.root / name
+        sock = tempfile.mkdtemp(prefix="tgw-") + "/agent.sock"
+        faults = spool / "faults.txt"
+        spool.mkdir(parents=True)
+        faults.touch()
+        agent = Agent(
+            load_settings(
+                controller_url=self.live.url,
+                token=self.live.agent_token,
+                node_name=name,
+                gpus="sim:4",
+                sample_interval_s=0.25,
+                report_interval_s=0.5,
+                spool_dir=spool / "spool",
+                socket_path=sock,
+                metrics_port=0,
+                backoff_max_s=0.5,
+                powercap_dir=spool / "no-powercap",
+                sysfs_root=spool / "no-sys",
+                dev_dir=spool / "no-dev",
+                sim_fault_file=faults,
+                labels=labels or {},
+            )
+        )
+        stop = threading.Event()
+        agent.start()
+        thread = threading.Thread(target=agent.run_until, args=(stop,), daemon=True)
+        thread.start()
+        self.agents.append((agent, stop, thread))
+        self.fault_files[name] = faults
+        self.sockets[name] = sock
+
+    def inject(self, node: str, spec: str) -> None:
+        with self.fault_files[node].open("a") as f:
+            f.write(spec + "\n")
+
+    def start_job(self, job: str, placement: dict[int, str], step_s: float = 0.2) -> None:
+        from tests.agents.agents_testkit import LocalClient
+        from trainguard.wire import CheckpointEvent, JobRecords, StepSummary
+
+        world = len(placement)
+        clients = {}
+        for rank, node in placement.items():
+            client = LocalClient(self.sockets[node])
+            client.hello(job, rank, world_size=world, pid=1000 + rank)
+            clients[rank] = client
+
+        def run() -> None:
+            while not self._stop.is_set():
+                self.step += 1
+                now = time.time()
+                for rank, client in clients.items():
+                    t = step_s + self.slow.get(rank, 0.0)
+                    steps = [
+                        StepSummary(
+                            job=job,
+                            rank=rank,
+                            world_size=world,
+                            step=self.step,
+                            step_time_s=t,
+                            compute_time_s=t * 0.7,
+                            collective_wait_s=max(0.0, step_s - t * 0.7),
+                            gpu_index=rank % 4,
+                            end_unix_s=now,
+                            role="dp",
+                        )
+                    ]
+                    checkpoints = []
+                    if self.step % 25 == 0:
+                        checkpoints = [
+                            CheckpointEvent(
+                                job=job,
+                                rank=rank,
+                                step=self.step,
+                                kind="committed",
+                                blocking_s=0.05,
+                                duration_s=0.4,
+                                size_bytes=64 << 20,
+                                path=f"/ckpt/{job}/step-{self.step}",
+                                time_unix_s=now,
+                            )
+                        ]
+                    try:
+                        client.records(JobRecords(steps=steps, checkpoints=checkpoints))
+                    except OSError:
+                        return
+                self._stop.wait(step_s)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        for agent, stop, thread in self.agents:
+            stop.set()
+            thread.join(timeout=10)
+            agent.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A live controller (SQLite) with three simulated agents and a running 4-rank job."""
+    import secrets
+
+    from controller.settings import ControllerSettings
+    from tests.conftest import LiveController
+
+    root = tmp_path_factory.mktemp("dash")
+    tokens = {role: f"{role}-{secrets.token_hex(16)}" for role in ("agent", "viewer", "operator")}
+    live = LiveController(
+        settings=ControllerSettings(
+            database_url=f"sqlite:///{root / 'trainguard.db'}",
+            host="127.0.0.1",
+            port=0,
+            tokens=[
+                {"name": f"test-{role}", "role": role, "token": token}
+                for role, token in tokens.items()
+            ],
+            log_level="warning",
+        ),
+        agent_token=tokens["agent"],
+        viewer_token=tokens["viewer"],
+        operator_token=tokens["operator"],
+    )
+    live.start()
+    cluster = Cluster(live, root)
+    try:
+        cluster.start_agent("sim-a", {"rack": "r1"})
+        cluster.start_agent("sim-b", {"rack": "r1"})
+        cluster.start_agent("sim-c", {"rack": "r2", "team": HOSTILE})
+        cluster.start_job("llm-pretrain", {0: "sim-a", 1: "sim-a", 2: "sim-b", 3: "sim-b"})
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            nodes = httpx.get(
+                f"{live.url}/api/v1/nodes", headers=live.headers("viewer"), timeout=5
+            ).json()
+            jobs = httpx.get(
+                f"{live.url}/api/v1/jobs", headers=live.headers("viewer"), timeout=5
+            ).json()
+            if nodes["count"] == 3 and jobs["count"] == 1 and jobs["data"][0]["last_step"]:
+                break
+            time.sleep(0.2)
+        else:
+            raise TimeoutError(f"cluster did not come up: {nodes} {jobs}")
+        yield cluster
+    finally:
+        cluster.close()
+        live.stop()
+
+
+@pytest.fixture(scope="module")
+def dash_browser(chromium: Any) -> Iterator[Any]:
+    """One browser context for the module's page tests (1280 x 900)."""
+    context = chromium.new_context(viewport={"width": 1280, "height": 900})
+    try:
+        yield context
     finally:
         context.close()

@@ -1,0 +1,178 @@
+"""Read-only routes the dashboard needs beyond the rest of the API: who am I, the live
+stream (server-sent events), downsampled GPU history, recent step times, checkpoints,
+power history and per-link plan load. All need the viewer role; none writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.responses import StreamingResponse
+
+from controller.api.deps import AUTH_ERRORS, NOT_FOUND, ControllerDep, require_viewer
+from controller.auth import Principal
+from controller.errors import NotFound
+from controller.runtime import Controller
+from controller.services.dashboard import (
+    RESYNC,
+    DashboardFeed,
+    job_checkpoints,
+    node_history,
+    plan_links,
+)
+
+router = APIRouter(tags=["dashboard"])
+
+#: Seconds between heartbeats on an idle stream (the page calls itself "behind" after 8).
+HEARTBEAT_S = 3.0
+MAX_WINDOW_S = 24 * 3600.0
+
+
+def attach_feed(controller: Controller) -> DashboardFeed:
+    """Build the feed and subscribe it to the controller's event bus: every stored report
+    (steps, power samples, a wake-up) and every opened incident (a wake-up)."""
+    feed = DashboardFeed(controller.state, controller.store, controller.power)
+    bus = getattr(controller, "events", None)
+    if bus is not None:
+        from controller.services.events import IncidentOpened, NodeReported
+
+        bus.subscribe(NodeReported, feed.on_node_reported, name="dashboard")
+        bus.subscribe(IncidentOpened, feed.on_incident_opened, name="dashboard-incidents")
+    else:  # until the bus is wired in the composition root
+        controller.ingest.observers.append(feed)
+    return feed
+
+
+def feed_of(request: Request) -> DashboardFeed:
+    feed: DashboardFeed = request.app.state.dashboard_feed
+    return feed
+
+
+@router.get("/whoami", operation_id="whoami", responses=AUTH_ERRORS)
+async def whoami(principal: Principal = Depends(require_viewer)) -> dict[str, Any]:
+    """The caller's token name and role (``null`` for anonymous read): the page shows
+    action buttons only to ``operator`` (the write routes check the role themselves)."""
+    return {"name": principal.name, "role": principal.role}
+
+
+# Not in the OpenAPI schema: an endless text/event-stream is no JSON operation (a client
+# generator or a schema fuzzer would wait on it forever). docs/dashboard.md describes it.
+@router.get("/stream", include_in_schema=False)
+async def stream(
+    request: Request, _principal: Principal = Depends(require_viewer)
+) -> StreamingResponse:
+    """Server-sent events: ``hello``, then ``nodes`` (a full snapshot, later only changed
+    nodes), ``changed`` (topics to fetch again) and ``ping`` every 3 s when idle. Every
+    message carries ``t``, the controller's time, so a client sees when it lags."""
+    feed = feed_of(request)
+    sub = feed.subscribe()
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            yield f'event: hello\ndata: {{"t":{time.time()}}}\n\n'.encode()
+            yield feed.snapshot()
+            while True:
+                try:
+                    message = await asyncio.wait_for(sub.queue.get(), timeout=HEARTBEAT_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    yield f'event: ping\ndata: {{"t":{time.time()}}}\n\n'.encode()
+                    continue
+                yield feed.snapshot() if message == RESYNC else message
+        finally:
+            feed.unsubscribe(sub)
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.get(
+    "/nodes/{name}/history",
+    operation_id="get_node_history",
+    responses={**AUTH_ERRORS, **NOT_FOUND},
+)
+async def get_node_history(
+    name: str = Path(max_length=253),
+    window_s: float = Query(3600.0, gt=0, le=MAX_WINDOW_S, description="Seconds back from now"),
+    points: int = Query(240, ge=10, le=2000, description="Most buckets per GPU"),
+    _principal: Principal = Depends(require_viewer),
+    controller: Controller = ControllerDep,
+) -> dict[str, Any]:
+    """Per-GPU power, temperature, SM clock, utilization, ECC totals and active throttle
+    reasons, averaged (maxima for temperature and ECC) into at most ``points`` buckets."""
+    if name not in controller.state.nodes:
+        raise NotFound(f"node {name!r} not found; it appears after its first report")
+    now = time.time()
+    since = now - window_s
+    return await controller.store.read(lambda s: node_history(s, name, since, now, points))
+
+
+@router.get(
+    "/jobs/{name}/steps", operation_id="get_job_steps", responses={**AUTH_ERRORS, **NOT_FOUND}
+)
+async def get_job_steps(
+    request: Request,
+    name: str = Path(max_length=253),
+    last: int = Query(120, ge=1, le=1000, description="Most recent steps"),
+    _principal: Principal = Depends(require_viewer),
+) -> dict[str, Any]:
+    """Step time per rank for the job's most recent steps (kept in memory since the
+    controller started; bounded per job)."""
+    matrix = feed_of(request).steps.matrix(name, last)
+    if matrix is None:
+        raise NotFound(f"job {name!r} has no step times here; they start with its next report")
+    return matrix
+
+
+@router.get(
+    "/jobs/{name}/checkpoints",
+    operation_id="list_job_checkpoints",
+    responses={**AUTH_ERRORS, **NOT_FOUND},
+)
+async def list_job_checkpoints(
+    name: str = Path(max_length=253),
+    limit: int = Query(200, ge=1, le=5000),
+    _principal: Principal = Depends(require_viewer),
+    controller: Controller = ControllerDep,
+) -> dict[str, Any]:
+    """Checkpoint events the job's ranks reported (kind is the tier), newest first."""
+    if name not in controller.state.jobs:
+        raise NotFound(f"job {name!r} not found")
+    data = await controller.store.read(lambda s: job_checkpoints(s, name, limit))
+    return {"data": data, "count": len(data)}
+
+
+@router.get("/power/history", operation_id="get_power_history", responses=AUTH_ERRORS)
+async def get_power_history(
+    request: Request,
+    window_s: float = Query(3600.0, gt=0, le=MAX_WINDOW_S),
+    _principal: Principal = Depends(require_viewer),
+) -> dict[str, Any]:
+    """Each domain's draw every 5 s (in memory since the controller started; one hour)."""
+    return feed_of(request).power_history.series(time.time() - window_s)
+
+
+@router.get(
+    "/plans/{plan_id}/links",
+    operation_id="get_plan_links",
+    responses={**AUTH_ERRORS, **NOT_FOUND},
+)
+async def get_plan_links(
+    plan_id: str = Path(max_length=64),
+    _principal: Principal = Depends(require_viewer),
+    controller: Controller = ControllerDep,
+) -> dict[str, Any]:
+    """Bytes per link under the plan and under one seeded ECMP draw, busiest first."""
+    live = controller.traffic.plans.get(plan_id)
+    if live is None:
+        raise NotFound(f"plan {plan_id!r} not found")
+    data = await asyncio.to_thread(plan_links, live.plan)
+    return {"data": data, "count": len(data)}

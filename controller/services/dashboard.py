@@ -1,0 +1,505 @@
+"""What the dashboard reads that the rest of the API does not keep: a live change feed,
+recent step times per rank, recent power draw, downsampled GPU history.
+
+Data flow::
+
+    ingest --on_report--> DashboardFeed --> StepRecorder (job -> step -> rank -> seconds)
+                             |          --> PowerHistory (domain -> (t, watts)), every 5 s
+                             v
+          one task per controller, while some browser listens: every tick (woken by a
+          report, at least once a second) diff the in-memory state against what it last
+          sent, and put one pre-encoded SSE message on every subscriber's bounded queue.
+
+The feed is a change feed over ``ClusterState`` (not the database): a browser gets a full
+fleet snapshot when it connects and then only the nodes whose shown fields changed, plus
+"topics changed" hints (incidents, jobs, actions, checkpoints, power) on which pages fetch
+again. A subscriber that falls behind (its queue is full) is sent a full snapshot instead of
+the deltas it missed, so it can never show a stale cell. Every store here is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from controller.db.models import Action, Checkpoint, GpuHistory
+from controller.state import ClusterState
+from trainguard import wire
+
+log = logging.getLogger(__name__)
+
+#: Steps kept per job; fewer for very wide jobs (see ``StepRecorder.max_cells``).
+STEPS_KEPT = 240
+#: Jobs whose steps are kept (least recently reporting dropped first).
+JOBS_KEPT = 32
+#: Seconds between power samples, and samples kept (one hour at 5 s).
+POWER_EVERY_S = 5.0
+POWER_KEPT = 720
+#: A node whose last report is older than this shows as "unreachable" (before it is lost).
+SILENT_AFTER_S = 10.0
+#: Messages a slow browser may have queued before it is resynchronized with a snapshot.
+QUEUE_MAX = 64
+#: Feed tick bounds: at most every MIN_TICK_S (coalescing a burst of reports), at least
+#: every MAX_TICK_S (ages and detector-made changes that no report wakes).
+MIN_TICK_S = 0.25
+MAX_TICK_S = 1.0
+#: Seconds between the database probes for new actions and checkpoints.
+DB_PROBE_S = 2.0
+
+
+class _Store(Protocol):
+    async def read(self, fn: Any) -> Any: ...
+
+
+class _Power(Protocol):
+    def view(self) -> Any: ...
+
+
+# ---------------------------------------------------------------------- step times
+
+
+@dataclass(slots=True)
+class _JobSteps:
+    steps: OrderedDict[int, dict[int, float]] = field(default_factory=OrderedDict)
+    ends: dict[int, float] = field(default_factory=dict)
+    roles: dict[int, str] = field(default_factory=dict)
+    world_size: int = 0
+
+
+class StepRecorder:
+    """Recent step time per (rank, step) per job, for the heatmap and evidence charts.
+
+    Bounded in cells, not just steps: a 16k-rank job keeps ``max_cells // 16384`` steps.
+    """
+
+    def __init__(self, *, steps_kept: int = STEPS_KEPT, jobs_kept: int = JOBS_KEPT) -> None:
+        self.steps_kept = steps_kept
+        self.jobs_kept = jobs_kept
+        self.max_cells = 500_000
+        self.jobs: OrderedDict[str, _JobSteps] = OrderedDict()
+
+    def record(self, summary: wire.StepSummary, received: float) -> None:
+        job = self.jobs.get(summary.job)
+        if job is None:
+            job = self.jobs[summary.job] = _JobSteps()
+            while len(self.jobs) > self.jobs_kept:
+                self.jobs.popitem(last=False)
+        else:
+            self.jobs.move_to_end(summary.job)
+        job.world_size = max(job.world_size, summary.world_size)
+        if summary.role:
+            job.roles[summary.rank] = summary.role
+        row = job.steps.get(summary.step)
+        if row is None:
+            if job.steps and summary.step < next(iter(job.steps)):
+                return  # older than everything kept
+            row = job.steps[summary.step] = {}
+            if len(job.steps) > 1 and summary.step < next(reversed(job.steps)):
+                job.steps = OrderedDict(sorted(job.steps.items()))  # a restart went back
+        row[summary.rank] = summary.step_time_s
+        end = summary.end_unix_s if summary.end_unix_s is not None else received
+        job.ends[summary.step] = max(job.ends.get(summary.step, 0.0), end)
+        keep = max(8, min(self.steps_kept, self.max_cells // max(1, job.world_size)))
+        while len(job.steps) > keep:
+            old, _ = job.steps.popitem(last=False)
+            job.ends.pop(old, None)
+
+    def matrix(self, name: str, last: int) -> dict[str, Any] | None:
+        job = self.jobs.get(name)
+        if job is None:
+            return None
+        steps = sorted(job.steps)[-last:]
+        ranks = sorted({r for s in steps for r in job.steps[s]})
+        medians: list[float | None] = []
+        maxima: list[float | None] = []
+        for s in steps:
+            values = sorted(job.steps[s].values())
+            medians.append(values[len(values) // 2] if values else None)
+            maxima.append(values[-1] if values else None)
+        return {
+            "job": name,
+            "world_size": job.world_size,
+            "steps": steps,
+            "end_unix_s": [job.ends.get(s) for s in steps],
+            "median_s": medians,
+            "max_s": maxima,
+            "ranks": [
+                {
+                    "rank": r,
+                    "role": job.roles.get(r),
+                    "step_time_s": [job.steps[s].get(r) for s in steps],
+                }
+                for r in ranks
+            ],
+        }
+
+
+# ---------------------------------------------------------------------- power
+
+
+class PowerHistory:
+    """Each power domain's draw every ``POWER_EVERY_S``, the last ``POWER_KEPT`` samples.
+
+    In memory: it starts empty when the controller starts (the page says so).
+    """
+
+    def __init__(self, *, every_s: float = POWER_EVERY_S, kept: int = POWER_KEPT) -> None:
+        self.every_s = every_s
+        self.samples: deque[tuple[float, dict[str, float | None]]] = deque(maxlen=kept)
+
+    def maybe_sample(self, power: _Power, now: float) -> None:
+        if self.samples and now - self.samples[-1][0] < self.every_s:
+            return
+        view = power.view()
+        if not view.enabled or not view.data:
+            return
+        self.samples.append((now, {d.name: d.power_w for d in view.data[:64]}))
+
+    def series(self, since: float) -> dict[str, Any]:
+        rows = [(t, v) for t, v in self.samples if t >= since]
+        names = sorted({n for _, v in rows for n in v})
+        return {
+            "every_s": self.every_s,
+            "domains": {
+                n: {"t": [t for t, _ in rows], "power_w": [v.get(n) for _, v in rows]}
+                for n in names
+            },
+        }
+
+
+# ---------------------------------------------------------------------- the feed
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    body = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    return f"event: {event}\ndata: {body}\n\n".encode()
+
+
+RESYNC = b""  # queued to a subscriber that fell behind: send it a snapshot
+
+
+@dataclass(eq=False, slots=True)
+class Subscription:
+    queue: asyncio.Queue[bytes] = field(default_factory=lambda: asyncio.Queue(QUEUE_MAX))
+    dropped: int = 0
+
+
+def node_fields(state: ClusterState, now: float, incidents: dict[str, int]) -> dict[str, Any]:
+    """Compact per-node fields the fleet grid shows, keyed for a small snapshot."""
+    out: dict[str, Any] = {}
+    for node in state.nodes.values():
+        last = node.last_report_unix_s
+        out[node.name] = {
+            "n": node.name,
+            "h": node.health,
+            "r": node.health_reason,
+            "g": len(node.gpus),
+            "b": node.gpus_unhealthy,
+            "sim": node.backend == "sim",
+            "i": incidents.get(node.name, 0),
+            "iso": node.isolated_reason,
+            "l": node.labels,
+            "silent": node.health == "healthy" and last is not None and now - last > SILENT_AFTER_S,
+        }
+    return out
+
+
+def _rank_states(job: Any) -> tuple[str, ...]:
+    return tuple(sorted(r.state for r in job.ranks.values()))
+
+
+class DashboardFeed:
+    """Change feed for ``GET /api/v1/stream`` and the small stores the dashboard reads.
+
+    Registered as a report observer (``on_report``); when the controller's event bus
+    lands it subscribes to report and incident events instead, with the same effect.
+    """
+
+    def __init__(self, state: ClusterState, store: _Store, power: _Power | None) -> None:
+        self.state = state
+        self.store = store
+        self.power = power
+        self.steps = StepRecorder()
+        self.power_history = PowerHistory()
+        self.subscribers: set[Subscription] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._nodes: dict[str, dict[str, Any]] = {}
+        self._topics: dict[str, Any] = {}
+        self._db_marks: tuple[Any, ...] = ()
+        self._db_probed = 0.0
+
+    # -- inputs
+
+    async def on_report(self, report: wire.Report, received: float) -> None:
+        for summary in report.job.steps:
+            self.steps.record(summary, received)
+        if self.power is not None:
+            self.power_history.maybe_sample(self.power, received)
+        self._wake.set()
+
+    async def on_node_reported(self, event: Any) -> None:
+        """``NodeReported`` from the event bus."""
+        await self.on_report(event.report, event.received_unix_s)
+
+    async def on_incident_opened(self, _event: Any) -> None:
+        """``IncidentOpened`` from the event bus: show it now, not at the next tick."""
+        self._wake.set()
+
+    # -- subscribers
+
+    def subscribe(self) -> Subscription:
+        sub = Subscription()
+        self.subscribers.add(sub)
+        if self._task is None or self._task.done():
+            self._prime()
+            self._task = asyncio.create_task(self._run(), name="dashboard-feed")
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self.subscribers.discard(sub)
+        if not self.subscribers and self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def snapshot(self) -> bytes:
+        """The whole fleet as one ``nodes`` message (sent on connect and on resync)."""
+        now = time.time()
+        nodes = node_fields(self.state, now, self._incidents_by_node())
+        return _sse("nodes", {"t": now, "full": True, "data": list(nodes.values())})
+
+    # -- the loop
+
+    def _incidents_by_node(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for inc in self.state.incidents.values():
+            if inc.node:
+                counts[inc.node] = counts.get(inc.node, 0) + 1
+        return counts
+
+    def _prime(self) -> None:
+        self._nodes = node_fields(self.state, time.time(), self._incidents_by_node())
+        self._topics = self._memory_topics()
+
+    def _memory_topics(self) -> dict[str, Any]:
+        incidents = tuple(
+            sorted((i.id, i.count, i.updated_unix_s) for i in self.state.incidents.values())
+        )
+        jobs = tuple(
+            sorted(
+                (
+                    j.name,
+                    j.last_step,
+                    j.world_size,
+                    tuple(sorted(r.state for r in j.ranks.values())),
+                )
+                for j in self.state.jobs.values()
+            )
+        )
+        power = None
+        if self.power is not None and self.power_history.samples:
+            power = self.power_history.samples[-1][0]
+        return {"incidents": hash(incidents), "jobs": hash(jobs), "power": power}
+
+    async def _db_topics(self) -> dict[str, Any]:
+        def probe(session: Session) -> tuple[Any, ...]:
+            actions = session.execute(
+                select(func.max(Action.id), func.max(Action.finished_unix_s))
+            ).one()
+            checkpoints = session.execute(select(func.max(Checkpoint.id))).scalar()
+            return (tuple(actions), checkpoints)
+
+        now = time.monotonic()
+        if now - self._db_probed >= DB_PROBE_S:
+            self._db_probed = now
+            self._db_marks = await self.store.read(probe)
+        marks = self._db_marks or ((None, None), None)
+        return {"actions": marks[0], "checkpoints": marks[1]}
+
+    def _broadcast(self, message: bytes) -> None:
+        for sub in list(self.subscribers):
+            try:
+                sub.queue.put_nowait(message)
+            except asyncio.QueueFull:
+                sub.dropped += 1
+                while not sub.queue.empty():
+                    sub.queue.get_nowait()
+                sub.queue.put_nowait(RESYNC)
+
+    async def tick(self) -> None:
+        """Send what changed since the last tick (one message per kind, encoded once)."""
+        now = time.time()
+        fresh = node_fields(self.state, now, self._incidents_by_node())
+        changed = [v for k, v in fresh.items() if self._nodes.get(k) != v]
+        removed = [k for k in self._nodes if k not in fresh]
+        self._nodes = fresh
+        if changed or removed:
+            self._broadcast(_sse("nodes", {"t": now, "data": changed, "removed": removed}))
+        topics = {**self._memory_topics(), **(await self._db_topics())}
+        moved = sorted(k for k, v in topics.items() if self._topics.get(k, v) != v)
+        for k in topics:
+            self._topics.setdefault(k, topics[k])
+        self._topics.update(topics)
+        if moved:
+            self._broadcast(_sse("changed", {"t": now, "topics": moved}))
+
+    async def _run(self) -> None:
+        while self.subscribers:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=MAX_TICK_S)
+            self._wake.clear()
+            try:
+                await self.tick()
+            except Exception:  # a bad tick must not end the feed
+                log.exception("dashboard feed tick failed")
+            await asyncio.sleep(MIN_TICK_S)
+
+
+# ---------------------------------------------------------------------- database reads
+
+
+def _bucketed(values: list[float], how: str) -> float | None:
+    if not values:
+        return None
+    if how == "max":
+        return max(values)
+    return sum(values) / len(values)
+
+
+def node_history(
+    session: Session, node: str, since_unix_s: float, until_unix_s: float, points: int
+) -> dict[str, Any]:
+    """The node's GPU history in at most ``points`` buckets per GPU, on one shared time
+    axis (the bucket ends, from the first bucket with data), so a chart's series line up.
+    ``None`` where a GPU reported nothing in a bucket (a gap, not a zero)."""
+    rows = session.scalars(
+        select(GpuHistory)
+        .where(GpuHistory.node_name == node, GpuHistory.end_unix_s >= since_unix_s)
+        .order_by(GpuHistory.end_unix_s)
+    ).all()
+    span = max(1.0, until_unix_s - since_unix_s)
+    bucket_s = max(1.0, float(np.ceil(span / max(1, points))))
+    first = int(since_unix_s // bucket_s)
+    last = int(until_unix_s // bucket_s)
+    buckets = range(first, last + 1)
+    acc: dict[int, dict[int, dict[str, list[float]]]] = {}
+    for r in rows:
+        b = int(r.end_unix_s // bucket_s)
+        if b < first or b > last:
+            continue
+        slot = acc.setdefault(r.gpu_index, {}).setdefault(b, {})
+        for key, value in (
+            ("power_w", r.power_w_avg),
+            ("temperature_c", r.temperature_c_max),
+            ("sm_clock_mhz", r.sm_clock_mhz_avg),
+            ("utilization_pct", r.utilization_gpu_pct_avg),
+            ("ecc_corrected", r.ecc_corrected_total),
+            ("ecc_uncorrected", r.ecc_uncorrected_total),
+            ("throttle_reasons", bin(r.throttle_reasons_mask or 0).count("1")),
+        ):
+            if value is not None:
+                slot.setdefault(key, []).append(float(value))
+    # The axis starts at the first bucket with data: a node that began reporting a minute
+    # ago gets a minute of chart, not an hour of empty axis.
+    seen = [b for per in acc.values() for b in per]
+    if seen:
+        buckets = range(min(seen), last + 1)
+    how = {"temperature_c": "max", "ecc_corrected": "max", "ecc_uncorrected": "max"}
+    keys = (
+        "power_w",
+        "temperature_c",
+        "sm_clock_mhz",
+        "utilization_pct",
+        "ecc_corrected",
+        "ecc_uncorrected",
+        "throttle_reasons",
+    )
+    gpus = []
+    for index in sorted(acc):
+        per = acc[index]
+        gpus.append(
+            {
+                "index": index,
+                **{
+                    k: [_bucketed(per.get(b, {}).get(k, []), how.get(k, "avg")) for b in buckets]
+                    for k in keys
+                },
+            }
+        )
+    return {
+        "node": node,
+        "bucket_s": bucket_s,
+        "t": [(b + 1) * bucket_s for b in buckets] if gpus else [],
+        "gpus": gpus,
+    }
+
+
+def job_checkpoints(session: Session, job: str, limit: int) -> list[dict[str, Any]]:
+    rows = session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.job_name == job)
+        .order_by(Checkpoint.time_unix_s.desc(), Checkpoint.rank)
+        .limit(limit)
+    ).all()
+    return [
+        {
+            "step": r.step,
+            "rank": r.rank,
+            "node": r.node_name,
+            "kind": r.kind,
+            "blocking_s": r.blocking_s,
+            "duration_s": r.duration_s,
+            "size_bytes": r.size_bytes,
+            "path": r.path,
+            "error": r.error,
+            "time_unix_s": r.time_unix_s,
+        }
+        for r in rows
+    ]
+
+
+def plan_links(plan: Any, *, seed: int = 0, top: int = 200) -> list[dict[str, Any]]:
+    """Bytes per link under ``plan`` and under one seeded ECMP draw of the same flows,
+    busiest first (either way): where planning moved load off a hot link."""
+    from controller.logic.traffic.compare import ecmp_paths, traffic_of
+
+    topo = plan.topology
+    n = len(topo.link_names)
+    traffic = traffic_of(plan)
+    paths = ecmp_paths(topo, traffic, np.random.default_rng(seed))
+    sizes = np.asarray(traffic.flows.size_bytes, dtype=float)
+    ecmp = np.zeros(n + 1)
+    if paths.size:
+        weights = np.repeat(sizes, paths.shape[1]) if paths.ndim == 2 else sizes
+        flat = paths.ravel()
+        keep = (flat >= 0) & (flat < n)
+        ecmp = np.bincount(flat[keep], weights=weights[keep], minlength=n + 1).astype(float)
+    planned = np.asarray(plan.loads_bytes, dtype=float)
+    out = [
+        {"link": topo.link_names[i], "plan_bytes": float(planned[i]), "ecmp_bytes": float(ecmp[i])}
+        for i in range(n)
+        if planned[i] > 0 or ecmp[i] > 0
+    ]
+    out.sort(key=lambda x: -max(x["plan_bytes"], x["ecmp_bytes"]))
+    return out[:top]
+
+
+__all__ = [
+    "DashboardFeed",
+    "PowerHistory",
+    "StepRecorder",
+    "job_checkpoints",
+    "node_fields",
+    "node_history",
+    "plan_links",
+]

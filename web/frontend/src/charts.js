@@ -1,0 +1,179 @@
+// Charts: uPlot for time series (one series per GPU/rank/domain), a canvas heatmap for
+// rank x step. Colours come from the Okabe-Ito palette (colour-blind safe) and every series
+// also differs by dash pattern; the heatmap uses a sequential scale with a text summary.
+import uPlot from "uplot";
+import { el, attrs } from "./dom.js";
+
+export const PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#999999"];
+const DASHES = [[], [6, 3], [2, 2], [8, 3, 2, 3], [], [6, 3], [2, 2], [8, 3, 2, 3]];
+
+function cssVar(name) {
+  return getComputedStyle(document.documentElement).getPropertyValue(name).trim() || "#888";
+}
+
+/**
+ * A time-series chart. series: [{label, values}], x: unix seconds (shared).
+ * marks: [{t, label, kind}] drawn as vertical lines (incidents, checkpoints, restarts).
+ */
+export function timeChart({ title, unit, x, series, marks = [], height = 180, yRange }) {
+  const box = el("figure", "chart");
+  const caption = el("figcaption", null, unit ? `${title} (${unit})` : title);
+  box.append(caption);
+  if (!x.length) {
+    box.append(el("p", "not-reported", "no samples in this window"));
+    return { node: box, dispose() {} };
+  }
+  const axisColor = cssVar("--muted");
+  const grid = cssVar("--line");
+  const opts = {
+    width: 560,
+    height,
+    legend: { live: true },
+    cursor: { drag: { x: true, y: false } },
+    scales: { x: { time: true }, y: yRange ? { range: yRange } : {} },
+    axes: [
+      { stroke: axisColor, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid } },
+      { stroke: axisColor, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid }, size: 56 },
+    ],
+    series: [
+      {},
+      ...series.map((s, i) => ({
+        label: s.label,
+        stroke: s.color || PALETTE[i % PALETTE.length],
+        dash: s.dash || DASHES[i % DASHES.length],
+        width: s.width || 1.5,
+        // Few samples (a node that just started): draw them as points, or nothing shows.
+        points: { show: s.values.filter((v) => v !== null && v !== undefined).length < 30 },
+        spanGaps: false,
+      })),
+    ],
+    hooks: {
+      draw: [
+        (u) => {
+          const ctx = u.ctx;
+          for (const m of marks) {
+            const px = u.valToPos(m.t, "x", true);
+            if (px < u.bbox.left || px > u.bbox.left + u.bbox.width) continue;
+            ctx.save();
+            ctx.strokeStyle = MARK_COLORS[m.kind] || axisColor;
+            ctx.setLineDash(m.kind === "checkpoint" ? [3, 3] : m.kind === "restart" ? [8, 4] : []);
+            ctx.lineWidth = 1.5 * devicePixelRatio;
+            ctx.beginPath();
+            ctx.moveTo(px, u.bbox.top);
+            ctx.lineTo(px, u.bbox.top + u.bbox.height);
+            ctx.stroke();
+            ctx.restore();
+          }
+        },
+      ],
+    },
+  };
+  const plot = new uPlot(opts, [x, ...series.map((s) => s.values)], box);
+  attrs(plot.root, { role: "img", "aria-label": `${title}: ${series.length} series, ${x.length} points` });
+  if (marks.length) {
+    box.append(
+      el(
+        "ul",
+        "marks",
+        marks.slice(-12).map((m) => el("li", `mark-${m.kind}`, `${MARK_GLYPHS[m.kind] || "|"} ${m.label}`)),
+      ),
+    );
+  }
+  const fit = () => {
+    const w = Math.max(280, Math.min(box.clientWidth || 560, 900));
+    plot.setSize({ width: w, height });
+  };
+  const observer = new ResizeObserver(fit);
+  observer.observe(box);
+  return {
+    node: box,
+    plot,
+    dispose() {
+      observer.disconnect();
+      plot.destroy();
+    },
+  };
+}
+
+export const MARK_COLORS = { incident: "#D55E00", checkpoint: "#0072B2", restart: "#CC79A7", cap: "#E69F00" };
+export const MARK_GLYPHS = { incident: "✕", checkpoint: "◆", restart: "↻", cap: "▼" };
+
+// Sequential scale (cividis-like: readable with every common colour-vision deficiency).
+const SCALE = ["#00204c", "#213d6b", "#555b6c", "#7b7a77", "#a59c74", "#d3c064", "#ffe945"];
+
+function scaleColor(f) {
+  const x = Math.max(0, Math.min(1, f)) * (SCALE.length - 1);
+  return SCALE[Math.round(x)];
+}
+
+/**
+ * Rank x step heatmap of step time. ranks: [rank], steps: [step], cell(rank, step) -> s|null.
+ * marked: Map(rank -> "straggler"|"hang"|...). Colour = step time / median of the step.
+ */
+export function heatmap({ ranks, steps, value, marked, labelOf }) {
+  const box = el("figure", "heatmap");
+  box.append(el("figcaption", null, "Step time per rank (colour: time / median of that step; darker is faster)"));
+  if (!ranks.length || !steps.length) {
+    box.append(el("p", "not-reported", "no step summaries received yet"));
+    return box;
+  }
+  const cellW = Math.max(2, Math.min(14, Math.floor(800 / steps.length)));
+  const cellH = Math.max(2, Math.min(14, Math.floor(420 / ranks.length)));
+  const canvas = el("canvas");
+  canvas.width = steps.length * cellW;
+  canvas.height = ranks.length * cellH;
+  const ctx = canvas.getContext("2d");
+  const medians = steps.map((s) => {
+    const vals = ranks.map((r) => value(r, s)).filter((v) => typeof v === "number").sort((a, b) => a - b);
+    return vals.length ? vals[Math.floor(vals.length / 2)] : null;
+  });
+  const slowest = new Map();
+  ranks.forEach((r, ri) => {
+    steps.forEach((s, si) => {
+      const v = value(r, s);
+      const m = medians[si];
+      if (typeof v !== "number" || !m) {
+        ctx.fillStyle = "#00000000";
+        return;
+      }
+      const ratio = v / m;
+      slowest.set(r, Math.max(slowest.get(r) || 0, ratio));
+      // 1.0 (median) -> low end, 2.0 and above -> top end.
+      ctx.fillStyle = scaleColor(ratio - 1);
+      ctx.fillRect(si * cellW, ri * cellH, cellW, cellH);
+    });
+  });
+  const labels = el("ol", "hm-ranks");
+  ranks.forEach((r) => {
+    const mark = marked.get(r);
+    const li = el("li", mark ? "marked" : null, `${labelOf(r)}${mark ? ` ◀ ${mark}` : ""}`);
+    li.style.height = `${cellH}px`;
+    li.style.lineHeight = `${cellH}px`;
+    if (cellH < 10 && !mark) li.classList.add("tiny");
+    labels.append(li);
+  });
+  attrs(canvas, {
+    role: "img",
+    "aria-label": `Heatmap of ${ranks.length} ranks by ${steps.length} steps, steps ${steps[0]} to ${steps[steps.length - 1]}`,
+  });
+  const legend = el(
+    "div",
+    "hm-legend",
+    "median ",
+    ...SCALE.map((c) => {
+      const sw = el("span", "swatch");
+      sw.style.background = c;
+      return sw;
+    }),
+    " ≥ 2× median",
+  );
+  const worst = [...slowest.entries()].sort((a, b) => b[1] - a[1]).slice(0, 3);
+  const summary = el(
+    "p",
+    "hm-summary",
+    `Steps ${steps[0]}–${steps[steps.length - 1]}. Slowest ranks (worst step / median): `,
+    worst.map(([r, x]) => `rank ${r} ${x.toFixed(2)}×`).join(", "),
+  );
+  box.append(el("div", "hm-body", labels, canvas), legend, summary);
+  return box;
+}

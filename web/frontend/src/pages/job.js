@@ -1,0 +1,216 @@
+// Jobs: the list, and one job's rank x step heatmap (stragglers/hung ranks marked), its
+// step time over time with incidents, checkpoints and restarts on the same axis, goodput,
+// checkpoints and actions; "checkpoint now" for operators.
+import { get, post, enc } from "../api.js";
+import { actionBar, actionButton } from "../actions.js";
+import { heatmap, timeChart } from "../charts.js";
+import { el, fill, dash, link, row, section, table, td, notReported } from "../dom.js";
+import { fmtAge, fmtBytes, fmtDuration, fmtPct, fmtTime } from "../format.js";
+import { live } from "../live.js";
+import { actionTable, actionsFor, badge, incidentTable } from "./common.js";
+
+function refresher(ctx, load, topics) {
+  let pending = null;
+  const refresh = async () => {
+    try {
+      await load();
+      ctx.ok();
+    } catch (err) {
+      ctx.onError(err);
+    }
+  };
+  const off = live.on("changed", (msg) => {
+    if (pending || !msg.topics.some((t) => topics.includes(t))) return;
+    pending = setTimeout(() => {
+      pending = null;
+      refresh();
+    }, 1000);
+  });
+  return {
+    refresh,
+    dispose() {
+      off();
+      clearTimeout(pending);
+    },
+  };
+}
+
+export async function jobsPage(ctx) {
+  const root = el("div", "page jobs");
+  async function load() {
+    const jobs = await get("/jobs?limit=500");
+    const goodput = await Promise.all(
+      jobs.data.slice(0, 50).map((j) => get(`/jobs/${enc(j.name)}/goodput`, { notFoundIsNull: true }).catch(() => null)),
+    );
+    if (!ctx.isCurrent()) return;
+    const rows = jobs.data.map((j, i) => {
+      const gp = goodput[i];
+      return row(
+        [
+          td("name", link(`#/job/${enc(j.name)}`, j.name)),
+          td(null, badge(j.state)),
+          td("num", `${j.ranks_reporting}/${j.world_size}`),
+          td("num", dash(j.last_step)),
+          td("num", gp ? fmtPct(gp.ettr) : "-"),
+          td("num", gp ? fmtDuration(gp.lost_s) : "-"),
+          td("num", String(j.open_incidents)),
+          td("num", fmtAge(j.last_seen_unix_s)),
+        ],
+        { "data-job": j.name },
+      );
+    });
+    fill(root, 
+      el("h2", null, "Jobs"),
+      table(["Name", "State", "Ranks", "Last step", "Goodput", "Lost", "Incidents", "Last seen"], rows, "no job has reported yet", "jobs"),
+    );
+  }
+  await load();
+  const r = refresher(ctx, load, ["jobs", "incidents"]);
+  return { node: root, refresh: r.refresh, dispose: r.dispose };
+}
+
+export async function jobPage(ctx) {
+  const [name] = ctx.args;
+  const root = el("div", "page job");
+  let charts = [];
+
+  async function load() {
+    const [job, steps, goodput, incidents, checkpoints, actions] = await Promise.all([
+      get(`/jobs/${enc(name)}`),
+      get(`/jobs/${enc(name)}/steps?last=120`),
+      get(`/jobs/${enc(name)}/goodput`, { notFoundIsNull: true }),
+      get(`/incidents?job=${enc(name)}&limit=100`),
+      get(`/jobs/${enc(name)}/checkpoints?limit=200`),
+      actionsFor(name),
+    ]);
+    if (!ctx.isCurrent()) return;
+    for (const c of charts) c.dispose();
+    charts = [];
+
+    // Ranks an open straggler/hang/fault incident names are marked on the heatmap.
+    const marked = new Map();
+    for (const inc of incidents.data) {
+      if (inc.state !== "open") continue;
+      for (const r of inc.ranks) if (!marked.has(r)) marked.set(r, inc.kind);
+    }
+    const rankInfo = new Map(steps.ranks.map((r) => [r.rank, r]));
+    const ranks = steps.ranks.map((r) => r.rank);
+    const index = new Map(steps.steps.map((s, i) => [s, i]));
+    const hm = heatmap({
+      ranks,
+      steps: steps.steps,
+      value: (rank, step) => {
+        const r = rankInfo.get(rank);
+        const v = r.step_time_s[index.get(step)];
+        return v === null ? null : v;
+      },
+      marked,
+      labelOf: (rank) => {
+        const r = rankInfo.get(rank);
+        return `r${rank}${r.role ? ` ${r.role}` : ""}`;
+      },
+    });
+
+    const marks = [
+      ...incidents.data.map((i) => ({ t: i.opened_unix_s, label: `incident #${i.id} ${i.kind} at ${fmtTime(i.opened_unix_s)}`, kind: "incident" })),
+      ...uniqueCheckpoints(checkpoints.data).map((c) => ({ t: c.time_unix_s, label: `checkpoint step ${c.step} at ${fmtTime(c.time_unix_s)}`, kind: "checkpoint" })),
+      ...actions.data
+        .filter((a) => /restart|shrink|rollback/.test(a.kind))
+        .map((a) => ({ t: a.created_unix_s, label: `${a.kind} (${a.status}) at ${fmtTime(a.created_unix_s)}`, kind: "restart" })),
+      ...actions.data
+        .filter((a) => /power|cap/.test(a.kind))
+        .map((a) => ({ t: a.created_unix_s, label: `${a.kind} at ${fmtTime(a.created_unix_s)}`, kind: "cap" })),
+    ].sort((a, b) => a.t - b.t);
+    const stepChart = timeChart({
+      title: "Step time: median and slowest rank",
+      unit: "s",
+      x: steps.end_unix_s,
+      series: [
+        { label: "median", values: steps.median_s },
+        { label: "slowest", values: steps.max_s },
+      ],
+      marks,
+    });
+    charts.push(stepChart);
+
+    const bar = actionBar(
+      actionButton({
+        id: "checkpoint",
+        label: "Checkpoint now",
+        title: "Checkpoint now",
+        effect: `Ask every rank of ${name} (on ${job.nodes.length} node${job.nodes.length === 1 ? "" : "s"}) to save a checkpoint at its next step; training pauses for the checkpoint's blocking part.`,
+        run: async () => {
+          const out = [];
+          for (const node of job.nodes) out.push(await post(`/nodes/${enc(node)}/commands`, { kind: "job_checkpoint", job: name }));
+          return out;
+        },
+        done: () => refresh(),
+      }),
+    );
+
+    const goodputPart = goodput
+      ? el(
+          "dl",
+          "facts",
+          el("dt", null, "Goodput (ETTR)"), el("dd", "goodput", fmtPct(goodput.ettr)),
+          el("dt", null, "Productive"), el("dd", null, fmtDuration(goodput.productive_s)),
+          el("dt", null, "Lost"), el("dd", null, fmtDuration(goodput.lost_s)),
+          el("dt", null, "Wall"), el("dd", null, fmtDuration(goodput.wall_s)),
+        )
+      : notReported("goodput (no step recorded by the remediation engine yet)");
+
+    const ckRows = checkpoints.data.map((c) =>
+      row([
+        td("num", String(c.step)),
+        td("num", String(c.rank)),
+        c.kind,
+        td("num", c.size_bytes === null ? "-" : fmtBytes(c.size_bytes)),
+        td("num", c.blocking_s === null ? "-" : fmtDuration(c.blocking_s)),
+        td("num", c.duration_s === null ? "-" : fmtDuration(c.duration_s)),
+        td("summary", c.error || c.path || "-"),
+        td("num", fmtAge(c.time_unix_s)),
+      ]),
+    );
+    const rankRows = job.ranks.map((r) =>
+      row([
+        td("num", String(r.rank)),
+        td("name", link(`#/node/${enc(r.node)}`, r.node)),
+        td("num", dash(r.gpu_index)),
+        dash(rankInfo.get(r.rank) && rankInfo.get(r.rank).role),
+        td(null, badge(r.state)),
+        td("num", dash(r.last_step)),
+        marked.has(r.rank) ? td("marked", `◀ ${marked.get(r.rank)}`) : "-",
+      ], { "data-rank": String(r.rank) }),
+    );
+    fill(root, 
+      el("h2", null, link("#/jobs", "Jobs"), " / ", el("span", "name", job.name), " ", badge(job.state)),
+      bar,
+      el("p", "muted", `${job.ranks_reporting}/${job.world_size} ranks reporting · last step ${dash(job.last_step)} · nodes ${job.nodes.join(", ")}`),
+      section("Rank × step", hm),
+      section("Over time", stepChart.node, el("p", "muted", "Loss: not reported (step summaries carry no loss).")),
+      section("Goodput", goodputPart),
+      section("Ranks", table(["Rank", "Node", "GPU", "Role", "State", "Last step", "Marked"], rankRows, "no ranks", "ranks")),
+      section("Checkpoints (tier = kind)", table(["Step", "Rank", "Kind", "Size", "Blocking", "Durable after", "Path / error", "Age"], ckRows, "no checkpoint reported", "checkpoints")),
+      section("Incidents", incidentTable(incidents.data, "no incidents for this job")),
+      section("Actions", actionTable(actions.data, "no actions on this job")),
+    );
+  }
+
+  await load();
+  const r = refresher(ctx, load, ["jobs", "incidents", "actions", "checkpoints"]);
+  const refresh = r.refresh;
+  return {
+    node: root,
+    refresh,
+    dispose() {
+      r.dispose();
+      for (const c of charts) c.dispose();
+    },
+  };
+}
+
+function uniqueCheckpoints(list) {
+  const seen = new Map();
+  for (const c of list) if (!seen.has(c.step) || seen.get(c.step).time_unix_s > c.time_unix_s) seen.set(c.step, c);
+  return [...seen.values()];
+}
