@@ -2,8 +2,8 @@
 
 A slow link or NIC slows every collective it carries, and in a ring or tree collective that
 slows every rank alike, including the last rank to arrive. That rank waits for the transfer
-alone, so its wait (the low 5% quantile of the step's waits) is the step's pure
-communication time, unmoved by compute jitter on other ranks.
+alone, so its wait (the shortest wait of the step) is the step's pure communication time,
+unmoved by compute jitter, heavy-tailed spikes or several stragglers on other ranks.
 
 The detector keeps a reference window of that time from healthy steps and a short recent
 window. It calls the job slow when the recent median exceeds the reference by

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
 
 from controller.logic.detection.c4d.config import C4DConfig
 from controller.logic.detection.c4d.evidence import (
@@ -39,7 +38,7 @@ from controller.logic.detection.c4d.evidence import (
     TimeStats,
 )
 from controller.logic.detection.c4d.peers import PeerIndex, PeerKey
-from controller.logic.detection.c4d.robust import MAD_TO_SIGMA, mad, peer_baselines
+from controller.logic.detection.c4d.robust import MAD_TO_SIGMA, fmedian, mad, peer_centers
 from trainguard.wire import StepSummary
 
 #: Weight of one step in the moving estimate of per-step noise (a memory of ~50 steps).
@@ -58,8 +57,10 @@ class StepVerdict:
     step: int
     #: Ranks whose windowed score marks them slow after this step (not yet confirmed).
     flagged: set[int]
-    #: Pure communication time of the step: the wait of the (nearly) last rank to arrive,
-    #: who waits for the transfer alone; compute jitter elsewhere does not move it.
+    #: Pure communication time of the step: the shortest wait, that of the last rank to
+    #: arrive, who waits for the transfer alone; compute jitter or a multi-x spike
+    #: elsewhere does not move it (a quantile above the minimum would: with two slow ranks,
+    #: or one spike, the second-shortest wait holds the gap between them).
     comm_wait_s: float
     median_compute_s: float
     median_step_s: float
@@ -75,7 +76,7 @@ def _window(store: dict[int, deque[float]], rank: int, size: int) -> deque[float
 def _stats(values: list[float]) -> TimeStats:
     if not values:
         return TimeStats(median=0.0, spread=0.0, steps=0)
-    center = median(values)
+    center = fmedian(values)
     return TimeStats(
         median=round(center, 6), spread=round(mad(values, center), 6), steps=len(values)
     )
@@ -124,8 +125,8 @@ class PeerWindows:
     def add(self, rows: list[StepSummary]) -> None:
         compute = [s.compute_time_s for s in rows]
         wait = [s.collective_wait_s for s in rows]
-        med_w = median(wait)
-        med_step = median(s.step_time_s for s in rows)
+        med_w = fmedian(wait)
+        med_step = fmedian(s.step_time_s for s in rows)
         expected = self._expected(rows, compute)
         n = self.cfg.window_steps
         self.pp_stage = rows[0].pp_stage
@@ -138,27 +139,27 @@ class PeerWindows:
             _window(self.step_s, r, n).append(s.step_time_s)
             _window(self.bytes_moved, r, n).append(float(s.collective_bytes))
         self.steps_seen += 1
-        self._judge(median(compute), med_step)
+        self._judge(fmedian(compute), med_step)
 
     def _expected(self, rows: list[StepSummary], compute: list[float]) -> list[float]:
         """Each rank's compute as its peers' predict it: their median, or, where peers
         moved different volumes, their median shifted along the compute-per-byte slope."""
-        peer_c = [c for c, _ in peer_baselines(compute)]
+        peer_c = peer_centers(compute)
         nbytes = [float(s.collective_bytes) for s in rows]
         lo, hi = min(nbytes), max(nbytes)
         self.normalized = lo > 0 and hi > (1 + self.cfg.bytes_skew) * lo
         if not self.normalized:
             return peer_c
-        med_c, med_b = median(compute), median(nbytes)
+        med_c, med_b = fmedian(compute), fmedian(nbytes)
         step_slopes = [
             (c - med_c) / (b - med_b)
             for c, b in zip(compute, nbytes, strict=True)
             if abs(b - med_b) > SLOPE_MIN_BYTES_DIFF * med_b
         ]
         if step_slopes:  # more bytes never means less work: a negative slope is noise
-            self.slopes.append(max(0.0, median(step_slopes)))
-        slope = median(self.slopes) if self.slopes else 0.0
-        peer_b = [b for b, _ in peer_baselines(nbytes)]
+            self.slopes.append(max(0.0, fmedian(step_slopes)))
+        slope = fmedian(self.slopes) if self.slopes else 0.0
+        peer_b = peer_centers(nbytes)
         return [
             max(pc + slope * (b - pb), 0.25 * pc)
             for pc, b, pb in zip(peer_c, nbytes, peer_b, strict=True)
@@ -171,11 +172,11 @@ class PeerWindows:
         self.flagged = set()
         if self.steps_seen < need or len(ranks) < 2:
             return
-        scores = [median(self.ratio[r]) for r in ranks]
+        scores = [fmedian(self.ratio[r]) for r in ranks]
         stderr = max(self._score_stderr(ranks, scores), self.cfg.straggler_scale_floor)
         self.scores = dict(zip(ranks, scores, strict=True))
         for rank, score in self.scores.items():
-            waits_less = median(self.wait_offset[rank]) < 0
+            waits_less = fmedian(self.wait_offset[rank]) < 0
             slow_enough = score > 1 + self.cfg.straggler_min_slowdown
             self.z[rank] = (score - 1) / stderr
             if slow_enough and self.z[rank] > self.cfg.straggler_z and waits_less:
@@ -199,9 +200,9 @@ class PeerWindows:
         self._noise_steps += 1
         # A plain mean until the average has ~1/alpha steps behind it, then a moving one.
         weight = max(NOISE_ALPHA, 1 / self._noise_steps)
-        self._sigma += weight * (MAD_TO_SIGMA * median(latest) - self._sigma)
+        self._sigma += weight * (MAD_TO_SIGMA * fmedian(latest) - self._sigma)
         window = [abs(x - score) for r, score in pairs for x in self.ratio[r]]
-        sigma = max(self._sigma, MAD_TO_SIGMA * median(window))
+        sigma = max(self._sigma, MAD_TO_SIGMA * fmedian(window))
         n = min(len(self.ratio[r]) for r in ranks)
         return 1.2533 * sigma / math.sqrt(n)
 
@@ -263,13 +264,12 @@ class StragglerState:
             scored += [s.rank for s in members if s.rank in group.scores]
         self._scored = scored
         self.steps_seen += 1
-        waits = sorted(s.collective_wait_s for s in rows.values())
         self.last = StepVerdict(
             step,
             flagged,
-            waits[int(0.05 * len(waits))],
-            median(s.compute_time_s for s in rows.values()),
-            median(s.step_time_s for s in rows.values()),
+            min(s.collective_wait_s for s in rows.values()),
+            fmedian(s.compute_time_s for s in rows.values()),
+            fmedian(s.step_time_s for s in rows.values()),
         )
         return self.last
 

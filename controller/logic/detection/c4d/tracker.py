@@ -197,12 +197,13 @@ class JobTracker:
     def _ready_steps(self, now_s: float) -> list[int]:
         """Pending steps to compare now, oldest first (a per-step watermark).
 
-        A step is ready once every rank reported it, or once each missing rank has reported
-        a later step (it never will report this one), or once it waited ``step_wait_s``
+        A step is ready once every rank reported it, or once it waited ``step_wait_s``
         since its first summary (a node's agent may be gone). Agents batch on their own
         timers, so a step complete on one node may lack another's summaries for seconds;
-        comparing it early would drop them (and with them, a slow node's own steps). Steps
-        are compared in order: a younger complete step waits behind an older one.
+        comparing it early would drop them (and with them, a slow node's own steps). A
+        rank having reported a later step proves nothing: a retried batch from the spool
+        can arrive after a newer one. Steps are compared in order: a younger complete step
+        waits behind an older one.
         """
         ready = []
         need = max(2, int(self.cfg.min_step_coverage * self.world_size + 0.999))
@@ -210,12 +211,7 @@ class JobTracker:
         for step in sorted(self.pending_steps):
             rows = self.pending_steps[step]
             waited = now_s - self.pending_since.get(step, now_s) >= self.cfg.step_wait_s
-            settled = len(rows) >= self.world_size or all(
-                self.last_step_of_rank.get(r, -1) > step
-                for r in range(self.world_size)
-                if r not in rows
-            )
-            if settled or waited or overflow > 0:
+            if len(rows) >= self.world_size or waited or overflow > 0:
                 overflow -= 1
                 if len(rows) >= need:
                     ready.append(step)
