@@ -191,9 +191,14 @@ class JobDetector:
         if tracker is None or not finding.ranks:
             return [], {}
         rank = finding.ranks[0]
+        # The GPUs of the ranks it was compared with (its peer group); all of the job's
+        # when the evidence has none (a finding from before the peer groups).
+        group = finding.evidence.get("peer_group")
+        members = group.get("ranks") if isinstance(group, dict) else None
+        compared = [r for r in (members or tracker.rank_node) if r in tracker.rank_node]
         peers = [
             sample
-            for r in tracker.rank_node
+            for r in compared
             if r != rank and (sample := self._sample(tracker.rank_node[r], tracker.rank_gpu.get(r)))
         ]
         return straggler_cause(

@@ -38,3 +38,38 @@ def test_thermal_power_lock_low_clock_and_ecc_are_each_named() -> None:
 
 def test_no_telemetry_no_cause() -> None:
     assert straggler_cause(None, [gpu()]) == ([], {})
+
+
+def test_the_gpu_is_compared_with_its_peer_groups_gpus_not_the_whole_jobs() -> None:
+    """Stage 1 (ranks 4-7) runs every GPU at 1500 MHz; stage 0 at 1980 MHz. Rank 5's clock
+    is what its peers run at, so a low clock is not its cause."""
+    from controller.logic.detection.c4d import Finding, FindingKind
+    from controller.services.detection.jobs import JobDetector
+    from controller.state import ClusterState, GpuState, NodeState
+
+    state = ClusterState()
+    for node, clock in (("n0", 1980), ("n1", 1500)):
+        state.nodes[node] = NodeState(name=node, first_seen_unix_s=0.0)
+        for i in range(4):
+            state.nodes[node].gpus[i] = GpuState(index=i, latest=gpu(index=i, sm_clock_mhz=clock))
+    detector = JobDetector(state, None, None)  # type: ignore[arg-type]
+    tracker = detector.trackers.tracker("j")
+    for rank in range(8):
+        tracker.rank_node[rank] = f"n{rank // 4}"
+        tracker.rank_gpu[rank] = rank % 4
+
+    def finding(evidence: dict[str, object]) -> Finding:
+        return Finding(
+            kind=FindingKind.STRAGGLER,
+            job="j",
+            severity="warning",
+            summary="",
+            key="k",
+            ranks=(5,),
+            evidence=evidence,
+        )
+
+    causes, facts = detector._gpu_cause(finding({"peer_group": {"ranks": [4, 5, 6, 7]}}))
+    assert causes == [] and facts["peer_sm_clock_mhz"] == 1500
+    causes, _ = detector._gpu_cause(finding({}))  # no peer group known: the whole job
+    assert causes == ["SM clock 1500 MHz vs 1980 MHz on peers"]
