@@ -76,7 +76,7 @@ def controller(
         )
     except ValidationError as exc:
         raise settings_error("controller", exc) from exc
-    from controller.remediation.rules import PolicyError
+    from controller.logic.remediation.rules import PolicyError
 
     try:
         serve(settings)
