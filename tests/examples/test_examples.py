@@ -1,0 +1,238 @@
+"""examples/ manifests, validated through the projects' own published API models.
+
+- JobSet, TrainingRuntime and TrainJob: ``kubeflow-trainer-api`` (Kubeflow Trainer's
+  generated pydantic models, which carry JobSet v1alpha2 and the core types they embed).
+- PyTorchJob: ``kubeflow-training`` (the Training Operator SDK's models, whose pod templates
+  are the official ``kubernetes`` client's models), walked strictly by their openapi types.
+- Core objects (PersistentVolumeClaims, and every pod template as a Pod):
+  ``kubernetes-validate --strict`` for Kubernetes 1.33.
+
+A model drops a field it does not know, so each object must survive a round trip through its
+model unchanged: a misspelt or misplaced key fails the test instead of vanishing. Then the
+trainguard contract is checked on every rank's pod: the job label, the agent socket, the
+socket's group, the restart annotations mapped to the environment the ranks read.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+K8S_VERSION = "1.33"
+SOCKET_GROUP = 2470
+
+trainer = pytest.importorskip("kubeflow_trainer_api.models")
+training = pytest.importorskip("kubeflow.training.models")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+from kubernetes import client as k8s_client  # noqa: E402
+
+TRAINER_MODELS = {
+    "JobSet": trainer.JobsetV1alpha2JobSet,
+    "TrainingRuntime": trainer.TrainerV1alpha1TrainingRuntime,
+    "TrainJob": trainer.TrainerV1alpha1TrainJob,
+}
+
+
+def _docs(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f"{path}/{k}: unknown to the model" for k in a.keys() - b.keys()]
+        out += [f"{path}/{k}: added by the model" for k in b.keys() - a.keys()]
+        for key in a.keys() & b.keys():
+            out += _differences(a[key], b[key], f"{path}/{key}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(
+            x, y, f"{path}[{i}]")]  # fmt: skip
+    return [] if a == b else [f"{path}: {a!r} became {b!r}"]
+
+
+def _trainer_round_trip(doc: dict[str, Any]) -> list[str]:
+    model = TRAINER_MODELS[doc["kind"]].from_dict(doc)
+    return _differences(doc, model.to_dict())
+
+
+# -- the Training Operator's models (openapi-generator classes), walked strictly ------------
+
+_LIST = re.compile(r"(?:list|List)\[(.+)\]")
+_DICT = re.compile(r"(?:dict\(str, (.+)\)|Dict\[str, (.+)\])")
+
+
+def _model_class(name: str) -> Any:
+    for module in (training, k8s_client):
+        found = getattr(module, name, None)
+        if found is not None:
+            return found
+    raise AssertionError(f"no model class {name}")
+
+
+def _strict(value: Any, klass: str, path: str) -> list[str]:
+    """Errors of ``value`` against the openapi type ``klass`` (unknown keys are errors)."""
+    if value is None:
+        return []
+    if m := _LIST.fullmatch(klass):
+        if not isinstance(value, list):
+            return [f"{path}: expected a list"]
+        return [e for i, v in enumerate(value) for e in _strict(v, m.group(1), f"{path}[{i}]")]
+    if m := _DICT.fullmatch(klass):
+        if not isinstance(value, dict):
+            return [f"{path}: expected a map"]
+        inner = m.group(1) or m.group(2)
+        return [e for k, v in value.items() for e in _strict(v, inner, f"{path}/{k}")]
+    primitive = {"str": str, "int": int, "bool": bool, "float": (int, float), "datetime": str}
+    if klass in primitive:
+        ok = isinstance(value, primitive[klass]) and not (klass == "int" and value is True)
+        return [] if ok else [f"{path}: expected {klass}, got {value!r}"]
+    if klass == "object":
+        return []
+    cls = _model_class(klass)
+    if not isinstance(value, dict):
+        return [f"{path}: expected a {klass} object"]
+    by_json = {json: attr for attr, json in cls.attribute_map.items()}
+    errors = [f"{path}/{k}: not a field of {klass}" for k in value if k not in by_json]
+    for key, item in value.items():
+        if key in by_json:
+            errors += _strict(item, cls.openapi_types[by_json[key]], f"{path}/{key}")
+    if not errors:
+        try:  # required fields and enums, checked by the model's own setters
+            cls(**{by_json[k]: v for k, v in value.items()})
+        except (ValueError, TypeError) as exc:
+            errors.append(f"{path}: {klass}: {exc}")
+    return errors
+
+
+# -- core objects ------------------------------------------------------------------------------
+
+
+def _core_errors(doc: dict[str, Any]) -> list[str]:
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        return [f"{doc['kind']} {doc['metadata'].get('name')}: {exc.message}"]
+    return []
+
+
+def _as_pod(template: dict[str, Any], name: str) -> dict[str, Any]:
+    meta = {"name": name, **template.get("metadata", {})}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"]}
+
+
+def _pod_templates(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank pod template of a workload."""
+    kind = doc["kind"]
+    if kind == "JobSet":
+        return [rj["template"]["spec"]["template"] for rj in doc["spec"]["replicatedJobs"]]
+    if kind == "TrainingRuntime":
+        jobs = doc["spec"]["template"]["spec"]["replicatedJobs"]
+        return [rj["template"]["spec"]["template"] for rj in jobs]
+    if kind == "PyTorchJob":
+        return [spec["template"] for spec in doc["spec"]["pytorchReplicaSpecs"].values()]
+    return []
+
+
+def _check_contract(template: dict[str, Any], job: str | None) -> None:
+    """What trainguard needs from every rank's pod (docs/kubernetes.md, examples/README.md)."""
+    pod = template["spec"]
+    if job is not None:
+        assert template["metadata"]["labels"]["trainguard.io/job"] == job
+    assert SOCKET_GROUP in pod["securityContext"]["supplementalGroups"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (container,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    env = {e["name"]: e for e in container["env"]}
+    socket = Path(env["TRAINGUARD_AGENT_SOCKET"]["value"])
+    socket_volume = next(n for n, path in mounts.items() if Path(path) == socket.parent)
+    assert volumes[socket_volume]["hostPath"]["path"] == "/run/trainguard"
+    for var, key in (("TRAINGUARD_GENERATION", "generation"),
+                     ("TRAINGUARD_RESUME_STEP", "resume-step")):  # fmt: skip
+        field = env[var]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert field == f"metadata.annotations['trainguard.io/{key}']"
+    command = " ".join(container["command"])
+    assert "torchrun" in command and "demojob.train" in command
+
+
+# -- the examples --------------------------------------------------------------------------------
+
+
+def test_jobset_example() -> None:
+    docs = _docs("jobset.yaml")
+    assert [d["kind"] for d in docs] == ["PersistentVolumeClaim", "JobSet"]
+    pvc, jobset = docs
+    assert _core_errors(pvc) == []
+    assert _trainer_round_trip(jobset) == []
+    assert jobset["metadata"]["labels"]["trainguard.io/job"] == "demo-llm"
+    (template,) = _pod_templates(jobset)
+    assert _core_errors(_as_pod(template, "rank")) == []
+    _check_contract(template, "demo-llm")
+    env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+    assert env["TRAINGUARD_JOB"] == "demo-llm"
+    claim = template["spec"]["volumes"][1]["persistentVolumeClaim"]["claimName"]
+    assert claim == pvc["metadata"]["name"]
+
+
+def test_pytorchjob_example() -> None:
+    docs = _docs("pytorchjob.yaml")
+    assert [d["kind"] for d in docs] == ["PersistentVolumeClaim", "PyTorchJob"]
+    pvc, job = docs
+    assert _core_errors(pvc) == []
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    assert _strict(job, "KubeflowOrgV1PyTorchJob", "") == []
+    templates = _pod_templates(job)
+    assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Master", "Worker"}
+    for template in templates:
+        assert _core_errors(_as_pod(template, "rank")) == []
+        _check_contract(template, "demo-ptj")
+        assert template["spec"]["containers"][0]["name"] == "pytorch"
+
+
+def test_trainjob_example() -> None:
+    docs = _docs("trainjob.yaml")
+    assert [d["kind"] for d in docs] == ["PersistentVolumeClaim", "TrainingRuntime", "TrainJob"]
+    pvc, runtime, trainjob = docs
+    assert _core_errors(pvc) == []
+    assert _trainer_round_trip(runtime) == []
+    assert _trainer_round_trip(trainjob) == []
+    assert trainjob["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"]
+    assert trainjob["spec"]["runtimeRef"]["kind"] == "TrainingRuntime"
+    (template,) = _pod_templates(runtime)
+    assert _core_errors(_as_pod(template, "rank")) == []
+    _check_contract(template, None)  # the job label comes from the TrainJob's patch
+    (patch,) = trainjob["spec"]["runtimePatches"]
+    (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert rjob["name"] == runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["name"]
+    labels = rjob["template"]["spec"]["template"]["metadata"]["labels"]
+    assert labels["trainguard.io/job"] == "demo-tj"
+    env = {e["name"]: e.get("value") for e in trainjob["spec"]["trainer"]["env"]}
+    assert env["TRAINGUARD_JOB"] == "demo-tj"
+
+
+@pytest.mark.parametrize(
+    ("kind", "mutate", "fragment"),
+    [
+        ("JobSet", lambda d: d["spec"].update(replicatedjobs=[]), "/spec/replicatedjobs"),
+        ("PyTorchJob", lambda d: d["spec"].update(nprocsPerNode="2"), "/spec/nprocsPerNode"),
+        ("PyTorchJob", lambda d: d["spec"]["pytorchReplicaSpecs"]["Worker"].update(replicas="1"),
+         "expected int"),
+    ],
+)  # fmt: skip
+def test_validation_catches_a_misspelt_or_mistyped_field(
+    kind: str, mutate: Any, fragment: str
+) -> None:
+    name = {"JobSet": "jobset.yaml", "PyTorchJob": "pytorchjob.yaml"}[kind]
+    doc = next(d for d in _docs(name) if d["kind"] == kind)
+    mutate(doc)
+    errors = (
+        _trainer_round_trip(doc)
+        if kind in TRAINER_MODELS
+        else _strict(doc, f"KubeflowOrgV1{kind}", "")
+    )
+    assert any(fragment in e for e in errors), errors
