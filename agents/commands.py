@@ -26,6 +26,7 @@ from trainguard.wire import (
     JobCommand,
     LockClocks,
     ResetPowerLimit,
+    RunPreflight,
     SetPowerLimit,
     UnlockClocks,
 )
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 REMEMBERED_COMMANDS = 4096
 
 JobRelay = Callable[[JobCommand], int]
+#: Runs the node's preflight: (all passed, one-line summary).
+Preflight = Callable[[RunPreflight], tuple[bool, str]]
 
 
 class CommandRefused(Exception):
@@ -63,8 +66,10 @@ class CommandExecutor:
         relay: JobRelay,
         on_ack: Callable[[CommandAck], None],
         clock: Callable[[], float] = time.time,
+        preflight: Preflight | None = None,
     ) -> None:
         self._api = api
+        self._preflight = preflight
         self._handles = list(handles)
         self._relay = relay
         self._on_ack = on_ack
@@ -130,6 +135,11 @@ class CommandExecutor:
             if clients <= 0:
                 return CommandStatus.FAILED, f"no rank of job {cmd.job} on this node"
             return CommandStatus.RELAYED, f"queued for {clients} local client(s) of job {cmd.job}"
+        if isinstance(cmd, RunPreflight):
+            if self._preflight is None:
+                raise CommandRefused("this agent cannot run a preflight")
+            passed, reason = self._preflight(cmd)
+            return (CommandStatus.SUCCEEDED if passed else CommandStatus.FAILED), reason
         if isinstance(cmd, SetPowerLimit):
             return CommandStatus.SUCCEEDED, self._set_power(cmd.gpu_index, cmd.limit_w)
         if isinstance(cmd, ResetPowerLimit):

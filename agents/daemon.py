@@ -38,6 +38,7 @@ from agents.local_endpoint import LocalEndpoint, Session
 from agents.metrics import MetricsServer, MetricsSource
 from agents.nics import NicMonitor
 from agents.node_power import NodePowerSampler, RaplReader
+from agents.preflight import evaluate, summary
 from agents.reporter import BackoffPolicy, Reporter
 from agents.sampler import GpuSampler
 from agents.settings import AgentSettings
@@ -52,6 +53,7 @@ from trainguard.wire import (
     NodeSample,
     Report,
     ReportReply,
+    RunPreflight,
     XidEvent,
 )
 
@@ -117,7 +119,11 @@ class Agent:
         inventory = self.sampler.open()
         self.nics = NicMonitor(settings.sysfs_root)
         self.executor = CommandExecutor(
-            api, self.sampler.handles, relay=self._relay, on_ack=self._on_ack
+            api,
+            self.sampler.handles,
+            relay=self._relay,
+            on_ack=self._on_ack,
+            preflight=self._preflight,
         )
         self.xids = XidWatcher(
             api, self.sampler.handles, on_event=self._on_xid, on_ecc=self._on_ecc
@@ -332,6 +338,20 @@ class Agent:
         if self.endpoint is None:
             return 0
         return sum(1 for s in self.endpoint.sessions() if s.disconnected_unix_s is None)
+
+    def _preflight(self, cmd: RunPreflight) -> tuple[bool, str]:
+        """The controller asked for a preflight: check the latest sample and the NICs now."""
+        latest = self.metrics_source.latest
+        if latest is None and self.identity.gpus:
+            return False, "preflight: no GPU sample taken yet; ask again in a second"
+        checks = evaluate(
+            self.backend,
+            latest.gpus if latest is not None else [],
+            self.nics.read_all(),
+            nvlinks_down_at_start=self.sampler.nvlinks_down_at_start,
+            expected_nic_rate_gbps=cmd.expected_nic_rate_gbps,
+        )
+        return all(c.status != "fail" for c in checks), summary(checks)
 
     def _gpu_pods(self) -> dict[int, tuple[str, str]]:
         """GPU index -> (pod, namespace) from connected ranks that said both."""

@@ -268,6 +268,16 @@ class NicMonitor:
             counters=counters,
         )
 
+    def read_all(self) -> list[NicPortSample]:
+        """Every port now, without touching the event state (safe from any thread)."""
+        ports = []
+        for device in self.devices():
+            for port in self.ports(device):
+                sample = self.read_port(device, port)
+                if sample is not None:
+                    ports.append(sample)
+        return ports
+
     def sample(self, now_unix_s: float) -> tuple[list[NicPortSample], list[HardwareEvent]]:
         events: list[HardwareEvent] = []
         ports: list[NicPortSample] = []

@@ -59,6 +59,8 @@ class _Gpu:
     handle: Any
     info: GpuInfo
     nvlinks: list[int] = field(default_factory=list)
+    #: Links that answered "disabled" at start (a preflight flags them next to active ones).
+    nvlinks_down_at_start: list[int] = field(default_factory=list)
     ecc_locations: list[str] = field(default_factory=list)
     #: The first NVML error (other than NOT_SUPPORTED) of the sample being read.
     error: str = ""
@@ -171,7 +173,7 @@ class GpuSampler:
 
     def _discover(self, index: int, handle: Any) -> _Gpu:
         gpu = _Gpu(index, handle, self._inventory(index, handle))
-        gpu.nvlinks = self._active_nvlinks(index, handle)
+        gpu.nvlinks, gpu.nvlinks_down_at_start = self._nvlinks(index, handle)
         gpu.ecc_locations = ecc_locations_present(
             lambda what, fn, *args: self._ask_quietly(index, what, fn, *args), self._api, handle
         )
@@ -223,15 +225,20 @@ class GpuSampler:
             mem_clock_max_mhz=int(mem_max) if mem_max is not None else None,
         )
 
-    def _active_nvlinks(self, index: int, handle: Any) -> list[int]:
-        links: list[int] = []
+    def _nvlinks(self, index: int, handle: Any) -> tuple[list[int], list[int]]:
+        """(links up, links that exist but are down) at start."""
+        up: list[int] = []
+        down: list[int] = []
         for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
             try:
-                if self._api.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED:
-                    links.append(link)
+                state = self._api.nvmlDeviceGetNvLinkState(handle, link)
             except pynvml.NVMLError:
                 continue  # NOT_SUPPORTED / INVALID_ARGUMENT past the last link
-        return links
+            (up if state == pynvml.NVML_FEATURE_ENABLED else down).append(link)
+        return up, down
+
+    def nvlinks_down_at_start(self, index: int) -> list[int]:
+        return next((g.nvlinks_down_at_start for g in self._gpus if g.index == index), [])
 
     def _ask_quietly(self, index: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:

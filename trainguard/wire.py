@@ -542,6 +542,15 @@ class JobStop(CommandBase):
     job: Name
 
 
+class RunPreflight(CommandBase):
+    """Run the agent's hardware checks now; the ack says pass/fail and names each failure."""
+
+    kind: Literal["run_preflight"] = "run_preflight"
+    expected_nic_rate_gbps: Annotated[float, Field(gt=0)] | None = Field(
+        default=None, description="RDMA ports slower than this fail (default: the node's fastest)"
+    )
+
+
 #: Fault kinds the job-side injector knows (``collectives.faults`` validates each field).
 FAULT_KINDS = ("delay", "slowdown", "hang", "crash", "slow_link", "nan")
 
@@ -570,7 +579,8 @@ Command = Annotated[
     | JobCheckpoint
     | JobLinkProbe
     | JobStop
-    | JobInjectFaults,
+    | JobInjectFaults
+    | RunPreflight,
     Field(discriminator="kind"),
 ]
 
@@ -708,6 +718,7 @@ __all__ = [
     "Report",
     "ReportReply",
     "ResetPowerLimit",
+    "RunPreflight",
     "SetPowerLimit",
     "StepSummary",
     "ThrottleReason",
