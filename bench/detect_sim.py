@@ -130,6 +130,8 @@ class SimOutcome:
     straggler_updates: list[Finding]
     baseline_opened: list[tuple[int, int]]
     steps: int
+    #: Steps the detector compared (the rest were dropped or still waiting at the end).
+    steps_compared: int = 0
 
     def stragglers(self) -> list[tuple[int, int]]:
         return [(step, f.ranks[0]) for step, f in self.opened if f.kind is FindingKind.STRAGGLER]
@@ -256,7 +258,9 @@ def run_sim(sc: SimScenario, seed: int, cfg: C4DConfig | None = None) -> SimOutc
         step += 1
         advance(t)
     advance(t + 3 * dl.interval_s)
-    return SimOutcome(opened, updates, base_opened, step)
+    tracker = trackers.jobs.get(JOB)
+    compared = tracker.stragglers.steps_seen if tracker else 0
+    return SimOutcome(opened, updates, base_opened, step, compared)
 
 
 def _hang(

@@ -1,0 +1,44 @@
+"""bench.detect's fleet figures (issue 16): the keys, and trainguard beside the baseline."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from bench.detect_fleet import BASELINE_NAME, FleetSet, dev_set, measure
+
+
+def _short(fleet: FleetSet) -> FleetSet:
+    """The development set, cut short so the check runs in seconds."""
+    return FleetSet(
+        pp=replace(fleet.pp, steps=150),
+        moe=replace(fleet.moe, steps=150),
+        heavy=replace(fleet.heavy, steps=150),
+        flap=replace(fleet.flap, steps=260),
+        multi=[replace(fleet.multi[0], steps=120)],
+        role_straggler=fleet.role_straggler,
+        hang_quiet=fleet.hang_quiet,
+    )
+
+
+def test_fleet_figures_carry_the_issue_keys_for_trainguard_and_the_baseline() -> None:
+    res = measure(_short(dev_set(quick=True)), seeds=[1])
+    tg, base = res["trainguard"], res["baseline"]
+    keys = {
+        "pp_false_positives",
+        "moe_false_positives",
+        "heavy_tail_false_positives_per_1k_steps",
+        "flapping_incidents_per_flapping_node",
+        "multi_culprit_accuracy",
+        "role_straggler_detect_steps_p50",
+    }
+    assert keys <= tg.keys() and keys <= base.keys()
+    assert base["name"] == BASELINE_NAME
+    assert tg["pp_false_positives"] == 0 and tg["moe_false_positives"] == 0
+    assert tg["flapping_incidents_per_flapping_node"] == 1
+    assert tg["multi_culprit_accuracy"] == 1.0
+    assert tg["role_straggler_detect_steps_p50"] <= 50
+    assert tg["hang_quiet_agent_correct"] is True
+    # Measured on the same runs: the threshold detector blames the busy expert and the
+    # last stage, and opens one incident per slow phase of the flapping node.
+    assert base["moe_false_positives"] > 0 and base["pp_false_positives"] > 0
+    assert base["flapping_incidents_per_flapping_node"] > 1
