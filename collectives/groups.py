@@ -25,6 +25,8 @@ class GroupInfo:
     id: str
     ranks: frozenset[int]
     size: int
+    name: str = ""
+    """torch's own name of the group (``ProcessGroup.group_name``; Flight Recorder's key)."""
 
 
 class GroupRegistry:
@@ -51,7 +53,9 @@ class GroupRegistry:
         ranks = sorted(dist.get_process_group_ranks(group))
         name = getattr(group, "group_name", "") or ""
         digest = hashlib.sha1(f"{','.join(map(str, ranks))}|{name}".encode()).hexdigest()[:12]
-        info = GroupInfo(id=f"g{len(ranks)}-{digest}", ranks=frozenset(ranks), size=len(ranks))
+        info = GroupInfo(
+            id=f"g{len(ranks)}-{digest}", ranks=frozenset(ranks), size=len(ranks), name=name
+        )
         self._by_key[id(group)] = (group, info)  # keeps the group alive: ids are never reused
         if group is dist.distributed_c10d._get_default_group():
             self._world = info

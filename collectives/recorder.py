@@ -112,6 +112,8 @@ class Recorder:
         self._inflight: dict[int, CallRecord] = {}
         #: Group id -> its global ranks (sorted), sent with in-flight reports.
         self.group_ranks: dict[str, list[int]] = {}
+        #: Group id -> torch's group name (how Flight Recorder dumps name it).
+        self.group_names: dict[str, str] = {}
         self._durations: dict[str, deque[float]] = {}
         self._segments: deque[float] = deque(maxlen=cfg.duration_window)
         self._step: _Step | None = None

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from .faults import FaultInjector
+from .functional import FunctionalHooks
 from .groups import GroupInfo, GroupRegistry, p2p_channel
 from .recorder import CallRecord, Recorder, now
 from .timing import EventClock
@@ -59,6 +60,13 @@ OPS: dict[str, OpSpec] = {
     "all_gather_into_tensor": OpSpec(("output_tensor",), "input_tensor"),
     "reduce_scatter": OpSpec(("input_list",), "input_list", reduces=True),
     "reduce_scatter_tensor": OpSpec(("input",), "input", reduces=True),
+    # torch 2.13's names for the two above (FSDP2 calls these), and older/coalesced forms
+    "all_gather_single": OpSpec(("output_tensor",), "input_tensor"),
+    "reduce_scatter_single": OpSpec(("input",), "input", reduces=True),
+    "_all_gather_base": OpSpec(("output_tensor",), "input_tensor"),
+    "_reduce_scatter_base": OpSpec(("input",), "input", reduces=True),
+    "all_reduce_coalesced": OpSpec(("tensors",), "tensors", reduces=True),
+    "all_gather_coalesced": OpSpec(("output_tensor_lists",), "input_tensor_list"),
     "broadcast": OpSpec(("tensor",), "tensor"),
     "barrier": OpSpec((), None),
     "all_to_all": OpSpec(("input_tensor_list",), "input_tensor_list"),
@@ -242,17 +250,21 @@ class Instrumenter:
         #: Which tensors are timed with the clock's marks: CUDA ones, or all (CPU clock).
         self._device_only = clock is not None and clock.name == "cuda"
         recorder.clock = clock
+        self.functional = FunctionalHooks(self, _tls)
         self._sleep = sleep
         self.check_nonfinite = recorder.cfg.check_nonfinite
         self.nonfinite_min_bytes = recorder.cfg.nonfinite_check_min_bytes
 
     def _new_group(self, info: GroupInfo) -> None:
         self.recorder.group_ranks[info.id] = sorted(info.ranks)
+        if info.name:
+            self.recorder.group_names[info.id] = info.name
 
     # ------------------------------------------------------------------ patching
 
     def patch(self) -> None:
         self.groups.world()
+        self.functional.install()
         for name, spec in OPS.items():
             original = getattr(c10d, name)
             self.originals[name] = original
@@ -262,6 +274,7 @@ class Instrumenter:
             setattr(dist, name, wrapper)
 
     def unpatch(self) -> None:
+        self.functional.remove()
         for name, original in self.originals.items():
             for module in (c10d, dist):
                 if getattr(module, name, None) is self._wrappers[name]:

@@ -202,6 +202,7 @@ def launch_ranks(
     socket_path: str,
     env: dict[str, str] | None = None,
     rank_env: dict[int, dict[str, str]] | None = None,
+    worker: Path = WORKER,
 ) -> Ranks:
     """Start ``world_size`` rank processes (torchrun-like env, file store, gloo on loopback)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -225,7 +226,7 @@ def launch_ranks(
         stderr = open(out_dir / f"stderr{rank}.txt", "w")  # noqa: SIM115 - handed to the child
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(out_dir)],
+                [sys.executable, str(worker), scenario, str(out_dir)],
                 env=child_env,
                 stdout=stderr,
                 stderr=subprocess.STDOUT,

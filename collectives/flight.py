@@ -1,0 +1,320 @@
+"""PyTorch's Flight Recorder as evidence: dump it on request, compare with it, read a hang from it.
+
+With ``TORCH_FR_BUFFER_SIZE`` (or ``TORCH_NCCL_TRACE_BUFFER_SIZE``) set before the process
+group is created, torch keeps the last N collectives of every process group of the rank in a
+ring buffer, in C++, for gloo as for NCCL (this torch build records gloo collectives, not
+gloo point-to-point). This module:
+
+* :func:`dump` reads this rank's buffer (``torch._C._distributed_c10d._dump_fr_trace_json``;
+  it works while the training thread is stuck in a collective: the shipping thread calls it
+  when the controller's ``JobDumpTrace`` command arrives);
+* :func:`compare` checks the wrapper against it: every collective Flight Recorder lists for a
+  step must be in the recorder's calls of that step, with the same process group and the same
+  per-group sequence number (the bench's ``collectives_seen_ratio``);
+* :func:`analyze` reads the dumps of all ranks and returns, per process group, the collective
+  (sequence id, op, sizes) where the ranks diverged and which ranks never entered it: the
+  evidence a hang incident carries. torch's own analysis
+  (``torch.distributed.flight_recorder``) expects NCCL dumps with process-group membership,
+  which gloo's dumps lack (``pg_config`` is empty), so the analysis is ours, over the same
+  dump format, with membership from the wrapper's groups.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ENV_BUFFER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+#: Op names of the same collective as the wrapper and as backends record it. gloo runs
+#: reduce_scatter as an all_reduce and records it so.
+_FAMILY = {
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "_all_gather_base": "all_gather",
+    "all_gather_coalesced": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "allgather": "all_gather",
+    "_allgather_base": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "allreduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "allreduce_coalesced": "all_reduce",
+    "all_to_all": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all",
+    "broadcast": "broadcast",
+    "barrier": "barrier",
+    "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "send": "send",
+    "isend": "send",
+    "recv": "recv",
+    "irecv": "recv",
+    "recv_": "recv",
+}
+_BACKEND_ALIASES = {("reduce_scatter", "all_reduce")}
+
+
+def family(op: str) -> str:
+    """``gloo:all_gather`` / ``all_gather_single`` -> ``all_gather``."""
+    name = op.rsplit(":", 1)[-1].strip().lower()
+    return _FAMILY.get(name, name)
+
+
+def same_collective(ours: str, theirs: str) -> bool:
+    a, b = family(ours), family(theirs)
+    return a == b or (a, b) in _BACKEND_ALIASES
+
+
+def enabled(env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return any(env.get(name, "").strip() not in ("", "0") for name in ENV_BUFFER)
+
+
+def dump() -> dict[str, Any]:
+    """This rank's Flight Recorder buffer (``{}`` entries when it is off)."""
+    raw = torch._C._distributed_c10d._dump_fr_trace_json()  # type: ignore[attr-defined]
+    data = json.loads(raw)
+    data.setdefault("entries", [])
+    return dict(data)
+
+
+# ---------------------------------------------------------------------- comparison
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One call as the wrapper saw it, keyed the way Flight Recorder keys it."""
+
+    step: int | None
+    group: str
+    """torch's process-group name."""
+    seq: int
+    op: str
+
+
+@dataclass(slots=True)
+class Comparison:
+    listed: int = 0
+    """Collectives Flight Recorder lists for the steps compared."""
+    seen: int = 0
+    """...of which the wrapper recorded the same (group, sequence number, op) in that step."""
+    missing: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float | None:
+        return None if not self.listed else self.seen / self.listed
+
+
+def compare(
+    calls: Iterable[Call],
+    entries: Sequence[Mapping[str, Any]],
+    windows_ns: Mapping[int, tuple[int, int]],
+) -> Comparison:
+    """Every collective Flight Recorder created within a step's wall-clock window must be
+    among the wrapper's calls of that step (same group, same per-group seq, same op).
+
+    Sequence numbers of a group count from its creation in Flight Recorder and from
+    ``instrument()`` in the wrapper; the offset is read per group from the first compared
+    step (a call missed there shows up as mismatches, never as a pass)."""
+    by_step: dict[int | None, list[Call]] = defaultdict(list)
+    for call in calls:
+        by_step[call.step].append(call)
+    listed: list[tuple[int, Mapping[str, Any]]] = []
+    for entry in entries:
+        if entry.get("is_p2p"):
+            continue
+        t = int(entry.get("time_created_ns", 0))
+        for step, (t0, t1) in windows_ns.items():
+            if t0 <= t <= t1:
+                listed.append((step, entry))
+                break
+    offsets: dict[str, int] = {}
+    for step, entry in sorted(listed, key=lambda x: (x[0], int(x[1]["collective_seq_id"]))):
+        group = str(entry["process_group"][0])
+        if group in offsets:
+            continue
+        ours = sorted((c for c in by_step.get(step, []) if c.group == group), key=lambda c: c.seq)
+        if ours:
+            offsets[group] = int(entry["collective_seq_id"]) - ours[0].seq
+    out = Comparison(listed=len(listed))
+    for step, entry in listed:
+        group = str(entry["process_group"][0])
+        seq = int(entry["collective_seq_id"]) - offsets.get(group, 0)
+        hit = [c for c in by_step.get(step, []) if c.group == group and c.seq == seq]
+        if hit and same_collective(hit[0].op, str(entry.get("profiling_name", ""))):
+            out.seen += 1
+        else:
+            out.missing.append(
+                {
+                    "step": step,
+                    "group": group,
+                    "seq": int(entry["collective_seq_id"]),
+                    "op": entry.get("profiling_name", ""),
+                }
+            )
+    return out
+
+
+def compare_counts(ours: Counter[str], theirs: Counter[str]) -> Comparison:
+    """Per op family: how many of the calls another source (the profiler's ``c10d::`` ops)
+    lists the wrapper also recorded. For point-to-point traffic, which Flight Recorder does not
+    record under gloo."""
+    out = Comparison(listed=sum(theirs.values()))
+    for op, n in theirs.items():
+        got = min(n, ours.get(op, 0))
+        out.seen += got
+        if got < n:
+            out.missing.append({"op": op, "listed": n, "seen": ours.get(op, 0)})
+    return out
+
+
+def profiler_ops(events: Iterable[Any]) -> Counter[str]:
+    """Families of the ``c10d::`` operators in profiler events (every frontend reaches the
+    process group through them)."""
+    out: Counter[str] = Counter()
+    for event in events:
+        name = str(getattr(event, "name", ""))
+        if name.startswith("c10d::"):
+            op = name.removeprefix("c10d::").rstrip("_")
+            if op == "recv_any_source":
+                op = "recv"
+            out[family(op)] += 1
+    return out
+
+
+# ---------------------------------------------------------------------- hang analysis
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """Where one process group's ranks stopped agreeing."""
+
+    group: str
+    """torch's process-group name."""
+    seq: int
+    """Flight Recorder's per-group collective sequence id of the collective some ranks
+    entered and others never did (all entered: the last one, none finished)."""
+    op: str
+    input_sizes: list[Any]
+    output_sizes: list[Any]
+    entered: list[int]
+    missing: list[int]
+    """Member ranks that never entered it (their last entry in this group is older)."""
+    completed: bool | None
+    """Whether any entering rank saw it complete (None: the backend does not say)."""
+    time_created_ns: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "seq": self.seq,
+            "op": self.op,
+            "input_sizes": self.input_sizes,
+            "output_sizes": self.output_sizes,
+            "entered": self.entered,
+            "missing": self.missing,
+            "completed": self.completed,
+        }
+
+
+def analyze(
+    dumps: Mapping[int, Mapping[str, Any]],
+    members: Mapping[str, Sequence[int]] | None = None,
+) -> list[Divergence]:
+    """Per process group, the collective where the ranks' Flight Recorder buffers diverge,
+    earliest first. ``members``: group name -> global ranks (Flight Recorder's own
+    ``pg_config`` when it has them, else the wrapper's; else the ranks that dumped entries)."""
+    last: dict[str, dict[int, Mapping[str, Any]]] = defaultdict(dict)
+    for rank, data in dumps.items():
+        for entry in data.get("entries", []):
+            if entry.get("is_p2p"):
+                continue
+            group = str(entry["process_group"][0])
+            prev = last[group].get(rank)
+            if prev is None or entry["collective_seq_id"] > prev["collective_seq_id"]:
+                last[group][rank] = entry
+    out: list[Divergence] = []
+    for group, by_rank in last.items():
+        ranks = _members(group, dumps, members) or sorted(by_rank)
+        dumped = [r for r in ranks if r in dumps]
+        seqs = {r: int(by_rank[r]["collective_seq_id"]) if r in by_rank else 0 for r in dumped}
+        top = max(seqs.values(), default=0)
+        entered = sorted(r for r, s in seqs.items() if s == top)
+        missing = sorted(r for r, s in seqs.items() if s < top)
+        head = by_rank[entered[0]]
+        done = [_completed(by_rank[r]) for r in entered]
+        completed = None if any(d is None for d in done) else any(done)
+        if not missing and completed is not False:
+            continue  # in step: nothing stuck here
+        out.append(
+            Divergence(
+                group=group,
+                seq=top,
+                op=str(head.get("profiling_name", "")),
+                input_sizes=list(head.get("input_sizes", [])),
+                output_sizes=list(head.get("output_sizes", [])),
+                entered=entered,
+                missing=missing,
+                completed=completed,
+                time_created_ns=min(int(by_rank[r].get("time_created_ns", 0)) for r in entered),
+            )
+        )
+    out.sort(key=lambda d: d.time_created_ns)
+    return out
+
+
+def _members(
+    group: str, dumps: Mapping[int, Mapping[str, Any]], members: Mapping[str, Sequence[int]] | None
+) -> list[int]:
+    if members and group in members:
+        return sorted(members[group])
+    for data in dumps.values():
+        config = data.get("pg_config", {}).get(group) or {}
+        raw = config.get("ranks", "[]")
+        try:
+            ranks = json.loads(raw) if isinstance(raw, str) else list(raw)
+        except ValueError:
+            continue
+        if ranks:
+            return sorted(int(r) for r in ranks)
+    return []
+
+
+def _completed(entry: Mapping[str, Any]) -> bool | None:
+    state = str(entry.get("state", ""))
+    if state == "completed" or entry.get("time_discovered_completed_ns"):
+        return True
+    if state in ("started",):
+        return False
+    return None  # gloo's entries stay "scheduled": completion is not recorded
+
+
+__all__ = [
+    "Call",
+    "Comparison",
+    "Divergence",
+    "analyze",
+    "compare",
+    "compare_counts",
+    "dump",
+    "enabled",
+    "family",
+    "profiler_ops",
+    "same_collective",
+]
