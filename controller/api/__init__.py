@@ -12,6 +12,7 @@ from controller.api import (
     incidents,
     jobs,
     nodes,
+    preflight,
     probes,
     remediation,
     reports,
@@ -26,6 +27,7 @@ def api_router() -> APIRouter:
     router = APIRouter()
     for module in (reports, status, nodes, jobs, chaos, incidents, actions, commands, remediation):
         router.include_router(module.router, prefix=API_PREFIX)
+    router.include_router(preflight.router, prefix=API_PREFIX)
     router.include_router(power_api.router, prefix=API_PREFIX)
     router.include_router(traffic_api.router, prefix=API_PREFIX)
     router.include_router(dashboard.router, prefix=API_PREFIX)

@@ -30,6 +30,7 @@ FLAGS = {
     "node_base_power_w": ("--node-base-power-w", "350", 350.0),
     "log_level": ("--log-level", "DEBUG", "debug"),
     "sim_seed": ("--sim-seed", "7", 7),
+    "nvml_timeout_s": ("--nvml-timeout", "2.5", 2.5),
 }
 
 #: Flags whose values ``test_every_flag_reaches_its_setting`` checks one by one.
@@ -42,6 +43,9 @@ OTHER_FLAGS = {
     "sim_fault_file": "--sim-fault-file",
     "spool_dir": "--spool-dir",
     "socket_path": "--socket-path",
+    "dev_dir": "--dev-dir",
+    "foreground": "--foreground",
+    "sysfs_root": "--sysfs-root",
 }
 
 
@@ -67,6 +71,8 @@ def test_every_flag_reaches_its_setting(started: list[AgentSettings], tmp_path: 
     args += ["--label", "rack=r7", "--label", "zone=b", "--label", "rack=r8"]
     args += ["--powercap-dir", str(tmp_path / "rapl"), "--sim-no-permission"]
     args += ["--sim-fault-file", str(tmp_path / "faults")]
+    args += ["--dev-dir", str(tmp_path / "dev"), "--sysfs-root", str(tmp_path / "sys")]
+    args += ["--no-foreground"]
     args += ["--sim-fault", "kind=xid,code=79,gpu=1,at=5", "--token", "t" * 20]
     assert _agent(tmp_path, *args) == 0
     (settings,) = started
@@ -77,6 +83,8 @@ def test_every_flag_reaches_its_setting(started: list[AgentSettings], tmp_path: 
     assert settings.sim_no_permission is True
     assert settings.sim_faults == ["kind=xid,code=79,gpu=1,at=5"]
     assert settings.sim_fault_file == tmp_path / "faults"
+    assert settings.dev_dir == tmp_path / "dev" and settings.sysfs_root == tmp_path / "sys"
+    assert settings.foreground is False
     assert settings.token is not None and settings.token.get_secret_value() == "t" * 20
     assert settings.resolved_spool_dir == tmp_path / "spool"
 

@@ -17,7 +17,14 @@ from pathlib import Path
 import typer
 
 from trainguard import __version__
-from trainguard.cli import cmd_get, cmd_plan, cmd_remediate, cmd_serve, leader_label
+from trainguard.cli import (
+    cmd_get,
+    cmd_plan,
+    cmd_preflight,
+    cmd_remediate,
+    cmd_serve,
+    leader_label,
+)
 from trainguard.cli.errors import EXIT_FAILURE, EXIT_USAGE, CliError
 from trainguard.cli.kubeproxy import KubeFlags, hoist_kube_flags
 from trainguard.cli.options import (
@@ -94,6 +101,7 @@ def build_app(argv: Sequence[str] = ()) -> typer.Typer:
     cmd_get.register(app)
     cmd_plan.register(app)
     cmd_remediate.register(app)
+    cmd_preflight.register(app)
     cmd_serve.register(app)
     leader_label.register(app)
     from trainguard.cli import demo

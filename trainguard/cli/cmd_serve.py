@@ -163,6 +163,24 @@ def agent(
         bool,
         typer.Option("--sim-no-permission", help="Sim GPUs refuse power/clock changes."),
     ] = False,
+    dev_dir: Annotated[
+        Path | None, typer.Option("--dev-dir", help="Where NVIDIA device files are looked for.")
+    ] = None,
+    foreground: Annotated[
+        bool | None,
+        typer.Option(
+            "--foreground/--no-foreground",
+            help="Exit 3 when NVML fails on a GPU node (default: when stdin is a terminal).",
+            show_default=False,
+        ),
+    ] = None,
+    nvml_timeout: Annotated[
+        float | None,
+        typer.Option("--nvml-timeout", help="Seconds to wait for a GPU's NVML reads per tick."),
+    ] = None,
+    sysfs_root: Annotated[
+        Path | None, typer.Option("--sysfs-root", help="Root of sysfs (RDMA ports, bonds).")
+    ] = None,
 ) -> None:
     """Run the node agent (GPU sampler, spool, reporter) until SIGINT/SIGTERM."""
     from agents.daemon import run
@@ -191,6 +209,10 @@ def agent(
         log_level=log_level,
         sim_seed=sim_seed,
         sim_no_permission=True if sim_no_permission else None,
+        dev_dir=dev_dir,
+        foreground=foreground,
+        nvml_timeout_s=nvml_timeout,
+        sysfs_root=sysfs_root,
     )
     try:
         settings = AgentSettings(**values)
