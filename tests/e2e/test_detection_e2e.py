@@ -57,7 +57,12 @@ class DetectionCluster:
             assert ok, self.base.procs[node].log_tail(30)
 
     def run_job(
-        self, job: str, faults: list[dict[str, Any]], steps: int, jitter: float = 0.0
+        self,
+        job: str,
+        faults: list[dict[str, Any]],
+        steps: int,
+        jitter: float = 0.0,
+        extra_env: dict[str, str] | None = None,
     ) -> list[Child]:
         port = free_port()
         ranks = []
@@ -76,6 +81,7 @@ class DetectionCluster:
                     "TG_COMPUTE_S": "0.05",
                     "TG_JITTER": str(jitter),
                     "OMP_NUM_THREADS": "1",
+                    **(extra_env or {}),
                 }
             )
             ranks.append(
@@ -148,6 +154,24 @@ def test_straggler_names_the_slowed_rank_and_its_node(
         assert incident["ranks"] == [slowed] and incident["node"] == node_of(slowed)
         assert incident["evidence"]["slowdown_pct"] > min_slowdown_pct
         assert kinds(cluster.incidents(job)) == ["straggler"]
+    finally:
+        cluster.stop_job(ranks)
+
+
+def test_pipeline_straggler_roles_come_from_a_real_device_mesh(cluster: DetectionCluster) -> None:
+    """2 pipeline stages x 2 replicas from a real DeviceMesh; the last stage (ranks 2, 3)
+    computes 60% longer throughout, and from step 150 rank 1 is delayed. Only rank 1 is
+    named, compared with its own stage (ranks 0, 1); the last stage never is."""
+    delay = {"kind": "delay", "rank": 1, "from_step": 150, "delay_s": 0.03}
+    env = {"TG_PP": "2", "TG_LAST_STAGE_EXTRA": "0.6"}
+    ranks = cluster.run_job("pipeline", [delay], steps=450, extra_env=env)
+    try:
+        incident = cluster.wait_incident("pipeline", "straggler", timeout_s=90)
+        assert incident["ranks"] == [1], incident
+        group = incident["evidence"]["peer_group"]
+        assert group["ranks"] == [0, 1] and group["basis"] == "group_ranks"
+        assert group["role"] == "pp_stage=0"
+        assert kinds(cluster.incidents("pipeline")) == ["straggler"]
     finally:
         cluster.stop_job(ranks)
 
