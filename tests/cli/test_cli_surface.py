@@ -43,7 +43,9 @@ EXPECTED = {
     "incidents": ["--state", "--kind", "--node", "--job", *CLIENT],
     "isolate": ["NODE", "--reason", "--server", "--token"],
     "jobs": CLIENT,
-    "leader-label": ["--metrics-url", "--interval", "--pod", "--pod-namespace", "--kubeconfig"],
+    "leader-label": [
+        "--selector", "--pod-namespace", "--port", "--interval", "--once", "--kubeconfig",
+    ],
     "node": ["NAME", *CLIENT],
     "nodes": ["--health", *CLIENT],
     "policy": CLIENT,

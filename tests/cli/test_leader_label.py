@@ -20,7 +20,6 @@ from tests.actuators.fake_kube import FakeKube
 from trainguard.cli.leader_label import LABEL, Labeler, leads
 
 NS = "tg-system"
-POD = "tg-trainguard-6c9f-abcde"
 
 
 @pytest.mark.parametrize(
@@ -38,7 +37,9 @@ def test_gauge_is_read_from_the_exposition(text: str, leader: bool) -> None:
 
 
 class _Metrics:
-    def __init__(self) -> None:
+    """A controller pod's /metrics on its own loopback address (pods share the port)."""
+
+    def __init__(self, ip: str, port: int = 0) -> None:
         self.value = 0.0
         self.up = True
         outer = self
@@ -60,47 +61,76 @@ class _Metrics:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+        self.server = ThreadingHTTPServer((ip, port), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+SELECTOR = "app.kubernetes.io/instance=tg,app.kubernetes.io/component=controller"
+LABELS = {"app.kubernetes.io/instance": "tg", "app.kubernetes.io/component": "controller"}
 
 
 @pytest.fixture
-def metrics() -> Iterator[_Metrics]:
-    m = _Metrics()
-    thread = threading.Thread(target=m.server.serve_forever, daemon=True)
-    thread.start()
-    yield m
-    m.server.shutdown()
-    m.server.server_close()
+def pods() -> Iterator[dict[str, _Metrics]]:
+    """Three controller pods: 127.0.0.2-4, one shared port (as in a cluster)."""
+    first = _Metrics("127.0.0.2")
+    made = {"tg-a": first, "tg-b": _Metrics("127.0.0.3", first.port),
+            "tg-c": _Metrics("127.0.0.4", first.port)}  # fmt: skip
+    yield made
+    for m in made.values():
+        m.close()
 
 
 @pytest.mark.slow
-def test_label_follows_leadership_and_patches_only_on_change(metrics: _Metrics) -> None:
+def test_labels_follow_leadership_across_the_release(pods: dict[str, _Metrics]) -> None:
     with FakeKube.running() as kube, httpx.Client(timeout=2.0) as http:
-        kube.put("", "pods", {"metadata": {"name": POD, "namespace": NS,
-                                           "labels": {LABEL: "false", "app": "x"}}})  # fmt: skip
+        port = pods["tg-a"].port
+        for i, name in enumerate(pods):
+            # tg-a is a pod of the previous release: no label yet (no sidecar).
+            labels = dict(LABELS) if name == "tg-a" else {**LABELS, LABEL: "false"}
+            status = {"phase": "Running", "podIP": f"127.0.0.{i + 2}"}
+            meta = {"name": name, "namespace": NS, "labels": labels}
+            kube.put("", "pods", {"metadata": meta, "status": status})
+        kube.put("", "pods", {"metadata": {"name": "other", "namespace": NS, "labels": {}},
+                              "status": {"phase": "Running", "podIP": "127.0.0.9"}})  # fmt: skip
         core = client.CoreV1Api(client.ApiClient(client.Configuration(host=kube.url)))
-        labeler = Labeler(core, POD, NS, http, metrics.url)
+        labeler = Labeler(core, NS, SELECTOR, http, port)
 
-        def label() -> str:
-            pod = kube.get("", "pods", NS, POD)
-            assert pod is not None
-            return str(pod["metadata"]["labels"][LABEL])
+        def labels() -> dict[str, str | None]:
+            found = {}
+            for name in (*pods, "other"):
+                pod = kube.get("", "pods", NS, name)
+                assert pod is not None
+                found[name] = pod["metadata"]["labels"].get(LABEL)
+            return found
 
         def patches() -> int:
             return sum(1 for s in kube.served if s == ("", "pods", "patch"))
 
-        assert labeler.tick() == "false" and label() == "false"
-        metrics.value = 1.0  # won the lock
-        assert labeler.tick() == "true" and label() == "true"
+        pods["tg-a"].value = 1.0  # the old release's leader
+        assert labeler.tick() == {"tg-a": "true", "tg-b": "false", "tg-c": "false"}
+        assert labels() == {"tg-a": "true", "tg-b": "false", "tg-c": "false", "other": None}
         count = patches()
         labeler.tick()
-        assert patches() == count  # unchanged leadership: no API write
-        metrics.up = False  # controller not answering: stop taking traffic
-        assert labeler.tick() == "false" and label() == "false"
-        metrics.up, metrics.value = True, 1.0
-        kube.forbidden.add(("", "pods", "patch"))  # RBAC missing: retried every tick
-        assert labeler.tick() == "true" and label() == "false"
+        assert patches() == count  # nothing changed: no API write
+        # Hand-over: tg-a stops answering (terminating), tg-c wins the lock.
+        pods["tg-a"].up, pods["tg-c"].value = False, 1.0
+        labeler.tick()
+        assert labels() == {"tg-a": "false", "tg-b": "false", "tg-c": "true", "other": None}
+        # A pod that is not Running is never the leader, whatever it answers.
+        kube.put("", "pods", {"metadata": {"name": "tg-c", "namespace": NS,
+                                           "labels": {**LABELS, LABEL: "true"}},
+                              "status": {"phase": "Pending", "podIP": "127.0.0.4"}})  # fmt: skip
+        assert labeler.tick()["tg-c"] == "false" and labels()["tg-c"] == "false"
+        # RBAC missing: nothing changes, and the next pass retries.
+        pods["tg-b"].value = 1.0
+        kube.forbidden.add(("", "pods", "patch"))
+        labeler.tick()
+        assert labels()["tg-b"] == "false"
         kube.forbidden.clear()
-        assert labeler.tick() == "true" and label() == "true"
-        assert kube.get("", "pods", NS, POD)["metadata"]["labels"]["app"] == "x"  # type: ignore[index]
+        labeler.tick()
+        assert labels()["tg-b"] == "true"

@@ -711,21 +711,39 @@ def test_service_routes_to_the_leader_label_set_by_the_sidecar(
     assert template["metadata"]["labels"]["trainguard.io/leader"] == "false"  # until it leads
     assert "trainguard.io/leader" not in deployment["spec"]["selector"]["matchLabels"]
     sidecar = _container(deployment, "leader-label")
-    assert sidecar["command"][:2] == ["trainguard", "leader-label"]
-    assert "http://127.0.0.1:8470/metrics" in sidecar["command"]
+    command = sidecar["command"]
+    assert command[:2] == ["trainguard", "leader-label"] and "--once" not in command
+    # It labels the pods the Deployment selects (all of the release's controllers).
+    selector = dict(kv.split("=") for kv in command[command.index("--selector") + 1].split(","))
+    assert selector == deployment["spec"]["selector"]["matchLabels"]
+    assert command[command.index("--port") + 1] == "8470"
     env = _env(sidecar)
-    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    pods_rule = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "patch"]}]
     rbac = _rbac(docs)
-    assert rbac[f"Role/{NAMESPACE}/{FULLNAME}-leader"]["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}
-    ]
+    assert rbac[f"Role/{NAMESPACE}/{FULLNAME}-leader"]["rules"] == pods_rule
     binding = rbac[f"RoleBinding/{NAMESPACE}/{FULLNAME}-leader"]
     assert binding["subjects"][0]["name"] == template["spec"]["serviceAccountName"]
-    # The sidecar's command is one the CLI has, with flags it accepts.
+    # Before an upgrade switches the Service to the label, the old pods get labelled once,
+    # after the migration, by a hook with its own RBAC (created before it).
+    hook = _one(docs, "Job", f"{FULLNAME}-leader-hook")
+    assert _hooks(hook) == {"pre-upgrade"}
+    migrate = _one(docs, "Job", f"{FULLNAME}-migrate")
+    weight = int(hook["metadata"]["annotations"]["helm.sh/hook-weight"])
+    assert weight > int(migrate["metadata"]["annotations"]["helm.sh/hook-weight"])
+    hook_pod = hook["spec"]["template"]["spec"]
+    (hook_container,) = hook_pod["containers"]
+    assert hook_container["command"] == [*command, "--once"]
+    assert rbac[f"Role/{NAMESPACE}/{FULLNAME}-leader-hook"]["rules"] == pods_rule
+    hook_rbac = [rbac[f"{k}/{NAMESPACE}/{FULLNAME}-leader-hook"] for k in ("Role", "RoleBinding")]
+    for obj in [*hook_rbac, _one(docs, "ServiceAccount", f"{FULLNAME}-leader-hook")]:
+        assert _hooks(obj) == {"pre-upgrade"}
+        assert int(obj["metadata"]["annotations"]["helm.sh/hook-weight"]) < weight
+    assert hook_pod["serviceAccountName"] == f"{FULLNAME}-leader-hook"
+    # The commands are ones the CLI has, with flags it accepts.
     from trainguard.cli.app import run
 
-    assert run([*sidecar["command"][1:], "--help"], prog_name="trainguard") == 0
+    assert run([*hook_container["command"][1:], "--help"], prog_name="trainguard") == 0
     # Turned off (or on SQLite): every Ready replica is selected, no sidecar, no Role.
     for name in ("existing-secrets", "defaults"):
         docs = _render(helm_bin, tmp_path, VALUE_SETS[name])
@@ -733,6 +751,7 @@ def test_service_routes_to_the_leader_label_set_by_the_sidecar(
         pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
         assert [c["name"] for c in pod["containers"]] == ["controller"]
         assert f"Role/{NAMESPACE}/{FULLNAME}-leader" not in _rbac(docs)
+        assert f"{FULLNAME}-leader-hook" not in {d["metadata"]["name"] for d in docs}
 
 
 # -- alerts ---------------------------------------------------------------------------------

@@ -1,17 +1,22 @@
-"""``trainguard leader-label``: mirror a controller's leadership into its pod's label.
+"""``trainguard leader-label``: mirror each controller replica's leadership into its pod label.
 
 Replicas of the controller elect one leader on PostgreSQL; a standby answers API calls
 with 503. For a rollout to finish, a healthy standby must be Ready, so readiness cannot
-be what keeps users and agents on the leader. Instead, this sidecar (one per controller
-pod, helm value ``controller.leaderLabel``) reads the controller's
-``trainguard_controller_leader`` gauge from ``/metrics`` (no token needed) and patches its
-own pod's ``trainguard.io/leader`` label to ``"true"`` or ``"false"``; the chart's Service
-selects ``"true"``.
+be what keeps users and agents on the leader. Instead every controller pod of the release
+carries ``trainguard.io/leader: "true"|"false"`` and the chart's Service selects
+``"true"``. This command keeps those labels right: it lists the release's controller pods,
+reads each one's ``trainguard_controller_leader`` gauge from ``http://<pod IP>:<port>/metrics``
+(no token needed) and patches the label where it differs.
 
-Failure modes, each erring towards "not leader": ``/metrics`` unreachable or the gauge
-missing reads as "false"; a failed patch is retried on the next tick; on SIGTERM the label
-goes to "false" first. A replica that loses the lock flips to "false" within one interval;
-until then its StandbyGate answers 503 with ``Retry-After``, which agents and the CLI retry.
+It runs as a sidecar in every controller pod (each one keeps *all* the release's pods
+labelled, so a pod of the previous release, which has no sidecar, is labelled too), and
+once (``--once``) as a pre-upgrade hook, so that the old leader carries the label before the
+upgraded Service starts selecting by it.
+
+Failure modes err towards "not leader": a pod that is not Running, has no IP, does not
+answer or lacks the gauge is labelled "false"; a failed patch is retried on the next tick.
+A replica that loses the lock flips within one interval; until then its StandbyGate answers
+503 with ``Retry-After``, which agents and the CLI retry.
 """
 
 from __future__ import annotations
@@ -57,36 +62,52 @@ def read_leadership(http: httpx.Client, metrics_url: str) -> bool:
 
 @dataclass(slots=True)
 class Labeler:
-    """Keeps one pod's label equal to its controller's leadership; :meth:`tick` once a turn."""
+    """Keeps the leader label of every selected pod right; :meth:`tick` once a turn."""
 
     core: Any  # kubernetes.client.CoreV1Api
-    pod: str
     namespace: str
+    selector: str
     http: httpx.Client
-    metrics_url: str
-    applied: str | None = None
+    port: int = 8470
 
-    def set_label(self, value: str) -> bool:
+    def wanted(self, pod: Any) -> str:
+        ip = pod.status.pod_ip if pod.status else None
+        running = pod.status is not None and pod.status.phase == "Running"
+        if not ip or not running or pod.metadata.deletion_timestamp:
+            return "false"
+        url = f"http://{ip}:{self.port}/metrics"
+        return "true" if read_leadership(self.http, url) else "false"
+
+    def set_label(self, pod: str, value: str) -> bool:
         from kubernetes.client.exceptions import ApiException
 
         body = {"metadata": {"labels": {LABEL: value}}}
         try:
-            self.core.patch_namespaced_pod(
-                self.pod, self.namespace, body, _content_type=MERGE_PATCH
-            )
+            self.core.patch_namespaced_pod(pod, self.namespace, body, _content_type=MERGE_PATCH)
         except (ApiException, OSError) as exc:
             reason = getattr(exc, "status", None) or type(exc).__name__
-            log.warning("cannot label pod %s/%s: %s", self.namespace, self.pod, reason)
+            log.warning("cannot label pod %s/%s: %s", self.namespace, pod, reason)
             return False
-        self.applied = value
+        log.info("pod %s/%s: %s=%s", self.namespace, pod, LABEL, value)
         return True
 
-    def tick(self) -> str:
-        """Read leadership, patch the label when it changed; returns the wanted value."""
-        wanted = "true" if read_leadership(self.http, self.metrics_url) else "false"
-        if wanted != self.applied and self.set_label(wanted):
-            log.info("pod %s/%s: %s=%s", self.namespace, self.pod, LABEL, wanted)
-        return wanted
+    def tick(self) -> dict[str, str]:
+        """One pass: pod name -> the label it should carry (patched where it differs)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            pods = self.core.list_namespaced_pod(self.namespace, label_selector=self.selector)
+        except (ApiException, OSError) as exc:
+            reason = getattr(exc, "status", None) or type(exc).__name__
+            log.warning("cannot list pods in %s: %s", self.namespace, reason)
+            return {}
+        result: dict[str, str] = {}
+        for pod in pods.items:
+            name = pod.metadata.name
+            result[name] = self.wanted(pod)
+            if (pod.metadata.labels or {}).get(LABEL) != result[name]:
+                self.set_label(name, result[name])
+        return result
 
 
 def _core_api(kubeconfig: str | None) -> Any:
@@ -103,37 +124,40 @@ def _core_api(kubeconfig: str | None) -> Any:
 
 
 def leader_label(
-    metrics_url: Annotated[
-        str, typer.Option("--metrics-url", help="The controller's /metrics in this pod.")
-    ] = "http://127.0.0.1:8470/metrics",
-    interval: Annotated[
-        float, typer.Option("--interval", min=0.05, max=60.0, help="Seconds between checks.")
-    ] = 1.0,
-    pod: Annotated[
-        str | None, typer.Option("--pod", envvar="POD_NAME", help="This pod's name.")
-    ] = None,
+    selector: Annotated[
+        str,
+        typer.Option(
+            "--selector", help="Label selector of the release's controller pods (a=b,c=d)."
+        ),
+    ],
     namespace: Annotated[
         str | None,
-        typer.Option("--pod-namespace", envvar="POD_NAMESPACE", help="This pod's namespace."),
+        typer.Option("--pod-namespace", envvar="POD_NAMESPACE", help="Their namespace."),
     ] = None,
+    port: Annotated[
+        int, typer.Option("--port", min=1, max=65535, help="The controllers' HTTP port.")
+    ] = 8470,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.05, max=60.0, help="Seconds between passes.")
+    ] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="One pass, then exit.")] = False,
     kubeconfig: Annotated[
         str | None,
         typer.Option("--kubeconfig", help="Outside a pod: a kubeconfig instead of in-cluster."),
     ] = None,
 ) -> None:
-    """Sidecar: label this controller pod trainguard.io/leader=true|false as it leads."""
-    if not pod or not namespace:
-        raise BadInput("leader-label needs --pod and --pod-namespace (or POD_NAME, POD_NAMESPACE)")
+    """Label the release's controller pods trainguard.io/leader=true|false as they lead."""
+    if not namespace:
+        raise BadInput("leader-label needs --pod-namespace (or POD_NAMESPACE)")
     logging.basicConfig(level=os.environ.get("TRAINGUARD_LOG_LEVEL", "INFO").upper())
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     with httpx.Client(timeout=min(2.0, interval * 2 + 0.5)) as http:
-        labeler = Labeler(_core_api(kubeconfig), pod, namespace, http, metrics_url)
-        while not stop.is_set():
+        labeler = Labeler(_core_api(kubeconfig), namespace, selector, http, port)
+        labeler.tick()
+        while not once and not stop.wait(interval):
             labeler.tick()
-            stop.wait(interval)
-        labeler.set_label("false")  # leaving: take no more traffic
 
 
 def register(app: typer.Typer) -> None:

@@ -132,3 +132,27 @@ runbook: {{ printf "docs/runbook.md#%s" (lower .alert) | quote }}
 runbook_url: {{ printf "%s#%s" . (lower $.alert) | quote }}
 {{- end }}
 {{- end -}}
+
+{{/* The controller pods' selector as a label-selector string (a=b,c=d), for leader-label. */}}
+{{- define "trainguard.controllerSelector" -}}
+{{- $pairs := list -}}
+{{- range $k, $v := (include "trainguard.controllerSelectorLabels" . | fromYaml) -}}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
+{{/* The leader-label command, sidecar or hook: (dict "root" $ "once" bool). */}}
+{{- define "trainguard.leaderLabelCommand" -}}
+- trainguard
+- leader-label
+- --selector
+- {{ include "trainguard.controllerSelector" .root | quote }}
+- --port
+- "8470"
+- --interval
+- {{ .root.Values.controller.leaderLabel.intervalSeconds | quote }}
+{{- if .once }}
+- --once
+{{- end }}
+{{- end -}}
