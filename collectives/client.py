@@ -71,6 +71,10 @@ class AgentClient:
         with self._io:
             self._close()
 
+    def wake(self) -> None:
+        """Ship at the next chance instead of the next interval."""
+        self._wake.set()
+
     def flush(self, timeout_s: float = 1.0, *, closing: bool = False) -> bool:
         """Ship what is pending now, from the caller's thread; True when it reached the agent.
 

@@ -70,6 +70,12 @@ class InstrumentConfig:
     warning at ``instrument()``: trainguard needs ~8 s to name a hang's culprit, then time to
     collect the Flight Recorder dumps and restart the job; 5 minutes leaves room for a busy
     controller and stays under NCCL's 10-minute default (``collectives/timeouts.py``)."""
+    trace_max_entries: int = 2048
+    """Newest Flight Recorder entries sent in a ``FlightRecorderDump`` (a hang needs the last
+    few per group; each entry is ~0.5 KiB of JSON)."""
+    trace_dump_dir: str = ""
+    """Also write the full Flight Recorder dump here (``fr-<job>-rank<N>-<command>.json``, the
+    format ``torch.distributed.flight_recorder`` reads); empty: do not."""
     heartbeat_interval_s: float = 5.0
     """Cadence of ``RankEvent(kind="heartbeat")``."""
     history_calls: int = 4096
@@ -129,6 +135,7 @@ class InstrumentConfig:
             "duration_window",
             "max_pending_records",
             "nonfinite_every_steps",
+            "trace_max_entries",
         ):
             if getattr(self, name) < 1:
                 raise CollectivesConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")

@@ -24,6 +24,7 @@ from trainguard.wire import (
     Command,
     JobCheckpoint,
     JobCommand,
+    JobDumpTrace,
     JobInjectFaults,
     JobLinkProbe,
     JobStop,
@@ -50,8 +51,12 @@ class Control:
         self._stop_reason: str | None = None
         self._faults: list[list[dict[str, Any]]] = []
         self.callbacks: list[CheckpointCallback] = []
+        #: Answers a ``JobDumpTrace`` at once, on the shipping thread: it must work while the
+        #: training thread is stuck in a collective, which is when it is asked for.
+        self.on_dump_trace: Callable[[JobDumpTrace], None] | None = None
 
     def handle(self, commands: list[Command]) -> None:
+        dumps: list[JobDumpTrace] = []
         with self._lock:
             for cmd in commands:
                 if not isinstance(cmd, JobCommand):
@@ -65,9 +70,14 @@ class Control:
                     self._stop_reason = cmd.reason or cmd.id
                 elif isinstance(cmd, JobInjectFaults):
                     self._faults.append([f.model_dump() for f in cmd.faults])
+                elif isinstance(cmd, JobDumpTrace):
+                    dumps.append(cmd)
                 else:
                     self._probes[cmd.id] = cmd
                 log.info("trainguard: received %s command %s", cmd.kind, cmd.id)
+        if self.on_dump_trace is not None:
+            for dump in dumps:
+                self.on_dump_trace(dump)
 
     # ------------------------------------------------------------------ training thread
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from trainguard.wire import FlightRecorderDump
+
 ENV_BUFFER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 #: Op names of the same collective as the wrapper and as backends record it. gloo runs
@@ -313,8 +315,54 @@ __all__ = [
     "compare",
     "compare_counts",
     "dump",
+    "dump_record",
     "enabled",
     "family",
     "profiler_ops",
     "same_collective",
 ]
+
+
+def dump_record(
+    *,
+    job: str,
+    rank: int,
+    command_id: str,
+    groups: Mapping[str, str],
+    group_ranks: Mapping[str, Sequence[int]],
+    max_entries: int,
+    dump_dir: str = "",
+) -> FlightRecorderDump:
+    """This rank's answer to a ``JobDumpTrace``: its buffer's newest entries, the members of
+    its groups (gloo's dumps do not carry them) and, optionally, the full dump on disk."""
+    import time
+    from pathlib import Path
+
+    pg_ranks = {name: sorted(group_ranks.get(gid, [])) for gid, name in groups.items()}
+    record = FlightRecorderDump(
+        job=job,
+        rank=rank,
+        command_id=command_id,
+        time_unix_s=time.time(),
+        enabled=enabled(),
+        pg_ranks=pg_ranks,
+    )
+    if not record.enabled:
+        record.error = f"Flight Recorder is off: set {ENV_BUFFER[0]} (e.g. 2000) in the job's env"
+        return record
+    try:
+        data = dump()
+    except Exception as exc:  # a torch without the dump: say so, do not fail the rank
+        record.error = f"{type(exc).__name__}: {exc}"[:1024]
+        return record
+    entries = list(data.get("entries", []))
+    record.entries = [dict(e) for e in entries[-max_entries:]]
+    if dump_dir:
+        path = Path(dump_dir) / f"fr-{job}-rank{rank}-{command_id}.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"rank": rank, **data, "pg_ranks": pg_ranks}))
+            record.path = str(path)
+        except OSError as exc:
+            record.error = f"could not write {path}: {exc}"[:1024]
+    return record

@@ -14,6 +14,7 @@ from typing import Any
 
 from trainguard.wire import (
     CheckpointEvent,
+    FlightRecorderDump,
     InflightCollective,
     JobRecords,
     ProbeResult,
@@ -69,6 +70,7 @@ class Outbox:
         self.rank_events = _Bounded(limit)
         self.probes = _Bounded(limit)
         self.checkpoints = _Bounded(limit)
+        self.traces = _Bounded(16)  # a dump is large and the newest one is what matters
 
     def add_step(self, record: StepSummary) -> None:
         with self._lock:
@@ -90,8 +92,19 @@ class Outbox:
         with self._lock:
             self.checkpoints.append(record)
 
+    def add_trace(self, record: FlightRecorderDump) -> None:
+        with self._lock:
+            self.traces.append(record)
+
     def _buffers(self) -> tuple[_Bounded, ...]:
-        return (self.steps, self.inflight, self.rank_events, self.probes, self.checkpoints)
+        return (
+            self.steps,
+            self.inflight,
+            self.rank_events,
+            self.probes,
+            self.checkpoints,
+            self.traces,
+        )
 
     @property
     def dropped_total(self) -> int:
@@ -112,6 +125,7 @@ class Outbox:
                 rank_events=_newest(self.rank_events, _WIRE_LIMIT),
                 checkpoints=_newest(self.checkpoints, _WIRE_LIMIT),
                 probes=_newest(self.probes, _WIRE_LIMIT),
+                traces=_newest(self.traces, 4),
             )
 
     def requeue(self, batch: JobRecords) -> None:
@@ -123,6 +137,7 @@ class Outbox:
                 (self.rank_events, batch.rank_events),
                 (self.probes, batch.probes),
                 (self.checkpoints, batch.checkpoints),
+                (self.traces, batch.traces),
             ):
                 buf.items.extendleft(reversed(items))
                 while len(buf.items) > buf.limit:

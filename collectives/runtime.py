@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainguard.wire import CheckpointEvent, LocalHello, RankEvent
+from trainguard.wire import CheckpointEvent, JobDumpTrace, LocalHello, RankEvent
 
+from . import flight
 from .client import AgentClient
 from .config import InstrumentConfig, config_from_env
 from .control import CheckpointCallback, Control
@@ -88,6 +89,7 @@ class Session:
             sleep=time.sleep,
         )
         self.control = Control(cfg.job)
+        self.control.on_dump_trace = self._dump_trace
         self.watchdog = Watchdog(self.recorder, self.outbox, cfg.watchdog_interval_s)
         hello = LocalHello(
             job=cfg.job,
@@ -220,6 +222,26 @@ class Session:
         if step is not None and self.control.callbacks and self.control.checkpoint_due(step):
             for callback in list(self.control.callbacks):
                 callback(step)
+
+    def _dump_trace(self, cmd: JobDumpTrace) -> None:
+        """Answer a ``JobDumpTrace`` with this rank's Flight Recorder buffer (shipping thread)."""
+        record = flight.dump_record(
+            job=self.cfg.job,
+            rank=self.rank,
+            command_id=cmd.id,
+            groups=self.recorder.group_names,
+            group_ranks=self.recorder.group_ranks,
+            max_entries=self.cfg.trace_max_entries,
+            dump_dir=self.cfg.trace_dump_dir,
+        )
+        self.outbox.add_trace(record)
+        log.warning(
+            "trainguard: Flight Recorder dump for %s: %d entries%s",
+            cmd.id,
+            len(record.entries),
+            f" ({record.error})" if record.error else "",
+        )
+        self.client.wake()
 
     def _run_probe(self, cmd: Any, step: int) -> None:
         injector = self.injector

@@ -25,7 +25,7 @@ a report it has already stored (``duplicate=True``) without counting it again.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -472,6 +472,29 @@ class ProbeResult(WireModel):
     error: str = Field(default="", max_length=512)
 
 
+class FlightRecorderDump(WireModel):
+    """One rank's PyTorch Flight Recorder ring buffer, dumped on a ``JobDumpTrace`` command
+    (``collectives.flight``): the last collectives of every process group of the rank."""
+
+    job: Name
+    rank: NonNegInt
+    command_id: str = Field(default="", max_length=64)
+    time_unix_s: NonNegFloat = 0.0
+    enabled: bool = Field(
+        default=False, description="TORCH_FR_BUFFER_SIZE was set: the buffer exists"
+    )
+    entries: list[dict[str, Any]] = Field(
+        default_factory=list,
+        max_length=4_096,
+        description="Flight Recorder's entries, newest last (its dump format, trimmed)",
+    )
+    pg_ranks: dict[str, list[NonNegInt]] = Field(
+        default_factory=dict, description="torch process-group name -> global ranks"
+    )
+    path: str = Field(default="", max_length=1024, description="Full dump on the node, if kept")
+    error: str = Field(default="", max_length=1024)
+
+
 class JobRecords(WireModel):
     """What job-side code on this node delivered to its agent since the last report."""
 
@@ -480,10 +503,16 @@ class JobRecords(WireModel):
     rank_events: list[RankEvent] = Field(default_factory=list, max_length=4_096)
     checkpoints: list[CheckpointEvent] = Field(default_factory=list, max_length=4_096)
     probes: list[ProbeResult] = Field(default_factory=list, max_length=20_000)
+    traces: list[FlightRecorderDump] = Field(default_factory=list, max_length=1_024)
 
     def is_empty(self) -> bool:
         return not (
-            self.steps or self.inflight or self.rank_events or self.checkpoints or self.probes
+            self.steps
+            or self.inflight
+            or self.rank_events
+            or self.checkpoints
+            or self.probes
+            or self.traces
         )
 
 
@@ -537,6 +566,16 @@ class JobLinkProbe(CommandBase):
     size_bytes: Annotated[int, Field(gt=0, le=1 << 30)] = 8 << 20
 
 
+class JobDumpTrace(CommandBase):
+    """Ask every rank of ``job`` to dump its Flight Recorder buffer (a hang's evidence); the
+    ranks answer with ``FlightRecorderDump`` records, even while their training thread is
+    stuck in a collective."""
+
+    kind: Literal["job_dump_trace"] = "job_dump_trace"
+    job: Name
+    incident_id: str = Field(default="", max_length=64)
+
+
 class JobStop(CommandBase):
     kind: Literal["job_stop"] = "job_stop"
     job: Name
@@ -580,17 +619,20 @@ Command = Annotated[
     | JobLinkProbe
     | JobStop
     | JobInjectFaults
-    | RunPreflight,
+    | RunPreflight
+    | JobDumpTrace,
     Field(discriminator="kind"),
 ]
 
 #: Commands the agent relays to the job's ranks on its local socket.
-JobCommand = JobCheckpoint | JobLinkProbe | JobStop | JobInjectFaults
+JobCommand = JobCheckpoint | JobLinkProbe | JobStop | JobInjectFaults | JobDumpTrace
 
 GPU_COMMAND_KINDS = frozenset(
     {"set_power_limit", "reset_power_limit", "lock_clocks", "unlock_clocks"}
 )
-JOB_COMMAND_KINDS = frozenset({"job_checkpoint", "job_link_probe", "job_stop", "job_inject_faults"})
+JOB_COMMAND_KINDS = frozenset(
+    {"job_checkpoint", "job_link_probe", "job_stop", "job_inject_faults", "job_dump_trace"}
+)
 
 
 class CommandStatus(StrEnum):
@@ -693,12 +735,14 @@ __all__ = [
     "CommandStatus",
     "EccLocationCounts",
     "FaultSpec",
+    "FlightRecorderDump",
     "GpuInfo",
     "GpuSample",
     "HardwareEvent",
     "InflightCollective",
     "JobCheckpoint",
     "JobCommand",
+    "JobDumpTrace",
     "JobInjectFaults",
     "JobLinkProbe",
     "JobRecords",

@@ -293,3 +293,18 @@ def test_nan_fault_is_seen_on_the_poisoned_rank_and_the_check_can_be_turned_off(
     with collectives.step(0):
         dist.all_reduce(torch.full((256,), float("nan")))
     assert [s.nonfinite_inputs for s in session.outbox.steps.items] == [0]
+
+
+def test_a_dump_trace_command_is_answered_at_once_and_says_when_fr_is_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainguard.wire import JobDumpTrace
+
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    session = _session()
+    session.control.handle([JobDumpTrace(id="d1", job="unit"), JobDumpTrace(id="d2", job="x")])
+    (record,) = list(session.outbox.traces.items)  # answered on the handling thread
+    assert (record.rank, record.command_id, record.enabled) == (0, "d1", False)
+    assert "TORCH_FR_BUFFER_SIZE" in record.error
+    assert record.pg_ranks == {session.instrumenter.groups.world().name: [0]}
