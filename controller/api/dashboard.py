@@ -35,7 +35,12 @@ MAX_WINDOW_S = 24 * 3600.0
 def attach_feed(controller: Controller) -> DashboardFeed:
     """Build the feed and subscribe it to the controller's event bus: every stored report
     (steps, power samples, a wake-up) and every opened incident (a wake-up)."""
-    feed = DashboardFeed(controller.state, controller.store, controller.power)
+    feed = DashboardFeed(
+        controller.state,
+        controller.store,
+        controller.power,
+        node_lost_after_s=controller.settings.node_lost_after_s,
+    )
     bus = getattr(controller, "events", None)
     if bus is not None:
         from controller.services.events import IncidentOpened, NodeReported

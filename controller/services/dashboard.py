@@ -45,8 +45,9 @@ JOBS_KEPT = 32
 #: Seconds between power samples, and samples kept (one hour at 5 s).
 POWER_EVERY_S = 5.0
 POWER_KEPT = 720
-#: A node whose last report is older than this shows as "unreachable" (before it is lost).
-SILENT_AFTER_S = 10.0
+#: A node whose last report is older than this share of ``node_lost_after_s`` shows as
+#: "unreachable" (10 s of the default 30 s) until the health detector calls it lost.
+SILENT_SHARE = 1 / 3
 #: Messages a slow browser may have queued before it is resynchronized with a snapshot.
 QUEUE_MAX = 64
 #: Feed tick bounds: at most every MIN_TICK_S (coalescing a burst of reports), at least
@@ -109,7 +110,7 @@ class StepRecorder:
         row[summary.rank] = summary.step_time_s
         end = summary.end_unix_s if summary.end_unix_s is not None else received
         job.ends[summary.step] = max(job.ends.get(summary.step, 0.0), end)
-        keep = max(8, min(self.steps_kept, self.max_cells // max(1, job.world_size)))
+        keep = min(self.steps_kept, max(8, self.max_cells // max(1, job.world_size)))
         while len(job.steps) > keep:
             old, _ = job.steps.popitem(last=False)
             job.ends.pop(old, None)
@@ -194,7 +195,9 @@ class Subscription:
     dropped: int = 0
 
 
-def node_fields(state: ClusterState, now: float, incidents: dict[str, int]) -> dict[str, Any]:
+def node_fields(
+    state: ClusterState, now: float, incidents: dict[str, int], silent_after_s: float
+) -> dict[str, Any]:
     """Compact per-node fields the fleet grid shows, keyed for a small snapshot."""
     out: dict[str, Any] = {}
     for node in state.nodes.values():
@@ -209,7 +212,7 @@ def node_fields(state: ClusterState, now: float, incidents: dict[str, int]) -> d
             "i": incidents.get(node.name, 0),
             "iso": node.isolated_reason,
             "l": node.labels,
-            "silent": node.health == "healthy" and last is not None and now - last > SILENT_AFTER_S,
+            "silent": node.health == "healthy" and last is not None and now - last > silent_after_s,
         }
     return out
 
@@ -225,8 +228,16 @@ class DashboardFeed:
     lands it subscribes to report and incident events instead, with the same effect.
     """
 
-    def __init__(self, state: ClusterState, store: _Store, power: _Power | None) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        store: _Store,
+        power: _Power | None,
+        *,
+        node_lost_after_s: float = 30.0,
+    ) -> None:
         self.state = state
+        self.silent_after_s = node_lost_after_s * SILENT_SHARE
         self.store = store
         self.power = power
         self.steps = StepRecorder()
@@ -275,7 +286,7 @@ class DashboardFeed:
     def snapshot(self) -> bytes:
         """The whole fleet as one ``nodes`` message (sent on connect and on resync)."""
         now = time.time()
-        nodes = node_fields(self.state, now, self._incidents_by_node())
+        nodes = node_fields(self.state, now, self._incidents_by_node(), self.silent_after_s)
         return _sse("nodes", {"t": now, "full": True, "data": list(nodes.values())})
 
     # -- the loop
@@ -288,7 +299,9 @@ class DashboardFeed:
         return counts
 
     def _prime(self) -> None:
-        self._nodes = node_fields(self.state, time.time(), self._incidents_by_node())
+        self._nodes = node_fields(
+            self.state, time.time(), self._incidents_by_node(), self.silent_after_s
+        )
         self._topics = self._memory_topics()
 
     def _memory_topics(self) -> dict[str, Any]:
@@ -339,7 +352,7 @@ class DashboardFeed:
     async def tick(self) -> None:
         """Send what changed since the last tick (one message per kind, encoded once)."""
         now = time.time()
-        fresh = node_fields(self.state, now, self._incidents_by_node())
+        fresh = node_fields(self.state, now, self._incidents_by_node(), self.silent_after_s)
         changed = [v for k, v in fresh.items() if self._nodes.get(k) != v]
         removed = [k for k in self._nodes if k not in fresh]
         self._nodes = fresh
@@ -387,8 +400,12 @@ def node_history(
         .where(GpuHistory.node_name == node, GpuHistory.end_unix_s >= since_unix_s)
         .order_by(GpuHistory.end_unix_s)
     ).all()
-    span = max(1.0, until_unix_s - since_unix_s)
-    bucket_s = max(1.0, float(np.ceil(span / max(1, points))))
+    # Buckets sized to the data there is: a node reporting for a minute gets 1 s buckets,
+    # not four 15 s ones.
+    start = max(since_unix_s, rows[0].end_unix_s) if rows else since_unix_s
+    span = max(1.0, until_unix_s - start)
+    # points - 1: bucket edges need not line up with ``start``, which costs one bucket.
+    bucket_s = max(1.0, float(np.ceil(span / max(1, points - 1))))
     first = int(since_unix_s // bucket_s)
     last = int(until_unix_s // bucket_s)
     buckets = range(first, last + 1)

@@ -30,7 +30,11 @@ export function timeChart({ title, unit, x, series, marks = [], height = 180, yR
     height,
     legend: { live: true },
     cursor: { drag: { x: true, y: false } },
-    scales: { x: { time: true }, y: yRange ? { range: yRange } : {} },
+    // One sample (or none apart) would stretch the axis over years: keep a minute at least.
+    scales: {
+      x: { time: true, range: (u, min, max) => (max - min < 60 ? [max - 60, max + 1] : [min, max]) },
+      y: yRange ? { range: yRange } : {},
+    },
     axes: [
       { stroke: axisColor, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid } },
       { stroke: axisColor, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid }, size: 56 },

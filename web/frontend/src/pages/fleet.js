@@ -150,7 +150,12 @@ export async function fleetPage(ctx) {
   }
 
   function applyFilter() {
-    for (const [name, cell] of cells) paint(cell, fleet.nodes.get(name));
+    // Only visibility changes here: touching 2,048 cells' text and labels costs a frame.
+    for (const [name, cell] of cells) {
+      const n = fleet.nodes.get(name);
+      const hide = !matches(n, cell.dataset.state);
+      if (cell.hidden !== hide) cell.hidden = hide;
+    }
     roving();
     recount();
   }
