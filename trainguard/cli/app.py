@@ -99,7 +99,6 @@ def build_app(argv: Sequence[str] = ()) -> typer.Typer:
         remember_connection(ctx, server, token, kube)
 
     cmd_get.register(app)
-    cmd_plan.register(app)
     cmd_remediate.register(app)
     cmd_preflight.register(app)
     cmd_serve.register(app)
@@ -107,8 +106,21 @@ def build_app(argv: Sequence[str] = ()) -> typer.Typer:
     from trainguard.cli import demo
 
     demo.register(app)
+    if command_word(argv) not in own_commands(app):
+        # Like the optional sub-apps: built only when the line does not name one of the
+        # commands above, so ``trainguard nodes`` stays fast.
+        cmd_plan.register(app)
     mount_optional_subapps(app, argv)
     return app
+
+
+def own_commands(app: typer.Typer) -> set[str]:
+    """Names of the commands and groups registered on ``app`` so far."""
+    own = {
+        info.name or (info.callback.__name__ if info.callback else "")
+        for info in app.registered_commands
+    }
+    return own | {group.name or "" for group in app.registered_groups}
 
 
 def mount_optional_subapps(app: typer.Typer, argv: Sequence[str]) -> list[str]:
@@ -118,12 +130,7 @@ def mount_optional_subapps(app: typer.Typer, argv: Sequence[str]) -> list[str]:
     ``trainguard nodes`` fast; help and unknown commands see the full tree.
     """
     first = command_word(argv)
-    own = {
-        info.name or (info.callback.__name__ if info.callback else "")
-        for info in app.registered_commands
-    }
-    own |= {group.name or "" for group in app.registered_groups}
-    if first in own:
+    if first in own_commands(app):
         return []
     mounted = []
     for name, module_name in OPTIONAL_SUBAPPS:
