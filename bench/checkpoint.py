@@ -36,8 +36,7 @@ from typing import Any
 
 import torch
 
-from checkpoint import CheckpointConfig, Checkpointer
-from checkpoint.reshard import load_resharded
+from checkpoint import CheckpointConfig, Checkpointer, reshard
 from checkpoint.rules import ParallelLayout
 from checkpoint.sharding import ShardingSpec
 from trainguard.wire import CheckpointEvent
@@ -257,7 +256,7 @@ def reshard_ratio(tmp: Path, size_mb: int, repeats: int) -> dict[str, float]:
                 [{"pattern": "*", "rule": "shard"}], layout=ParallelLayout(tp=tp, tp_rank=r)
             )
             targets = {k: torch.empty(rows // tp, v.shape[1]) for k, v in full.items()}
-            load_resharded(root, targets, sharding=spec)
+            reshard(root, targets, sharding=spec)
         t = clock() - t0
         return t, t
 

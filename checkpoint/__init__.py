@@ -1,11 +1,22 @@
 """Checkpoints that cost training almost nothing and load into any parallel layout.
 
-Faces: :class:`Checkpointer` (lazy asynchronous saves, restore), :class:`CheckpointStore`
-(find, open and verify checkpoints), :class:`ShardingSpec` with :class:`RuleSpec`,
-:class:`ParallelLayout` and :class:`ZeroPartition` (where each shard belongs globally),
-:func:`load_resharded` (load into another layout), ``trainguard checkpoint``
-(:mod:`checkpoint.cli`: inspect, verify, convert, import). The format and the commit
-protocol are specified in docs/checkpoint.md.
+The public face (everything else is private machinery behind it)::
+
+    Checkpointer(CheckpointConfig(root=...), rank=, world_size=, sharding=)   save / load
+    load(root, state, rank=)             restore a rank's own state (same layout)
+    reshard(root, targets, sharding=)    fill this rank's tensors from any saved layout
+    verify(root, step=)                  re-read every byte against its checksums
+    CheckpointStore(root)                list, open, and set aside checkpoints
+    ShardingSpec, RuleSpec, ParallelLayout, ZeroPartition   where each shard belongs
+
+A save runs four private stages, one module each: ``_snapshot`` (walk the state),
+``_stage`` (copy to a reused host buffer), ``_write`` (data file, checksums, fsync),
+``_commit`` (``MANIFEST.json``, ``latest``, retention); ``_persist`` drives write and
+commit for one rank's part, ``_backends`` / ``_writer_process`` run it on a thread or in a
+separate process, ``_engine`` holds :class:`Checkpointer`. Reading: ``_store`` (find and
+verify), ``_load``, ``_reshard``; ``_convert`` backs ``trainguard checkpoint convert``
+(:mod:`checkpoint.cli`). The format is :mod:`checkpoint.manifest`; docs/checkpoint.md
+specifies it and the commit protocol.
 
 Importing this package does not import torch (the CLI and the writer process rely on it);
 the torch-based names are loaded on first use.
@@ -16,7 +27,8 @@ Exceptions::
      ├── CheckpointConfigError      bad config or call; fix the code (also a ValueError)
      ├── CheckpointNotFoundError    no (complete) checkpoint where asked
      ├── CheckpointIncompleteError  never committed / a rank's part or manifest missing
-     ├── CheckpointCorruptError     checksum, size or parse mismatch; names file and tensor
+     ├── CheckpointCorruptError     checksum, size, parse or field mismatch; names the file
+     │                              and the field or tensor
      ├── CheckpointLayoutError      fragments cannot be mapped onto the requested layout
      │    └── ShardingRuleError     rule spec invalid or a parameter matched no rule
      └── CheckpointWriteError       a save failed; temporary, the previous checkpoint stands
@@ -25,8 +37,12 @@ Exceptions::
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from checkpoint._store import CheckpointStore, verify_checkpoint
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import (
     CheckpointConfigError,
@@ -40,12 +56,14 @@ from checkpoint.errors import (
     ShardingRuleError,
 )
 from checkpoint.rules import ParallelLayout, RuleSpec
-from checkpoint.store import CheckpointReader, CheckpointStore
 
 if TYPE_CHECKING:
-    from checkpoint.engine import Checkpointer
-    from checkpoint.reshard import ReshardResult, load_resharded
-    from checkpoint.restore import Restored, load_state
+    import torch
+
+    from checkpoint._engine import Checkpointer
+    from checkpoint._load import Restored
+    from checkpoint._reshard import ReshardResult
+    from checkpoint._snapshot import ShardingHook
     from checkpoint.sharding import ShardingSpec, ZeroPartition
 
 __all__ = [
@@ -56,7 +74,6 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointLayoutError",
     "CheckpointNotFoundError",
-    "CheckpointReader",
     "CheckpointStore",
     "CheckpointSupersededError",
     "CheckpointWriteError",
@@ -68,19 +85,58 @@ __all__ = [
     "ShardingRuleError",
     "ShardingSpec",
     "ZeroPartition",
-    "load_resharded",
-    "load_state",
+    "load",
+    "reshard",
+    "verify",
 ]
 
 _LAZY = {
-    "Checkpointer": "checkpoint.engine",
-    "Restored": "checkpoint.restore",
-    "load_state": "checkpoint.restore",
-    "ReshardResult": "checkpoint.reshard",
-    "load_resharded": "checkpoint.reshard",
+    "Checkpointer": "checkpoint._engine",
+    "Restored": "checkpoint._load",
+    "ReshardResult": "checkpoint._reshard",
     "ShardingSpec": "checkpoint.sharding",
     "ZeroPartition": "checkpoint.sharding",
 }
+
+
+def load(
+    root: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    rank: int = 0,
+    step: int | None = None,
+    restore_rng: bool = True,
+) -> Restored:
+    """Restore ``state`` (modules, optimizers, ... in place) as rank ``rank`` saved it.
+
+    With ``step=None`` the newest complete checkpoint that loads is used; ``latest`` is
+    only a hint, and every checkpoint passed over is named in ``Restored.skipped`` (and
+    logged). With an explicit step its error is raised.
+    """
+    from checkpoint._load import load_state
+
+    return load_state(Path(root), state, rank=rank, step=step, restore_rng=restore_rng)
+
+
+def reshard(
+    root: str | os.PathLike[str],
+    targets: Mapping[str, torch.Tensor],
+    *,
+    sharding: ShardingHook | None = None,
+    step: int | None = None,
+) -> ReshardResult:
+    """Fill ``targets`` (entry name -> this rank's tensor or DTensor) from a checkpoint
+    saved in any layout, reading only the byte ranges this rank needs."""
+    from checkpoint._reshard import load_resharded
+
+    return load_resharded(Path(root), targets, sharding=sharding, step=step)
+
+
+def verify(root: str | os.PathLike[str], *, step: int | None = None, deep: bool = True) -> int:
+    """Check checkpoint ``step`` (default: the newest complete one) and return its step:
+    manifests and sizes, and with ``deep`` every byte against its CRC (and SHA-256).
+    Raises :class:`CheckpointError` naming the first problem."""
+    return verify_checkpoint(Path(root), step=step, deep=deep)
 
 
 def __getattr__(name: str) -> Any:

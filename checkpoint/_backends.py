@@ -1,8 +1,11 @@
-"""The two writer back ends the engine can use: a thread, or a separate process.
+"""Where the write and commit stages run: a thread of the trainer, or a separate process.
 
-Both run :func:`checkpoint.writer.persist_part`; they differ in where. The process keeps
+Both run :func:`checkpoint._persist.persist_part`; they differ in where. The process keeps
 SHA-256, CRC and ``write`` syscalls entirely off the trainer's interpreter and survives the
 trainer's death; the thread costs no extra process. docs/checkpoint.md has the numbers.
+
+A back end knows the engine only as a :class:`WriterHost` (the callbacks below), so this
+module does not import the engine and the engine imports it, never the other way round.
 """
 
 from __future__ import annotations
@@ -11,53 +14,43 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import queue
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import torch
-
-from checkpoint.buffers import HostBuffer
+from checkpoint._persist import PersistJob, PersistResult, lower_priority, persist_part
+from checkpoint._stage import HostBuffer, Snapshot
 from checkpoint.errors import CheckpointWriteError
-from checkpoint.writer import PersistJob, PersistResult, lower_priority, persist_part
-
-if TYPE_CHECKING:
-    from checkpoint.engine import Checkpointer, _Slot
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True, slots=True, eq=False)
-class Snapshot:
-    """One save in flight on this rank."""
+class WriterHost(Protocol):
+    """What a writer back end calls on the engine that owns the snapshots."""
 
-    snap_id: int
-    step: int
-    slot: _Slot
-    buffer: HostBuffer
-    lazy: list[tuple[int, torch.Tensor, torch.Tensor]]
-    ready: int
-    t0: float
-    total_bytes: int
-    copy_done: threading.Event = field(default_factory=threading.Event)
-    aborted: bool = False
-    error: str = ""
-    blocking_s: float = 0.0
-    #: Set while the training thread waits for this copy (the copier adds the wait up).
-    waiting_since: float | None = None
-    #: Recorded on the trainer's CUDA stream at save time; the copy stream waits on it.
-    cuda_ready: Any = None
-    durable_s: float = 0.0
+    cond: threading.Condition
+
+    def wait_ready(self, snap: Snapshot, index: int) -> bool:
+        """Block until entry ``index`` is final in the buffer; False if abandoned."""
+        ...
+
+    def on_durable(self, snap: Snapshot, size_bytes: int) -> None: ...
+
+    def on_committed(self, snap: Snapshot) -> None: ...
+
+    def on_failed(self, snap: Snapshot, error: str) -> None: ...
+
+    def on_done(self, snap: Snapshot) -> None:
+        """The writer will not touch ``snap``'s buffer again (success or not)."""
+        ...
 
 
 class ThreadWriter:
-    def __init__(self, engine: Checkpointer) -> None:
-        self.engine = engine
+    def __init__(self, host: WriterHost, *, nice: int = 0) -> None:
+        self.host = host
+        self._nice = nice
         self._q: queue.Queue[tuple[Snapshot, PersistJob] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
         self._thread.start()
@@ -78,8 +71,8 @@ class ThreadWriter:
         return self._thread.is_alive()
 
     def _loop(self) -> None:
-        engine = self.engine
-        lower_priority(engine.config.writer_nice)  # this thread and the ones it starts
+        host = self.host
+        lower_priority(self._nice)  # this thread and the ones it starts
         while True:
             item = self._q.get()
             if item is None:
@@ -87,23 +80,23 @@ class ThreadWriter:
             snap, job = item
 
             def durable(result: PersistResult, snap: Snapshot = snap) -> None:
-                engine.on_durable(snap, result.bytes_written)
+                host.on_durable(snap, result.bytes_written)
 
             def committed(result: PersistResult, snap: Snapshot = snap) -> None:
-                engine.on_committed(snap)
+                host.on_committed(snap)
 
             try:
                 persist_part(
                     job,
                     snap.buffer.memory(),
-                    functools.partial(engine.wait_ready, snap),
+                    functools.partial(host.wait_ready, snap),
                     durable,
                     committed,
                 )
             except Exception as exc:
-                engine.on_failed(snap, f"{type(exc).__name__}: {exc}")
+                host.on_failed(snap, f"{type(exc).__name__}: {exc}")
             finally:
-                engine.on_done(snap)
+                host.on_done(snap)
 
     def close(self) -> None:
         self._q.put(None)
@@ -111,25 +104,27 @@ class ThreadWriter:
 
 
 class ProcessWriter:
-    """Client of :mod:`checkpoint._writer_proc`, started in its own session so that a
-    launcher killing the trainer's process group does not kill the flush as well."""
+    """Client of :mod:`checkpoint._writer_process`, started in its own session so that a
+    launcher killing the trainer's process group does not kill the flush as well.
 
-    def __init__(self, engine: Checkpointer) -> None:
-        self.engine = engine
-        env = dict(os.environ)
-        pkg_parent = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = pkg_parent + os.pathsep + env.get("PYTHONPATH", "")
+    The child runs ``python -m checkpoint._writer_process`` and finds the package the way
+    the trainer did (installed, or on the inherited ``PYTHONPATH`` / working directory);
+    nothing patches its environment.
+    """
+
+    def __init__(self, host: WriterHost, *, nice: int = 0) -> None:
+        self.host = host
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpoint._writer_proc", str(engine.config.writer_nice)],
+            [sys.executable, "-m", "checkpoint._writer_process", str(nice)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             bufsize=1,
-            env=env,
             start_new_session=True,
         )
         self._lock = threading.Lock()
-        self._owned: set[int] = set()  # snapshots this writer was given (see _read)
+        #: Snapshots this writer was given and has not reported done (see _read).
+        self._owned: dict[int, Snapshot] = {}
         self._reader = threading.Thread(target=self._read, name="ckpt-writer-rx", daemon=True)
         self._reader.start()
 
@@ -145,8 +140,8 @@ class ProcessWriter:
 
     def submit(self, snap: Snapshot, job: PersistJob) -> None:
         assert snap.buffer.path is not None
-        with self.engine.cond:
-            self._owned.add(snap.snap_id)
+        with self.host.cond:
+            self._owned[snap.snap_id] = snap
         self._send(
             {
                 "op": "job",
@@ -170,33 +165,33 @@ class ProcessWriter:
         return self._proc.poll() is None
 
     def _read(self) -> None:
-        engine = self.engine
+        host = self.host
         stdout = self._proc.stdout
         assert stdout is not None
         for line in stdout:
             msg = json.loads(line)
-            with engine.cond:
-                snap = engine._pending.get(msg["id"])
+            with host.cond:
+                snap = self._owned.get(msg["id"])
             if snap is None:
                 continue
             event = msg["event"]
             if event == "durable":
-                engine.on_durable(snap, int(msg["bytes"]))
+                host.on_durable(snap, int(msg["bytes"]))
             elif event == "committed":
-                engine.on_committed(snap)
+                host.on_committed(snap)
             elif event == "failed":
-                engine.on_failed(snap, str(msg["error"]))
+                host.on_failed(snap, str(msg["error"]))
             elif event == "done":
-                with engine.cond:
-                    self._owned.discard(snap.snap_id)
-                engine.on_done(snap)
+                with host.cond:
+                    self._owned.pop(snap.snap_id, None)
+                host.on_done(snap)
         # The writer exited: what it had not finished will not be. Only its own snapshots:
         # the engine may already have started a replacement writer.
-        with engine.cond:
-            orphans = [s for i, s in engine._pending.items() if i in self._owned]
+        with host.cond:
+            orphans, self._owned = list(self._owned.values()), {}
         for snap in orphans:
-            engine.on_failed(snap, f"writer process exited (code {self._proc.poll()})")
-            engine.on_done(snap)
+            host.on_failed(snap, f"writer process exited (code {self._proc.poll()})")
+            host.on_done(snap)
 
     def close(self) -> None:
         stdin = self._proc.stdin

@@ -1,4 +1,4 @@
-"""Writing checkpoints so that a crash at any instant leaves the last complete one loadable.
+"""Stage 4 of a save, *commit*: a crash at any instant leaves the last complete checkpoint.
 
 Commit protocol (one checkpoint, ``W`` ranks)::
 
@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from checkpoint.crc import crc32
+from checkpoint._validate import parse_rank_manifest
+from checkpoint._write import fsync_dir, write_atomic
 from checkpoint.errors import (
     CheckpointIncompleteError,
     CheckpointSupersededError,
@@ -47,117 +46,10 @@ from checkpoint.manifest import (
     Manifest,
     RankManifest,
     RankRecord,
-    parse_rank_manifest,
     rank_manifest_name,
     step_dir_name,
     to_json_bytes,
 )
-
-#: Granularity of the per-chunk CRCs: a resharding reader reads whole chunks, so smaller
-#: chunks read less surplus; larger ones keep the rank manifest short (4 GiB -> 1,024 CRCs).
-DEFAULT_CHUNK_BYTES = 4 << 20
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable (a rename is only durable once its dir is)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
-    tmp = _tmp_name(path)
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-class DataFileWriter:
-    """Streams one rank's data file, checksumming as it goes.
-
-    CRC (and SHA-256) run on a helper thread while ``write`` copies the same bytes into the
-    page cache: both release the GIL, and checksumming in line cost 30% of the write time
-    (0.25 s per GB). The caller keeps each buffer unchanged until :meth:`finish`.
-    """
-
-    def __init__(self, path: Path, *, chunk_bytes: int, sha256: bool) -> None:
-        self.path = path
-        self._tmp = _tmp_name(path)
-        self._fh = open(self._tmp, "wb", buffering=0)  # noqa: SIM115 - closed in finish/abort
-        self._sha = hashlib.sha256() if sha256 else None
-        self._chunk_bytes = chunk_bytes
-        self._crcs: list[int] = []
-        self._crc = 0
-        self._in_chunk = 0
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
-        self._pending: list[Future[None]] = []
-        self.size_bytes = 0
-
-    def write(self, data: memoryview | bytes) -> None:
-        view = memoryview(data).cast("B")
-        self.size_bytes += len(view)
-        self._pending.append(self._hasher.submit(self._account, view))
-        while len(view):
-            written = self._fh.write(view)
-            if written is None or written <= 0:
-                raise OSError(f"short write to {self._tmp}")
-            view = view[written:]
-        if len(self._pending) > 64:  # surface hashing errors early, bound the queue
-            done = [f for f in self._pending if f.done()]
-            for fut in done:
-                fut.result()
-            self._pending = [f for f in self._pending if not f.done()]
-
-    def _account(self, view: memoryview) -> None:
-        if self._sha is not None:
-            self._sha.update(view)
-        while len(view):
-            take = min(len(view), self._chunk_bytes - self._in_chunk)
-            self._crc = crc32(view[:take], self._crc)
-            self._in_chunk += take
-            view = view[take:]
-            if self._in_chunk == self._chunk_bytes:
-                self._crcs.append(self._crc)
-                self._crc, self._in_chunk = 0, 0
-
-    def pad_to(self, offset: int) -> None:
-        if offset > self.size_bytes:
-            self.write(bytes(offset - self.size_bytes))
-
-    def finish(self) -> DataFileInfo:
-        self._hasher.shutdown(wait=True)
-        for fut in self._pending:
-            fut.result()
-        if self._in_chunk:
-            self._crcs.append(self._crc)
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
-        os.replace(self._tmp, self.path)
-        return DataFileInfo(
-            name=self.path.name,
-            size_bytes=self.size_bytes,
-            sha256=self._sha.hexdigest() if self._sha is not None else "",
-            chunk_bytes=self._chunk_bytes,
-            chunk_crc32=self._crcs,
-        )
-
-    def abort(self) -> None:
-        self._hasher.shutdown(wait=True, cancel_futures=True)
-        with contextlib.suppress(OSError):
-            self._fh.close()
-        with contextlib.suppress(OSError):
-            self._tmp.unlink()
 
 
 def write_latest(root: Path, step: int | None) -> None:

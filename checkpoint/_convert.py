@@ -17,20 +17,19 @@ from typing import Any
 
 import torch
 
+from checkpoint._commit import apply_retention, commit, new_rank_manifest, write_rank_manifest
+from checkpoint._reshard import consolidate, identity_map
+from checkpoint._snapshot import TensorRef
+from checkpoint._store import CheckpointStore
+from checkpoint._write import DataFileWriter, fsync_dir
 from checkpoint.errors import CheckpointConfigError
-from checkpoint.manifest import SKELETON_ENTRY, Entry, rank_data_name, step_dir_name
-from checkpoint.reshard import consolidate, identity_map
-from checkpoint.snapshot import TensorRef
-from checkpoint.storage import (
+from checkpoint.manifest import (
     DEFAULT_CHUNK_BYTES,
-    DataFileWriter,
-    apply_retention,
-    commit,
-    fsync_dir,
-    new_rank_manifest,
-    write_rank_manifest,
+    SKELETON_ENTRY,
+    Entry,
+    rank_data_name,
+    step_dir_name,
 )
-from checkpoint.store import CheckpointStore
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

@@ -1,23 +1,30 @@
-"""The lazy asynchronous checkpoint engine (DataStates-LLM style).
+"""The lazy asynchronous checkpoint engine (DataStates-LLM style): :class:`Checkpointer`.
 
-``save(state, step)`` captures the state, copies what may change soon (buffers, loose
-tensors, the pickled skeleton) into a reused host buffer, and returns. Parameters and
-optimizer state are copied by a background thread while the next forward and backward run;
-the optimizer's pre-step hook blocks only if that copy has not finished when the optimizer
-is about to modify them. A writer (a separate process by default) streams each tensor to
-storage as soon as it is in the buffer, fsyncs, and rank 0 commits.
+A save runs four stages, one module each:
+
+1. *snapshot* (:mod:`checkpoint._snapshot`, on the training thread): walk the state into
+   tensors and a pickled skeleton;
+2. *stage to host* (:mod:`checkpoint._stage`): copy what may change soon (buffers, loose
+   tensors, the skeleton) at once, and parameters and optimizer state on the copier thread
+   while the next forward and backward run; the optimizer's pre-step hook blocks only if it
+   would overwrite a tensor not yet copied;
+3. *write* (:mod:`checkpoint._write`, driven by :mod:`checkpoint._persist` on a writer
+   thread or process, :mod:`checkpoint._backends`): stream each tensor to the data file as
+   soon as it is in the buffer, fsync;
+4. *commit* (:mod:`checkpoint._commit`): rank 0 writes ``MANIFEST.json`` and moves
+   ``latest``.
 
 Training-thread blocking per checkpoint = the time inside ``save`` + time spent in the
-pre-step hook waiting for the copy. It is reported in the ``snapshot_done`` event.
+pre-step hook waiting for the copy. It is reported in the ``snapshot_done`` event. A save
+that comes due while the previous one is still being written is skipped or coalesced
+(:attr:`CheckpointConfig.when_busy`), so training never waits on storage.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,14 +33,27 @@ from typing import Any
 
 import torch
 
-from checkpoint.buffers import HostBuffer, align, reap_stale_buffers
+from checkpoint._backends import ProcessWriter, ThreadWriter
+from checkpoint._load import Restored, load_state
+from checkpoint._persist import PersistJob
+from checkpoint._snapshot import ShardingHook, capture
+from checkpoint._stage import (
+    Copier,
+    HostBuffer,
+    LazyCopy,
+    Slot,
+    Snapshot,
+    align,
+    copy_tensor,
+    guard_positions,
+    reap_stale_buffers,
+    record_source_events,
+    wait_guard,
+    zero_gaps,
+)
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointConfigError, CheckpointError, CheckpointWriteError
 from checkpoint.manifest import SKELETON_ENTRY, Entry, GlobalMap, Piece, step_dir_name
-from checkpoint.restore import Restored, load_state
-from checkpoint.snapshot import ShardingHook, capture
-from checkpoint.writer import PersistJob
-from checkpoint.writers import ProcessWriter, Snapshot, ThreadWriter
 from trainguard.wire import CheckpointEvent
 
 log = logging.getLogger(__name__)
@@ -54,51 +74,22 @@ def _identity_map(name: str, tensor: torch.Tensor) -> GlobalMap:
     return GlobalMap(name=name, shape=shape, placement="shard", pieces=[piece])
 
 
-def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` into the host-buffer view ``dst``.
-
-    Contiguous CPU tensors are copied with one ``memmove`` (ctypes releases the GIL): one
-    thread, no dispatcher, no intra-op thread pool. ``Tensor.copy_`` would split a large
-    copy over all of torch's threads, and on a small machine those threads then stall the
-    training step's own parallel kernels. Anything else (CUDA, strided, conjugated) uses
-    ``copy_``.
-    """
-    if (
-        src.device.type == "cpu"
-        and src.layout == torch.strided
-        and src.dtype == dst.dtype
-        and src.is_contiguous()
-        and dst.is_contiguous()
-        and not src.is_conj()
-        and not src.is_neg()
-        and src.numel() == dst.numel()
-    ):
-        nbytes = src.numel() * src.element_size()
-        if nbytes:
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-    else:
-        dst.copy_(src)
+def _storage_ptrs(opt: torch.optim.Optimizer) -> set[int]:
+    """Storages an optimizer's ``step()`` writes: its parameters and its state tensors."""
+    ptrs: set[int] = set()
+    for group in opt.param_groups:
+        for param in group["params"]:
+            ptrs.add(_local(param).untyped_storage().data_ptr())
+    for per_param in opt.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                ptrs.add(_local(value).untyped_storage().data_ptr())
+    return ptrs
 
 
-class _Slot:
-    def __init__(self) -> None:
-        self.buffer: HostBuffer | None = None
-        self.busy = False
-        #: (offset, nbytes) of the entries of the last save laid out in this buffer; the
-        #: alignment gaps between them are zero, so the buffer prefix is the data file.
-        self.spans: list[tuple[int, int]] = []
-
-
-def _zero_gaps(buf: HostBuffer, spans: list[tuple[int, int]]) -> None:
-    """Zero the alignment padding between entries (a new layout in a reused buffer may put
-    padding where old tensor bytes lie), so the writer can write the buffer as is."""
-    mem = buf.memory()
-    pos = 0
-    for offset, nbytes in spans:
-        if offset > pos:
-            mem[pos:offset] = bytes(offset - pos)
-        pos = offset + nbytes
-    mem.release()
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # DTensor: the shard this rank holds
+    return to_local() if callable(to_local) else tensor
 
 
 class Checkpointer:
@@ -134,24 +125,35 @@ class Checkpointer:
         self.event_sink = event_sink
         self.sharding = sharding
         self.cond = threading.Condition()
-        self._slots = [_Slot() for _ in range(config.num_buffers)]
+        #: Saves not taken because the previous one was still being written (``skip``).
+        self.saves_skipped = 0
+        #: Saves dropped because a newer one replaced them before writing (``coalesce``).
+        self.saves_coalesced = 0
+        self._slots = [Slot() for _ in range(config.num_buffers)]
         self._copying: list[Snapshot] = []
         self._pending: dict[int, Snapshot] = {}
+        #: ``coalesce``: a staged save held back until the one being written is done.
+        self._held: tuple[Snapshot, PersistJob] | None = None
         self._errors: list[str] = []
         self._next_id = 0
         self._hooks: dict[int, Any] = {}
         self._closed = False
-        self._copy_q: queue.Queue[Snapshot | None] = queue.Queue()
-        self._copier = threading.Thread(target=self._copy_loop, name="ckpt-copier", daemon=True)
-        self._copier.start()
-        shared = config.writer == "process"
-        self._shared = shared
-        if shared:
-            reap_stale_buffers()
-        self._writer: ThreadWriter | ProcessWriter = (
-            ProcessWriter(self) if shared else ThreadWriter(self)
+        self._copier = Copier(
+            cond=self.cond,
+            slice_bytes=config.copy_slice_bytes,
+            on_progress=self._on_copy_progress,
+            on_copied=self._report_snapshot_done,
+            on_failed=self._on_copy_failed,
         )
+        self._shared = config.writer == "process"
+        if self._shared:
+            reap_stale_buffers()
+        self._writer = self._new_writer()
         atexit.register(self._at_exit)
+
+    def _new_writer(self) -> ThreadWriter | ProcessWriter:
+        kind = ProcessWriter if self._shared else ThreadWriter
+        return kind(self, nice=self.config.writer_nice)
 
     # ------------------------------------------------------------------ events
     def emit(self, kind: str, step: int, **fields: Any) -> None:
@@ -172,12 +174,57 @@ class Checkpointer:
             log.exception("checkpoint event sink failed")
 
     # ------------------------------------------------------------------ save
-    def save(self, state: Mapping[str, Any], step: int) -> None:
-        """Start checkpoint ``step`` of ``state`` and return as soon as it is safe."""
+    def busy(self) -> bool:
+        """A save is still being staged or written."""
+        with self.cond:
+            return bool(self._pending)
+
+    def save(self, state: Mapping[str, Any], step: int, *, required: bool = False) -> bool:
+        """Start checkpoint ``step`` of ``state`` and return as soon as it is safe.
+
+        Returns False when the save was not taken: the previous one is still being written
+        and :attr:`CheckpointConfig.when_busy` is ``skip`` (counted in
+        :attr:`saves_skipped`). ``required=True`` (a final or protective checkpoint) waits
+        for a host buffer instead, and under ``coalesce`` drops a held-back older save.
+        """
         if self._closed:
             raise CheckpointConfigError("save() on a closed Checkpointer")
         if step < 0:
             raise CheckpointConfigError(f"step must be >= 0, got {step}")
+        policy = self.config.when_busy
+        dropped: Snapshot | None = None
+        with self.cond:
+            busy = bool(self._pending)
+            if busy and policy == "skip" and not required:
+                self.saves_skipped += 1
+                log.info("checkpoint step %d skipped: the previous save is still in flight", step)
+                return False
+            if policy == "coalesce" and self._held is not None:
+                dropped = self._held[0]
+                self._held = None
+                self._pending.pop(dropped.snap_id, None)
+                self.saves_coalesced += 1
+        if dropped is not None:
+            self._release(dropped)
+            log.info("checkpoint step %d replaced by step %d before writing", dropped.step, step)
+        hold = busy and policy == "coalesce" and not required
+        self._stage(state, step, hold=hold)
+        return True
+
+    def skip(self, step: int) -> None:
+        """Count a save the caller decided not to take (a job whose ranks agreed that one of
+        them is :meth:`busy`), so :attr:`saves_skipped` covers both ways of skipping."""
+        with self.cond:
+            self.saves_skipped += 1
+        log.info("checkpoint step %d skipped: a save is still in flight", step)
+
+    def _release(self, snap: Snapshot) -> None:
+        snap.copy_done.wait()
+        with self.cond:
+            snap.slot.busy = False
+            self.cond.notify_all()
+
+    def _stage(self, state: Mapping[str, Any], step: int, *, hold: bool) -> None:
         t0 = time.monotonic()
         self.emit("started", step)
         self.wait_for_copies()
@@ -217,13 +264,13 @@ class Checkpointer:
         assert buf is not None
         spans = [(e.offset, e.nbytes) for e in entries]
         if spans != slot.spans:
-            _zero_gaps(buf, spans)
+            zero_gaps(buf, spans)
             slot.spans = spans
         if cap.skeleton:
             mem = buf.memory()
             mem[: len(cap.skeleton)] = cap.skeleton
             mem.release()
-        lazy: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        lazy: list[LazyCopy] = []
         for index, (t, entry) in enumerate(zip(ordered, entries[1:], strict=True), start=1):
             dst = buf.view(entry.offset, entry.nbytes, t.tensor.dtype, entry.shape)
             if t.lazy:
@@ -244,58 +291,69 @@ class Checkpointer:
             t0=t0,
             total_bytes=offset,
         )
-        if any(src.is_cuda for _, src, _ in lazy):
-            # The side stream must not read a tensor before the kernels queued so far on
-            # the trainer's stream (the last optimizer step) have written it.
-            snap.cuda_ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            snap.cuda_ready.record()
-        job = PersistJob(
-            job_id=snap.snap_id,
-            root=str(self.root),
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            layout=self.layout,
-            entries=entries,
-            keep_last=self.config.keep_last,
-            commit_timeout_s=self.config.commit_timeout_s,
-            mirror_root=str(self.config.mirror_root or ""),
-            sha256=self.config.sha256,
-            chunk_bytes=self.config.chunk_bytes,
-            hash_threads=self.config.hash_threads,
-            direct_io=self.config.direct_io,
-            run_id=self.run_id,
-        )
+        if lazy:
+            snap.guards = guard_positions(
+                lazy, {id(opt): _storage_ptrs(opt) for opt in cap.optimizers}
+            )
+            record_source_events(snap)
+        job = self._job(snap, entries)
         with self.cond:
             self._pending[snap.snap_id] = snap
             if lazy:
                 self._copying.append(snap)
+            if hold and any(s is not snap for s in self._pending.values()):
+                self._held = (snap, job)
+            else:
+                hold = False  # the save in flight finished meanwhile: write this one now
         snap.blocking_s = time.monotonic() - t0
         if not lazy:
+            snap.queued.set()
             snap.copy_done.set()
             self.emit("snapshot_done", step, blocking_s=snap.blocking_s, size_bytes=offset)
+        if lazy:
+            self._copier.submit(snap)
+        if not hold:
+            self._submit(snap, job)
+
+    def _job(self, snap: Snapshot, entries: list[Entry]) -> PersistJob:
+        cfg = self.config
+        return PersistJob(
+            job_id=snap.snap_id,
+            root=str(self.root),
+            step=snap.step,
+            rank=self.rank,
+            world_size=self.world_size,
+            layout=self.layout,
+            entries=entries,
+            keep_last=cfg.keep_last,
+            commit_timeout_s=cfg.commit_timeout_s,
+            mirror_root=str(cfg.mirror_root or ""),
+            sha256=cfg.sha256,
+            chunk_bytes=cfg.chunk_bytes,
+            hash_threads=cfg.hash_threads,
+            direct_io=cfg.direct_io,
+            run_id=self.run_id,
+        )
+
+    def _submit(self, snap: Snapshot, job: PersistJob) -> None:
         try:
             self._writer_for_save().submit(snap, job)
         except CheckpointWriteError as exc:  # the training loop goes on without this one
             with self.cond:
                 snap.aborted = True
                 self.cond.notify_all()
-            snap.copy_done.set()
             self.on_failed(snap, str(exc))
             self.on_done(snap)
-            return
-        if lazy:
-            self._copy_q.put(snap)
 
     def _writer_for_save(self) -> ThreadWriter | ProcessWriter:
         """The writer, restarted if its process died (OOM killer, a stray kill)."""
         if not self._writer.alive():
             log.warning("checkpoint writer process exited; starting a new one")
             self._writer.close()
-            self._writer = ProcessWriter(self) if self._shared else ThreadWriter(self)
+            self._writer = self._new_writer()
         return self._writer
 
-    def _acquire_slot(self, size_bytes: int) -> _Slot:
+    def _acquire_slot(self, size_bytes: int) -> Slot:
         with self.cond:
             while True:
                 free = [s for s in self._slots if not s.busy]
@@ -313,48 +371,18 @@ class Checkpointer:
             slot.spans = []  # a fresh map is all zeros, but say nothing about its layout
         return slot
 
-    # ------------------------------------------------------------------ copier
-    def _copy_loop(self) -> None:
-        stream = None
-        if torch.cuda.is_available():
-            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        while True:
-            snap = self._copy_q.get()
-            if snap is None:
-                return
-            try:
-                if stream is not None and snap.cuda_ready is not None:
-                    stream.wait_event(snap.cuda_ready)
-                since = 0
-                last = len(snap.lazy) - 1
-                for n, (index, src, dst) in enumerate(snap.lazy):
-                    if stream is not None and src.is_cuda:
-                        with torch.cuda.stream(stream):
-                            dst.copy_(src, non_blocking=True)
-                    else:
-                        copy_tensor(dst, src)
-                    since += dst.numel() * dst.element_size()
-                    if since >= self.config.copy_slice_bytes or n == last:
-                        if stream is not None:
-                            stream.synchronize()
-                        since = 0
-                        if n == last:
-                            self._report_snapshot_done(snap)
-                        with self.cond:
-                            snap.ready = index + 1
-                            self.cond.notify_all()
-                        self._writer.progress(snap)
-            except Exception as exc:
-                log.exception("checkpoint copy of step %d failed", snap.step)
-                with self.cond:
-                    snap.aborted = True
-                    snap.error = f"copy failed: {exc}"
-                    self.cond.notify_all()
-                self.emit("failed", snap.step, error=snap.error[:1000])
-                with contextlib.suppress(CheckpointWriteError):  # writer may be gone too
-                    self._writer.abort(snap)
-            finally:
-                snap.copy_done.set()
+    # ------------------------------------------------------------------ copier callbacks
+    def _on_copy_progress(self, snap: Snapshot) -> None:
+        if self._held is not None and self._held[0] is snap:
+            return  # not handed to a writer yet; it will find the copy done
+        with contextlib.suppress(CheckpointWriteError):  # a dead writer fails the save itself
+            self._writer.progress(snap)
+
+    def _on_copy_failed(self, snap: Snapshot, error: str) -> None:
+        log.error("checkpoint copy of step %d failed: %s", snap.step, error)
+        self.emit("failed", snap.step, error=error[:1000])
+        with contextlib.suppress(CheckpointWriteError):  # writer may be gone too
+            self._writer.abort(snap)
 
     def _report_snapshot_done(self, snap: Snapshot) -> None:
         """Runs on the copier right before the copy is declared done, so that the event
@@ -373,11 +401,15 @@ class Checkpointer:
             return not snap.aborted
 
     # ------------------------------------------------------------------ blocking points
-    def _pre_step(self, *_: Any) -> None:
-        self.wait_for_copies()
+    def _pre_step(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+        """Before ``opt.step()``: wait only for copies of tensors this optimizer writes."""
+        with self.cond:
+            self._copying = copying = [s for s in self._copying if not s.copy_done.is_set()]
+        for snap in copying:
+            wait_guard(self.cond, snap, id(opt))
 
     def wait_for_copies(self) -> None:
-        """Block until every snapshot's host copy is complete (the pre-step hook)."""
+        """Block until every snapshot's host copy is complete."""
         with self.cond:
             copying = list(self._copying)
             self._copying.clear()
@@ -385,7 +417,8 @@ class Checkpointer:
             with self.cond:
                 if snap.copy_done.is_set():
                     continue
-                snap.waiting_since = time.monotonic()
+                if snap.waiting_since is None:
+                    snap.waiting_since = time.monotonic()
             snap.copy_done.wait()
 
     # ------------------------------------------------------------------ writer callbacks
@@ -407,7 +440,14 @@ class Checkpointer:
         with self.cond:
             snap.slot.busy = False
             self._pending.pop(snap.snap_id, None)
+            held = self._held
+            if held is not None and len(self._pending) == 1:  # only the held one is left
+                self._held = None
+            else:
+                held = None
             self.cond.notify_all()
+        if held is not None:
+            self._submit(*held)
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
@@ -440,8 +480,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
-            self._copy_q.put(None)
-            self._copier.join()
+            self._copier.close()
             self._writer.close()
             for handle in self._hooks.values():
                 handle.remove()

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from checkpoint._snapshot import apply, rebuild
+from checkpoint._store import CheckpointReader, CheckpointStore
 from checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -17,8 +19,6 @@ from checkpoint.errors import (
     CheckpointNotFoundError,
 )
 from checkpoint.manifest import SKELETON_ENTRY, Entry
-from checkpoint.snapshot import apply, rebuild
-from checkpoint.store import CheckpointReader, CheckpointStore
 
 log = logging.getLogger(__name__)
 

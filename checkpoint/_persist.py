@@ -1,7 +1,8 @@
-"""Persisting one rank's snapshot from a host buffer to storage (no torch here).
+"""Stages 3 and 4 for one rank's part: write its data file and manifest, then (rank 0)
+commit, apply retention and copy to the mirror tier. No torch here.
 
 The same code runs in a thread of the trainer or in the writer process
-(:mod:`checkpoint._writer_proc`); it streams each tensor as soon as the copier reports it
+(:mod:`checkpoint._backends`); it streams each tensor as soon as the copier reports it
 ready, so writing overlaps the device-to-host copy instead of waiting for all of it.
 """
 
@@ -17,9 +18,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from checkpoint.bufferfile import BufferFileWriter, gaps_are_zero
+from checkpoint._commit import (
+    apply_retention,
+    check_fence,
+    commit,
+    new_rank_manifest,
+    write_rank_manifest,
+)
+from checkpoint._write import (
+    BufferFileWriter,
+    DataFileWriter,
+    fsync_dir,
+    gaps_are_zero,
+    write_atomic,
+)
 from checkpoint.errors import CheckpointWriteError
 from checkpoint.manifest import (
+    DEFAULT_CHUNK_BYTES,
     DataFileInfo,
     Entry,
     entry_from_dict,
@@ -27,17 +42,6 @@ from checkpoint.manifest import (
     rank_data_name,
     rank_manifest_name,
     step_dir_name,
-)
-from checkpoint.storage import (
-    DEFAULT_CHUNK_BYTES,
-    DataFileWriter,
-    apply_retention,
-    check_fence,
-    commit,
-    fsync_dir,
-    new_rank_manifest,
-    write_atomic,
-    write_rank_manifest,
 )
 
 #: Largest single write; bounded so progress and aborts are noticed between writes.
@@ -65,7 +69,7 @@ class PersistJob:
     hash_threads: int = 2
     #: Bulk writes with O_DIRECT (no page-cache copy) where the file system allows it.
     direct_io: bool = True
-    #: The run this save belongs to ("" = none); see :mod:`checkpoint.storage` on fences.
+    #: The run this save belongs to ("" = none); see :mod:`checkpoint._commit` on fences.
     run_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -189,7 +193,7 @@ def _write_from_buffer(
     job: PersistJob, buffer: memoryview, path: Path, wait_ready: Callable[[int], bool]
 ) -> DataFileInfo:
     """The buffer prefix is the file: write it as the copier makes it final (O_DIRECT,
-    parallel chunk CRCs; see :mod:`checkpoint.bufferfile`)."""
+    parallel chunk CRCs; see :mod:`checkpoint._write`)."""
     writer = BufferFileWriter(
         path,
         buffer,

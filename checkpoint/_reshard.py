@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+from checkpoint._load import dtype_of
+from checkpoint._snapshot import ShardingHook
+from checkpoint._store import CheckpointReader, CheckpointStore
 from checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
@@ -26,9 +29,6 @@ from checkpoint.errors import (
 )
 from checkpoint.geometry import intersect, row_major_strides, span
 from checkpoint.manifest import Entry, GlobalMap, Piece
-from checkpoint.restore import dtype_of
-from checkpoint.snapshot import ShardingHook
-from checkpoint.store import CheckpointReader, CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def load_resharded(
     ``sharding`` describes the *target* layout (the same hook used when saving); without
     one every target is the whole global tensor. With ``step=None`` a newest checkpoint whose
     bytes fail their CRC or whose shard is missing is skipped with a warning and the previous
-    complete one is loaded, as :func:`checkpoint.restore.load_state` does: every target is
+    complete one is loaded, as :func:`checkpoint.load` does: every target is
     filled whole from the checkpoint that loads, so a half-filled attempt leaves no trace. A
     layout error (a tensor the checkpoint lacks, a shape that differs) is the caller's
     mistake, not damage, and is raised at once.

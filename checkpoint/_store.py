@@ -20,6 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpoint._commit import committed_steps, step_dirs, write_fence, write_latest
+from checkpoint._validate import parse_manifest, parse_rank_manifest
+from checkpoint._write import fsync_dir
 from checkpoint.crc import crc32
 from checkpoint.errors import (
     CheckpointCorruptError,
@@ -34,16 +37,7 @@ from checkpoint.manifest import (
     Entry,
     Manifest,
     RankManifest,
-    parse_manifest,
-    parse_rank_manifest,
     step_dir_name,
-)
-from checkpoint.storage import (
-    committed_steps,
-    fsync_dir,
-    step_dirs,
-    write_fence,
-    write_latest,
 )
 
 log = logging.getLogger(__name__)
@@ -309,3 +303,12 @@ class CheckpointStore:
                 problems.append(str(exc))
         detail = "; ".join(problems) if problems else "none found"
         raise CheckpointNotFoundError(f"{self.root}: no complete checkpoint ({detail})")
+
+
+def verify_checkpoint(root: Path, *, step: int | None = None, deep: bool = True) -> int:
+    """:func:`checkpoint.verify`: open ``step`` (or the newest complete checkpoint), check
+    it, return its step."""
+    store = CheckpointStore(root)
+    with store.open(step) if step is not None else store.open_latest() as reader:
+        reader.verify(deep=deep)
+        return reader.step

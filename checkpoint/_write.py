@@ -1,4 +1,11 @@
-"""Writing a rank's data file straight from its host buffer, as fast as the disk takes it.
+"""Stage 3 of a save, *write*: a rank's data file on disk, checksummed, durable.
+
+Two writers produce the same file format. :class:`BufferFileWriter` (the engine's path)
+writes straight from the host buffer as the copier fills it; :class:`DataFileWriter`
+streams arbitrary buffers (the offline converter, callers whose buffer has gaps).
+:func:`write_atomic` is the small-file variant the commit stage uses for manifests.
+
+Why the buffer path is fast:
 
 The engine lays tensors out in the host buffer exactly as they sit in the data file (same
 offsets, zeroed alignment gaps), so persisting is "write bytes ``0..size`` of the buffer",
@@ -45,6 +52,108 @@ SLICE_BYTES = 8 << 20
 IO_DEPTH = 2
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (a rename is only durable once its dir is)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
+    tmp = tmp_name(path)
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class DataFileWriter:
+    """Streams one rank's data file, checksumming as it goes.
+
+    CRC (and SHA-256) run on a helper thread while ``write`` copies the same bytes into the
+    page cache: both release the GIL, and checksumming in line cost 30% of the write time
+    (0.25 s per GB). The caller keeps each buffer unchanged until :meth:`finish`.
+    """
+
+    def __init__(self, path: Path, *, chunk_bytes: int, sha256: bool) -> None:
+        self.path = path
+        self._tmp = tmp_name(path)
+        self._fh = open(self._tmp, "wb", buffering=0)  # noqa: SIM115 - closed in finish/abort
+        self._sha = hashlib.sha256() if sha256 else None
+        self._chunk_bytes = chunk_bytes
+        self._crcs: list[int] = []
+        self._crc = 0
+        self._in_chunk = 0
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
+        self._pending: list[Future[None]] = []
+        self.size_bytes = 0
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        self.size_bytes += len(view)
+        self._pending.append(self._hasher.submit(self._account, view))
+        while len(view):
+            written = self._fh.write(view)
+            if written is None or written <= 0:
+                raise OSError(f"short write to {self._tmp}")
+            view = view[written:]
+        if len(self._pending) > 64:  # surface hashing errors early, bound the queue
+            done = [f for f in self._pending if f.done()]
+            for fut in done:
+                fut.result()
+            self._pending = [f for f in self._pending if not f.done()]
+
+    def _account(self, view: memoryview) -> None:
+        if self._sha is not None:
+            self._sha.update(view)
+        while len(view):
+            take = min(len(view), self._chunk_bytes - self._in_chunk)
+            self._crc = crc32(view[:take], self._crc)
+            self._in_chunk += take
+            view = view[take:]
+            if self._in_chunk == self._chunk_bytes:
+                self._crcs.append(self._crc)
+                self._crc, self._in_chunk = 0, 0
+
+    def pad_to(self, offset: int) -> None:
+        if offset > self.size_bytes:
+            self.write(bytes(offset - self.size_bytes))
+
+    def finish(self) -> DataFileInfo:
+        self._hasher.shutdown(wait=True)
+        for fut in self._pending:
+            fut.result()
+        if self._in_chunk:
+            self._crcs.append(self._crc)
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        os.replace(self._tmp, self.path)
+        return DataFileInfo(
+            name=self.path.name,
+            size_bytes=self.size_bytes,
+            sha256=self._sha.hexdigest() if self._sha is not None else "",
+            chunk_bytes=self._chunk_bytes,
+            chunk_crc32=self._crcs,
+        )
+
+    def abort(self) -> None:
+        self._hasher.shutdown(wait=True, cancel_futures=True)
+        with contextlib.suppress(OSError):
+            self._fh.close()
+        with contextlib.suppress(OSError):
+            self._tmp.unlink()
+
+
 def _crc_chunks(view: memoryview, chunk_bytes: int) -> list[int]:
     return [crc32(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)]
 
@@ -68,7 +177,7 @@ class BufferFileWriter:
         direct: bool = True,
     ) -> None:
         self.path = path
-        self._tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self._tmp = tmp_name(path)
         self._buf = buffer.cast("B") if buffer.format != "B" else buffer
         self._chunk = chunk_bytes
         self._slice = max(chunk_bytes, SLICE_BYTES // chunk_bytes * chunk_bytes)

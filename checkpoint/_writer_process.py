@@ -1,6 +1,6 @@
 """The writer process: persists snapshots from shared memory, outliving the trainer.
 
-Run as ``python -m checkpoint._writer_proc``. It reads JSON lines on stdin (``job``,
+Run as ``python -m checkpoint._writer_process``. It reads JSON lines on stdin (``job``,
 ``ready``, ``abort``) and answers JSON lines on stdout (``durable``, ``committed``,
 ``failed``, ``done``). End of stdin means the trainer is gone or closing: every snapshot
 already whole in shared memory is still persisted and committed (persist-at-breakpoint), the
@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from checkpoint.writer import PersistJob, PersistResult, lower_priority, persist_part
+from checkpoint._persist import PersistJob, PersistResult, lower_priority, persist_part
 
 
 class _Job:

@@ -17,12 +17,12 @@ from typing import Annotated, Any
 
 import typer
 
+from checkpoint._store import CheckpointReader, CheckpointStore
 from checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointIncompleteError,
 )
-from checkpoint.store import CheckpointReader, CheckpointStore
 
 app = typer.Typer(
     name="checkpoint",
@@ -241,7 +241,7 @@ def convert_cmd(
     """Consolidate a sharded checkpoint into one tensor per parameter."""
     if not src.is_dir():
         raise _fail(f"{src}: no such directory")
-    from checkpoint import convert
+    from checkpoint import _convert as convert
 
     fn = {
         ConvertFormat.universal: convert.to_universal,
@@ -265,7 +265,7 @@ def import_cmd(
     """Bring a safetensors file or a torch.distributed.checkpoint directory in."""
     if not src.exists():
         raise _fail(f"{src}: no such file or directory")
-    from checkpoint import convert
+    from checkpoint import _convert as convert
 
     try:
         if source == ImportFormat.safetensors:

@@ -1,4 +1,4 @@
-"""The engine's configuration."""
+"""The engine's configuration (one ``@dataclass``; every field says its unit and why)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from checkpoint.errors import CheckpointConfigError
-from checkpoint.storage import DEFAULT_CHUNK_BYTES
+from checkpoint.manifest import DEFAULT_CHUNK_BYTES
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,6 +35,17 @@ class CheckpointConfig:
     num_buffers: int = 1
     """Host buffers (each as large as one rank's state). With 1, a save waits for the
     previous one to be written; 2 lets a save overlap the previous write at 2x host memory."""
+
+    when_busy: Literal["skip", "coalesce", "wait"] = "skip"
+    """What a save does when the previous one is still being staged or written, so that
+    training never waits on storage. ``skip`` (default): the new save is not taken
+    (``save`` returns False, :attr:`Checkpointer.saves_skipped` counts it); the one in
+    flight still completes, so at most one interval of progress is at risk. ``coalesce``:
+    the new save is staged into a second host buffer and held back until the one in flight
+    is written; a newer save replaces a held one (:attr:`Checkpointer.saves_coalesced`),
+    so the newest state is what gets written next. Needs ``num_buffers >= 2``. ``wait``:
+    every save is taken and queued, and ``save`` blocks for a free host buffer (the
+    behaviour before this option). ``save(..., required=True)`` always waits."""
 
     sha256: bool = False
     """Also record a SHA-256 per data file. CRC-32 per 4 MiB chunk is always kept and catches
@@ -77,6 +88,15 @@ class CheckpointConfig:
             )
         if self.num_buffers < 1:
             raise CheckpointConfigError(f"num_buffers must be >= 1, got {self.num_buffers}")
+        if self.when_busy not in ("skip", "coalesce", "wait"):
+            raise CheckpointConfigError(
+                f"when_busy must be 'skip', 'coalesce' or 'wait', got {self.when_busy!r}"
+            )
+        if self.when_busy == "coalesce" and self.num_buffers < 2:
+            raise CheckpointConfigError(
+                "when_busy='coalesce' needs num_buffers >= 2 (one buffer being written, one "
+                "holding the newest save)"
+            )
         if self.commit_timeout_s <= 0:
             raise CheckpointConfigError("commit_timeout_s must be > 0")
         if not 0 <= self.writer_nice <= 19:

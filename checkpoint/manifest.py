@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
 from typing import Any
 
-from checkpoint.errors import CheckpointCorruptError
-
-FORMAT_VERSION = 1
+#: Written by this version. 2 added ``Entry.stored_by`` (a replica written once, by the
+#: rank named there); version 1 manifests (no such entries) are still read.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+#: Granularity of the per-chunk CRCs: a resharding reader reads whole chunks, so smaller
+#: chunks read less surplus; larger ones keep the rank manifest short (4 GiB -> 1,024 CRCs).
+DEFAULT_CHUNK_BYTES = 4 << 20
 MANIFEST_NAME = "MANIFEST.json"
 LATEST_NAME = "latest"
 #: Folder under the root that step directories of an abandoned timeline are moved into; not
 #: ``step-*``, so loading, listing and retention never see what is in it.
 ABANDONED_NAME = "abandoned"
-#: File naming the run that owns the root (see :func:`checkpoint.storage.check_fence`).
+#: File naming the run that owns the root (see :func:`checkpoint._commit.check_fence`).
 FENCE_NAME = "FENCE"
 #: Entry holding the pickled skeleton of the state (everything that is not a tensor).
 SKELETON_ENTRY = "__skeleton__"
@@ -77,6 +80,10 @@ class Entry:
     offset: int
     nbytes: int
     global_map: GlobalMap | None = None
+    #: ``None``: the bytes are in this rank's data file at ``offset``. Otherwise the rank
+    #: whose data file holds this tensor under the same name (data-parallel replicas are
+    #: written once, :mod:`checkpoint._dedup`); ``offset`` is then 0.
+    stored_by: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -156,99 +163,24 @@ def to_json_bytes(obj: Any) -> bytes:
     return json.dumps(plain(obj), sort_keys=True, separators=(",", ":")).encode()
 
 
-def _piece(raw: dict[str, Any]) -> Piece:
-    return Piece(
-        offsets=[int(x) for x in raw["offsets"]],
-        shape=[int(x) for x in raw["shape"]],
-        base=int(raw["base"]),
-        strides=[int(x) for x in raw["strides"]],
-    )
-
-
-def _global_map(raw: dict[str, Any] | None) -> GlobalMap | None:
-    if raw is None:
-        return None
-    return GlobalMap(
-        name=str(raw["name"]),
-        shape=[int(x) for x in raw["shape"]],
-        placement=str(raw["placement"]),
-        reduce=str(raw["reduce"]),
-        pieces=[_piece(p) for p in raw["pieces"]],
-    )
-
-
 def entry_from_dict(raw: dict[str, Any]) -> Entry:
+    """An entry from the engine's own job message (trusted: the writer process reads what
+    its trainer wrote); manifests on disk go through :func:`parse_rank_manifest`."""
+    gmap = raw.get("global_map")
     return Entry(
-        name=str(raw["name"]),
-        dtype=str(raw["dtype"]),
-        shape=[int(x) for x in raw["shape"]],
-        offset=int(raw["offset"]),
-        nbytes=int(raw["nbytes"]),
-        global_map=_global_map(raw.get("global_map")),
+        name=raw["name"],
+        dtype=raw["dtype"],
+        shape=list(raw["shape"]),
+        offset=raw["offset"],
+        nbytes=raw["nbytes"],
+        stored_by=raw.get("stored_by"),
+        global_map=None
+        if gmap is None
+        else GlobalMap(
+            name=gmap["name"],
+            shape=list(gmap["shape"]),
+            placement=gmap["placement"],
+            reduce=gmap["reduce"],
+            pieces=[Piece(**p) for p in gmap["pieces"]],
+        ),
     )
-
-
-def _load_json(path: Path, data: bytes | None = None) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_bytes() if data is None else data)
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as exc:
-        raise CheckpointCorruptError(f"{path}: unreadable manifest ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointCorruptError(f"{path}: manifest is not a JSON object")
-    if raw.get("format_version") != FORMAT_VERSION:
-        raise CheckpointCorruptError(
-            f"{path}: format_version {raw.get('format_version')!r}, this reader knows "
-            f"{FORMAT_VERSION}"
-        )
-    return raw
-
-
-def parse_rank_manifest(path: Path, data: bytes | None = None) -> RankManifest:
-    raw = _load_json(path, data)
-    try:
-        df = raw["data_file"]
-        return RankManifest(
-            step=int(raw["step"]),
-            rank=int(raw["rank"]),
-            world_size=int(raw["world_size"]),
-            layout={str(k): int(v) for k, v in raw["layout"].items()},
-            data_file=DataFileInfo(
-                name=str(df["name"]),
-                size_bytes=int(df["size_bytes"]),
-                sha256=str(df["sha256"]),
-                chunk_bytes=int(df["chunk_bytes"]),
-                chunk_crc32=[int(x) for x in df["chunk_crc32"]],
-            ),
-            entries=[entry_from_dict(e) for e in raw["entries"]],
-            created_unix_s=float(raw["created_unix_s"]),
-            run_id=str(raw.get("run_id", "")),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(f"{path}: malformed rank manifest ({exc!r})") from exc
-
-
-def parse_manifest(path: Path) -> Manifest:
-    raw = _load_json(path)
-    try:
-        return Manifest(
-            step=int(raw["step"]),
-            world_size=int(raw["world_size"]),
-            layout={str(k): int(v) for k, v in raw["layout"].items()},
-            ranks=[
-                RankRecord(
-                    rank=int(r["rank"]),
-                    manifest=str(r["manifest"]),
-                    manifest_sha256=str(r["manifest_sha256"]),
-                    data_file=str(r["data_file"]),
-                    size_bytes=int(r["size_bytes"]),
-                    sha256=str(r["sha256"]),
-                )
-                for r in raw["ranks"]
-            ],
-            total_bytes=int(raw["total_bytes"]),
-            created_unix_s=float(raw["created_unix_s"]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(f"{path}: malformed manifest ({exc!r})") from exc

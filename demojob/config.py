@@ -36,6 +36,11 @@ class JobConfig:
     ckpt_dir: Path
     ckpt_every: int
     """Steps between periodic checkpoints: a checkpoint after every ``ckpt_every`` steps."""
+    ckpt_skip_busy: bool = False
+    """TG_CKPT_SKIP_BUSY=1: a periodic checkpoint that comes due while any rank's previous
+    one is still being written is skipped by every rank, so training never waits on
+    storage. Off by default: the demo's tests and the controller's rollback expect a
+    checkpoint at every ``ckpt_every`` steps, which then may cost a wait on a slow disk."""
     global_batch: int
     """Sequences per step over the whole job; fixed across restarts so the curve continues."""
     step_sleep_s: float
@@ -128,6 +133,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> JobConfig:
         steps=_int(env, "TG_STEPS", None, minimum=1),
         ckpt_dir=Path(ckpt_dir),
         ckpt_every=_int(env, "TG_CKPT_EVERY", 5, minimum=1),
+        ckpt_skip_busy=bool(_int(env, "TG_CKPT_SKIP_BUSY", 0, minimum=0)),
         global_batch=batch,
         step_sleep_s=_float(env, "TG_STEP_SLEEP_S", 0.1),
         log_path=Path(log_path) if log_path else None,

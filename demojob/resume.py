@@ -10,8 +10,8 @@ universal: a job with another TP or DP size fills its own shards from it.
 Resume tries the committed checkpoints newest first, none past TRAINGUARD_RESUME_STEP (the
 caller makes the ranks agree on one that every rank could load, then sets aside the step
 directories newer than it). Saved by the same layout: every rank reads
-back its own part (``load_state``: bit-exact, RNG included). Another layout:
-``load_resharded`` fills this rank's parameters and moments from the saved fragments; the
+back its own part (``checkpoint.load``: bit-exact, RNG included). Another layout:
+``checkpoint.reshard`` fills this rank's parameters and moments from the saved fragments; the
 Adam step count is the checkpoint step (one optimizer step per training step).
 """
 
@@ -28,8 +28,8 @@ from checkpoint import (
     CheckpointStore,
     ParallelLayout,
     ShardingSpec,
-    load_resharded,
-    load_state,
+    load,
+    reshard,
 )
 from demojob.config import JobConfig
 from demojob.model import global_rules
@@ -108,11 +108,11 @@ def load_step(
             "checkpoint (expected tp and dp)"
         )
     if (saved_tp, saved_dp) == (cfg.tp, cfg.dp):
-        load_state(cfg.ckpt_dir, train_state(model, optim), rank=cfg.rank, step=step)
+        load(cfg.ckpt_dir, train_state(model, optim), rank=cfg.rank, step=step)
         return Resumed(step=step, saved_tp=saved_tp, saved_dp=saved_dp, resharded=False)
     targets: dict[str, torch.Tensor] = {
         f"model/{name}": tensor for name, tensor in model.state_dict().items()
     }
     targets.update(_empty_adam_state(optim, step))
-    load_resharded(cfg.ckpt_dir, targets, sharding=sharding_spec(model, cfg), step=step)
+    reshard(cfg.ckpt_dir, targets, sharding=sharding_spec(model, cfg), step=step)
     return Resumed(step=step, saved_tp=saved_tp, saved_dp=saved_dp, resharded=True)

@@ -97,7 +97,7 @@ def _run_id(cfg: JobConfig) -> str:
     """One id for this start of the job, the same on every rank (rank 0 draws it).
 
     Stamped into every rank's checkpoint parts and written to the checkpoint root's fence
-    (``checkpoint.storage``): rank 0 commits only this run's parts, and a writer process of
+    (``checkpoint._commit``): rank 0 commits only this run's parts, and a writer process of
     an earlier run that is still persisting stops instead of committing behind our back.
     """
     box = [f"gen{cfg.generation}-{secrets.token_hex(6)}" if cfg.rank == 0 else ""]
@@ -219,6 +219,7 @@ def run(cfg: JobConfig) -> int:
                     loss,
                     torch.tensor(float(collectives.should_stop())),
                     torch.tensor(float(collectives.should_checkpoint(step))),
+                    torch.tensor(float(ckpt.busy())),
                 ]
             )
             dist.all_reduce(agreed)
@@ -235,11 +236,16 @@ def run(cfg: JobConfig) -> int:
             record["resumed_from"] = resumed.step
         _log_line(log, record)
         done, stop, asked = step + 1, agreed[1].item() > 0, agreed[2].item() > 0
-        if done != last_saved and (
-            done % cfg.ckpt_every == 0 or asked or stop or done == cfg.steps
-        ):
-            ckpt.save(state, done)  # labelled by steps completed: resume runs step `done`
-            last_saved = done
+        required = asked or stop or done == cfg.steps  # never skipped: waits for a buffer
+        if done != last_saved and (done % cfg.ckpt_every == 0 or required):
+            # With TG_CKPT_SKIP_BUSY, a periodic save while any rank's previous one is still
+            # being written is skipped by every rank (agreed above), never by some: a step
+            # only some ranks saved could not commit; rank 0 would wait for missing parts.
+            if required or not cfg.ckpt_skip_busy or agreed[3].item() == 0:
+                ckpt.save(state, done, required=True)  # labelled by steps completed
+                last_saved = done
+            else:
+                ckpt.skip(done)
         if stop:
             break
     ckpt.close()  # durable on every rank, committed by rank 0

@@ -18,7 +18,8 @@ def run(root: str, writer: str, mode: str, numel: int, conn: Connection) -> None
     payload = torch.nn.Parameter(torch.zeros(numel))
     model = torch.nn.ParameterDict({"payload": payload})
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    ckpt = Checkpointer(CheckpointConfig(root=root, writer=writer, keep_last=2))  # type: ignore[arg-type]
+    cfg = CheckpointConfig(root=root, writer=writer, keep_last=2, when_busy="wait")  # type: ignore[arg-type]
+    ckpt = Checkpointer(cfg)
     writer_pid = ckpt._writer._proc.pid if writer == "process" else 0  # type: ignore[union-attr]
     conn.send(f"writer {writer_pid}")
     step = 0

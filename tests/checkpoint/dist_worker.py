@@ -9,8 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from checkpoint import CheckpointConfig, Checkpointer
-from checkpoint.reshard import load_resharded
+from checkpoint import CheckpointConfig, Checkpointer, reshard
 from checkpoint.rules import ParallelLayout
 from tests.checkpoint.megatron import full_state, ln_mean, rank_state
 
@@ -18,8 +17,8 @@ from tests.checkpoint.megatron import full_state, ln_mean, rank_state
 FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed.tensor",
-    "checkpoint.engine",
-    "checkpoint.reshard",
+    "checkpoint._engine",
+    "checkpoint._reshard",
     "tests.checkpoint.crash_trainer",
     "tests.checkpoint.dist_worker",
 ]
@@ -68,7 +67,7 @@ def load_rank(rank: int, root: str, init_file: str, out_dir: str) -> None:
     dfull = dtensor_full()
     targets["dt/w"] = distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1)])
     targets["dt/b"] = distribute_tensor(torch.zeros(8), mesh, [Replicate()])
-    result = load_resharded(root, targets, sharding=spec)
+    result = reshard(root, targets, sharding=spec)
     assert result.step == 5
     for name, value in expected.items():
         want = ln_mean(full, 4) if name == "model/ln.weight" else value

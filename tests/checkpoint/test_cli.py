@@ -11,11 +11,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from checkpoint import CheckpointStore, reshard
 from checkpoint.cli import app
 from checkpoint.manifest import rank_data_name, step_dir_name
-from checkpoint.reshard import load_resharded
 from checkpoint.rules import ParallelLayout
-from checkpoint.store import CheckpointStore
 from tests.checkpoint.megatron import PADDED_PER_TP, full_state, ln_mean, rank_state, save_sharded
 
 runner = CliRunner()
@@ -114,7 +113,7 @@ def test_convert_universal_then_load_into_tp2(
     layout = ParallelLayout(tp=2, tp_rank=1, dp=1)
     expected, spec = rank_state(full, layout, PADDED_PER_TP)
     targets = {k: torch.zeros_like(v) for k, v in expected.items()}
-    load_resharded(out, targets, sharding=spec)
+    reshard(out, targets, sharding=spec)
     for name, value in targets.items():
         want = ln_mean(full, 4) if name == "model/ln.weight" else expected[name]
         assert torch.equal(value, want), name
@@ -147,7 +146,7 @@ def test_safetensors_and_dcp_round_trips(
     assert result.exit_code == 0, result.output
     for name, value in full.items():
         target = torch.zeros_like(value)
-        load_resharded(again, {name: target})
+        reshard(again, {name: target})
         want = ln_mean(full, 4) if name == "model/ln.weight" else value
         assert torch.equal(target, want), name
     bad = runner.invoke(app, ["import", str(st), str(tmp_path / "x"), "--from", "dcp"])

@@ -9,6 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint import CheckpointStore
+from checkpoint._commit import (
+    apply_retention,
+    commit,
+    read_fence,
+    write_fence,
+)
+from checkpoint._persist import PersistJob, persist_part
+from checkpoint._write import DataFileWriter
 from checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
@@ -16,15 +25,6 @@ from checkpoint.errors import (
     CheckpointSupersededError,
 )
 from checkpoint.manifest import MANIFEST_NAME, Entry, rank_data_name, step_dir_name
-from checkpoint.storage import (
-    DataFileWriter,
-    apply_retention,
-    commit,
-    read_fence,
-    write_fence,
-)
-from checkpoint.store import CheckpointStore
-from checkpoint.writer import PersistJob, persist_part
 
 
 def _entries(sizes: list[int]) -> tuple[list[Entry], bytes]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import CheckpointStore, load_state
+from checkpoint import CheckpointStore, load
 from checkpoint.manifest import MANIFEST_NAME, step_dir_name
 from tests.checkpoint.crash_trainer import run
 from tests.checkpoint.dist_worker import FORKSERVER_PRELOAD
@@ -63,7 +63,7 @@ def _assert_consistent(root: Path, numel: int) -> int:
     assert pointer is not None
     store.open(pointer).close()  # "latest" itself must open, not just some fallback
     payload = torch.nn.ParameterDict({"payload": torch.nn.Parameter(torch.zeros(numel))})
-    restored = load_state(root, {"model": payload, "step": None}, restore_rng=False)
+    restored = load(root, {"model": payload, "step": None}, restore_rng=False)
     assert restored.step == pointer == restored.values["step"]
     assert torch.all(payload["payload"] == restored.step), "torn checkpoint"
     return restored.step

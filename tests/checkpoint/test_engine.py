@@ -145,7 +145,8 @@ def test_buffers_and_loose_tensors_are_copied_before_save_returns(tmp_path: Path
 
 def test_retention_and_fallback_when_newest_is_corrupt(tmp_path: Path) -> None:
     trainer = Trainer()
-    with Checkpointer(CheckpointConfig(root=tmp_path, keep_last=2, writer="thread")) as ckpt:
+    cfg = CheckpointConfig(root=tmp_path, keep_last=2, writer="thread", when_busy="wait")
+    with Checkpointer(cfg) as ckpt:
         for step in range(1, 5):
             trainer.step()
             ckpt.save(trainer.state(), step=step)
@@ -248,7 +249,13 @@ def test_mirror_tier_gets_a_committed_copy(tmp_path: Path, writer: str) -> None:
 
     local, mirror = tmp_path / "local", tmp_path / "persistent"
     trainer = Trainer()
-    cfg = CheckpointConfig(root=local, mirror_root=mirror, keep_last=1, writer=writer)  # type: ignore[arg-type]
+    cfg = CheckpointConfig(
+        root=local,
+        mirror_root=mirror,
+        keep_last=1,
+        writer=writer,  # type: ignore[arg-type]
+        when_busy="wait",
+    )
     with Checkpointer(cfg) as ckpt:
         for step in (1, 2):
             trainer.step()
@@ -270,7 +277,7 @@ def test_stale_shared_buffers_of_dead_trainers_are_reaped(tmp_path: Path) -> Non
     import os
     import subprocess
 
-    from checkpoint.buffers import PREFIX, reap_stale_buffers
+    from checkpoint._stage import PREFIX, reap_stale_buffers
 
     proc = subprocess.Popen(["true"])  # its pid, once reaped, belongs to no process
     proc.wait()
@@ -286,7 +293,13 @@ def test_stale_shared_buffers_of_dead_trainers_are_reaped(tmp_path: Path) -> Non
 @pytest.mark.parametrize("writer", WRITERS)
 def test_two_host_buffers_keep_back_to_back_saves_apart(tmp_path: Path, writer: str) -> None:
     """With two buffers a save overlaps the previous write; each step must keep its own bytes."""
-    cfg = CheckpointConfig(root=tmp_path, writer=writer, num_buffers=2, keep_last=5)  # type: ignore[arg-type]
+    cfg = CheckpointConfig(
+        root=tmp_path,
+        writer=writer,  # type: ignore[arg-type]
+        num_buffers=2,
+        keep_last=5,
+        when_busy="wait",
+    )
     trainer = Trainer()
     expected: dict[int, dict[str, torch.Tensor]] = {}
     with Checkpointer(cfg) as ckpt:

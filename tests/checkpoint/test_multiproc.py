@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from checkpoint.store import CheckpointStore
+from checkpoint import CheckpointStore
 from tests.checkpoint import dist_worker
 
 

@@ -15,7 +15,6 @@ PUBLIC = {
     "CheckpointIncompleteError",
     "CheckpointLayoutError",
     "CheckpointNotFoundError",
-    "CheckpointReader",
     "CheckpointStore",
     "CheckpointSupersededError",
     "CheckpointWriteError",
@@ -27,8 +26,9 @@ PUBLIC = {
     "ShardingRuleError",
     "ShardingSpec",
     "ZeroPartition",
-    "load_resharded",
-    "load_state",
+    "load",
+    "reshard",
+    "verify",
 }
 
 

@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import CheckpointConfig, CheckpointCorruptError, Checkpointer
+from checkpoint import CheckpointConfig, CheckpointCorruptError, Checkpointer, CheckpointStore
+from checkpoint._reshard import consolidate, load_resharded
 from checkpoint.errors import CheckpointLayoutError, CheckpointNotFoundError, ShardingRuleError
 from checkpoint.manifest import rank_data_name, step_dir_name
-from checkpoint.reshard import consolidate, load_resharded
 from checkpoint.rules import ParallelLayout, RuleSpec
 from checkpoint.sharding import ShardingSpec
-from checkpoint.store import CheckpointStore
 from tests.checkpoint.megatron import (
     PADDED_PER_TP,
     full_state,

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from checkpoint import crc
-from checkpoint.bufferfile import BufferFileWriter, gaps_are_zero
+from checkpoint._persist import PersistJob, persist_part
+from checkpoint._write import BufferFileWriter, DataFileWriter, gaps_are_zero
 from checkpoint.crc import crc32
 from checkpoint.manifest import Entry, GlobalMap, Piece, to_json_bytes
-from checkpoint.storage import DataFileWriter
-from checkpoint.writer import PersistJob, persist_part
 
 CHUNK = 64 << 10
 
