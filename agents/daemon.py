@@ -117,6 +117,7 @@ class Agent:
             timeout_s=settings.nvml_timeout_s,
         )
         inventory = self.sampler.open()
+        self._inventory_version = self.sampler.inventory_version
         self.nics = NicMonitor(settings.sysfs_root)
         self.executor = CommandExecutor(
             api,
@@ -228,6 +229,12 @@ class Agent:
                 due = self.backend.api.inject(fault)
                 log.warning("simulated fault injected: %s", due.to_spec())
         gpus = self.sampler.sample()
+        if self.sampler.inventory_version != self._inventory_version:
+            # A GPU that hung at start answered: its real identity replaces the placeholder.
+            self._inventory_version = self.sampler.inventory_version
+            inventory = self.sampler.inventory
+            self.identity = self.identity.model_copy(update={"gpus": inventory})
+            self.metrics_source.inventory = inventory
         now = time.time()
         power_w, source = self.node_power.node_power(gpus)
         nics, nic_events = self.nics.sample(now)
@@ -401,9 +408,8 @@ def run(settings: AgentSettings) -> None:
         # started the agent by hand must see that its GPUs are not being watched.
         try:
             agent.start()
-            agent.flush()
         finally:
-            agent.stop()
+            agent.stop()  # seals one report (the identity says gpu_error) and sends it
         raise GpuWatchError(
             f"{agent.backend.error}; reported node {settings.node_name} unhealthy. "
             "Run with --no-foreground to keep reporting, or gpus=sim:N to simulate"

@@ -129,6 +129,10 @@ class GpuSampler:
         self.timeout_s = timeout_s
         self._clock = clock
         self._workers: dict[int, _Worker] = {}
+        #: GPUs whose inventory could not be read at start (they hung or failed).
+        self._undiscovered: set[int] = set()
+        #: Grows when a GPU's inventory changes after ``open`` (the report's identity follows).
+        self.inventory_version = 0
         self._transitions = GpuTransitions()
         #: Hardware events (link flaps, PCIe drops, GPUs turning unknown) not yet taken.
         self.events: list[HardwareEvent] = []
@@ -164,12 +168,27 @@ class GpuSampler:
             if worker.wait(deadline - time.monotonic()) and worker.exc is None:
                 self._gpus[i] = worker.result
             else:
+                self._undiscovered.add(gpu.index)
                 log.error(
                     "GPU %d: no inventory (%s); it is reported unknown until NVML answers",
                     gpu.index,
                     repr(worker.exc) if worker.exc else "NVML call hung",
                 )
         return self.inventory
+
+    def _rediscover(self) -> None:
+        """Adopt the inventory of a GPU that hung at start once its reads finish (or retry)."""
+        for pos, gpu in enumerate(self._gpus):
+            worker = self._workers[gpu.index]
+            if gpu.index not in self._undiscovered or worker.busy_since is not None:
+                continue
+            if isinstance(worker.result, _Gpu) and worker.exc is None:
+                self._gpus[pos] = worker.result
+                self._undiscovered.discard(gpu.index)
+                self.inventory_version += 1
+                log.warning("GPU %d answers again: %s", gpu.index, worker.result.info.uuid)
+            else:
+                worker.submit(functools.partial(self._discover, gpu.index, gpu.handle))
 
     def _discover(self, index: int, handle: Any) -> _Gpu:
         gpu = _Gpu(index, handle, self._inventory(index, handle))
@@ -273,6 +292,8 @@ class GpuSampler:
     def sample(self) -> list[GpuSample]:
         """One sample per GPU, read in parallel; never raises for a driver error or hang."""
         now = self._clock()
+        if self._undiscovered:
+            self._rediscover()
         started: list[_Gpu] = []
         for gpu in self._gpus:
             worker = self._workers[gpu.index]

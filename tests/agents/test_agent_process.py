@@ -126,3 +126,29 @@ def test_bad_settings_exit_2_with_one_line(tmp_path: Path) -> None:
         assert result.returncode == 2, (args, result.stderr)
         lines = [line for line in result.stderr.splitlines() if "error" in line]
         assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_broken_nvml_on_a_gpu_node_exits_3_in_the_foreground(
+    tmp_path: Path, agents_controller: FakeController
+) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidia0").write_text("")
+    (dev / "nvidiactl").write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_AGENT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "agents", "--gpus", "auto", "--dev-dir", str(dev), "--foreground",
+         "--controller", agents_controller.url, "--token", TOKEN, "--node-name", "broken-gpu",
+         "--metrics-port", "-1", "--socket-path", "", "--spool-dir", str(tmp_path / "spool"),
+         "--sysfs-root", str(tmp_path / "sys")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if result.returncode == 0 or "NVML failed" not in result.stderr:
+        pytest.skip(f"this machine's NVML works (rc={result.returncode})")
+    assert result.returncode == 3, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "NVML failed" in lines[0] and "/nvidia0" in lines[0]
+    (report,) = agents_controller.state.ordered()
+    assert report.node.name == "broken-gpu" and report.node.gpus == []
+    assert report.node.gpu_error.startswith("NVML failed (NVML Shared Library Not Found)")

@@ -168,3 +168,24 @@ def test_a_hung_nvml_call_marks_that_gpu_unknown_and_sampling_goes_on() -> None:
     finally:
         api.release_hangs()
         sampler.close()
+
+
+def test_a_gpu_that_hung_at_start_gets_its_real_identity_once_it_answers() -> None:
+    api = SimNvml(gpu_count=2, faults=parse_fault_specs("kind=hang,gpu=1,duration=0.4"))
+    api.nvmlInit()
+    sampler = GpuSampler(api, timeout_s=0.05)
+    try:
+        assert [g.uuid for g in sampler.open()][1] == "gpu-1-unknown"
+        assert sampler.sample()[1].unknown and sampler.inventory_version == 0
+        deadline = time.monotonic() + 5
+        while sampler.inventory_version == 0:
+            assert time.monotonic() < deadline
+            sampler.sample()
+            time.sleep(0.02)
+        real = api.nvmlDeviceGetUUID(api.nvmlDeviceGetHandleByIndex(1))
+        assert sampler.inventory[1].uuid == real and len(sampler.inventory[1].uuid) > 20
+        later = sampler.sample()[1]
+        assert not later.unknown and later.uuid == real and later.power_w is not None
+    finally:
+        api.release_hangs()
+        sampler.close()
