@@ -13,12 +13,12 @@ import time
 from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
 
-from sqlalchemy import Connection, delete, text
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from controller.auth import Authenticator
 from controller.db.migrate import head_revision, is_up_to_date, revision_of, upgrade
-from controller.db.models import GpuHistory
+from controller.db.repositories import history
 from controller.db.session import make_engine
 from controller.errors import NotMigrated
 from controller.loader import load_state
@@ -223,10 +223,7 @@ class Controller:
     async def _prune_history(self, now: float) -> None:
         cutoff = now - self.settings.history_retention_s
 
-        def prune(conn: Connection) -> None:
-            conn.execute(delete(GpuHistory).where(GpuHistory.end_unix_s < cutoff))
-
-        await self.store.write(prune)
+        await self.store.write(lambda conn: history.prune_history(conn, cutoff))
 
     async def _checkpoint_wal(self, _now: float) -> None:
         """Copy the SQLite WAL into the database file off the commit path.

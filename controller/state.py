@@ -6,20 +6,22 @@ jobs, status) answer from here without touching the database. At start the state
 back from the database, so a restarted controller keeps inventory, health, dedupe cursors,
 open incidents and undelivered commands.
 
-``row_for`` turns a dirty key (``("nodes", (name,))``) into the full row to upsert, read at
-flush time so a batch always writes the newest values.
+``row_for`` turns a typed dirty key (:mod:`controller.db.keys`, e.g. ``NodeKey(name)``) into
+the full row to upsert, read at flush time so a batch always writes the newest values.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from controller.db.keys import CommandKey, CursorKey, GpuKey, JobKey, NodeKey, RankKey, RowKey
+from controller.db.repositories import commands as repo_commands
+from controller.db.repositories import jobs as repo_jobs
+from controller.db.repositories import nodes as repo_nodes
 from trainguard import wire
-
-RowKey = tuple[str, tuple[Any, ...]]
 
 NODE_HEALTH = ("healthy", "unhealthy", "lost", "unknown")
 
@@ -58,6 +60,10 @@ class NodeState:
     #: Why the remediation engine keeps work off this node (``None``: not isolated).
     isolated_reason: str | None = None
     isolated_unix_s: float | None = None
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
 
     @property
     def gpus_unhealthy(self) -> int:
@@ -132,6 +138,44 @@ class Cursor:
         return max([self.committed_seq, *self.pending])
 
 
+#: Node fields a report's undo leaves alone: isolation has a write path of its own (written
+#: before it is shown), and ``last_seen_unix_s`` is liveness, not stored state (a node whose
+#: reports reach us while the database is away is not lost).
+KEPT_ON_UNDO = frozenset({"isolated_reason", "isolated_unix_s", "last_seen_unix_s"})
+
+
+@dataclass(slots=True)
+class ReportSnapshot:
+    """What one report may change, as it was before: put back if the report is not stored.
+
+    Ingest applies a report to memory before its group commit (the batch reads the newest
+    rows from memory); if the commit fails, :meth:`ClusterState.restore` undoes it, so the
+    API never serves a report the database does not have.
+    """
+
+    node_name: str
+    node: NodeState | None
+    cursor_key: tuple[str, str]
+    jobs: dict[str, JobState | None]
+    commands: dict[str, CommandState]
+
+
+def _copy_node(node: NodeState) -> NodeState:
+    return replace(
+        node, labels=dict(node.labels), gpus={i: replace(g) for i, g in node.gpus.items()}
+    )
+
+
+def _copy_job(job: JobState) -> JobState:
+    return replace(job, ranks={r: replace(rank) for r, rank in job.ranks.items()})
+
+
+def _put_back(live: Any, saved: Any, skip: frozenset[str] = frozenset()) -> None:
+    for f in fields(live):
+        if f.name not in skip:
+            setattr(live, f.name, getattr(saved, f.name))
+
+
 class ClusterState:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeState] = {}
@@ -173,6 +217,52 @@ class ClusterState:
     def pending_commands(self, node: str) -> Iterator[CommandState]:
         return (c for c in self.commands.values() if c.node == node and c.status == "pending")
 
+    # ------------------------------------------------------------------ undo
+
+    def snapshot(self, report: wire.Report) -> ReportSnapshot:
+        """Copies of everything ``report`` can change (see :class:`ReportSnapshot`)."""
+        name = report.node.name
+        node = self.nodes.get(name)
+        records = report.job
+        job_names = {
+            item.job
+            for group in (records.steps, records.rank_events, records.inflight, records.checkpoints)
+            for item in group
+        }
+        jobs = {
+            j: (None if (job := self.jobs.get(j)) is None else _copy_job(job)) for j in job_names
+        }
+        ids = {ack.command_id for ack in report.command_acks}
+        ids |= {c.id for c in self.pending_commands(name)}
+        commands = {i: replace(c) for i in ids if (c := self.commands.get(i)) is not None}
+        key = (name, report.agent_instance)
+        return ReportSnapshot(
+            node_name=name,
+            node=None if node is None else _copy_node(node),
+            cursor_key=key,
+            jobs=jobs,
+            commands=commands,
+        )
+
+    def restore(self, snap: ReportSnapshot) -> None:
+        """Undo a report that was not stored: memory is again what the database holds."""
+        live = self.nodes.get(snap.node_name)
+        if snap.node is None:
+            self.nodes.pop(snap.node_name, None)
+        elif live is not None:
+            _put_back(live, snap.node, KEPT_ON_UNDO)
+        cursor = self.cursors.get(snap.cursor_key)
+        if cursor is not None and not cursor.pending and cursor.committed_seq < 0:
+            del self.cursors[snap.cursor_key]  # nothing of this agent instance is stored
+        for name, saved_job in snap.jobs.items():
+            if saved_job is None:
+                self.jobs.pop(name, None)
+            elif (live_job := self.jobs.get(name)) is not None:
+                _put_back(live_job, saved_job)
+        for command_id, saved in snap.commands.items():
+            if (live_command := self.commands.get(command_id)) is not None:
+                _put_back(live_command, saved)
+
     # ------------------------------------------------------------------ summaries
 
     def nodes_by_health(self) -> dict[str, int]:
@@ -184,114 +274,46 @@ class ClusterState:
     # ------------------------------------------------------------------ rows
 
     def row_for(self, key: RowKey) -> dict[str, Any] | None:
-        """The full row for a dirty key, or ``None`` if the entity no longer exists."""
-        table, pk = key
-        if table == "nodes":
-            return self._node_row(pk[0])
-        if table == "gpus":
-            return self._gpu_row(pk[0], pk[1])
-        if table == "agent_cursors":
-            return self._cursor_row(pk[0], pk[1])
-        if table == "jobs":
-            return self._job_row(pk[0])
-        if table == "ranks":
-            return self._rank_row(pk[0], pk[1])
-        if table == "commands":
-            return self._command_row(pk[0])
-        raise KeyError(f"no row builder for table {table!r}")
+        """The full row for a dirty key, or ``None`` if the entity no longer exists.
 
-    def _node_row(self, name: str) -> dict[str, Any] | None:
-        n = self.nodes.get(name)
-        if n is None:
-            return None
-        return {
-            "name": n.name,
-            "hostname": n.hostname,
-            "labels": n.labels,
-            "backend": n.backend,
-            "agent_version": n.agent_version,
-            "driver_version": n.driver_version,
-            "health": n.health,
-            "health_reason": n.health_reason,
-            "gpu_count": len(n.gpus),
-            "power_w": n.power_w,
-            "spool_dropped_total": n.spool_dropped_total,
-            "first_seen_unix_s": n.first_seen_unix_s,
-            "last_report_unix_s": n.last_report_unix_s,
-            "isolated_reason": n.isolated_reason,
-            "isolated_unix_s": n.isolated_unix_s,
-        }
+        The columns come from the entity's attributes of the same name (the repositories
+        map them), so a new column needs only the model and the dataclass field.
+        """
+        match key:
+            case NodeKey(name):
+                node = self.nodes.get(name)
+                return None if node is None else repo_nodes.node_row(node)
+            case GpuKey(node_name, index):
+                owner = self.nodes.get(node_name)
+                gpu = None if owner is None else owner.gpus.get(index)
+                return None if gpu is None else repo_nodes.gpu_row(node_name, gpu)
+            case CursorKey(node_name, instance):
+                cursor = self.cursors.get((node_name, instance))
+                if cursor is None:
+                    return None
+                return repo_nodes.cursor_row(node_name, instance, cursor.highest(), time.time())
+            case JobKey(name):
+                job = self.jobs.get(name)
+                return None if job is None else repo_jobs.job_row(job)
+            case RankKey(job_name, rank_no):
+                owner_job = self.jobs.get(job_name)
+                rank = None if owner_job is None else owner_job.ranks.get(rank_no)
+                return None if rank is None else repo_jobs.rank_row(job_name, rank)
+            case CommandKey(command_id):
+                command = self.commands.get(command_id)
+                return None if command is None else repo_commands.command_row(command)
 
-    def _gpu_row(self, node: str, index: int) -> dict[str, Any] | None:
-        n = self.nodes.get(node)
-        g = None if n is None else n.gpus.get(index)
-        if g is None:
-            return None
-        return {
-            "node_name": node,
-            "index": g.index,
-            "uuid": g.uuid,
-            "name": g.name,
-            "pci_bus_id": g.pci_bus_id,
-            "memory_total_bytes": g.memory_total_bytes,
-            "health": g.health,
-            "health_reason": g.health_reason,
-            "ecc_uncorrected_total": g.ecc_uncorrected_total,
-        }
 
-    def _cursor_row(self, node: str, instance: str) -> dict[str, Any] | None:
-        cursor = self.cursors.get((node, instance))
-        if cursor is None:
-            return None
-        return {
-            "node_name": node,
-            "agent_instance": instance,
-            "last_seq": cursor.highest(),
-            "updated_unix_s": time.time(),
-        }
-
-    def _job_row(self, name: str) -> dict[str, Any] | None:
-        j = self.jobs.get(name)
-        if j is None:
-            return None
-        return {
-            "name": j.name,
-            "world_size": j.world_size,
-            "last_step": j.last_step,
-            "first_seen_unix_s": j.first_seen_unix_s,
-            "last_seen_unix_s": j.last_seen_unix_s,
-        }
-
-    def _rank_row(self, job: str, rank: int) -> dict[str, Any] | None:
-        j = self.jobs.get(job)
-        r = None if j is None else j.ranks.get(rank)
-        if r is None:
-            return None
-        return {
-            "job_name": job,
-            "rank": r.rank,
-            "node_name": r.node,
-            "gpu_index": r.gpu_index,
-            "local_rank": r.local_rank,
-            "pid": r.pid,
-            "state": r.state,
-            "exit_code": r.exit_code,
-            "last_step": r.last_step,
-            "last_seen_unix_s": r.last_seen_unix_s,
-        }
-
-    def _command_row(self, command_id: str) -> dict[str, Any] | None:
-        c = self.commands.get(command_id)
-        if c is None:
-            return None
-        return {
-            "id": c.id,
-            "node_name": c.node,
-            "kind": c.kind,
-            "params": c.params,
-            "status": c.status,
-            "reason": c.reason,
-            "created_unix_s": c.created_unix_s,
-            "sent_unix_s": c.sent_unix_s,
-            "finished_unix_s": c.finished_unix_s,
-        }
+__all__ = [
+    "NODE_HEALTH",
+    "ClusterState",
+    "CommandState",
+    "Cursor",
+    "GpuState",
+    "IncidentState",
+    "JobState",
+    "NodeState",
+    "RankState",
+    "ReportSnapshot",
+    "RowKey",
+]

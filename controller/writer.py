@@ -7,12 +7,16 @@ in one transaction on the store's writer thread, and only then resolves the futu
 report is acknowledged only once its rows are durable. While one commit runs the next batch
 fills, so under load batches grow and the number of transactions per second stays bounded.
 
-Upserts are *keys*, resolved to full rows from the in-memory state at flush time
-(``row_for``), so one batch writes each entity once with its newest values, whatever order
-reports arrived in. If a commit fails, each report of the batch is retried alone, so one bad
-report cannot fail its batch-mates; those that still fail answer 503 (their dedupe cursor is
-rolled back, so the agent's retry is accepted) and their upsert keys are carried into the
-next batches, for a bounded number of attempts.
+Upserts are typed *keys* (:mod:`controller.db.keys`), resolved to full rows from the
+in-memory state at flush time (``row_for``), so one batch writes each entity once with its
+newest values, whatever order reports arrived in; the rows are stored by the tables'
+repositories (:func:`controller.db.repositories.write_batch`), never here.
+
+If a commit fails, each report of the batch is retried alone, so one bad report cannot fail
+its batch-mates; those that still fail get the database's error as
+:mod:`controller.db.errors` maps it (422/409 for data it refuses, 503 when it is away; their
+dedupe cursor is rolled back, so the agent's retry is accepted) and their upsert keys are
+carried into the next batches, for a bounded number of attempts.
 """
 
 from __future__ import annotations
@@ -22,18 +26,18 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Table
 
+from controller.db.keys import RowKey
 from controller.db.models import Base
-from controller.state import RowKey
-from controller.store import Store, bulk_insert, upsert
+from controller.db.repositories import write_batch
+from controller.store import Store
 
 log = logging.getLogger(__name__)
 
-#: Tables in foreign-key order, so parents are written before children in one transaction.
-TABLE_ORDER = [t.name for t in Base.metadata.sorted_tables]
+T = TypeVar("T")
 
 #: A row whose write keeps failing is given up after this many batches (the in-memory
 #: state still has it, and the next report touching it queues it again).
@@ -42,7 +46,8 @@ MAX_CARRY_ATTEMPTS = 3
 
 @dataclass(slots=True)
 class Contribution:
-    inserts: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    #: Rows appended to append-only tables (``GpuHistory``, ``Checkpoint``), by model.
+    inserts: dict[type[Base], list[dict[str, Any]]] = field(default_factory=dict)
     upserts: set[RowKey] = field(default_factory=set)
     on_commit: Callable[[], None] | None = None
     on_failure: Callable[[BaseException], None] | None = None
@@ -68,6 +73,7 @@ class GroupCommitWriter:
         *,
         flush_interval_s: float,
         max_rows: int,
+        on_batch: Callable[[int, float], None] | None = None,
     ) -> None:
         self._store = store
         self._row_for = row_for
@@ -83,7 +89,7 @@ class GroupCommitWriter:
         self.batches = 0
         self.last_error: str = ""
         #: Called with (reports in batch, seconds the commit took) after each commit.
-        self.on_batch: Callable[[int, float], None] | None = None
+        self.on_batch = on_batch
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="tg-group-commit")
@@ -103,6 +109,14 @@ class GroupCommitWriter:
         if self._rows_queued >= self._max_rows:
             self._full.set()
         return contribution.future
+
+    async def run(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn`` in a transaction of its own, ordered with the batches (same thread).
+
+        For a change that must be durable *before* it is shown (write, then publish): the
+        caller changes memory only once this returns.
+        """
+        return await self._store.write(fn)
 
     def mark_dirty(self, keys: set[RowKey]) -> None:
         """Write these rows with the next batch; nobody waits for them."""
@@ -204,16 +218,16 @@ class GroupCommitWriter:
         )
 
     async def _commit(self, contributions: list[Contribution], keys: set[RowKey]) -> None:
-        upserts: dict[str, list[dict[str, Any]]] = {}
-        for table_name, pk in keys:
-            row = self._row_for((table_name, pk))
+        upserts: dict[Table, list[dict[str, Any]]] = {}
+        for key in keys:
+            row = self._row_for(key)
             if row is not None:
-                upserts.setdefault(table_name, []).append(row)
-        inserts: dict[str, list[dict[str, Any]]] = {}
+                upserts.setdefault(key.table, []).append(row)
+        inserts: dict[Table, list[dict[str, Any]]] = {}
         for c in contributions:
-            for table_name, rows in c.inserts.items():
-                inserts.setdefault(table_name, []).extend(rows)
-        await self._store.write(lambda conn: _write(conn, upserts, inserts))
+            for model, rows in c.inserts.items():
+                inserts.setdefault(model.__table__, []).extend(rows)  # type: ignore[arg-type]
+        await self._store.write(lambda conn: write_batch(conn, upserts, inserts))
 
 
 def _settle(c: Contribution, exc: BaseException | None) -> None:
@@ -232,18 +246,3 @@ def _settle(c: Contribution, exc: BaseException | None) -> None:
             c.future.set_exception(exc)
             # Nobody may await it (a cancelled request); don't warn about it.
             c.future.exception()
-
-
-def _write(
-    conn: Connection,
-    upserts: dict[str, list[dict[str, Any]]],
-    inserts: dict[str, list[dict[str, Any]]],
-) -> None:
-    tables = Base.metadata.tables
-    for name in TABLE_ORDER:
-        if name in upserts:
-            upsert(conn, tables[name], upserts[name])
-    for name in TABLE_ORDER:
-        rows = inserts.get(name)
-        if rows:
-            bulk_insert(conn, tables[name], rows)

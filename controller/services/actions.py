@@ -10,10 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import Connection, update
-
-from controller.db.models import Action
-from controller.store import Store, table
+from controller.db.repositories import actions as repo
+from controller.store import Store
 
 #: Statuses an action ends in (``ActionPublic.status``).
 FINAL_STATUSES = frozenset({"succeeded", "failed", "dry_run", "skipped"})
@@ -46,11 +44,7 @@ class ActionService:
             "finished_unix_s": None if status not in FINAL_STATUSES else time.time(),
         }
 
-        def insert(conn: Connection) -> int:
-            result = conn.execute(table("actions").insert().returning(Action.id), row)
-            return int(result.scalar_one())
-
-        return await self._store.write(insert)
+        return await self._store.write(lambda conn: repo.insert_action(conn, row))
 
     async def update(
         self,
@@ -74,10 +68,7 @@ class ActionService:
         if not values:
             return
 
-        def write(conn: Connection) -> None:
-            conn.execute(update(Action).where(Action.id == action_id).values(**values))
-
-        await self._store.write(write)
+        await self._store.write(lambda conn: repo.update_action(conn, action_id, values))
 
 
 __all__ = ["FINAL_STATUSES", "ActionService"]

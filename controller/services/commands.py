@@ -8,6 +8,7 @@ A reply whose report fails to commit puts its commands back to ``pending``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -15,10 +16,12 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from controller.db.keys import CommandKey
+from controller.db.repositories import commands as repo_commands
 from controller.errors import InvalidInput, NotFound
 from controller.state import ClusterState, CommandState
 from controller.validation import first_unstorable
-from controller.writer import Contribution, GroupCommitWriter
+from controller.writer import GroupCommitWriter
 from trainguard import wire
 
 log = logging.getLogger(__name__)
@@ -76,12 +79,10 @@ class CommandService:
             created_unix_s=now,
         )
         to_wire(command)  # proves the agent will be able to parse it
+        # Write, then publish: a command the database refused was never handed to an agent.
+        row = repo_commands.command_row(command)
+        await self._writer.run(lambda conn: repo_commands.upsert_commands(conn, [row]))
         self._state.commands[command.id] = command
-        try:
-            await self._writer.submit(Contribution(upserts={("commands", (command.id,))}))
-        except Exception:
-            self._state.commands.pop(command.id, None)
-            raise
         log.info(
             "command queued",
             extra={
@@ -92,7 +93,7 @@ class CommandService:
 
     async def tick(self, now_unix_s: float) -> None:
         """Expire unacknowledged commands and forget finished ones."""
-        expired = set()
+        expired: list[tuple[CommandState, str]] = []
         for command in list(self._state.commands.values()):
             if command.status in FINAL:
                 done = command.finished_unix_s or command.created_unix_s
@@ -100,16 +101,30 @@ class CommandService:
                     del self._state.commands[command.id]
                 continue
             if now_unix_s - command.created_unix_s > self.expire_after_s:
-                command.status = "expired"
-                command.reason = (
+                reason = (
                     f"no acknowledgement within {self.expire_after_s:g} s "
                     f"(was {'delivered' if command.sent_unix_s else 'never delivered'})"
                 )
-                command.finished_unix_s = now_unix_s
-                expired.add(("commands", (command.id,)))
-                log.warning(
-                    "command expired",
-                    extra={"fields": {"command": command.id, "node": command.node}},
-                )
-        if expired:
-            await self._writer.submit(Contribution(upserts=expired))
+                expired.append((command, reason))
+        if not expired:
+            return
+        # Write, then publish: memory says "expired" only once the database does.
+        rows = [
+            repo_commands.command_row(
+                dataclasses.replace(c, status="expired", reason=r, finished_unix_s=now_unix_s)
+            )
+            for c, r in expired
+        ]
+        await self._writer.run(lambda conn: repo_commands.upsert_commands(conn, rows))
+        for command, reason in expired:
+            if command.status in FINAL:  # acknowledged while we wrote: the ack wins
+                continue
+            command.status, command.reason = "expired", reason
+            command.finished_unix_s = now_unix_s
+            log.warning(
+                "command expired",
+                extra={"fields": {"command": command.id, "node": command.node}},
+            )
+        # A report may have delivered or acknowledged one of them while we wrote; write
+        # what memory now says once more, so the last row stored is the one shown.
+        self._writer.mark_dirty({CommandKey(c.id) for c, _ in expired})

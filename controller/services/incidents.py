@@ -15,12 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, update
+from sqlalchemy import Connection, Table
 
-from controller.db.models import Incident
-from controller.state import ClusterState, IncidentState, RowKey
-from controller.store import Store, table, upsert
-from controller.writer import TABLE_ORDER
+from controller.db.keys import RowKey
+from controller.db.repositories import incidents as repo
+from controller.db.repositories import write_batch
+from controller.state import ClusterState, IncidentState
+from controller.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -75,58 +76,39 @@ class IncidentService:
         existing = self._state.incidents_by_key.get(spec.dedupe_key)
         rows = self._rows(also_write)
         if existing is not None:
-            existing.count += count
-            existing.updated_unix_s = now
+            evidence = dict(existing.evidence)
             if refresh:
-                existing.summary = spec.summary
-                existing.evidence.update(spec.evidence or {})
+                evidence.update(spec.evidence or {})
             if events:
-                kept = [*existing.evidence.get("events", []), *events]
-                existing.evidence["events"] = kept[-MAX_EVIDENCE_EVENTS:]
+                kept = [*evidence.get("events", []), *events]
+                evidence["events"] = kept[-MAX_EVIDENCE_EVENTS:]
+            summary = spec.summary if refresh else existing.summary
             values = {
-                "count": existing.count,
+                "count": existing.count + count,
                 "updated_unix_s": now,
-                "evidence": dict(existing.evidence),
-                **({"summary": existing.summary} if refresh else {}),
+                "evidence": evidence,
+                **({"summary": summary} if refresh else {}),
             }
             incident_id = existing.id
 
             def bump(conn: Connection) -> None:
-                _write_rows(conn, rows)
-                conn.execute(update(Incident).where(Incident.id == incident_id).values(**values))
+                write_batch(conn, rows)
+                repo.update_incident(conn, incident_id, values)
 
+            # Write, then publish: a bump the database refused leaves the incident as shown.
             await self._store.write(bump)
+            existing.count += count
+            existing.updated_unix_s = now
+            existing.summary = summary
+            existing.evidence = evidence
             return existing, False
 
         evidence = dict(spec.evidence or {})
         if events:
             evidence["events"] = events[-MAX_EVIDENCE_EVENTS:]
         count = max(count, 1)  # a refresh (count 0) of a condition no longer open opens it
-        row: dict[str, Any] = {
-            "kind": spec.kind,
-            "severity": spec.severity,
-            "state": "open",
-            "summary": spec.summary,
-            "node_name": spec.node,
-            "gpu_index": spec.gpu_index,
-            "job_name": spec.job,
-            "ranks": list(spec.ranks or []),
-            "evidence": evidence,
-            "dedupe_key": spec.dedupe_key,
-            "count": count,
-            "opened_unix_s": now,
-            "updated_unix_s": now,
-            "resolved_unix_s": None,
-        }
-
-        def insert(conn: Connection) -> int:
-            _write_rows(conn, rows)
-            result = conn.execute(table("incidents").insert().returning(Incident.id), row)
-            return int(result.scalar_one())
-
-        incident_id = await self._store.write(insert)
         incident = IncidentState(
-            id=incident_id,
+            id=0,  # the database's to give
             kind=spec.kind,
             severity=spec.severity,
             state="open",
@@ -141,6 +123,14 @@ class IncidentService:
             evidence=evidence,
             count=count,
         )
+        row = repo.incident_row(incident)
+
+        def insert(conn: Connection) -> int:
+            write_batch(conn, rows)
+            return repo.insert_incident(conn, row)
+
+        incident.id = await self._store.write(insert)
+        incident_id = incident.id
         self._state.add_incident(incident)
         for hook in self.open_hooks:
             try:
@@ -169,10 +159,7 @@ class IncidentService:
         self, incident: IncidentState, *, note: str, also_write: set[RowKey] | None = None
     ) -> None:
         now = time.time()
-        self._state.drop_incident(incident)
-        incident.state = "resolved"
-        incident.resolved_unix_s = now
-        incident.evidence["resolution"] = note
+        evidence = {**incident.evidence, "resolution": note}
         keys = set(also_write or ())
         for hook in self.resolve_hooks:
             keys |= hook(incident)
@@ -181,29 +168,30 @@ class IncidentService:
             "state": "resolved",
             "resolved_unix_s": now,
             "updated_unix_s": now,
-            "evidence": dict(incident.evidence),
+            "evidence": evidence,
         }
 
         def resolve(conn: Connection) -> None:
-            _write_rows(conn, rows)
-            conn.execute(update(Incident).where(Incident.id == incident.id).values(**values))
+            write_batch(conn, rows)
+            repo.update_incident(conn, incident.id, values)
 
+        # Write, then publish: a resolution the database refused leaves the incident open.
         await self._store.write(resolve)
+        self._state.drop_incident(incident)
+        incident.state = "resolved"
+        incident.resolved_unix_s = now
+        incident.updated_unix_s = now
+        incident.evidence = evidence
         log.info(
             "incident resolved",
             extra={"fields": {"incident": incident.id, "kind": incident.kind, "note": note}},
         )
 
-    def _rows(self, keys: set[RowKey] | None) -> dict[str, list[dict[str, Any]]]:
-        rows: dict[str, list[dict[str, Any]]] = {}
-        for key in sorted(keys or ()):
+    def _rows(self, keys: set[RowKey] | None) -> dict[Table, list[dict[str, Any]]]:
+        rows: dict[Table, list[dict[str, Any]]] = {}
+        for key in keys or ():
             row = self._state.row_for(key)
             if row is not None:
-                rows.setdefault(key[0], []).append(row)
+                rows.setdefault(key.table, []).append(row)
         return rows
 
-
-def _write_rows(conn: Connection, rows: dict[str, list[dict[str, Any]]]) -> None:
-    for name in TABLE_ORDER:
-        if name in rows:
-            upsert(conn, table(name), rows[name])

@@ -27,7 +27,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from controller.errors import InvalidInput, MalformedBody, StoreUnavailable
+from controller.db.keys import CommandKey, CursorKey, GpuKey, JobKey, NodeKey, RankKey, RowKey
+from controller.db.models import Base, Checkpoint, GpuHistory
+from controller.errors import ControllerError, InvalidInput, MalformedBody, StoreUnavailable
 from controller.services.commands import to_wire
 from controller.services.detection import ReportObserver
 from controller.services.metrics import ControllerMetrics
@@ -39,7 +41,6 @@ from controller.state import (
     JobState,
     NodeState,
     RankState,
-    RowKey,
 )
 from controller.validation import from_pydantic, unstorable_field
 from controller.writer import Contribution, GroupCommitWriter
@@ -97,14 +98,17 @@ class IngestService:
         else:
             cursor = self._state.cursors[key] = Cursor()
 
+        # Memory changes now (the batch reads its rows from memory); if the commit fails,
+        # this puts it back, so the API never serves what the database does not hold.
+        snapshot = self._state.snapshot(report)
         received = time.time()
         upserts: set[RowKey] = set()
         node = self._apply_node(report, received, upserts)
-        inserts: dict[str, list[dict[str, Any]]] = {"gpu_history": _history_rows(report)}
+        inserts: dict[type[Base], list[dict[str, Any]]] = {GpuHistory: _history_rows(report)}
         self._apply_jobs(report, received, upserts, inserts)
         self._apply_acks(report, upserts)
         sent = self._take_commands(node.name, received, upserts)
-        upserts.add(("agent_cursors", key))
+        upserts.add(CursorKey(*key))
         n_samples = sum(len(s.gpus) for s in report.samples)
         observed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -122,6 +126,7 @@ class IngestService:
             self._metrics.failed.inc()
             for command in sent:  # not delivered after all
                 command.status, command.sent_unix_s = "pending", None
+            self._state.restore(snapshot)
 
         future = self._writer.submit(
             Contribution(inserts=inserts, upserts=upserts, on_commit=committed, on_failure=failed)
@@ -173,7 +178,7 @@ class IngestService:
         node.spool_dropped_total = report.spool_dropped_total
         node.last_report_unix_s = received
         node.last_seen_unix_s = received
-        upserts.add(("nodes", (node.name,)))
+        upserts.add(NodeKey(node.name))
         for info in ident.gpus:
             gpu = node.gpus.get(info.index)
             if gpu is None:
@@ -181,7 +186,7 @@ class IngestService:
             inventory = (info.uuid, info.name, info.pci_bus_id, info.memory_total_bytes)
             if inventory != (gpu.uuid, gpu.name, gpu.pci_bus_id, gpu.memory_total_bytes):
                 gpu.uuid, gpu.name, gpu.pci_bus_id, gpu.memory_total_bytes = inventory
-                upserts.add(("gpus", (node.name, info.index)))
+                upserts.add(GpuKey(node.name, info.index))
         if report.samples:
             last = max(report.samples, key=lambda s: s.time_unix_s)
             node.power_w = last.node_power_w
@@ -189,7 +194,7 @@ class IngestService:
                 gpu = node.gpus.get(sample.index)
                 if gpu is None:
                     gpu = node.gpus[sample.index] = GpuState(index=sample.index, uuid=sample.uuid)
-                    upserts.add(("gpus", (node.name, sample.index)))
+                    upserts.add(GpuKey(node.name, sample.index))
                 gpu.latest = sample
         return node
 
@@ -198,7 +203,7 @@ class IngestService:
         report: wire.Report,
         received: float,
         upserts: set[RowKey],
-        inserts: dict[str, list[dict[str, Any]]],
+        inserts: dict[type[Base], list[dict[str, Any]]],
     ) -> None:
         records = report.job
         if records.is_empty():
@@ -238,7 +243,7 @@ class IngestService:
         for (job_name, rank_no), items in inflight_by_rank.items():
             _, rank = self._rank(job_name, rank_no, node_name, received, upserts)
             rank.inflight = items
-        rows = inserts.setdefault("checkpoints", [])
+        rows = inserts.setdefault(Checkpoint, [])
         for ckpt in records.checkpoints:
             self._rank(ckpt.job, ckpt.rank, node_name, received, upserts)
             rows.append(
@@ -273,8 +278,8 @@ class IngestService:
             )
         rank.node = node
         rank.last_seen_unix_s = received
-        upserts.add(("jobs", (job_name,)))
-        upserts.add(("ranks", (job_name, rank_no)))
+        upserts.add(JobKey(job_name))
+        upserts.add(RankKey(job_name, rank_no))
         return job, rank
 
     def _apply_acks(self, report: wire.Report, upserts: set[RowKey]) -> None:
@@ -287,7 +292,7 @@ class IngestService:
             command.status = ack.status.value
             command.reason = ack.reason
             command.finished_unix_s = ack.finished_unix_s or time.time()
-            upserts.add(("commands", (command.id,)))
+            upserts.add(CommandKey(command.id))
             log.info(
                 "command acknowledged",
                 extra={"fields": {"command": command.id, "status": command.status}},
@@ -300,13 +305,20 @@ class IngestService:
         for command in sent:
             command.status = "sent"
             command.sent_unix_s = received
-            upserts.add(("commands", (command.id,)))
+            upserts.add(CommandKey(command.id))
         return sent
 
 
-def _unavailable(exc: BaseException) -> StoreUnavailable:
+def _unavailable(exc: BaseException) -> ControllerError:
+    """A report that can never be stored is the agent's error (4xx: it sets the report
+    aside); a database that did not commit is 503 (the agent retries the same report)."""
     if isinstance(exc, StoreUnavailable):
-        return exc
+        return StoreUnavailable(
+            f"report not stored: database commit failed ({exc.message})",
+            retry_after_s=exc.retry_after_s,
+        )
+    if isinstance(exc, ControllerError):
+        return type(exc)(f"report not stored: {exc.message}")
     detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return StoreUnavailable(
         f"report not stored: database commit failed ({type(exc).__name__}: {detail[:200]}); "

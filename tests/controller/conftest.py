@@ -1,13 +1,16 @@
-"""Controller test fixtures: wire-report builders (plain dicts, as an agent sends) and a
-Prometheus text reader. Exposed as fixtures because tests import no sibling modules."""
+"""Controller test fixtures: wire-report builders (plain dicts, as an agent sends), a
+Prometheus text reader and a database outage switch. Exposed as fixtures because tests
+import no sibling modules."""
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy import Engine, event
 
 
 def gpu_sample(index: int, **overrides: Any) -> dict[str, Any]:
@@ -91,3 +94,41 @@ def ctl_gpu_sample() -> Callable[..., dict[str, Any]]:
 @pytest.fixture
 def ctl_metric() -> Callable[[str, str], float]:
     return metric_value
+
+
+class DatabaseOutage:
+    """Makes statements whose SQL matches a pattern fail as a lost database would.
+
+    A real SQLAlchemy ``before_cursor_execute`` hook on every engine of the process (the
+    live controller's included) raises the driver's own ``OperationalError`` for a matching
+    statement, inside the real transaction, which the real database then rolls back.
+    """
+
+    def __init__(self) -> None:
+        self._pattern: re.Pattern[str] | None = None
+        self.hits = 0
+
+    def arm(self, pattern: str) -> None:
+        self._pattern = re.compile(pattern, re.IGNORECASE)
+
+    def disarm(self) -> None:
+        self._pattern = None
+
+    def hook(
+        self, conn: Any, _cursor: Any, statement: str, _params: Any, _ctx: Any, _many: bool
+    ) -> None:
+        if self._pattern is not None and self._pattern.search(statement):
+            self.hits += 1
+            raise conn.dialect.loaded_dbapi.OperationalError(
+                "server closed the connection unexpectedly (injected by the test)"
+            )
+
+
+@pytest.fixture
+def ctl_db_outage() -> Iterator[DatabaseOutage]:
+    outage = DatabaseOutage()
+    event.listen(Engine, "before_cursor_execute", outage.hook)
+    try:
+        yield outage
+    finally:
+        event.remove(Engine, "before_cursor_execute", outage.hook)

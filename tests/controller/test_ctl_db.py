@@ -12,11 +12,12 @@ import time
 
 import httpx
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from controller.db.migrate import head_revision, upgrade
+from controller.db.migrate import alembic_config, head_revision, upgrade
 from controller.db.models import Base
 from controller.db.session import make_engine
 from controller.errors import NotMigrated
@@ -29,6 +30,7 @@ TOKENS = [{"name": "ops", "role": "operator", "token": "o" * 20}]
 def test_migrations_from_empty_match_models(db_url: str) -> None:
     assert upgrade(db_url) == head_revision() == "0003"
     assert upgrade(db_url) == "0003"  # idempotent
+    command.check(alembic_config(db_url))  # `alembic check`: no new upgrade ops to generate
     engine = make_engine(db_url)
     try:
         tables = set(inspect(engine).get_table_names())
@@ -89,47 +91,22 @@ def test_postgres_refuses_to_start_unmigrated(db_url: str) -> None:
     prepare_database(settings)  # now fine
 
 
-def _break_history_inserts(db_url: str) -> str:
-    """Make the real database reject gpu_history rows; returns SQL that undoes it."""
-    engine = make_engine(db_url)
-    with engine.begin() as conn:
-        if engine.dialect.name == "sqlite":
-            conn.execute(
-                text(
-                    "CREATE TRIGGER tg_test_fail BEFORE INSERT ON gpu_history "
-                    "BEGIN SELECT RAISE(ABORT, 'disk on fire'); END"
-                )
-            )
-            undo = "DROP TRIGGER tg_test_fail"
-        else:
-            conn.execute(
-                text(
-                    "ALTER TABLE gpu_history ADD CONSTRAINT tg_test_fail "
-                    "CHECK (samples < 0) NOT VALID"
-                )
-            )
-            undo = "ALTER TABLE gpu_history DROP CONSTRAINT tg_test_fail"
-    engine.dispose()
-    return undo
-
-
 def test_failed_commit_is_503_and_retry_is_accepted(
-    live_controller, db_url: str, ctl_report, ctl_metric
+    live_controller, ctl_report, ctl_metric, ctl_db_outage
 ) -> None:
+    """The database is away for one report (its statements fail with the driver's
+    ``OperationalError``): 503 with Retry-After, nothing of it counted or shown, and the
+    agent's retry of the same report is accepted once the database is back."""
     agent = live_controller.headers("agent")
     with httpx.Client(base_url=live_controller.url, timeout=15) as client:
         assert client.post("/api/v1/reports", json=ctl_report("node-d", 0), headers=agent)
-        undo = _break_history_inserts(db_url)
+        ctl_db_outage.arm(r"^\s*INSERT INTO nodes")
         second = ctl_report("node-d", 1)
         r = client.post("/api/v1/reports", json=second, headers=agent)
         assert r.status_code == 503, r.text
         assert r.json()["detail"].startswith("report not stored: database commit failed")
         assert r.headers["retry-after"] == "1"
-
-        engine = make_engine(db_url)
-        with engine.begin() as conn:
-            conn.execute(text(undo))
-        engine.dispose()
+        ctl_db_outage.disarm()
 
         retry = client.post("/api/v1/reports", json=second, headers=agent)
         assert retry.status_code == 200 and retry.json()["duplicate"] is False
@@ -179,7 +156,11 @@ def test_one_bad_report_does_not_fail_its_batch(
         return {n: r.status_code for n, r in zip(names, replies, strict=True)}
 
     statuses = asyncio.run(send())
-    assert statuses == {**dict.fromkeys(names[:5], 200), "node-poison": 503}
+    # The database refuses node-poison's rows: a report that can never be stored is the
+    # agent's error (409, it sets the report aside), never "retry later" forever.
+    assert statuses == {**dict.fromkeys(names[:5], 200), "node-poison": 409}
+    poison = httpx.get(f"{live.url}/api/v1/nodes/node-poison", headers=live.headers())
+    assert poison.status_code == 404  # memory holds only what the database does
     for name in names[:5]:
         detail = httpx.get(f"{live.url}/api/v1/nodes/{name}", headers=live.headers()).json()
         assert len(detail["history"]) == 8

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection
+from sqlalchemy import Table
 
+from controller.db.keys import GpuKey, NodeKey, RowKey
 from controller.db.migrate import upgrade
+from controller.db.repositories import write_batch
 from controller.db.session import make_engine
 from controller.services.detection.health import (
     APPLICATION_XIDS,
@@ -27,7 +29,7 @@ from controller.services.detection.health import (
 )
 from controller.services.incidents import IncidentService
 from controller.state import ClusterState, GpuState, IncidentState, NodeState
-from controller.store import Store, table, upsert
+from controller.store import Store
 from controller.writer import GroupCommitWriter
 from trainguard import wire
 
@@ -89,15 +91,13 @@ class _Cluster:
 
     async def register(self) -> None:
         """The node and GPU rows the ingest would have written (incidents point at them)."""
-        keys = [("nodes", (self.node,)), *(("gpus", (self.node, i)) for i in range(GPUS))]
-        rows = [(name, self.state.row_for((name, pk))) for name, pk in keys]
-
-        def write(conn: Connection) -> None:
-            for name, row in rows:
-                assert row is not None
-                upsert(conn, table(name), [row])
-
-        await self.store.write(write)
+        keys: list[RowKey] = [NodeKey(self.node), *(GpuKey(self.node, i) for i in range(GPUS))]
+        rows: dict[Table, list[dict[str, Any]]] = {}
+        for key in keys:
+            row = self.state.row_for(key)
+            assert row is not None
+            rows.setdefault(key.table, []).append(row)
+        await self.store.write(lambda conn: write_batch(conn, rows))
 
     async def report_xid(self, code: int, build: Callable[..., dict[str, Any]]) -> None:
         events = {BAD_GPU: {"xid_events": [{"code": code, "time_unix_s": time.time()}]}}

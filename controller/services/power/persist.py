@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import yaml
-from sqlalchemy import Connection, delete, select
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from controller.db.models import PowerDomain
-from controller.store import table
+from controller.db.repositories import power as repo
 from power import ConfigError, DomainTree, Priority, load_domains, parse_domains
 
 Raw = dict[str, Any]
@@ -133,7 +133,7 @@ def from_rows(rows: list[PowerDomain]) -> Stored:
 
 
 def load(session: Session) -> Stored:
-    return from_rows(list(session.execute(select(PowerDomain)).scalars()))
+    return from_rows(list(repo.load_domains(session)))
 
 
 def replace(
@@ -143,10 +143,7 @@ def replace(
     job_priorities: Mapping[str, Priority] | None = None,
 ) -> None:
     """Swap the stored tree for ``raw`` in the caller's transaction."""
-    conn.execute(delete(PowerDomain))
-    rows = to_rows(raw, priorities, job_priorities)
-    if rows:
-        conn.execute(table("power_domains").insert(), rows)
+    repo.replace_domains(conn, to_rows(raw, priorities, job_priorities))
 
 
 __all__ = [

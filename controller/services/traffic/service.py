@@ -35,6 +35,7 @@ from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import TrafficLinkState, TrafficPlanVersion
+from controller.db.repositories import traffic as repo
 from controller.errors import Conflict, NotFound, StartupError
 from controller.logic.traffic import records
 from controller.logic.traffic.enforce import enforce, enforce_changed
@@ -51,7 +52,7 @@ from controller.services.traffic.placement import Layout
 from controller.services.traffic.slowlink import SlowLinkReaction
 from controller.settings import ControllerSettings
 from controller.state import ClusterState, IncidentState
-from controller.store import Store, table, upsert
+from controller.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ class TrafficService:
 
         def write(conn: Connection) -> None:
             _insert_versions(conn, docs)
-            upsert(conn, table("traffic_links"), link_rows)
+            repo.upsert_links(conn, link_rows)
 
         await self._store.write(write)
         for (live, plan, sports, _), doc in zip(new, docs, strict=True):
@@ -396,20 +397,19 @@ def _doc_extras(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _insert_versions(conn: Connection, docs: list[dict[str, Any]]) -> None:
-    if docs:
-        conn.execute(
-            table("traffic_plans").insert(),
-            [
-                {
-                    "plan_id": d["plan_id"],
-                    "version": d["version"],
-                    "job_name": d["job"],
-                    "created_unix_s": d["created_unix_s"],
-                    "document": d,
-                }
-                for d in docs
-            ],
-        )
+    repo.insert_plan_versions(
+        conn,
+        [
+            {
+                "plan_id": d["plan_id"],
+                "version": d["version"],
+                "job_name": d["job"],
+                "created_unix_s": d["created_unix_s"],
+                "document": d,
+            }
+            for d in docs
+        ],
+    )
 
 
 def _read_all(session: Session) -> tuple[list[tuple[str, float, str]], list[dict[str, Any]]]:

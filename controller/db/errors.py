@@ -1,0 +1,65 @@
+"""What a database failure means for the client: bad data (4xx) or try again later (503).
+
+The database is the last judge of what can be stored (a PostgreSQL ``text`` refuses NUL
+bytes, a ``varchar(64)`` refuses a longer string, a constraint refuses a row). A value it
+refuses will be refused again on every retry, so it is the client's error, never "retry
+later" (an agent would retry it forever); a database that is unreachable, locked or
+restarting is temporary, and the client is told when to come back.
+
+::
+
+    DataError (value out of range, NUL byte, too long, bad encoding)  -> InvalidInput  422
+    IntegrityError (constraint: check, unique, foreign key, not null) -> Conflict      409
+    OperationalError, InterfaceError, pool timeout, disconnect        -> StoreUnavailable 503
+    anything else (ProgrammingError: a bug or a missing migration)    -> unchanged     500
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import exc as sa
+
+from controller.errors import Conflict, ControllerError, InvalidInput, StoreUnavailable
+
+#: Seconds a client waits before retrying a write the database could not take.
+RETRY_AFTER_S = 1.0
+
+
+def _first_line(exc: BaseException) -> str:
+    inner = getattr(exc, "orig", None) or exc
+    text = str(inner).strip().splitlines()
+    return (text[0] if text else type(inner).__name__)[:200]
+
+
+def _dbapi_kind(exc: BaseException) -> str:
+    """The PEP 249 class of ``exc`` (``DataError``, ``IntegrityError``, ...), or ``""``.
+
+    SQLAlchemy's wrappers and the drivers' own exceptions (raised where we talk to the
+    driver directly: ``COPY`` on PostgreSQL, ``executemany`` on SQLite) share these names.
+    """
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    for kind in ("DataError", "IntegrityError", "OperationalError", "InterfaceError"):
+        if kind in names:
+            return kind
+    return ""
+
+
+def database_error(exc: BaseException) -> ControllerError | None:
+    """The client-facing error for a failed database call, or ``None`` if it is a bug."""
+    if isinstance(exc, ControllerError):
+        return exc
+    kind = _dbapi_kind(exc)
+    refused_value = kind == "DataError" or isinstance(exc, UnicodeError)
+    if isinstance(exc, sa.StatementError) and isinstance(exc.orig, UnicodeError | ValueError):
+        refused_value = True
+    if refused_value:
+        return InvalidInput(f"the database refused a value: {_first_line(exc)}")
+    if kind == "IntegrityError":
+        return Conflict(f"the database refused the change: {_first_line(exc)}")
+    if kind in ("OperationalError", "InterfaceError") or isinstance(
+        exc, sa.TimeoutError | sa.DisconnectionError
+    ):
+        return StoreUnavailable(
+            f"database unavailable ({_first_line(exc)}); nothing was changed, retry later",
+            retry_after_s=RETRY_AFTER_S,
+        )
+    return None

@@ -1,0 +1,33 @@
+"""Incidents: the one write path of ``incidents`` (open, bump, resolve)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, insert, select, update
+from sqlalchemy.orm import Session
+
+from controller.db.models import Incident
+from controller.db.repositories._rows import row_of
+
+ALIASES = {"node_name": "node", "job_name": "job"}
+
+
+def incident_row(incident: object) -> dict[str, Any]:
+    """The row of a new incident (its ``id`` is the database's to give)."""
+    row = row_of(Incident, incident, aliases=ALIASES, given={"id": None})
+    del row["id"]
+    return row
+
+
+def insert_incident(conn: Connection, row: dict[str, Any]) -> int:
+    return int(conn.execute(insert(Incident).returning(Incident.id), row).scalar_one())
+
+
+def update_incident(conn: Connection, incident_id: int, values: dict[str, Any]) -> None:
+    conn.execute(update(Incident).where(Incident.id == incident_id).values(**values))
+
+
+def load_open(session: Session) -> Sequence[Incident]:
+    return session.execute(select(Incident).where(Incident.state == "open")).scalars().all()
