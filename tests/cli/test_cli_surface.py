@@ -44,7 +44,7 @@ EXPECTED = {
     "isolate": ["NODE", "--reason", "--server", "--token"],
     "jobs": CLIENT,
     "leader-label": [
-        "--selector", "--pod-namespace", "--port", "--interval", "--once", "--kubeconfig",
+        "--selector", "--pod-namespace", "--port", "--interval", "--once",
     ],
     "node": ["NAME", *CLIENT],
     "nodes": ["--health", *CLIENT],

@@ -124,6 +124,7 @@ def _core_api(kubeconfig: str | None) -> Any:
 
 
 def leader_label(
+    ctx: typer.Context,
     selector: Annotated[
         str,
         typer.Option(
@@ -141,12 +142,14 @@ def leader_label(
         float, typer.Option("--interval", min=0.05, max=60.0, help="Seconds between passes.")
     ] = 1.0,
     once: Annotated[bool, typer.Option("--once", help="One pass, then exit.")] = False,
-    kubeconfig: Annotated[
-        str | None,
-        typer.Option("--kubeconfig", help="Outside a pod: a kubeconfig instead of in-cluster."),
-    ] = None,
 ) -> None:
-    """Label the release's controller pods trainguard.io/leader=true|false as they lead."""
+    """Label the release's controller pods trainguard.io/leader=true|false as they lead.
+
+    In a pod it uses the pod's ServiceAccount; elsewhere the global --kubeconfig.
+    """
+    root = ctx.find_root().obj
+    kube = root.get("kube") if isinstance(root, dict) else None
+    kubeconfig = getattr(kube, "kubeconfig", None)
     if not namespace:
         raise BadInput("leader-label needs --pod-namespace (or POD_NAMESPACE)")
     logging.basicConfig(level=os.environ.get("TRAINGUARD_LOG_LEVEL", "INFO").upper())
