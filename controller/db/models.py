@@ -30,7 +30,25 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
+# Column limits, in one place until the shared declaration (``trainguard.limits``, issue 14)
+# exists; the door's validation must refuse what these columns cannot hold. Changing one is
+# a migration. Integers: ``Integer`` holds -2**31 .. 2**31-1, ``BigInteger`` -2**63 .. 2**63-1
+# on PostgreSQL (SQLite holds 64 bits in both).
+
+#: Kubernetes object names (nodes, jobs) and host names: DNS-1123, at most 253 characters.
 NAME_LEN = 253
+#: Enumerated states and kinds (health, status, severity, backend).
+STATE_LEN = 16
+#: Incident kinds, command kinds, traffic plan ids.
+KIND_LEN = 32
+#: Versions, agent instance ids, command ids, PCI bus ids, action kinds.
+TOKEN_LEN = 64
+#: GPU model names and UUIDs, action triggers.
+LABEL_LEN = 128
+#: Dedupe keys, action targets, fabric link names.
+KEY_LEN = 512
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class Base(DeclarativeBase):
@@ -44,10 +62,10 @@ class Node(Base):
     name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
     hostname: Mapped[str] = mapped_column(String(NAME_LEN), default="")
     labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    backend: Mapped[str] = mapped_column(String(16), default="")
-    agent_version: Mapped[str] = mapped_column(String(64), default="")
-    driver_version: Mapped[str] = mapped_column(String(64), default="")
-    health: Mapped[str] = mapped_column(String(16), default="unknown")
+    backend: Mapped[str] = mapped_column(String(STATE_LEN), default="")
+    agent_version: Mapped[str] = mapped_column(String(TOKEN_LEN), default="")
+    driver_version: Mapped[str] = mapped_column(String(TOKEN_LEN), default="")
+    health: Mapped[str] = mapped_column(String(STATE_LEN), default="unknown")
     health_reason: Mapped[str] = mapped_column(Text, default="")
     gpu_count: Mapped[int] = mapped_column(Integer, default=0)
     power_w: Mapped[float | None]
@@ -66,11 +84,11 @@ class Gpu(Base):
         String(NAME_LEN), ForeignKey("nodes.name", ondelete="CASCADE"), primary_key=True
     )
     index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    uuid: Mapped[str] = mapped_column(String(128), default="")
-    name: Mapped[str] = mapped_column(String(128), default="")
-    pci_bus_id: Mapped[str] = mapped_column(String(64), default="")
+    uuid: Mapped[str] = mapped_column(String(LABEL_LEN), default="")
+    name: Mapped[str] = mapped_column(String(LABEL_LEN), default="")
+    pci_bus_id: Mapped[str] = mapped_column(String(TOKEN_LEN), default="")
     memory_total_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
-    health: Mapped[str] = mapped_column(String(16), default="healthy")
+    health: Mapped[str] = mapped_column(String(STATE_LEN), default="healthy")
     health_reason: Mapped[str] = mapped_column(Text, default="")
     #: Last uncorrectable-ECC count seen: the baseline growth is measured against, kept
     #: across controller restarts so errors during an outage are not missed.
@@ -85,7 +103,7 @@ class AgentCursor(Base):
     node_name: Mapped[str] = mapped_column(
         String(NAME_LEN), ForeignKey("nodes.name", ondelete="CASCADE"), primary_key=True
     )
-    agent_instance: Mapped[str] = mapped_column(String(64), primary_key=True)
+    agent_instance: Mapped[str] = mapped_column(String(TOKEN_LEN), primary_key=True)
     last_seq: Mapped[int] = mapped_column(BigInteger)
     updated_unix_s: Mapped[float]
 
@@ -139,7 +157,7 @@ class Rank(Base):
     gpu_index: Mapped[int | None] = mapped_column(Integer)
     local_rank: Mapped[int | None] = mapped_column(Integer)
     pid: Mapped[int | None] = mapped_column(BigInteger)
-    state: Mapped[str] = mapped_column(String(16), default="running")
+    state: Mapped[str] = mapped_column(String(STATE_LEN), default="running")
     exit_code: Mapped[int | None] = mapped_column(Integer)
     last_step: Mapped[int | None] = mapped_column(BigInteger)
     last_seen_unix_s: Mapped[float]
@@ -158,7 +176,7 @@ class Checkpoint(Base):
     rank: Mapped[int] = mapped_column(Integer)
     node_name: Mapped[str] = mapped_column(String(NAME_LEN))
     step: Mapped[int] = mapped_column(BigInteger)
-    kind: Mapped[str] = mapped_column(String(16))
+    kind: Mapped[str] = mapped_column(String(STATE_LEN))
     blocking_s: Mapped[float | None]
     duration_s: Mapped[float | None]
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)
@@ -174,9 +192,9 @@ class Incident(Base):
     id: Mapped[int] = mapped_column(
         BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
     )
-    kind: Mapped[str] = mapped_column(String(32))
-    severity: Mapped[str] = mapped_column(String(16))
-    state: Mapped[str] = mapped_column(String(16), default="open")
+    kind: Mapped[str] = mapped_column(String(KIND_LEN))
+    severity: Mapped[str] = mapped_column(String(STATE_LEN))
+    state: Mapped[str] = mapped_column(String(STATE_LEN), default="open")
     summary: Mapped[str] = mapped_column(Text)
     node_name: Mapped[str | None] = mapped_column(String(NAME_LEN))
     gpu_index: Mapped[int | None] = mapped_column(Integer)
@@ -184,7 +202,7 @@ class Incident(Base):
     ranks: Mapped[list[Any]] = mapped_column(default=list)
     evidence: Mapped[dict[str, Any]] = mapped_column(default=dict)
     #: Open incidents with the same key are one incident (an XID storm is one record).
-    dedupe_key: Mapped[str] = mapped_column(String(512))
+    dedupe_key: Mapped[str] = mapped_column(String(KEY_LEN))
     count: Mapped[int] = mapped_column(BigInteger, default=1)
     opened_unix_s: Mapped[float]
     updated_unix_s: Mapped[float]
@@ -199,11 +217,11 @@ class Action(Base):
     id: Mapped[int] = mapped_column(
         BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
     )
-    kind: Mapped[str] = mapped_column(String(64))
-    target: Mapped[str] = mapped_column(String(512))
-    trigger: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(TOKEN_LEN))
+    target: Mapped[str] = mapped_column(String(KEY_LEN))
+    trigger: Mapped[str] = mapped_column(String(LABEL_LEN))
     params: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status: Mapped[str] = mapped_column(String(STATE_LEN), default="pending")
     outcome: Mapped[str] = mapped_column(Text, default="")
     created_unix_s: Mapped[float]
     finished_unix_s: Mapped[float | None]
@@ -213,13 +231,13 @@ class Command(Base):
     __tablename__ = "commands"
     __table_args__ = (Index(None, "node_name", "status"),)
 
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    id: Mapped[str] = mapped_column(String(TOKEN_LEN), primary_key=True)
     node_name: Mapped[str] = mapped_column(
         String(NAME_LEN), ForeignKey("nodes.name", ondelete="CASCADE")
     )
-    kind: Mapped[str] = mapped_column(String(32))
+    kind: Mapped[str] = mapped_column(String(KIND_LEN))
     params: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status: Mapped[str] = mapped_column(String(STATE_LEN), default="pending")
     reason: Mapped[str] = mapped_column(Text, default="")
     created_unix_s: Mapped[float]
     sent_unix_s: Mapped[float | None]
@@ -232,7 +250,7 @@ class PowerDomain(Base):
     __tablename__ = "power_domains"
 
     name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16))
+    kind: Mapped[str] = mapped_column(String(STATE_LEN))
     parent: Mapped[str | None] = mapped_column(
         String(NAME_LEN), ForeignKey("power_domains.name", ondelete="CASCADE")
     )
@@ -252,7 +270,7 @@ class TrafficPlanVersion(Base):
     __tablename__ = "traffic_plans"
     __table_args__ = (Index(None, "job_name"),)
 
-    plan_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    plan_id: Mapped[str] = mapped_column(String(KIND_LEN), primary_key=True)
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_name: Mapped[str] = mapped_column(String(NAME_LEN))
     created_unix_s: Mapped[float]
@@ -264,7 +282,7 @@ class TrafficLinkState(Base):
 
     __tablename__ = "traffic_links"
 
-    link: Mapped[str] = mapped_column(String(512), primary_key=True)
+    link: Mapped[str] = mapped_column(String(KEY_LEN), primary_key=True)
     capacity_factor: Mapped[float]
     reason: Mapped[str] = mapped_column(Text, default="")
     updated_unix_s: Mapped[float]
