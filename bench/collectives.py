@@ -14,6 +14,13 @@ pinned to one CPU; the median of the block differences is the per-call overhead 
 another process's scheduling, or cross-core hand-offs, in the way (on 2 cores, two ranks
 plus their threads contend for the CPUs).
 
+The same blocks also time the device path (``collectives.timing``): with CUDA events on a
+GPU (``overhead_us_per_call_cuda_events``, ``null`` without one) and, everywhere, with its
+CPU stand-in (marks that fire with the Work's future). Last, a real FSDP2 + DTensor +
+pipelining run on 2 gloo ranks with torch's Flight Recorder on gives
+``collectives_seen_ratio``: collectives the wrapper saw / collectives torch recorded for the
+same steps (``bench.collectives_parallel``; target 1.0).
+
     python -m bench.collectives [--quick] [--json]
 """
 
@@ -35,7 +42,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import collectives
+from collectives.timing import CpuEventClock, CudaEventClock, EventClock
 from collectives.wrap import OPS
+
+from . import collectives_parallel
 
 WORLD = 2
 
@@ -182,6 +192,7 @@ def _single_rank(_index: int, store: str, out: str, quick: bool) -> None:
             # The training thread's own CPU time: what the wrapper takes from training,
             # free of the wake-up latency of gloo's threads that swings wall time.
             cpu_diffs.append(times[dist.all_reduce][1] - times[original][1])
+    event_diffs = _event_path_diffs(session, original, tensor, block, 30 if quick else 100)
     collectives.uninstrument()
     dist.destroy_process_group()
     Path(out).write_text(
@@ -190,9 +201,113 @@ def _single_rank(_index: int, store: str, out: str, quick: bool) -> None:
                 "plain_us_per_call_1rank": round(statistics.median(plain) * 1e6, 2),
                 "overhead_us_per_call_1rank": round(statistics.median(diffs) * 1e6, 2),
                 "overhead_cpu_us_per_call_1rank": round(statistics.median(cpu_diffs) * 1e6, 2),
+                "overhead_us_per_call_event_path_cpu": round(
+                    statistics.median(event_diffs) * 1e6, 2
+                ),
             }
         )
     )
+
+
+def _use_clock(session: Any, clock: EventClock | None, device_only: bool) -> None:
+    session.instrumenter.clock = session.recorder.clock = clock
+    session.instrumenter._device_only = device_only
+
+
+def _event_path_diffs(
+    session: Any, original: Any, tensor: torch.Tensor, block: Any, rounds: int
+) -> list[float]:
+    """Wrapped calls timed by marks (the device path, CPU marks) minus plain calls, in
+    interleaved blocks inside steps; the poller closes the records in the background."""
+    _use_clock(session, CpuEventClock(), device_only=False)
+    diffs = []
+    for i in range(rounds):
+        with collectives.step(1 + i):
+            pair = (original, dist.all_reduce) if i % 2 else (dist.all_reduce, original)
+            times = {fn: block(fn, 200) for fn in pair}
+        diffs.append(times[dist.all_reduce][0] - times[original][0])
+    _use_clock(session, None, device_only=False)
+    return diffs
+
+
+def _cuda_rank(_index: int, store: str, out: str, quick: bool) -> None:
+    """1-rank NCCL on the GPU: wrapped calls with CUDA events vs plain, and without events."""
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+    session = collectives.instrument(
+        "bench", agent_socket=str(Path(store).with_name("no-agent.sock"))
+    )
+    original = session.instrumenter.originals["all_reduce"]
+    tensor = torch.ones(16, device="cuda")
+
+    def block(fn: Any, calls: int) -> float:
+        torch.cuda.synchronize()  # the bench's own sync, outside the timed calls' launches
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(tensor)
+        return (time.perf_counter() - t0) / calls
+
+    with_events, without = [], []
+    for i in range(30 if quick else 100):
+        with collectives.step(i):
+            _use_clock(session, CudaEventClock(), device_only=True)
+            pair = (original, dist.all_reduce) if i % 2 else (dist.all_reduce, original)
+            times = {fn: block(fn, 200) for fn in pair}
+            with_events.append(times[dist.all_reduce] - times[original])
+            _use_clock(session, None, device_only=True)
+            times = {fn: block(fn, 200) for fn in pair}
+            without.append(times[dist.all_reduce] - times[original])
+    torch.cuda.synchronize()
+    collectives.uninstrument()
+    dist.destroy_process_group()
+    Path(out).write_text(
+        json.dumps(
+            {
+                "overhead_us_per_call_cuda_events": round(statistics.median(with_events) * 1e6, 2),
+                "overhead_us_per_call_cuda_no_events": round(statistics.median(without) * 1e6, 2),
+            }
+        )
+    )
+
+
+def _seen_rank(rank: int, store: str, out: str, steps: int) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    collectives.instrument("bench", agent_socket=str(Path(store).with_name("no-agent.sock")))
+    result = collectives_parallel.run(steps)
+    collectives.uninstrument()
+    dist.destroy_process_group()
+    counts = {}
+    for name in collectives_parallel.SCENARIOS:
+        cmp = collectives_parallel.seen(result, name)
+        counts[name] = {"listed": cmp.listed, "seen": cmp.seen, "missing": cmp.missing}
+    Path(f"{out}.{rank}").write_text(json.dumps(counts))
+
+
+def seen_ratios(tmp: str, steps: int) -> dict[str, Any]:
+    """``collectives_seen_ratio`` per workload, both ranks together."""
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "4000"  # before the children create their groups
+    out = os.path.join(tmp, "seen.json")
+    mp.spawn(_seen_rank, args=(os.path.join(tmp, "store2"), out, steps), nprocs=WORLD, join=True)
+    per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD)]
+    ratios: dict[str, float | None] = {}
+    missing: dict[str, list[Any]] = {}
+    for name in collectives_parallel.SCENARIOS:
+        listed = sum(r[name]["listed"] for r in per_rank)
+        got = sum(r[name]["seen"] for r in per_rank)
+        ratios[name] = round(got / listed, 4) if listed else None
+        missing[name] = [m for r in per_rank for m in r[name]["missing"]]
+    return {
+        "collectives_seen_ratio": ratios,
+        "collectives_seen_source": {
+            "fsdp2": "flight_recorder",
+            "dtensor": "flight_recorder",
+            "pipeline": "profiler_c10d_ops",
+        },
+        "collectives_seen_missing": missing,
+        "collectives_seen_steps": steps,
+    }
 
 
 def measure(quick: bool = False) -> dict[str, Any]:
@@ -209,6 +324,12 @@ def measure(quick: bool = False) -> dict[str, Any]:
             join=True,
         )
         result.update(json.loads(Path(single).read_text()))
+        result["overhead_us_per_call_cuda_events"] = None  # measured only on a GPU
+        if torch.cuda.is_available() and dist.is_nccl_available():
+            cuda = os.path.join(tmp, "cuda.json")
+            mp.spawn(_cuda_rank, args=(os.path.join(tmp, "store3"), cuda, quick), nprocs=1)
+            result.update(json.loads(Path(cuda).read_text()))
+        result.update(seen_ratios(tmp, 2 if quick else 4))
         result["overhead_pct_of_step_1rank"] = round(
             100
             * result["calls_per_step"]
@@ -239,6 +360,20 @@ def main(argv: list[str] | None = None) -> int:
         (
             "training-thread CPU time added per call, same blocks",
             f"{result['overhead_cpu_us_per_call_1rank']:.1f} µs",
+        ),
+        (
+            "overhead per call through the device path with CPU marks, same blocks",
+            f"{result['overhead_us_per_call_event_path_cpu']:.1f} µs",
+        ),
+        (
+            "overhead per call with CUDA events (GPU only)",
+            "n/a (no GPU)"
+            if result["overhead_us_per_call_cuda_events"] is None
+            else f"{result['overhead_us_per_call_cuda_events']:.1f} µs",
+        ),
+        *(
+            (f"collectives seen / recorded by torch, {name} on gloo (target 1.0)", str(ratio))
+            for name, ratio in result["collectives_seen_ratio"].items()
         ),
         (
             "load average (1 min) on this machine",

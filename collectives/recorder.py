@@ -110,6 +110,8 @@ class Recorder:
         self._seq: dict[str, int] = {}
         self._last_done: dict[str, int] = {}
         self._inflight: dict[int, CallRecord] = {}
+        #: The event-timed part of ``_inflight``: all the poller has to look at.
+        self._evented: dict[int, CallRecord] = {}
         #: Group id -> its global ranks (sorted), sent with in-flight reports.
         self.group_ranks: dict[str, list[int]] = {}
         #: Group id -> torch's group name (how Flight Recorder dumps name it).
@@ -199,6 +201,7 @@ class Recorder:
     def event_launched(self, rec: CallRecord, enqueue_s: float) -> None:
         """``rec`` was launched on a device; the poller closes it when its end mark fires."""
         rec.enqueue_s = enqueue_s
+        self._evented[id(rec)] = rec
         step = self._step
         if step is not None:
             step.event_calls.append(rec)
@@ -321,12 +324,15 @@ class Recorder:
     def poll_events(self) -> None:
         """The poller: complete event-timed calls whose end mark has fired (``query()``,
         never a synchronize) and emit the steps whose calls and NaN/Inf flags are all in."""
-        pending = [r for r in _copy(self._inflight).values() if r.events is not None]
-        for rec in pending:
+        for key, rec in _copy(self._evented).items():
+            if rec.exit_s is not None or rec.events is None:  # abandoned or cancelled
+                self._evented.pop(key, None)
+                continue
             start, end = rec.events
             if end is not None and end.query():
                 rec.blocked_s = end.seconds_since(start)
                 self.complete(rec, rec.enter_s + rec.blocked_s)
+                self._evented.pop(key, None)
         while True:
             with self._lock:
                 if not self._gpu_steps:

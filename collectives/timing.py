@@ -31,7 +31,6 @@ Two clocks implement the same small interface:
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any, Protocol
 
@@ -127,20 +126,18 @@ def _env_on(name: str) -> bool:
 
 
 class CpuMark:
-    __slots__ = ("_done", "t")
+    """Fires once ``t`` is set (one attribute store: atomic for the poller that reads it)."""
+
+    __slots__ = ("t",)
 
     def __init__(self, t: float | None = None) -> None:
         self.t = t
-        self._done = threading.Event()
-        if t is not None:
-            self._done.set()
 
     def fire(self, t: float) -> None:
         self.t = t
-        self._done.set()
 
     def query(self) -> bool:
-        return self._done.is_set()
+        return self.t is not None
 
     def seconds_since(self, start: Mark) -> float:
         assert isinstance(start, CpuMark) and start.t is not None and self.t is not None

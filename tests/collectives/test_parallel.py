@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.collectives_parallel import only, seen
 from collectives import flight
 
 from .conftest import launch_ranks
@@ -50,46 +50,27 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def _only(res: dict[str, Any], scenario: str) -> dict[str, Any]:
-    steps = set(res["scenarios"][scenario])
-    return {
-        **res,
-        "calls": [c for c in res["calls"] if c["step"] in steps],
-        "windows": {k: v for k, v in res["windows"].items() if int(k) in steps},
-        "profiled": {k: v for k, v in res["profiled"].items() if int(k) in steps},
-        "roles": [r for r in res["roles"] if r["step"] in steps],
-    }
-
-
-def _fr_comparison(res: dict[str, Any]) -> flight.Comparison:
-    calls = [flight.Call(c["step"], c["group"], c["seq"], c["op"]) for c in res["calls"]]
-    windows = {int(k): (v[0], v[1]) for k, v in res["windows"].items()}
-    return flight.compare(calls, res["entries"], windows)
-
-
 @pytest.mark.parametrize("scenario", ["fsdp2", "dtensor"])
 def test_every_collective_flight_recorder_lists_is_seen(
     scenario: str, runs: list[dict[str, Any]]
 ) -> None:
-    for full in runs:
-        assert full["inflight"] == 0  # every call seen also completed
-        res = _only(full, scenario)
-        cmp = _fr_comparison(res)
+    for res in runs:
+        assert res["inflight"] == 0  # every call seen also completed
+        cmp = seen(res, scenario)
         assert cmp.listed >= 4, "Flight Recorder recorded too little to compare"
         assert cmp.missing == [] and cmp.ratio == 1.0
+        roles = only(res, scenario)["roles"]
         if scenario == "fsdp2":  # the FSDP mesh's dp dim gives the data-parallel rank
-            assert res["roles"][0]["group_ranks"] == [0, 1]
-            assert res["roles"][0]["dp_rank"] in (0, 1)
+            assert roles[0]["group_ranks"] == [0, 1]
+            assert roles[0]["dp_rank"] in (0, 1)
 
 
 def test_pipeline_p2p_is_seen_and_stages_are_roles(runs: list[dict[str, Any]]) -> None:
-    for rank, full in enumerate(runs):
-        res = _only(full, "pipeline")
-        for step, theirs in res["profiled"].items():
-            ours = Counter(flight.family(c["op"]) for c in res["calls"] if c["step"] == int(step))
-            cmp = flight.compare_counts(ours, Counter(theirs))
-            assert cmp.listed >= 2 and cmp.missing == [] and cmp.ratio == 1.0
-        assert {(r["role"], r["pp_stage"]) for r in res["roles"]} == {(f"pp_stage={rank}", rank)}
+    for rank, res in enumerate(runs):
+        cmp = seen(res, "pipeline")
+        assert cmp.listed >= 4 and cmp.missing == [] and cmp.ratio == 1.0
+        roles = only(res, "pipeline")["roles"]
+        assert {(r["role"], r["pp_stage"]) for r in roles} == {(f"pp_stage={rank}", rank)}
 
 
 def test_compare_flags_a_collective_the_wrapper_did_not_see() -> None:
