@@ -21,7 +21,7 @@ not one per report; the memo of what was seen is per (node, GPU/port).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from trainguard import wire
@@ -81,16 +81,18 @@ class HwFinding:
     time_unix_s: float
 
 
-@dataclass(slots=True)
-class _Seen:
-    flags: set[str] = field(default_factory=set)
-
-
 class HwRules:
-    """Turns reports into findings; remembers standing conditions so each is found once."""
+    """Turns reports into findings; remembers standing conditions so each is found once.
+
+    Standing conditions (a remap pending, a link down) are read from the *last* sample of
+    each report: they persist, so the last sample has them, and reading one sample instead
+    of all keeps the cost per report small. Edge events (flaps, NICs gone) come from every
+    sample's ``events``.
+    """
 
     def __init__(self) -> None:
-        self._seen: dict[tuple[str, int], _Seen] = {}
+        #: (node, GPU) -> flags standing at the last report, e.g. "nvlink_down:7".
+        self._seen: dict[tuple[str, int], frozenset[str]] = {}
 
     def findings(self, report: wire.Report) -> list[HwFinding]:
         node = report.node.name
@@ -98,9 +100,11 @@ class HwRules:
         if report.node.gpu_error:
             t = report.samples[-1].time_unix_s if report.samples else report.sent_unix_s
             out.append(self._finding("gpu_watch_failed", node, None, "", report.node.gpu_error, t))
+        if report.samples:
+            last = report.samples[-1]
+            for g in last.gpus:
+                out += self._gpu(node, g, last.time_unix_s)
         for sample in report.samples:
-            for g in sample.gpus:
-                out += self._gpu(node, g, sample.time_unix_s)
             for event in sample.events:
                 if event.kind in _EVENT_SIGNALS:
                     where = event.device or (
@@ -120,64 +124,64 @@ class HwRules:
     ) -> HwFinding:
         return HwFinding(signal, RULES[signal][0], node, gpu, device, reason, t)
 
-    def _standing(self, node: str, gpu: int, flag: str, present: bool) -> bool:
-        """True when ``flag`` just appeared on this GPU (it was not present before)."""
-        seen = self._seen.setdefault((node, gpu), _Seen())
-        if not present:
-            seen.flags.discard(flag)
-            return False
-        if flag in seen.flags:
-            return False
-        seen.flags.add(flag)
-        return True
-
     def _gpu(self, node: str, g: wire.GpuSample, t: float) -> list[HwFinding]:
-        out: list[HwFinding] = []
-        i = g.index
-
-        def check(signal: str, present: bool, reason: str, flag: str | None = None) -> None:
-            if self._standing(node, i, flag or signal, present):
-                out.append(self._finding(signal, node, i, "", reason, t))
-
-        check("gpu_unknown", g.unknown, f"GPU {i} unknown: {g.error or 'NVML did not answer'}")
+        key = (node, g.index)
+        before = self._seen.get(key, frozenset())
+        standing = _standing(g)
         if g.unknown or g.lost:
-            return out
-        check("row_remap_failed", g.row_remap_failed is True, f"GPU {i}: row remapping failed")
-        check(
+            # Nothing else was read: keep what stood before, apart from "unknown" itself.
+            now = frozenset(standing) | (before - {"gpu_unknown"})
+        else:
+            now = frozenset(standing)
+        if not now and not before:
+            return []
+        self._seen[key] = now
+        return [
+            self._finding(signal, node, g.index, "", reason, t)
+            for flag, (signal, reason) in standing.items()
+            if flag not in before
+        ]
+
+
+def _standing(g: wire.GpuSample) -> dict[str, tuple[str, str]]:
+    """flag -> (signal, reason) for every condition standing in this sample (usually none)."""
+    i = g.index
+    out: dict[str, tuple[str, str]] = {}
+    if g.unknown:
+        out["gpu_unknown"] = ("gpu_unknown", f"GPU {i} unknown: {g.error or 'NVML did not answer'}")
+        return out
+    if g.lost:
+        return out
+    if g.row_remap_failed:
+        out["row_remap_failed"] = ("row_remap_failed", f"GPU {i}: row remapping failed")
+    if g.row_remap_pending:
+        out["row_remap_pending"] = (
             "row_remap_pending",
-            g.row_remap_pending is True,
             f"GPU {i}: row remap pending, needs a GPU reset",
         )
-        check(
+    if g.retired_pages_pending:
+        out["retired_pages_pending"] = (
             "retired_pages_pending",
-            g.retired_pages_pending is True,
             f"GPU {i}: page retirement pending, needs a GPU reset",
         )
-        retired = (g.retired_pages_sbe or 0) + (g.retired_pages_dbe or 0)
-        check(
+    retired = (g.retired_pages_sbe or 0) + (g.retired_pages_dbe or 0)
+    if retired >= RETIRED_PAGES_LIMIT:
+        out["retired_pages_limit"] = (
             "retired_pages_limit",
-            retired >= RETIRED_PAGES_LIMIT,
             f"GPU {i}: {retired} retired pages (limit {RETIRED_PAGES_LIMIT})",
         )
-        status = g.fabric_status
-        check(
+    state, status = g.fabric_state, g.fabric_status
+    if state == "completed" and status not in (None, 0):
+        out["fabric_failed"] = (
             "fabric_failed",
-            g.fabric_state == "completed" and status not in (None, 0),
             f"GPU {i}: NVLink fabric registration failed (nvmlReturn {status})",
         )
-        check(
-            "fabric_not_ready",
-            g.fabric_state in ("not_started", "in_progress"),
-            f"GPU {i}: NVLink fabric {g.fabric_state}",
-        )
-        for link in g.nvlinks:
-            check(
-                "nvlink_down",
-                not link.active,
-                f"GPU {i}: NVLink {link.link} down",
-                flag=f"nvlink_down:{link.link}",
-            )
-        return out
+    elif state in ("not_started", "in_progress"):
+        out["fabric_not_ready"] = ("fabric_not_ready", f"GPU {i}: NVLink fabric {state}")
+    for link in g.nvlinks:
+        if not link.active:
+            out[f"nvlink_down:{link.link}"] = ("nvlink_down", f"GPU {i}: NVLink {link.link} down")
+    return out
 
 
 __all__ = ["RETIRED_PAGES_LIMIT", "RULES", "HwFinding", "HwRules", "Level"]
