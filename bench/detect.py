@@ -20,12 +20,15 @@ Then the fleet-shaped set (``bench.detect_fleet``, issue 16): pipeline and MoE j
 must raise nothing, heavy-tailed noise, a flapping node, many culprits in 32-128 rank jobs,
 a straggler inside a pipeline stage, a hang whose waiting node goes quiet; a development
 set and a held-out set from other distributions, with a plain per-rank threshold detector
-measured in the same runs (``baselines``). All of it is simulated: no real multi-process
-(gloo) run feeds these figures yet. The real-process
+measured in the same runs (``baselines``). These are simulated; beside them, ``gloo`` holds
+the same figures from real 8-rank gloo runs (``bench.detect_gloo``: a DeviceMesh pipeline,
+MoE experts with uneven all-to-all, a slowed stage replica), whose measured step summaries
+are replayed to the detectors on simulated report timers (skipped with --no-gloo). The
+real-process
 path is covered by tests/e2e/test_detection_e2e.py; the wrapper's overhead next to plain
 torch.distributed comes from bench.collectives in the same run (skipped with --no-overhead).
 
-    python -m bench.detect [--quick] [--json] [--no-overhead]
+    python -m bench.detect [--quick] [--json] [--no-overhead] [--no-gloo]
 """
 
 from __future__ import annotations
@@ -372,6 +375,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer healthy steps and seeds")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     ap.add_argument("--no-overhead", action="store_true", help="skip the 2-rank gloo run")
+    ap.add_argument("--no-gloo", action="store_true", help="skip the 8-rank gloo role runs")
     args = ap.parse_args()
     seeds = [1, 2] if args.quick else [1, 2, 3, 4, 5]
     healthy_steps = 5000 if args.quick else 20000
@@ -421,6 +425,12 @@ def main() -> None:
         )
     costs = [cost(w) for w in ([256, 2048] if args.quick else [256, 2048, 16384])]
     fleet = fleet_results(args.quick)
+    if not args.no_gloo:
+        from bench.detect_gloo import gloo_results
+
+        gloo = gloo_results(args.quick)
+        fleet["baselines"][0]["gloo"] = gloo.pop("baseline")
+        fleet["gloo"] = gloo
     overhead: dict[str, Any] = {}
     if not args.no_overhead:
         from bench.collectives import measure
@@ -451,6 +461,9 @@ def main() -> None:
             f"{c['detect_ms_per_step']:>15}"
         )
     print_fleet(fleet)
+    if "gloo" in fleet:
+        print(f"real gloo runs (8 ranks): {json.dumps(fleet['gloo'])}")
+        print(f"  baseline on the same runs: {json.dumps(fleet['baselines'][0]['gloo'])}")
     result = {
         **fleet,
         "detect_cost": costs,

@@ -132,6 +132,10 @@ class SimOutcome:
     steps: int
     #: Steps the detector compared (the rest were dropped or still waiting at the end).
     steps_compared: int = 0
+    #: Replays only: virtual controller time of each opening (parallel to ``opened``) and
+    #: the end time of each step, so detection can be told in seconds as well as steps.
+    opened_s: list[float] = field(default_factory=list)
+    step_end_s: dict[int, float] = field(default_factory=dict)
 
     def stragglers(self) -> list[tuple[int, int]]:
         return [(step, f.ranks[0]) for step, f in self.opened if f.kind is FindingKind.STRAGGLER]
@@ -300,3 +304,64 @@ def _hang(
             trackers.observe(node, JobRecords(inflight=[rec]), now + 0.3)
         advance(now + 1.0)
         now += 1.0
+
+
+def replay(
+    steps: list[list[StepSummary]],
+    per_node: int,
+    delivery: Delivery,
+    seed: int,
+    cfg: C4DConfig | None = None,
+) -> SimOutcome:
+    """Feed recorded step summaries (from a real run) to the detectors as agents on
+    independent report phases would deliver them, on a virtual clock that advances by each
+    step's measured duration; the threshold baseline sees the same steps in order."""
+    rng = random.Random(seed)
+    trackers = JobTrackers(cfg or C4DConfig())
+    baseline = ThresholdBaseline()
+    world = max((s.world_size for rows in steps for s in rows), default=1)
+    nodes = sorted({_node(r, per_node) for r in range(world)})
+    next_send = {n: rng.uniform(0, delivery.interval_s) for n in nodes}
+    buffers: dict[str, list[StepSummary]] = {n: [] for n in nodes}
+    opened: list[tuple[int, Finding]] = []
+    opened_s: list[float] = []
+    step_end_s: dict[int, float] = {}
+    updates: list[Finding] = []
+    base_opened: list[tuple[int, int]] = []
+    t, next_tick = 0.0, 1.0
+
+    def advance(until: float, index: int) -> None:
+        nonlocal next_tick
+        while next_tick <= until:
+            for n in nodes:
+                while next_send[n] <= next_tick:
+                    if buffers[n]:
+                        trackers.observe(n, JobRecords(steps=buffers[n]), next_tick)
+                        buffers[n] = []
+                    next_send[n] += delivery.interval_s + rng.uniform(
+                        -delivery.send_jitter_s, delivery.send_jitter_s
+                    )
+            for f in trackers.evaluate(next_tick):
+                if f.kind is FindingKind.STRAGGLER and not f.resolved:
+                    updates.append(f)
+                if not (f.resolved or f.refresh):
+                    opened.append((index, f))
+                    opened_s.append(next_tick)
+            next_tick += 1.0
+
+    for index, rows in enumerate(steps):
+        for s in rows:
+            buffers[_node(s.rank, per_node)].append(s)
+        base_opened += [
+            (rows[0].step, r) for r in baseline.add({s.rank: s.compute_time_s for s in rows})
+        ]
+        t += max(s.step_time_s for s in rows)
+        step_end_s[rows[0].step] = t
+        advance(t, index)
+    advance(t + 3 * delivery.interval_s, len(steps) - 1)
+    tracker = trackers.jobs.get(steps[0][0].job) if steps and steps[0] else None
+    compared = tracker.stragglers.steps_seen if tracker else 0
+    # ``opened`` carries the index of the step being fed; report the ranks' step numbers.
+    first = steps[0][0].step if steps and steps[0] else 0
+    opened = [(first + i, f) for i, f in opened]
+    return SimOutcome(opened, updates, base_opened, len(steps), compared, opened_s, step_end_s)

@@ -1,0 +1,206 @@
+"""Real multi-process gloo runs for bench.detect: measured step timings, replayed to the detectors.
+
+Eight ranks (4 nodes x 2) run a small job on torch.distributed (gloo over loopback) with the
+real ``collectives`` instrumentation. Their step summaries (compute, collective wait and
+bytes measured by the wrapper; roles derived from a real ``DeviceMesh`` or declared) go over
+the real Unix-socket protocol to a recording stand-in for each node's agent. The recorded
+summaries are then delivered to the detectors as agents on independent 5 s report phases
+would deliver them (``bench.detect_sim.replay``), beside the threshold baseline fed the same
+steps. Only the delivery is simulated; the timings, roles and bytes are the ranks' own.
+
+Scenarios: a pipeline (DeviceMesh pp=4 x dp=2) whose last stage sleeps 30% longer; MoE
+experts (role declared) whose token share is skewed 2x, moving uneven all-to-all volumes
+(dispatch and combine with ``all_to_all_single`` splits); the same pipeline with a stage-1
+rank slowed 15% (the ``slowdown`` fault) from step 60.
+
+Steps here last ~70 ms, so detection is bound by time, not steps: a straggler must persist
+``confirm_min_s`` (5 s) on the controller's clock and summaries reach it on 5 s report
+timers, which is ~150 steps of this job (the 1 s steps of the generator make it ~20). The
+figure is given in steps and in (virtual) seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.detect_sim import Delivery, SimOutcome, replay
+from trainguard.framing import FrameError, encode_frame, read_frame
+from trainguard.wire import LocalRecords, LocalReply, StepSummary
+
+WORLD = 8
+PER_NODE = 2
+
+
+class RecordingAgent:
+    """Accepts the ranks' connections on one node's socket and keeps their step summaries."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.steps: list[StepSummary] = []
+        self._lock = threading.Lock()
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(path)
+        self._server.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        reply = encode_frame(LocalReply().model_dump_json().encode())
+        with conn:
+            try:
+                read_frame(conn)  # hello
+                conn.sendall(reply)
+                while True:
+                    batch = LocalRecords.model_validate_json(read_frame(conn))
+                    with self._lock:
+                        self.steps.extend(batch.records.steps)
+                    conn.sendall(reply)
+            except (OSError, FrameError):
+                return
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def _rank(rank: int, store: str, sockets: list[str], sc: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import collectives
+
+    os.environ.update(
+        {
+            "TRAINGUARD_JOB": sc["name"],
+            "TRAINGUARD_AGENT_SOCKET": sockets[rank // PER_NODE],
+            "TRAINGUARD_FAULTS": json.dumps(sc.get("faults", [])),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    collectives.instrument(role=sc.get("role"))
+    compute_s = sc["compute_s"]
+    pp = sc.get("pp", 0)
+    if pp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (pp, WORLD // pp), mesh_dim_names=("pp", "dp"))
+        coord = mesh.get_coordinate()
+        if coord is not None and coord[0] == pp - 1:
+            compute_s *= 1 + sc.get("last_stage_extra", 0.0)
+    noise = random.Random(rank)
+    shares = [1 + (sc.get("moe_skew", 1.0) - 1) * i / (WORLD - 1) for i in range(WORLD)]
+    random.Random(7).shuffle(shares)
+    rows_per_share, hidden = 64, 64
+    tokens = [int(rows_per_share * s) for s in shares]  # tokens each expert receives
+    grad = torch.zeros(4096)
+    for step in range(sc["steps"]):
+        with collectives.step(step):
+            if sc.get("moe_skew"):
+                # Attention alike on every rank; the expert's work grows with its tokens.
+                work = 0.4 + 0.6 * shares[rank] / (sum(shares) / WORLD)
+                time.sleep(compute_s * work * (1 + noise.uniform(-0.05, 0.05)))
+                send = [tokens[e] // WORLD for e in range(WORLD)]
+                recv = [tokens[rank] // WORLD] * WORLD
+                x = torch.ones(sum(send), hidden)
+                y = torch.empty(sum(recv), hidden)
+                dist.all_to_all_single(y, x, recv, send)  # dispatch: equal volume out
+                z = torch.empty(sum(send), hidden)
+                dist.all_to_all_single(z, y, send, recv)  # combine: the expert's tokens back
+            else:
+                time.sleep(compute_s * (1 + noise.uniform(-0.05, 0.05)))
+            dist.all_reduce(grad)
+    dist.barrier()
+    collectives.uninstrument()
+    dist.destroy_process_group()
+
+
+def run_gloo(sc: dict[str, Any]) -> list[list[StepSummary]]:
+    """Run one scenario on 8 real gloo ranks; its step summaries, grouped by step."""
+    from torch.multiprocessing.spawn import spawn
+
+    with tempfile.TemporaryDirectory(prefix="tgdetect") as tmp:
+        sockets = [os.path.join(tmp, f"n{i}.sock") for i in range(WORLD // PER_NODE)]
+        agents = [RecordingAgent(path) for path in sockets]
+        try:
+            spawn(_rank, args=(str(Path(tmp) / "store"), sockets, sc), nprocs=WORLD)  # type: ignore[no-untyped-call]
+            time.sleep(0.5)  # the last batches
+        finally:
+            for agent in agents:
+                agent.close()
+    by_step: dict[int, list[StepSummary]] = {}
+    for agent in agents:
+        for s in agent.steps:
+            by_step.setdefault(s.step, []).append(s)
+    return [sorted(rows, key=lambda s: s.rank) for _, rows in sorted(by_step.items())]
+
+
+def gloo_scenarios(quick: bool) -> list[dict[str, Any]]:
+    steps = 220 if quick else 300
+    return [
+        {"name": "gloo-pp", "pp": 4, "last_stage_extra": 0.3, "compute_s": 0.04, "steps": steps},
+        {"name": "gloo-moe", "role": "expert", "moe_skew": 2.0, "compute_s": 0.04, "steps": steps},
+        {
+            "name": "gloo-pp-straggler",
+            "pp": 4,
+            "last_stage_extra": 0.3,
+            "compute_s": 0.04,
+            "steps": steps,
+            "faults": [{"kind": "slowdown", "rank": 3, "from_step": 60, "factor": 1.15}],
+            "culprit": 3,
+            "fault_step": 60,
+        },
+    ]
+
+
+def gloo_results(quick: bool) -> dict[str, Any]:
+    """The fleet keys measured on real gloo runs, trainguard's and the baseline's."""
+    out: dict[str, Any] = {"ranks": WORLD, "nodes": WORLD // PER_NODE}
+    base: dict[str, Any] = {}
+    for sc in gloo_scenarios(quick):
+        steps = run_gloo(sc)
+        res: SimOutcome = replay(steps, PER_NODE, Delivery(interval_s=5.0), seed=1)
+        key = {"gloo-pp": "pp", "gloo-moe": "moe"}.get(sc["name"])
+        if key:
+            out[f"{key}_false_positives"] = len(res.opened)
+            base[f"{key}_false_positives"] = len(res.baseline_opened)
+            out[f"{key}_steps"] = len(steps)
+            continue
+        culprit, fault = sc["culprit"], sc["fault_step"]
+        mine = [s for s, f in res.opened if f.ranks == (culprit,)]
+        mine_s = [
+            t for (_, f), t in zip(res.opened, res.opened_s, strict=True) if f.ranks == (culprit,)
+        ]
+        out["role_straggler_detect_s"] = (
+            round(mine_s[0] - res.step_end_s[fault - 1], 1) if mine_s else None
+        )
+        theirs = [s for s, r in res.baseline_opened if r == culprit and s >= fault]
+        out["role_straggler_detect_steps"] = mine[0] - fault if mine else None
+        out["role_straggler_other_incidents"] = sum(
+            1 for _, f in res.opened if f.ranks != (culprit,)
+        )
+        base["role_straggler_detect_steps"] = theirs[0] - fault if theirs else None
+        base["role_straggler_other_incidents"] = sum(
+            1 for _, r in res.baseline_opened if r != culprit
+        )
+    out["baseline"] = base
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(gloo_results(quick=True), indent=1))
