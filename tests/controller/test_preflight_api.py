@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,12 @@ def agent_on(live_controller: Any, tmp_path: Path) -> Iterator[Agent]:
     thread = threading.Thread(target=agent.run_until, args=(stop,), daemon=True)
     thread.start()
     try:
+        # The controller knows a node from its first report on.
+        deadline = time.monotonic() + 20
+        url = f"{live_controller.url}/api/v1/nodes/pf-node"
+        while httpx.get(url, headers=live_controller.headers("viewer")).status_code != 200:
+            assert time.monotonic() < deadline, "the agent never reported"
+            time.sleep(0.05)
         yield agent
     finally:
         stop.set()
