@@ -299,3 +299,29 @@ def test_a_hung_gpu_does_not_stop_the_heartbeat(
     assert [(e.kind, e.gpu_index) for e in events] == [("gpu_unknown", 1)]
     last = [x for r in reports for x in r.samples][-1]
     assert [g.power_w is not None for g in last.gpus] == [True, False, True, True]
+
+
+def test_metrics_name_the_node_and_the_pod_using_each_gpu(
+    tmp_path: Path, sock_dir: Path, agents_controller: FakeController
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    agent = Agent(settings(tmp_path, sock_dir, agents_controller.url, report_interval_s=0.3))
+    with Running(agent):
+        client = LocalClient(str(sock_dir / "agent.sock"))
+        hello = {"type": "hello", "job": "train-a", "rank": 0, "world_size": 2, "pid": 1,
+                 "gpu_index": 1, "pod": "train-a-worker-0", "namespace": "ml"}  # fmt: skip
+        assert client.send_json(hello).ok
+        agents_controller.wait_for(lambda: len(agents_controller.state.reports) >= 1)
+        text = httpx.get(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5).text
+        client.close()
+    power = {
+        s.labels["gpu"]: s.labels
+        for f in text_string_to_metric_families(text)
+        if f.name == "trainguard_gpu_power_watts"
+        for s in f.samples
+    }
+    assert set(power) == {"0", "1", "2", "3"}
+    assert all(labels["Hostname"] == "node-1" for labels in power.values())  # not the pod
+    assert (power["1"]["pod"], power["1"]["namespace"]) == ("train-a-worker-0", "ml")
+    assert (power["0"]["pod"], power["0"]["namespace"]) == ("", "")
