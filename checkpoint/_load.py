@@ -31,6 +31,9 @@ class Restored:
     values: dict[str, Any] = field(default_factory=dict)
     #: Checkpoints skipped as broken on the way, with the reason.
     skipped: list[str] = field(default_factory=list)
+    #: Why ``latest`` was not followed (missing, garbage, naming an incomplete or older
+    #: step); "" when it named the newest committed checkpoint or a step was asked for.
+    latest_note: str = ""
 
 
 def dtype_of(name: str, where: str) -> torch.dtype:
@@ -48,6 +51,28 @@ def tensor_from_bytes(data: bytes, entry: Entry, where: str) -> torch.Tensor:
     return flat.view(dtype).reshape(entry.shape)
 
 
+def read_entry(reader: CheckpointReader, rank: int, entry: Entry) -> bytes:
+    """The bytes of ``entry`` of ``rank``: from its own data file, or, for a replica written
+    once by another rank (``stored_by``), from that rank's entry of the same name."""
+    if entry.stored_by is None:
+        return reader.read_entry(rank, entry)
+    holder = reader.rank_manifest(entry.stored_by)
+    try:
+        stored = holder.entry(entry.name)
+    except KeyError:
+        stored = None
+    if (
+        stored is None
+        or stored.stored_by is not None
+        or ((stored.dtype, stored.shape, stored.nbytes) != (entry.dtype, entry.shape, entry.nbytes))
+    ):
+        raise CheckpointCorruptError(
+            f"{reader.path / reader.manifest.ranks[rank].manifest}: entry {entry.name!r} is "
+            f"stored by rank {entry.stored_by}, whose manifest has no matching entry"
+        )
+    return reader.read_entry(entry.stored_by, stored)
+
+
 def read_rank_tree(reader: CheckpointReader, rank: int) -> dict[str, Any]:
     """Every tensor and value rank ``rank`` saved, as one nested dict."""
     entries = reader.entries(rank)
@@ -55,7 +80,7 @@ def read_rank_tree(reader: CheckpointReader, rank: int) -> dict[str, Any]:
     skeleton = b""
     where = str(reader.path / reader.rank_manifest(rank).data_file.name)
     for entry in entries:
-        data = reader.read_entry(rank, entry)
+        data = read_entry(reader, rank, entry)
         if entry.name == SKELETON_ENTRY:
             skeleton = data
         else:
@@ -80,7 +105,7 @@ def load_state(
     raised.
     """
     store = CheckpointStore(root)
-    steps = [step] if step is not None else list(store.candidates())
+    steps, note = ([step], "") if step is not None else store.resolve()
     skipped: list[str] = []
     for candidate in steps:
         try:
@@ -88,11 +113,19 @@ def load_state(
                 if rank >= reader.manifest.world_size:
                     raise CheckpointNotFoundError(
                         f"{reader.path}: saved by {reader.manifest.world_size} ranks, no rank "
-                        f"{rank}; load it with checkpoint.load_resharded"
+                        f"{rank}; load it with checkpoint.reshard"
                     )
                 tree = read_rank_tree(reader, rank)
-                values = apply(tree, state, restore_rng=restore_rng)
-                return Restored(step=candidate, path=reader.path, values=values, skipped=skipped)
+                values = apply(tree, state, restore_rng=restore_rng, where=str(reader.path))
+                if note or skipped:
+                    log.warning("loaded checkpoint step %d (%s)", candidate, note or "fallback")
+                return Restored(
+                    step=candidate,
+                    path=reader.path,
+                    values=values,
+                    skipped=skipped,
+                    latest_note=note,
+                )
         except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
             if step is not None:
                 raise

@@ -48,7 +48,8 @@ class FragmentIndex:
         self.by_name: dict[str, list[Fragment]] = defaultdict(list)
         for rank in range(reader.manifest.world_size):
             for entry in reader.entries(rank):
-                if entry.global_map is not None:
+                # A replica written once lives in its holder's file under the same map.
+                if entry.global_map is not None and entry.stored_by is None:
                     self.by_name[entry.global_map.name].append(
                         Fragment(rank, entry, entry.global_map)
                     )
@@ -165,6 +166,8 @@ class ReshardResult:
     tensors: int
     skipped: list[str] = field(default_factory=list)
     """Why newer checkpoints were passed over (CRC mismatch, missing shard), newest first."""
+    latest_note: str = ""
+    """Why ``latest`` was not followed ("" when it named the newest committed step)."""
 
 
 def load_resharded(
@@ -185,7 +188,7 @@ def load_resharded(
     mistake, not damage, and is raised at once.
     """
     store = CheckpointStore(root)
-    steps = [step] if step is not None else list(store.candidates())
+    steps, note = ([step], "") if step is not None else store.resolve()
     skipped: list[str] = []
     for candidate in steps:
         try:
@@ -209,6 +212,7 @@ def load_resharded(
                     bytes_read=index.bytes_read,
                     tensors=len(targets),
                     skipped=skipped,
+                    latest_note=note,
                 )
         except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
             if step is not None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from checkpoint.errors import CheckpointConfigError, CheckpointCorruptError
+from checkpoint.errors import CheckpointConfigError, CheckpointCorruptError, CheckpointLayoutError
 from checkpoint.manifest import GlobalMap
 
 RNG_KEY = "__rng__"
@@ -166,7 +166,10 @@ def capture(
 
 def _fill(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if isinstance(obj, TensorRef):
-        return tensors[obj.name]
+        found = tensors.get(obj.name)
+        if found is None:
+            raise KeyError(obj.name)
+        return found
     if isinstance(obj, dict):
         return {k: _fill(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -183,22 +186,41 @@ def rebuild(skeleton: bytes, tensors: Mapping[str, torch.Tensor], *, where: str)
         raise CheckpointCorruptError(f"{where}: state skeleton does not unpickle ({exc})") from exc
     if not isinstance(tree, dict):
         raise CheckpointCorruptError(f"{where}: state skeleton is not a dict")
-    return _fill(tree, tensors)  # type: ignore[no-any-return]
+    try:
+        return _fill(tree, tensors)  # type: ignore[no-any-return]
+    except KeyError as exc:
+        raise CheckpointCorruptError(
+            f"{where}: the skeleton names tensor {exc}, which the manifest does not list"
+        ) from None
 
 
 def apply(
-    loaded: Mapping[str, Any], targets: Mapping[str, Any], *, restore_rng: bool
+    loaded: Mapping[str, Any], targets: Mapping[str, Any], *, restore_rng: bool, where: str = ""
 ) -> dict[str, Any]:
-    """Load ``loaded`` into the stateful objects of ``targets``; return the plain values."""
+    """Load ``loaded`` into the stateful objects of ``targets``; return the plain values.
+
+    A saved state that does not fit its target (another model's shapes, a key the module
+    lacks) is a :class:`CheckpointLayoutError` naming the key, not torch's exception; the
+    objects before it in ``loaded`` have been restored by then.
+    """
     plain: dict[str, Any] = {}
     for key, value in loaded.items():
         if key == RNG_KEY:
             continue
         target = targets.get(key)
         if target is not None and _is_stateful(target):
-            target.load_state_dict(value)
+            try:
+                target.load_state_dict(value)
+            except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+                raise CheckpointLayoutError(
+                    f"{where}: state {key!r} does not fit its target ({type(exc).__name__}: "
+                    f"{str(exc)[:300]})"
+                ) from exc
         else:
             plain[key] = value
     if restore_rng and RNG_KEY in loaded:
-        set_rng_state(loaded[RNG_KEY])
+        try:
+            set_rng_state(loaded[RNG_KEY])
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise CheckpointCorruptError(f"{where}: RNG state does not restore ({exc})") from exc
     return plain

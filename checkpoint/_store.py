@@ -16,7 +16,7 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +51,23 @@ class CheckpointInfo:
     problem: str = ""
 
 
+def _check_part(path: Path, part: RankManifest, manifest: Manifest, rank: int) -> None:
+    """A rank manifest must describe the part ``MANIFEST.json`` committed for ``rank``."""
+    record = manifest.ranks[rank]
+    for field, got, want in (
+        ("step", part.step, manifest.step),
+        ("rank", part.rank, rank),
+        ("world_size", part.world_size, manifest.world_size),
+        ("layout", part.layout, manifest.layout),
+        ("data_file.size_bytes", part.data_file.size_bytes, record.size_bytes),
+        ("data_file.sha256", part.data_file.sha256, record.sha256),
+    ):
+        if got != want:
+            raise CheckpointCorruptError(
+                f"{path}: field {field}: {got!r:.80}, but MANIFEST.json says {want!r:.80}"
+            )
+
+
 class CheckpointReader:
     """One complete checkpoint, opened; rank manifests are parsed and checked on demand."""
 
@@ -80,6 +97,7 @@ class CheckpointReader:
         if hashlib.sha256(data).hexdigest() != record.manifest_sha256:
             raise CheckpointCorruptError(f"{path}: SHA-256 differs from MANIFEST.json")
         part = parse_rank_manifest(path, data)
+        _check_part(path, part, self.manifest, rank)
         self._ranks[rank] = part
         return part
 
@@ -183,12 +201,17 @@ class CheckpointStore:
         self.root = Path(root)
 
     def latest_pointer(self) -> int | None:
+        """The step ``latest`` names (a hint: :meth:`resolve`); ``None`` if absent."""
+        path = self.root / LATEST_NAME
         try:
-            name = (self.root / LATEST_NAME).read_text().strip()
+            raw = path.read_bytes()[:64]
         except FileNotFoundError:
             return None
-        if not (name.startswith("step-") and name[5:].isdigit()):
-            raise CheckpointCorruptError(f"{self.root / LATEST_NAME}: bad content {name!r}")
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{path}: unreadable ({exc})") from exc
+        name = raw.decode("ascii", "replace").strip()
+        if not (name.startswith("step-") and name[5:].isascii() and name[5:].isdigit()):
+            raise CheckpointCorruptError(f"{path}: bad content {name!r:.40}")
         return int(name[5:])
 
     @property
@@ -278,19 +301,40 @@ class CheckpointStore:
         return reader
 
     def candidates(self) -> Iterator[int]:
-        """Steps to try for "latest": the pointer first, then committed ones, newest first."""
-        seen = set()
-        pointer = None
+        """Committed steps to try, newest first (see :meth:`resolve`)."""
+        yield from self.resolve()[0]
+
+    def resolve(self) -> tuple[Sequence[int], str]:
+        """Committed steps to try for "the newest checkpoint", newest first, and a note
+        saying why ``latest`` was not followed ("" when it names the newest one).
+
+        ``latest`` is a hint, not the truth: ``MANIFEST.json`` is the commit point, so a
+        step committed after the pointer last moved (a crash between the two) is newer
+        than the pointer; a pointer naming a missing or uncommitted step, or holding
+        garbage, is reported and ignored. Whether a step *loads* is the loader's question:
+        it tries these in order.
+        """
+        committed = [info.step for info in reversed(self.list()) if info.complete]
         try:
             pointer = self.latest_pointer()
         except CheckpointCorruptError as exc:
-            log.warning("%s", exc)
-        if pointer is not None:
-            seen.add(pointer)
-            yield pointer
-        for info in reversed(self.list()):
-            if info.complete and info.step not in seen:
-                yield info.step
+            note = f"{exc}; ignored"
+        else:
+            if pointer is None:
+                note = f"{self.root / LATEST_NAME}: missing" if committed else ""
+            elif pointer not in committed:
+                state = "missing" if pointer not in {i.step for i in self.list()} else "incomplete"
+                note = f"{self.root / LATEST_NAME}: names step {pointer}, which is {state}"
+            elif committed and pointer != committed[0]:
+                note = (
+                    f"{self.root / LATEST_NAME}: names step {pointer}, but step "
+                    f"{committed[0]} is committed and newer"
+                )
+            else:
+                note = ""
+        if note:
+            log.warning("%s", note)
+        return committed, note
 
     def open_latest(self) -> CheckpointReader:
         """The newest checkpoint that opens cleanly, skipping broken ones with a warning."""
