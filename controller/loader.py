@@ -10,9 +10,7 @@ import time
 
 from sqlalchemy.orm import Session
 
-from controller.db.models import Command, Gpu, Incident, Job, Node, Rank
 from controller.db.repositories import commands, incidents, jobs, nodes
-from controller.db.repositories._rows import fields_of
 from controller.state import (
     ClusterState,
     CommandState,
@@ -29,7 +27,7 @@ def load_state(session: Session, state: ClusterState) -> None:
     now = time.time()
     for n in nodes.load_nodes(session):
         state.nodes[n.name] = NodeState(
-            **fields_of(Node, n, NodeState),
+            **nodes.NODE.fields(n, NodeState),
             # Silence is counted from our own start: the controller being down is not the
             # agents' fault, and their spools are about to resend.
             last_seen_unix_s=now if n.health != "lost" else (n.last_report_unix_s or 0.0),
@@ -37,22 +35,16 @@ def load_state(session: Session, state: ClusterState) -> None:
     for g in nodes.load_gpus(session):
         node = state.nodes.get(g.node_name)
         if node is not None:
-            node.gpus[g.index] = GpuState(**fields_of(Gpu, g, GpuState))
+            node.gpus[g.index] = GpuState(**nodes.GPU.fields(g, GpuState))
     for c in nodes.load_cursors(session):
         state.cursors[(c.node_name, c.agent_instance)] = Cursor(committed_seq=c.last_seq)
     for j in jobs.load_jobs(session):
-        state.jobs[j.name] = JobState(**fields_of(Job, j, JobState))
+        state.jobs[j.name] = JobState(**jobs.JOB.fields(j, JobState))
     for r in jobs.load_ranks(session):
         job = state.jobs.get(r.job_name)
         if job is not None:
-            job.ranks[r.rank] = RankState(
-                **fields_of(Rank, r, RankState, aliases=jobs.RANK_ALIASES)
-            )
+            job.ranks[r.rank] = RankState(**jobs.RANK.fields(r, RankState))
     for i in incidents.load_open(session):
-        state.add_incident(
-            IncidentState(**fields_of(Incident, i, IncidentState, aliases=incidents.ALIASES))
-        )
+        state.add_incident(IncidentState(**incidents.INCIDENT.fields(i, IncidentState)))
     for cmd in commands.load_unfinished(session):
-        state.commands[cmd.id] = CommandState(
-            **fields_of(Command, cmd, CommandState, aliases=commands.ALIASES)
-        )
+        state.commands[cmd.id] = CommandState(**commands.COMMAND.fields(cmd, CommandState))

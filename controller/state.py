@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any
 
 from controller.db.keys import CommandKey, CursorKey, GpuKey, JobKey, NodeKey, RankKey, RowKey
@@ -144,36 +145,52 @@ class Cursor:
 KEPT_ON_UNDO = frozenset({"isolated_reason", "isolated_unix_s", "last_seen_unix_s"})
 
 
+#: Saved field values of one object, in the order :func:`_fields_of` lists them.
+_Saved = tuple[Any, ...]
+
+
+_FIELDS: dict[tuple[type, frozenset[str]], tuple[tuple[str, ...], attrgetter[Any]]] = {}
+
+
+def _fields_of(cls: type, skip: frozenset[str]) -> tuple[tuple[str, ...], attrgetter[Any]]:
+    found = _FIELDS.get((cls, skip))
+    if found is None:
+        names = tuple(f.name for f in fields(cls) if f.name not in skip)
+        found = _FIELDS[(cls, skip)] = (names, attrgetter(*names))
+    return found
+
+
+def _save(obj: Any, skip: frozenset[str] = frozenset()) -> _Saved:
+    saved: _Saved = _fields_of(type(obj), skip)[1](obj)
+    return saved
+
+
+def _put_back(obj: Any, saved: _Saved, skip: frozenset[str] = frozenset()) -> None:
+    for name, value in zip(_fields_of(type(obj), skip)[0], saved, strict=True):
+        setattr(obj, name, value)
+
+
+_NODE_SKIP = KEPT_ON_UNDO | {"gpus"}
+_JOB_SKIP = frozenset({"ranks"})
+
+
 @dataclass(slots=True)
 class ReportSnapshot:
     """What one report may change, as it was before: put back if the report is not stored.
 
     Ingest applies a report to memory before its group commit (the batch reads the newest
     rows from memory); if the commit fails, :meth:`ClusterState.restore` undoes it, so the
-    API never serves a report the database does not have.
+    API never serves a report the database does not have. Values are saved as tuples
+    (about 1 us per object), since every report takes one.
     """
 
     node_name: str
-    node: NodeState | None
+    #: (the node, its fields, its GPU dict, each GPU's fields); ``None``: a new node.
+    node: tuple[NodeState, _Saved, dict[int, GpuState], dict[int, _Saved]] | None
     cursor_key: tuple[str, str]
-    jobs: dict[str, JobState | None]
-    commands: dict[str, CommandState]
-
-
-def _copy_node(node: NodeState) -> NodeState:
-    return replace(
-        node, labels=dict(node.labels), gpus={i: replace(g) for i, g in node.gpus.items()}
-    )
-
-
-def _copy_job(job: JobState) -> JobState:
-    return replace(job, ranks={r: replace(rank) for r, rank in job.ranks.items()})
-
-
-def _put_back(live: Any, saved: Any, skip: frozenset[str] = frozenset()) -> None:
-    for f in fields(live):
-        if f.name not in skip:
-            setattr(live, f.name, getattr(saved, f.name))
+    #: Per job: (the job, its fields, its rank dict, each rank's fields); ``None``: new.
+    jobs: dict[str, tuple[JobState, _Saved, dict[int, RankState], dict[int, _Saved]] | None]
+    commands: dict[str, tuple[CommandState, _Saved]]
 
 
 class ClusterState:
@@ -220,48 +237,68 @@ class ClusterState:
     # ------------------------------------------------------------------ undo
 
     def snapshot(self, report: wire.Report) -> ReportSnapshot:
-        """Copies of everything ``report`` can change (see :class:`ReportSnapshot`)."""
+        """What ``report`` can change, saved (see :class:`ReportSnapshot`)."""
         name = report.node.name
         node = self.nodes.get(name)
+        saved_node = None
+        if node is not None:
+            gpus = dict(node.gpus)
+            saved_node = (
+                node,
+                _save(node, _NODE_SKIP),
+                gpus,
+                {i: _save(g) for i, g in gpus.items()},
+            )
         records = report.job
-        job_names = {
-            item.job
-            for group in (records.steps, records.rank_events, records.inflight, records.checkpoints)
-            for item in group
-        }
-        jobs = {
-            j: (None if (job := self.jobs.get(j)) is None else _copy_job(job)) for j in job_names
-        }
+        jobs: dict[
+            str, tuple[JobState, _Saved, dict[int, RankState], dict[int, _Saved]] | None
+        ] = {}
+        for group in (records.steps, records.rank_events, records.inflight, records.checkpoints):
+            for item in group:
+                if item.job in jobs:
+                    continue
+                job = self.jobs.get(item.job)
+                if job is None:
+                    jobs[item.job] = None
+                else:
+                    ranks = dict(job.ranks)
+                    saved_ranks = {r: _save(rank) for r, rank in ranks.items()}
+                    jobs[item.job] = (job, _save(job, _JOB_SKIP), ranks, saved_ranks)
         ids = {ack.command_id for ack in report.command_acks}
         ids |= {c.id for c in self.pending_commands(name)}
-        commands = {i: replace(c) for i in ids if (c := self.commands.get(i)) is not None}
-        key = (name, report.agent_instance)
+        commands = {i: (c, _save(c)) for i in ids if (c := self.commands.get(i)) is not None}
         return ReportSnapshot(
             node_name=name,
-            node=None if node is None else _copy_node(node),
-            cursor_key=key,
+            node=saved_node,
+            cursor_key=(name, report.agent_instance),
             jobs=jobs,
             commands=commands,
         )
 
     def restore(self, snap: ReportSnapshot) -> None:
         """Undo a report that was not stored: memory is again what the database holds."""
-        live = self.nodes.get(snap.node_name)
         if snap.node is None:
             self.nodes.pop(snap.node_name, None)
-        elif live is not None:
-            _put_back(live, snap.node, KEPT_ON_UNDO)
+        else:
+            node, saved, gpus, saved_gpus = snap.node
+            _put_back(node, saved, _NODE_SKIP)
+            node.gpus = gpus
+            for index, gpu in gpus.items():
+                _put_back(gpu, saved_gpus[index])
         cursor = self.cursors.get(snap.cursor_key)
         if cursor is not None and not cursor.pending and cursor.committed_seq < 0:
             del self.cursors[snap.cursor_key]  # nothing of this agent instance is stored
-        for name, saved_job in snap.jobs.items():
+        for job_name, saved_job in snap.jobs.items():
             if saved_job is None:
-                self.jobs.pop(name, None)
-            elif (live_job := self.jobs.get(name)) is not None:
-                _put_back(live_job, saved_job)
-        for command_id, saved in snap.commands.items():
-            if (live_command := self.commands.get(command_id)) is not None:
-                _put_back(live_command, saved)
+                self.jobs.pop(job_name, None)
+                continue
+            job, saved, ranks, saved_ranks = saved_job
+            _put_back(job, saved, _JOB_SKIP)
+            job.ranks = ranks
+            for rank_no, rank in ranks.items():
+                _put_back(rank, saved_ranks[rank_no])
+        for command, saved in snap.commands.values():
+            _put_back(command, saved)
 
     # ------------------------------------------------------------------ summaries
 

@@ -199,3 +199,26 @@ def test_command_and_incident_writes_that_fail_change_nothing(
     assert _stored(db_url, "SELECT count(*) FROM commands WHERE node_name = 'n3'") == 1
     state = _stored(db_url, "SELECT state FROM incidents WHERE id = :i", i=incident["id"])
     assert state == "resolved"
+
+
+def test_power_tree_write_that_fails_changes_nothing(live, db_url, ctl_db_outage) -> None:
+    tree = {
+        "name": "row-a",
+        "kind": "row",
+        "budget_w": 3000,
+        "children": [{"name": "n4", "kind": "server", "budget_w": 2000}],
+    }
+    with httpx.Client(base_url=live.url, timeout=20) as client:
+        assert client.put("/api/v1/power/domains", json=tree, headers=live.headers()).is_success
+        bigger = {**tree, "budget_w": 4000}
+        ctl_db_outage.arm(r"power_domains")
+        r = client.put("/api/v1/power/domains", json=bigger, headers=live.headers())
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        shown = client.get("/api/v1/power/domains", headers=live.headers()).json()
+        assert shown["tree"]["budget_w"] == 3000
+        ctl_db_outage.disarm()
+        r = client.put("/api/v1/power/domains", json=bigger, headers=live.headers())
+        assert r.status_code == 200 and r.json()["tree"]["budget_w"] == 4000
+    budget = _stored(db_url, "SELECT provisioned_power_w FROM power_domains WHERE name = 'row-a'")
+    assert budget == 4000

@@ -281,3 +281,73 @@ def test_migrations_after_the_baseline_are_additive(path: Path) -> None:
     assert not set(calls) & set(DESTRUCTIVE), f"{path.name}: destructive ops {calls}"
     doc = ast.get_docstring(tree) or ""
     assert "backward compatible" in doc.lower(), f"{path.name}: say why it is backward compatible"
+
+
+def test_restore_puts_back_everything_a_report_changed() -> None:
+    """A report the database did not take is undone field by field (new node, GPUs, jobs,
+    ranks, commands), except liveness and isolation, which are not the report's to undo."""
+    from trainguard import wire
+
+    state = _sample_state()
+    state.commands["c1"].status = "sent"
+    report = wire.Report.model_validate(
+        {
+            "node": {"name": "n1", "gpus": []},
+            "agent_instance": "i2",
+            "seq": 0,
+            "sent_unix_s": 1.0,
+            "command_acks": [{"command_id": "c1", "status": "succeeded"}],
+            "job": {
+                "steps": [
+                    {
+                        "job": "j1",
+                        "rank": 1,
+                        "step": 9,
+                        "world_size": 2,
+                        "step_time_s": 1.0,
+                        "compute_time_s": 0.8,
+                        "collective_wait_s": 0.2,
+                    }
+                ],
+                "rank_events": [{"job": "j2", "rank": 0, "kind": "started", "time_unix_s": 9.0}],
+            },
+        }
+    )
+    before = {
+        "node": dataclasses.asdict(state.nodes["n1"]),
+        "job": dataclasses.asdict(state.jobs["j1"]),
+        "command": dataclasses.asdict(state.commands["c1"]),
+    }
+    snap = state.snapshot(report)
+    node = state.nodes["n1"]
+    node.hostname, node.labels, node.last_seen_unix_s = "moved", {"rack": "r9"}, 99.0
+    node.gpus[3].uuid = "GPU-other"
+    node.gpus[4] = GpuState(index=4)
+    node.isolated_reason = "isolated meanwhile (its own write path)"
+    state.jobs["j1"].last_step = 9
+    state.jobs["j1"].ranks[1].last_step = 9
+    state.jobs["j1"].ranks[5] = RankState(rank=5, node="n1", last_seen_unix_s=9.0)
+    state.jobs["j2"] = JobState(name="j2", first_seen_unix_s=9.0, last_seen_unix_s=9.0)
+    state.commands["c1"].status = "succeeded"
+    state.cursors[("n1", "i2")] = Cursor()
+
+    state.restore(snap)
+
+    after_node = dataclasses.asdict(state.nodes["n1"])
+    assert after_node.pop("last_seen_unix_s") == 99.0  # liveness: the node did report
+    assert after_node.pop("isolated_reason") == "isolated meanwhile (its own write path)"
+    expected = dict(before["node"])
+    del expected["last_seen_unix_s"], expected["isolated_reason"]
+    assert after_node == expected
+    assert dataclasses.asdict(state.jobs["j1"]) == before["job"]
+    assert "j2" not in state.jobs
+    assert dataclasses.asdict(state.commands["c1"]) == before["command"]
+    assert ("n1", "i2") not in state.cursors and ("n1", "i1") in state.cursors
+
+    fresh = wire.Report.model_validate(
+        {"node": {"name": "n-new", "gpus": []}, "agent_instance": "i", "seq": 0, "sent_unix_s": 1}
+    )
+    snap = state.snapshot(fresh)
+    state.nodes["n-new"] = NodeState(name="n-new", first_seen_unix_s=1.0)
+    state.restore(snap)
+    assert "n-new" not in state.nodes

@@ -10,14 +10,14 @@ from sqlalchemy.orm import Session
 
 from controller.db.models import Command
 from controller.db.repositories._dml import upsert
-from controller.db.repositories._rows import row_of
+from controller.db.repositories._rows import RowMapper
 
-ALIASES = {"node_name": "node"}
+COMMAND = RowMapper(Command, aliases={"node_name": "node"})
 UNFINISHED = ("pending", "sent")
 
 
 def command_row(command: object) -> dict[str, Any]:
-    return row_of(Command, command, aliases=ALIASES)
+    return COMMAND.row(command)
 
 
 def upsert_commands(conn: Connection, rows: list[dict[str, Any]]) -> None:

@@ -9,16 +9,14 @@ from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.orm import Session
 
 from controller.db.models import Incident
-from controller.db.repositories._rows import row_of
+from controller.db.repositories._rows import RowMapper
 
-ALIASES = {"node_name": "node", "job_name": "job"}
+#: A new incident's row leaves ``id`` out: it is the database's to give.
+INCIDENT = RowMapper(Incident, aliases={"node_name": "node", "job_name": "job"}, exclude=("id",))
 
 
 def incident_row(incident: object) -> dict[str, Any]:
-    """The row of a new incident (its ``id`` is the database's to give)."""
-    row = row_of(Incident, incident, aliases=ALIASES, given={"id": None})
-    del row["id"]
-    return row
+    return INCIDENT.row(incident)
 
 
 def insert_incident(conn: Connection, row: dict[str, Any]) -> int:

@@ -10,17 +10,18 @@ from sqlalchemy.orm import Session
 
 from controller.db.models import Job, Rank
 from controller.db.repositories._dml import upsert
-from controller.db.repositories._rows import row_of
+from controller.db.repositories._rows import RowMapper
 
-RANK_ALIASES = {"node_name": "node"}
+JOB = RowMapper(Job)
+RANK = RowMapper(Rank, aliases={"node_name": "node"}, given=("job_name",))
 
 
 def job_row(job: object) -> dict[str, Any]:
-    return row_of(Job, job)
+    return JOB.row(job)
 
 
 def rank_row(job_name: str, rank: object) -> dict[str, Any]:
-    return row_of(Rank, rank, aliases=RANK_ALIASES, given={"job_name": job_name})
+    return RANK.row(rank, job_name)
 
 
 def upsert_jobs(conn: Connection, rows: list[dict[str, Any]]) -> None:

@@ -16,18 +16,22 @@ from sqlalchemy.orm import Session
 
 from controller.db.models import AgentCursor, Gpu, Node
 from controller.db.repositories._dml import upsert
-from controller.db.repositories._rows import row_of
+from controller.db.repositories._rows import RowMapper
 
 #: Written only by :func:`set_isolation`; a row upserted from memory keeps the stored values.
 ISOLATION_COLUMNS = frozenset({"isolated_reason", "isolated_unix_s"})
 
 
+NODE = RowMapper(Node)
+GPU = RowMapper(Gpu, given=("node_name",))
+
+
 def node_row(node: object) -> dict[str, Any]:
-    return row_of(Node, node)
+    return NODE.row(node)
 
 
 def gpu_row(node_name: str, gpu: object) -> dict[str, Any]:
-    return row_of(Gpu, gpu, given={"node_name": node_name})
+    return GPU.row(gpu, node_name)
 
 
 def cursor_row(node_name: str, instance: str, last_seq: int, now_unix_s: float) -> dict[str, Any]:
