@@ -230,7 +230,7 @@ def test_hang_before_a_collective_is_reported_while_it_lasts(
     )
 
     def enough() -> bool:
-        stuck = agent.inflight()
+        stuck = [x for x in agent.inflight() if x.step == 4]
         return all(sum(1 for x in stuck if x.rank == r) >= 3 for r in (0, 1, 2))
 
     def heartbeats(rank: int) -> int:
@@ -245,7 +245,9 @@ def test_hang_before_a_collective_is_reported_while_it_lasts(
         assert [p.poll() for p in ranks.procs] == [None, None, None]  # still hung
     finally:
         ranks.kill()
-    stuck = agent.inflight()
+    # On a loaded box the start-up barrier (outside any step) can pass the 0.5 s floor too and
+    # be reported while ranks start at different speeds: that is not the hang looked at here.
+    stuck = [x for x in agent.inflight() if x.step is not None]
     # barrier after instrument is world seq 1; step k's all_reduce is seq k + 2
     world = {x.group for x in stuck if x.rank in (0, 1)}
     assert len(world) == 1
