@@ -150,12 +150,20 @@ class CommandExecutor:
             return CommandStatus.SUCCEEDED, self._unlock_clocks(cmd.gpu_index)
         raise CommandRefused(f"unknown command kind {cmd.kind!r}")
 
+    def update_handles(self, handles: Sequence[Any]) -> None:
+        """A GPU that was unavailable at start answered: its handle can take commands now."""
+        with self._lock:
+            self._handles = list(handles)
+
     def _handle(self, gpu_index: int) -> Any:
         if not 0 <= gpu_index < len(self._handles):
             raise CommandRefused(
                 f"gpu_index {gpu_index} out of range (this node has {len(self._handles)} GPUs)"
             )
-        return self._handles[gpu_index]
+        handle = self._handles[gpu_index]
+        if handle is None:
+            raise CommandRefused(f"GPU {gpu_index} has not answered NVML since the agent started")
+        return handle
 
     def _nvml(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:

@@ -235,6 +235,8 @@ class Agent:
             inventory = self.sampler.inventory
             self.identity = self.identity.model_copy(update={"gpus": inventory})
             self.metrics_source.inventory = inventory
+            if self.executor is not None:
+                self.executor.update_handles(self.sampler.handles)
         now = time.time()
         power_w, source = self.node_power.node_power(gpus)
         nics, nic_events = self.nics.sample(now)

@@ -131,6 +131,7 @@ class GpuSampler:
         self._workers: dict[int, _Worker] = {}
         #: GPUs whose inventory could not be read at start (they hung or failed).
         self._undiscovered: set[int] = set()
+        self._discover_errors: dict[int, BaseException] = {}
         #: Grows when a GPU's inventory changes after ``open`` (the report's identity follows).
         self.inventory_version = 0
         self._transitions = GpuTransitions()
@@ -156,12 +157,10 @@ class GpuSampler:
         count = int(self._api.nvmlDeviceGetCount())
         self._gpus = []
         for index in range(count):
-            handle = self._api.nvmlDeviceGetHandleByIndex(index)
             self._workers[index] = worker = _Worker(f"nvml-gpu{index}")
-            worker.submit(functools.partial(self._discover, index, handle))
-            self._gpus.append(
-                _Gpu(index, handle, GpuInfo(index=index, uuid=f"gpu-{index}-unknown"))
-            )
+            worker.submit(functools.partial(self._discover, index))
+            # Placeholder until the GPU answers: no handle, so nothing is asked of it.
+            self._gpus.append(_Gpu(index, None, GpuInfo(index=index, uuid=f"gpu-{index}-unknown")))
         deadline = time.monotonic() + self.timeout_s * OPEN_TIMEOUT_FACTOR
         for i, gpu in enumerate(self._gpus):
             worker = self._workers[gpu.index]
@@ -169,6 +168,8 @@ class GpuSampler:
                 self._gpus[i] = worker.result
             else:
                 self._undiscovered.add(gpu.index)
+                if worker.exc is not None:
+                    self._discover_errors[gpu.index] = worker.exc
                 log.error(
                     "GPU %d: no inventory (%s); it is reported unknown until NVML answers",
                     gpu.index,
@@ -185,12 +186,17 @@ class GpuSampler:
             if isinstance(worker.result, _Gpu) and worker.exc is None:
                 self._gpus[pos] = worker.result
                 self._undiscovered.discard(gpu.index)
+                self._discover_errors.pop(gpu.index, None)
                 self.inventory_version += 1
                 log.warning("GPU %d answers again: %s", gpu.index, worker.result.info.uuid)
             else:
-                worker.submit(functools.partial(self._discover, gpu.index, gpu.handle))
+                if worker.exc is not None:
+                    self._discover_errors[gpu.index] = worker.exc
+                worker.submit(functools.partial(self._discover, gpu.index))
 
-    def _discover(self, index: int, handle: Any) -> _Gpu:
+    def _discover(self, index: int) -> _Gpu:
+        # A GPU that fell off the bus fails already here (NVML_ERROR_GPU_IS_LOST).
+        handle = self._api.nvmlDeviceGetHandleByIndex(index)
         gpu = _Gpu(index, handle, self._inventory(index, handle))
         gpu.nvlinks, gpu.nvlinks_down_at_start = self._nvlinks(index, handle)
         gpu.ecc_locations = ecc_locations_present(
@@ -312,6 +318,17 @@ class GpuSampler:
         return out
 
     def _collect(self, gpu: _Gpu, worker: _Worker, started: bool, deadline: float) -> GpuSample:
+        exc = self._discover_errors.get(gpu.index)
+        if gpu.index in self._undiscovered and exc is not None:
+            # Its last discovery failed outright (it did not hang); a retry is under way.
+            if isinstance(exc, pynvml.NVMLError) and exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+                return self._lost(gpu)
+            return GpuSample(
+                index=gpu.index,
+                uuid=gpu.info.uuid,
+                unknown=True,
+                error=f"no inventory: {_describe(exc)}"[:512],
+            )
         if not started or not worker.wait(deadline - time.monotonic()):
             stuck_s = time.monotonic() - (worker.busy_since or time.monotonic())
             return GpuSample(
@@ -425,6 +442,11 @@ class GpuSampler:
         return self._ask(
             gpu, "throttle reasons", self._api.nvmlDeviceGetCurrentClocksThrottleReasons, gpu.handle
         )
+
+
+def _describe(exc: BaseException) -> str:
+    """NVML's own text for its errors ("Unknown Error"), the repr for anything else."""
+    return str(exc) if isinstance(exc, pynvml.NVMLError) else repr(exc)
 
 
 def _raise(exc: Exception) -> None:

@@ -94,6 +94,9 @@ class XidWatcher:
             log.warning("XID events unavailable (nvmlEventSetCreate: %s); relying on polling", exc)
             return
         for index, handle in enumerate(self._handles):
+            if handle is None:  # did not answer at start; its faults show in the samples
+                log.warning("GPU %d: not registered for XID events (no NVML handle)", index)
+                continue
             mask = self._register(index, handle)
             if mask:
                 self.registered.append(index)
@@ -144,7 +147,7 @@ class XidWatcher:
             # A lost GPU may refuse even this; match the handle itself instead.
             key = _handle_key(device)
             for index, handle in enumerate(self._handles):
-                if _handle_key(handle) == key:
+                if handle is not None and _handle_key(handle) == key:
                     return index
         return None
 

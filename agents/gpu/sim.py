@@ -264,6 +264,10 @@ class SimNvml(SimEventsMixin):
         self._check("nvmlDeviceGetHandleByIndex")
         if not 0 <= index < len(self._handles):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        # Like the driver: a GPU that is hanging, failing or off the bus fails here too.
+        self._before_device_call(index)
+        if self._is_lost(index, self.now_s()):
+            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
         return self._handles[index]
 
     # ------------------------------------------------------------------ identity

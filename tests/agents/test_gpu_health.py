@@ -7,15 +7,17 @@ so every NVML call below is the one the agent makes on a GPU node.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pynvml
 
+from agents.commands import CommandExecutor
 from agents.gpu.faults import parse_fault_specs
 from agents.gpu.sim import SimNvml
 from agents.gpu.sim_model import SimGpuModel
 from agents.gpu_health import pcie_degraded
 from agents.sampler import GpuSampler
-from trainguard.wire import GpuSample
+from trainguard.wire import GpuSample, SetPowerLimit
 
 
 class Clock:
@@ -128,9 +130,10 @@ def test_an_idle_gpu_at_a_lower_pcie_generation_is_not_degraded() -> None:
 
 
 def test_nvml_raising_for_one_gpu_still_reports_the_others() -> None:
-    api, _ = sim(f"kind=nvml_error,gpu=1,code={pynvml.NVML_ERROR_UNKNOWN}")
+    api, clock = sim(f"kind=nvml_error,gpu=1,at=1,code={pynvml.NVML_ERROR_UNKNOWN}")
     sampler = GpuSampler(api)
     sampler.open()
+    clock.t += 2
     samples = sampler.sample()
     assert [s.index for s in samples] == [0, 1, 2, 3]
     bad = samples[1]
@@ -188,4 +191,26 @@ def test_a_gpu_that_hung_at_start_gets_its_real_identity_once_it_answers() -> No
         assert not later.unknown and later.uuid == real and later.power_w is not None
     finally:
         api.release_hangs()
+        sampler.close()
+
+
+def test_a_gpu_that_fails_at_start_is_reported_and_the_agent_starts() -> None:
+    # GPU 1 fell off the bus before the agent started: nvmlDeviceGetHandleByIndex refuses.
+    api = SimNvml(gpu_count=3, faults=parse_fault_specs("kind=lost,gpu=1;kind=nvml_error,gpu=2"))
+    api.nvmlInit()
+    sampler = GpuSampler(api, timeout_s=0.5)
+    try:
+        inventory = sampler.open()
+        assert [g.uuid.startswith("GPU-") for g in inventory] == [True, False, False]
+        assert sampler.handles[1] is None and sampler.handles[2] is None
+        samples = sampler.sample()
+        assert samples[0].power_w is not None and not samples[0].unknown
+        assert samples[1].lost and sampler.lost == {1}
+        assert samples[2].unknown and samples[2].error == "no inventory: Unknown Error"
+        acks: list[Any] = []
+        executor = CommandExecutor(api, sampler.handles, relay=lambda _c: 0, on_ack=acks.append)
+        ack = executor.execute(SetPowerLimit(id="c1", gpu_index=1, limit_w=300))
+        assert ack.status == "failed"
+        assert ack.reason == "GPU 1 has not answered NVML since the agent started"
+    finally:
         sampler.close()

@@ -192,7 +192,12 @@ def test_same_seed_same_numbers_other_seed_other_numbers() -> None:
 
 def test_lost_gpu_does_not_affect_the_others() -> None:
     clock = FakeClock()
-    api, handles = make(clock, "kind=lost,gpu=0,at=0")
+    api, handles = make(clock, "kind=lost,gpu=0,at=1")
+    clock.t += 2
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        api.nvmlDeviceGetPowerUsage(handles[0])
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):  # as the driver: no new handle either
+        api.nvmlDeviceGetHandleByIndex(0)
     for h, i in itertools.product(handles[1:], [0]):
         assert api.nvmlDeviceGetPowerUsage(h) > i
 
