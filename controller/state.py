@@ -174,6 +174,11 @@ _NODE_SKIP = KEPT_ON_UNDO | {"gpus"}
 _JOB_SKIP = frozenset({"ranks"})
 
 
+#: A node as :meth:`ClusterState.save_node` saw it: the node, its fields, its GPU dict and
+#: each GPU's fields.
+SavedNode = tuple[NodeState, _Saved, dict[int, GpuState], dict[int, _Saved]]
+
+
 @dataclass(slots=True)
 class ReportSnapshot:
     """What one report may change, as it was before: put back if the report is not stored.
@@ -185,8 +190,8 @@ class ReportSnapshot:
     """
 
     node_name: str
-    #: (the node, its fields, its GPU dict, each GPU's fields); ``None``: a new node.
-    node: tuple[NodeState, _Saved, dict[int, GpuState], dict[int, _Saved]] | None
+    #: ``None``: a new node.
+    node: SavedNode | None
     cursor_key: tuple[str, str]
     #: Per job: (the job, its fields, its rank dict, each rank's fields); ``None``: new.
     jobs: dict[str, tuple[JobState, _Saved, dict[int, RankState], dict[int, _Saved]] | None]
@@ -236,19 +241,29 @@ class ClusterState:
 
     # ------------------------------------------------------------------ undo
 
+    def save_node(self, name: str | None) -> SavedNode | None:
+        """The node's fields and its GPUs' as they are, for :meth:`restore_node`."""
+        node = None if name is None else self.nodes.get(name)
+        if node is None:
+            return None
+        gpus = dict(node.gpus)
+        return (node, _save(node, _NODE_SKIP), gpus, {i: _save(g) for i, g in gpus.items()})
+
+    def restore_node(self, saved: SavedNode | None) -> None:
+        """Put a node (and its GPUs) back as :meth:`save_node` saw it; isolation and
+        liveness are left as they are now (see :data:`KEPT_ON_UNDO`)."""
+        if saved is None:
+            return
+        node, fields_, gpus, saved_gpus = saved
+        _put_back(node, fields_, _NODE_SKIP)
+        node.gpus = gpus
+        for index, gpu in gpus.items():
+            _put_back(gpu, saved_gpus[index])
+
     def snapshot(self, report: wire.Report) -> ReportSnapshot:
         """What ``report`` can change, saved (see :class:`ReportSnapshot`)."""
         name = report.node.name
-        node = self.nodes.get(name)
-        saved_node = None
-        if node is not None:
-            gpus = dict(node.gpus)
-            saved_node = (
-                node,
-                _save(node, _NODE_SKIP),
-                gpus,
-                {i: _save(g) for i, g in gpus.items()},
-            )
+        saved_node = self.save_node(name)
         records = report.job
         jobs: dict[
             str, tuple[JobState, _Saved, dict[int, RankState], dict[int, _Saved]] | None
@@ -280,11 +295,7 @@ class ClusterState:
         if snap.node is None:
             self.nodes.pop(snap.node_name, None)
         else:
-            node, saved, gpus, saved_gpus = snap.node
-            _put_back(node, saved, _NODE_SKIP)
-            node.gpus = gpus
-            for index, gpu in gpus.items():
-                _put_back(gpu, saved_gpus[index])
+            self.restore_node(snap.node)
         cursor = self.cursors.get(snap.cursor_key)
         if cursor is not None and not cursor.pending and cursor.committed_seq < 0:
             del self.cursors[snap.cursor_key]  # nothing of this agent instance is stored

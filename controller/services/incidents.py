@@ -160,6 +160,9 @@ class IncidentService:
     ) -> None:
         now = time.time()
         evidence = {**incident.evidence, "resolution": note}
+        # Hooks change the incident's node in memory (a GPU trusted again); put it back if
+        # the database does not take the resolution.
+        saved = self._state.save_node(incident.node)
         keys = set(also_write or ())
         for hook in self.resolve_hooks:
             keys |= hook(incident)
@@ -176,7 +179,11 @@ class IncidentService:
             repo.update_incident(conn, incident.id, values)
 
         # Write, then publish: a resolution the database refused leaves the incident open.
-        await self._store.write(resolve)
+        try:
+            await self._store.write(resolve)
+        except Exception:
+            self._state.restore_node(saved)
+            raise
         self._state.drop_incident(incident)
         incident.state = "resolved"
         incident.resolved_unix_s = now

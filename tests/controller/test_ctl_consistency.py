@@ -193,9 +193,14 @@ def test_command_and_incident_writes_that_fail_change_nothing(
         assert r.status_code == 503, r.text
         still = client.get("/api/v1/incidents?state=open", headers=live.headers()).json()
         assert incident["id"] in [i["id"] for i in still["data"]]
+        # The resolution would have trusted GPU 0 again; it did not happen, so it is not.
+        gpu0 = next(g for g in _node(client, live, "n3")["gpus"] if g["index"] == 0)
+        assert gpu0["health"] == "unhealthy"
         ctl_db_outage.disarm()
         r = _post(client, live, f"/api/v1/incidents/{incident['id']}/resolve", None)
         assert r.status_code == 200 and r.json()["state"] == "resolved"
+        gpu0 = next(g for g in _node(client, live, "n3")["gpus"] if g["index"] == 0)
+        assert gpu0["health"] == "healthy"
     assert _stored(db_url, "SELECT count(*) FROM commands WHERE node_name = 'n3'") == 1
     state = _stored(db_url, "SELECT state FROM incidents WHERE id = :i", i=incident["id"])
     assert state == "resolved"
