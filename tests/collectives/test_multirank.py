@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 
+from collectives import flight
+from trainguard.wire import JobDumpTrace
+
 pytestmark = pytest.mark.slow
 
 OPS_IN_ORDER = [
@@ -211,6 +214,10 @@ def test_fault_signatures_commands_and_probe_reach_the_agent(
 def test_hang_before_a_collective_is_reported_while_it_lasts(
     tmp_path: Path, collectives_agent: Any, rank_launcher: Any
 ) -> None:
+    """...and, with torch's Flight Recorder on, a ``JobDumpTrace`` command sent once the hang
+    is reported (as the controller does) gets every rank's buffer while all three training threads are stuck (ranks 0 and 1 inside
+    gloo's all_reduce, rank 2 in the injected hang); the analysis of the three dumps names
+    the collective and the rank that never entered it, as trainguard's own reports do."""
     agent = collectives_agent
     fault = [{"kind": "hang", "rank": 2, "at_step": 4, "op": "all_reduce", "where": "before"}]
     ranks = rank_launcher(
@@ -224,6 +231,8 @@ def test_hang_before_a_collective_is_reported_while_it_lasts(
             "TRAINGUARD_COLLECTIVES_WATCHDOG_REPEAT_S": "0.4",
             "TRAINGUARD_COLLECTIVES_WATCHDOG_INTERVAL_S": "0.1",
             "TRAINGUARD_COLLECTIVES_HEARTBEAT_INTERVAL_S": "0.2",
+            "TORCH_FR_BUFFER_SIZE": "200",
+            "TRAINGUARD_COLLECTIVES_TRACE_DUMP_DIR": str(tmp_path / "fr"),
         },
         # the hung rank also reports its stall outside collectives (opt-in; default: in-process)
         rank_env={2: {"TRAINGUARD_COLLECTIVES_REPORT_COMPUTE_STALLS": "1"}},
@@ -236,10 +245,16 @@ def test_hang_before_a_collective_is_reported_while_it_lasts(
     def heartbeats(rank: int) -> int:
         return sum(1 for e in agent.events() if e.rank == rank and e.kind == "heartbeat")
 
+    def traces() -> dict[int, Any]:
+        return {t.rank: t for _, b in agent.records() for t in b.traces}
+
     try:
         # start-up (three torch imports on a shared 2-core box) can take a while
         assert agent.wait_for(lambda: (2, 3) in agent.steps(), 60), ranks.stderr(2)[-2000:]
         assert agent.wait_for(enough, 30), agent.inflight()
+        with agent.lock:
+            agent.commands.append((3, JobDumpTrace(id="fr1", job="test-job", incident_id="i-1")))
+        assert agent.wait_for(lambda: len(traces()) == 3, 30), ranks.stderr(0)[-2000:]
         beats = heartbeats(2)
         assert agent.wait_for(lambda: heartbeats(2) > beats, 5)  # the hung rank is alive
         assert [p.poll() for p in ranks.procs] == [None, None, None]  # still hung
@@ -267,6 +282,17 @@ def test_hang_before_a_collective_is_reported_while_it_lasts(
     steps = agent.steps()
     assert max(s for r, s in steps if r == 2) == 3
     assert max(s for r, s in steps if r in (0, 1)) == 3
+    # Flight Recorder's verdict, from the dumps alone, against trainguard's above
+    dumps = traces()
+    assert all(t.enabled and t.command_id == "fr1" and not t.error for t in dumps.values())
+    assert all(Path(t.path).is_file() for t in dumps.values())  # full dumps kept on the node
+    members: dict[str, list[int]] = {}
+    for t in dumps.values():
+        members.update(t.pg_ranks)
+    (div,) = flight.analyze({r: {"entries": t.entries} for r, t in dumps.items()}, members)
+    assert (div.entered, div.missing) == ([0, 1], [2])  # trainguard: 0 and 1 stuck, 2 absent
+    assert flight.family(div.op) == "all_reduce" and div.input_sizes == [[8]]
+    assert div.seq == 6  # the wrapper numbers the world group as Flight Recorder does
 
 
 def test_crash_faults_exit_with_the_code_or_signal_and_say_so(
