@@ -49,6 +49,7 @@ from trainguard.wire import (
     CommandAck,
     JobCommand,
     JobRecords,
+    NicInfo,
     NodeIdentity,
     NodeSample,
     Report,
@@ -141,7 +142,7 @@ class Agent:
             backend=self.backend.kind,
             driver_version=self.backend.driver_version[:64],
             gpu_error=self.backend.error,
-            nics=self.nics.inventory({g.index: g.pci_bus_id for g in inventory if g.pci_bus_id}),
+            nics=self._nic_inventory(),
         )
         token = settings.token.get_secret_value() if settings.token else None
         self.reporter = Reporter(
@@ -233,7 +234,9 @@ class Agent:
             # A GPU that hung at start answered: its real identity replaces the placeholder.
             self._inventory_version = self.sampler.inventory_version
             inventory = self.sampler.inventory
-            self.identity = self.identity.model_copy(update={"gpus": inventory})
+            self.identity = self.identity.model_copy(
+                update={"gpus": inventory, "nics": self._nic_inventory()}
+            )
             self.metrics_source.inventory = inventory
             if self.executor is not None:
                 self.executor.update_handles(self.sampler.handles)
@@ -242,6 +245,9 @@ class Agent:
         nics, nic_events = self.nics.sample(now)
         bonds, bond_events = self.nics.bonds(now)
         events = [*self.sampler.take_events(), *nic_events, *bond_events]
+        if any(e.kind in ("nic_gone", "nic_back") for e in nic_events):
+            # The report's inventory follows the cards actually present.
+            self.identity = self.identity.model_copy(update={"nics": self._nic_inventory()})
         sample = NodeSample(
             time_unix_s=now,
             gpus=gpus,
@@ -361,6 +367,10 @@ class Agent:
             expected_nic_rate_gbps=cmd.expected_nic_rate_gbps,
         )
         return all(c.status != "fail" for c in checks), summary(checks)
+
+    def _nic_inventory(self) -> list[NicInfo]:
+        gpus = {g.index: g.pci_bus_id for g in self.sampler.inventory if g.pci_bus_id}
+        return self.nics.inventory(gpus)
 
     def _gpu_pods(self) -> dict[int, tuple[str, str]]:
         """GPU index -> (pod, namespace) from connected ranks that said both."""
