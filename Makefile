@@ -62,9 +62,9 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy trainguard controller agents power collectives checkpoint web demojob
 	$(VENV)/bin/lint-imports
 
-BENCHES := ingest detect collectives power traffic traffic_api checkpoint recovery
+BENCHES := ingest detect collectives power traffic traffic_api checkpoint recovery dashboard
 
-bench: $(STAMP)
+bench: $(STAMP) browser web-assets
 	@for b in $(BENCHES); do echo "== bench.$$b"; $(PY) -m bench.$$b --quick || exit 1; done
 
 clean:

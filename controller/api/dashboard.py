@@ -131,7 +131,7 @@ async def get_job_steps(
 ) -> dict[str, Any]:
     """Step time per rank for the job's most recent steps (kept in memory since the
     controller started; bounded per job)."""
-    matrix = feed_of(request).steps.matrix(name, last)
+    matrix = feed_of(request).steps.matrix(name, last, time.time())
     if matrix is None:
         raise NotFound(f"job {name!r} has no step times here; they start with its next report")
     return matrix

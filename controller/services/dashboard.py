@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: Steps kept per job; fewer for very wide jobs (see ``StepRecorder.max_cells``).
 STEPS_KEPT = 240
+#: Seconds a step may still be arriving from other ranks' agents (a few report intervals).
+SETTLE_S = 3.0
 #: Jobs whose steps are kept (least recently reporting dropped first).
 JOBS_KEPT = 32
 #: Seconds between power samples, and samples kept (one hour at 5 s).
@@ -54,6 +56,8 @@ QUEUE_MAX = 64
 #: every MAX_TICK_S (ages and detector-made changes that no report wakes).
 MIN_TICK_S = 0.25
 MAX_TICK_S = 1.0
+#: Smallest history bucket: a few agent reports each, so report jitter leaves no false gaps.
+MIN_BUCKET_S = 5.0
 #: Seconds between the database probes for new actions and checkpoints.
 DB_PROBE_S = 2.0
 
@@ -115,11 +119,23 @@ class StepRecorder:
             old, _ = job.steps.popitem(last=False)
             job.ends.pop(old, None)
 
-    def matrix(self, name: str, last: int) -> dict[str, Any] | None:
+    def matrix(self, name: str, last: int, now: float) -> dict[str, Any] | None:
         job = self.jobs.get(name)
         if job is None:
             return None
-        steps = sorted(job.steps)[-last:]
+        steps = sorted(job.steps)
+        # The newest steps are often still arriving (agents report on their own phases): leave
+        # them out while they are less complete than the fullest kept step and younger than
+        # SETTLE_S, or a step's median would be one early rank's time. Older incomplete
+        # steps stay: a rank that stopped reporting shows as a gap.
+        full = max((len(row) for row in job.steps.values()), default=0)
+        while (
+            len(steps) > 1
+            and len(job.steps[steps[-1]]) < full
+            and job.ends.get(steps[-1], 0.0) > now - SETTLE_S
+        ):
+            steps.pop()
+        steps = steps[-last:]
         ranks = sorted({r for s in steps for r in job.steps[s]})
         medians: list[float | None] = []
         maxima: list[float | None] = []
@@ -405,7 +421,7 @@ def node_history(
     start = max(since_unix_s, rows[0].end_unix_s) if rows else since_unix_s
     span = max(1.0, until_unix_s - start)
     # points - 1: bucket edges need not line up with ``start``, which costs one bucket.
-    bucket_s = max(1.0, float(np.ceil(span / max(1, points - 1))))
+    bucket_s = max(MIN_BUCKET_S, float(np.ceil(span / max(1, points - 1))))
     first = int(since_unix_s // bucket_s)
     last = int(until_unix_s // bucket_s)
     buckets = range(first, last + 1)

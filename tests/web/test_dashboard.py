@@ -9,8 +9,10 @@ Screenshots go to $TRAINGUARD_TEST_OUT (default /tmp/trainguard-dashboard).
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,37 @@ def test_stream_refuses_without_a_read_role(cluster) -> None:
     url = f"{cluster.live.url}/api/v1/stream"
     assert httpx.get(url, timeout=5).status_code == 401
     assert httpx.get(url, headers=cluster.live.headers("agent"), timeout=5).status_code == 403
+
+
+def test_stream_starts_with_hello_and_a_full_fleet_snapshot(cluster) -> None:
+    live = cluster.live
+    events: list[tuple[str, Any]] = []
+    with httpx.stream(
+        "GET", f"{live.url}/api/v1/stream", headers=live.headers("viewer"), timeout=10
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        kind = ""
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                events.append((kind, json.loads(line.removeprefix("data: "))))
+                if len(events) == 2:
+                    break
+    (hello, first), (nodes, snapshot) = events
+    assert hello == "hello" and abs(first["t"] - time.time()) < 5
+    assert nodes == "nodes" and snapshot["full"] is True
+    assert sorted(n["n"] for n in snapshot["data"]) == ["sim-a", "sim-b", "sim-c"]
+    assert all(n["sim"] and n["g"] == 4 for n in snapshot["data"])
+
+
+def test_anonymous_read_has_no_role_and_no_actions(controller_factory) -> None:
+    live = controller_factory(allow_anonymous_read=True)
+    r = httpx.get(f"{live.url}/api/v1/whoami", timeout=10)
+    assert r.json() == {"name": "anonymous", "role": None}
+    r = httpx.post(f"{live.url}/api/v1/incidents/1/resolve", timeout=10)
+    assert r.status_code == 401
 
 
 def test_viewer_cannot_act_through_the_api(cluster) -> None:
@@ -262,6 +295,8 @@ def test_operator_actions_confirm_their_effect_and_change_server_state(
     shot(page, "confirm")
     page.click("#confirm-ok")
     expect(page.locator("dl.facts dd.isolated")).to_have_text(f"yes: {HOSTILE}")
+    assert page.locator("main img, main b").count() == 0
+    assert page.evaluate("window.__pwned") is None
     assert api(cluster, "/nodes/sim-c")["isolated_reason"] == HOSTILE
     page.click('nav a[data-nav="fleet"]')
     expect(page.locator('#fleet .cell[data-node="sim-c"]')).to_have_attribute(
@@ -294,6 +329,8 @@ def test_operator_actions_confirm_their_effect_and_change_server_state(
     incident = open_[-1]["id"]
     page.goto(f"{cluster.live.url}/ui/#/incident/{incident}")
     expect(page.locator(".page.incident")).to_contain_text("Evidence")
+    # The remediation the incident triggered is listed with its outcome.
+    expect(page.locator(".page.incident table.actions")).to_contain_text(f"incident:{incident}")
     shot(page, "incident")
     page.click('button[data-action="resolve"]')
     expect(page.locator("#confirm-effect")).to_contain_text(f"Mark incident #{incident}")

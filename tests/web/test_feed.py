@@ -23,6 +23,8 @@ from controller.services.dashboard import (
 from controller.state import ClusterState, NodeState
 from trainguard import wire
 
+NOW = 2000.0
+
 
 def _step(job: str, rank: int, step: int, t: float, world: int = 4) -> wire.StepSummary:
     return wire.StepSummary(
@@ -42,18 +44,26 @@ def test_step_recorder_keeps_a_rank_by_step_matrix_within_its_bounds() -> None:
     for step in range(1, 9):
         for rank in range(4):
             rec.record(_step("a", rank, step, 0.5 if rank != 3 else 1.0), 0.0)
-    m = rec.matrix("a", last=100)
+    m = rec.matrix("a", last=100, now=NOW)
     assert m is not None
     assert m["steps"] == [4, 5, 6, 7, 8]  # only the newest five kept
     assert [r["rank"] for r in m["ranks"]] == [0, 1, 2, 3]
     assert m["ranks"][3]["step_time_s"] == [1.0] * 5
     assert m["median_s"] == [0.5] * 5 and m["max_s"] == [1.0] * 5
     assert m["end_unix_s"] == [1004.0, 1005.0, 1006.0, 1007.0, 1008.0]
-    assert rec.matrix("a", last=2)["steps"] == [7, 8]  # type: ignore[index]
+    assert rec.matrix("a", last=2, now=NOW)["steps"] == [7, 8]  # type: ignore[index]
+    # A step still arriving (fewer ranks than the fullest) is left out for SETTLE_S; after
+    # that it shows with its gaps (a rank that stopped reporting).
+    rec.record(_step("a", 0, 9, 0.5), 0.0)  # ends at 1009
+    assert rec.matrix("a", 100, now=1010.0)["steps"][-1] == 8  # type: ignore[index]
+    assert rec.matrix("a", 100, now=1013.0)["steps"][-1] == 9  # type: ignore[index]
+    for rank in (1, 2, 3):
+        rec.record(_step("a", rank, 9, 0.5), 0.0)
+    assert rec.matrix("a", 100, now=1010.0)["steps"][-1] == 9  # type: ignore[index]
     # A third job evicts the least recently reporting one.
     rec.record(_step("b", 0, 1, 0.1), 0.0)
     rec.record(_step("c", 0, 1, 0.1), 0.0)
-    assert rec.matrix("a", 10) is None and set(rec.jobs) == {"b", "c"}
+    assert rec.matrix("a", 10, NOW) is None and set(rec.jobs) == {"b", "c"}
 
 
 def test_step_recorder_keeps_fewer_steps_of_a_very_wide_job() -> None:

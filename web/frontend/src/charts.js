@@ -32,7 +32,7 @@ export function timeChart({ title, unit, x, series, marks = [], height = 180, yR
     cursor: { drag: { x: true, y: false } },
     // One sample (or none apart) would stretch the axis over years: keep a minute at least.
     scales: {
-      x: { time: true, range: (u, min, max) => (max - min < 60 ? [max - 60, max + 1] : [min, max]) },
+      x: { time: true, range: (u, min, max) => (max - min < 60 ? [min - 1, min + 60] : [min, max]) },
       y: yRange ? { range: yRange } : {},
     },
     axes: [

@@ -91,6 +91,7 @@ export async function incidentPage(ctx) {
     charts = [];
     const related = actions.data.filter(
       (a) =>
+        a.trigger === `incident:${inc.id}` ||
         (a.params && a.params.incident === inc.id) ||
         ((a.target === inc.node || a.target === inc.job) && a.created_unix_s >= inc.opened_unix_s - 5),
     );
