@@ -162,7 +162,10 @@ def read_links_and_fabric(ask: Ask, api: Any, handle: Any, links: Sequence[int])
         nvlinks.append(
             NvLinkSample(link=link, active=state == pynvml.NVML_FEATURE_ENABLED, **counts)
         )
-    out: dict[str, Any] = {"nvlinks": nvlinks}
+    out: dict[str, Any] = {
+        "nvlinks": nvlinks,
+        "nvlink_active_count": sum(n.active for n in nvlinks) if links else None,
+    }
     for name in _NVLINK_COUNTERS:
         values = [getattr(n, name) for n in nvlinks if getattr(n, name) is not None]
         out[f"nvlink_{name}"] = sum(values) if values else None
@@ -175,6 +178,20 @@ def read_links_and_fabric(ask: Ask, api: Any, handle: Any, links: Sequence[int])
     if mig is not None:
         out["mig_mode"], out["mig_mode_pending"] = bool(mig[0]), bool(mig[1])
     return out
+
+
+def trim_for_wire(sample: GpuSample) -> None:
+    """Leave out healthy NVLinks and zero ECC locations (sums and counts carry them).
+
+    18 NVLinks of 8 GPUs in 5 samples are ~70 KB a report; only the links that are down
+    or counted errors say something a sum does not.
+    """
+    sample.nvlinks = [
+        n
+        for n in sample.nvlinks
+        if not n.active or n.crc_errors_total or n.replay_errors_total or n.recovery_errors_total
+    ]
+    sample.ecc_locations = [c for c in sample.ecc_locations if c.corrected or c.uncorrected]
 
 
 def pcie_degraded(sample: GpuSample) -> str:
@@ -248,4 +265,5 @@ __all__ = [
     "pcie_degraded",
     "read_links_and_fabric",
     "read_memory_health",
+    "trim_for_wire",
 ]

@@ -264,7 +264,7 @@ class _GpuFamilies:
         _maybe(self.nvlink_errors, [*labels, "crc"], g.nvlink_crc_errors_total)
         _maybe(self.nvlink_errors, [*labels, "replay"], g.nvlink_replay_errors_total)
         _maybe(self.nvlink_errors, [*labels, "recovery"], g.nvlink_recovery_errors_total)
-        if g.nvlinks:
+        if g.nvlink_active_count is not None:
             self.nvlinks_down.add_metric(labels, float(sum(not n.active for n in g.nvlinks)))
 
     def all(self) -> list[Metric]:

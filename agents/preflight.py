@@ -88,12 +88,12 @@ def _gpu_checks(sample: GpuSample, down_at_start: Sequence[int]) -> list[Check]:
     else:
         out.append(check("ecc", "pass", f"0 uncorrectable, {sample.ecc_corrected_total} corrected"))
     out.append(check("memory_repair", *_memory_repair(sample)))
-    up = [link.link for link in sample.nvlinks if link.active]
+    up = sample.nvlink_active_count or 0
     down = sorted({*(link.link for link in sample.nvlinks if not link.active), *down_at_start})
     if up and down:
         out.append(check("nvlink", "fail", f"NVLink {', '.join(map(str, down))} down"))
     elif up:
-        out.append(check("nvlink", "pass", f"{len(up)} links up"))
+        out.append(check("nvlink", "pass", f"{up} links up"))
     else:
         out.append(check("nvlink", "skip", "no active NVLink on this GPU"))
     width, width_max = sample.pcie_link_width, sample.pcie_link_width_max

@@ -34,6 +34,7 @@ from agents.gpu_health import (
     ecc_locations_present,
     read_links_and_fabric,
     read_memory_health,
+    trim_for_wire,
 )
 from trainguard.wire import GpuInfo, GpuSample, HardwareEvent, XidEvent, decode_throttle_reasons
 
@@ -314,6 +315,7 @@ class GpuSampler:
             sample = self._collect(gpu, worker, gpu in started, deadline)
             sample.xid_events = xids[-1024:]
             self.events.extend(self._transitions.update(sample, now))
+            trim_for_wire(sample)
             out.append(sample)
         return out
 

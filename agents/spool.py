@@ -42,6 +42,13 @@ _REPORT_RE = re.compile(r"^(\d{12})\.json$")
 MAX_REJECTED_FILES = 100
 
 
+def _encode(report: Report) -> bytes:
+    """The report's JSON without ``null`` fields: every nullable wire field defaults to
+    ``None`` (a test checks it), so leaving them out changes nothing for the reader and
+    keeps a report of 8 GPUs x 5 samples about half the size."""
+    return report.model_dump_json(exclude_none=True).encode()
+
+
 @dataclass(kw_only=True, slots=True)
 class SpoolState:
     agent_instance: str
@@ -170,10 +177,10 @@ class Spool:
         """Build report ``next_seq`` with ``build(seq, dropped_total)`` and make it durable."""
         with self._lock:
             seq = self.state.next_seq
-            data = build(seq, self.state.dropped_total).model_dump_json().encode()
+            data = _encode(build(seq, self.state.dropped_total))
             dropped = self._make_room(len(data))
             if dropped:
-                data = build(seq, self.state.dropped_total).model_dump_json().encode()
+                data = _encode(build(seq, self.state.dropped_total))
             write_atomic(self.path_for(seq), data)
             self._sizes[seq] = len(data)
             self._total_bytes += len(data)

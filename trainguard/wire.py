@@ -217,7 +217,11 @@ class GpuSample(WireModel):
         default=None, description="Corrected ECC errors over the board's life"
     )
     ecc_uncorrected_aggregate_total: NonNegInt | None = None
-    ecc_locations: list[EccLocationCounts] = Field(default_factory=list, max_length=32)
+    ecc_locations: list[EccLocationCounts] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Locations with a non-zero count (zero ones are left out)",
+    )
     retired_pages_sbe: NonNegInt | None = Field(
         default=None, description="Pages retired for multiple single-bit errors (pre-Ampere)"
     )
@@ -236,7 +240,17 @@ class GpuSample(WireModel):
     pcie_replay_total: NonNegInt | None = Field(
         default=None, description="PCIe replay counter (nvmlDeviceGetPcieReplayCounter)"
     )
-    nvlinks: list[NvLinkSample] = Field(default_factory=list, max_length=32)
+    nvlinks: list[NvLinkSample] = Field(
+        default_factory=list,
+        max_length=32,
+        description=(
+            "Links that are down or have counted errors; healthy links are left out to keep "
+            "reports small (how many are up is nvlink_active_count)"
+        ),
+    )
+    nvlink_active_count: NonNegInt | None = Field(
+        default=None, description="NVLinks up now, of those up when the agent started"
+    )
     fabric_state: str | None = Field(
         default=None,
         max_length=32,

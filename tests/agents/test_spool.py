@@ -191,3 +191,30 @@ def test_replay_keeps_the_sample_cap(tmp_path: Path) -> None:
     assert len(batch.peek().samples) == agents.batch.MAX_SAMPLES
     replayed = Batch(tmp_path, next_seq=0).peek().samples
     assert len(replayed) == agents.batch.MAX_SAMPLES and replayed[0].time_unix_s == 5.0
+
+
+def test_leaving_nulls_out_of_spooled_reports_loses_nothing() -> None:
+    """The spool writes reports with ``exclude_none``: lossless only while every nullable
+    wire field defaults to ``None``, which this pins for every model of the contract."""
+    import inspect
+    import typing
+
+    from pydantic import BaseModel
+
+    from agents.spool import _encode
+    from trainguard import wire
+
+    for name, model in vars(wire).items():
+        if inspect.isclass(model) and issubclass(model, BaseModel):
+            for field_name, info in model.model_fields.items():
+                if type(None) in typing.get_args(info.annotation):
+                    assert info.default is None, f"{name}.{field_name}"
+    report = wire.Report(
+        node=wire.NodeIdentity(name="n"),
+        agent_instance="a",
+        seq=3,
+        sent_unix_s=1.0,
+        samples=[wire.NodeSample(time_unix_s=1.0, gpus=[wire.GpuSample(index=0, power_w=None)])],
+    )
+    data = _encode(report)
+    assert b"null" not in data and wire.Report.model_validate_json(data) == report
