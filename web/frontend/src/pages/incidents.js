@@ -49,6 +49,33 @@ function timeline(list) {
   return box;
 }
 
+/** The Flight Recorder's divergences: per collective, which ranks entered (✓) and which
+ * never did (✕), with the verdict and whether it agrees with trainguard's culprits. */
+function flightRecorder(fr) {
+  const box = el("figure", "flight-recorder");
+  box.append(el("figcaption", null, "Flight Recorder divergence"));
+  box.append(el("p", null, String(fr.verdict || "")));
+  if (fr.agrees_with_trainguard === false) box.append(el("p", "marked", "Disagrees with trainguard's culprits."));
+  for (const d of Array.isArray(fr.divergences) ? fr.divergences : []) {
+    const entered = new Set(d.entered || []);
+    const ranks = [...new Set([...(d.entered || []), ...(d.missing || [])])].sort((a, b) => a - b);
+    const cells = el("ol", "fr-ranks");
+    attrs(cells, { "aria-label": `${d.op} seq ${d.seq}: entered ${[...entered].join(",")}; never entered ${(d.missing || []).join(",")}` });
+    for (const r of ranks.slice(0, 512)) {
+      const ok = entered.has(r);
+      const cell = el("li", ok ? "fr-in" : "fr-out", ok ? "✓" : "✕");
+      cell.title = `rank ${r}: ${ok ? "entered" : "never entered"}`;
+      cells.append(cell);
+    }
+    box.append(el("p", "fr-op", `${d.op} seq ${d.seq} on group ${d.group}${d.completed === false ? " (not completed)" : ""}`), cells);
+  }
+  const rest = { ...fr };
+  delete rest.divergences;
+  delete rest.verdict;
+  box.append(evidenceList(rest));
+  return box;
+}
+
 export async function incidentsPage(ctx) {
   const state = ctx.params.get("state") || "";
   const root = el("div", "page incidents");
@@ -119,8 +146,8 @@ export async function incidentPage(ctx) {
     } else {
       picture.append(notReported(inc.job ? "step times around this incident (not kept any more, or no ranks named)" : "step-time evidence (not a job incident)"));
     }
-    const fr = inc.evidence && (inc.evidence.flight_recorder || inc.evidence.divergence);
-    if (fr) picture.append(el("h3", null, "Flight Recorder divergence"), evidenceList(typeof fr === "object" ? fr : { divergence: fr }));
+    const fr = inc.evidence && inc.evidence.flight_recorder;
+    if (fr && typeof fr === "object") picture.append(flightRecorder(fr));
     const bar = actionBar(
       inc.state === "open"
         ? actionButton({
