@@ -258,6 +258,22 @@ class ApiClient:
         result: JsonObject = self._get(f"{API_PREFIX}/jobs/{quote(job, safe='')}/goodput")
         return result
 
+    def start_preflight(self, node: str, expected_nic_rate_gbps: float | None) -> JsonObject:
+        """``POST /nodes/{node}/preflight``: the agent runs its checks; returns the command."""
+        body = (
+            {"expected_nic_rate_gbps": expected_nic_rate_gbps} if expected_nic_rate_gbps else None
+        )
+        result: JsonObject = self._request(
+            "POST", f"{API_PREFIX}/nodes/{quote(node, safe='')}/preflight", body=body
+        )
+        return result
+
+    def preflight(self, node: str, command_id: str) -> JsonObject:
+        """``GET /nodes/{node}/preflight/{id}``: that preflight's command, status and verdict."""
+        path = f"{API_PREFIX}/nodes/{quote(node, safe='')}/preflight/{quote(command_id, safe='')}"
+        result: JsonObject = self._get(path)
+        return result
+
     def set_isolation(self, node: str, *, isolate: bool, reason: str | None) -> JsonObject:
         verb = "isolate" if isolate else "release"
         body = {"reason": reason} if reason else None

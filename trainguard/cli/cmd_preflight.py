@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import quote
 
 import typer
 
@@ -27,7 +26,6 @@ from trainguard.cli.output import (
     field,
     table_of,
 )
-from trainguard.wire import API_PREFIX
 
 LOCAL_COLUMNS = (
     Column("NODE", field("node")),
@@ -91,22 +89,15 @@ def _remote(
     rate: float | None,
     wait_s: float,
 ) -> list[dict[str, Any]]:
-    body = {"expected_nic_rate_gbps": rate} if rate is not None else None
     with connect(ctx, server, token) as api:
-        started = {
-            node: api._request(
-                "POST", f"{API_PREFIX}/nodes/{quote(node, safe='')}/preflight", body=body
-            )
-            for node in nodes
-        }
+        started = {node: api.start_preflight(node, rate) for node in nodes}
         deadline = time.monotonic() + wait_s
         done: dict[str, dict[str, Any]] = {}
         while True:
             for node, command in started.items():
                 if node in done:
                     continue
-                path = f"{API_PREFIX}/nodes/{quote(node, safe='')}/preflight/{command['id']}"
-                current = api._request("GET", path)
+                current = api.preflight(node, command["id"])
                 if current["status"] in _VERDICT:
                     done[node] = current
             if len(done) == len(started) or time.monotonic() >= deadline:
