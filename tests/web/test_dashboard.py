@@ -360,3 +360,61 @@ def test_the_controller_going_away_is_shown_and_recovered_from(cluster, dash_bro
     expect(page.locator("#view")).not_to_have_class(re.compile(r"\bstale\b"))
     expect(page.locator("#fleet .cell")).to_have_count(3)
     page.close()
+
+
+def test_a_hangs_flight_recorder_divergence_is_drawn_per_rank(cluster, dash_browser) -> None:
+    """The evidence shape comes from the controller's own code (``flight_evidence`` over a
+    real ``Divergence``); only this one incident's reply is substituted in the browser, since
+    a live hang with Flight Recorder dumps needs a real stuck torch job (tests/collectives)."""
+    from playwright.sync_api import expect
+
+    from controller.services.flight_evidence import flight_evidence
+    from controller.state import IncidentState
+    from trainguard import wire
+
+    def entry(seq: int) -> dict[str, Any]:
+        return {
+            "record_id": seq, "pg_id": 0, "process_group": ["0", "default"],
+            "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
+            "profiling_name": "nccl:all_reduce", "input_sizes": [[4]], "output_sizes": [[4]],
+            "state": "scheduled", "time_created_ns": seq,
+        }  # fmt: skip
+
+    def dump(rank: int, last: int) -> Any:
+        return wire.FlightRecorderDump.model_validate(
+            {
+                "job": "llm-pretrain", "rank": rank, "enabled": True,
+                "entries": [entry(s) for s in range(1, last + 1)],
+                "pg_ranks": {"0": [0, 1, 2, 3]},
+            }
+        )  # fmt: skip
+
+    hang = IncidentState(
+        id=9999, kind="hang", severity="critical", state="open", summary="rank 3 never entered",
+        dedupe_key="x", opened_unix_s=time.time(), updated_unix_s=time.time(),
+        job="llm-pretrain", ranks=[3],
+    )  # fmt: skip
+    evidence = flight_evidence(
+        {0: dump(0, 5), 1: dump(1, 5), 2: dump(2, 5), 3: dump(3, 4)}, {0, 1, 2, 3}, hang
+    )
+    assert evidence["divergences"], evidence
+    body = {
+        "id": 9999, "kind": "hang", "severity": "critical", "state": "open",
+        "summary": "rank 3 never entered", "node": None, "gpu_index": None,
+        "job": "llm-pretrain", "ranks": [3], "evidence": {"flight_recorder": evidence},
+        "count": 1, "opened_unix_s": time.time(), "updated_unix_s": time.time(),
+        "resolved_unix_s": None,
+    }  # fmt: skip
+    page = dash_browser.new_page()
+    page.route("**/api/v1/incidents/9999", lambda route: route.fulfill(json=body))
+    page.goto(f"{cluster.live.url}/ui/#/incident/9999")
+    page.fill("#token", cluster.live.viewer_token)
+    page.click("#login button[type=submit]")
+    figure = page.locator("figure.flight-recorder")
+    expect(figure).to_contain_text("never entered it")
+    expect(figure.locator(".fr-ranks li.fr-in")).to_have_count(3)
+    expect(figure.locator(".fr-ranks li.fr-out")).to_have_count(1)
+    expect(figure.locator(".fr-ranks li.fr-out")).to_have_attribute(
+        "title", "rank 3: never entered"
+    )
+    page.close()
