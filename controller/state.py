@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
-from typing import Any
+from typing import Any, assert_never
 
 from controller.db.keys import CommandKey, CursorKey, GpuKey, JobKey, NodeKey, RankKey, RowKey
 from controller.db.repositories import commands as repo_commands
@@ -350,6 +350,8 @@ class ClusterState:
             case CommandKey(command_id):
                 command = self.commands.get(command_id)
                 return None if command is None else repo_commands.command_row(command)
+            case _:  # an untyped key (the old ``("nodes", (name,))``) must not vanish silently
+                assert_never(key)
 
 
 __all__ = [

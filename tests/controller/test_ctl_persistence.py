@@ -189,6 +189,8 @@ def test_rows_round_trip_through_the_database(tmp_path: Path) -> None:
         row = before.row_for(key)
         assert row is not None and set(row) == {c.key for c in key.table.columns}
         upserts.setdefault(key.table, []).append(row)
+    with pytest.raises(AssertionError, match="unreachable"):
+        before.row_for(("nodes", ("n1",)))  # type: ignore[arg-type]  # an old string key
     engine = make_engine(url)
     try:
         with engine.begin() as conn:
