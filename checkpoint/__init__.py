@@ -58,8 +58,6 @@ from checkpoint.errors import (
 from checkpoint.rules import ParallelLayout, RuleSpec
 
 if TYPE_CHECKING:
-    import torch
-
     from checkpoint._engine import Checkpointer
     from checkpoint._load import Restored
     from checkpoint._reshard import ReshardResult
@@ -120,13 +118,16 @@ def load(
 
 def reshard(
     root: str | os.PathLike[str],
-    targets: Mapping[str, torch.Tensor],
+    targets: Mapping[str, Any],
     *,
     sharding: ShardingHook | None = None,
     step: int | None = None,
 ) -> ReshardResult:
-    """Fill ``targets`` (entry name -> this rank's tensor or DTensor) from a checkpoint
-    saved in any layout, reading only the byte ranges this rank needs."""
+    """Fill ``targets`` from a checkpoint saved in any layout (another world size, mesh,
+    TP/DP split), reading only the byte ranges this rank needs. ``targets`` maps entry
+    names to this rank's tensors or DTensors, or is the same mapping as given to ``save``
+    (modules, optimizers with their state, e.g. an FSDP2 or tensor-parallel model): their
+    tensors are filled in place."""
     from checkpoint._reshard import load_resharded
 
     return load_resharded(Path(root), targets, sharding=sharding, step=step)

@@ -8,7 +8,11 @@ any layout, and ``inspect``/``verify`` work on it unchanged.
 from __future__ import annotations
 
 import io
+import json
+import math
+import os
 import pickle
+import struct
 import tempfile
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -18,9 +22,10 @@ from typing import Any
 import torch
 
 from checkpoint._commit import apply_retention, commit, new_rank_manifest, write_rank_manifest
-from checkpoint._reshard import consolidate, identity_map
+from checkpoint._reshard import FragmentIndex, consolidate, identity_map
 from checkpoint._snapshot import TensorRef
 from checkpoint._store import CheckpointStore
+from checkpoint._validate import DTYPE_BYTES
 from checkpoint._write import DataFileWriter, fsync_dir
 from checkpoint.errors import CheckpointConfigError
 from checkpoint.manifest import (
@@ -113,12 +118,64 @@ def to_universal(src: Path, out: Path, *, step: int | None = None, check: bool =
         return write_consolidated(out, reader.step, consolidate(reader, check_replicas=check))
 
 
-def to_safetensors(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> int:
-    from safetensors.torch import save_file
+#: safetensors' dtype names.
+_SAFETENSORS_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
 
+
+def to_safetensors(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> int:
+    """Write a safetensors file one global tensor at a time: the header (names, dtypes,
+    shapes, offsets) is known from the manifests before any tensor is assembled, so peak
+    memory is about one tensor, and a checkpoint larger than RAM converts."""
     with _open(src, step) as reader:
-        tensors = dict(consolidate(reader, check_replicas=check))
-        save_file(tensors, str(out), metadata={"step": str(reader.step)})
+        index = FragmentIndex(reader)
+        header: dict[str, Any] = {}
+        pos = 0
+        for name in index.names():
+            frag = index.fragments(name)[0]
+            dtype = _SAFETENSORS_DTYPES.get(frag.entry.dtype)
+            if dtype is None:
+                raise CheckpointConfigError(
+                    f"tensor {name!r}: safetensors has no {frag.entry.dtype}"
+                )
+            nbytes = math.prod(frag.global_map.shape) * DTYPE_BYTES[frag.entry.dtype]
+            header[name] = {
+                "dtype": dtype,
+                "shape": frag.global_map.shape,
+                "data_offsets": [pos, pos + nbytes],
+            }
+            pos += nbytes
+        header["__metadata__"] = {"step": str(reader.step)}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(struct.pack("<Q", len(raw)))
+                fh.write(raw)
+                for _, tensor in consolidate(reader, check_replicas=check):
+                    fh.write(_bytes_of(tensor))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     return out.stat().st_size
 
 

@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from checkpoint._backends import ProcessWriter, ThreadWriter
+from checkpoint._dedup import Shared, plan_writers
 from checkpoint._load import Restored, load_state
 from checkpoint._persist import PersistJob
-from checkpoint._snapshot import ShardingHook, capture
+from checkpoint._snapshot import CapturedTensor, ShardingHook, capture, storage_ptr
 from checkpoint._stage import (
     Copier,
     HostBuffer,
@@ -79,17 +80,12 @@ def _storage_ptrs(opt: torch.optim.Optimizer) -> set[int]:
     ptrs: set[int] = set()
     for group in opt.param_groups:
         for param in group["params"]:
-            ptrs.add(_local(param).untyped_storage().data_ptr())
+            ptrs.add(storage_ptr(param))
     for per_param in opt.state.values():
         for value in per_param.values():
             if isinstance(value, torch.Tensor):
-                ptrs.add(_local(value).untyped_storage().data_ptr())
+                ptrs.add(storage_ptr(value))
     return ptrs
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)  # DTensor: the shard this rank holds
-    return to_local() if callable(to_local) else tensor
 
 
 class Checkpointer:
@@ -129,6 +125,9 @@ class Checkpointer:
         self.saves_skipped = 0
         #: Saves dropped because a newer one replaced them before writing (``coalesce``).
         self.saves_coalesced = 0
+        #: Size of this rank's data file for the last save taken (replicas written by other
+        #: ranks excluded, see ``CheckpointConfig.dedup_replicas``).
+        self.last_save_bytes = 0
         self._slots = [Slot() for _ in range(config.num_buffers)]
         self._copying: list[Snapshot] = []
         self._pending: dict[int, Snapshot] = {}
@@ -235,7 +234,22 @@ class Checkpointer:
         for t in cap.tensors:
             if t.tensor.is_sparse or t.tensor.device.type == "meta":
                 raise CheckpointConfigError(f"tensor {t.name}: sparse/meta tensors unsupported")
-        ordered = [t for t in cap.tensors if not t.lazy] + [t for t in cap.tensors if t.lazy]
+        writers = self._plan_writers(cap.tensors)
+        own = [t for t in cap.tensors if writers.get(t.name, self.rank) == self.rank]
+        replicas = [
+            Entry(
+                name=t.name,
+                dtype=_dtype_name(t.tensor.dtype),
+                shape=list(t.tensor.shape),
+                offset=0,
+                nbytes=t.tensor.numel() * t.tensor.element_size(),
+                global_map=t.global_map,
+                stored_by=writers[t.name],
+            )
+            for t in cap.tensors
+            if writers.get(t.name, self.rank) != self.rank
+        ]
+        ordered = [t for t in own if not t.lazy] + [t for t in own if t.lazy]
         entries = [
             Entry(
                 name=SKELETON_ENTRY,
@@ -297,6 +311,8 @@ class Checkpointer:
             )
             record_source_events(snap)
         job = self._job(snap, entries)
+        job.replicas = replicas
+        self.last_save_bytes = offset
         with self.cond:
             self._pending[snap.snap_id] = snap
             if lazy:
@@ -314,6 +330,19 @@ class Checkpointer:
             self._copier.submit(snap)
         if not hold:
             self._submit(snap, job)
+
+    def _plan_writers(self, tensors: list[CapturedTensor]) -> dict[str, int]:
+        """Which rank writes each tensor shared with data-parallel replicas (``_dedup``)."""
+        if not self.config.dedup_replicas or self.world_size == 1:
+            return {}
+        shared = [
+            Shared(t.name, t.tensor.numel() * t.tensor.element_size(), t.replicas)
+            for t in tensors
+            if len(t.replicas) > 1
+            and self.rank in t.replicas
+            and all(0 <= r < self.world_size for r in t.replicas)
+        ]
+        return plan_writers(shared)
 
     def _job(self, snap: Snapshot, entries: list[Entry]) -> PersistJob:
         cfg = self.config

@@ -71,6 +71,8 @@ class PersistJob:
     direct_io: bool = True
     #: The run this save belongs to ("" = none); see :mod:`checkpoint._commit` on fences.
     run_id: str = ""
+    #: Entries another rank writes (``stored_by``): listed in the manifest, not written.
+    replicas: list[Entry] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form for the writer process (see :func:`checkpoint.manifest.plain`)."""
@@ -81,6 +83,7 @@ class PersistJob:
     def from_dict(cls, raw: dict[str, Any]) -> PersistJob:
         raw = dict(raw)
         raw["entries"] = [entry_from_dict(e) for e in raw["entries"]]
+        raw["replicas"] = [entry_from_dict(e) for e in raw.get("replicas", [])]
         return cls(**raw)
 
 
@@ -127,7 +130,7 @@ def persist_part(
             world_size=job.world_size,
             layout=job.layout,
             data_file=info,
-            entries=job.entries,
+            entries=job.entries + job.replicas,
             run_id=job.run_id,
         ),
     )

@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -170,9 +171,31 @@ class ReshardResult:
     """Why ``latest`` was not followed ("" when it named the newest committed step)."""
 
 
+def expand_targets(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Entry name -> tensor to fill in place, for a state given as to ``Checkpointer.save``:
+    a module's ``state_dict`` tensors (``<key>/<param>``; FSDP2/TP DTensor parameters are
+    filled through their local shards), an optimizer's state tensors
+    (``<key>/state/<index>/<name>``; the optimizer must have its state already, e.g. after
+    one step), tensors as they are. Other values (schedulers, plain data) are skipped:
+    they are per rank and not resharded."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value
+        elif isinstance(value, torch.nn.Module):
+            for name, tensor in value.state_dict().items():
+                out[f"{key}/{name}"] = tensor
+        elif isinstance(value, torch.optim.Optimizer):
+            for index, per_param in value.state_dict()["state"].items():
+                for name, tensor in per_param.items():
+                    if isinstance(tensor, torch.Tensor):
+                        out[f"{key}/state/{index}/{name}"] = tensor
+    return out
+
+
 def load_resharded(
     root: str | Path,
-    targets: Mapping[str, torch.Tensor],
+    targets: Mapping[str, Any],
     *,
     sharding: ShardingHook | None = None,
     step: int | None = None,
@@ -187,6 +210,7 @@ def load_resharded(
     layout error (a tensor the checkpoint lacks, a shape that differs) is the caller's
     mistake, not damage, and is raised at once.
     """
+    targets = expand_targets(targets)
     store = CheckpointStore(root)
     steps, note = ([step], "") if step is not None else store.resolve()
     skipped: list[str] = []

@@ -45,6 +45,8 @@ class CapturedTensor:
     tensor: torch.Tensor
     lazy: bool
     global_map: GlobalMap | None = None
+    #: Global ranks holding an identical copy (``ShardingSpec.replicas``); ``()``: none.
+    replicas: tuple[int, ...] = ()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,6 +59,14 @@ class Captured:
 #: Leaf types ``walk`` returns untouched without further checks (exact types: a subclass
 #: may carry state_dict and friends).
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """Where a tensor's bytes live; for a DTensor (FSDP2, TP) those of this rank's shard,
+    since the wrapper itself has no storage."""
+    to_local = getattr(tensor, "to_local", None)
+    local = to_local() if callable(to_local) else tensor
+    return int(local.untyped_storage().data_ptr())
 
 
 def _is_stateful(obj: object) -> bool:
@@ -78,12 +88,18 @@ class _Walker:
             name = f"{name}#{len(self.out.tensors)}"
         self._names.add(name)
         global_map = None
+        replicas: tuple[int, ...] = ()
         if self.sharding is not None:
+            find_replicas = getattr(self.sharding, "replicas", None)
+            if callable(find_replicas):
+                replicas = tuple(find_replicas(name, value))
             value, global_map = self.sharding(name, value)
         value = value.detach()
         lazy = self.lazy_ok and value.untyped_storage().data_ptr() in self._lazy_ptrs
         self.out.tensors.append(
-            CapturedTensor(name=name, tensor=value, lazy=lazy, global_map=global_map)
+            CapturedTensor(
+                name=name, tensor=value, lazy=lazy, global_map=global_map, replicas=replicas
+            )
         )
         return TensorRef(name)
 
@@ -94,7 +110,7 @@ class _Walker:
             return self.tensor(name, obj)
         if isinstance(obj, torch.nn.Module):
             for param in obj.parameters():
-                self._lazy_ptrs.add(param.untyped_storage().data_ptr())
+                self._lazy_ptrs.add(storage_ptr(param))
             return self.walk(dict(obj.state_dict()), name)
         if isinstance(obj, torch.optim.Optimizer):
             self.out.optimizers.append(obj)
@@ -102,7 +118,7 @@ class _Walker:
             for per_param in sd["state"].values():
                 for value in per_param.values():
                     if isinstance(value, torch.Tensor):
-                        self._lazy_ptrs.add(value.untyped_storage().data_ptr())
+                        self._lazy_ptrs.add(storage_ptr(value))
             return self.walk(sd, name)
         if _is_stateful(obj):
             return self.walk(obj.state_dict(), name)

@@ -106,11 +106,10 @@ class DataFileWriter:
             if written is None or written <= 0:
                 raise OSError(f"short write to {self._tmp}")
             view = view[written:]
-        if len(self._pending) > 64:  # surface hashing errors early, bound the queue
-            done = [f for f in self._pending if f.done()]
-            for fut in done:
-                fut.result()
-            self._pending = [f for f in self._pending if not f.done()]
+        # Bound what the hasher still holds (the caller may drop each buffer once written,
+        # as the streaming converter does) and surface hashing errors early.
+        while len(self._pending) > 2:
+            self._pending.pop(0).result()
 
     def _account(self, view: memoryview) -> None:
         if self._sha is not None:

@@ -47,6 +47,12 @@ class CheckpointConfig:
     every save is taken and queued, and ``save`` blocks for a free host buffer (the
     behaviour before this option). ``save(..., required=True)`` always waits."""
 
+    dedup_replicas: bool = True
+    """Write each tensor that data-parallel replicas share once, by one of them (balanced by
+    bytes), instead of once per replica: bytes per save fall by the DP size. Needs a
+    ``sharding`` that says who holds copies (``ShardingSpec.replicas``: DTensor placements,
+    or the ``ParallelLayout``'s DP peers); the manifests still let every rank load."""
+
     sha256: bool = False
     """Also record a SHA-256 per data file. CRC-32 per 4 MiB chunk is always kept and catches
     media and transfer damage; SHA-256 costs ~0.6 s of CPU per GB on the writer (measured

@@ -147,6 +147,29 @@ def dtensor_map(name: str, value: torch.Tensor) -> tuple[torch.Tensor, GlobalMap
     )
 
 
+def dtensor_replicas(value: torch.Tensor) -> tuple[int, ...]:
+    """Global ranks holding the same local shard of DTensor ``value`` as this rank: those
+    that differ from it only along mesh dimensions where it is ``Replicate``."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    assert isinstance(value, DTensor)
+    mesh = value.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return ()
+    index: list[int | slice] = list(coord)
+    for dim, placement in enumerate(value.placements):
+        if isinstance(placement, Replicate):
+            index[dim] = slice(None)
+    return tuple(sorted(int(r) for r in mesh.mesh[tuple(index)].flatten().tolist()))
+
+
+def layout_rank(layout: ParallelLayout, *, dp_rank: int) -> int:
+    """Global rank of ``layout`` with another data-parallel coordinate, in Megatron's
+    default order (TP fastest, then DP, then PP)."""
+    return layout.tp_rank + layout.tp * (dp_rank + layout.dp * layout.pp_rank)
+
+
 class ShardingSpec:
     """Maps (entry name, local tensor) to its place in the global state; strict."""
 
@@ -170,6 +193,27 @@ class ShardingSpec:
         )
         self._zero_shapes = dict(zero.params) if zero else {}
         self._zero_owned = zero.owned() if zero else {}
+
+    def replicas(self, name: str, value: torch.Tensor) -> tuple[int, ...]:
+        """Global ranks that hold a byte-identical copy of this rank's ``name`` (itself
+        included), so that the save writes it once (:mod:`checkpoint._dedup`); ``()`` when
+        it is this rank's alone. DTensors: ranks along their ``Replicate`` mesh dims. Plain
+        tensors: the data-parallel peers, except ZeRO partitions (each DP rank owns its
+        own), ``average`` tensors (copies may drift) and ignored ones (RNG, per rank)."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            return dtensor_replicas(value)
+        layout = self.layout
+        if layout.dp == 1 or self.rules is None:
+            return ()
+        if self.ignore is not None and any(r.matches(name) for r in self.ignore.rules):
+            return ()
+        if self.zero is not None and self.zero.param_of(name) is not None:
+            return ()
+        if self.rules.match(name).rule == "average":
+            return ()
+        return tuple(layout_rank(layout, dp_rank=d) for d in range(layout.dp))
 
     def __call__(self, name: str, value: torch.Tensor) -> tuple[torch.Tensor, GlobalMap | None]:
         from torch.distributed.tensor import DTensor

@@ -77,3 +77,53 @@ def load_rank(rank: int, root: str, init_file: str, out_dir: str) -> None:
     Path(out_dir, f"ok-{rank}").write_text(str(result.bytes_read))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _dp_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def dp4_rank(rank: int, roots: tuple[str, str], init_file: str, out_dir: str) -> None:
+    """DP=4 replicas (gradients all-reduced, as DDP does) save with and without dedup; every
+    rank then loads the deduplicated checkpoint into a fresh model and compares bit for bit."""
+    from checkpoint import load
+    from checkpoint.sharding import ShardingSpec
+
+    _init(rank, 4, init_file)
+    model, opt = _dp_model(0)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    for p in model.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+        p.grad /= 4
+    opt.step()
+    spec = ShardingSpec(
+        [{"pattern": "*", "rule": "replicate"}], layout=ParallelLayout(dp=4, dp_rank=rank)
+    )
+    for root, dedup in zip(roots, (True, False), strict=True):
+        engine = Checkpointer(
+            CheckpointConfig(root=root, writer="thread", dedup_replicas=dedup),
+            rank=rank,
+            world_size=4,
+            layout={"dp": 4},
+            sharding=spec,
+        )
+        engine.save({"model": model, "optim": opt}, step=1)
+        engine.close()
+        dist.barrier()
+    fresh, fresh_opt = _dp_model(1)
+    load(roots[0], {"model": fresh, "optim": fresh_opt}, rank=rank)
+    for (name, want), got in zip(
+        model.state_dict().items(), fresh.state_dict().values(), strict=True
+    ):
+        assert torch.equal(want, got), (rank, name)
+    want_opt, got_opt = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    for index, per_param in want_opt.items():
+        for key, value in per_param.items():
+            assert torch.equal(value, got_opt[index][key]), (rank, index, key)
+    Path(out_dir, f"dp-ok-{rank}").write_text("ok")
+    dist.barrier()
+    dist.destroy_process_group()
