@@ -1,6 +1,7 @@
-"""Read-only routes the dashboard needs beyond the rest of the API: who am I, the live
-stream (server-sent events), downsampled GPU history, recent step times, checkpoints,
-power history and per-link plan load. All need the viewer role; none writes.
+"""Routes the dashboard needs beyond the rest of the API: who am I, the live stream
+(server-sent events), downsampled GPU history, recent step times, checkpoints, power
+history and per-link plan load (viewer role, read-only), and acknowledging an incident
+(operator role; recorded as an action).
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ from typing import Any
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import StreamingResponse
 
-from controller.api.deps import AUTH_ERRORS, NOT_FOUND, ControllerDep, require_viewer
+from controller.api.deps import (
+    AUTH_ERRORS,
+    NOT_FOUND,
+    ControllerDep,
+    require_operator,
+    require_viewer,
+)
 from controller.auth import Principal
-from controller.errors import NotFound
+from controller.errors import Conflict, NotFound
 from controller.runtime import Controller
+from controller.services import queries
 from controller.services.dashboard import (
     RESYNC,
     DashboardFeed,
@@ -55,6 +63,37 @@ def attach_feed(controller: Controller) -> DashboardFeed:
 def feed_of(request: Request) -> DashboardFeed:
     feed: DashboardFeed = request.app.state.dashboard_feed
     return feed
+
+
+@router.post(
+    "/incidents/{id}/ack",
+    operation_id="ack_incident",
+    tags=["incidents"],
+    responses={**AUTH_ERRORS, **NOT_FOUND, 409: {"description": "Resolved already"}},
+)
+async def ack_incident(
+    id: int = Path(ge=1, le=2**62),
+    principal: Principal = Depends(require_operator),
+    controller: Controller = ControllerDep,
+) -> dict[str, Any]:
+    """Say that someone is on it. The incident stays open (resolve it when the fault is
+    fixed); the acknowledgement is an action row (``ack_incident``, target
+    ``incident:{id}``), so it is audited like every other operator action."""
+    incident_id = id
+    if controller.state.incidents.get(incident_id) is None:
+        found = await controller.store.read(lambda s: queries.get_incident(s, incident_id))
+        if found is None:
+            raise NotFound(f"incident {id} not found")
+        raise Conflict(f"incident {id} is resolved already; nothing to acknowledge")
+    action = await controller.actions.create(
+        kind="ack_incident",
+        target=f"incident:{id}",
+        trigger=f"operator:{principal.name}",
+        params={"incident": id},
+        status="succeeded",
+        outcome=f"acknowledged by {principal.name}",
+    )
+    return {"incident": id, "acknowledged_by": principal.name, "action": action}
 
 
 @router.get("/whoami", operation_id="whoami", responses=AUTH_ERRORS)

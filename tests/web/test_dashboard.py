@@ -146,6 +146,7 @@ def test_viewer_cannot_act_through_the_api(cluster) -> None:
         ("/nodes/sim-b/isolate", {"reason": "viewer tries"}),
         ("/nodes/sim-b/release", {"reason": "viewer tries"}),
         ("/incidents/1/resolve", {}),
+        ("/incidents/1/ack", {}),
         ("/nodes/sim-a/commands", {"kind": "job_checkpoint", "job": "llm-pretrain"}),
     ):
         r = httpx.post(
@@ -332,11 +333,25 @@ def test_operator_actions_confirm_their_effect_and_change_server_state(
     # The remediation the incident triggered is listed with its outcome.
     expect(page.locator(".page.incident table.actions")).to_contain_text(f"incident:{incident}")
     shot(page, "incident")
+    page.click('button[data-action="ack"]')
+    expect(page.locator("#confirm-effect")).to_contain_text("it stays open")
+    page.click("#confirm-ok")
+    expect(page.locator("dd.acked")).to_contain_text("acknowledged by test-operator")
+    expect(page.locator('button[data-action="ack"]')).to_have_count(0)
+    acked = [a for a in api(cluster, "/actions")["data"] if a["kind"] == "ack_incident"]
+    assert [a["target"] for a in acked] == [f"incident:{incident}"]
+    assert api(cluster, f"/incidents/{incident}")["state"] == "open"
     page.click('button[data-action="resolve"]')
     expect(page.locator("#confirm-effect")).to_contain_text(f"Mark incident #{incident}")
     page.click("#confirm-ok")
     expect(page.locator(".page.incident h2").first).to_contain_text("resolved")
     assert api(cluster, f"/incidents/{incident}")["state"] == "resolved"
+    live = cluster.live
+    for target, status in ((incident, 409), (10**9, 404)):
+        r = httpx.post(
+            f"{live.url}/api/v1/incidents/{target}/ack", headers=live.headers(), timeout=10
+        )
+        assert r.status_code == status, r.text
     assert not page.errors, page.errors
     page.close()
 

@@ -116,9 +116,11 @@ export async function incidentPage(ctx) {
     if (!ctx.isCurrent()) return;
     for (const c of charts) c.dispose();
     charts = [];
+    const acks = actions.data.filter((a) => a.kind === "ack_incident" && a.target === `incident:${inc.id}`);
     const related = actions.data.filter(
       (a) =>
         a.trigger === `incident:${inc.id}` ||
+        a.target === `incident:${inc.id}` ||
         (a.params && a.params.incident === inc.id) ||
         ((a.target === inc.node || a.target === inc.job) && a.created_unix_s >= inc.opened_unix_s - 5),
     );
@@ -149,6 +151,16 @@ export async function incidentPage(ctx) {
     const fr = inc.evidence && inc.evidence.flight_recorder;
     if (fr && typeof fr === "object") picture.append(flightRecorder(fr));
     const bar = actionBar(
+      inc.state === "open" && !acks.length
+        ? actionButton({
+            id: "ack",
+            label: "Acknowledge",
+            title: "Acknowledge incident",
+            effect: `Record that you are on incident #${inc.id} (${inc.kind}): it stays open, and the acknowledgement is logged with your name.`,
+            path: `/incidents/${inc.id}/ack`,
+            done: () => refresh(),
+          })
+        : null,
       inc.state === "open"
         ? actionButton({
             id: "resolve",
@@ -171,6 +183,8 @@ export async function incidentPage(ctx) {
         el("dt", null, "Opened"), el("dd", null, fmtTime(inc.opened_unix_s)),
         el("dt", null, "Last seen"), el("dd", null, `${fmtTime(inc.updated_unix_s)} (×${inc.count})`),
         el("dt", null, "Resolved"), el("dd", null, inc.resolved_unix_s ? fmtTime(inc.resolved_unix_s) : "-"),
+        el("dt", null, "Acknowledged"),
+        el("dd", "acked", acks.length ? acks.map((a) => `${a.outcome} at ${fmtTime(a.created_unix_s)}`).join("; ") : "no"),
         inc.node ? el("dt", null, "Node") : null,
         inc.node ? el("dd", null, link(`#/node/${enc(inc.node)}`, inc.node)) : null,
         inc.job ? el("dt", null, "Job") : null,
