@@ -218,6 +218,23 @@ def test_a_step_missing_a_node_waits_its_bounded_time_then_is_compared() -> None
     assert trackers.jobs["late"].last_compared_step == 0
 
 
+def test_waiting_steps_are_bounded_by_count_and_by_records() -> None:
+    """A node that never reports its ranks' summaries must not make memory grow: beyond
+    the bounds the oldest waiting steps are compared (or dropped) early."""
+    rng = random.Random(8)
+    for cfg in (
+        C4DConfig(max_pending_steps=5, min_step_coverage=0.5),
+        C4DConfig(max_pending_records=15, min_step_coverage=0.5),
+    ):
+        trackers = JobTrackers(cfg)
+        for step in range(20):
+            trackers.observe("a", JobRecords(steps=_rows(step, 4, {}, rng)[:3]), 0.0)
+            trackers.evaluate(0.0)
+        tracker = trackers.jobs["late"]
+        assert len(tracker.pending_steps) <= 5
+        assert tracker.stragglers.steps_seen >= 15
+
+
 def test_a_hang_stays_one_incident_on_the_same_culprit_when_a_waiting_node_goes_quiet() -> None:
     sc = SimScenario(name="hang-quiet", layout=Layout(world=16), hang=(6, 2))
     out = run_sim(sc, seed=29)

@@ -64,6 +64,12 @@ class C4DConfig:
     """Bound on steps held waiting for late summaries (memory per job); the oldest is
     compared (or dropped) first when more arrive."""
 
+    max_pending_records: int = 1_000_000
+    """Bound on step summaries held waiting, all steps together (a summary with its peer
+    list is ~0.5-1 KB, so a few hundred MB at most): a 16k-rank job with 0.1 s steps holds
+    ~800k summaries over one 5 s report interval; beyond the bound the oldest steps are
+    compared early rather than memory growing."""
+
     hang_timeout_s: float = 6.0
     """Floor on how long a collective must be stuck before the controller calls a hang.
     The rank's own watchdog already waits an adaptive time (5x the op's recent median,
@@ -103,8 +109,10 @@ class C4DConfig:
             raise ValueError("need straggler_confirm_of_steps >= straggler_confirm_steps")
         if self.straggler_clear_windows < 1:
             raise ValueError("straggler_clear_windows must be at least 1")
-        if self.step_wait_s < 0 or self.max_pending_steps < 1:
-            raise ValueError("step_wait_s must be >= 0 and max_pending_steps >= 1")
+        if self.step_wait_s < 0 or self.max_pending_steps < 1 or self.max_pending_records < 1:
+            raise ValueError(
+                "step_wait_s must be >= 0, max_pending_steps and max_pending_records >= 1"
+            )
         if not 0 < self.min_step_coverage <= 1:
             raise ValueError("min_step_coverage must be in (0, 1]")
         if self.hang_timeout_s <= 0 or self.inflight_ttl_s <= 0:

@@ -207,12 +207,17 @@ class JobTracker:
         """
         ready = []
         need = max(2, int(self.cfg.min_step_coverage * self.world_size + 0.999))
-        overflow = len(self.pending_steps) - self.cfg.max_pending_steps
+        steps_over = len(self.pending_steps) - self.cfg.max_pending_steps
+        records_over = (
+            sum(len(rows) for rows in self.pending_steps.values()) - self.cfg.max_pending_records
+        )
         for step in sorted(self.pending_steps):
             rows = self.pending_steps[step]
             waited = now_s - self.pending_since.get(step, now_s) >= self.cfg.step_wait_s
-            if len(rows) >= self.world_size or waited or overflow > 0:
-                overflow -= 1
+            forced = steps_over > 0 or records_over > 0
+            if len(rows) >= self.world_size or waited or forced:
+                steps_over -= 1
+                records_over -= len(rows)
                 if len(rows) >= need:
                     ready.append(step)
                 else:  # too few ranks ever reported it
