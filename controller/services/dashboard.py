@@ -78,6 +78,8 @@ class _JobSteps:
     steps: OrderedDict[int, dict[int, float]] = field(default_factory=OrderedDict)
     ends: dict[int, float] = field(default_factory=dict)
     roles: dict[int, str] = field(default_factory=dict)
+    #: rank -> (pp_stage, dp_rank, tp_rank, size of its peer group), as its steps say.
+    layout: dict[int, tuple[int | None, int | None, int | None, int]] = field(default_factory=dict)
     world_size: int = 0
 
 
@@ -104,6 +106,12 @@ class StepRecorder:
         job.world_size = max(job.world_size, summary.world_size)
         if summary.role:
             job.roles[summary.rank] = summary.role
+        job.layout[summary.rank] = (
+            summary.pp_stage,
+            summary.dp_rank,
+            summary.tp_rank,
+            len(summary.group_ranks),
+        )
         row = job.steps.get(summary.step)
         if row is None:
             if job.steps and summary.step < next(iter(job.steps)):
@@ -154,6 +162,13 @@ class StepRecorder:
                 {
                     "rank": r,
                     "role": job.roles.get(r),
+                    **dict(
+                        zip(
+                            ("pp_stage", "dp_rank", "tp_rank", "peer_group_size"),
+                            job.layout.get(r, (None, None, None, 0)),
+                            strict=True,
+                        )
+                    ),
                     "step_time_s": [job.steps[s].get(r) for s in steps],
                 }
                 for r in ranks

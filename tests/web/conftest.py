@@ -225,6 +225,8 @@ class Cluster:
                             gpu_index=rank % 4,
                             end_unix_s=now,
                             role="dp",
+                            dp_rank=rank,
+                            group_ranks=list(range(world)),
                         )
                     ]
                     checkpoints = []

@@ -177,6 +177,7 @@ export async function jobPage(ctx) {
         td("name", link(`#/node/${enc(r.node)}`, r.node)),
         td("num", dash(r.gpu_index)),
         dash(rankInfo.get(r.rank) && rankInfo.get(r.rank).role),
+        td("num", layoutText(rankInfo.get(r.rank))),
         td(null, badge(r.state)),
         td("num", dash(r.last_step)),
         marked.has(r.rank) ? td("marked", `◀ ${marked.get(r.rank)}`) : "-",
@@ -189,7 +190,7 @@ export async function jobPage(ctx) {
       section("Rank × step", hm),
       section("Over time", stepChart.node, el("p", "muted", "Loss: not reported (step summaries carry no loss).")),
       section("Goodput", goodputPart),
-      section("Ranks", table(["Rank", "Node", "GPU", "Role", "State", "Last step", "Marked"], rankRows, "no ranks", "ranks")),
+      section("Ranks", table(["Rank", "Node", "GPU", "Role", "pp · dp · tp (peers)", "State", "Last step", "Marked"], rankRows, "no ranks", "ranks")),
       section("Checkpoints (tier = kind)", table(["Step", "Rank", "Kind", "Size", "Blocking", "Durable after", "Path / error", "Age"], ckRows, "no checkpoint reported", "checkpoints")),
       section("Incidents", incidentTable(incidents.data, "no incidents for this job")),
       section("Actions", actionTable(actions.data, "no actions on this job")),
@@ -207,6 +208,16 @@ export async function jobPage(ctx) {
       for (const c of charts) c.dispose();
     },
   };
+}
+
+/** "pp 1 · dp 0 · tp 3 (8 peers)" from what the rank's step summaries declared. */
+function layoutText(info) {
+  if (!info) return "-";
+  const parts = [["pp", info.pp_stage], ["dp", info.dp_rank], ["tp", info.tp_rank]]
+    .filter(([, v]) => v !== null && v !== undefined)
+    .map(([k, v]) => `${k} ${v}`);
+  if (info.peer_group_size) parts.push(`(${info.peer_group_size} peers)`);
+  return parts.length ? parts.join(" · ") : "-";
 }
 
 function uniqueCheckpoints(list) {
