@@ -48,6 +48,7 @@ def attach_feed(controller: Controller) -> DashboardFeed:
         controller.store,
         controller.power,
         node_lost_after_s=controller.settings.node_lost_after_s,
+        ettr=lambda job: _ettr(controller, job),
     )
     bus = getattr(controller, "events", None)
     if bus is not None:
@@ -58,6 +59,15 @@ def attach_feed(controller: Controller) -> DashboardFeed:
     else:  # until the bus is wired in the composition root
         controller.ingest.observers.append(feed)
     return feed
+
+
+def _ettr(controller: Controller, job: str) -> float | None:
+    """The job's goodput now, from the remediation engine's ledger (as ``/goodput``)."""
+    book = controller.remediation.jobs.get(job)
+    if book is None:
+        return None
+    value = book.ledger.snapshot().get("ettr")
+    return float(value) if isinstance(value, int | float) else None
 
 
 def feed_of(request: Request) -> DashboardFeed:
@@ -168,12 +178,13 @@ async def get_job_steps(
     last: int = Query(120, ge=1, le=1000, description="Most recent steps"),
     _principal: Principal = Depends(require_viewer),
 ) -> dict[str, Any]:
-    """Step time per rank for the job's most recent steps (kept in memory since the
-    controller started; bounded per job)."""
-    matrix = feed_of(request).steps.matrix(name, last, time.time())
+    """Step time per rank for the job's most recent steps, and its goodput (ETTR) every 5 s
+    over the last hour (both kept in memory since the controller started; bounded)."""
+    feed = feed_of(request)
+    matrix = feed.steps.matrix(name, last, time.time())
     if matrix is None:
         raise NotFound(f"job {name!r} has no step times here; they start with its next report")
-    return matrix
+    return {**matrix, "goodput": feed.goodput_history.series(name)}
 
 
 @router.get(

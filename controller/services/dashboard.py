@@ -25,6 +25,7 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -209,6 +210,36 @@ class PowerHistory:
         }
 
 
+class GoodputHistory:
+    """Each job's goodput (ETTR) every ``every_s`` while it reports steps, ``kept`` samples
+    per job (one hour at 5 s), for the job page's goodput-over-time chart. In memory."""
+
+    def __init__(
+        self, *, every_s: float = POWER_EVERY_S, kept: int = POWER_KEPT, jobs_kept: int = JOBS_KEPT
+    ) -> None:
+        self.every_s = every_s
+        self.kept = kept
+        self.jobs_kept = jobs_kept
+        self.samples: OrderedDict[str, deque[tuple[float, float]]] = OrderedDict()
+
+    def maybe_sample(self, job: str, ettr: Callable[[str], float | None], now: float) -> None:
+        series = self.samples.get(job)
+        if series and now - series[-1][0] < self.every_s:
+            return
+        value = ettr(job)
+        if value is None:
+            return
+        if series is None:
+            series = self.samples[job] = deque(maxlen=self.kept)
+            while len(self.samples) > self.jobs_kept:
+                self.samples.popitem(last=False)
+        series.append((now, value))
+
+    def series(self, job: str) -> dict[str, list[float]]:
+        rows = list(self.samples.get(job, ()))
+        return {"t": [t for t, _ in rows], "ettr": [v for _, v in rows]}
+
+
 # ---------------------------------------------------------------------- the feed
 
 
@@ -266,8 +297,11 @@ class DashboardFeed:
         power: _Power | None,
         *,
         node_lost_after_s: float = 30.0,
+        ettr: Callable[[str], float | None] | None = None,
     ) -> None:
         self.state = state
+        self.ettr = ettr
+        self.goodput_history = GoodputHistory()
         self.silent_after_s = node_lost_after_s * SILENT_SHARE
         self.store = store
         self.power = power
@@ -284,8 +318,13 @@ class DashboardFeed:
     # -- inputs
 
     async def on_report(self, report: wire.Report, received: float) -> None:
+        jobs = set()
         for summary in report.job.steps:
             self.steps.record(summary, received)
+            jobs.add(summary.job)
+        if self.ettr is not None:
+            for job in jobs:
+                self.goodput_history.maybe_sample(job, self.ettr, received)
         if self.power is not None:
             self.power_history.maybe_sample(self.power, received)
         self._wake.set()
@@ -544,6 +583,7 @@ def plan_links(plan: Any, *, seed: int = 0, top: int = 200) -> list[dict[str, An
 
 __all__ = [
     "DashboardFeed",
+    "GoodputHistory",
     "PowerHistory",
     "StepRecorder",
     "job_checkpoints",

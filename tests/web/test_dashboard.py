@@ -214,7 +214,7 @@ def test_every_page_renders_real_data_and_a_viewer_sees_no_actions(cluster, dash
     expect(page.locator(".hm-ranks li")).to_have_count(4)
     expect(page.locator("table.ranks tbody tr")).to_have_count(4)
     expect(page.locator('table.ranks tr[data-rank="2"]')).to_contain_text("dp 2 · (4 peers)")
-    expect(page.locator(".job .uplot")).to_have_count(1)
+    expect(page.locator(".job .uplot")).to_have_count(2)  # step time, goodput
     expect(page.locator("table.checkpoints tbody")).to_contain_text("committed", timeout=20_000)
     assert page.locator("button.act").count() == 0
     shot(page, "job")

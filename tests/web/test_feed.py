@@ -16,6 +16,7 @@ from controller.services.dashboard import (
     QUEUE_MAX,
     RESYNC,
     DashboardFeed,
+    GoodputHistory,
     PowerHistory,
     StepRecorder,
     node_history,
@@ -197,3 +198,13 @@ def test_node_history_buckets_per_gpu_on_one_axis_with_gaps_as_null() -> None:
     assert gpu0["temperature_c"] == [70.0, 55.0, None]  # maxima
     assert gpu0["throttle_reasons"] == [1.0, 0.0, None]  # reasons active, averaged: (2 + 0) / 2
     assert gpu1["power_w"] == [300.0, None, None]
+
+
+def test_goodput_history_samples_each_job_at_most_every_interval() -> None:
+    values = {"a": 0.9, "b": None}
+    hist = GoodputHistory(every_s=5.0, kept=2, jobs_kept=1)
+    for t in (0.0, 2.0, 5.0, 10.0):
+        hist.maybe_sample("a", values.get, t)
+        hist.maybe_sample("b", values.get, t)  # no ledger yet: nothing kept
+    assert hist.series("a") == {"t": [5.0, 10.0], "ettr": [0.9, 0.9]}
+    assert hist.series("b") == {"t": [], "ettr": []}

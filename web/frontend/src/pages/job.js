@@ -132,6 +132,16 @@ export async function jobPage(ctx) {
       marks,
     });
     charts.push(stepChart);
+    const goodputChart = timeChart({
+      title: "Goodput (ETTR: productive / wall time)",
+      unit: "fraction",
+      x: steps.goodput.t,
+      series: [{ label: "ETTR", values: steps.goodput.ettr, width: 2 }],
+      marks,
+      yRange: [0, 1],
+      height: 140,
+    });
+    charts.push(goodputChart);
 
     const bar = actionBar(
       actionButton({
@@ -188,7 +198,7 @@ export async function jobPage(ctx) {
       bar,
       el("p", "muted", `${job.ranks_reporting}/${job.world_size} ranks reporting · last step ${dash(job.last_step)} · nodes ${job.nodes.join(", ")}`),
       section("Rank × step", hm),
-      section("Over time", stepChart.node, el("p", "muted", "Loss: not reported (step summaries carry no loss).")),
+      section("Over time", el("div", "charts", stepChart.node, goodputChart.node), el("p", "muted", "Loss: not reported (step summaries carry no loss).")),
       section("Goodput", goodputPart),
       section("Ranks", table(["Rank", "Node", "GPU", "Role", "pp · dp · tp (peers)", "State", "Last step", "Marked"], rankRows, "no ranks", "ranks")),
       section("Checkpoints (tier = kind)", table(["Step", "Rank", "Kind", "Size", "Blocking", "Durable after", "Path / error", "Age"], ckRows, "no checkpoint reported", "checkpoints")),
