@@ -29,6 +29,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainguard import limits
+from trainguard.limits import NO_NUL
+
 API_VERSION = "v1"
 API_PREFIX = f"/api/{API_VERSION}"
 SCHEMA_VERSION = 1
@@ -42,8 +45,12 @@ MAX_REPORT_BYTES = 4 * 1024 * 1024
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
 
 Name = Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)]
-NonNegInt = Annotated[int, Field(ge=0)]
-NonNegFloat = Annotated[float, Field(ge=0)]
+#: Numbers carry the database's real limits (``trainguard.limits``): counts fit a bigint,
+#: floats are finite, indices and ranks fit an integer.
+NonNegInt = limits.Count
+NonNegFloat = limits.NonNegFinite
+Index = limits.Index
+Rank = limits.Count32
 
 
 class WireModel(BaseModel):
@@ -58,16 +65,18 @@ class WireModel(BaseModel):
 class GpuInfo(WireModel):
     """One GPU's static inventory, sent with every report (cheap, and self-healing)."""
 
-    index: NonNegInt
-    uuid: str = Field(min_length=1, max_length=128)
-    name: str = Field(default="", max_length=128, description="Model name, e.g. NVIDIA H100")
-    pci_bus_id: str = Field(default="", max_length=64)
+    index: Index
+    uuid: str = Field(min_length=1, max_length=128, pattern=NO_NUL)
+    name: str = Field(
+        default="", max_length=128, pattern=NO_NUL, description="Model name, e.g. NVIDIA H100"
+    )
+    pci_bus_id: str = Field(default="", max_length=64, pattern=NO_NUL)
     memory_total_bytes: NonNegInt = 0
     power_limit_min_w: NonNegFloat | None = None
     power_limit_max_w: NonNegFloat | None = None
     power_limit_default_w: NonNegFloat | None = None
-    sm_clock_max_mhz: NonNegInt | None = None
-    mem_clock_max_mhz: NonNegInt | None = None
+    sm_clock_max_mhz: Rank | None = None
+    mem_clock_max_mhz: Rank | None = None
 
 
 class NicInfo(WireModel):
@@ -79,28 +88,35 @@ class NicInfo(WireModel):
     (across the CPU interconnect).
     """
 
-    device: str = Field(max_length=64, description="e.g. mlx5_0")
-    port: NonNegInt
-    link_layer: str = Field(default="", max_length=32, description="InfiniBand | Ethernet")
-    pci_bus_id: str = Field(default="", max_length=64)
-    netdev: str = Field(default="", max_length=64, description="Ethernet interface, if any")
-    numa_node: int | None = None
-    gpu_affinity: dict[int, str] = Field(default_factory=dict, description="GPU index -> level")
+    device: str = Field(max_length=64, pattern=NO_NUL, description="e.g. mlx5_0")
+    port: Index
+    link_layer: str = Field(
+        default="", max_length=32, pattern=NO_NUL, description="InfiniBand | Ethernet"
+    )
+    pci_bus_id: str = Field(default="", max_length=64, pattern=NO_NUL)
+    netdev: str = Field(
+        default="", max_length=64, pattern=NO_NUL, description="Ethernet interface, if any"
+    )
+    numa_node: limits.SignedIndex | None = None
+    gpu_affinity: dict[Index, limits.StateText] = Field(
+        default_factory=dict, description="GPU index -> level"
+    )
 
 
 class NodeIdentity(WireModel):
     name: Name
-    hostname: str = Field(default="", max_length=253)
-    labels: dict[str, str] = Field(default_factory=dict)
+    hostname: str = Field(default="", max_length=253, pattern=NO_NUL)
+    labels: dict[limits.KeyText, limits.NameText] = Field(default_factory=dict, max_length=512)
     gpus: list[GpuInfo] = Field(default_factory=list, max_length=64)
-    agent_version: str = Field(default="", max_length=64)
+    agent_version: str = Field(default="", max_length=64, pattern=NO_NUL)
     backend: Literal["nvml", "sim"] = Field(
         default="nvml", description="nvml: real GPUs read through NVML; sim: simulated GPUs"
     )
-    driver_version: str = Field(default="", max_length=64)
+    driver_version: str = Field(default="", max_length=64, pattern=NO_NUL)
     gpu_error: str = Field(
         default="",
         max_length=512,
+        pattern=NO_NUL,
         description=(
             "Why NVML could not be used on a node that has NVIDIA device files (the nvmlInit "
             "error); empty when NVML works or the node has no NVIDIA devices. A node reporting "
@@ -147,16 +163,16 @@ def decode_throttle_reasons(mask: int) -> list[ThrottleReason]:
 
 
 class XidEvent(WireModel):
-    code: NonNegInt
+    code: Rank
     time_unix_s: NonNegFloat
-    gpu_index: NonNegInt | None = None
-    detail: str = Field(default="", max_length=512)
+    gpu_index: Index | None = None
+    detail: str = Field(default="", max_length=512, pattern=NO_NUL)
 
 
 class NvLinkSample(WireModel):
     """One NVLink of one GPU: state and its error counters since driver load."""
 
-    link: NonNegInt
+    link: Index
     active: bool
     crc_errors_total: NonNegInt | None = Field(default=None, description="DL CRC flit + data")
     replay_errors_total: NonNegInt | None = None
@@ -166,7 +182,9 @@ class NvLinkSample(WireModel):
 class EccLocationCounts(WireModel):
     """ECC errors at one memory location (``nvmlDeviceGetMemoryErrorCounter``)."""
 
-    location: str = Field(max_length=32, description="l1_cache, l2_cache, dram, sram, ...")
+    location: str = Field(
+        max_length=32, pattern=NO_NUL, description="l1_cache, l2_cache, dram, sram, ..."
+    )
     counter: Literal["volatile", "aggregate"]
     corrected: NonNegInt | None = None
     uncorrected: NonNegInt | None = None
@@ -175,20 +193,20 @@ class EccLocationCounts(WireModel):
 class GpuSample(WireModel):
     """One GPU at one instant. ``None`` means the driver did not answer for that field."""
 
-    index: NonNegInt
-    uuid: str = Field(default="", max_length=128)
+    index: Index
+    uuid: str = Field(default="", max_length=128, pattern=NO_NUL)
     lost: bool = Field(default=False, description="NVML reported the GPU lost / off the bus")
     power_w: NonNegFloat | None = None
     energy_j: NonNegFloat | None = Field(default=None, description="Total since driver load")
     power_limit_w: NonNegFloat | None = None
-    temperature_c: float | None = None
-    sm_clock_mhz: NonNegInt | None = None
-    mem_clock_mhz: NonNegInt | None = None
-    locked_sm_clock_mhz: NonNegInt | None = Field(
+    temperature_c: limits.Finite | None = None
+    sm_clock_mhz: Rank | None = None
+    mem_clock_mhz: Rank | None = None
+    locked_sm_clock_mhz: Rank | None = Field(
         default=None, description="Upper SM clock lock in force, if the agent set one"
     )
-    utilization_gpu_pct: Annotated[float, Field(ge=0, le=100)] | None = None
-    utilization_mem_pct: Annotated[float, Field(ge=0, le=100)] | None = None
+    utilization_gpu_pct: limits.Percent | None = None
+    utilization_mem_pct: limits.Percent | None = None
     memory_used_bytes: NonNegInt | None = None
     memory_total_bytes: NonNegInt | None = None
     throttle_reasons_mask: NonNegInt = 0
@@ -196,10 +214,10 @@ class GpuSample(WireModel):
     ecc_corrected_total: NonNegInt | None = None
     ecc_uncorrected_total: NonNegInt | None = None
     xid_events: list[XidEvent] = Field(default_factory=list, max_length=1024)
-    pcie_link_gen: NonNegInt | None = None
-    pcie_link_width: NonNegInt | None = None
-    pcie_link_gen_max: NonNegInt | None = None
-    pcie_link_width_max: NonNegInt | None = None
+    pcie_link_gen: Rank | None = None
+    pcie_link_width: Rank | None = None
+    pcie_link_gen_max: Rank | None = None
+    pcie_link_width_max: Rank | None = None
     nvlink_crc_errors_total: NonNegInt | None = None
     nvlink_replay_errors_total: NonNegInt | None = None
     nvlink_recovery_errors_total: NonNegInt | None = None
@@ -211,7 +229,10 @@ class GpuSample(WireModel):
         ),
     )
     error: str = Field(
-        default="", max_length=512, description="First NVML error of this sample, one line"
+        default="",
+        max_length=512,
+        pattern=NO_NUL,
+        description="First NVML error of this sample, one line",
     )
     ecc_corrected_aggregate_total: NonNegInt | None = Field(
         default=None, description="Corrected ECC errors over the board's life"
@@ -248,15 +269,16 @@ class GpuSample(WireModel):
             "reports small (how many are up is nvlink_active_count)"
         ),
     )
-    nvlink_active_count: NonNegInt | None = Field(
+    nvlink_active_count: Rank | None = Field(
         default=None, description="NVLinks up now, of those up when the agent started"
     )
     fabric_state: str | None = Field(
         default=None,
         max_length=32,
+        pattern=NO_NUL,
         description="GPU fabric state: not_supported, not_started, in_progress, completed",
     )
-    fabric_status: int | None = Field(
+    fabric_status: limits.Int32 | None = Field(
         default=None, description="nvmlReturn_t of the fabric registration (0 = success)"
     )
     mig_mode: bool | None = None
@@ -284,44 +306,54 @@ HARDWARE_EVENT_KINDS = (
 class HardwareEvent(WireModel):
     """A change the agent saw between two ticks: a link flap, a NIC gone, errors rising."""
 
-    kind: str = Field(max_length=32)
+    kind: str = Field(max_length=32, pattern=NO_NUL)
     time_unix_s: NonNegFloat
-    gpu_index: NonNegInt | None = None
-    device: str = Field(default="", max_length=64, description="NIC device or bond name")
-    port: NonNegInt | None = Field(default=None, description="RDMA port or NVLink number")
-    counter: str = Field(default="", max_length=64, description="Counter that rose, if any")
+    gpu_index: Index | None = None
+    device: str = Field(
+        default="", max_length=64, pattern=NO_NUL, description="NIC device or bond name"
+    )
+    port: Index | None = Field(default=None, description="RDMA port or NVLink number")
+    counter: str = Field(
+        default="", max_length=64, pattern=NO_NUL, description="Counter that rose, if any"
+    )
     delta: NonNegInt | None = Field(default=None, description="How much it rose this interval")
-    detail: str = Field(default="", max_length=512)
+    detail: str = Field(default="", max_length=512, pattern=NO_NUL)
 
 
 class NicPortSample(WireModel):
     """One RDMA port read from ``/sys/class/infiniband/<device>/ports/<port>/``."""
 
-    device: str = Field(max_length=64)
-    port: NonNegInt
-    state: str = Field(default="", max_length=32, description="e.g. ACTIVE, DOWN (sysfs text)")
-    phys_state: str = Field(default="", max_length=32, description="e.g. LinkUp, Disabled")
+    device: str = Field(max_length=64, pattern=NO_NUL)
+    port: Index
+    state: str = Field(
+        default="", max_length=32, pattern=NO_NUL, description="e.g. ACTIVE, DOWN (sysfs text)"
+    )
+    phys_state: str = Field(
+        default="", max_length=32, pattern=NO_NUL, description="e.g. LinkUp, Disabled"
+    )
     rate_gbps: NonNegFloat | None = None
-    link_layer: str = Field(default="", max_length=32)
-    counters: dict[str, NonNegInt] = Field(
-        default_factory=dict, description="counters/ and hw_counters/ files, name -> value"
+    link_layer: str = Field(default="", max_length=32, pattern=NO_NUL)
+    counters: dict[limits.TokenText, NonNegInt] = Field(
+        default_factory=dict,
+        max_length=1024,
+        description="counters/ and hw_counters/ files, name -> value",
     )
 
 
 class BondMember(WireModel):
-    name: str = Field(max_length=64)
-    mii_status: str = Field(default="", max_length=16, description="up | down")
-    operstate: str = Field(default="", max_length=16)
-    speed_mbps: int | None = None
+    name: str = Field(max_length=64, pattern=NO_NUL)
+    mii_status: str = Field(default="", max_length=16, pattern=NO_NUL, description="up | down")
+    operstate: str = Field(default="", max_length=16, pattern=NO_NUL)
+    speed_mbps: limits.Int32 | None = None
     link_failure_count: NonNegInt | None = None
 
 
 class BondSample(WireModel):
     """An Ethernet bond from ``/sys/class/net/<bond>/bonding/`` and its members."""
 
-    name: str = Field(max_length=64)
-    mode: str = Field(default="", max_length=64)
-    active_slave: str = Field(default="", max_length=64)
+    name: str = Field(max_length=64, pattern=NO_NUL)
+    mode: str = Field(default="", max_length=64, pattern=NO_NUL)
+    active_slave: str = Field(default="", max_length=64, pattern=NO_NUL)
     members: list[BondMember] = Field(default_factory=list, max_length=32)
 
 
@@ -348,16 +380,16 @@ class StepSummary(WireModel):
     """
 
     job: Name
-    rank: NonNegInt
-    world_size: Annotated[int, Field(ge=1)]
+    rank: Rank
+    world_size: Annotated[int, Field(ge=1, le=limits.INT32_MAX)]
     step: NonNegInt
     step_time_s: NonNegFloat
     compute_time_s: NonNegFloat
     collective_wait_s: NonNegFloat
     collective_bytes: NonNegInt = 0
     collective_calls: NonNegInt = 0
-    local_rank: NonNegInt | None = None
-    gpu_index: NonNegInt | None = None
+    local_rank: Rank | None = None
+    gpu_index: Index | None = None
     end_unix_s: NonNegFloat | None = None
     nonfinite_inputs: NonNegInt = Field(
         default=0,
@@ -367,10 +399,16 @@ class StepSummary(WireModel):
         ),
     )
     nonfinite_first_op: str = Field(
-        default="", max_length=64, description="Op of the first such call in the step"
+        default="",
+        max_length=64,
+        pattern=NO_NUL,
+        description="Op of the first such call in the step",
     )
     nonfinite_first_group: str = Field(
-        default="", max_length=128, description="Process-group id of the first such call"
+        default="",
+        max_length=128,
+        pattern=NO_NUL,
+        description="Process-group id of the first such call",
     )
     nonfinite_first_seq: NonNegInt | None = Field(
         default=None,
@@ -386,19 +424,20 @@ class StepSummary(WireModel):
     role: str | None = Field(
         default=None,
         max_length=128,
+        pattern=NO_NUL,
         description=(
             "What work this rank does, declared by the job (instrument(role=...)) or derived "
             "from its pipeline stage ('pp_stage=2'); ranks are compared only with the same role"
         ),
     )
-    pp_stage: NonNegInt | None = Field(
+    pp_stage: Rank | None = Field(
         default=None, description="Position in the pipeline (pipelining stage or mesh 'pp' dim)"
     )
-    dp_rank: NonNegInt | None = Field(
+    dp_rank: Rank | None = Field(
         default=None, description="Data-parallel index (mesh 'dp*' dims, row-major)"
     )
-    tp_rank: NonNegInt | None = Field(default=None, description="Tensor-parallel index")
-    group_ranks: list[NonNegInt] = Field(
+    tp_rank: Rank | None = Field(default=None, description="Tensor-parallel index")
+    group_ranks: list[Rank] = Field(
         default_factory=list,
         max_length=100_000,
         description=(
@@ -412,17 +451,21 @@ class InflightCollective(WireModel):
     """A collective a rank entered and has not finished, reported while it is stuck."""
 
     job: Name
-    rank: NonNegInt
-    group: str = Field(max_length=128, description="Process-group id, stable across ranks")
-    op: str = Field(max_length=64)
+    rank: Rank
+    group: str = Field(
+        max_length=128, pattern=NO_NUL, description="Process-group id, stable across ranks"
+    )
+    op: str = Field(max_length=64, pattern=NO_NUL)
     seq: NonNegInt = Field(description="Per-group sequence number of the stuck call")
     elapsed_s: NonNegFloat = Field(description="Time spent inside the call so far")
     size_bytes: NonNegInt = 0
-    last_completed_seq: dict[str, int] = Field(
-        default_factory=dict, description="Group id -> last finished sequence number"
+    last_completed_seq: dict[limits.LabelText, limits.Int64] = Field(
+        default_factory=dict,
+        max_length=4096,
+        description="Group id -> last finished sequence number",
     )
     step: NonNegInt | None = None
-    group_ranks: list[NonNegInt] = Field(
+    group_ranks: list[Rank] = Field(
         default_factory=list,
         max_length=100_000,
         description="Global ranks of the group, so the controller knows who never entered",
@@ -433,16 +476,18 @@ class RankEvent(WireModel):
     """A rank process started, exited or was killed."""
 
     job: Name
-    rank: NonNegInt
+    rank: Rank
     kind: Literal["started", "exited", "heartbeat"]
-    pid: NonNegInt | None = None
-    exit_code: int | None = None
-    signal: str | None = Field(default=None, max_length=32)
+    pid: Rank | None = None
+    exit_code: limits.Int32 | None = None
+    signal: str | None = Field(default=None, max_length=32, pattern=NO_NUL)
     time_unix_s: NonNegFloat
-    local_rank: NonNegInt | None = None
-    gpu_index: NonNegInt | None = None
-    world_size: NonNegInt | None = None
-    error: str = Field(default="", max_length=1024, description="What ended the rank, one line")
+    local_rank: Rank | None = None
+    gpu_index: Index | None = None
+    world_size: Rank | None = None
+    error: str = Field(
+        default="", max_length=1024, pattern=NO_NUL, description="What ended the rank, one line"
+    )
     collective_failed: bool = Field(
         default=False,
         description=(
@@ -462,14 +507,14 @@ class RankEvent(WireModel):
 
 class CheckpointEvent(WireModel):
     job: Name
-    rank: NonNegInt
+    rank: Rank
     step: NonNegInt
     kind: Literal["started", "snapshot_done", "durable", "failed", "committed"]
     blocking_s: NonNegFloat | None = None
     duration_s: NonNegFloat | None = None
     size_bytes: NonNegInt | None = None
-    path: str = Field(default="", max_length=1024)
-    error: str = Field(default="", max_length=1024)
+    path: str = Field(default="", max_length=1024, pattern=NO_NUL)
+    error: str = Field(default="", max_length=1024, pattern=NO_NUL)
     time_unix_s: NonNegFloat
 
 
@@ -477,13 +522,13 @@ class ProbeResult(WireModel):
     """A timed point-to-point transfer between two ranks during a link probe."""
 
     job: Name
-    probe_id: str = Field(max_length=64)
-    src_rank: NonNegInt
-    dst_rank: NonNegInt
+    probe_id: str = Field(max_length=64, pattern=NO_NUL)
+    src_rank: Rank
+    dst_rank: Rank
     size_bytes: NonNegInt
     duration_s: NonNegFloat
     ok: bool = True
-    error: str = Field(default="", max_length=512)
+    error: str = Field(default="", max_length=512, pattern=NO_NUL)
 
 
 class FlightRecorderDump(WireModel):
@@ -491,8 +536,8 @@ class FlightRecorderDump(WireModel):
     (``collectives.flight``): the last collectives of every process group of the rank."""
 
     job: Name
-    rank: NonNegInt
-    command_id: str = Field(default="", max_length=64)
+    rank: Rank
+    command_id: str = Field(default="", max_length=64, pattern=NO_NUL)
     time_unix_s: NonNegFloat = 0.0
     enabled: bool = Field(
         default=False, description="TORCH_FR_BUFFER_SIZE was set: the buffer exists"
@@ -502,11 +547,13 @@ class FlightRecorderDump(WireModel):
         max_length=4_096,
         description="Flight Recorder's entries, newest last (its dump format, trimmed)",
     )
-    pg_ranks: dict[str, list[NonNegInt]] = Field(
+    pg_ranks: dict[limits.LabelText, list[Rank]] = Field(
         default_factory=dict, description="torch process-group name -> global ranks"
     )
-    path: str = Field(default="", max_length=1024, description="Full dump on the node, if kept")
-    error: str = Field(default="", max_length=1024)
+    path: str = Field(
+        default="", max_length=1024, pattern=NO_NUL, description="Full dump on the node, if kept"
+    )
+    error: str = Field(default="", max_length=1024, pattern=NO_NUL)
 
 
 class JobRecords(WireModel):
@@ -534,32 +581,34 @@ class JobRecords(WireModel):
 
 
 class CommandBase(WireModel):
-    id: str = Field(min_length=1, max_length=64, description="Unique; acks refer to it")
+    id: str = Field(
+        min_length=1, max_length=64, pattern=NO_NUL, description="Unique; acks refer to it"
+    )
     issued_unix_s: NonNegFloat = 0.0
-    reason: str = Field(default="", max_length=512)
+    reason: str = Field(default="", max_length=512, pattern=NO_NUL)
 
 
 class SetPowerLimit(CommandBase):
     kind: Literal["set_power_limit"] = "set_power_limit"
-    gpu_index: NonNegInt
-    limit_w: Annotated[float, Field(gt=0)]
+    gpu_index: Index
+    limit_w: limits.PosFinite
 
 
 class ResetPowerLimit(CommandBase):
     kind: Literal["reset_power_limit"] = "reset_power_limit"
-    gpu_index: NonNegInt
+    gpu_index: Index
 
 
 class LockClocks(CommandBase):
     kind: Literal["lock_clocks"] = "lock_clocks"
-    gpu_index: NonNegInt
-    min_mhz: NonNegInt
-    max_mhz: NonNegInt
+    gpu_index: Index
+    min_mhz: Rank
+    max_mhz: Rank
 
 
 class UnlockClocks(CommandBase):
     kind: Literal["unlock_clocks"] = "unlock_clocks"
-    gpu_index: NonNegInt
+    gpu_index: Index
 
 
 class JobCheckpoint(CommandBase):
@@ -587,7 +636,7 @@ class JobDumpTrace(CommandBase):
 
     kind: Literal["job_dump_trace"] = "job_dump_trace"
     job: Name
-    incident_id: str = Field(default="", max_length=64)
+    incident_id: str = Field(default="", max_length=64, pattern=NO_NUL)
 
 
 class JobStop(CommandBase):
@@ -599,7 +648,7 @@ class RunPreflight(CommandBase):
     """Run the agent's hardware checks now; the ack says pass/fail and names each failure."""
 
     kind: Literal["run_preflight"] = "run_preflight"
-    expected_nic_rate_gbps: Annotated[float, Field(gt=0)] | None = Field(
+    expected_nic_rate_gbps: limits.PosFinite | None = Field(
         default=None, description="RDMA ports slower than this fail (default: the node's fastest)"
     )
 
@@ -657,9 +706,9 @@ class CommandStatus(StrEnum):
 
 
 class CommandAck(WireModel):
-    command_id: str = Field(min_length=1, max_length=64)
+    command_id: str = Field(min_length=1, max_length=64, pattern=NO_NUL)
     status: CommandStatus
-    reason: str = Field(default="", max_length=1024)
+    reason: str = Field(default="", max_length=1024, pattern=NO_NUL)
     finished_unix_s: NonNegFloat = 0.0
 
 
@@ -667,12 +716,12 @@ class CommandAck(WireModel):
 
 
 class Report(WireModel):
-    schema_version: Annotated[int, Field(ge=1)] = SCHEMA_VERSION
+    schema_version: Annotated[int, Field(ge=1, le=limits.INT32_MAX)] = SCHEMA_VERSION
     node: NodeIdentity
-    agent_instance: str = Field(min_length=1, max_length=64)
+    agent_instance: str = Field(min_length=1, max_length=64, pattern=NO_NUL)
     seq: NonNegInt
     sent_unix_s: NonNegFloat
-    sample_interval_s: Annotated[float, Field(gt=0)] = 1.0
+    sample_interval_s: limits.PosFinite = 1.0
     samples: list[NodeSample] = Field(default_factory=list, max_length=3_600)
     job: JobRecords = Field(default_factory=JobRecords)
     command_acks: list[CommandAck] = Field(default_factory=list, max_length=4_096)
@@ -696,15 +745,20 @@ class LocalHello(WireModel):
 
     type: Literal["hello"] = "hello"
     job: Name
-    rank: NonNegInt
-    world_size: Annotated[int, Field(ge=1)]
-    pid: NonNegInt
-    local_rank: NonNegInt | None = None
-    gpu_index: NonNegInt | None = None
+    rank: Rank
+    world_size: Annotated[int, Field(ge=1, le=limits.INT32_MAX)]
+    pid: Rank
+    local_rank: Rank | None = None
+    gpu_index: Index | None = None
     pod: str = Field(
-        default="", max_length=253, description="Kubernetes pod of the rank (downward API)"
+        default="",
+        max_length=253,
+        pattern=NO_NUL,
+        description="Kubernetes pod of the rank (downward API)",
     )
-    namespace: str = Field(default="", max_length=63, description="Namespace of that pod")
+    namespace: str = Field(
+        default="", max_length=63, pattern=NO_NUL, description="Namespace of that pod"
+    )
 
 
 class LocalRecords(WireModel):

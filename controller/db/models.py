@@ -23,6 +23,15 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from trainguard.limits import (
+    KEY_LEN,
+    KIND_LEN,
+    LABEL_LEN,
+    NAME_LEN,
+    STATE_LEN,
+    TOKEN_LEN,
+)
+
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -30,25 +39,10 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
-# Column limits, in one place until the shared declaration (``trainguard.limits``, issue 14)
-# exists; the door's validation must refuse what these columns cannot hold. Changing one is
-# a migration. Integers: ``Integer`` holds -2**31 .. 2**31-1, ``BigInteger`` -2**63 .. 2**63-1
-# on PostgreSQL (SQLite holds 64 bits in both).
-
-#: Kubernetes object names (nodes, jobs) and host names: DNS-1123, at most 253 characters.
-NAME_LEN = 253
-#: Enumerated states and kinds (health, status, severity, backend).
-STATE_LEN = 16
-#: Incident kinds, command kinds, traffic plan ids.
-KIND_LEN = 32
-#: Versions, agent instance ids, command ids, PCI bus ids, action kinds.
-TOKEN_LEN = 64
-#: GPU model names and UUIDs, action triggers.
-LABEL_LEN = 128
-#: Dedupe keys, action targets, fabric link names.
-KEY_LEN = 512
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Column limits come from the one declaration the door's validation also uses
+# (``trainguard.limits``, issue 14): the wire format refuses what these columns cannot hold.
+# Changing one is a migration. Integers: ``Integer`` holds -2**31 .. 2**31-1, ``BigInteger``
+# -2**63 .. 2**63-1 on PostgreSQL (SQLite holds 64 bits in both).
 
 
 class Base(DeclarativeBase):
