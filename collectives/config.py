@@ -102,8 +102,9 @@ class InstrumentConfig:
     it). That is how the controller names the rank a NaN came *from*: after the reduction
     every rank holds it. Cost: ~4-8 us per call back to back, ~12-16 us right after another
     collective on a loaded 2-core box, plus one read of the tensor (~0.1 ms per 4 MiB). CUDA
-    tensors are not checked (reading the result would synchronize the stream). Turn off for
-    fp16 jobs with dynamic loss scaling, whose overflows to Inf are routine."""
+    tensors are checked on the device and read back a step later without a sync
+    (``collectives.finite``). Turn off for fp16 jobs with dynamic loss scaling, whose
+    overflows to Inf are routine."""
     role: str | None = None
     """What work this rank does, when the job knows better than the mesh/pipeline it builds
     (e.g. ``"expert"``); sent in every step summary so detectors compare only ranks of the

@@ -113,14 +113,15 @@ class Session:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        # The slow local work first (the roles' scan of live objects takes ~0.2 s, longer on a
-        # loaded node), then the probes' group: creating it is collective, so the ranks leave
-        # instrument() together and the job's next collective does not wait on a slow scan.
+        self.instrumenter.patch()
+        # The slow local work next (the roles' scan of live objects takes ~0.2 s, longer on a
+        # loaded node), then the probes' group: creating it is collective (a store-based
+        # barrier, no wrapped call), so the ranks leave instrument() together and the job's
+        # next collective does not wait on a slow scan.
         self.roles.watch()
         self.timeout_warnings = check_timeouts(self.cfg.min_collective_timeout_s, os.environ)
-        self.probe_group = probe_group(self.world_size)  # before the wrapper: not the job's
+        self.probe_group = probe_group(self.world_size)
         self.probe_device = probe_device(str(dist.get_backend()))
-        self.instrumenter.patch()
         self._event("started")
         self._next_heartbeat = time.monotonic() + self.cfg.heartbeat_interval_s
         self.watchdog.start()

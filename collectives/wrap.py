@@ -17,6 +17,7 @@ import contextlib
 import functools
 import inspect
 import math
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -251,6 +252,7 @@ class Instrumenter:
         self._device_only = clock is not None and clock.name == "cuda"
         recorder.clock = clock
         self.functional = FunctionalHooks(self, _tls)
+        self._rebound: list[tuple[Any, str, Any]] = []
         self._sleep = sleep
         self.check_nonfinite = recorder.cfg.check_nonfinite
         self.nonfinite_min_bytes = recorder.cfg.nonfinite_check_min_bytes
@@ -272,9 +274,33 @@ class Instrumenter:
             self._wrappers[name] = wrapper
             setattr(c10d, name, wrapper)
             setattr(dist, name, wrapper)
+        self._rebind_imported()
+
+    def _rebind_imported(self) -> None:
+        """torch's own modules imported before ``instrument()`` that hold an original by
+        name (``from torch.distributed.distributed_c10d import scatter``: DTensor's
+        ``mesh_scatter``, among ~10 modules) get the wrapper too, as the job's own later
+        imports do; restored by :meth:`unpatch`."""
+        wrappers = {id(self.originals[n]): w for n, w in self._wrappers.items()}
+        for module, attr, value in _torch_bindings():
+            # a module imported while an earlier session was on holds that one's wrapper
+            original = getattr(value, "__trainguard_original__", value)
+            wrapper = wrappers.get(id(original))
+            if wrapper is not None:
+                setattr(module, attr, wrapper)
+                self._rebound.append((module, attr, original))
 
     def unpatch(self) -> None:
         self.functional.remove()
+        for module, attr, original in reversed(self._rebound):
+            setattr(module, attr, original)
+        self._rebound.clear()
+        # ...and modules imported while this session was on took its wrappers: give them back
+        mine = {id(w): self.originals[n] for n, w in self._wrappers.items()}
+        for module, attr, value in _torch_bindings():
+            original = mine.get(id(value))
+            if original is not None:
+                setattr(module, attr, original)
         for name, original in self.originals.items():
             for module in (c10d, dist):
                 if getattr(module, name, None) is self._wrappers[name]:
@@ -416,6 +442,19 @@ class Instrumenter:
             if group is not None
             else int(group_peer)
         )
+
+
+def _torch_bindings() -> list[tuple[Any, str, Any]]:
+    """(module, name, function) of every function bound by name in a ``torch.distributed.*``
+    module other than the two the wrapper replaces in."""
+    out = []
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("torch.distributed.") or module in (c10d, dist):
+            continue
+        for attr, value in list(getattr(module, "__dict__", {}).items()):
+            if callable(value) and not isinstance(value, type):
+                out.append((module, attr, value))
+    return out
 
 
 __all__ = ["OPS", "Instrumenter", "OpSpec", "TimedWork"]

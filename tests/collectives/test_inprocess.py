@@ -308,3 +308,16 @@ def test_a_dump_trace_command_is_answered_at_once_and_says_when_fr_is_off(
     assert (record.rank, record.command_id, record.enabled) == (0, "d1", False)
     assert "TORCH_FR_BUFFER_SIZE" in record.error
     assert record.pg_ranks == {session.instrumenter.groups.world().name: [0]}
+
+
+def test_torch_modules_that_imported_a_function_early_call_the_wrapper() -> None:
+    from torch.distributed.tensor import _collective_utils  # binds scatter/broadcast by name
+
+    original = _collective_utils.scatter
+    session = _session()
+    assert _collective_utils.scatter is dist.scatter is not original
+    with collectives.step(0):
+        _collective_utils.broadcast(torch.ones(4), src=0)
+    assert [r.op for r in session.recorder.history] == ["broadcast"]
+    collectives.uninstrument()
+    assert _collective_utils.scatter is original

@@ -215,9 +215,10 @@ def test_hang_before_a_collective_is_reported_while_it_lasts(
     tmp_path: Path, collectives_agent: Any, rank_launcher: Any
 ) -> None:
     """...and, with torch's Flight Recorder on, a ``JobDumpTrace`` command sent once the hang
-    is reported (as the controller does) gets every rank's buffer while all three training threads are stuck (ranks 0 and 1 inside
-    gloo's all_reduce, rank 2 in the injected hang); the analysis of the three dumps names
-    the collective and the rank that never entered it, as trainguard's own reports do."""
+    is reported (as the controller does) gets every rank's buffer while all three training
+    threads are stuck (ranks 0 and 1 inside gloo's all_reduce, rank 2 in the injected hang);
+    the analysis of the three dumps names the collective and the rank that never entered it,
+    as trainguard's own reports do."""
     agent = collectives_agent
     fault = [{"kind": "hang", "rank": 2, "at_step": 4, "op": "all_reduce", "where": "before"}]
     ranks = rank_launcher(
