@@ -1,8 +1,9 @@
 """C4D-style job detectors: hangs, stragglers and slow communication from collective timing.
 
 Data/tensor/pipeline-parallel training repeats the same collectives every step on every
-rank, so ranks of one job are each other's baseline: a rank that computes persistently
-longer while waiting less in collectives is a straggler; a collective some ranks entered and
+rank, so ranks that do the same work (a peer group: same role, same reported peers; see
+:mod:`.peers`) are each other's baseline: a rank that computes persistently longer than its
+peers while waiting less in collectives is a straggler; a collective some ranks entered and
 others never reached is a hang whose culprits are the absentees; a job-wide rise in
 collective wait with balanced compute is a slow link, localized by a probe round.
 
