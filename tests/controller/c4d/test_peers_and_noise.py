@@ -139,7 +139,9 @@ def test_a_flapping_node_is_one_open_incident_with_its_flaps_counted() -> None:
     [
         (32, {3: 0.10, 9: 0.15, 17: 0.25, 30: 0.40}),
         (64, {1: 0.12, 14: 0.2, 15: 0.2, 33: 0.3, 47: 0.5, 62: 0.15}),
+        (64, dict.fromkeys(range(16, 24), 0.2)),  # a whole slow node: its 8 ranks
     ],
+    ids=["32-ranks-4-culprits", "64-ranks-6-culprits", "64-ranks-one-slow-node"],
 )
 def test_several_culprits_in_a_large_job_are_named_one_by_one(
     world: int, slow: dict[int, float]
