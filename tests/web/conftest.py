@@ -284,6 +284,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 for role, token in tokens.items()
             ],
             log_level="warning",
+            # The fabric from the agents' labels (two NICs each), for the network page.
+            topology_labels={"spines": 2, "port_speed_gbps": 200.0},
         ),
         agent_token=tokens["agent"],
         viewer_token=tokens["viewer"],
@@ -292,9 +294,29 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     live.start()
     cluster = Cluster(live, root)
     try:
-        cluster.start_agent("sim-a", {"rack": "r1"})
-        cluster.start_agent("sim-b", {"rack": "r1"})
-        cluster.start_agent("sim-c", {"rack": "r2", "team": HOSTILE})
+
+        def nics(leaf: str) -> dict[str, str]:
+            return {f"topology.trainguard.io/nic{k}": f"{leaf}-{k}" for k in range(2)}
+
+        cluster.start_agent("sim-a", {"rack": "r1", **nics("leaf-a")})
+        cluster.start_agent("sim-b", {"rack": "r1", **nics("leaf-b")})
+        cluster.start_agent("sim-c", {"rack": "r2", "team": HOSTILE, **nics("leaf-a")})
+        # Power domains for the power page, with room to spare (no capping in these tests).
+        servers = [
+            {"name": n, "kind": "server", "budget_w": 4000} for n in ("sim-a", "sim-b", "sim-c")
+        ]
+        tree = {
+            "name": "dc",
+            "kind": "datacenter",
+            "budget_w": 20000,
+            # row-1 is oversubscribed: three 4 kW servers on 11 kW (one beyond their peak),
+            # drawing ~70% of it (under T1: no capping in these tests).
+            "children": [{"name": "row-1", "kind": "row", "budget_w": 11000, "children": servers}],
+        }
+        r = httpx.put(
+            f"{live.url}/api/v1/power/domains", json=tree, headers=live.headers(), timeout=10
+        )
+        assert r.status_code == 200, r.text
         cluster.start_job("llm-pretrain", {0: "sim-a", 1: "sim-a", 2: "sim-b", 3: "sim-b"})
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -309,6 +331,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             time.sleep(0.2)
         else:
             raise TimeoutError(f"cluster did not come up: {nodes} {jobs}")
+        r = httpx.post(
+            f"{live.url}/api/v1/plans",
+            json={"job": "llm-pretrain", "layout": {"tp": 1, "grad_bytes": 1 << 28}},
+            headers=live.headers(),
+            timeout=30,
+        )
+        assert r.status_code == 201, r.text
         yield cluster
     finally:
         cluster.close()

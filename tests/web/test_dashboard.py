@@ -222,9 +222,19 @@ def test_every_page_renders_real_data_and_a_viewer_sees_no_actions(cluster, dash
     page.click('nav a[data-nav="incidents"]')
     expect(page.locator(".page.incidents h2")).to_contain_text("Incidents")
     page.click('nav a[data-nav="power"]')
-    expect(page.locator(".page.power")).to_contain_text("power domains")
+    for domain in ("dc", "row-1", "sim-a", "sim-b", "sim-c"):
+        expect(page.locator(f'table.domains tr[data-domain="{domain}"]')).to_contain_text(domain)
+    expect(page.locator('table.domains tr[data-domain="sim-a"]')).to_contain_text("4000 W")
+    row1 = page.locator('table.domains tr[data-domain="row-1"] td.oversub')
+    expect(row1).to_have_text("1.09\u00d7 (+1 server beyond peak)")
+    expect(page.locator(".page.power .uplot")).to_have_count(2)  # dc, row-1 draw over time
+    shot(page, "power")
     page.click('nav a[data-nav="network"]')
-    expect(page.locator(".page.network")).to_contain_text("Network")
+    expect(page.locator(".page.network")).to_contain_text("Plan ")
+    expect(page.locator("table.links tbody tr").first).to_have_attribute(
+        "data-link", re.compile(".")
+    )
+    shot(page, "network")
     page.go_back()
     expect(page.locator(".page.power")).to_be_visible()
 

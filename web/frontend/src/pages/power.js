@@ -33,6 +33,29 @@ export async function powerPage(ctx) {
       fill(root, el("h2", null, "Power"), notReported("power domains (no domain tree configured; PUT /api/v1/power/domains or power_domains_file)"));
       return;
     }
+    // Oversubscription: children's budgets added up against the parent's, and how many
+    // children (servers, for a rack or row) the budget could not feed at their peak.
+    const children = new Map();
+    for (const d of view.data) {
+      if (d.parent === null) continue;
+      if (!children.has(d.parent)) children.set(d.parent, []);
+      children.get(d.parent).push(d);
+    }
+    function oversub(d) {
+      const kids = children.get(d.name) || [];
+      if (!kids.length) return "-";
+      const sum = kids.reduce((a, k) => a + k.budget_w, 0);
+      const ratio = sum / d.budget_w;
+      if (ratio <= 1) return `${ratio.toFixed(2)}×`;
+      let fed = 0;
+      let count = 0;
+      for (const k of [...kids].sort((a, b) => a.budget_w - b.budget_w)) {
+        if (fed + k.budget_w > d.budget_w) break;
+        fed += k.budget_w;
+        count += 1;
+      }
+      return `${ratio.toFixed(2)}× (+${kids.length - count} ${kids[0].kind}${kids.length - count === 1 ? "" : "s"} beyond peak)`;
+    }
     const rows = view.data.map((d) =>
       row(
         [
@@ -40,6 +63,7 @@ export async function powerPage(ctx) {
           d.kind,
           td("num", fmtW(d.power_w)),
           td("num", fmtW(d.budget_w)),
+          td("num oversub", oversub(d)),
           td("meter-cell", meter(d)),
           td(null, badge(d.level)),
           d.stale ? td("warn", "stale reading") : "ok",
@@ -71,14 +95,14 @@ export async function powerPage(ctx) {
     fill(root, 
       el("h2", null, "Power"),
       el("p", "muted", `source ${view.source} · last tick ${fmtAge(view.last_tick_unix_s)} ago · cap latency p50 ${dash(view.actuation_latency.p50_s)} s`),
-      table(["Domain", "Kind", "Draw", "Budget", "Draw vs budget (T1, T2, brake)", "Level", "Reading", "Capped GPUs"], rows, "no domains", "domains"),
+      table(["Domain", "Kind", "Draw", "Budget", "Children / budget", "Draw vs budget (T1, T2, brake)", "Level", "Reading", "Capped GPUs"], rows, "no domains", "domains"),
       section("Over time", chartsBox),
       section(
         "Caps in force",
         capped.length
           ? el("ul", "caps", capped.map(([d, g]) => el("li", null, `${g} (in ${d})`)))
           : el("p", "muted", "no GPU is capped"),
-        el("p", "muted", "Priority of each cap, and servers added by oversubscription: not reported by the controller."),
+        el("p", "muted", "Each cap's priority class: not reported by the controller."),
       ),
     );
   }
