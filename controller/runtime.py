@@ -244,26 +244,45 @@ class Controller:
         return self.writer.alive or not self._acting
 
     async def ready(self) -> tuple[bool, str]:
-        """Leader, database reachable and at the head revision (cached for half a second).
+        """Database reachable and schema at or past this release's head (cached for 0.5 s).
 
-        A standby is not ready, so a Kubernetes Service sends agents and users to the leader.
+        A healthy standby is ready too: a rollout or a drain must not wait for a replica that
+        cannot lead while another holds the lock. Traffic reaches the leader by its pod label
+        (the chart's leader-label sidecar, docs/kubernetes.md "Upgrades"), not by readiness.
+        A replica that lost the lock is not ready (it exits and comes back as a standby).
+        A schema revision this release does not know was written by a newer release, whose
+        expand-only migrations keep this one working; one it knows but is not head is behind.
         """
-        if not self.acting:
+        if self.leader.role in ("lost", "stopped"):
             return False, self.leader.detail
         at, ok, detail = self._ready_cache
         if time.monotonic() - at < 0.5:
             return ok, detail
 
         def check(session: Session) -> bool:
+            from alembic.script import ScriptDirectory
+            from alembic.util.exc import CommandError
+
+            from controller.db.migrate import alembic_config
+
             session.execute(text("SELECT 1"))
-            return revision_of(session.connection()) == head_revision()
+            current = revision_of(session.connection())
+            if current == head_revision():
+                return True
+            if current is None:
+                return False
+            try:
+                ScriptDirectory.from_config(alembic_config("sqlite://")).get_revision(current)
+            except CommandError:
+                return True  # newer than this release: accepted
+            return False
 
         try:
             ok = await asyncio.wait_for(self.store.read(check), timeout=5.0)
             detail = "" if ok else "database schema is behind; run `trainguard db upgrade`"
         except Exception as exc:
             ok, detail = False, f"database unreachable: {type(exc).__name__}"
-        if ok and not self.writer.alive:
+        if ok and self.acting and not self.writer.alive:
             ok, detail = False, "group-commit writer stopped"
         self._ready_cache = (time.monotonic(), ok, detail)
         return ok, detail

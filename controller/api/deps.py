@@ -14,6 +14,10 @@ from controller.schemas import ErrorPublic
 from controller.settings import Role
 
 _bearer = HTTPBearer(auto_error=False, description="Token with role agent, viewer or operator")
+#: The token of a call made through the Kubernetes API server's service proxy (``kubectl
+#: trainguard``): the API server removes the ``Authorization`` header it authenticated the
+#: user with, so the CLI sends the controller's token here. Used only without Authorization.
+PROXIED_TOKEN_HEADER = "x-trainguard-token"
 
 MAX_PAGE = 5000
 
@@ -29,7 +33,11 @@ def _require(allowed: frozenset[Role], *, read: bool) -> Callable[..., Awaitable
         _credentials: HTTPAuthorizationCredentials | None = Security(_bearer),
     ) -> Principal:
         controller = get_controller(request)
-        return controller.auth.authorize(request.headers.get("authorization"), allowed, read=read)
+        authorization = request.headers.get("authorization")
+        proxied = request.headers.get(PROXIED_TOKEN_HEADER)
+        if not authorization and proxied:
+            authorization = f"Bearer {proxied}"
+        return controller.auth.authorize(authorization, allowed, read=read)
 
     return dependency
 

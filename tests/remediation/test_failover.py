@@ -57,6 +57,14 @@ class Replica:
         except httpx.TransportError:
             return False
 
+    def leads(self) -> bool:
+        """The leader gauge is 1 (a healthy standby is Ready too, so /readyz cannot tell)."""
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=2.0).text
+        except httpx.TransportError:
+            return False
+        return "\ntrainguard_controller_leader 1.0" in f"\n{text}"
+
     def answers(self) -> bool:
         try:
             httpx.get(f"{self.url}/healthz", timeout=2.0)
@@ -111,11 +119,11 @@ class Cluster:
         return replica
 
     def leader(self, timeout_s: float = 15.0) -> Replica:
-        """The one live replica whose ``/readyz`` is 200 (a standby answers 503)."""
+        """The one live replica whose leader gauge is 1."""
         found: list[Replica] = []
 
         def one() -> bool:
-            found[:] = [r for r in self.replicas if r.child.alive() and r.ready()]
+            found[:] = [r for r in self.replicas if r.child.alive() and r.leads()]
             return len(found) == 1
 
         assert wait_until(one, timeout_s=timeout_s), f"leaders: {[r.url for r in found]}"
@@ -233,7 +241,7 @@ def test_leader_killed_mid_remediation_the_new_leader_finishes_it_once(
     first = cluster.start()
     assert cluster.leader() is first
     second = cluster.start()
-    assert not second.ready()  # standby
+    assert not second.leads()  # standby
     for node in NODES:
         cluster.report(node)
     cluster.start_job()
