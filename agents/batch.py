@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 #: Item caps per report: half of the wire limits, so a report always validates.
 MAX_STEPS = 10_000
 MAX_OTHER_RECORDS = 2_048
+#: Kinds that come once per rank and step get the larger cap; the rest MAX_OTHER_RECORDS.
+_RECORD_CAPS = {"steps": MAX_STEPS, "probes": MAX_STEPS}
 MAX_SAMPLES = 3_600
 MAX_ACKS = 2_048
 #: Serialized job-record bytes past which the daemon is asked to report at once.
@@ -151,13 +153,10 @@ class Batch:
         """Append within the caps; what does not fit is dropped and counted."""
         kept = JobRecords()
         into = self._contents.records
-        for name, cap in (
-            ("steps", MAX_STEPS),
-            ("inflight", MAX_OTHER_RECORDS),
-            ("rank_events", MAX_OTHER_RECORDS),
-            ("checkpoints", MAX_OTHER_RECORDS),
-            ("probes", MAX_STEPS),
-        ):
+        # Every record kind of the wire format, so a kind added there is never dropped here
+        # (Flight Recorder dumps once were: the list named five kinds by hand).
+        for name in JobRecords.model_fields:
+            cap = _RECORD_CAPS.get(name, MAX_OTHER_RECORDS)
             items: list[Any] = getattr(records, name)
             target: list[Any] = getattr(into, name)
             room = max(0, cap - len(target))

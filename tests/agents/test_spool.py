@@ -10,11 +10,16 @@ import pytest
 from agents.batch import Batch
 from agents.spool import Spool
 from trainguard.wire import (
+    CheckpointEvent,
     CommandAck,
     CommandStatus,
+    FlightRecorderDump,
+    InflightCollective,
     JobRecords,
     NodeIdentity,
     NodeSample,
+    ProbeResult,
+    RankEvent,
     Report,
     StepSummary,
 )
@@ -218,3 +223,25 @@ def test_leaving_nulls_out_of_spooled_reports_loses_nothing() -> None:
     )
     data = _encode(report)
     assert b"null" not in data and wire.Report.model_validate_json(data) == report
+
+
+def test_every_record_kind_survives_the_batch_and_its_journal(tmp_path: Path) -> None:
+    """A kind the wire format carries must reach the report: Flight Recorder dumps were once
+    dropped here because the batch named its record kinds by hand."""
+    records = JobRecords(
+        steps=[step(1)],
+        inflight=[
+            InflightCollective(job="j", rank=0, group="0", op="allreduce", seq=3, elapsed_s=1)
+        ],
+        rank_events=[RankEvent(job="j", rank=0, kind="started", time_unix_s=1.0)],
+        checkpoints=[CheckpointEvent(job="j", rank=0, step=1, kind="started", time_unix_s=1.0)],
+        probes=[
+            ProbeResult(job="j", probe_id="p", src_rank=0, dst_rank=1, size_bytes=1, duration_s=0.1)
+        ],
+        traces=[FlightRecorderDump(job="j", rank=0, enabled=True, entries=[{"op": "allreduce"}])],
+    )
+    assert all(getattr(records, name) for name in JobRecords.model_fields), "fill every kind"
+    batch = Batch(tmp_path, next_seq=0)
+    batch.add_records(records, 100)
+    assert batch.peek().records == records
+    assert Batch(tmp_path, next_seq=0).peek().records == records  # replayed from the journal
