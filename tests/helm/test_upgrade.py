@@ -284,16 +284,11 @@ def test_upgrade_from_the_previous_chart_keeps_the_api_answering(
         "database": {"url": pg_url},
         "agent": {"enabled": False},
         # The actuator is not what is upgraded here, and it would need cluster credentials.
-        # Test speed: take-over and labelling within a fraction of a second.
-        "controller": {"replicas": 2, "actuator": "none", "extraEnv": [
-            {"name": "TRAINGUARD_LEADER_RETRY_INTERVAL_S", "value": "0.2"},
-            {"name": "TRAINGUARD_LEADER_CHECK_INTERVAL_S", "value": "0.2"},
-        ]},
+        # The chart's own leader timings (leaderRetryIntervalSeconds, leaderLabel).
+        "controller": {"replicas": 2, "actuator": "none"},
     }  # fmt: skip
     old_docs = _render(helm_bin, old_chart, values, tmp_path)
-    new_values = {**values, "controller": {**values["controller"],
-                                           "leaderLabel": {"intervalSeconds": 0.2}}}  # fmt: skip
-    new_docs = _render(helm_bin, new_chart, new_values, tmp_path)
+    new_docs = _render(helm_bin, new_chart, values, tmp_path)
     old_template = _one(old_docs, "Deployment")["spec"]["template"]
     new_deployment = _one(new_docs, "Deployment")
     assert new_deployment["spec"]["strategy"]["rollingUpdate"] == {
