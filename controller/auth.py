@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from controller.errors import Forbidden, Unauthenticated
@@ -26,6 +27,8 @@ REPORT_ROLES: frozenset[Role] = frozenset({"agent"})
 class Principal:
     name: str
     role: Role | None  # None: anonymous read (allow_anonymous_read)
+    #: The one node an agent credential may speak for (``None``: a shared agent token).
+    node: str | None = None
 
 
 ANONYMOUS = Principal(name="anonymous", role=None)
@@ -35,6 +38,11 @@ class Authenticator:
     def __init__(self, tokens: list[TokenConfig], *, allow_anonymous_read: bool) -> None:
         self._entries = [(bytes.fromhex(t.digest()), t.name, t.role) for t in tokens]
         self.allow_anonymous_read = allow_anonymous_read
+        #: Credentials kept elsewhere (per-node tokens, TokenReview answers), by sha256 digest.
+        self._lookups: list[Callable[[bytes], Principal | None]] = []
+
+    def add_lookup(self, lookup: Callable[[bytes], Principal | None]) -> None:
+        self._lookups.append(lookup)
 
     def identify(self, authorization: str | None) -> Principal | None:
         """The principal for an ``Authorization`` header; ``None`` when there is none."""
@@ -48,6 +56,9 @@ class Authenticator:
         for expected, name, role in self._entries:
             if hmac.compare_digest(digest, expected) and found is None:
                 found = Principal(name=name, role=role)
+        for lookup in self._lookups:
+            if found is None:
+                found = lookup(digest)
         if found is None:
             raise Unauthenticated("unknown token; check the token configured for this client")
         return found

@@ -88,6 +88,25 @@ class ControllerSettings(BaseSettings):
     tokens: list[TokenConfig] = Field(default_factory=list)
     tokens_file: Path | None = None
     allow_anonymous_read: bool = False
+    #: Let agent tokens from ``tokens`` (not bound to a node) report as any node. Risky: one
+    #: compromised node holding it can report fatal faults for every other node and have the
+    #: policy isolate them (docs/security.md). Off: only per-node tokens and, with
+    #: ``kube_token_review``, service-account tokens bound to the reporting node.
+    allow_shared_agent_tokens: bool = True
+    #: After a per-node token is rotated, the node's older tokens keep working this long.
+    agent_token_grace_s: float = Field(default=3600.0, ge=0, le=30 * 86_400)
+    #: Accept Kubernetes service-account tokens from agents, verified by TokenReview; the
+    #: node is the one the API server bound the (projected) token to.
+    kube_token_review: bool = False
+    #: Audience the agents' projected tokens are requested for (the chart's DaemonSet).
+    kube_token_audience: str = Field(default="trainguard", min_length=1, max_length=253)
+    #: Service accounts whose tokens are agent credentials
+    #: (``system:serviceaccount:<namespace>:<name>``).
+    kube_agent_service_accounts: list[str] = Field(
+        default_factory=lambda: ["system:serviceaccount:trainguard:trainguard-agent"]
+    )
+    #: API server for TokenReview; empty: in-cluster config, else the kubeconfig.
+    kube_api_url: str = ""
     node_lost_after_s: float = Field(default=30.0, gt=0)
     #: A GPU is degrading (``gpu_degraded``, docs/detection.md) when its correctable ECC
     #: errors rise by this many within ``degraded_ecc_window_s`` …

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 
 from controller.api import (
     actions,
+    agent_credentials,
     chaos,
     commands,
     dashboard,
@@ -28,6 +29,7 @@ def api_router() -> APIRouter:
     for module in (reports, status, nodes, jobs, chaos, incidents, actions, commands, remediation):
         router.include_router(module.router, prefix=API_PREFIX)
     router.include_router(preflight.router, prefix=API_PREFIX)
+    router.include_router(agent_credentials.router, prefix=API_PREFIX)
     router.include_router(power_api.router, prefix=API_PREFIX)
     router.include_router(traffic_api.router, prefix=API_PREFIX)
     router.include_router(dashboard.router, prefix=API_PREFIX)

@@ -18,10 +18,12 @@ from pydantic.json_schema import models_json_schema
 
 from controller.api import api_router
 from controller.api.dashboard import attach_feed
-from controller.api.handlers import BodyLimitMiddleware, install_error_handlers
+from controller.api.handlers import install_error_handlers
+from controller.api.middleware import AuthGate, BodyCap
 from controller.api.reports import ReportFastPath
 from controller.api.standby import StandbyGate
 from controller.runtime import Controller
+from controller.services.agent_identity import build_identity
 from controller.settings import ControllerSettings, generate_dev_tokens
 from trainguard import wire
 from web import mount_dashboard
@@ -44,10 +46,12 @@ def create_app(settings: ControllerSettings, *, tune_gc: bool = False) -> FastAP
             extra={"fields": {"tokens_file": str(path)}},
         )
     controller = Controller(settings)
+    identity = build_identity(controller.auth, controller.store, settings)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await controller.start()
+        await identity.credentials.load()
         collector = asyncio.create_task(collect_garbage_periodically()) if tune_gc else None
         try:
             yield
@@ -64,13 +68,16 @@ def create_app(settings: ControllerSettings, *, tune_gc: bool = False) -> FastAP
         lifespan=lifespan,
     )
     app.state.controller = controller
+    app.state.identity = identity
     app.state.dashboard_feed = attach_feed(controller)
     app.include_router(api_router())
     mount_dashboard(app)
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=wire.MAX_REPORT_BYTES)
+    app.add_middleware(BodyCap, max_bytes=wire.MAX_REPORT_BYTES)
     # Added last, so it runs first: the report hot path skips the rest of the stack.
     app.add_middleware(ReportFastPath, controller=controller, max_bytes=wire.MAX_REPORT_BYTES)
+    # Authenticate before any body is read or parsed (issue 14): 401 comes before 413/400/422.
+    app.add_middleware(AuthGate, controller=controller, resolver=identity)
     # Outermost: a replica that does not lead answers the API with 503 (leader election).
     app.add_middleware(StandbyGate, controller=controller)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

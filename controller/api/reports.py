@@ -11,6 +11,7 @@ endpoint (it is also what answers if the fast path is not installed).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -27,6 +28,7 @@ from controller.api.handlers import error_payload, payload_too_large
 from controller.auth import REPORT_ROLES, Principal
 from controller.errors import ControllerError, MalformedBody
 from controller.runtime import Controller
+from controller.services.agent_identity import check_reporting_node
 from controller.services.ingest import parse_report
 from trainguard import wire
 
@@ -36,6 +38,15 @@ router = APIRouter(tags=["ingest"])
 
 PATH = f"{wire.API_PREFIX}/reports"
 
+INVALID: dict[int | str, dict[str, Any]] = {
+    422: {
+        "description": "A field the database cannot store, named by its path (never retried)",
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}
+        },
+    }
+}
+
 REPORT_BODY = {
     "requestBody": {
         "required": True,
@@ -44,9 +55,14 @@ REPORT_BODY = {
 }
 
 
-async def handle_report(controller: Controller, body: bytes) -> bytes:
-    """Parse, store, and return the JSON reply (authorization already checked)."""
-    reply = await controller.ingest.ingest(parse_report(body))
+async def handle_report(controller: Controller, body: bytes, principal: Principal) -> bytes:
+    """Parse, check the agent may speak for the report's node, store, and return the JSON
+    reply (the role already checked)."""
+    report = parse_report(body)
+    check_reporting_node(
+        principal, report.node.name, allow_shared=controller.settings.allow_shared_agent_tokens
+    )
+    reply = await controller.ingest.ingest(report)
     return reply.model_dump_json().encode()
 
 
@@ -55,15 +71,15 @@ async def handle_report(controller: Controller, body: bytes) -> bytes:
     operation_id="post_report",
     summary="Store one agent report; the reply carries pending commands",
     response_model=wire.ReportReply,
-    responses={**AUTH_ERRORS, **BAD_BODY, **TOO_LARGE, **UNAVAILABLE},
+    responses={**AUTH_ERRORS, **BAD_BODY, **TOO_LARGE, **UNAVAILABLE, **INVALID},
     openapi_extra=REPORT_BODY,
 )
 async def post_report(
     request: Request,
-    _principal: Principal = Depends(require_agent),
+    principal: Principal = Depends(require_agent),
     controller: Controller = ControllerDep,
 ) -> Response:
-    payload = await handle_report(controller, await request.body())
+    payload = await handle_report(controller, await request.body(), principal)
     return Response(payload, media_type="application/json")
 
 
@@ -104,7 +120,7 @@ class ReportFastPath:
                 authorization = value.decode("latin-1")
             elif name == b"content-length":
                 length = int(value) if value.isdigit() else None
-        self.controller.auth.authorize(authorization, REPORT_ROLES, read=False)
+        principal = self.controller.auth.authorize(authorization, REPORT_ROLES, read=False)
         if length is not None and length > self.max_bytes:
             raise payload_too_large(self.max_bytes)
         chunks: list[bytes] = []
@@ -120,4 +136,4 @@ class ReportFastPath:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return await handle_report(self.controller, b"".join(chunks))
+        return await handle_report(self.controller, b"".join(chunks), principal)

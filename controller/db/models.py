@@ -280,3 +280,17 @@ class TrafficLinkState(Base):
     capacity_factor: Mapped[float]
     reason: Mapped[str] = mapped_column(Text, default="")
     updated_unix_s: Mapped[float]
+
+
+class AgentCredential(Base):
+    """A per-node agent token (issue 14): only its sha256 is kept. Rotation issues a new one
+    and gives the old ones an ``expires_unix_s`` (a grace period), so the agent can switch."""
+
+    __tablename__ = "agent_credentials"
+    __table_args__ = (Index(None, "node_name"),)
+
+    digest: Mapped[str] = mapped_column(String(TOKEN_LEN), primary_key=True)
+    node_name: Mapped[str] = mapped_column(String(NAME_LEN))
+    created_unix_s: Mapped[float]
+    expires_unix_s: Mapped[float | None]
+    created_by: Mapped[str] = mapped_column(String(LABEL_LEN), default="")

@@ -117,6 +117,9 @@ class FakeKube:
         #: Whether suspending a workload removes its pods at once (False: the pods stay,
         #: as while a real controller has not caught up yet).
         self.instant_controller = True
+        #: Service-account tokens the fake API server knows, for ``TokenReview``: token ->
+        #: (username, audiences, node the token is bound to or None).
+        self.sa_tokens: dict[str, tuple[str, list[str], str | None]] = {}
         self.lock = threading.RLock()
         self._rv = 0
         self._server: ThreadingHTTPServer | None = None
@@ -209,6 +212,10 @@ class FakeKube:
         if rest[:1] == ["namespaces"] and len(rest) >= 3:
             ns, rest = rest[1], rest[2:]
         plural, name, sub = rest[0], (rest[1:2] or [""])[0], (rest[2:3] or [""])[0]
+        if (group, plural) == ("authentication.k8s.io", "tokenreviews") and method == "POST":
+            with self.lock:
+                self.served.append((group, plural, "create"))
+            return self._review(body)
         resource = f"{plural}/{sub}" if sub else plural
         verb = {"GET": "get" if name else "list", "POST": "create", "PATCH": "patch"}.get(
             method, method.lower()
@@ -240,6 +247,32 @@ class FakeKube:
             if verb == "patch":
                 return self._patch(key, body, ctype)
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported by the fake")
+
+    def _review(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Like the API server: authenticated only for a known token whose audiences meet the
+        requested ones; a bound pod's node is in ``user.extra``."""
+        spec = body.get("spec") or {}
+        known = self.sa_tokens.get(spec.get("token", ""))
+        wanted = spec.get("audiences") or []
+        status: dict[str, Any] = {"authenticated": False, "error": "invalid bearer token"}
+        if known is not None and (not wanted or set(wanted) & set(known[1])):
+            username, audiences, node = known
+            extra = {"authentication.kubernetes.io/node-name": [node]} if node else {}
+            status = {
+                "authenticated": True,
+                "user": {
+                    "username": username,
+                    "groups": ["system:serviceaccounts"],
+                    "extra": extra,
+                },
+                "audiences": [a for a in audiences if not wanted or a in wanted],
+            }
+        return {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": spec,
+            "status": status,
+        }
 
     def _list(self, group: str, plural: str, ns: str, query: dict[str, str]) -> Any:
         items = [

@@ -26,6 +26,8 @@ EXPECTED = {
         "--version",
     ],
     "actions": CLIENT,
+    "agent-token": [],
+    "agent-token issue": ["NODE", *CLIENT],
     "agent": [
         "--controller", "--token", "--node-name", "--gpus", "--sim-fault", "--sim-fault-file",
         "--spool-dir",
@@ -102,9 +104,9 @@ def test_optional_subapps_mount_only_when_importable(monkeypatch: pytest.MonkeyP
 
 def test_own_commands_skip_optional_imports() -> None:
     app = build_app(["nodes"])
-    assert {g.name for g in app.registered_groups} == {"db"}
+    assert {g.name for g in app.registered_groups} == {"db", "agent-token"}
     app = build_app(["--server", "http://x:1", "--token", "t", "nodes", "-o", "json"])
-    assert {g.name for g in app.registered_groups} == {"db"}
+    assert {g.name for g in app.registered_groups} == {"db", "agent-token"}
 
 
 @pytest.mark.parametrize(

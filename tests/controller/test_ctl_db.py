@@ -28,8 +28,8 @@ TOKENS = [{"name": "ops", "role": "operator", "token": "o" * 20}]
 
 
 def test_migrations_from_empty_match_models(db_url: str) -> None:
-    assert upgrade(db_url) == head_revision() == "0003"
-    assert upgrade(db_url) == "0003"  # idempotent
+    assert upgrade(db_url) == head_revision() == "0004"
+    assert upgrade(db_url) == "0004"  # idempotent
     command.check(alembic_config(db_url))  # `alembic check`: no new upgrade ops to generate
     engine = make_engine(db_url)
     try:
@@ -37,7 +37,7 @@ def test_migrations_from_empty_match_models(db_url: str) -> None:
         assert {
             "nodes", "gpus", "jobs", "ranks", "incidents", "actions", "commands",
             "checkpoints", "power_domains", "gpu_history", "agent_cursors",
-            "traffic_plans", "traffic_links",
+            "traffic_plans", "traffic_links", "agent_credentials",
         } <= tables  # fmt: skip
         with engine.connect() as conn:
             context = MigrationContext.configure(conn, opts={"compare_type": True})

@@ -18,6 +18,7 @@ import typer
 
 from trainguard import __version__
 from trainguard.cli import (
+    cmd_agent_token,
     cmd_get,
     cmd_plan,
     cmd_preflight,
@@ -101,6 +102,7 @@ def build_app(argv: Sequence[str] = ()) -> typer.Typer:
     cmd_get.register(app)
     cmd_remediate.register(app)
     cmd_preflight.register(app)
+    cmd_agent_token.register(app)
     cmd_serve.register(app)
     leader_label.register(app)
     from trainguard.cli import demo

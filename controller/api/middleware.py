@@ -1,0 +1,134 @@
+"""Authenticate before parsing: the outermost check on every ``/api/`` request.
+
+Why a plain ASGI layer and not a FastAPI dependency: FastAPI reads and parses a request's
+body before it solves the route's dependencies, so a client without a token could make the
+controller read (up to the size cap) and run the JSON parser and validators on whatever it
+sends, and would learn from a 400/422 what the body looked like to the server. Here the
+``Authorization`` header is checked before the body is received at all: no valid token,
+401, whatever the body, and nothing downstream (the body cap, the report fast path, the
+JSON parser) runs. Roles are still checked by each route (403); this layer only answers
+"is this a credential the controller knows".
+
+Anonymous reads (``allow_anonymous_read``) pass only for ``GET``/``HEAD`` without any
+``Authorization`` header; a header with an unknown token is 401 even then.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from controller.api.deps import PROXIED_TOKEN_HEADER
+from controller.api.handlers import payload_too_large
+from controller.errors import ControllerError, MalformedBody, Unauthenticated
+from controller.runtime import Controller
+from controller.services.agent_identity import IdentityResolver
+from trainguard.wire import API_PREFIX
+
+READ_METHODS = frozenset({"GET", "HEAD"})
+_PROXIED = PROXIED_TOKEN_HEADER.encode()
+
+
+class AuthGate:
+    """401 before the body is read for any ``/api/`` request without a known token."""
+
+    def __init__(self, app: ASGIApp, *, controller: Controller, resolver: IdentityResolver) -> None:
+        self.app = app
+        self.controller = controller
+        self.resolver = resolver
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        authorization: str | None = None
+        proxied: str | None = None
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == _PROXIED:
+                proxied = value.decode("latin-1")
+        if not authorization and proxied:
+            authorization = f"Bearer {proxied}"
+        try:
+            if authorization is None:
+                anonymous_ok = self.controller.auth.allow_anonymous_read
+                if not (anonymous_ok and scope["method"] in READ_METHODS):
+                    raise Unauthenticated("missing bearer token (Authorization: Bearer <token>)")
+            else:
+                # Resolves Kubernetes service-account tokens (TokenReview, cached) so the
+                # routes' synchronous role checks find them; raises for unknown tokens.
+                await self.resolver.resolve(authorization)
+        except ControllerError as exc:
+            await _refuse(send, exc)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _refuse(send: Send, exc: ControllerError) -> None:
+    body = json.dumps({"detail": exc.message}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        # The body was never read: the connection cannot carry another request.
+        (b"connection", b"close"),
+    ]
+    if exc.status_code == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+class BodyCap:
+    """Refuse bodies over ``max_bytes`` with 413: by ``Content-Length`` before reading, and
+    for chunked bodies (no length) by reading them whole before the app sees them.
+
+    Why read first: an error raised from ``receive`` in the middle of FastAPI's body parsing
+    comes out as its generic 400 ("error parsing the body"), not as 413. Every route reads
+    the whole body anyway, so holding it here (at most ``max_bytes``) costs nothing extra.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                if not value.isdigit():
+                    await _refuse(send, MalformedBody("Content-Length is not a number"))
+                    return
+                if int(value) > self.max_bytes:
+                    await _refuse(send, payload_too_large(self.max_bytes))
+                    return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected: nobody to answer
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await _refuse(send, payload_too_large(self.max_bytes))
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,46 @@
+"""``trainguard agent-token issue NODE``: a new agent token bound to one node.
+
+The controller keeps only the token's sha256 and prints it once; the node's older tokens
+keep working for the controller's ``agent_token_grace_s`` so the new one can be rolled out
+(this is how tokens are rotated). The agent then sends it as ``TRAINGUARD_TOKEN`` and may
+report only as that node (docs/security.md).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+from urllib.parse import quote
+
+import typer
+
+from trainguard.cli.options import DEFAULT_OUTPUT, Output, Server, Token, connect
+from trainguard.cli.output import OutputFormat, dump_json, dump_yaml, emit
+from trainguard.wire import API_PREFIX
+
+group = typer.Typer(help="Per-node agent credentials (issue, rotate).", no_args_is_help=True)
+
+
+@group.command("issue")
+def issue(
+    ctx: typer.Context,
+    node: Annotated[str, typer.Argument(help="Node the token may report for.")],
+    server: Server = None,
+    token: Token = None,
+    output: Output = DEFAULT_OUTPUT,
+) -> None:
+    """Issue (or rotate) NODE's agent token; prints the token once."""
+    client = connect(ctx, server, token)
+    result = client._request("POST", f"{API_PREFIX}/agent-credentials/{quote(node, safe='')}")
+    if output is OutputFormat.JSON:
+        emit(dump_json(result))
+    elif output is OutputFormat.YAML:
+        emit(dump_yaml(result))
+    else:
+        emit(str(result["token"]))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(group, name="agent-token", rich_help_panel="Operate")
+
+
+__all__ = ["register"]
