@@ -1,0 +1,127 @@
+"""One way to call the Kubernetes API: in a thread, errors as one line, writes fenced.
+
+The official client is synchronous, so each call runs in :func:`asyncio.to_thread`.
+Every failure becomes a :class:`KubernetesApiError` carrying the HTTP status, retryable for
+409/429/5xx and an unreachable API server. Every *write* first asks the fence (the lease
+elector's :meth:`~controller.actuators.k8s.lease.LeaseElector.check`): a replica that is no
+longer sure it leads raises :class:`Fenced` instead of writing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import urllib3
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from controller.actuators.base import ActuatorError
+
+MERGE_PATCH: Final = "application/merge-patch+json"
+STRATEGIC_PATCH: Final = "application/strategic-merge-patch+json"
+
+
+class KubernetesApiError(ActuatorError):
+    """A Kubernetes API call failed; ``status`` is the HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, *, status: int, retryable: bool) -> None:
+        super().__init__(message, retryable=retryable)
+        self.status = status
+
+
+class Fenced(ActuatorError):
+    """This replica may no longer be the leader: it must not write."""
+
+
+def api_error(what: str, exc: ApiException) -> KubernetesApiError:
+    status = int(exc.status or 0)
+    detail = exc.reason or ""
+    with contextlib.suppress(ValueError, AttributeError):
+        detail = json.loads(exc.body or "").get("message") or detail
+    hint = {
+        403: "; grant the rules listed in docs/kubernetes.md (RBAC_RULES)",
+        409: "; someone changed it meanwhile, retry",
+        422: "; the API server refused the change",
+    }.get(status, "; retry later" if status == 429 or status >= 500 else "")
+    return KubernetesApiError(
+        f"{what}: HTTP {status} {detail}{hint}",
+        status=status,
+        retryable=status in (409, 429) or status >= 500,
+    )
+
+
+def plain(value: Any) -> Any:
+    """A model's ``to_dict`` output without its unset (``None``) fields."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return value
+
+
+class Kube:
+    """The typed APIs over one ``ApiClient``, and :meth:`read` / :meth:`write`."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.api_client = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.batch = client.BatchV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.coordination = client.CoordinationV1Api(api_client)
+        #: Called before every write; raises :class:`Fenced` when this replica must not
+        #: write (set by the lease elector in cluster mode; ``None``: always allowed).
+        self.fence: Callable[[], None] | None = None
+        #: Every write made, as ``what`` strings (tests and the dry-run report read it).
+        self.writes: list[str] = []
+
+    async def read(self, what: str, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Any:
+        return await self._call(what, fn, *args, **kw)
+
+    async def write(self, what: str, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Any:
+        if self.fence is not None:
+            self.fence()
+        self.writes.append(what)
+        return await self._call(what, fn, *args, **kw)
+
+    async def _call(self, what: str, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Any:
+        """Run one client call in a thread; answer plain camelCase dicts, as the API sent."""
+        try:
+            result = await asyncio.to_thread(fn, *args, **kw)
+        except ApiException as exc:
+            raise api_error(what, exc) from exc
+        except urllib3.exceptions.HTTPError as exc:
+            raise KubernetesApiError(
+                f"{what}: Kubernetes API unreachable ({exc}); retry", status=0, retryable=True
+            ) from exc
+        except ValueError as exc:  # the client could not parse the answer into its models
+            raise KubernetesApiError(
+                f"{what}: unexpected answer from the Kubernetes API ({exc})",
+                status=0,
+                retryable=False,
+            ) from exc
+        return plain(result.to_dict(serialize=True)) if hasattr(result, "to_dict") else result
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.api_client.close)
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+__all__ = [
+    "MERGE_PATCH",
+    "STRATEGIC_PATCH",
+    "Fenced",
+    "Kube",
+    "KubernetesApiError",
+    "api_error",
+    "plain",
+]
