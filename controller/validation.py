@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -92,7 +93,13 @@ def first_unstorable(value: Any, path: str) -> str | None:
     if isinstance(value, float):
         return None if math.isfinite(value) else f"{path}: number must be finite"
     if isinstance(value, str):
-        return f"{path}: text must not contain NUL characters" if "\x00" in value else None
+        if "\x00" in value:
+            return f"{path}: text must not contain NUL characters"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{path}: text must not contain lone UTF-16 surrogates (not valid Unicode)"
+        return None
     if isinstance(value, BaseModel):
         for name in type(value).model_fields:
             found = first_unstorable(getattr(value, name), f"{path}.{name}")
@@ -113,3 +120,24 @@ def first_unstorable(value: Any, path: str) -> str | None:
             if found:
                 return found
     return None
+
+
+#: Escapes of UTF-16 surrogates (``\\ud800``..``\\udfff``); a lone one is not Unicode, and
+#: pydantic's JSON parser refuses the whole body for it without naming the field.
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def json_body_problem(body: bytes, *, prefix: str = "body") -> str | None:
+    """One-line error naming the first value of a JSON body no database can store (NUL,
+    lone surrogate, NaN/inf, an integer past 64 bits), or ``None``.
+
+    Cheap for ordinary bodies (byte scans); only a suspicious one is parsed and walked.
+    A body that is not JSON at all is ``None`` too: the route's parser reports that (400).
+    """
+    if not (_suspicious(body) or _SURROGATE.search(body)):
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return first_unstorable(value, prefix)

@@ -21,9 +21,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controller.api.deps import PROXIED_TOKEN_HEADER
 from controller.api.handlers import payload_too_large
-from controller.errors import ControllerError, MalformedBody, Unauthenticated
+from controller.errors import ControllerError, InvalidInput, MalformedBody, Unauthenticated
 from controller.runtime import Controller
 from controller.services.agent_identity import IdentityResolver
+from controller.validation import json_body_problem
 from trainguard.wire import API_PREFIX
 
 READ_METHODS = frozenset({"GET", "HEAD"})
@@ -60,10 +61,22 @@ class AuthGate:
                 # Resolves Kubernetes service-account tokens (TokenReview, cached) so the
                 # routes' synchronous role checks find them; raises for unknown tokens.
                 await self.resolver.resolve(authorization)
+            _check_target(scope)
         except ControllerError as exc:
             await _refuse(send, exc)
             return
         await self.app(scope, receive, send)
+
+
+def _check_target(scope: Scope) -> None:
+    """Path and query parameters carry no NUL (PostgreSQL text cannot hold one, and a
+    lookup with one would be a 5xx there and a silent miss on SQLite). Percent-decoding
+    replaces invalid UTF-8, so no lone surrogate can arrive this way."""
+    query: bytes = scope.get("query_string", b"")
+    raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8", "replace")
+    for where, raw in (("query", query), ("path", raw_path)):
+        if b"%00" in raw or b"\x00" in raw:
+            raise InvalidInput(f"{where}: parameters must not contain NUL characters")
 
 
 async def _refuse(send: Send, exc: ControllerError) -> None:
@@ -122,6 +135,10 @@ class BodyCap:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        problem = json_body_problem(b"".join(chunks))
+        if problem is not None:
+            await _refuse(send, InvalidInput(problem))
+            return
         replayed = False
 
         async def replay() -> Message:

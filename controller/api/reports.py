@@ -26,10 +26,11 @@ from controller.api.deps import (
 )
 from controller.api.handlers import error_payload, payload_too_large
 from controller.auth import REPORT_ROLES, Principal
-from controller.errors import ControllerError, MalformedBody
+from controller.errors import ControllerError, InvalidInput, MalformedBody
 from controller.runtime import Controller
 from controller.services.agent_identity import check_reporting_node
 from controller.services.ingest import parse_report
+from controller.validation import json_body_problem
 from trainguard import wire
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,14 @@ REPORT_BODY = {
 async def handle_report(controller: Controller, body: bytes, principal: Principal) -> bytes:
     """Parse, check the agent may speak for the report's node, store, and return the JSON
     reply (the role already checked)."""
-    report = parse_report(body)
+    try:
+        report = parse_report(body)
+    except MalformedBody:
+        # pydantic's JSON parser refuses a lone surrogate without naming the field: find it.
+        problem = json_body_problem(body)
+        if problem is not None:
+            raise InvalidInput(problem) from None
+        raise
     check_reporting_node(
         principal, report.node.name, allow_shared=controller.settings.allow_shared_agent_tokens
     )

@@ -222,3 +222,55 @@ def test_cli_issues_a_node_token(live_controller: Any, capsys: Any, ctl_report) 
     assert run([*argv, live_controller.viewer_token], prog_name="trainguard") != 0
     err = capsys.readouterr().err
     assert "operator" in err and "Traceback" not in err
+
+
+def test_unstorable_values_are_422_with_their_path_on_both_databases(
+    live_controller: Any, ctl_report
+) -> None:
+    """Same answers on SQLite and PostgreSQL (the param), and nothing stored."""
+    agent, operator = live_controller.headers("agent"), live_controller.headers("operator")
+    json_headers = {"Content-Type": "application/json"}
+    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+        # A lone surrogate: pydantic's JSON parser refuses the body; the door names the field.
+        raw = json.dumps(ctl_report("node-a", 0)).replace(
+            '"agent_instance": "', '"agent_instance": "\\ud800'
+        )
+        r = client.post(REPORTS, content=raw, headers={**agent, **json_headers})
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"].startswith("body.agent_instance: text must not contain lone")
+        # The same in an operator's body (parsed by FastAPI, where it used to pass through).
+        for content, field in (
+            (b'{"reason": "why\\udc00"}', "body.reason"),
+            (b'{"reason": "why\\u0000"}', "body.reason"),
+        ):
+            r = client.post(
+                "/api/v1/nodes/node-a/isolate",
+                content=content,
+                headers={**operator, **json_headers},
+            )
+            assert r.status_code == 422, r.text
+            assert r.json()["detail"].startswith(f"{field}: text must not contain")
+        # NaN / inf / huge numbers in a policy: refused, the policy in force unchanged.
+        before = client.get("/api/v1/remediation/policy", headers=operator).json()
+        for bad in (b"NaN", b"1e999", b"99999999999999999999999"):
+            body = b'{"guards": {"isolation_window_s": ' + bad + b"}}"
+            r = client.put(
+                "/api/v1/remediation/policy", content=body, headers={**operator, **json_headers}
+            )
+            assert r.status_code == 422, (bad, r.text)
+            assert r.json()["detail"].startswith("body.guards.isolation_window_s:"), r.text
+        assert client.get("/api/v1/remediation/policy", headers=operator).json() == before
+        # NUL in query and path parameters.
+        viewer = live_controller.headers("viewer")
+        for path in (
+            "/api/v1/incidents?kind=a%00b",
+            "/api/v1/nodes/a%00b",
+            "/api/v1/commands?node=%00",
+        ):
+            r = client.get(path, headers=viewer)
+            assert r.status_code == 422, (path, r.text)
+            assert "NUL" in r.json()["detail"]
+        # Nothing of the above was stored; the next good report works.
+        assert client.post(REPORTS, json=ctl_report("node-a", 0), headers=agent).is_success
+        nodes = client.get("/api/v1/nodes", headers=viewer).json()["data"]
+        assert [n["name"] for n in nodes] == ["node-a"]

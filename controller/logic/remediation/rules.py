@@ -23,6 +23,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+# Numbers finite (``allow_inf_nan=False`` on every model) and in range, strings without NUL.
+from trainguard.limits import INT32_MAX, NO_NUL
+
 
 class Step(StrEnum):
     """One thing the engine can do about an incident, in the order the rule lists them."""
@@ -53,12 +56,12 @@ class IsolateWhen(StrEnum):
 
 
 class Rule(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     #: Incident kind (``gpu_fault``, ``node_lost``, ``hang``, ``comm_hang``, ``straggler``,
     #: ``comm_slow``, ``slow_link``, ``rank_crash``, ``comm_failure``, ``gpu_degraded``…)
     #: or ``*`` for any.
-    kind: str = Field(min_length=1, max_length=64)
+    kind: str = Field(min_length=1, max_length=64, pattern=NO_NUL)
     #: Match incidents of this severity or worse (``warning`` matches both).
     severity: Literal["warning", "critical"] = "warning"
     steps: list[Step] = Field(min_length=1, max_length=8)
@@ -75,7 +78,7 @@ class Rule(BaseModel):
     min_bad_steps: int = Field(default=0, ge=0, le=10_000)
     isolate_when: IsolateWhen = IsolateWhen.ALWAYS
     #: Shown with the policy; why the rule is there.
-    description: str = Field(default="", max_length=512)
+    description: str = Field(default="", max_length=512, pattern=NO_NUL)
 
     @model_validator(mode="after")
     def _steps_make_sense(self) -> Rule:
@@ -101,13 +104,13 @@ class Rule(BaseModel):
 class Guards(BaseModel):
     """Guard rails that hold even when a rule says act."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     #: Circuit breaker: never isolate more than this share of known nodes within the window.
     max_isolated_fraction: float = Field(default=0.25, gt=0.0, le=1.0)
     isolation_window_s: float = Field(default=3600.0, gt=0.0)
     #: Rate limit: at most this many restarts of one job within the window.
-    max_restarts_per_job: int = Field(default=3, ge=0)
+    max_restarts_per_job: int = Field(default=3, ge=0, le=INT32_MAX)
     restart_window_s: float = Field(default=3600.0, gt=0.0)
     #: No action on stale evidence: an incident not updated for this long is left alone.
     stale_after_s: float = Field(default=300.0, gt=0.0)
@@ -126,12 +129,12 @@ class Guards(BaseModel):
 
 
 class Restarts(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     #: Smallest data-parallel size a shrunk restart may use.
-    min_dp: int = Field(default=1, ge=1)
+    min_dp: int = Field(default=1, ge=1, le=INT32_MAX)
     #: The global batch (or any number the data-parallel size must divide).
-    dp_must_divide: int | None = Field(default=None, ge=1)
+    dp_must_divide: int | None = Field(default=None, ge=1, le=INT32_MAX)
     #: Grow back to the original size when healthy capacity returns: restarts add healthy
     #: spares back, and a job left running below its first size is restarted on its own
     #: (checkpoint, then restart) once enough healthy, non-isolated spares exist.
@@ -139,7 +142,7 @@ class Restarts(BaseModel):
 
 
 class Policy(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = True
     #: Record what would be done (actions with status ``dry_run``) and do nothing.
