@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainguard.podinfo import pod_identity
 from trainguard.wire import CheckpointEvent, JobDumpTrace, LocalHello, RankEvent
 
 from . import flight
@@ -91,6 +92,7 @@ class Session:
         self.control = Control(cfg.job)
         self.control.on_dump_trace = self._dump_trace
         self.watchdog = Watchdog(self.recorder, self.outbox, cfg.watchdog_interval_s)
+        self.pod, self.namespace = pod_identity(os.environ)
         hello = LocalHello(
             job=cfg.job,
             rank=self.rank,
@@ -98,6 +100,8 @@ class Session:
             pid=os.getpid(),
             local_rank=self.local_rank,
             gpu_index=self.gpu_index,
+            pod=self.pod,
+            namespace=self.namespace,
         )
         self.client = AgentClient(cfg, hello, self.outbox, self.control.handle, self._tick)
         self._next_heartbeat = 0.0
@@ -166,6 +170,8 @@ class Session:
                 local_rank=self.local_rank,
                 gpu_index=self.gpu_index,
                 world_size=self.world_size,
+                pod=self.pod or None,
+                namespace=self.namespace or None,
                 **extra,
             )
         )

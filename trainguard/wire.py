@@ -485,6 +485,16 @@ class RankEvent(WireModel):
     local_rank: Rank | None = None
     gpu_index: Index | None = None
     world_size: Rank | None = None
+    pod: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=NO_NUL,
+        description="Kubernetes pod of the rank (downward API), so the controller learns the "
+        "job's placement from its ranks",
+    )
+    namespace: str | None = Field(
+        default=None, max_length=63, pattern=NO_NUL, description="Namespace of that pod"
+    )
     error: str = Field(
         default="", max_length=1024, pattern=NO_NUL, description="What ended the rank, one line"
     )

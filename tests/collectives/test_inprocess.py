@@ -321,3 +321,20 @@ def test_torch_modules_that_imported_a_function_early_call_the_wrapper() -> None
     assert [r.op for r in session.recorder.history] == ["broadcast"]
     collectives.uninstrument()
     assert _collective_utils.scatter is original
+
+
+def test_the_rank_tells_its_pod_and_namespace_in_hello_and_events(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Placement on Kubernetes is learned from these (issue 18): downward-API env."""
+    monkeypatch.setenv("POD_NAME", "demo-llm-workers-0-1-x7k2p")
+    monkeypatch.setenv("POD_NAMESPACE", "train")
+    session = _session()
+    assert (session.client.hello.pod, session.client.hello.namespace) == (
+        "demo-llm-workers-0-1-x7k2p",
+        "train",
+    )
+    started = [e for e in session.outbox.drain().rank_events if e.kind == "started"]
+    assert [(e.pod, e.namespace, e.world_size) for e in started] == [
+        ("demo-llm-workers-0-1-x7k2p", "train", 1)
+    ]
