@@ -11,7 +11,8 @@ manifests of both chart versions (the previous one from git history):
   the leader-label sidecar and hook (real ``trainguard leader-label`` processes) list and
   label through the official client;
 - the Service is its selector: a poller picks, for each request, a random pod that matches
-  the selector of the Service in force and answers ``/readyz`` with 200, and calls
+  the selector of the Service in force and whose last readiness probe (``/readyz``, every
+  0.25 s) passed, and calls
   ``GET /api/v1/status`` on it, 20 times a second, as kube-proxy would spread them;
 - the upgrade runs the new release's hooks in weight order (migration Job, then the
   leader-label Job), switches the Service, then rolls the Deployment the way its strategy
@@ -128,6 +129,7 @@ class Cluster:
         self.pods: dict[str, Pod] = {}
         self.secrets: dict[tuple[str, str], str] = {}
         self.service: dict[str, str] = {}
+        self.readiness: dict[str, bool] = {}
         self._next_ip = 2
         self.kubeconfig = tmp / "kubeconfig"
         self.kubeconfig.write_text(yaml.safe_dump({
@@ -229,10 +231,17 @@ class Cluster:
         obj = self.kube.get("", "pods", NAMESPACE, pod.name)
         return dict(obj["metadata"]["labels"]) if obj else {}
 
+    def probe(self, stop: threading.Event) -> None:
+        """The kubelet's readiness probes (every 0.25 s here; the chart's period is 5 s)."""
+        while not stop.wait(0.25):
+            for pod in list(self.pods.values()):
+                self.readiness[pod.name] = self.ready(pod)
+
     def endpoints(self) -> list[Pod]:
+        """Ready pods matching the Service's selector; a deleted pod is gone at once."""
         pods = list(self.pods.values())
         selected = [p for p in pods if self.service.items() <= self.labels(p).items()]
-        return [p for p in selected if self.ready(p)]
+        return [p for p in selected if self.readiness.get(p.name)]
 
 
 class Poller(threading.Thread):
@@ -313,6 +322,8 @@ def test_upgrade_from_the_previous_chart_keeps_the_api_answering(
         ].log_tail(30)
         b = cluster.start_pod(old_template, "tg-old-b")
         assert wait_until(lambda: cluster.alive(b), timeout_s=60)
+        probes_stop = threading.Event()
+        threading.Thread(target=cluster.probe, args=(probes_stop,), daemon=True).start()
         poller = Poller(cluster, viewer)
         poller.start()
         time.sleep(2.0)
@@ -332,20 +343,26 @@ def test_upgrade_from_the_previous_chart_keeps_the_api_answering(
             "tg-new-1-controller"
         ].log_tail(30)
         n2 = cluster.start_pod(template, "tg-new-2")
+        handover = time.monotonic()
         cluster.delete_pod("tg-old-a")  # the old leader: a standby takes over
+        stopped_s = time.monotonic() - handover
+
+        def new_leaders() -> int:
+            return sum(cluster.labels(p).get("trainguard.io/leader") == "true" for p in (n1, n2))
+
+        assert wait_until(lambda: new_leaders() == 1, timeout_s=10, interval_s=0.02)
+        labelled_s = time.monotonic() - handover
         assert wait_until(lambda: cluster.ready(n2), timeout_s=60)
-        assert wait_until(
-            lambda: sum(cluster.labels(p).get("trainguard.io/leader") == "true"
-                        for p in (n1, n2)) == 1, timeout_s=10,
-        )  # fmt: skip
         time.sleep(2.0)
         poller.stop_event.set()
         poller.join()
+        probes_stop.set()
 
     gap = poller.longest_gap_s()
     codes = [code for _, code in poller.results]
     print(f"upgrade: {len(codes)} calls, {codes.count(200)} answered 200, "
           f"{codes.count(503)} 503, {codes.count(0)} no endpoint/unreachable; "
-          f"longest gap without an answer {gap:.2f} s")  # fmt: skip
+          f"longest gap without an answer {gap:.2f} s; hand-over: old leader exited after "
+          f"{stopped_s:.2f} s, new leader labelled after {labelled_s:.2f} s")  # fmt: skip
     assert gap <= MAX_GAP_S, f"the API did not answer for {gap:.2f} s"
     assert codes[-5:] == [200] * 5
