@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from controller.logic.remediation.placement import Placement
+
 
 class ActuatorError(Exception):
     """An action could not be carried out; ``retryable`` says whether trying again may help."""
@@ -27,48 +29,13 @@ class ActuatorError(Exception):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Placement:
-    """Where a (re)started job runs and in what parallel layout.
+class JobLimits:
+    """What a job itself allows a restart to do (the policy's ``restarts`` may be stricter)."""
 
-    Node ``i`` of ``nodes`` hosts ranks ``i * ranks_per_node … (i + 1) * ranks_per_node - 1``,
-    so a tensor-parallel group (``tp`` consecutive ranks, ``tp`` dividing
-    ``ranks_per_node``) never spans nodes. The data-parallel size is what shrinks when
-    there are too few healthy nodes; the ranks reshard the universal checkpoint to it.
-    On Kubernetes the scheduler picks the nodes: ``nodes`` is advisory there (cordoned
-    nodes are excluded by the cordon itself) and ``world_size`` is what is enforced.
-    """
-
-    job: str
-    nodes: tuple[str, ...]
-    ranks_per_node: int
-    tp: int = 1
-    #: Restart count, starting at 0 for the first launch; ranks see it as
-    #: ``TRAINGUARD_GENERATION`` and an actuator never starts the same generation twice.
-    generation: int = 0
-    #: The checkpoint step the ranks resume from (``None``: the newest complete one).
-    resume_step: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.nodes:
-            raise ValueError(f"placement of job {self.job!r} has no nodes")
-        if len(set(self.nodes)) != len(self.nodes):
-            raise ValueError(f"placement of job {self.job!r} repeats a node: {self.nodes}")
-        if self.ranks_per_node < 1 or self.tp < 1 or self.ranks_per_node % self.tp:
-            raise ValueError(
-                f"placement of job {self.job!r}: tp={self.tp} must divide "
-                f"ranks_per_node={self.ranks_per_node}"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return len(self.nodes) * self.ranks_per_node
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // self.tp
-
-    def node_of(self, rank: int) -> str:
-        return self.nodes[rank // self.ranks_per_node]
+    #: Smallest data-parallel size the job can run at.
+    min_dp: int = 1
+    #: Every data-parallel size must divide this (the global batch), if set.
+    dp_must_divide: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,6 +85,19 @@ class Actuator(Protocol):
         """Tell the platform's own event stream (Kubernetes Events; the log locally)."""
         ...
 
+    async def start(self) -> list[Placement]:
+        """Start what this actuator was configured to run when its replica starts leading
+        (the local actuator's jobs; nothing on Kubernetes). Returns the placements it
+        launched now, so the engine knows each job's first size."""
+        ...
+
+    def limits(self, job: str) -> JobLimits | None:
+        """What ``job`` declares about its own restarts (``None``: nothing beyond policy)."""
+        ...
+
     async def close(self) -> None:
         """Release clients and, for the local actuator, stop the processes it owns."""
         ...
+
+
+__all__ = ["Actuator", "ActuatorError", "ActuatorResult", "JobLimits", "Placement"]

@@ -27,183 +27,45 @@ answer 409 instead of being overwritten, and the actuator re-reads and tries aga
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
-from typing import Any, Final, TypedDict, cast
+from typing import Any
 
 import urllib3
-import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from controller.actuators.base import ActuatorError, ActuatorResult, Placement
-
-LABEL_JOB: Final = "trainguard.io/job"
-LABEL_RANK: Final = "trainguard.io/rank"
-LABEL_TP: Final = "trainguard.io/tp"
-TAINT_KEY: Final = "trainguard.io/isolated"
-#: JSON ``{"reason", "at", "cordoned", "tainted"}`` on an isolated node: what trainguard
-#: changed, so that release undoes exactly that.
-ANN_ISOLATED: Final = "trainguard.io/isolation"
-ANN_GENERATION: Final = "trainguard.io/generation"
-ANN_RESUME_STEP: Final = "trainguard.io/resume-step"
-#: On a JobSet with several replicatedJobs: the name of the one that holds the ranks.
-ANN_REPLICATED_JOB: Final = "trainguard.io/replicated-job"
-ENV_GENERATION: Final = "TRAINGUARD_GENERATION"
-MERGE_PATCH: Final = "application/merge-patch+json"
-COMPONENT: Final = "trainguard"
-
-
-class PolicyRule(TypedDict):
-    """One rule of a Kubernetes Role/ClusterRole, spelled as the API spells it."""
-
-    apiGroups: list[str]
-    resources: list[str]
-    verbs: list[str]
-
-
-#: Exactly what this module calls, and nothing more (a test serves every call through a
-#: fake API server and fails on a call outside these rules). ``nodes`` is cluster-scoped
-#: and needs a ClusterRole; node Events are written to ``default`` (see docs/kubernetes.md).
-RBAC_RULES: Final[tuple[PolicyRule, ...]] = (
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "delete"]},
-    {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "patch"]},
-    {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["get", "list", "patch"]},
-    {
-        "apiGroups": ["kubeflow.org"],
-        "resources": ["pytorchjobs"],
-        "verbs": ["get", "list", "patch"],
-    },
+from controller.actuators import kube_objects as ko
+from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
+from controller.actuators.kube_objects import (
+    ANN_GENERATION,
+    ANN_ISOLATED,
+    ANN_REPLICATED_JOB,
+    ANN_RESUME_STEP,
+    COMPONENT,
+    ENV_GENERATION,
+    JOB,
+    JOBSET,
+    KINDS,
+    LABEL_JOB,
+    LABEL_RANK,
+    LABEL_TP,
+    MERGE_PATCH,
+    PYTORCHJOB,
+    RBAC_RULES,
+    TAINT_KEY,
+    KubernetesApiError,
+    PolicyRule,
+    Workload,
+    WorkloadKind,
+    rbac_rules_yaml,
 )
-
-
-def rbac_rules_yaml() -> str:
-    """``RBAC_RULES`` as the ``rules:`` YAML a Role or ClusterRole takes (docs, Helm)."""
-    rules = [dict(rule) for rule in RBAC_RULES]
-    return yaml.safe_dump({"rules": rules}, sort_keys=False, default_flow_style=None)
-
-
-class KubernetesApiError(ActuatorError):
-    """A Kubernetes API call failed; ``status`` is the HTTP status (0: no answer)."""
-
-    def __init__(self, message: str, *, status: int, retryable: bool) -> None:
-        super().__init__(message, retryable=retryable)
-        self.status = status
-
-
-@dataclass(frozen=True, slots=True)
-class WorkloadKind:
-    """A kind of training workload trainguard can stop and restart."""
-
-    kind: str
-    group: str
-    version: str
-    plural: str
-    #: Where the suspend switch lives in the object.
-    suspend_path: tuple[str, ...]
-
-
-JOB: Final = WorkloadKind("Job", "batch", "v1", "jobs", ("spec", "suspend"))
-JOBSET: Final = WorkloadKind(
-    "JobSet", "jobset.x-k8s.io", "v1alpha2", "jobsets", ("spec", "suspend")
-)
-#: ``runPolicy.suspend`` needs training-operator >= v1.7; older operators drop the field.
-PYTORCHJOB: Final = WorkloadKind(
-    "PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", ("spec", "runPolicy", "suspend")
-)
-KINDS: Final = (JOB, JOBSET, PYTORCHJOB)
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    kind: WorkloadKind
-    name: str
-    obj: dict[str, Any]
-
-    @property
-    def label(self) -> str:
-        return f"{self.kind.kind} {self.name}"
-
-    @property
-    def annotations(self) -> dict[str, str]:
-        return _annotations(self.obj)
-
-    @property
-    def suspended(self) -> bool:
-        return bool(_dig(self.obj, self.kind.suspend_path))
-
-
-def _dig(obj: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        if not isinstance(obj, dict):
-            return None
-        obj = obj.get(key)
-    return obj
-
-
-def _nest(path: tuple[str, ...], value: Any) -> dict[str, Any]:
-    """``("spec", "suspend"), True`` -> ``{"spec": {"suspend": True}}``."""
-    out: dict[str, Any] = {path[-1]: value}
-    for key in reversed(path[:-1]):
-        out = {key: out}
-    return out
-
-
-def _plain(value: Any) -> Any:
-    """A model's ``to_dict`` output without its unset (``None``) fields."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, datetime):
-        return value.strftime("%Y-%m-%dT%H:%M:%SZ")
-    return value
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _api_error(what: str, exc: ApiException) -> KubernetesApiError:
-    status = int(exc.status or 0)
-    detail = exc.reason or ""
-    with contextlib.suppress(ValueError, AttributeError):
-        detail = json.loads(exc.body or "").get("message") or detail
-    hint = {
-        403: "; grant the rules listed in docs/kubernetes.md (RBAC_RULES)",
-        404: "",
-        409: "; someone changed it meanwhile, retry",
-        422: "; the API server refused the change",
-    }.get(status, "; retry later" if status == 429 or status >= 500 else "")
-    return KubernetesApiError(
-        f"{what}: HTTP {status} {detail}{hint}",
-        status=status,
-        retryable=status in (409, 429) or status >= 500,
-    )
-
-
-def _annotations(obj: dict[str, Any]) -> dict[str, str]:
-    return cast(dict[str, str], obj["metadata"].get("annotations") or {})
-
-
-def _labels(obj: dict[str, Any]) -> dict[str, str]:
-    return cast(dict[str, str], obj["metadata"].get("labels") or {})
-
-
-def _pod_generation(pod: dict[str, Any]) -> int | None:
-    raw = _annotations(pod).get(ANN_GENERATION)
-    return int(raw) if raw is not None and str(raw).isdigit() else None
 
 
 class KubernetesActuator:
@@ -256,6 +118,14 @@ class KubernetesActuator:
                 ) from exc
         return cls(client.ApiClient(cfg), namespace, **options)
 
+    async def start(self) -> list[Placement]:
+        """Nothing to launch: the workloads are the platform's, started by their owners."""
+        return []
+
+    def limits(self, job: str) -> JobLimits | None:
+        """A workload declares no restart limits here; the policy's apply."""
+        return None
+
     async def close(self) -> None:
         await asyncio.to_thread(self._api.close)
 
@@ -266,7 +136,7 @@ class KubernetesActuator:
         try:
             result = await asyncio.to_thread(fn, *args, **kwargs)
         except ApiException as exc:
-            raise _api_error(what, exc) from exc
+            raise ko.api_error(what, exc) from exc
         except urllib3.exceptions.HTTPError as exc:
             raise KubernetesApiError(
                 f"{what}: Kubernetes API unreachable ({exc}); retry", status=0, retryable=True
@@ -277,7 +147,7 @@ class KubernetesActuator:
                 status=0,
                 retryable=False,
             ) from exc
-        return _plain(result.to_dict(serialize=True)) if hasattr(result, "to_dict") else result
+        return ko.plain(result.to_dict(serialize=True)) if hasattr(result, "to_dict") else result
 
     def _workload_api(self, kind: WorkloadKind) -> tuple[Callable[..., Any], ...]:
         """(get(name), patch(name, body), list(selector)) for ``kind`` in our namespace."""
@@ -433,7 +303,7 @@ class KubernetesActuator:
     async def isolate_node(self, node: str, *, reason: str) -> ActuatorResult:
         for _ in range(3):
             obj = await self._call(f"get node {node}", self._core.read_node, node)
-            annotations = _annotations(obj)
+            annotations = ko.annotations_of(obj)
             taints: list[dict[str, Any]] = obj["spec"].get("taints") or []
             has_taint = any(t.get("key") == TAINT_KEY for t in taints)
             cordoned = bool(obj["spec"].get("unschedulable"))
@@ -444,7 +314,7 @@ class KubernetesActuator:
             previous = json.loads(annotations.get(ANN_ISOLATED) or "{}")
             record = {
                 "reason": reason,
-                "at": _now(),
+                "at": ko.now(),
                 # Re-isolating keeps what trainguard added the first time.
                 "cordoned": previous.get("cordoned", not cordoned) or not cordoned,
                 "tainted": previous.get("tainted", not has_taint) or not has_taint,
@@ -474,7 +344,7 @@ class KubernetesActuator:
     async def release_node(self, node: str, *, reason: str) -> ActuatorResult:
         for _ in range(3):
             obj = await self._call(f"get node {node}", self._core.read_node, node)
-            raw = _annotations(obj).get(ANN_ISOLATED)
+            raw = ko.annotations_of(obj).get(ANN_ISOLATED)
             if raw is None:
                 return ActuatorResult(
                     outcome=f"node {node} not isolated by trainguard; nothing to undo",
@@ -512,7 +382,7 @@ class KubernetesActuator:
 
     async def candidate_nodes(self, job: str) -> list[str]:
         w = await self._resolve(job)
-        selector = _node_selector(w)
+        selector = ko.node_selector(w)
         nodes = await self._call(
             "list nodes",
             self._core.list_node,
@@ -520,7 +390,7 @@ class KubernetesActuator:
         )
         out = []
         for n in nodes.get("items") or []:
-            ours = ANN_ISOLATED in _annotations(n)
+            ours = ANN_ISOLATED in ko.annotations_of(n)
             if n.get("spec", {}).get("unschedulable") and not ours:
                 continue  # cordoned by someone else: not ours to use
             out.append(n["metadata"]["name"])
@@ -574,7 +444,7 @@ class KubernetesActuator:
         details: dict[str, Any] = {"workload": w.label}
         suspended_now = False
         if not w.suspended:
-            w = await self._patch_workload(w, _nest(w.kind.suspend_path, True), "suspend")
+            w = await self._patch_workload(w, ko.nest(w.kind.suspend_path, True), "suspend")
             suspended_now = True
         await self._remove_pods(pods, details)
         removed = len(details.get("evicted", [])) + len(details.get("deleted_despite_pdb", []))
@@ -593,47 +463,7 @@ class KubernetesActuator:
         return ActuatorResult(outcome=outcome, details=details)
 
     async def current_placement(self, job: str) -> Placement | None:
-        pods = [
-            p
-            for p in await self._job_pods(job)
-            if p.get("status", {}).get("phase") == "Running"
-            and p["spec"].get("nodeName")
-            and not p["metadata"].get("deletionTimestamp")
-        ]
-        if not pods:
-            return None
-        ranks: dict[int, dict[str, Any]] = {}
-        for pod in pods:
-            raw = _labels(pod).get(LABEL_RANK, "")
-            if not raw.isdigit():
-                raise ActuatorError(
-                    f"pod {pod['metadata']['name']} of job {job!r} has no {LABEL_RANK}=<n> label"
-                )
-            ranks[int(raw)] = pod
-        per_node: dict[str, list[int]] = {}
-        for rank in sorted(ranks):
-            per_node.setdefault(ranks[rank]["spec"]["nodeName"], []).append(rank)
-        counts = {len(r) for r in per_node.values()}
-        if len(counts) != 1:
-            raise ActuatorError(
-                f"job {job!r} runs an uneven number of ranks per node "
-                f"({ {n: len(r) for n, r in per_node.items()} }); no placement describes it"
-            )
-        first = ranks[min(ranks)]
-        meta = {**_annotations(first), **_labels(first)}
-        generations = [g for p in pods if (g := _pod_generation(p)) is not None]
-        step = meta.get(ANN_RESUME_STEP, "")
-        try:
-            return Placement(
-                job=job,
-                nodes=tuple(per_node),
-                ranks_per_node=counts.pop(),
-                tp=int(meta.get(LABEL_TP) or 1),
-                generation=max(generations, default=0),
-                resume_step=int(step) if step.isdigit() else None,
-            )
-        except ValueError as exc:
-            raise ActuatorError(f"job {job!r}: {exc}") from exc
+        return ko.placement_of(job, await self._job_pods(job))
 
     # -- restart -----------------------------------------------------------------------
 
@@ -651,38 +481,38 @@ class KubernetesActuator:
             ANN_GENERATION: str(gen),
             ANN_RESUME_STEP: None if placement.resume_step is None else str(placement.resume_step),
         }
-        _, old_world = _restart_patch(w, placement.world_size, template_annotations)
+        _, old_world = ko.restart_patch(w, placement.world_size, template_annotations)
         details: dict[str, Any] = {
             "workload": w.label,
             "generation": gen,
             "world_size": placement.world_size,
             "previous_world_size": old_world,
-            "env_wired": _env_wired(w),
+            "env_wired": ko.env_wired(w),
         }
         # Pods created from the new template carry the new generation: a retried restart
         # leaves them alone and removes only what is left of older generations.
-        stale = [p for p in pods if _pod_generation(p) != gen]
+        stale = [p for p in pods if ko.pod_generation(p) != gen]
         record = {"metadata": {"annotations": {ANN_GENERATION: str(gen)}}}
         if w.kind is PYTORCHJOB:
             # The operator recreates deleted pods from the current spec: change it first,
             # then remove the old pods, then record the generation as done.
-            patch, _ = _restart_patch(w, placement.world_size, template_annotations)
+            patch, _ = ko.restart_patch(w, placement.world_size, template_annotations)
             if w.suspended:
-                patch = _merge(patch, _nest(w.kind.suspend_path, False))
+                patch = ko.merge(patch, ko.nest(w.kind.suspend_path, False))
             w = await self._patch_workload(w, patch, "resize")
             await self._remove_pods(stale, details)
             w = await self._patch_workload(w, record, "record generation of")
         else:
             # Job and JobSet accept pod-template changes only while suspended.
             if not w.suspended:
-                w = await self._patch_workload(w, _nest(w.kind.suspend_path, True), "suspend")
+                w = await self._patch_workload(w, ko.nest(w.kind.suspend_path, True), "suspend")
             await self._remove_pods(stale, details)
             if w.kind is JOB:
                 w = await self._wait_job_settled(w)
-            patch, _ = _restart_patch(w, placement.world_size, template_annotations)
+            patch, _ = ko.restart_patch(w, placement.world_size, template_annotations)
             version = {"metadata": {"resourceVersion": w.obj["metadata"].get("resourceVersion")}}
-            patch = _merge(
-                _merge(_merge(patch, record), version), _nest(w.kind.suspend_path, False)
+            patch = ko.merge(
+                ko.merge(ko.merge(patch, record), version), ko.nest(w.kind.suspend_path, False)
             )
             w = await self._patch_workload(w, patch, "resize and resume")
         outcome = (
@@ -717,105 +547,27 @@ class KubernetesActuator:
 # -- per-kind spec surgery (pure functions of the workload object) ---------------------
 
 
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    for key, value in b.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _replicated_job(w: Workload) -> tuple[int, dict[str, Any]]:
-    """The index and spec of the JobSet's replicatedJob that holds the ranks."""
-    rjobs: list[dict[str, Any]] = w.obj.get("spec", {}).get("replicatedJobs") or []
-    wanted = w.annotations.get(ANN_REPLICATED_JOB)
-    if wanted is None and len(rjobs) == 1:
-        return 0, rjobs[0]
-    for i, rj in enumerate(rjobs):
-        if rj.get("name") == wanted:
-            return i, rj
-    names = [rj.get("name") for rj in rjobs]
-    raise ActuatorError(
-        f"{w.label}: annotate it {ANN_REPLICATED_JOB}=<one of {names}> to say which "
-        "replicatedJob holds the ranks"
-    )
-
-
-def _pod_templates(w: Workload) -> list[dict[str, Any]]:
-    if w.kind is JOB:
-        return [w.obj["spec"]["template"]]
-    if w.kind is JOBSET:
-        return [_replicated_job(w)[1]["template"]["spec"]["template"]]
-    specs = w.obj["spec"]["pytorchReplicaSpecs"]
-    return [specs[r]["template"] for r in ("Worker", "Master") if r in specs]
-
-
-def _node_selector(w: Workload) -> dict[str, str]:
-    return cast(dict[str, str], _pod_templates(w)[0].get("spec", {}).get("nodeSelector") or {})
-
-
-def _env_wired(w: Workload) -> bool:
-    """Whether some container maps ``TRAINGUARD_GENERATION`` (from the annotation)."""
-    for template in _pod_templates(w):
-        for container in template.get("spec", {}).get("containers") or []:
-            if any(e.get("name") == ENV_GENERATION for e in container.get("env") or []):
-                return True
-    return False
-
-
-def _annotate(template: dict[str, Any], annotations: dict[str, Any]) -> None:
-    """Set (``None``: remove) pod-template annotations in place, for list-replacing patches."""
-    current = template.setdefault("metadata", {}).setdefault("annotations", {})
-    for key, value in annotations.items():
-        if value is None:
-            current.pop(key, None)
-        else:
-            current[key] = value
-
-
-def _restart_patch(
-    w: Workload, world: int, annotations: dict[str, Any]
-) -> tuple[dict[str, Any], int]:
-    """The merge patch that gives ``w`` ``world`` ranks and annotates its pod templates,
-    and the workload's current world size."""
-    spec = w.obj["spec"]
-    meta = {"metadata": {"annotations": annotations}}
-    if w.kind is JOB:
-        old = int(spec.get("parallelism") or 1)
-        if world != old and spec.get("completionMode") != "Indexed":
-            raise ActuatorError(
-                f"{w.label} is not an Indexed Job; only Indexed Jobs can change their size"
-            )
-        return {"spec": {"parallelism": world, "completions": world, "template": meta}}, old
-    if w.kind is PYTORCHJOB:
-        specs = spec["pytorchReplicaSpecs"]
-        masters = int(specs["Master"].get("replicas", 1)) if "Master" in specs else 0
-        workers = int(specs["Worker"].get("replicas", 1)) if "Worker" in specs else 0
-        if ("Worker" not in specs and world != masters) or (world <= masters and "Worker" in specs):
-            raise ActuatorError(
-                f"{w.label}: cannot run {world} ranks with {masters} Master and "
-                f"{'no' if 'Worker' not in specs else 'at least one'} Worker replica(s)"
-            )
-        replica_specs: dict[str, Any] = {role: {"template": meta} for role in specs}
-        if "Worker" in specs:
-            replica_specs["Worker"]["replicas"] = world - masters
-        return {"spec": {"pytorchReplicaSpecs": replica_specs}}, masters + workers
-    # JobSet: replicatedJobs is a list, which a merge patch replaces whole.
-    rjobs = json.loads(json.dumps(spec["replicatedJobs"]))
-    index, _ = _replicated_job(w)
-    rj = rjobs[index]
-    replicas = int(rj.get("replicas", 1))
-    job_spec = rj["template"]["spec"]
-    per_job = int(job_spec.get("parallelism") or 1)
-    if world % per_job == 0:
-        rj["replicas"] = world // per_job
-    elif replicas == 1:
-        job_spec["parallelism"] = job_spec["completions"] = world
-    else:
-        raise ActuatorError(
-            f"{w.label}: {world} ranks do not fill whole child Jobs of {per_job} pods"
-        )
-    _annotate(job_spec["template"], annotations)
-    return {"spec": {"replicatedJobs": rjobs}}, replicas * per_job
+__all__ = [
+    "ANN_GENERATION",
+    "ANN_ISOLATED",
+    "ANN_REPLICATED_JOB",
+    "ANN_RESUME_STEP",
+    "COMPONENT",
+    "ENV_GENERATION",
+    "JOB",
+    "JOBSET",
+    "KINDS",
+    "LABEL_JOB",
+    "LABEL_RANK",
+    "LABEL_TP",
+    "MERGE_PATCH",
+    "PYTORCHJOB",
+    "RBAC_RULES",
+    "TAINT_KEY",
+    "KubernetesActuator",
+    "KubernetesApiError",
+    "PolicyRule",
+    "Workload",
+    "WorkloadKind",
+    "rbac_rules_yaml",
+]

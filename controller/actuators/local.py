@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from controller.actuators.base import ActuatorError, ActuatorResult, Placement
+from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,13 @@ class LocalProcessActuator:
 
     name = "local"
 
-    def __init__(self, *, grace_s: float = 10.0, max_events: int = 1000) -> None:
+    def __init__(
+        self,
+        *,
+        grace_s: float = 10.0,
+        max_events: int = 1000,
+        jobs: Sequence[tuple[LocalJobSpec, Placement]] = (),
+    ) -> None:
         if grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {grace_s}")
         #: Seconds between SIGTERM and SIGKILL when stopping ranks.
@@ -178,6 +184,29 @@ class LocalProcessActuator:
         self._locks: dict[str, asyncio.Lock] = {}
         #: The last events recorded (newest last), for the demo summary and tests.
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_events)
+        #: Jobs launched at :meth:`start` (the ``local_jobs_file``), with their first placement.
+        self._configured = list(jobs)
+
+    async def start(self) -> list[Placement]:
+        """Register the configured jobs and launch those not running yet."""
+        launched = []
+        for spec, placement in self._configured:
+            self.register(spec)
+            if await self.current_placement(spec.name) is None:
+                result = await self.launch(placement)
+                launched.append(placement)
+                log.info(
+                    "local job launched",
+                    extra={"fields": {"job": spec.name, "outcome": result.outcome}},
+                )
+        return launched
+
+    def limits(self, job: str) -> JobLimits | None:
+        """A registered job's own ``min_dp`` and batch divisor."""
+        spec = self._specs.get(job)
+        if spec is None:
+            return None
+        return JobLimits(min_dp=spec.min_dp, dp_must_divide=spec.dp_must_divide)
 
     # -- registration and queries -------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.actuators.base import ActuatorError, ActuatorResult, Placement
+from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
 
 
 @dataclass
@@ -56,6 +56,12 @@ class RecordingActuator:
         self, *, target: str, reason: str, message: str, warning: bool = False
     ) -> None:
         self.calls.append(("record_event", reason))
+
+    async def start(self) -> list[Placement]:
+        return []
+
+    def limits(self, job: str) -> JobLimits | None:
+        return None
 
     async def close(self) -> None:
         return None

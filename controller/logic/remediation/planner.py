@@ -2,7 +2,7 @@
 
 The policy engine knows which nodes to leave out (the culprit, isolated and unhealthy nodes)
 and which nodes the actuator offers; :func:`plan_restart` turns that into the next
-:class:`~controller.actuators.base.Placement`, or a refusal with a one-line reason.
+:class:`~controller.logic.remediation.placement.Placement`, or a refusal with a one-line reason.
 
 Rules, in order:
 
@@ -29,7 +29,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from controller.actuators.base import Placement
+from controller.logic.remediation.placement import Placement
 
 PlanKind = Literal["same_size", "shrink", "grow", "refused"]
 

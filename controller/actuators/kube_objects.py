@@ -1,0 +1,328 @@
+"""The Kubernetes side of the actuator's contract: labels and annotations, RBAC rules,
+workload kinds, API errors, and the pure helpers that read and patch API objects.
+
+Kept apart from :mod:`controller.actuators.kubernetes` (the client calls) so each stays
+small; everything here works on plain dicts as the API sends them. The contract in full is
+in that module's docstring and docs/kubernetes.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final, TypedDict, cast
+
+import yaml
+from kubernetes.client.exceptions import ApiException
+
+from controller.actuators.base import ActuatorError, Placement
+
+LABEL_JOB: Final = "trainguard.io/job"
+LABEL_RANK: Final = "trainguard.io/rank"
+LABEL_TP: Final = "trainguard.io/tp"
+TAINT_KEY: Final = "trainguard.io/isolated"
+#: JSON ``{"reason", "at", "cordoned", "tainted"}`` on an isolated node: what trainguard
+#: changed, so that release undoes exactly that.
+ANN_ISOLATED: Final = "trainguard.io/isolation"
+ANN_GENERATION: Final = "trainguard.io/generation"
+ANN_RESUME_STEP: Final = "trainguard.io/resume-step"
+#: On a JobSet with several replicatedJobs: the name of the one that holds the ranks.
+ANN_REPLICATED_JOB: Final = "trainguard.io/replicated-job"
+ENV_GENERATION: Final = "TRAINGUARD_GENERATION"
+MERGE_PATCH: Final = "application/merge-patch+json"
+COMPONENT: Final = "trainguard"
+
+
+class PolicyRule(TypedDict):
+    """One rule of a Kubernetes Role/ClusterRole, spelled as the API spells it."""
+
+    apiGroups: list[str]
+    resources: list[str]
+    verbs: list[str]
+
+
+#: Exactly what this module calls, and nothing more (a test serves every call through a
+#: fake API server and fails on a call outside these rules). ``nodes`` is cluster-scoped
+#: and needs a ClusterRole; node Events are written to ``default`` (see docs/kubernetes.md).
+RBAC_RULES: Final[tuple[PolicyRule, ...]] = (
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "delete"]},
+    {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "patch"]},
+    {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["get", "list", "patch"]},
+    {
+        "apiGroups": ["kubeflow.org"],
+        "resources": ["pytorchjobs"],
+        "verbs": ["get", "list", "patch"],
+    },
+)
+
+
+def rbac_rules_yaml() -> str:
+    """``RBAC_RULES`` as the ``rules:`` YAML a Role or ClusterRole takes (docs, Helm)."""
+    rules = [dict(rule) for rule in RBAC_RULES]
+    return yaml.safe_dump({"rules": rules}, sort_keys=False, default_flow_style=None)
+
+
+class KubernetesApiError(ActuatorError):
+    """A Kubernetes API call failed; ``status`` is the HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, *, status: int, retryable: bool) -> None:
+        super().__init__(message, retryable=retryable)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadKind:
+    """A kind of training workload trainguard can stop and restart."""
+
+    kind: str
+    group: str
+    version: str
+    plural: str
+    #: Where the suspend switch lives in the object.
+    suspend_path: tuple[str, ...]
+
+
+JOB: Final = WorkloadKind("Job", "batch", "v1", "jobs", ("spec", "suspend"))
+JOBSET: Final = WorkloadKind(
+    "JobSet", "jobset.x-k8s.io", "v1alpha2", "jobsets", ("spec", "suspend")
+)
+#: ``runPolicy.suspend`` needs training-operator >= v1.7; older operators drop the field.
+PYTORCHJOB: Final = WorkloadKind(
+    "PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", ("spec", "runPolicy", "suspend")
+)
+KINDS: Final = (JOB, JOBSET, PYTORCHJOB)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    kind: WorkloadKind
+    name: str
+    obj: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind.kind} {self.name}"
+
+    @property
+    def annotations(self) -> dict[str, str]:
+        return annotations_of(self.obj)
+
+    @property
+    def suspended(self) -> bool:
+        return bool(dig(self.obj, self.kind.suspend_path))
+
+
+def dig(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def nest(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    """``("spec", "suspend"), True`` -> ``{"spec": {"suspend": True}}``."""
+    out: dict[str, Any] = {path[-1]: value}
+    for key in reversed(path[:-1]):
+        out = {key: out}
+    return out
+
+
+def plain(value: Any) -> Any:
+    """A model's ``to_dict`` output without its unset (``None``) fields."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, datetime):
+        return value.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return value
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def api_error(what: str, exc: ApiException) -> KubernetesApiError:
+    status = int(exc.status or 0)
+    detail = exc.reason or ""
+    with contextlib.suppress(ValueError, AttributeError):
+        detail = json.loads(exc.body or "").get("message") or detail
+    hint = {
+        403: "; grant the rules listed in docs/kubernetes.md (RBAC_RULES)",
+        404: "",
+        409: "; someone changed it meanwhile, retry",
+        422: "; the API server refused the change",
+    }.get(status, "; retry later" if status == 429 or status >= 500 else "")
+    return KubernetesApiError(
+        f"{what}: HTTP {status} {detail}{hint}",
+        status=status,
+        retryable=status in (409, 429) or status >= 500,
+    )
+
+
+def annotations_of(obj: dict[str, Any]) -> dict[str, str]:
+    return cast(dict[str, str], obj["metadata"].get("annotations") or {})
+
+
+def labels_of(obj: dict[str, Any]) -> dict[str, str]:
+    return cast(dict[str, str], obj["metadata"].get("labels") or {})
+
+
+def pod_generation(pod: dict[str, Any]) -> int | None:
+    raw = annotations_of(pod).get(ANN_GENERATION)
+    return int(raw) if raw is not None and str(raw).isdigit() else None
+
+
+def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for key, value in b.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def replicated_job(w: Workload) -> tuple[int, dict[str, Any]]:
+    """The index and spec of the JobSet's replicatedJob that holds the ranks."""
+    rjobs: list[dict[str, Any]] = w.obj.get("spec", {}).get("replicatedJobs") or []
+    wanted = w.annotations.get(ANN_REPLICATED_JOB)
+    if wanted is None and len(rjobs) == 1:
+        return 0, rjobs[0]
+    for i, rj in enumerate(rjobs):
+        if rj.get("name") == wanted:
+            return i, rj
+    names = [rj.get("name") for rj in rjobs]
+    raise ActuatorError(
+        f"{w.label}: annotate it {ANN_REPLICATED_JOB}=<one of {names}> to say which "
+        "replicatedJob holds the ranks"
+    )
+
+
+def pod_templates(w: Workload) -> list[dict[str, Any]]:
+    if w.kind is JOB:
+        return [w.obj["spec"]["template"]]
+    if w.kind is JOBSET:
+        return [replicated_job(w)[1]["template"]["spec"]["template"]]
+    specs = w.obj["spec"]["pytorchReplicaSpecs"]
+    return [specs[r]["template"] for r in ("Worker", "Master") if r in specs]
+
+
+def node_selector(w: Workload) -> dict[str, str]:
+    return cast(dict[str, str], pod_templates(w)[0].get("spec", {}).get("nodeSelector") or {})
+
+
+def env_wired(w: Workload) -> bool:
+    """Whether some container maps ``TRAINGUARD_GENERATION`` (from the annotation)."""
+    for template in pod_templates(w):
+        for container in template.get("spec", {}).get("containers") or []:
+            if any(e.get("name") == ENV_GENERATION for e in container.get("env") or []):
+                return True
+    return False
+
+
+def annotate(template: dict[str, Any], annotations: dict[str, Any]) -> None:
+    """Set (``None``: remove) pod-template annotations in place, for list-replacing patches."""
+    current = template.setdefault("metadata", {}).setdefault("annotations", {})
+    for key, value in annotations.items():
+        if value is None:
+            current.pop(key, None)
+        else:
+            current[key] = value
+
+
+def restart_patch(
+    w: Workload, world: int, annotations: dict[str, Any]
+) -> tuple[dict[str, Any], int]:
+    """The merge patch that gives ``w`` ``world`` ranks and annotates its pod templates,
+    and the workload's current world size."""
+    spec = w.obj["spec"]
+    meta = {"metadata": {"annotations": annotations}}
+    if w.kind is JOB:
+        old = int(spec.get("parallelism") or 1)
+        if world != old and spec.get("completionMode") != "Indexed":
+            raise ActuatorError(
+                f"{w.label} is not an Indexed Job; only Indexed Jobs can change their size"
+            )
+        return {"spec": {"parallelism": world, "completions": world, "template": meta}}, old
+    if w.kind is PYTORCHJOB:
+        specs = spec["pytorchReplicaSpecs"]
+        masters = int(specs["Master"].get("replicas", 1)) if "Master" in specs else 0
+        workers = int(specs["Worker"].get("replicas", 1)) if "Worker" in specs else 0
+        if ("Worker" not in specs and world != masters) or (world <= masters and "Worker" in specs):
+            raise ActuatorError(
+                f"{w.label}: cannot run {world} ranks with {masters} Master and "
+                f"{'no' if 'Worker' not in specs else 'at least one'} Worker replica(s)"
+            )
+        replica_specs: dict[str, Any] = {role: {"template": meta} for role in specs}
+        if "Worker" in specs:
+            replica_specs["Worker"]["replicas"] = world - masters
+        return {"spec": {"pytorchReplicaSpecs": replica_specs}}, masters + workers
+    # JobSet: replicatedJobs is a list, which a merge patch replaces whole.
+    rjobs = json.loads(json.dumps(spec["replicatedJobs"]))
+    index, _ = replicated_job(w)
+    rj = rjobs[index]
+    replicas = int(rj.get("replicas", 1))
+    job_spec = rj["template"]["spec"]
+    per_job = int(job_spec.get("parallelism") or 1)
+    if world % per_job == 0:
+        rj["replicas"] = world // per_job
+    elif replicas == 1:
+        job_spec["parallelism"] = job_spec["completions"] = world
+    else:
+        raise ActuatorError(
+            f"{w.label}: {world} ranks do not fill whole child Jobs of {per_job} pods"
+        )
+    annotate(job_spec["template"], annotations)
+    return {"spec": {"replicatedJobs": rjobs}}, replicas * per_job
+
+
+def placement_of(job: str, job_pods: list[dict[str, Any]]) -> Placement | None:
+    """The placement the job's running pods describe (``None``: none runs)."""
+    pods = [
+        p
+        for p in job_pods
+        if p.get("status", {}).get("phase") == "Running"
+        and p["spec"].get("nodeName")
+        and not p["metadata"].get("deletionTimestamp")
+    ]
+    if not pods:
+        return None
+    ranks: dict[int, dict[str, Any]] = {}
+    for pod in pods:
+        raw = labels_of(pod).get(LABEL_RANK, "")
+        if not raw.isdigit():
+            raise ActuatorError(
+                f"pod {pod['metadata']['name']} of job {job!r} has no {LABEL_RANK}=<n> label"
+            )
+        ranks[int(raw)] = pod
+    per_node: dict[str, list[int]] = {}
+    for rank in sorted(ranks):
+        per_node.setdefault(ranks[rank]["spec"]["nodeName"], []).append(rank)
+    counts = {len(r) for r in per_node.values()}
+    if len(counts) != 1:
+        raise ActuatorError(
+            f"job {job!r} runs an uneven number of ranks per node "
+            f"({ {n: len(r) for n, r in per_node.items()} }); no placement describes it"
+        )
+    first = ranks[min(ranks)]
+    meta = {**annotations_of(first), **labels_of(first)}
+    generations = [g for p in pods if (g := pod_generation(p)) is not None]
+    step = meta.get(ANN_RESUME_STEP, "")
+    try:
+        return Placement(
+            job=job,
+            nodes=tuple(per_node),
+            ranks_per_node=counts.pop(),
+            tp=int(meta.get(LABEL_TP) or 1),
+            generation=max(generations, default=0),
+            resume_step=int(step) if step.isdigit() else None,
+        )
+    except ValueError as exc:
+        raise ActuatorError(f"job {job!r}: {exc}") from exc
