@@ -1,8 +1,12 @@
-"""One controller's parts, wired together, with their start and stop order.
+"""The composition root: every part of one controller replica, built once, and its
+start/stop order.
 
-``Controller`` owns the engine, the in-memory state, the group-commit writer, the services
-and the periodic tasks. The FastAPI app holds one in ``app.state.controller``; routers reach
-services through it.
+:func:`compose` builds each service exactly once and hands it the collaborators it uses as
+constructor arguments; the event subscriptions (who consumes which event) are listed there,
+in one place. :class:`Controller` owns the lifecycle: leader election, the periodic tasks,
+start and stop. The FastAPI app holds one in ``app.state.controller`` and its
+:class:`~controller.services.container.Services` in ``app.state.services``; routers get the
+services they use through FastAPI dependencies (``controller.api.deps``), never this module.
 """
 
 from __future__ import annotations
@@ -24,18 +28,23 @@ from controller.errors import NotMigrated
 from controller.loader import load_state
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
-from controller.services.detection import Ticker
+from controller.services.container import Services
+from controller.services.dashboard import DashboardFeed
 from controller.services.detection.degraded import DegradedGpuDetector
 from controller.services.detection.health import HealthDetector
 from controller.services.detection.jobs import JobDetector
+from controller.services.events import EventBus, IncidentOpened, JobRecordsReported, NodeReported
+from controller.services.flight_evidence import FlightEvidence
 from controller.services.incidents import IncidentService
 from controller.services.ingest import IngestService
 from controller.services.leader import LeaderElector, build_lock
-from controller.services.metrics import ControllerMetrics
+from controller.services.metrics import ControllerMetrics, EventBusCollector
+from controller.services.nodes import NodeRecords
 from controller.services.power import build_power
 from controller.services.remediation.metrics import RemediationCollector
 from controller.services.remediation.wiring import build_remediation
 from controller.services.traffic.service import build_traffic
+from controller.services.traffic.slowlink import SlowLinkReaction
 from controller.settings import ControllerSettings
 from controller.state import ClusterState
 from controller.store import Store
@@ -70,85 +79,149 @@ def prepare_database(settings: ControllerSettings) -> None:
         engine.dispose()
 
 
+def compose(
+    settings: ControllerSettings,
+    *,
+    on_elected: Callable[[], Awaitable[None]],
+    on_lost: Callable[[str], Awaitable[None]],
+    acting: Callable[[], bool],
+) -> Services:
+    """Build every service once, each with exactly what it uses, and subscribe the event
+    consumers. ``on_elected``/``on_lost``/``acting`` are the lifecycle's (:class:`Controller`)."""
+    store = Store(make_engine(settings.database_url))
+    state = ClusterState()
+    events = EventBus()
+    auth = Authenticator(settings.tokens, allow_anonymous_read=settings.allow_anonymous_read)
+    #: Only the elected replica loads state and acts (``controller.services.leader``).
+    leader = LeaderElector(
+        build_lock(
+            settings.database_url,
+            enabled=settings.leader_election,
+            name=settings.leader_election_name,
+        ),
+        retry_interval_s=settings.leader_retry_interval_s,
+        check_interval_s=settings.leader_check_interval_s,
+        on_elected=on_elected,
+        on_lost=on_lost,
+    )
+    metrics = ControllerMetrics(state, lambda: store.commits, lambda: leader.is_leader)
+    writer = GroupCommitWriter(
+        store,
+        state.row_for,
+        flush_interval_s=settings.ingest_flush_interval_s,
+        max_rows=settings.ingest_flush_max_rows,
+        on_batch=metrics.observe_batch,
+    )
+    incidents = IncidentService(state, store, events)
+    commands = CommandService(state, writer, expire_after_s=settings.command_expire_after_s)
+    nodes = NodeRecords(state, writer)
+    actions = ActionService(store)
+    health = HealthDetector(state, incidents, writer, node_lost_after_s=settings.node_lost_after_s)
+    degraded = DegradedGpuDetector(
+        state,
+        incidents,
+        ecc_rise=settings.degraded_ecc_rise,
+        ecc_window_s=settings.degraded_ecc_window_s,
+        throttle_s=settings.degraded_throttle_s,
+    )
+    jobs = JobDetector(state, incidents, commands)
+    flight = FlightEvidence(state, incidents, commands)
+    traffic = build_traffic(settings, state, store)
+    slow_links = SlowLinkReaction(traffic, state, actions)
+    power = build_power(settings, state, store, commands, incidents, actions)
+    #: Incidents -> actions (docs/remediation.md); acts only while this replica leads.
+    remediation = build_remediation(
+        settings,
+        state=state,
+        store=store,
+        incidents=incidents,
+        commands=commands,
+        actions=actions,
+        nodes=nodes,
+        is_leader=acting,
+    )
+    metrics.registry.register(RemediationCollector(remediation))
+    metrics.registry.register(EventBusCollector(events))
+    ingest = IngestService(state, writer, metrics, events)
+    dashboard = DashboardFeed(
+        state,
+        store,
+        power,
+        node_lost_after_s=settings.node_lost_after_s,
+        ettr=remediation.ettr,
+    )
+
+    # Who consumes which event (docs/architecture.md lists them too).
+    events.subscribe(
+        NodeReported, lambda e: health.on_report(e.report, e.received_unix_s), name="health"
+    )
+    events.subscribe(
+        NodeReported, lambda e: degraded.on_report(e.report, e.received_unix_s), name="degraded"
+    )
+    events.subscribe(
+        NodeReported, lambda e: power.loop.on_report(e.report, e.received_unix_s), name="power"
+    )
+    events.subscribe(
+        JobRecordsReported, lambda e: jobs.on_report(e.report, e.received_unix_s), name="jobs"
+    )
+    events.subscribe(JobRecordsReported, remediation.on_job_records, name="remediation")
+    events.subscribe(IncidentOpened, slow_links.on_incident_opened, name="slow-links")
+    events.subscribe(IncidentOpened, lambda e: flight.on_incident_opened(e.incident), name="flight")
+    events.subscribe(
+        JobRecordsReported, lambda e: flight.on_report(e.report, e.received_unix_s), name="dumps"
+    )
+    events.subscribe(NodeReported, dashboard.on_node_reported, name="dashboard")
+    events.subscribe(IncidentOpened, dashboard.on_incident_opened, name="dashboard-incidents")
+
+    return Services(
+        settings=settings,
+        store=store,
+        state=state,
+        events=events,
+        auth=auth,
+        leader=leader,
+        metrics=metrics,
+        writer=writer,
+        incidents=incidents,
+        commands=commands,
+        nodes=nodes,
+        actions=actions,
+        health=health,
+        degraded=degraded,
+        jobs=jobs,
+        flight=flight,
+        traffic=traffic,
+        slow_links=slow_links,
+        power=power,
+        remediation=remediation,
+        ingest=ingest,
+        dashboard=dashboard,
+        tickers=(health, degraded, commands, jobs, power.loop, remediation),
+    )
+
+
 class Controller:
+    """One replica's lifecycle: lead (load state, start the periodic tasks) or stand by."""
+
     def __init__(self, settings: ControllerSettings) -> None:
         self.settings = settings
         self.version = package_version()
         self.database = settings.database_kind()
-        self.store = Store(make_engine(settings.database_url))
-        self.state = ClusterState()
-        self.auth = Authenticator(
-            settings.tokens, allow_anonymous_read=settings.allow_anonymous_read
-        )
-        #: Only the elected replica loads state and acts (``controller.services.leader``).
-        self.leader = LeaderElector(
-            build_lock(
-                settings.database_url,
-                enabled=settings.leader_election,
-                name=settings.leader_election_name,
-            ),
-            retry_interval_s=settings.leader_retry_interval_s,
-            check_interval_s=settings.leader_check_interval_s,
-            on_elected=self._lead,
-            on_lost=self._fence,
-        )
         #: Called (with the reason) once this replica has stopped acting after losing the
         #: lock; ``controller.server.serve`` exits the process there for a clean restart.
         self.on_leadership_lost: Callable[[str], None] | None = None
         self._acting = False
-        self.metrics = ControllerMetrics(
-            self.state, lambda: self.store.commits, lambda: self.leader.is_leader
+        self.services = s = compose(
+            settings, on_elected=self._lead, on_lost=self._fence, acting=lambda: self.acting
         )
-        self.writer = GroupCommitWriter(
-            self.store,
-            self.state.row_for,
-            flush_interval_s=settings.ingest_flush_interval_s,
-            max_rows=settings.ingest_flush_max_rows,
-        )
-        self.writer.on_batch = self._on_batch
-        self.incidents = IncidentService(self.state, self.store)
-        self.commands = CommandService(
-            self.state, self.writer, expire_after_s=settings.command_expire_after_s
-        )
-        self.health = HealthDetector(
-            self.state,
-            self.incidents,
-            self.writer,
-            node_lost_after_s=settings.node_lost_after_s,
-        )
-        self.degraded = DegradedGpuDetector(
-            self.state,
-            self.incidents,
-            ecc_rise=settings.degraded_ecc_rise,
-            ecc_window_s=settings.degraded_ecc_window_s,
-            throttle_s=settings.degraded_throttle_s,
-        )
-        self.jobs = JobDetector(self.state, self.incidents, self.commands)
-        self.traffic = build_traffic(settings, self.state, self.store)
-        self.incidents.open_hooks.append(self.traffic.on_incident_opened)
-        self.ingest = IngestService(
-            self.state, self.writer, self.metrics, [self.health, self.degraded, self.jobs]
-        )
-        self.tickers: list[Ticker] = [self.health, self.degraded, self.commands, self.jobs]
-        self.actions = ActionService(self.store)
-        self.traffic.actions = self.actions
-        self.power = build_power(
-            settings, self.state, self.store, self.commands, self.incidents, self.actions
-        )
-        self.ingest.observers.append(self.power.loop)
-        self.tickers.append(self.power.loop)
-        #: Incidents -> actions (docs/remediation.md); acts only while this replica leads.
-        self.remediation = build_remediation(settings, self, lambda: self.acting)
-        self.metrics.registry.register(RemediationCollector(self.remediation))
-        self.ingest.observers.append(self.remediation)
-        self.tickers.append(self.remediation)
+        # The parts the lifecycle (and tests) use by name.
+        self.store, self.state, self.events, self.auth = s.store, s.state, s.events, s.auth
+        self.leader, self.metrics, self.writer = s.leader, s.metrics, s.writer
+        self.incidents, self.commands, self.actions = s.incidents, s.commands, s.actions
+        self.traffic, self.power, self.remediation = s.traffic, s.power, s.remediation
+        self.ingest, self.tickers = s.ingest, s.tickers
         self._tasks: list[asyncio.Task[None]] = []
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "not started")
-
-    def _on_batch(self, reports: int, seconds: float) -> None:
-        if reports:
-            self.metrics.batch_reports.observe(reports)
-        self.metrics.commit_seconds.observe(seconds)
 
     async def start(self) -> None:
         """Check the schema, then lead (if the lock is free) or wait as a standby."""
@@ -157,6 +230,7 @@ class Controller:
 
     async def _lead(self) -> None:
         """Everything only the leader does: load the state the last leader left, start acting."""
+        self.events.start()
         await self.store.read(lambda session: load_state(session, self.state))
         await self.traffic.load()
         await self.power.start()
@@ -192,7 +266,7 @@ class Controller:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        await self.traffic.stop()
+        await self.events.stop()
 
     async def stop(self) -> None:
         await self.leader.stop_campaigning()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from controller.api.deps import AUTH_ERRORS, ControllerDep, Page, require_viewer
+from controller.api.deps import AUTH_ERRORS, Page, ServicesDep, require_viewer
 from controller.auth import Principal
-from controller.runtime import Controller
 from controller.schemas import ActionsPublic
 from controller.services import queries
+from controller.services.container import Services
 
 router = APIRouter(tags=["actions"])
 
@@ -19,9 +19,9 @@ router = APIRouter(tags=["actions"])
 async def list_actions(
     page: Page = Depends(),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> ActionsPublic:
-    data, count = await controller.store.read(
+    data, count = await services.store.read(
         lambda s: queries.list_actions(s, limit=page.limit, offset=page.offset)
     )
     return ActionsPublic(data=data, count=count)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Body, Depends, Path
 from pydantic import BaseModel, Field
 
-from controller.api.deps import AUTH_ERRORS, NOT_FOUND, ControllerDep, require_operator
+from controller.api.deps import AUTH_ERRORS, NOT_FOUND, ServicesDep, require_operator
 from controller.auth import Principal
-from controller.runtime import Controller
 from controller.schemas import CommandsPublic
 from controller.services import chaos, queries
+from controller.services.container import Services
 from trainguard import wire
 
 router = APIRouter(tags=["jobs"])
@@ -31,11 +31,11 @@ async def inject_job_faults(
     name: str = Path(max_length=253),
     body: FaultsRequest = Body(),
     principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> CommandsPublic:
     created = await chaos.inject_faults(
-        controller.state,
-        controller.commands,
+        services.state,
+        services.commands,
         name,
         body.faults,
         reason=body.reason,

@@ -6,11 +6,11 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Query
 
-from controller.api.deps import AUTH_ERRORS, ControllerDep, Page, require_viewer
+from controller.api.deps import AUTH_ERRORS, Page, ServicesDep, require_viewer
 from controller.auth import Principal
-from controller.runtime import Controller
 from controller.schemas import CommandsPublic
 from controller.services import queries
+from controller.services.container import Services
 
 router = APIRouter(tags=["commands"])
 
@@ -28,9 +28,9 @@ async def list_commands(
     status: StatusFilter | None = Query(None),
     page: Page = Depends(),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> CommandsPublic:
-    data, count = await controller.store.read(
+    data, count = await services.store.read(
         lambda s: queries.list_commands(
             s, node=node, status=status, limit=page.limit, offset=page.offset
         )

@@ -17,14 +17,15 @@ from fastapi.responses import StreamingResponse
 from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
-    ControllerDep,
+    Replica,
+    ServicesDep,
     require_operator,
     require_viewer,
 )
 from controller.auth import Principal
 from controller.errors import Conflict, NotFound
-from controller.runtime import Controller
 from controller.services import queries
+from controller.services.container import Services
 from controller.services.dashboard import (
     RESYNC,
     DashboardFeed,
@@ -40,34 +41,11 @@ HEARTBEAT_S = 3.0
 MAX_WINDOW_S = 24 * 3600.0
 
 
-def attach_feed(controller: Controller) -> DashboardFeed:
-    """Build the feed and subscribe it to the controller's event bus: every stored report
-    (steps, power samples, a wake-up) and every opened incident (a wake-up)."""
-    feed = DashboardFeed(
-        controller.state,
-        controller.store,
-        controller.power,
-        node_lost_after_s=controller.settings.node_lost_after_s,
-        ettr=lambda job: _ettr(controller, job),
-    )
-    bus = getattr(controller, "events", None)
-    if bus is not None:
-        from controller.services.events import IncidentOpened, NodeReported
-
-        bus.subscribe(NodeReported, feed.on_node_reported, name="dashboard")
-        bus.subscribe(IncidentOpened, feed.on_incident_opened, name="dashboard-incidents")
-    else:  # until the bus is wired in the composition root
-        controller.ingest.observers.append(feed)
-    return feed
-
-
-def _ettr(controller: Controller, job: str) -> float | None:
-    """The job's goodput now, from the remediation engine's ledger (as ``/goodput``)."""
-    book = controller.remediation.jobs.get(job)
-    if book is None:
-        return None
-    value = book.ledger.snapshot().get("ettr")
-    return float(value) if isinstance(value, int | float) else None
+def attach_feed(replica: Replica) -> DashboardFeed:
+    """The replica's feed (built and subscribed to the event bus by ``runtime.compose``:
+    every stored report, for steps, power samples and a wake-up, and every opened
+    incident, for a wake-up)."""
+    return replica.services.dashboard
 
 
 def feed_of(request: Request) -> DashboardFeed:
@@ -84,18 +62,18 @@ def feed_of(request: Request) -> DashboardFeed:
 async def ack_incident(
     id: int = Path(ge=1, le=2**62),
     principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Say that someone is on it. The incident stays open (resolve it when the fault is
     fixed); the acknowledgement is an action row (``ack_incident``, target
     ``incident:{id}``), so it is audited like every other operator action."""
     incident_id = id
-    if controller.state.incidents.get(incident_id) is None:
-        found = await controller.store.read(lambda s: queries.get_incident(s, incident_id))
+    if services.state.incidents.get(incident_id) is None:
+        found = await services.store.read(lambda s: queries.get_incident(s, incident_id))
         if found is None:
             raise NotFound(f"incident {id} not found")
         raise Conflict(f"incident {id} is resolved already; nothing to acknowledge")
-    action = await controller.actions.create(
+    action = await services.actions.create(
         kind="ack_incident",
         target=f"incident:{id}",
         trigger=f"operator:{principal.name}",
@@ -158,15 +136,15 @@ async def get_node_history(
     window_s: float = Query(3600.0, gt=0, le=MAX_WINDOW_S, description="Seconds back from now"),
     points: int = Query(240, ge=10, le=2000, description="Most buckets per GPU"),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Per-GPU power, temperature, SM clock, utilization, ECC totals and active throttle
     reasons, averaged (maxima for temperature and ECC) into at most ``points`` buckets."""
-    if name not in controller.state.nodes:
+    if name not in services.state.nodes:
         raise NotFound(f"node {name!r} not found; it appears after its first report")
     now = time.time()
     since = now - window_s
-    return await controller.store.read(lambda s: node_history(s, name, since, now, points))
+    return await services.store.read(lambda s: node_history(s, name, since, now, points))
 
 
 @router.get(
@@ -196,12 +174,12 @@ async def list_job_checkpoints(
     name: str = Path(max_length=253),
     limit: int = Query(200, ge=1, le=5000),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Checkpoint events the job's ranks reported (kind is the tier), newest first."""
-    if name not in controller.state.jobs:
+    if name not in services.state.jobs:
         raise NotFound(f"job {name!r} not found")
-    data = await controller.store.read(lambda s: job_checkpoints(s, name, limit))
+    data = await services.store.read(lambda s: job_checkpoints(s, name, limit))
     return {"data": data, "count": len(data)}
 
 
@@ -223,10 +201,10 @@ async def get_power_history(
 async def get_plan_links(
     plan_id: str = Path(max_length=64),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Bytes per link under the plan and under one seeded ECMP draw, busiest first."""
-    live = controller.traffic.plans.get(plan_id)
+    live = services.traffic.plans.get(plan_id)
     if live is None:
         raise NotFound(f"plan {plan_id!r} not found")
     data = await asyncio.to_thread(plan_links, live.plan)

@@ -1,16 +1,20 @@
-"""Dependencies shared by routers: the controller instance and role checks."""
+"""Dependencies shared by routers: the services they use, the replica, role checks.
+
+Routers never import ``controller.runtime``: they declare ``services: Services =
+ServicesDep`` (or ``replica: Replica = ReplicaDep`` for leadership and readiness).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Depends, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from controller.auth import READ_ROLES, REPORT_ROLES, WRITE_ROLES, Principal
-from controller.runtime import Controller
 from controller.schemas import ErrorPublic
+from controller.services.container import Services
 from controller.settings import Role
 
 _bearer = HTTPBearer(auto_error=False, description="Token with role agent, viewer or operator")
@@ -22,9 +26,36 @@ PROXIED_TOKEN_HEADER = "x-trainguard-token"
 MAX_PAGE = 5000
 
 
-def get_controller(request: Request) -> Controller:
-    controller: Controller = request.app.state.controller
-    return controller
+class Replica(Protocol):
+    """What routes may ask of the running replica (``controller.runtime.Controller``)
+    beyond its services: whether it leads, lives and is ready, and what it runs."""
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def database(self) -> str: ...
+
+    @property
+    def services(self) -> Services: ...
+
+    @property
+    def acting(self) -> bool: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    async def ready(self) -> tuple[bool, str]: ...
+
+
+def get_replica(request: Request) -> Replica:
+    replica: Replica = request.app.state.controller
+    return replica
+
+
+def get_services(request: Request) -> Services:
+    """Every service, as the composition root built them; a route uses the ones it needs."""
+    return get_replica(request).services
 
 
 def _require(allowed: frozenset[Role], *, read: bool) -> Callable[..., Awaitable[Principal]]:
@@ -32,12 +63,11 @@ def _require(allowed: frozenset[Role], *, read: bool) -> Callable[..., Awaitable
         request: Request,
         _credentials: HTTPAuthorizationCredentials | None = Security(_bearer),
     ) -> Principal:
-        controller = get_controller(request)
         authorization = request.headers.get("authorization")
         proxied = request.headers.get(PROXIED_TOKEN_HEADER)
         if not authorization and proxied:
             authorization = f"Bearer {proxied}"
-        return controller.auth.authorize(authorization, allowed, read=read)
+        return get_services(request).auth.authorize(authorization, allowed, read=read)
 
     return dependency
 
@@ -46,7 +76,10 @@ require_viewer = _require(READ_ROLES, read=True)
 require_operator = _require(WRITE_ROLES, read=False)
 require_agent = _require(REPORT_ROLES, read=False)
 
-ControllerDep = Depends(get_controller)
+ServicesDep = Depends(get_services)
+ReplicaDep = Depends(get_replica)
+#: The replica itself, for routes not yet moved to ``ServicesDep`` (typed as ``Replica``).
+ControllerDep = ReplicaDep
 
 
 class Page:

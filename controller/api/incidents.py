@@ -9,16 +9,16 @@ from fastapi import APIRouter, Depends, Path, Query
 from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
-    ControllerDep,
     Page,
+    ServicesDep,
     require_operator,
     require_viewer,
 )
 from controller.auth import Principal
 from controller.errors import Conflict, NotFound
-from controller.runtime import Controller
 from controller.schemas import IncidentPublic, IncidentsPublic
 from controller.services import queries
+from controller.services.container import Services
 
 router = APIRouter(tags=["incidents"])
 
@@ -38,9 +38,9 @@ async def list_incidents(
     job: str | None = Query(None, max_length=253),
     page: Page = Depends(),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> IncidentsPublic:
-    data, count = await controller.store.read(
+    data, count = await services.store.read(
         lambda s: queries.list_incidents(
             s, state=state, kind=kind, node=node, job=job, limit=page.limit, offset=page.offset
         )
@@ -57,10 +57,10 @@ async def list_incidents(
 async def get_incident(
     id: int = IncidentId,
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> IncidentPublic:
     incident_id = id
-    found = await controller.store.read(lambda s: queries.get_incident(s, incident_id))
+    found = await services.store.read(lambda s: queries.get_incident(s, incident_id))
     if found is None:
         raise NotFound(f"incident {id} not found")
     return found
@@ -75,16 +75,16 @@ async def get_incident(
 async def resolve_incident(
     id: int = IncidentId,
     principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> IncidentPublic:
     incident_id = id
-    incident = controller.state.incidents.get(incident_id)
+    incident = services.state.incidents.get(incident_id)
     if incident is None:
-        found = await controller.store.read(lambda s: queries.get_incident(s, incident_id))
+        found = await services.store.read(lambda s: queries.get_incident(s, incident_id))
         if found is None:
             raise NotFound(f"incident {id} not found")
         raise Conflict(f"incident {id} is already resolved")
-    await controller.incidents.resolve(incident, note=f"resolved by {principal.name}")
-    found = await controller.store.read(lambda s: queries.get_incident(s, incident_id))
+    await services.incidents.resolve(incident, note=f"resolved by {principal.name}")
+    found = await services.store.read(lambda s: queries.get_incident(s, incident_id))
     assert found is not None
     return found

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Path
 
-from controller.api.deps import AUTH_ERRORS, NOT_FOUND, ControllerDep, Page, require_viewer
+from controller.api.deps import AUTH_ERRORS, NOT_FOUND, Page, ServicesDep, require_viewer
 from controller.auth import Principal
 from controller.errors import NotFound
-from controller.runtime import Controller
 from controller.schemas import JobDetail, JobsPublic
 from controller.services import queries
+from controller.services.container import Services
 
 router = APIRouter(tags=["jobs"])
 
@@ -18,10 +18,10 @@ router = APIRouter(tags=["jobs"])
 async def list_jobs(
     page: Page = Depends(),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> JobsPublic:
-    state = controller.state
-    window = controller.settings.node_lost_after_s
+    state = services.state
+    window = services.settings.node_lost_after_s
     jobs = sorted(state.jobs.values(), key=lambda j: j.name)
     data = [
         queries.job_public(state, j, active_within_s=window)
@@ -39,11 +39,11 @@ async def list_jobs(
 async def get_job(
     name: str = Path(max_length=253),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> JobDetail:
-    job = controller.state.jobs.get(name)
+    job = services.state.jobs.get(name)
     if job is None:
         raise NotFound(f"job {name!r} not found")
     return queries.job_detail(
-        controller.state, job, active_within_s=controller.settings.node_lost_after_s
+        services.state, job, active_within_s=services.settings.node_lost_after_s
     )

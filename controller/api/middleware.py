@@ -19,10 +19,9 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controller.api.deps import PROXIED_TOKEN_HEADER
+from controller.api.deps import PROXIED_TOKEN_HEADER, Replica
 from controller.api.handlers import payload_too_large
 from controller.errors import ControllerError, InvalidInput, MalformedBody, Unauthenticated
-from controller.runtime import Controller
 from controller.services.agent_identity import IdentityResolver
 from controller.validation import json_body_problem
 from trainguard.wire import API_PREFIX
@@ -34,9 +33,9 @@ _PROXIED = PROXIED_TOKEN_HEADER.encode()
 class AuthGate:
     """401 before the body is read for any ``/api/`` request without a known token."""
 
-    def __init__(self, app: ASGIApp, *, controller: Controller, resolver: IdentityResolver) -> None:
+    def __init__(self, app: ASGIApp, *, controller: Replica, resolver: IdentityResolver) -> None:
         self.app = app
-        self.controller = controller
+        self.services = controller.services
         self.resolver = resolver
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -54,7 +53,7 @@ class AuthGate:
             authorization = f"Bearer {proxied}"
         try:
             if authorization is None:
-                anonymous_ok = self.controller.auth.allow_anonymous_read
+                anonymous_ok = self.services.auth.allow_anonymous_read
                 if not (anonymous_ok and scope["method"] in READ_METHODS):
                     raise Unauthenticated("missing bearer token (Authorization: Bearer <token>)")
             else:

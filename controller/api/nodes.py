@@ -10,16 +10,16 @@ from fastapi import APIRouter, Body, Depends, Path, Query
 from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
-    ControllerDep,
     Page,
+    ServicesDep,
     require_operator,
     require_viewer,
 )
 from controller.auth import Principal
 from controller.errors import NotFound
-from controller.runtime import Controller
 from controller.schemas import CommandPublic, CommandRequest, NodeDetail, NodesPublic
 from controller.services import queries
+from controller.services.container import Services
 
 router = APIRouter(tags=["nodes"])
 
@@ -32,9 +32,9 @@ async def list_nodes(
     health: Literal["healthy", "unhealthy", "lost", "unknown"] | None = Query(None),
     page: Page = Depends(),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> NodesPublic:
-    nodes = queries.list_nodes(controller.state, health)
+    nodes = queries.list_nodes(services.state, health)
     return NodesPublic(data=nodes[page.offset : page.offset + page.limit], count=len(nodes))
 
 
@@ -48,14 +48,14 @@ async def get_node(
     name: str = NodeName,
     history_s: float = Query(600.0, ge=0, le=MAX_HISTORY_S, description="History window (s)"),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> NodeDetail:
-    node = controller.state.nodes.get(name)
+    node = services.state.nodes.get(name)
     if node is None:
         raise NotFound(f"node {name!r} not found")
     since = time.time() - history_s
-    history = await controller.store.read(lambda s: queries.gpu_history(s, name, since))
-    return queries.node_detail(controller.state, node, history)
+    history = await services.store.read(lambda s: queries.gpu_history(s, name, since))
+    return queries.node_detail(services.state, node, history)
 
 
 @router.post(
@@ -69,7 +69,7 @@ async def create_command(
     name: str = NodeName,
     command: CommandRequest = Body(),
     principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> CommandPublic:
-    created = await controller.commands.create(name, command, by=principal.name)
+    created = await services.commands.create(name, command, by=principal.name)
     return queries.command_public(created)

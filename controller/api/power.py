@@ -10,13 +10,13 @@ from fastapi import APIRouter, Body, Depends, Path
 from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
-    ControllerDep,
+    ServicesDep,
     require_operator,
     require_viewer,
 )
 from controller.auth import Principal
-from controller.runtime import Controller
 from controller.schemas import ErrorPublic
+from controller.services.container import Services
 from controller.services.power.schemas import (
     JobPriorityBody,
     JobPriorityPublic,
@@ -40,9 +40,9 @@ _INVALID: dict[int | str, dict[str, Any]] = {
 )
 async def get_power_domains(
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> PowerDomainsPublic:
-    return controller.power.view()
+    return services.power.view()
 
 
 @router.put(
@@ -54,9 +54,9 @@ async def get_power_domains(
 async def put_power_domains(
     tree: dict[str, Any] = Body(description="Domain tree: name, kind, budget_w, children"),
     _principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> PowerDomainsPublic:
-    return await controller.power.replace_tree(tree)
+    return await services.power.replace_tree(tree)
 
 
 @router.put(
@@ -69,9 +69,9 @@ async def put_node_priority(
     body: PriorityBody,
     name: str = Path(max_length=253),
     _principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> PriorityPublic:
-    return await controller.power.set_priority(name, body.priority)
+    return await services.power.set_priority(name, body.priority)
 
 
 @router.put(
@@ -84,6 +84,6 @@ async def put_job_priority(
     body: JobPriorityBody,
     name: str = Path(max_length=253),
     _principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> JobPriorityPublic:
-    return await controller.power.set_job_priority(name, body.priority)
+    return await services.power.set_job_priority(name, body.priority)

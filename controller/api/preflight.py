@@ -14,15 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
-    ControllerDep,
+    ServicesDep,
     require_operator,
     require_viewer,
 )
 from controller.auth import Principal
 from controller.errors import NotFound
-from controller.runtime import Controller
 from controller.schemas import CommandPublic
 from controller.services import queries
+from controller.services.container import Services
 from trainguard import wire
 
 router = APIRouter(tags=["preflight"])
@@ -49,11 +49,11 @@ async def start_preflight(
     name: str = NodeName,
     request: PreflightRequest | None = Body(None),
     principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> CommandPublic:
     expected = request.expected_nic_rate_gbps if request is not None else None
     command = wire.RunPreflight(id="new", expected_nic_rate_gbps=expected)
-    created = await controller.commands.create(name, command, by=principal.name)
+    created = await services.commands.create(name, command, by=principal.name)
     return queries.command_public(created)
 
 
@@ -67,9 +67,9 @@ async def get_preflight(
     name: str = NodeName,
     command_id: str = Path(max_length=64),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> CommandPublic:
-    command = controller.state.commands.get(command_id)
+    command = services.state.commands.get(command_id)
     if command is None or command.node != name or command.kind != "run_preflight":
         raise NotFound(f"no recent preflight {command_id!r} on node {name!r}")
     return queries.command_public(command)

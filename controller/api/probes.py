@@ -6,9 +6,9 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controller.api.deps import ControllerDep
-from controller.runtime import Controller
+from controller.api.deps import Replica, ReplicaDep, ServicesDep
 from controller.schemas import HealthzPublic, ReadyzPublic
+from controller.services.container import Services
 
 router = APIRouter(tags=["probes"])
 
@@ -19,9 +19,9 @@ router = APIRouter(tags=["probes"])
     response_model=HealthzPublic,
     responses={503: {"model": HealthzPublic, "description": "Writer stopped"}},
 )
-async def healthz(controller: Controller = ControllerDep) -> Response:
+async def healthz(replica: Replica = ReplicaDep) -> Response:
     """Liveness from cached state only: never touches the database."""
-    if not controller.alive:
+    if not replica.alive:
         return JSONResponse({"status": "writer_stopped"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -32,13 +32,13 @@ async def healthz(controller: Controller = ControllerDep) -> Response:
     response_model=ReadyzPublic,
     responses={503: {"model": ReadyzPublic, "description": "Not ready"}},
 )
-async def readyz(controller: Controller = ControllerDep) -> Response:
-    ok, detail = await controller.ready()
+async def readyz(replica: Replica = ReplicaDep) -> Response:
+    ok, detail = await replica.ready()
     if ok:
         return JSONResponse({"status": "ready", "detail": ""})
     return JSONResponse({"status": "not_ready", "detail": detail}, status_code=503)
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(controller: Controller = ControllerDep) -> Response:
-    return Response(generate_latest(controller.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(services: Services = ServicesDep) -> Response:
+    return Response(generate_latest(services.metrics.registry), media_type=CONTENT_TYPE_LATEST)

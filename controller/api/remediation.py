@@ -11,14 +11,14 @@ from pydantic import BaseModel, Field
 from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
-    ControllerDep,
+    ServicesDep,
     require_operator,
     require_viewer,
 )
 from controller.auth import Principal
 from controller.errors import Conflict, NotFound
 from controller.logic.remediation.rules import Policy
-from controller.runtime import Controller
+from controller.services.container import Services
 
 router = APIRouter(tags=["remediation"])
 
@@ -26,10 +26,10 @@ router = APIRouter(tags=["remediation"])
 @router.get("/remediation", operation_id="get_remediation", responses=AUTH_ERRORS)
 async def get_remediation(
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """The policy in force, the remediations it ran (newest first) and isolated nodes."""
-    engine = controller.remediation
+    engine = services.remediation
     return {**engine.snapshot(), "policy": engine.policy.model_dump(mode="json")}
 
 
@@ -37,12 +37,12 @@ async def get_remediation(
 async def put_policy(
     policy: Policy = Body(),
     principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Replace the policy (validated strictly; 422 names the field). It lasts until the
     controller restarts, which reads ``policy_file`` again: keep the file the source of truth."""
-    controller.remediation.policy = policy
-    await controller.actions.create(
+    services.remediation.policy = policy
+    await services.actions.create(
         kind="set_policy",
         target="remediation",
         trigger=f"operator:{principal.name}",
@@ -58,20 +58,20 @@ class IsolationRequest(BaseModel):
 
 
 async def _node_action(
-    controller: Controller, name: str, principal: Principal, *, isolate: bool, reason: str
+    services: Services, name: str, principal: Principal, *, isolate: bool, reason: str
 ) -> dict[str, Any]:
-    node = controller.state.nodes.get(name)
+    node = services.state.nodes.get(name)
     if node is None:
         raise NotFound(f"node {name!r} not found; it appears after its first report")
     if isolate == (node.isolated_reason is not None):
         state = "isolated" if isolate else "not isolated"
         raise Conflict(f"node {name!r} is already {state}")
-    engine = controller.remediation
+    engine = services.remediation
     kind = "isolate_node" if isolate else "release_node"
     started = time.time()
     ok, outcome = await engine.apply_isolation(name, isolate=isolate, reason=reason)
     status = "succeeded" if ok else "failed"
-    action = await controller.actions.create(
+    action = await services.actions.create(
         kind=kind,
         target=name,
         trigger=f"operator:{principal.name}",
@@ -94,10 +94,10 @@ async def isolate_node(
     name: str = Path(max_length=253),
     body: IsolationRequest = Body(),
     principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Keep work off a node (cordon + taint on Kubernetes) until it is released."""
-    return await _node_action(controller, name, principal, isolate=True, reason=body.reason)
+    return await _node_action(services, name, principal, isolate=True, reason=body.reason)
 
 
 @router.post(
@@ -109,11 +109,11 @@ async def release_node(
     name: str = Path(max_length=253),
     body: IsolationRequest | None = Body(default=None),
     principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Put an isolated node back into service (after repair, or a false alarm)."""
     reason = body.reason if body else f"released by {principal.name}"
-    return await _node_action(controller, name, principal, isolate=False, reason=reason)
+    return await _node_action(services, name, principal, isolate=False, reason=reason)
 
 
 @router.get(
@@ -124,10 +124,10 @@ async def release_node(
 async def job_goodput(
     name: str = Path(max_length=253),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Productive vs. lost time of a job, and what each incident cost it."""
-    book = controller.remediation.jobs.get(name)
+    book = services.remediation.jobs.get(name)
     if book is None:
         raise NotFound(f"job {name!r} has no goodput record; it starts with the job's first step")
     return book.ledger.snapshot()

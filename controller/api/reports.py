@@ -21,14 +21,15 @@ from controller.api.deps import (
     BAD_BODY,
     TOO_LARGE,
     UNAVAILABLE,
-    ControllerDep,
+    Replica,
+    ServicesDep,
     require_agent,
 )
 from controller.api.handlers import error_payload, payload_too_large
 from controller.auth import REPORT_ROLES, Principal
 from controller.errors import ControllerError, InvalidInput, MalformedBody
-from controller.runtime import Controller
 from controller.services.agent_identity import check_reporting_node
+from controller.services.container import Services
 from controller.services.ingest import parse_report
 from controller.validation import json_body_problem
 from trainguard import wire
@@ -56,7 +57,7 @@ REPORT_BODY = {
 }
 
 
-async def handle_report(controller: Controller, body: bytes, principal: Principal) -> bytes:
+async def handle_report(services: Services, body: bytes, principal: Principal) -> bytes:
     """Parse, check the agent may speak for the report's node, store, and return the JSON
     reply (the role already checked)."""
     try:
@@ -68,9 +69,9 @@ async def handle_report(controller: Controller, body: bytes, principal: Principa
             raise InvalidInput(problem) from None
         raise
     check_reporting_node(
-        principal, report.node.name, allow_shared=controller.settings.allow_shared_agent_tokens
+        principal, report.node.name, allow_shared=services.settings.allow_shared_agent_tokens
     )
-    reply = await controller.ingest.ingest(report)
+    reply = await services.ingest.ingest(report)
     return reply.model_dump_json().encode()
 
 
@@ -85,18 +86,18 @@ async def handle_report(controller: Controller, body: bytes, principal: Principa
 async def post_report(
     request: Request,
     principal: Principal = Depends(require_agent),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> Response:
-    payload = await handle_report(controller, await request.body(), principal)
+    payload = await handle_report(services, await request.body(), principal)
     return Response(payload, media_type="application/json")
 
 
 class ReportFastPath:
     """Serve ``POST /api/v1/reports`` without FastAPI's per-request overhead."""
 
-    def __init__(self, app: ASGIApp, *, controller: Controller, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, controller: Replica, max_bytes: int) -> None:
         self.app = app
-        self.controller = controller
+        self.services = controller.services
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -128,7 +129,7 @@ class ReportFastPath:
                 authorization = value.decode("latin-1")
             elif name == b"content-length":
                 length = int(value) if value.isdigit() else None
-        principal = self.controller.auth.authorize(authorization, REPORT_ROLES, read=False)
+        principal = self.services.auth.authorize(authorization, REPORT_ROLES, read=False)
         if length is not None and length > self.max_bytes:
             raise payload_too_large(self.max_bytes)
         chunks: list[bytes] = []
@@ -144,4 +145,4 @@ class ReportFastPath:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return await handle_report(self.controller, b"".join(chunks), principal)
+        return await handle_report(self.services, b"".join(chunks), principal)

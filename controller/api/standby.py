@@ -14,7 +14,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from controller.runtime import Controller
+from controller.api.deps import Replica
 from trainguard import wire
 
 STATUS_PATH = f"{wire.API_PREFIX}/status"
@@ -23,20 +23,20 @@ STATUS_PATH = f"{wire.API_PREFIX}/status"
 class StandbyGate:
     """Plain ASGI layer in front of everything (including the report fast path)."""
 
-    def __init__(self, app: ASGIApp, *, controller: Controller) -> None:
+    def __init__(self, app: ASGIApp, *, controller: Replica) -> None:
         self.app = app
-        self.controller = controller
+        self.replica = controller
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] != "http"
-            or self.controller.acting
+            or self.replica.acting
             or not scope["path"].startswith("/api/")
             or (scope["path"] == STATUS_PATH and scope["method"] == "GET")
         ):
             await self.app(scope, receive, send)
             return
-        body = json.dumps({"detail": self.controller.leader.detail}).encode()
+        body = json.dumps({"detail": self.replica.services.leader.detail}).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from controller.api.deps import AUTH_ERRORS, ControllerDep, require_viewer
+from controller.api.deps import AUTH_ERRORS, Replica, ReplicaDep, ServicesDep, require_viewer
 from controller.auth import Principal
-from controller.runtime import Controller
 from controller.schemas import StatusPublic
 from controller.services import queries
+from controller.services.container import Services
 
 router = APIRouter(tags=["status"])
 
@@ -17,9 +17,9 @@ router = APIRouter(tags=["status"])
     "/status", operation_id="get_status", response_model=StatusPublic, responses=AUTH_ERRORS
 )
 async def get_status(
-    _principal: Principal = Depends(require_viewer), controller: Controller = ControllerDep
+    _principal: Principal = Depends(require_viewer),
+    services: Services = ServicesDep,
+    replica: Replica = ReplicaDep,
 ) -> StatusPublic:
-    summary = queries.status(
-        controller.state, version=controller.version, database=controller.database
-    )
-    return summary.model_copy(update={"leader": controller.acting})
+    summary = queries.status(services.state, version=replica.version, database=replica.database)
+    return summary.model_copy(update={"leader": replica.acting})

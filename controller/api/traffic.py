@@ -14,13 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
-    ControllerDep,
+    ServicesDep,
     require_operator,
     require_viewer,
 )
 from controller.auth import Principal
-from controller.runtime import Controller
 from controller.schemas import ErrorPublic
+from controller.services.container import Services
 from controller.services.traffic import views
 from controller.services.traffic.placement import Layout
 
@@ -76,10 +76,10 @@ class PlanRequest(BaseModel):
 
 @router.get("/topology", operation_id="get_topology", responses={**AUTH_ERRORS, **CONFLICT})
 async def get_topology(
-    _principal: Principal = Depends(require_viewer), controller: Controller = ControllerDep
+    _principal: Principal = Depends(require_viewer), services: Services = ServicesDep
 ) -> dict[str, Any]:
-    await controller.traffic.refresh_fabric()  # label mode: nodes may have (re)labelled
-    return views.topology_summary(controller.traffic)
+    await services.traffic.refresh_fabric()  # label mode: nodes may have (re)labelled
+    return views.topology_summary(services.traffic)
 
 
 @router.post(
@@ -91,9 +91,9 @@ async def set_link_state(
     link: str = Path(max_length=512),
     body: LinkStateRequest = Body(),
     principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
-    return await controller.traffic.set_links(
+    return await services.traffic.set_links(
         [(link, body.factor())], reason=f"link {body.state} by {principal.name}"
     )
 
@@ -107,20 +107,20 @@ async def set_link_state(
 async def create_plan(
     body: PlanRequest = Body(),
     principal: Principal = Depends(require_operator),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     layout = Layout(**body.layout.model_dump())
-    plan_id = await controller.traffic.create_plan(
+    plan_id = await services.traffic.create_plan(
         body.job, layout, replace=body.replace, by=principal.name
     )
-    return views.plan_detail(controller.traffic, plan_id)
+    return views.plan_detail(services.traffic, plan_id)
 
 
 @router.get("/plans", operation_id="list_plans", responses=AUTH_ERRORS)
 async def list_plans(
-    _principal: Principal = Depends(require_viewer), controller: Controller = ControllerDep
+    _principal: Principal = Depends(require_viewer), services: Services = ServicesDep
 ) -> dict[str, Any]:
-    data = views.list_plans(controller.traffic)
+    data = views.list_plans(services.traffic)
     return {"data": data, "count": len(data)}
 
 
@@ -128,6 +128,6 @@ async def list_plans(
 async def get_plan(
     plan_id: str = Path(max_length=64),
     _principal: Principal = Depends(require_viewer),
-    controller: Controller = ControllerDep,
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
-    return views.plan_detail(controller.traffic, plan_id)
+    return views.plan_detail(services.traffic, plan_id)

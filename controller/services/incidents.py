@@ -20,6 +20,7 @@ from sqlalchemy import Connection, Table
 from controller.db.keys import RowKey
 from controller.db.repositories import incidents as repo
 from controller.db.repositories import write_batch
+from controller.services.events import EventBus, IncidentOpened
 from controller.state import ClusterState, IncidentState
 from controller.store import Store
 
@@ -43,15 +44,14 @@ class IncidentSpec:
 
 
 class IncidentService:
-    def __init__(self, state: ClusterState, store: Store) -> None:
+    def __init__(self, state: ClusterState, store: Store, events: EventBus | None = None) -> None:
         self._state = state
         self._store = store
+        #: A new incident (not a bump) is announced as :class:`IncidentOpened`.
+        self._events = events if events is not None else EventBus()
         #: Called when an incident is resolved, before it is written; each returns the keys
         #: of rows it changed (e.g. a GPU back to healthy), written in the same transaction.
         self.resolve_hooks: list[Callable[[IncidentState], set[RowKey]]] = []
-        #: Called after a new incident is stored (not on bumps), e.g. the traffic planner
-        #: reacting to ``slow_link``; a hook that raises is logged and does not stop the rest.
-        self.open_hooks: list[Callable[[IncidentState], None]] = []
 
     def find_open(self, dedupe_key: str) -> IncidentState | None:
         return self._state.incidents_by_key.get(dedupe_key)
@@ -132,13 +132,7 @@ class IncidentService:
         incident.id = await self._store.write(insert)
         incident_id = incident.id
         self._state.add_incident(incident)
-        for hook in self.open_hooks:
-            try:
-                hook(incident)
-            except Exception:
-                log.exception(
-                    "incident open hook failed", extra={"fields": {"incident": incident_id}}
-                )
+        self._events.publish(IncidentOpened(incident))
         log.warning(
             "incident opened",
             extra={
@@ -201,4 +195,3 @@ class IncidentService:
             if row is not None:
                 rows.setdefault(key.table, []).append(row)
         return rows
-

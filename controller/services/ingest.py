@@ -4,7 +4,7 @@ Path of one report (all on the event loop except the commit)::
 
     bytes --validate--> Report --dedupe--> apply to ClusterState --> Contribution
        --> GroupCommitWriter (one transaction for many reports, on the writer thread)
-       --> on commit: cursor advances, counters, observers (detectors) --> ReportReply
+       --> on commit: cursor advances, counters, NodeReported (detectors) --> ReportReply
 
 Dedupe is per ``(node, agent_instance)``: a ``seq`` at or below the committed high-water mark
 is a duplicate (200, ``duplicate: true``, nothing counted); a retry of a report still being
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -31,7 +30,7 @@ from controller.db.keys import CommandKey, CursorKey, GpuKey, JobKey, NodeKey, R
 from controller.db.models import Base, Checkpoint, GpuHistory
 from controller.errors import ControllerError, InvalidInput, MalformedBody, StoreUnavailable
 from controller.services.commands import to_wire
-from controller.services.detection import ReportObserver
+from controller.services.events import EventBus, JobRecordsReported, NodeReported
 from controller.services.metrics import ControllerMetrics
 from controller.state import (
     ClusterState,
@@ -69,13 +68,14 @@ class IngestService:
         state: ClusterState,
         writer: GroupCommitWriter,
         metrics: ControllerMetrics,
-        observers: Sequence[ReportObserver] = (),
+        events: EventBus,
     ) -> None:
         self._state = state
         self._writer = writer
         self._metrics = metrics
-        #: Called, in order, with each report once it is durable. Detectors append here.
-        self.observers: list[ReportObserver] = list(observers)
+        #: Each durable report is announced here (:class:`NodeReported`, and
+        #: :class:`JobRecordsReported` when it carries job records); detectors subscribe.
+        self._events = events
 
     async def ingest(self, report: wire.Report) -> wire.ReportReply:
         started = time.perf_counter()
@@ -149,14 +149,12 @@ class IngestService:
         return wire.ReportReply(seq=report.seq, duplicate=True, server_unix_s=time.time())
 
     async def _observe(self, report: wire.Report, received: float) -> None:
-        for observer in self.observers:
-            try:
-                await observer.on_report(report, received)
-            except Exception:
-                log.exception(
-                    "report observer failed",
-                    extra={"fields": {"observer": type(observer).__name__}},
-                )
+        """Announce the durable report; the reply waits (bounded, see
+        :mod:`controller.services.events`) until the consumers keeping up have seen it."""
+        deliveries = [self._events.deliver(NodeReported(report, received))]
+        if not report.job.is_empty():
+            deliveries.append(self._events.deliver(JobRecordsReported(report, received)))
+        await asyncio.gather(*deliveries)
 
     # ------------------------------------------------------------------ state updates
 

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from controller.services.events import EventBus
 from controller.state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,12 @@ class ControllerMetrics:
             registry=r,
         )
         r.register(_StateCollector(state, db_commits, is_leader))
+
+    def observe_batch(self, reports: int, seconds: float) -> None:
+        """The group-commit writer's report after each commit."""
+        if reports:
+            self.batch_reports.observe(reports)
+        self.commit_seconds.observe(seconds)
 
 
 class SafeCollector(Collector):
@@ -136,3 +143,32 @@ class _StateCollector(SafeCollector):
         )
         commits.add_metric([], self._db_commits())
         yield commits
+
+
+class EventBusCollector(SafeCollector):
+    """Per subscriber of the event bus: events handled, dropped (queue full) and queued."""
+
+    def __init__(self, events: EventBus) -> None:
+        self._events = events
+
+    def _collect(self) -> Iterator[Metric]:
+        labels = ["subscriber", "event"]
+        delivered = CounterMetricFamily(
+            "trainguard_events_delivered", "Events a subscriber has handled", labels=labels
+        )
+        dropped = CounterMetricFamily(
+            "trainguard_events_dropped",
+            "Events dropped for a subscriber whose queue was full (it was too slow)",
+            labels=labels,
+        )
+        backlog = GaugeMetricFamily(
+            "trainguard_events_backlog", "Events queued for a subscriber", labels=labels
+        )
+        for sub in self._events.subscriptions():
+            key = [sub.name, sub.event_type.__name__]
+            delivered.add_metric(key, sub.delivered)
+            dropped.add_metric(key, sub.dropped)
+            backlog.add_metric(key, sub.backlog)
+        yield delivered
+        yield dropped
+        yield backlog

@@ -113,19 +113,21 @@ def test_acknowledged_reports_survive_a_restart(live_controller, ctl_report, ctl
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_observers_see_each_stored_report_once(live_controller, ctl_report) -> None:
-    """The hook later detectors plug into: called once per durable report, never for a
-    duplicate, and a failing observer does not fail the report."""
+    """The event detectors subscribe to: ``NodeReported`` once per durable report, never for
+    a duplicate, seen before the reply, and a failing subscriber does not fail the report."""
+    from controller.services.events import NodeReported
+
     seen: list[tuple[str, int]] = []
 
-    class Recorder:
-        async def on_report(self, report, received_unix_s: float) -> None:
-            seen.append((report.node.name, report.seq))
+    async def record(event: NodeReported) -> None:
+        seen.append((event.report.node.name, event.report.seq))
 
-    class Broken:
-        async def on_report(self, report, received_unix_s: float) -> None:
-            raise RuntimeError("detector bug")
+    async def broken(event: NodeReported) -> None:
+        raise RuntimeError("detector bug")
 
-    live_controller.controller.ingest.observers[:0] = [Broken(), Recorder()]
+    events = live_controller.controller.events
+    events.subscribe(NodeReported, broken, name="test-broken")
+    events.subscribe(NodeReported, record, name="test-recorder")
     agent = live_controller.headers("agent")
     with httpx.Client(base_url=live_controller.url, timeout=10) as client:
         for seq in (0, 1, 1):

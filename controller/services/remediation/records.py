@@ -9,6 +9,9 @@ from typing import Any
 from controller.logic.remediation.goodput import GoodputLedger
 from controller.state import IncidentState
 
+#: Incident kinds that are hardware evidence against the node they name.
+HARDWARE_KINDS = frozenset({"gpu_fault", "node_lost"})
+
 
 @dataclass(slots=True)
 class Remediation:

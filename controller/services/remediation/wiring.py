@@ -1,27 +1,35 @@
 """Build the remediation engine from settings: its policy, its actuator, its local jobs.
 
-Kept apart from ``controller.runtime`` so the choice of actuator (and the Kubernetes
-client it needs) is made in one place, and the local jobs file is validated at start with
-an error that names the field.
+Called by the composition root (``controller.runtime``) with exactly the collaborators the
+engine uses; the choice of actuator (and the Kubernetes client it needs) is made here, in
+one place, and the local jobs file is validated at start with an error that names the field.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from controller.actuators.base import Actuator, Placement
 from controller.actuators.local import LocalJobSpec, LocalProcessActuator
-from controller.logic.remediation.rules import PolicyError, first_error, load_policy, read_document
+from controller.logic.remediation.rules import (
+    Policy,
+    PolicyError,
+    first_error,
+    load_policy,
+    read_document,
+)
+from controller.services.actions import ActionService
+from controller.services.commands import CommandService
+from controller.services.incidents import IncidentService
+from controller.services.nodes import NodeRecords
 from controller.services.remediation.engine import RemediationEngine
 from controller.settings import ControllerSettings
-
-if TYPE_CHECKING:
-    from controller.runtime import Controller
+from controller.state import ClusterState
+from controller.store import Store
 
 
 class LocalJob(BaseModel):
@@ -99,9 +107,14 @@ def load_local_jobs(path: Path) -> list[LocalJob]:
     return jobs
 
 
-def build_actuator(settings: ControllerSettings) -> Actuator | None:
+def build_actuator(
+    settings: ControllerSettings, local_jobs: Sequence[LocalJob] = ()
+) -> Actuator | None:
+    """The actuator the settings name; the local one gets the jobs it launches at start."""
+    if local_jobs and settings.actuator != "local":
+        raise PolicyError("local_jobs_file is set but the actuator is not 'local'")
     if settings.actuator == "local":
-        return LocalProcessActuator()
+        return LocalProcessActuator(jobs=[(job.spec(), job.placement()) for job in local_jobs])
     if settings.actuator == "kubernetes":
         from controller.actuators.kubernetes import KubernetesActuator
 
@@ -109,24 +122,36 @@ def build_actuator(settings: ControllerSettings) -> Actuator | None:
     return None
 
 
-def build_remediation(
-    settings: ControllerSettings, controller: Controller, is_leader: Callable[[], bool]
-) -> RemediationEngine:
+def load_remediation_policy(settings: ControllerSettings) -> Policy:
+    """The policy file, with ``policy_dry_run`` (if set) overriding its ``dry_run``."""
     policy = load_policy(settings.policy_file)
     if settings.policy_dry_run is not None:
         policy = policy.model_copy(update={"dry_run": settings.policy_dry_run})
+    return policy
+
+
+def build_remediation(
+    settings: ControllerSettings,
+    *,
+    state: ClusterState,
+    store: Store,
+    incidents: IncidentService,
+    commands: CommandService,
+    actions: ActionService,
+    nodes: NodeRecords,
+    is_leader: Callable[[], bool],
+) -> RemediationEngine:
+    """The engine with its policy and actuator, both chosen by the settings."""
+    policy = load_remediation_policy(settings)
     local_jobs = load_local_jobs(settings.local_jobs_file) if settings.local_jobs_file else []
-    if local_jobs and settings.actuator != "local":
-        raise PolicyError("local_jobs_file is set but the actuator is not 'local'")
-    engine = RemediationEngine(
-        controller.state,
-        controller.store,
-        controller.incidents,
-        controller.commands,
-        controller.actions,
-        build_actuator(settings),
+    return RemediationEngine(
+        state,
+        store,
+        incidents,
+        commands,
+        actions,
+        nodes,
+        build_actuator(settings, local_jobs),
         policy,
         is_leader=is_leader,
     )
-    engine.local_jobs = [(job.spec(), job.placement()) for job in local_jobs]
-    return engine

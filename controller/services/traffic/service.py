@@ -45,13 +45,11 @@ from controller.logic.traffic.jobs import JobSpec
 from controller.logic.traffic.planner import Plan, Planner
 from controller.logic.traffic.topofile import load_topology
 from controller.logic.traffic.topology import Topology
-from controller.services.actions import ActionService
 from controller.services.traffic import placement
 from controller.services.traffic.labels import LabelKey, LabelSource, label_fabric
 from controller.services.traffic.placement import Layout
-from controller.services.traffic.slowlink import SlowLinkReaction
 from controller.settings import ControllerSettings
-from controller.state import ClusterState, IncidentState
+from controller.state import ClusterState
 from controller.store import Store
 
 log = logging.getLogger(__name__)
@@ -117,9 +115,6 @@ class TrafficService:
         self.plans: dict[str, LivePlan] = {}
         self.link_reasons: dict[str, str] = {}
         self._lock = asyncio.Lock()
-        self.reaction = SlowLinkReaction(self, state)
-        #: Where incident-driven re-plans are recorded for operators (set by the runtime).
-        self.actions: ActionService | None = None
 
     # ------------------------------------------------------------------ start / stop
 
@@ -182,9 +177,6 @@ class TrafficService:
         for plan_id, live in stale.items():
             spec = dataclasses.replace(live.plan.job)
             await self._fresh_version(plan_id, spec, live.plan.version, live.versions, trigger)
-
-    async def stop(self) -> None:
-        await self.reaction.stop()
 
     # ------------------------------------------------------------------ writes
 
@@ -295,11 +287,6 @@ class TrafficService:
             live.versions.append(records.version_summary(doc) | _doc_extras(doc))
 
     # ------------------------------------------------------------------ incidents
-
-    def on_incident_opened(self, incident: IncidentState) -> None:
-        """``IncidentService.open_hooks`` entry (see :mod:`.slowlink`)."""
-        if self.planner is not None:
-            self.reaction.opened(incident)
 
     def plan_of(self, job_name: str) -> LivePlan | None:
         return next((p for p in self.plans.values() if p.plan.job.name == job_name), None)

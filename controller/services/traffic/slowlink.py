@@ -1,44 +1,39 @@
 """Reacting to ``slow_link`` incidents: suspect fabric links marked slow, plans re-made.
 
-The job detectors' probe round localizes slow communication to rank pairs; this hook, run
-by ``IncidentService.open_hooks`` when such an incident opens, maps the pairs to links
+The job detectors' probe round localizes slow communication to rank pairs; this consumer
+of :class:`~controller.services.events.IncidentOpened` maps the pairs to links
 (:func:`.placement.slow_link_suspects`), marks them slow at the measured bandwidth ratio and
-re-plans through the service, off the detector's path (its own task). Each outcome, good or
-bad, is recorded as a ``traffic_replan`` action so an operator can see what was done and why.
+re-plans through the service, off the detector's path (in its own event-bus task). Each
+outcome, good or bad, is recorded as a ``traffic_replan`` action so an operator can see what
+was done and why.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from controller.services.actions import ActionService
+from controller.services.events import IncidentOpened
 from controller.services.traffic import placement
+from controller.services.traffic.service import TrafficService
 from controller.state import ClusterState, IncidentState
-
-if TYPE_CHECKING:
-    from controller.services.traffic.service import TrafficService
 
 log = logging.getLogger(__name__)
 
 
 class SlowLinkReaction:
-    def __init__(self, service: TrafficService, state: ClusterState) -> None:
+    def __init__(
+        self, service: TrafficService, state: ClusterState, actions: ActionService
+    ) -> None:
         self._service = service
         self._state = state
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._actions = actions
 
-    def opened(self, incident: IncidentState) -> None:
-        if incident.kind != "slow_link":
-            return
-        task = asyncio.get_running_loop().create_task(self.react(incident))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def on_incident_opened(self, event: IncidentOpened) -> None:
+        """Re-plan around a ``slow_link`` incident when planning is on (a fabric is known)."""
+        if event.incident.kind == "slow_link" and self._service.planner is not None:
+            await self.react(event.incident)
 
     def suspects(self, incident: IncidentState) -> tuple[list[str], float]:
         live = self._service.plan_of(incident.job or "")
@@ -78,11 +73,8 @@ class SlowLinkReaction:
         status: str,
         outcome: str,
     ) -> None:
-        actions = self._service.actions
-        if actions is None:
-            return
         try:
-            await actions.create(
+            await self._actions.create(
                 kind="traffic_replan",
                 target=f"job:{incident.job}",
                 trigger=trigger,

@@ -1,0 +1,69 @@
+"""``checkpoint``: the protective checkpoint before anything is stopped.
+
+Every node running the job is asked (a ``JobCheckpoint`` command) and the step waits,
+bounded by ``guards.checkpoint_timeout_s``, until the agents report a newer committed
+checkpoint; without one the remediation goes on from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from controller.logic.remediation.rules import Rule, Step
+from controller.services.remediation.records import Remediation
+from controller.services.remediation.steps.base import StepContext, StepResult
+from controller.state import IncidentState
+from trainguard import wire
+
+#: How often the wait looks at the job's newest committed checkpoint.
+POLL_S = 0.2
+
+
+class ProtectiveCheckpoint:
+    step = Step.CHECKPOINT
+    action_kind = "checkpoint"
+
+    async def run(
+        self, ctx: StepContext, rem: Remediation, incident: IncidentState | None, rule: Rule | None
+    ) -> StepResult:
+        job_name = rem.job
+        job = ctx.state.jobs.get(job_name or "")
+        nodes = sorted({r.node for r in job.ranks.values() if r.state == "running"}) if job else []
+        record = ctx.recorder.record
+        if job_name is None or not nodes:
+            await record(
+                incident, rem, self.action_kind, job_name or "", {}, "skipped", "no running ranks"
+            )
+            return True, "no running ranks to checkpoint"
+        book = ctx.book(job_name)
+        before = book.checkpoint
+        params = {"nodes": nodes, "before_step": before[0] if before else None}
+        if rem.dry_run:
+            await record(
+                incident, rem, self.action_kind, job_name, params, "dry_run",
+                f"would ask {len(nodes)} nodes for a checkpoint of job {job_name}",
+            )  # fmt: skip
+            return True, "dry run"
+        action = await record(incident, rem, self.action_kind, job_name, params, "pending", "")
+        asked = time.time()
+        for node in nodes:
+            request = wire.JobCheckpoint(id="assigned-by-server", job=job_name, reason=rem.id)
+            await ctx.commands.create(node, request, by="remediation")
+        timeout_s = ctx.policy.guards.checkpoint_timeout_s
+        deadline = asked + timeout_s
+        while time.time() < deadline:
+            latest = book.checkpoint
+            if latest is not None and latest[1] >= asked and latest != before:
+                took = latest[1] - asked
+                outcome = f"checkpoint of step {latest[0]} durable after {took:.1f} s"
+                await ctx.recorder.finish(action, "succeeded", outcome)
+                return True, outcome
+            await asyncio.sleep(POLL_S)
+        fallback = f"step {before[0]}" if before else "no checkpoint"
+        outcome = (
+            f"no durable checkpoint within {timeout_s:.0f} s; "
+            f"going on from the newest complete one ({fallback})"
+        )
+        await ctx.recorder.finish(action, "failed", outcome)
+        return False, outcome

@@ -1,0 +1,133 @@
+"""``restart``: stop the job and start it again without excluded nodes, from a checkpoint.
+
+The placement comes from :mod:`.shrink` (same size, shrunk or grown back); the restart
+budget (``guards``) may refuse. A successful restart leaves the job *awaiting resume*
+(:mod:`.wait`) until its first step of the new generation arrives.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from controller.actuators.base import ActuatorError
+from controller.logic.remediation.rules import Rule, Step
+from controller.services.remediation.records import Remediation, fault_time
+from controller.services.remediation.steps.base import StepContext, StepResult
+from controller.services.remediation.steps.shrink import plan_placement
+from controller.state import IncidentState
+
+ACTION_KIND = "restart_job"
+
+
+async def restart(
+    ctx: StepContext,
+    rem: Remediation,
+    incident: IncidentState | None,
+    *,
+    resume_step: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> StepResult:
+    """Restart ``rem``'s job without excluded nodes, from ``resume_step`` (default: the
+    newest committed checkpoint); ``extra`` goes into the action's parameters."""
+    record = ctx.recorder.record
+    job = rem.job
+    now = time.time()
+    if job is None:
+        return True, "no job to restart"
+    refused = ctx.restarts.refuse(job, now, ctx.policy.guards)
+    if refused is not None:
+        await record(incident, rem, ACTION_KIND, job, {}, "skipped", refused)
+        return False, refused
+    actuator = ctx.actuator
+    if actuator is None:
+        outcome = "no actuator configured: restart the job by hand"
+        await record(incident, rem, ACTION_KIND, job, {}, "skipped", outcome)
+        return False, outcome
+    current = await actuator.current_placement(job)
+    if current is None:
+        outcome = f"job {job} is not managed by the {actuator.name} actuator"
+        await record(incident, rem, ACTION_KIND, job, {}, "skipped", outcome)
+        return False, outcome
+    book = ctx.book(job)
+    plan = await plan_placement(ctx, job, current, grow_back=rem.grow, resume_step=resume_step)
+    placement = plan.placement
+    resume_step = placement.resume_step if placement is not None else None
+    params: dict[str, Any] = dict(extra or {}) | {
+        "plan": plan.kind,
+        "reason": plan.reason,
+        "from_nodes": list(current.nodes),
+        "from_world_size": current.world_size,
+        "original_nodes": ctx.original_nodes[job],
+        "resume_step": resume_step,
+    }
+    if placement is None:
+        await record(incident, rem, ACTION_KIND, job, params, "failed", plan.reason)
+        return False, plan.reason
+    if rem.grow and (plan.kind != "grow" or plan.replaced or plan.dropped):
+        outcome = f"not grown: capacity is gone again ({plan.reason})"
+        await record(incident, rem, ACTION_KIND, job, params, "skipped", outcome)
+        return True, outcome
+    params |= {
+        "nodes": list(placement.nodes),
+        "world_size": placement.world_size,
+        "tp": placement.tp,
+        "dp": placement.dp,
+        "generation": placement.generation,
+    }
+    summary = (
+        f"{plan.kind}: world {current.world_size} -> {placement.world_size} on "
+        f"{', '.join(placement.nodes)}, from "
+        f"{'step ' + str(resume_step) if resume_step is not None else 'the start'}"
+    )
+    if rem.dry_run:
+        await record(
+            incident, rem, ACTION_KIND, job, params, "dry_run", "would restart: " + summary
+        )
+        return True, summary
+    last_step = book.ledger.high_water_step
+    params["goodput"] = {
+        "ledger_id": rem.ledger_id,
+        "kind": incident.kind if incident is not None else "grow",
+        "fault_unix_s": fault_time(incident) if incident else rem.started_unix_s,
+        "detected_unix_s": incident.opened_unix_s if incident else rem.started_unix_s,
+        "last_step": last_step if last_step is not None else 0,
+        "resume_step": resume_step if resume_step is not None else 0,
+        "step_s": book.ledger.median_step_s(),
+    }
+    action = await record(incident, rem, ACTION_KIND, job, params, "pending", "")
+    try:
+        result = await actuator.restart_job(placement, reason=f"remediation {rem.id}")
+    except ActuatorError as exc:
+        await ctx.recorder.finish(action, "failed", str(exc))
+        return False, str(exc)
+    started = time.time()
+    ctx.restarts.record(job, started)
+    book.last_restart_unix_s = started
+    book.ledger.restart_started(
+        started,
+        rem.ledger_id,
+        last_step if last_step is not None else 0,
+        resume_step if resume_step is not None else 0,
+    )
+    rem.generation = placement.generation
+    rem.resume_step = resume_step
+    rem.restarted_unix_s = started
+    rem.restart_action = action
+    rem.restart_params = ctx.recorder.params(incident, rem, params)
+    book.awaiting_resume = rem
+    await actuator.record_event(
+        target=job, reason="TrainguardRestart", message=summary, warning=True
+    )
+    await ctx.recorder.finish(action, "succeeded", f"{summary}; {result.outcome}")
+    return True, summary
+
+
+class Restart:
+    step = Step.RESTART
+    action_kind = ACTION_KIND
+
+    async def run(
+        self, ctx: StepContext, rem: Remediation, incident: IncidentState | None, rule: Rule | None
+    ) -> StepResult:
+        return await restart(ctx, rem, incident)

@@ -1,0 +1,72 @@
+"""Where a restarted job runs next: the same size on spares, *shrunk* to a smaller
+data-parallel size when healthy nodes are short, or grown back to its first size.
+
+Not a step of its own in the policy language: ``restart``, ``rollback`` and the grow-back
+all place the job through :func:`plan_placement`, which feeds the pure planner
+(:func:`~controller.logic.remediation.planner.plan_restart`) what the cluster looks like.
+"""
+
+from __future__ import annotations
+
+from controller.logic.remediation.placement import Placement
+from controller.logic.remediation.planner import RestartPlan, plan_restart
+from controller.services.remediation.steps.base import StepContext
+
+
+def limits(ctx: StepContext, job: str) -> tuple[int, int | None]:
+    """(min_dp, dp_must_divide) for a job: the policy's, tightened by what the job declares
+    to its actuator."""
+    restarts = ctx.policy.restarts
+    min_dp, divide = restarts.min_dp, restarts.dp_must_divide
+    own = ctx.actuator.limits(job) if ctx.actuator is not None else None
+    if own is not None:
+        min_dp = max(min_dp, own.min_dp)
+        divide = own.dp_must_divide or divide
+    return min_dp, divide
+
+
+def excluded(
+    ctx: StepContext, candidates: list[str], current: Placement, *, grow_back: bool
+) -> set[str]:
+    """Nodes a restart must not use: isolated, unhealthy and lost ones. A grow-back is
+    stricter: a spare it adds must be known healthy (its agent reports it so)."""
+    out = {
+        n.name
+        for n in ctx.state.nodes.values()
+        if n.isolated_reason is not None or n.health in ("unhealthy", "lost")
+    }
+    if grow_back:
+        for name in candidates:
+            node = ctx.state.nodes.get(name)
+            if name not in current.nodes and (node is None or node.health != "healthy"):
+                out.add(name)
+    return out
+
+
+async def plan_placement(
+    ctx: StepContext,
+    job: str,
+    current: Placement,
+    *,
+    grow_back: bool,
+    resume_step: int | None = None,
+) -> RestartPlan:
+    """The next placement of ``job``; ``grow_back``: only healthy spares are added.
+    ``resume_step``: the checkpoint to resume from (default: the newest committed)."""
+    assert ctx.actuator is not None
+    candidates = await ctx.actuator.candidate_nodes(job)
+    book = ctx.book(job)
+    min_dp, divide = limits(ctx, job)
+    ctx.original_nodes.setdefault(job, len(current.nodes))
+    return plan_restart(
+        current,
+        candidates,
+        excluded(ctx, candidates, current, grow_back=grow_back),
+        min_dp=min_dp,
+        dp_must_divide=divide,
+        original_nodes=ctx.original_nodes[job],
+        grow=ctx.policy.restarts.grow or grow_back,
+        resume_step=resume_step
+        if resume_step is not None
+        else (book.checkpoint[0] if book.checkpoint else None),
+    )

@@ -1,0 +1,84 @@
+"""The wait after a restart: the remediation is over once the job steps again.
+
+A restart leaves its job *awaiting resume*. The first step of the new generation (rank 0's
+step record, reported after the restart) ends the wait: the goodput ledger closes the
+restart's window and the restart's action row gets ``resumed_unix_s`` and
+``resumed_step``. No step within ``guards.resume_timeout_s`` fails the remediation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from controller.services.remediation.records import JobBook, Remediation
+from controller.services.remediation.steps.base import StepContext
+
+log = logging.getLogger(__name__)
+
+
+async def step_seen(ctx: StepContext, book: JobBook, end_unix_s: float, step: int) -> None:
+    """A step of ``book``'s job ended at ``end_unix_s``: does it end a restart's wait?"""
+    waiting = book.awaiting_resume
+    if waiting is None or waiting.restarted_unix_s is None:
+        return
+    if end_unix_s <= waiting.restarted_unix_s:
+        return  # a step of the old generation, reported late
+    _resumed(book, waiting, end_unix_s, step)
+    await _note_resumed(ctx, waiting, end_unix_s, step)
+
+
+def expire(ctx: StepContext, now_unix_s: float) -> None:
+    """Fail the remediations whose job did not step within the resume timeout."""
+    timeout_s = ctx.policy.guards.resume_timeout_s
+    for book in ctx.jobs.values():
+        waiting = book.awaiting_resume
+        if (
+            waiting is not None
+            and waiting.restarted_unix_s is not None
+            and now_unix_s - waiting.restarted_unix_s > timeout_s
+        ):
+            book.awaiting_resume = None
+            waiting.state = "failed"
+            waiting.outcome = (
+                f"job {waiting.job} did not step within {timeout_s:.0f} s of its restart"
+            )
+            log.error("job did not resume", extra={"fields": {"remediation": waiting.id}})
+
+
+def _resumed(book: JobBook, rem: Remediation, at: float, step: int) -> None:
+    book.awaiting_resume = None
+    book.resumed_unix_s = at
+    rem.resumed_unix_s = at
+    book.ledger.resumed(at)
+    lost = at - rem.started_unix_s
+    log.info(
+        "job resumed",
+        extra={
+            "fields": {
+                "job": rem.job,
+                "remediation": rem.id,
+                "generation": rem.generation,
+                "step": step,
+                "since_remediation_s": round(lost, 2),
+            }
+        },
+    )
+
+
+async def _note_resumed(ctx: StepContext, rem: Remediation, at: float, step: int) -> None:
+    """Add when the job resumed to its restart's row: the goodput a new leader rebuilds
+    (:func:`~controller.services.remediation.history.replay`) needs it, and an operator sees
+    the time to recover."""
+    if rem.restart_action is None or rem.restart_params is None:
+        return
+    params = dict(rem.restart_params)
+    params["goodput"] = {
+        **params.get("goodput", {}),
+        "restart_unix_s": rem.restarted_unix_s,
+        "resumed_unix_s": at,
+    }
+    params["resumed_step"] = step
+    try:
+        await ctx.recorder.update_params(rem.restart_action, params)
+    except Exception:  # the record is a nicety; the ingest path must go on
+        log.exception("could not record a resumption", extra={"fields": {"rem": rem.id}})
