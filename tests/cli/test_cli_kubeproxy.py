@@ -182,3 +182,22 @@ def test_kubectl_runs_the_plugin_through_the_proxy(
         [str(kubectl_bin), "trainguard", "--help"], capture_output=True, text=True, env=env
     )
     assert "--kubeconfig" in helped.stdout and "TRAINGUARD_NAMESPACE" in helped.stdout
+
+
+def test_help_shows_env_vars_and_defaults(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rich markup once swallowed the ``[env: ...]`` text as a tag; it must stay visible."""
+    from trainguard.cli.app import run
+
+    monkeypatch.setenv("COLUMNS", "250")
+    assert run(["nodes", "--help"], prog_name="trainguard") == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "[env: TRAINGUARD_SERVER; default: your kubeconfig when run as kubectl" in text
+    assert "else http://127.0.0.1:8470]" in text and "[env: TRAINGUARD_TOKEN]" in text
+    assert run(["--help"], prog_name="kubectl trainguard") == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for fragment in ("[env: KUBECONFIG; default: ~/.kube/config]",
+                     "[env: TRAINGUARD_NAMESPACE; default: trainguard]",
+                     "[env: TRAINGUARD_SERVICE; default: trainguard]"):  # fmt: skip
+        assert fragment in text, fragment
