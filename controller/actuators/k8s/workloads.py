@@ -1,0 +1,259 @@
+"""Restart a training gang the workload's own way, never half of it.
+
+A gang restart after a node fault must restart every rank (collectives cannot mix old and
+new ranks) and must land on healthy nodes (the bad one is already cordoned and tainted by
+:mod:`~controller.actuators.k8s.nodes`). Each workload has a way of its own:
+
+* **JobSet, and TrainJob (whose runtime is a JobSet)**: fail it the way a crashed rank
+  would, so *its* ``failurePolicy`` recreates every child Job and the restart counts
+  against ``maxRestarts`` exactly as JobSet counts it. trainguard deletes the gang's pods
+  on the bad nodes; with ``backoffLimit: 0`` their child Job fails and the JobSet
+  controller restarts the whole set. A JobSet that has used all its restarts is not
+  touched (failing it once more would end it): the incident goes to a human.
+* **PyTorchJob**: its replicas' ``restartPolicy``: ``OnFailure``/``Always``/``ExitCode``
+  make the operator recreate the deleted pods (elsewhere, the node being tainted) and
+  torchrun's rendezvous restarts all workers; ``Never`` would end the job, so it is
+  suspended and resumed instead.
+* **Indexed batch/v1 Job**: suspend (the Job controller deletes every pod), then resume
+  (all pods recreated): the existing suspend/resume path of the actuator.
+
+With too few healthy nodes left the gang shrinks where the job says it may (PyTorchJob
+``elasticPolicy.minReplicas``/``maxReplicas``, or torchrun ``--nnodes=MIN:MAX`` in a
+container's command): the plan says so, for the incident. A resize needs the workload
+suspended (JobSet and Job templates are immutable while running), so a shrink always goes
+through suspend/resume.
+
+Per-job policy: the workload's ``trainguard.io/policy`` annotation (JSON) may narrow what
+trainguard does to this job: ``{"steps": [...], "dry_run": true, "max_restarts": 2}``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from controller.actuators.base import ActuatorError, ActuatorResult
+from controller.actuators.k8s.api import Kube, KubernetesApiError
+from controller.actuators.k8s.events import EventRecorder
+
+ANN_POLICY: Final = "trainguard.io/policy"
+_NNODES = re.compile(r"--nnodes[= ](\d+):(\d+)")
+_RESTARTING_POLICIES: Final = {"OnFailure", "Always", "ExitCode"}
+
+Mode = Literal["fail-child-jobs", "delete-pods", "suspend-resume", "refuse"]
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticBounds:
+    min_nodes: int
+    max_nodes: int
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class GangPlan:
+    mode: Mode
+    nodes: int
+    shrunk: bool
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class JobPolicy:
+    """What the workload's annotation allows (``None``: the controller's policy applies)."""
+
+    steps: tuple[str, ...] | None = None
+    dry_run: bool = False
+    max_restarts: int | None = None
+
+
+def pod_templates(kind: str, obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = obj.get("spec") or {}
+    if kind == "Job":
+        return [spec.get("template") or {}]
+    if kind == "JobSet":
+        return [
+            ((rj.get("template") or {}).get("spec") or {}).get("template") or {}
+            for rj in spec.get("replicatedJobs") or []
+        ]
+    if kind == "PyTorchJob":
+        replicas = spec.get("pytorchReplicaSpecs") or {}
+        return [r.get("template") or {} for r in replicas.values()]
+    return []  # TrainJob: the pods come from its runtime's JobSet
+
+
+def elastic_bounds(kind: str, obj: dict[str, Any]) -> ElasticBounds | None:
+    """The node-count range the job accepts, from its own spec, or ``None`` (fixed)."""
+    elastic = (obj.get("spec") or {}).get("elasticPolicy") or {}
+    if kind == "PyTorchJob" and "minReplicas" in elastic and "maxReplicas" in elastic:
+        return ElasticBounds(
+            int(elastic["minReplicas"]), int(elastic["maxReplicas"]), "elasticPolicy"
+        )
+    for template in pod_templates(kind, obj):
+        for container in (template.get("spec") or {}).get("containers") or []:
+            line = " ".join(
+                str(x) for x in (container.get("command") or []) + (container.get("args") or [])
+            )
+            if m := _NNODES.search(line):
+                low, high = int(m.group(1)), int(m.group(2))
+                return ElasticBounds(low, high, f"torchrun --nnodes={low}:{high}")
+    return None
+
+
+def restart_budget(jobset: dict[str, Any]) -> tuple[int, int]:
+    """(restarts used, ``failurePolicy.maxRestarts``) as the JobSet controller counts them."""
+    used = int((jobset.get("status") or {}).get("restarts") or 0)
+    allowed = int(((jobset.get("spec") or {}).get("failurePolicy") or {}).get("maxRestarts", 0))
+    return used, allowed
+
+
+def plan_gang_restart(
+    kind: str,
+    obj: dict[str, Any],
+    *,
+    current_nodes: int,
+    healthy_nodes: int,
+    jobset: dict[str, Any] | None = None,
+    policy: JobPolicy | None = None,
+) -> GangPlan:
+    """How to restart ``obj``'s gang given how many healthy nodes can take it.
+
+    ``jobset``: for a TrainJob, the JobSet it runs as (for JobSets, ``obj`` itself)."""
+    target, shrunk, note = current_nodes, False, ""
+    if healthy_nodes < current_nodes:
+        bounds = elastic_bounds(kind, obj)
+        if bounds is None or healthy_nodes < bounds.min_nodes:
+            why = "declares no elastic range" if bounds is None else f"needs {bounds.source}"
+            return GangPlan(
+                "refuse",
+                current_nodes,
+                False,
+                f"only {healthy_nodes} healthy node(s) for {current_nodes} and the job {why}",
+            )
+        target, shrunk = healthy_nodes, True
+        note = f"shrunk from {current_nodes} to {target} node(s) within {bounds.source}"
+    js = obj if kind == "JobSet" else jobset
+    if js is not None:
+        used, allowed = restart_budget(js)
+        if policy is not None and policy.max_restarts is not None:
+            allowed = min(allowed, policy.max_restarts)
+        if used >= allowed:
+            return GangPlan(
+                "refuse",
+                target,
+                shrunk,
+                f"JobSet {js['metadata']['name']} has used {used} of {allowed} restarts "
+                "(failurePolicy.maxRestarts); one more failure would end it",
+            )
+    if shrunk:
+        return GangPlan("suspend-resume", target, True, note)
+    if kind in ("JobSet", "TrainJob"):
+        limits = [
+            int(((rj.get("template") or {}).get("spec") or {}).get("backoffLimit", 6))
+            for rj in ((js or {}).get("spec") or {}).get("replicatedJobs") or []
+        ]
+        if limits and all(limit == 0 for limit in limits):
+            return GangPlan(
+                "fail-child-jobs", target, False, "failurePolicy restarts every child Job"
+            )
+        return GangPlan(
+            "suspend-resume",
+            target,
+            False,
+            "child Jobs have backoffLimit > 0 (a lost pod would be replaced alone): "
+            "suspended and resumed instead",
+        )
+    if kind == "PyTorchJob":
+        replicas = (obj.get("spec") or {}).get("pytorchReplicaSpecs") or {}
+        policies = {r.get("restartPolicy", "Never") for r in replicas.values()}
+        if policies and policies <= _RESTARTING_POLICIES:
+            return GangPlan(
+                "delete-pods", target, False, f"the operator recreates pods ({sorted(policies)})"
+            )
+        return GangPlan("suspend-resume", target, False, "restartPolicy Never: suspend/resume")
+    return GangPlan("suspend-resume", target, False, "every pod deleted and recreated")
+
+
+def job_policy(obj: dict[str, Any]) -> JobPolicy:
+    """The workload's ``trainguard.io/policy`` annotation; a bad one is a one-line error."""
+    raw = ((obj.get("metadata") or {}).get("annotations") or {}).get(ANN_POLICY)
+    if not raw:
+        return JobPolicy()
+    name = obj["metadata"].get("name")
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ActuatorError(f"{ANN_POLICY} on {name}: not JSON ({exc.args[0]})") from exc
+    if not isinstance(data, dict) or set(data) - {"steps", "dry_run", "max_restarts"}:
+        raise ActuatorError(
+            f"{ANN_POLICY} on {name}: expected an object with steps, dry_run, max_restarts"
+        )
+    steps = data.get("steps")
+    if steps is not None and (
+        not isinstance(steps, list) or not all(isinstance(s, str) and s for s in steps)
+    ):
+        raise ActuatorError(f"{ANN_POLICY} on {name}: steps must be a list of step names")
+    max_restarts = data.get("max_restarts")
+    if max_restarts is not None and (
+        not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0
+    ):
+        raise ActuatorError(f"{ANN_POLICY} on {name}: max_restarts must be an integer >= 0")
+    if not isinstance(data.get("dry_run", False), bool):
+        raise ActuatorError(f"{ANN_POLICY} on {name}: dry_run must be true or false")
+    return JobPolicy(
+        tuple(steps) if steps is not None else None, bool(data.get("dry_run")), max_restarts
+    )
+
+
+async def delete_gang_pods(
+    kube: Kube,
+    events: EventRecorder,
+    workload: dict[str, Any],
+    pods: list[dict[str, Any]],
+    *,
+    plan: GangPlan,
+    reason: str,
+) -> ActuatorResult:
+    """Carry out a ``fail-child-jobs`` or ``delete-pods`` plan: delete ``pods`` (the gang's
+    pods on the bad nodes); the workload's own controller restarts the rest."""
+    if plan.mode not in ("fail-child-jobs", "delete-pods"):
+        raise ActuatorError(f"delete_gang_pods cannot carry out a {plan.mode} plan")
+    deleted: list[str] = []
+    for pod in pods:
+        meta = pod["metadata"]
+        try:
+            await kube.write(
+                f"delete pod {meta['namespace']}/{meta['name']}",
+                kube.core.delete_namespaced_pod,
+                meta["name"],
+                meta["namespace"],
+            )
+        except KubernetesApiError as exc:
+            if exc.status != 404:
+                raise
+        deleted.append(meta["name"])
+    label = f"{workload.get('kind')} {workload['metadata']['name']}"
+    outcome = f"{label}: gang restart by its own controller ({plan.note}); deleted {deleted}"
+    details: dict[str, Any] = {"mode": plan.mode, "deleted": deleted, "note": plan.note}
+    error = await events.emit(
+        workload, "TrainguardGangRestart", f"{outcome}: {reason}", warning=True
+    )
+    if error:
+        details["event_error"] = error
+    return ActuatorResult(outcome=outcome, details=details)
+
+
+__all__ = [
+    "ANN_POLICY",
+    "ElasticBounds",
+    "GangPlan",
+    "JobPolicy",
+    "delete_gang_pods",
+    "elastic_bounds",
+    "job_policy",
+    "plan_gang_restart",
+    "pod_templates",
+    "restart_budget",
+]

@@ -1,0 +1,174 @@
+"""Gang restarts the workload's own way, through the official client and the fake cluster's
+Job/JobSet controllers and scheduler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from controller.actuators.base import ActuatorError
+from controller.actuators.k8s.events import EventRecorder
+from controller.actuators.k8s.nodes import NodeGuard
+from controller.actuators.k8s.workloads import (
+    JobPolicy,
+    delete_gang_pods,
+    elastic_bounds,
+    job_policy,
+    plan_gang_restart,
+)
+from tests.actuators.fake_cluster import FakeCluster
+from tests.actuators.k8s_testkit import NS, cluster, kube_on, node, round_trip, run, validate
+
+__all__ = ["cluster"]
+
+
+def jobset_doc(name: str, *, replicas: int, max_restarts: int, nnodes: str = "2") -> dict[str, Any]:
+    """A JobSet as docs/kubernetes.md shows it: one pod per node, torchrun x2 ranks each."""
+    container = {
+        "name": "trainer",
+        "image": "ghcr.io/example/trainer:1",
+        "command": ["torchrun", f"--nnodes={nnodes}", "--nproc-per-node=2", "train.py"],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {
+                "name": "POD_NAMESPACE",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+            },
+        ],
+    }
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "failurePolicy": {"maxRestarts": max_restarts},
+            "replicatedJobs": [
+                {
+                    "name": "workers",
+                    "replicas": replicas,
+                    "template": {
+                        "spec": {
+                            "parallelism": 1,
+                            "completions": 1,
+                            "backoffLimit": 0,
+                            "template": {
+                                "spec": {"restartPolicy": "Never", "containers": [container]}
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def pods_of(c: FakeCluster) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["spec"]["nodeName"] for p in c.items("", "pods", NS)}
+
+
+def test_jobset_gang_restarts_through_its_failure_policy_without_the_bad_node(
+    cluster: FakeCluster,
+) -> None:
+    for n in ("gpu-a", "gpu-b", "gpu-c"):
+        node(cluster, n)
+    doc = jobset_doc("llm", replicas=2, max_restarts=1)
+    round_trip(doc)
+    cluster.put("jobset.x-k8s.io", "jobsets", doc)
+    assert cluster.reconcile_jobset(NS, "llm") == "created"
+    assert sorted(pods_of(cluster).values()) == ["gpu-a", "gpu-b"]
+    kube = kube_on(cluster)
+    events = EventRecorder(kube)
+    run(NodeGuard(kube, events).quarantine("gpu-a", reason="xid 79", message="GPU fell off"))
+    js = cluster.get("jobset.x-k8s.io", "jobsets", NS, "llm")
+    assert js is not None
+    plan = plan_gang_restart("JobSet", js, current_nodes=2, healthy_nodes=2)
+    assert plan.mode == "fail-child-jobs" and not plan.shrunk
+    on_bad = [p for p in cluster.items("", "pods", NS) if p["spec"]["nodeName"] == "gpu-a"]
+    result = run(delete_gang_pods(kube, events, js, on_bad, plan=plan, reason="xid 79 on gpu-a"))
+    assert result.details["deleted"] == [on_bad[0]["metadata"]["name"]]
+    # The JobSet's own controller restarts the whole gang, not just the lost pod.
+    assert cluster.reconcile_jobset(NS, "llm") == "restarted"
+    after = pods_of(cluster)
+    assert sorted(after.values()) == ["gpu-b", "gpu-c"]
+    assert all(name.endswith("-r1") for name in after)  # every pod is of the new attempt
+    js = cluster.get("jobset.x-k8s.io", "jobsets", NS, "llm")
+    assert js is not None and js["status"]["restarts"] == 1
+    round_trip(js)
+    kinds = [(e["involvedObject"]["kind"], e["reason"]) for e in cluster.items("", "events")]
+    assert ("Node", "TrainguardQuarantined") in kinds and (
+        "JobSet",
+        "TrainguardGangRestart",
+    ) in kinds
+    for event in cluster.items("", "events"):
+        validate(event)
+    # maxRestarts used up: trainguard does not fail the JobSet for good; a human decides.
+    refused = plan_gang_restart("JobSet", js, current_nodes=2, healthy_nodes=2)
+    assert refused.mode == "refuse" and "used 1 of 1 restarts" in refused.note
+
+
+def test_shrink_only_within_the_jobs_elastic_range() -> None:
+    fixed = jobset_doc("fixed", replicas=4, max_restarts=3)
+    plan = plan_gang_restart("JobSet", fixed, current_nodes=4, healthy_nodes=3)
+    assert plan.mode == "refuse" and "declares no elastic range" in plan.note
+    elastic = jobset_doc("elastic", replicas=4, max_restarts=3, nnodes="2:4")
+    assert elastic_bounds("JobSet", elastic) is not None
+    plan = plan_gang_restart("JobSet", elastic, current_nodes=4, healthy_nodes=3)
+    assert (plan.mode, plan.nodes, plan.shrunk) == ("suspend-resume", 3, True)
+    assert plan.note == "shrunk from 4 to 3 node(s) within torchrun --nnodes=2:4"
+    assert plan_gang_restart("JobSet", elastic, current_nodes=4, healthy_nodes=1).mode == "refuse"
+    ptj = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": "p", "namespace": NS},
+        "spec": {
+            "runPolicy": {"cleanPodPolicy": "None"},
+            "elasticPolicy": {"minReplicas": 2, "maxReplicas": 4},
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": 4,
+                    "restartPolicy": "OnFailure",
+                    "template": {"spec": {"containers": [{"name": "pytorch", "image": "t:1"}]}},
+                }
+            },
+        },
+    }
+    round_trip(ptj)
+    assert (
+        plan_gang_restart("PyTorchJob", ptj, current_nodes=4, healthy_nodes=4).mode == "delete-pods"
+    )
+    assert plan_gang_restart("PyTorchJob", ptj, current_nodes=4, healthy_nodes=2).nodes == 2
+    ptj["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] = "Never"
+    assert (
+        plan_gang_restart("PyTorchJob", ptj, current_nodes=4, healthy_nodes=4).mode
+        == "suspend-resume"
+    )
+    job = {"kind": "Job", "metadata": {"name": "j"}, "spec": {"template": {}}}
+    assert plan_gang_restart("Job", job, current_nodes=2, healthy_nodes=2).mode == "suspend-resume"
+
+
+def test_backoff_limit_above_zero_is_never_a_half_restart() -> None:
+    doc = jobset_doc("js", replicas=2, max_restarts=3)
+    doc["spec"]["replicatedJobs"][0]["template"]["spec"]["backoffLimit"] = 3
+    plan = plan_gang_restart("JobSet", doc, current_nodes=2, healthy_nodes=2)
+    assert plan.mode == "suspend-resume" and "replaced alone" in plan.note
+
+
+def test_per_job_policy_annotation() -> None:
+    def w(raw: str) -> dict[str, Any]:
+        return {"metadata": {"name": "js", "annotations": {"trainguard.io/policy": raw}}}
+
+    assert job_policy({"metadata": {"name": "x"}}) == JobPolicy()
+    got = job_policy(w('{"steps": ["isolate", "webhook"], "dry_run": true, "max_restarts": 0}'))
+    assert got == JobPolicy(("isolate", "webhook"), True, 0)
+    for bad, msg in [("{", "not JSON"), ('{"stepz": []}', "expected an object"),
+                     ('{"max_restarts": -1}', "max_restarts"), ('{"steps": "x"}', "steps"),
+                     ('{"dry_run": "yes"}', "dry_run")]:  # fmt: skip
+        with pytest.raises(ActuatorError, match=msg):
+            job_policy(w(bad))
+    doc = jobset_doc("js", replicas=2, max_restarts=5)
+    doc["status"] = {"restarts": 1}
+    plan = plan_gang_restart(
+        "JobSet", doc, current_nodes=2, healthy_nodes=2, policy=JobPolicy(max_restarts=1)
+    )
+    assert plan.mode == "refuse" and "used 1 of 1" in plan.note
