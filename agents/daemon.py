@@ -149,6 +149,7 @@ class Agent:
             self.spool,
             controller_url=self.controller_url,
             token=token,
+            token_file=settings.token_file,
             stats=self.stats,
             on_reply=self._on_reply,
             timeout_s=settings.report_timeout_s,

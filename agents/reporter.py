@@ -25,8 +25,9 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -122,6 +123,28 @@ def parse_reply(body: bytes) -> tuple[ReportReply, list[tuple[str, str]]]:
     return reply, invalid
 
 
+class _FileToken(httpx.Auth):
+    """The bearer token from a file, re-read when the file changes (the kubelet rotates a
+    projected service-account token in place)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._stamp: tuple[int, int] | None = None
+        self._token = ""
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        try:
+            stat = self._path.stat()
+            if (stat.st_mtime_ns, stat.st_size) != self._stamp:
+                self._token = self._path.read_text().strip()
+                self._stamp = (stat.st_mtime_ns, stat.st_size)
+        except OSError as exc:  # not there yet: the controller answers 401, we retry
+            log.warning("agent token file unreadable", extra={"fields": {"error": str(exc)}})
+        if self._token:
+            request.headers["Authorization"] = f"Bearer {self._token}"
+        yield request
+
+
 class Reporter:
     """Drains the spool to ``POST {controller_url}/api/v1/reports`` on its own thread."""
 
@@ -138,6 +161,7 @@ class Reporter:
         transport: httpx.BaseTransport | None = None,
         seed: int | None = None,
         on_invalid_command: Callable[[str, str], object] | None = None,
+        token_file: Path | None = None,
     ) -> None:
         self._spool = spool
         self._on_invalid_command = on_invalid_command
@@ -149,7 +173,11 @@ class Reporter:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._client = httpx.Client(
-            base_url=controller_url, headers=headers, timeout=timeout_s, transport=transport
+            base_url=controller_url,
+            headers=headers,
+            timeout=timeout_s,
+            transport=transport,
+            auth=None if token_file is None else _FileToken(token_file),
         )
         self._wake = threading.Event()
         self._stop = threading.Event()

@@ -55,6 +55,10 @@ class AgentSettings(BaseSettings):
         default=None, description="Base URL of the controller, e.g. http://ctl:8470"
     )
     token: SecretStr | None = Field(default=None, description="Bearer token with the agent role")
+    #: A token read from this file before every request, instead of ``token``: the projected
+    #: service-account token the kubelet writes and rotates (the chart's DaemonSet), which
+    #: the controller verifies with TokenReview and binds to this node (docs/security.md).
+    token_file: Path | None = None
     node_name: str = Field(default_factory=default_node_name)
     gpus: str = Field(default="auto", description="auto | nvml | sim:N")
     dev_dir: Path = Field(

@@ -274,3 +274,52 @@ def test_unstorable_values_are_422_with_their_path_on_both_databases(
         assert client.post(REPORTS, json=ctl_report("node-a", 0), headers=agent).is_success
         nodes = client.get("/api/v1/nodes", headers=viewer).json()["data"]
         assert [n["name"] for n in nodes] == ["node-a"]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_agent_reads_its_rotating_token_from_a_file(controller_factory: Any, tmp_path: Any) -> None:
+    """The agent side of per-node credentials: ``token_file`` (as the kubelet's projected
+    token) is re-read when it changes; a report for another node stays in the spool."""
+    from agents.reporter import BackoffPolicy, Reporter
+    from agents.spool import Spool
+    from agents.stats import AgentStats
+    from trainguard.wire import NodeIdentity, NodeSample, Report
+
+    live = controller_factory(allow_shared_agent_tokens=False)
+    with httpx.Client(base_url=live.url, timeout=10) as client:
+        first = _node_tokens(client, live.headers("operator"), "node-a")["token"]
+    token_file = tmp_path / "token"
+    token_file.write_text(first + "\n")
+    spool = Spool(tmp_path / "spool", max_bytes=10_000_000)
+
+    def spool_one(node: str) -> None:
+        spool.append(
+            lambda seq, dropped: Report(
+                node=NodeIdentity(name=node),
+                agent_instance=spool.agent_instance,
+                seq=seq,
+                sent_unix_s=time.time(),
+                samples=[NodeSample(time_unix_s=1.0)],
+                spool_dropped_total=dropped,
+            )
+        )
+
+    reporter = Reporter(
+        spool,
+        controller_url=live.url,
+        token=None,
+        token_file=token_file,
+        stats=AgentStats(),
+        on_reply=lambda _reply: None,
+        backoff=BackoffPolicy(base_s=0.01, max_s=0.05, min_s=0.001),
+    )
+    spool_one("node-a")
+    assert reporter.send_oldest() == "delivered"
+    with httpx.Client(base_url=live.url, timeout=10) as client:
+        second = _node_tokens(client, live.headers("operator"), "node-a")["token"]
+    token_file.write_text(second)
+    spool_one("node-a")
+    assert reporter.send_oldest() == "delivered"
+    spool_one("node-b")
+    assert reporter.send_oldest() == "config"  # kept, retried with backoff, logged
+    assert len(spool.pending()) == 1
