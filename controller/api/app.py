@@ -17,7 +17,6 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from controller.api import api_router
-from controller.api.dashboard import attach_feed
 from controller.api.handlers import install_error_handlers
 from controller.api.middleware import AuthGate, BodyCap
 from controller.api.reports import ReportFastPath
@@ -69,7 +68,6 @@ def create_app(settings: ControllerSettings, *, tune_gc: bool = False) -> FastAP
     )
     app.state.controller = controller
     app.state.identity = identity
-    app.state.dashboard_feed = attach_feed(controller)
     app.include_router(api_router())
     mount_dashboard(app)
     install_error_handlers(app)

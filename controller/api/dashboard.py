@@ -17,7 +17,6 @@ from fastapi.responses import StreamingResponse
 from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
-    Replica,
     ServicesDep,
     require_operator,
     require_viewer,
@@ -26,31 +25,14 @@ from controller.auth import Principal
 from controller.errors import Conflict, NotFound
 from controller.services import queries
 from controller.services.container import Services
-from controller.services.dashboard import (
-    RESYNC,
-    DashboardFeed,
-    job_checkpoints,
-    node_history,
-    plan_links,
-)
+from controller.services.dashboard import RESYNC
+from controller.services.dashboard_reads import job_checkpoints, node_history, plan_links
 
 router = APIRouter(tags=["dashboard"])
 
 #: Seconds between heartbeats on an idle stream (the page calls itself "behind" after 8).
 HEARTBEAT_S = 3.0
 MAX_WINDOW_S = 24 * 3600.0
-
-
-def attach_feed(replica: Replica) -> DashboardFeed:
-    """The replica's feed (built and subscribed to the event bus by ``runtime.compose``:
-    every stored report, for steps, power samples and a wake-up, and every opened
-    incident, for a wake-up)."""
-    return replica.services.dashboard
-
-
-def feed_of(request: Request) -> DashboardFeed:
-    feed: DashboardFeed = request.app.state.dashboard_feed
-    return feed
 
 
 @router.post(
@@ -95,12 +77,14 @@ async def whoami(principal: Principal = Depends(require_viewer)) -> dict[str, An
 # generator or a schema fuzzer would wait on it forever). docs/dashboard.md describes it.
 @router.get("/stream", include_in_schema=False)
 async def stream(
-    request: Request, _principal: Principal = Depends(require_viewer)
+    request: Request,
+    _principal: Principal = Depends(require_viewer),
+    services: Services = ServicesDep,
 ) -> StreamingResponse:
     """Server-sent events: ``hello``, then ``nodes`` (a full snapshot, later only changed
     nodes), ``changed`` (topics to fetch again) and ``ping`` every 3 s when idle. Every
     message carries ``t``, the controller's time, so a client sees when it lags."""
-    feed = feed_of(request)
+    feed = services.dashboard
     sub = feed.subscribe()
 
     async def events() -> AsyncIterator[bytes]:
@@ -151,14 +135,14 @@ async def get_node_history(
     "/jobs/{name}/steps", operation_id="get_job_steps", responses={**AUTH_ERRORS, **NOT_FOUND}
 )
 async def get_job_steps(
-    request: Request,
     name: str = Path(max_length=253),
     last: int = Query(120, ge=1, le=1000, description="Most recent steps"),
     _principal: Principal = Depends(require_viewer),
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Step time per rank for the job's most recent steps, and its goodput (ETTR) every 5 s
     over the last hour (both kept in memory since the controller started; bounded)."""
-    feed = feed_of(request)
+    feed = services.dashboard
     matrix = feed.steps.matrix(name, last, time.time())
     if matrix is None:
         raise NotFound(f"job {name!r} has no step times here; they start with its next report")
@@ -185,12 +169,12 @@ async def list_job_checkpoints(
 
 @router.get("/power/history", operation_id="get_power_history", responses=AUTH_ERRORS)
 async def get_power_history(
-    request: Request,
     window_s: float = Query(3600.0, gt=0, le=MAX_WINDOW_S),
     _principal: Principal = Depends(require_viewer),
+    services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Each domain's draw every 5 s (in memory since the controller started; one hour)."""
-    return feed_of(request).power_history.series(time.time() - window_s)
+    return services.dashboard.power_history.series(time.time() - window_s)
 
 
 @router.get(

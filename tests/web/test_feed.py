@@ -19,8 +19,8 @@ from controller.services.dashboard import (
     GoodputHistory,
     PowerHistory,
     StepRecorder,
-    node_history,
 )
+from controller.services.dashboard_reads import node_history
 from controller.state import ClusterState, NodeState
 from trainguard import wire
 
