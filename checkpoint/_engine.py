@@ -52,6 +52,7 @@ from checkpoint._stage import (
     wait_guard,
     zero_gaps,
 )
+from checkpoint._tier import TierUploader, load_nearest
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointConfigError, CheckpointError, CheckpointWriteError
 from checkpoint.manifest import SKELETON_ENTRY, Entry, GlobalMap, Piece, step_dir_name
@@ -148,6 +149,10 @@ class Checkpointer:
         if self._shared:
             reap_stale_buffers()
         self._writer = self._new_writer()
+        #: The object-storage tier's uploader (rank 0 only; see ``checkpoint._tier``).
+        self.uploader: TierUploader | None = None
+        if config.object_store is not None and rank == 0:
+            self.uploader = TierUploader(self.root, config.object_store)
         atexit.register(self._at_exit)
 
     def _new_writer(self) -> ThreadWriter | ProcessWriter:
@@ -457,6 +462,11 @@ class Checkpointer:
 
     def on_committed(self, snap: Snapshot) -> None:
         self.emit("committed", snap.step, duration_s=time.monotonic() - snap.t0)
+        if self.uploader is not None:
+            try:  # hard links and a queue entry; the upload runs on the uploader's thread
+                self.uploader.submit(snap.step)
+            except Exception as exc:  # the local tier stands; the next commit uploads
+                log.error("checkpoint step %d: not queued for upload: %s", snap.step, exc)
 
     def on_failed(self, snap: Snapshot, error: str) -> None:
         log.error("checkpoint step %d failed: %s", snap.step, error)
@@ -497,7 +507,23 @@ class Checkpointer:
             raise CheckpointWriteError("; ".join(errors))
 
     def load(self, state: Mapping[str, Any], *, step: int | None = None) -> Restored:
-        """Restore ``state`` in place from ``step`` (default: newest complete checkpoint)."""
+        """Restore ``state`` in place from ``step`` (default: newest complete checkpoint).
+
+        With an ``object_store`` the nearest good copy is used: local first, then the
+        bucket's (downloaded and checksummed), newest step first."""
+        if self.config.object_store is not None:
+            restored, choice = load_nearest(
+                self.root,
+                self.config.object_store,
+                lambda s: load_state(
+                    self.root, state, rank=self.rank, step=s, restore_rng=self.config.include_rng
+                ),
+                step=step,
+                client=self.uploader.client if self.uploader is not None else None,
+            )
+            restored.source = choice.source
+            restored.skipped = choice.skipped + restored.skipped
+            return restored
         return load_state(
             self.root, state, rank=self.rank, step=step, restore_rng=self.config.include_rng
         )
@@ -511,6 +537,8 @@ class Checkpointer:
             self._closed = True
             self._copier.close()
             self._writer.close()
+            if self.uploader is not None:  # the last checkpoint reaches the bucket too
+                self.uploader.close()
             for handle in self._hooks.values():
                 handle.remove()
             self._hooks.clear()

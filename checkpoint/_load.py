@@ -34,6 +34,8 @@ class Restored:
     #: Why ``latest`` was not followed (missing, garbage, naming an incomplete or older
     #: step); "" when it named the newest committed checkpoint or a step was asked for.
     latest_note: str = ""
+    #: The tier the checkpoint came from: ``local`` or ``object_store``.
+    source: str = "local"
 
 
 def dtype_of(name: str, where: str) -> torch.dtype:

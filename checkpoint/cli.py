@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from checkpoint._store import CheckpointReader, CheckpointStore
+from checkpoint._tier import tier_rows
 from checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -132,23 +133,46 @@ def _list(store: CheckpointStore, output: Output) -> None:
             except CheckpointError as exc:
                 row.update(complete=False, problem=str(exc))
         rows.append(row)
+    # The object-storage tier as this node's uploader journaled it (no network needed).
+    remote = tier_rows(store.root)
+    for row in rows:
+        row["object_store"] = remote.get(row["step"], "-")
+    for step in sorted(set(remote) - {r["step"] for r in rows}):  # only in the bucket now
+        rows.append(
+            {
+                "step": step,
+                "complete": False,
+                "world": None,
+                "size_bytes": None,
+                "created_unix_s": None,
+                "latest": False,
+                "problem": "no local copy",
+                "object_store": remote[step],
+            }
+        )
     abandoned = store.abandoned()
     if output == Output.json:
         typer.echo(
             json.dumps({"root": str(store.root), "checkpoints": rows, "abandoned": abandoned})
         )
         return
+    headers = ["STEP", "STATUS", "WORLD", "SIZE", "AGE", "LATEST"]
+    if remote:  # the column only where an object-storage tier has been used
+        headers.append("OBJECT STORE")
     _table(
-        ["STEP", "STATUS", "WORLD", "SIZE", "AGE", "LATEST"],
+        headers,
         [
             [
                 str(r["step"]),
-                "complete" if r["complete"] else "partial",
+                "complete"
+                if r["complete"]
+                else ("-" if r["problem"] == "no local copy" else "partial"),
                 str(r["world"]) if r["world"] else "-",
                 _size(r["size_bytes"]) if r["size_bytes"] is not None else "-",
                 _age(r["created_unix_s"]) if r["created_unix_s"] else "-",
                 "*" if r["latest"] else "-",
             ]
+            + ([r["object_store"]] if remote else [])
             for r in rows
         ],
     )

@@ -11,6 +11,54 @@ from checkpoint.manifest import DEFAULT_CHUNK_BYTES
 
 
 @dataclass(kw_only=True, slots=True)
+class ObjectStoreConfig:
+    """The object-storage tier: an S3-compatible bucket that committed checkpoints are
+    uploaded to in the background (see docs/checkpoint.md, "Tiered storage").
+
+    Credentials are never configured here: boto3's default chain finds them (the
+    ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN`` environment,
+    ``AWS_PROFILE`` or ``profile``, ``~/.aws/credentials``, web identity / IRSA, instance
+    metadata), so no secret sits in a config file or a log line."""
+
+    bucket: str
+    """Bucket name; it must exist (creating buckets is an operator's decision)."""
+
+    prefix: str = ""
+    """Key prefix under which ``step-*/`` objects go, e.g. ``jobs/llama-7b``."""
+
+    endpoint_url: str | None = None
+    """A non-AWS S3-compatible endpoint (MinIO, Ceph RGW, a local test server); None: AWS."""
+
+    region: str | None = None
+    """Region; None: the default chain's (``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / profile)."""
+
+    profile: str | None = None
+    """A named profile of ``~/.aws/config``; None: the default chain picks."""
+
+    part_bytes: int = 64 << 20
+    """Multipart part size in bytes. Files larger than this upload as parts, in parallel and
+    resumable part by part. AWS S3 refuses parts under 5 MiB except the last."""
+
+    max_concurrency: int = 4
+    """Parts uploaded (and downloaded) at once."""
+
+    keep_last: int = 3
+    """Complete checkpoints kept in the bucket (the local tier has its own ``keep_last``)."""
+
+    def validate(self) -> None:
+        if not self.bucket or "/" in self.bucket:
+            raise CheckpointConfigError(f"object_store.bucket: bad bucket name {self.bucket!r}")
+        if self.part_bytes < 4096:
+            raise CheckpointConfigError("object_store.part_bytes must be >= 4096")
+        if self.max_concurrency < 1:
+            raise CheckpointConfigError("object_store.max_concurrency must be >= 1")
+        if self.keep_last < 1:
+            raise CheckpointConfigError(
+                f"object_store.keep_last must be >= 1, got {self.keep_last}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     root: str | Path
     """Directory holding ``step-*`` checkpoints and the ``latest`` pointer; shared by all
@@ -20,6 +68,11 @@ class CheckpointConfig:
     """Optional second tier (a persistent/shared path): after each local commit, every rank
     copies its files there and rank 0 commits there too, with the same retention. ``root``
     can then be fast local storage."""
+
+    object_store: ObjectStoreConfig | None = None
+    """Third tier: after rank 0 commits locally, the checkpoint is uploaded to this bucket
+    by a background thread (never in the training thread's way); restores fall back to it
+    when no good local copy exists. Needs the ``s3`` extra (boto3)."""
 
     keep_last: int = 3
     """Complete checkpoints kept. At least 1; the newest complete one is never deleted
@@ -111,3 +164,5 @@ class CheckpointConfig:
             raise CheckpointConfigError(f"hash_threads must be >= 1, got {self.hash_threads}")
         if self.chunk_bytes < 4096:
             raise CheckpointConfigError("chunk_bytes must be >= 4096")
+        if self.object_store is not None:
+            self.object_store.validate()

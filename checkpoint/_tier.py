@@ -1,0 +1,669 @@
+"""The object-storage tier: background upload of committed checkpoints to an S3-compatible
+bucket, per-tier retention, and restores that take the nearest good copy. No torch here.
+
+Why this shape:
+
+* Local disk is the first tier (durable in seconds); the upload starts only after rank 0's
+  local commit, on a thread of its own, so training never waits on the network. The step's
+  files are hard-linked into ``<root>/.tier/staging/`` when the upload is queued, so local
+  retention may delete the step directory while its upload is still running.
+* A file larger than ``part_bytes`` is a multipart upload whose parts go up in parallel.
+  Each part carries ``Content-MD5`` (the server refuses a part damaged in transit) and the
+  ETag returned must equal the part's MD5. The upload id and the parts sent are journaled
+  in ``<root>/.tier/step-<n>.json``; an interrupted upload (process killed, network gone)
+  resumes with ``ListParts`` on that id and re-sends only the parts the server does not
+  hold with the right MD5.
+* ``step-<n>/TIER.json`` is the remote commit point, written last: it lists every file with
+  its size, part size and whole-file SHA-256. A step without it is incomplete and never
+  restored from. A restore downloads every file, checks size and SHA-256 against it, then
+  the usual manifest chain (MANIFEST.json -> rank manifests -> per-chunk CRC-32) when the
+  step is loaded; on any mismatch the next complete copy is used.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import importlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from checkpoint._commit import committed_steps
+from checkpoint._write import fsync_dir, write_atomic
+from checkpoint.config import ObjectStoreConfig
+from checkpoint.errors import (
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+)
+from checkpoint.manifest import MANIFEST_NAME, step_dir_name
+
+log = logging.getLogger(__name__)
+
+#: The remote commit record of one step, uploaded after every other object of the step.
+TIER_RECORD = "TIER.json"
+#: Local state of the tier under the checkpoint root (ignored by ``step-*`` scans).
+TIER_DIR = ".tier"
+_READ_BYTES = 8 << 20
+
+
+def make_client(cfg: ObjectStoreConfig) -> Any:
+    """An S3 client with credentials from boto3's default chain (environment, profile,
+    web identity, instance metadata); nothing secret passes through trainguard."""
+    try:
+        boto3 = importlib.import_module("boto3")
+        botocore_config = importlib.import_module("botocore.config")
+    except ImportError as exc:
+        raise CheckpointConfigError(
+            "object_store needs boto3: pip install 'trainguard[s3]'"
+        ) from exc
+    session = boto3.session.Session(profile_name=cfg.profile, region_name=cfg.region)
+    return session.client(
+        "s3",
+        endpoint_url=cfg.endpoint_url,
+        config=botocore_config.Config(
+            max_pool_connections=max(10, 2 * cfg.max_concurrency),
+            retries={"max_attempts": 5, "mode": "standard"},
+            # Our own Content-MD5 per part and SHA-256 per file; no extra trailer checksums
+            # (not every S3-compatible server accepts them).
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+    )
+
+
+def _key(cfg: ObjectStoreConfig, step: int, name: str = "") -> str:
+    prefix = cfg.prefix.strip("/")
+    parts = [p for p in (prefix, step_dir_name(step), name) if p]
+    return "/".join(parts) + ("" if name else "/")
+
+
+def _md5(data: bytes | memoryview) -> bytes:
+    return hashlib.md5(data, usedforsecurity=False).digest()
+
+
+def _file_sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_BYTES):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+@dataclass(kw_only=True, slots=True)
+class UploadStats:
+    """What the uploader did since it started (read by tests, ``inspect`` and callers)."""
+
+    steps_uploaded: list[int] = field(default_factory=list)
+    parts_sent: int = 0
+    parts_reused: int = 0
+    bytes_sent: int = 0
+    steps_dropped: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class _Journal:
+    """``<root>/.tier/step-<n>.json``: the upload state of one step, written atomically
+    after every change that a resume needs (upload ids, parts sent)."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.data: dict[str, Any] = {"step": step, "state": "queued", "files": {}}
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            raw = json.loads(path.read_bytes())
+            if isinstance(raw, dict) and raw.get("step") == step:
+                self.data = raw
+
+    def file(self, name: str) -> dict[str, Any]:
+        files: dict[str, Any] = self.data.setdefault("files", {})
+        entry: dict[str, Any] = files.setdefault(name, {})
+        return entry
+
+    def save(self) -> None:
+        with self.lock:
+            self.data["updated_unix_s"] = time.time()
+            write_atomic(self.path, json.dumps(self.data, sort_keys=True).encode())
+
+
+def read_tier_state(root: Path) -> dict[int, dict[str, Any]]:
+    """The uploader's journal per step (``state``: queued, uploading, uploaded, failed;
+    ``parts_done`` / ``parts_total``) as this node last wrote it."""
+    out: dict[int, dict[str, Any]] = {}
+    tier = root / TIER_DIR
+    if not tier.is_dir():
+        return out
+    for path in tier.glob("step-*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            raw = json.loads(path.read_bytes())
+            if not isinstance(raw, dict) or not isinstance(raw.get("step"), int):
+                continue
+            files = raw.get("files", {})
+            total = sum(int(f.get("parts_total", 0)) for f in files.values())
+            done = sum(len(f.get("parts", {})) for f in files.values())
+            out[raw["step"]] = {
+                "state": raw.get("state", "?"),
+                "parts_done": done,
+                "parts_total": total,
+                "error": raw.get("error", ""),
+            }
+    return out
+
+
+class TierUploader:
+    """Uploads committed steps of ``root`` to the bucket, one step at a time, on a thread.
+
+    :meth:`submit` only hard-links the step's files and queues it (milliseconds); a step
+    queued while another one waits replaces it (the newer one is what a restore wants), and
+    :attr:`stats` counts it in ``steps_dropped``.
+    """
+
+    def __init__(self, root: Path, cfg: ObjectStoreConfig, *, client: Any | None = None) -> None:
+        cfg.validate()
+        self.root = Path(root)
+        self.cfg = cfg
+        self.client = client if client is not None else make_client(cfg)
+        self.stats = UploadStats()
+        self.tier_dir = self.root / TIER_DIR
+        self.tier_dir.mkdir(parents=True, exist_ok=True)
+        self._cond = threading.Condition()
+        self._queued: int | None = None
+        self._active: int | None = None
+        self._closed = False
+        self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="ckpt-upload")
+        self._thread = threading.Thread(target=self._loop, name="ckpt-tier", daemon=True)
+        self._thread.start()
+        self._resume_leftovers()
+
+    # ------------------------------------------------------------------ queueing
+    def _staging(self, step: int) -> Path:
+        return self.tier_dir / "staging" / step_dir_name(step)
+
+    def submit(self, step: int) -> None:
+        """Queue committed ``step`` for upload; cheap enough for a writer callback."""
+        src = self.root / step_dir_name(step)
+        staging = self._staging(step)
+        staging.mkdir(parents=True, exist_ok=True)
+        for path in src.iterdir():
+            if path.is_file() and not path.name.startswith("."):
+                target = staging / path.name
+                target.unlink(missing_ok=True)
+                try:
+                    os.link(path, target)
+                except OSError:  # a file system without hard links: copy instead
+                    shutil.copyfile(path, target)
+        if not (staging / MANIFEST_NAME).is_file():
+            raise CheckpointIncompleteError(f"{src}: not committed, nothing to upload")
+        journal = _Journal(self.tier_dir / f"{step_dir_name(step)}.json", step)
+        journal.save()
+        self._enqueue(step)
+
+    def _enqueue(self, step: int) -> None:
+        with self._cond:
+            if self._queued is not None and self._queued != step:
+                self._drop(self._queued)
+            self._queued = step
+            self._cond.notify_all()
+
+    def _drop(self, step: int) -> None:
+        self.stats.steps_dropped += 1
+        log.info("checkpoint step %d: upload superseded by a newer step", step)
+        shutil.rmtree(self._staging(step), ignore_errors=True)
+        (self.tier_dir / f"{step_dir_name(step)}.json").unlink(missing_ok=True)
+
+    def _resume_leftovers(self) -> None:
+        """A previous process's unfinished upload (its staging still here) is queued again;
+        its journal lets the parts already stored be reused."""
+        staging_root = self.tier_dir / "staging"
+        if not staging_root.is_dir():
+            return
+        steps = sorted(
+            int(p.name[5:])
+            for p in staging_root.iterdir()
+            if p.name.startswith("step-") and p.name[5:].isdigit()
+        )
+        for step in steps:
+            self._enqueue(step)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or uploading; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queued is not None or self._active is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left if left is not None else 1.0)
+        return True
+
+    def close(self, *, wait: bool = True) -> None:
+        if wait:
+            self.wait()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=None if wait else 5.0)
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._queued is None and not self._closed:
+                    self._cond.wait()
+                if self._queued is None:
+                    return
+                step, self._queued, self._active = self._queued, None, self._queued
+            try:
+                self.upload_step(step)
+            except Exception as exc:  # the upload is retried at the next start
+                message = f"step {step}: upload failed ({type(exc).__name__}: {exc})"
+                log.error("checkpoint %s", message)
+                self.stats.errors.append(message)
+            finally:
+                with self._cond:
+                    self._active = None
+                    self._cond.notify_all()
+
+    # ------------------------------------------------------------------ upload
+    def upload_step(self, step: int) -> None:
+        """Upload ``step`` from its staging directory, resuming from the journal; then
+        write ``TIER.json`` and apply the bucket's retention."""
+        staging = self._staging(step)
+        journal = _Journal(self.tier_dir / f"{step_dir_name(step)}.json", step)
+        journal.data["state"] = "uploading"
+        journal.data.pop("error", None)
+        journal.save()
+        try:
+            names = sorted(p.name for p in staging.iterdir() if p.is_file())
+            record: dict[str, Any] = {"step": step, "files": {}}
+            for name in names:
+                record["files"][name] = self._upload_file(staging / name, step, name, journal)
+            record["uploaded_unix_s"] = time.time()
+            body = json.dumps(record, sort_keys=True, indent=1).encode()
+            self.client.put_object(
+                Bucket=self.cfg.bucket,
+                Key=_key(self.cfg, step, TIER_RECORD),
+                Body=body,
+                ContentMD5=base64.b64encode(_md5(body)).decode(),
+            )
+        except Exception as exc:
+            journal.data["state"] = "failed"
+            journal.data["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            journal.save()
+            raise
+        journal.data["state"] = "uploaded"
+        journal.save()
+        shutil.rmtree(staging, ignore_errors=True)
+        self.stats.steps_uploaded.append(step)
+        self.apply_retention(newest=step)
+
+    def _upload_file(self, path: Path, step: int, name: str, journal: _Journal) -> dict[str, Any]:
+        size = path.stat().st_size
+        sha = _file_sha256(path)
+        key = _key(self.cfg, step, name)
+        entry = journal.file(name)
+        part_bytes = self.cfg.part_bytes
+        if entry.get("sha256") not in (None, sha) or entry.get("part_bytes") not in (
+            None,
+            part_bytes,
+        ):
+            entry.clear()  # a different file under the same name: start over
+        entry.update(size=size, sha256=sha, part_bytes=part_bytes)
+        described = {"size": size, "sha256": sha, "part_bytes": part_bytes}
+        if entry.get("done"):
+            return described
+        if size <= part_bytes:
+            data = path.read_bytes()
+            digest = _md5(data)
+            reply = self.client.put_object(
+                Bucket=self.cfg.bucket,
+                Key=key,
+                Body=data,
+                ContentMD5=base64.b64encode(digest).decode(),
+                Metadata={"sha256": sha},
+            )
+            if reply.get("ETag", "").strip('"') != digest.hex():
+                raise CheckpointCorruptError(f"s3://{self.cfg.bucket}/{key}: ETag mismatch")
+            self.stats.parts_sent += 1
+            self.stats.bytes_sent += size
+            entry.update(parts_total=1, parts={"1": digest.hex()}, done=True)
+            journal.save()
+            return described
+        count = -(-size // part_bytes)
+        entry["parts_total"] = count
+        stored = self._stored_parts(key, entry)
+        if "upload_id" not in entry:
+            reply = self.client.create_multipart_upload(
+                Bucket=self.cfg.bucket, Key=key, Metadata={"sha256": sha}
+            )
+            entry["upload_id"] = reply["UploadId"]
+            entry["parts"] = {}
+            journal.save()
+        upload_id = entry["upload_id"]
+        parts: dict[str, str] = entry.setdefault("parts", {})
+        parts.clear()
+        parts.update({str(n): etag for n, etag in stored.items()})
+        journal.save()
+
+        def send(number: int) -> None:
+            with open(path, "rb") as f:
+                f.seek((number - 1) * part_bytes)
+                data = f.read(part_bytes)
+            digest = _md5(data)
+            if stored.get(number) == digest.hex():
+                self.stats.parts_reused += 1
+                return
+            reply = self.client.upload_part(
+                Bucket=self.cfg.bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=data,
+                ContentMD5=base64.b64encode(digest).decode(),
+            )
+            if reply.get("ETag", "").strip('"') != digest.hex():
+                raise CheckpointCorruptError(
+                    f"s3://{self.cfg.bucket}/{key}: part {number} ETag mismatch"
+                )
+            with journal.lock:
+                parts[str(number)] = digest.hex()
+                self.stats.parts_sent += 1
+                self.stats.bytes_sent += len(data)
+            journal.save()
+
+        futures = [self._pool.submit(send, n) for n in range(1, count + 1)]
+        errors = []
+        for future in futures:
+            try:
+                future.result()
+            except Exception as exc:  # wait for the others: their parts count on resume
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        self.client.complete_multipart_upload(
+            Bucket=self.cfg.bucket,
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={
+                "Parts": [
+                    {"PartNumber": n, "ETag": f'"{parts[str(n)]}"'} for n in range(1, count + 1)
+                ]
+            },
+        )
+        head = self.client.head_object(Bucket=self.cfg.bucket, Key=key)
+        if int(head["ContentLength"]) != size:
+            raise CheckpointCorruptError(
+                f"s3://{self.cfg.bucket}/{key}: {head['ContentLength']} bytes stored, {size} sent"
+            )
+        entry["done"] = True
+        journal.save()
+        return described
+
+    def _stored_parts(self, key: str, entry: dict[str, Any]) -> dict[int, str]:
+        """Parts the server holds for the journaled upload id (``ListParts``): part number ->
+        MD5 hex. An upload id the server no longer knows is forgotten."""
+        upload_id = entry.get("upload_id")
+        if not upload_id:
+            return {}
+        stored: dict[int, str] = {}
+        marker = 0
+        try:
+            while True:
+                reply = self.client.list_parts(
+                    Bucket=self.cfg.bucket, Key=key, UploadId=upload_id, PartNumberMarker=marker
+                )
+                for part in reply.get("Parts", []):
+                    if int(part.get("Size", -1)) in (
+                        self.cfg.part_bytes,
+                        entry["size"] - (entry["parts_total"] - 1) * self.cfg.part_bytes,
+                    ):
+                        stored[int(part["PartNumber"])] = str(part["ETag"]).strip('"')
+                if not reply.get("IsTruncated"):
+                    break
+                marker = int(reply["NextPartNumberMarker"])
+        except Exception as exc:
+            if _error_code(exc) not in ("NoSuchUpload", "404"):
+                raise
+            entry.pop("upload_id", None)
+            return {}
+        return stored
+
+    # ------------------------------------------------------------------ retention
+    def apply_retention(self, *, newest: int) -> list[int]:
+        """Keep the ``keep_last`` newest complete steps in the bucket; delete older ones and
+        incomplete ones older than ``newest`` (``TIER.json`` first, so a crash mid-delete
+        leaves an incomplete step, never a "complete" one with missing objects)."""
+        complete = [s for s in remote_steps(self.client, self.cfg) if s <= newest]
+        keep = set(sorted(complete)[-self.cfg.keep_last :]) | {newest}
+        deleted = []
+        for step in list_step_prefixes(self.client, self.cfg):
+            if step in keep or step > newest:
+                continue
+            prefix = _key(self.cfg, step)
+            with contextlib.suppress(Exception):
+                self.client.delete_object(Bucket=self.cfg.bucket, Key=prefix + TIER_RECORD)
+            _delete_prefix(self.client, self.cfg.bucket, prefix)
+            deleted.append(step)
+            (self.tier_dir / f"{step_dir_name(step)}.json").unlink(missing_ok=True)
+        return deleted
+
+
+def _delete_prefix(client: Any, bucket: str, prefix: str) -> None:
+    paginator = client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+        keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+    for upload in uploads.get("Uploads", []):
+        with contextlib.suppress(Exception):
+            client.abort_multipart_upload(
+                Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+            )
+
+
+def list_step_prefixes(client: Any, cfg: ObjectStoreConfig) -> list[int]:
+    """Every ``step-*/`` prefix in the bucket, complete or not, oldest first."""
+    prefix = cfg.prefix.strip("/")
+    base = f"{prefix}/" if prefix else ""
+    steps = []
+    paginator = client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=cfg.bucket, Prefix=base, Delimiter="/"):
+        for common in page.get("CommonPrefixes", []):
+            name = common["Prefix"][len(base) :].rstrip("/")
+            if name.startswith("step-") and name[5:].isdigit():
+                steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def remote_steps(client: Any, cfg: ObjectStoreConfig) -> list[int]:
+    """Steps with a ``TIER.json`` in the bucket (complete uploads), oldest first."""
+    out = []
+    for step in list_step_prefixes(client, cfg):
+        try:
+            client.head_object(Bucket=cfg.bucket, Key=_key(cfg, step, TIER_RECORD))
+        except Exception as exc:
+            if _error_code(exc) in ("404", "NoSuchKey", "NotFound"):
+                continue
+            raise
+        out.append(step)
+    return out
+
+
+def _read_record(client: Any, cfg: ObjectStoreConfig, step: int) -> dict[str, Any]:
+    key = _key(cfg, step, TIER_RECORD)
+    where = f"s3://{cfg.bucket}/{key}"
+    raw: Any
+    try:
+        raw = json.loads(client.get_object(Bucket=cfg.bucket, Key=key)["Body"].read())
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"{where}: not JSON ({exc})") from exc
+    files = raw.get("files") if isinstance(raw, dict) else None
+    if raw.get("step") != step or not isinstance(files, dict) or MANIFEST_NAME not in files:
+        raise CheckpointCorruptError(f"{where}: field step/files missing or wrong")
+    for name, info in files.items():
+        if (
+            not isinstance(name, str)
+            or "/" in name
+            or name.startswith(".")
+            or not isinstance(info, dict)
+            or not isinstance(info.get("size"), int)
+            or not isinstance(info.get("sha256"), str)
+        ):
+            raise CheckpointCorruptError(f"{where}: field files[{name!r:.40}] invalid")
+    record: dict[str, Any] = raw
+    return record
+
+
+def download_step(client: Any, cfg: ObjectStoreConfig, step: int, root: Path) -> Path:
+    """Fetch complete remote ``step`` into ``root/step-<n>`` (replacing a local copy),
+    verifying every file's size and SHA-256 against ``TIER.json`` before it is moved in.
+    Parts are fetched in parallel (``Range`` reads of ``part_bytes``)."""
+    record = _read_record(client, cfg, step)
+    tmp = root / TIER_DIR / "restore" / step_dir_name(step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="ckpt-fetch") as pool:
+        for name, info in sorted(record["files"].items()):
+            key = _key(cfg, step, name)
+            where = f"s3://{cfg.bucket}/{key}"
+            size = int(info["size"])
+            part = int(info.get("part_bytes") or cfg.part_bytes)
+            path = tmp / name
+            with open(path, "wb") as f:
+                f.truncate(size)
+
+            def fetch(
+                start: int, key: str = key, path: Path = path, part: int = part, size: int = size
+            ) -> None:
+                end = min(start + part, size) - 1
+                body = client.get_object(Bucket=cfg.bucket, Key=key, Range=f"bytes={start}-{end}")
+                data = body["Body"].read()
+                with open(path, "r+b") as out:
+                    out.seek(start)
+                    out.write(data)
+
+            try:
+                list(pool.map(fetch, range(0, size, part)) if size else [])
+                head = client.head_object(Bucket=cfg.bucket, Key=key)
+            except Exception as exc:
+                if _error_code(exc) in ("404", "NoSuchKey", "InvalidRange"):
+                    raise CheckpointIncompleteError(f"{where}: missing or short") from exc
+                raise
+            if int(head["ContentLength"]) != size or path.stat().st_size != size:
+                raise CheckpointCorruptError(
+                    f"{where}: {head['ContentLength']} bytes, TIER.json says {size}"
+                )
+            if _file_sha256(path) != info["sha256"]:
+                raise CheckpointCorruptError(f"{where}: SHA-256 differs from TIER.json")
+            with open(path, "rb+") as synced:
+                os.fsync(synced.fileno())
+    dest = root / step_dir_name(step)
+    if dest.exists():
+        aside = root / TIER_DIR / "damaged" / f"{step_dir_name(step)}-{time.time_ns()}"
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        dest.rename(aside)
+    tmp.rename(dest)
+    fsync_dir(root)
+    return dest
+
+
+_UNUSABLE = (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError)
+T = TypeVar("T")
+
+
+@dataclass(kw_only=True, slots=True)
+class TierChoice:
+    """Which copy of which step :func:`load_nearest` used, and what it passed over."""
+
+    step: int
+    source: str
+    skipped: list[str] = field(default_factory=list)
+
+
+def load_nearest(
+    root: Path,
+    cfg: ObjectStoreConfig,
+    try_load: Callable[[int], T],
+    *,
+    step: int | None = None,
+    client: Any | None = None,
+) -> tuple[T, TierChoice]:
+    """Newest step first (or only ``step``), the nearest copy first: the local one, then
+    the bucket's. ``try_load(step)`` loads a local step and raises
+    :class:`CheckpointError` when it is damaged or incomplete; a damaged local copy is
+    replaced by the remote one (after its checksums pass) and that is tried next."""
+    client = client if client is not None else make_client(cfg)
+    local = set(committed_steps(root))
+    try:
+        remote = set(remote_steps(client, cfg))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the bucket unreachable: local copies still count
+        log.warning("object store unreachable (%s: %s)", type(exc).__name__, exc)
+        remote = set()
+    steps = [step] if step is not None else sorted(local | remote, reverse=True)
+    skipped: list[str] = []
+    for candidate in steps:
+        if candidate in local:
+            try:
+                return try_load(candidate), TierChoice(
+                    step=candidate, source="local", skipped=skipped
+                )
+            except (
+                CheckpointCorruptError,
+                CheckpointIncompleteError,
+                CheckpointNotFoundError,
+            ) as exc:
+                log.warning("local checkpoint step %d unusable: %s", candidate, exc)
+                skipped.append(f"local step {candidate}: {exc}")
+        if candidate in remote:
+            try:
+                download_step(client, cfg, candidate, root)
+                return try_load(candidate), TierChoice(
+                    step=candidate, source="object_store", skipped=skipped
+                )
+            except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
+                log.warning("remote checkpoint step %d unusable: %s", candidate, exc)
+                skipped.append(f"remote step {candidate}: {exc}")
+    detail = "; ".join(skipped) if skipped else "none found"
+    raise CheckpointNotFoundError(
+        f"{root} and s3://{cfg.bucket}/{cfg.prefix}: no complete checkpoint ({detail})"
+    )
+
+
+def tier_rows(root: Path, remote: Mapping[int, bool] | None = None) -> dict[int, str]:
+    """Per step, the object-store state for ``checkpoint inspect``: from the local journal
+    (``uploaded``, ``uploading 3/7 parts``, ``failed: ...``, ``queued``), or from the bucket
+    when ``remote`` (step -> complete) was listed."""
+    out: dict[int, str] = {}
+    for step, state in read_tier_state(root).items():
+        text = state["state"]
+        if text == "uploading":
+            text = f"uploading {state['parts_done']}/{state['parts_total']} parts"
+        elif text == "failed":
+            text = f"failed: {state['error']}"[:80]
+        out[step] = text
+    if remote is not None:
+        for step, complete in remote.items():
+            out[step] = "uploaded" if complete else "incomplete"
+    return out
