@@ -117,7 +117,7 @@ what to set. Included by every workload template. */}}
 {{- if and (not .Values.auth.existingSecret) (not .Values.auth.tokens) -}}
 {{- fail "auth.tokens is empty and auth.existingSecret is not set: give at least one API token (auth.tokens: [{name: agents, role: agent, token: <openssl rand -hex 24>}, ...]) or the name of a Secret with keys `tokens` and `agent-token` (auth.existingSecret)" -}}
 {{- end -}}
-{{- if and .Values.agent.enabled (not .Values.auth.existingSecret) (not (include "trainguard.agentToken" .)) -}}
+{{- if and .Values.agent.enabled (ne .Values.auth.agentIdentity "serviceAccountToken") (not .Values.auth.existingSecret) (not (include "trainguard.agentToken" .)) -}}
 {{- fail "the agents need a plaintext agent-role token: add an entry with role: agent and token: ... to auth.tokens, or set auth.agentToken (or agent.enabled: false)" -}}
 {{- end -}}
 {{- if and (gt (int .Values.controller.replicas) 1) (not (include "trainguard.usesPostgres" .)) -}}
