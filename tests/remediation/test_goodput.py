@@ -191,3 +191,35 @@ def test_a_ledger_replayed_from_restart_rows_charges_what_the_live_one_did() -> 
     assert [{k: r[k] for k in keys} for r in got["incidents"]] == [
         {k: r[k] for k in keys} for r in want["incidents"]
     ]
+
+
+def test_goodput_facts_round_trip_and_a_malformed_row_is_skipped() -> None:
+    """The restart step writes ``GoodputFacts.to_params()``; replay parses the same model,
+    so a row with a missing or mistyped field is skipped, not half-applied."""
+    from controller.logic.remediation.params import GoodputFacts
+    from controller.services.remediation.history import RestartRow, replay
+
+    facts = GoodputFacts(
+        ledger_id="7",
+        kind="hang",
+        fault_unix_s=8.5,
+        detected_unix_s=9.0,
+        last_step=10,
+        resume_step=6,
+        step_s=None,
+    )
+    stored = facts.to_params()
+    assert "restart_unix_s" not in stored and stored["step_s"] is None  # as given, no more
+    later = facts.resumed(restart_unix_s=11.0, resumed_unix_s=20.0).to_params()
+    assert GoodputFacts.model_validate(later).resumed_unix_s == 20.0
+    broken = dict(later, last_step="ten")
+    missing = {k: v for k, v in later.items() if k != "kind"}
+    rows = [
+        RestartRow(1, "gpt", "incident:7", "succeeded", 11.2, {"goodput": broken}),
+        RestartRow(2, "gpt", "incident:8", "succeeded", 11.5, {"goodput": missing}),
+        RestartRow(3, "gpt", "incident:9", "succeeded", 12.0, {"goodput": later}),
+    ]
+    ledger = GoodputLedger("gpt")
+    ledger.started_at(0.0)
+    assert replay(ledger, rows) == 1
+    assert [r["incident_id"] for r in ledger.snapshot(now=30.0)["incidents"]] == ["7"]

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from controller.db.models import Action, Checkpoint, Job
 from controller.logic.remediation.goodput import GoodputLedger
+from controller.logic.remediation.params import GoodputFacts
 
 #: Most restart rows read back; more restarts than this within one rate-limit window would
 #: already have been refused.
@@ -130,25 +131,23 @@ def replay(ledger: GoodputLedger, rows: list[RestartRow]) -> int:
     """
     replayed = 0
     for row in rows:
-        facts = row.params.get("goodput")
-        if row.job != ledger.job or row.status != "succeeded" or not isinstance(facts, dict):
+        raw = row.params.get("goodput")
+        if row.job != ledger.job or row.status != "succeeded" or not isinstance(raw, dict):
             continue
-        try:
-            ledger_id = str(facts["ledger_id"])
-            ledger.fault(float(facts["fault_unix_s"]), ledger_id, str(facts["kind"]))
-            ledger.detected(float(facts["detected_unix_s"]), ledger_id)
-            step_s = facts.get("step_s")
-            restarted = facts.get("restart_unix_s")
+        try:  # a pydantic ValidationError is a ValueError too
+            facts = GoodputFacts.model_validate(raw)
+            ledger.fault(facts.fault_unix_s, facts.ledger_id, facts.kind)
+            ledger.detected(facts.detected_unix_s, facts.ledger_id)
+            restarted = facts.restart_unix_s
             ledger.restart_started(
-                float(restarted) if isinstance(restarted, int | float) else row.at_unix_s,
-                ledger_id,
-                int(facts["last_step"]),
-                int(facts["resume_step"]),
-                step_s=float(step_s) if isinstance(step_s, int | float) else None,
+                restarted if restarted is not None else row.at_unix_s,
+                facts.ledger_id,
+                facts.last_step,
+                facts.resume_step,
+                step_s=facts.step_s,
             )
-            resumed = facts.get("resumed_unix_s")
-            if isinstance(resumed, int | float):
-                ledger.resumed(float(resumed))
+            if facts.resumed_unix_s is not None:
+                ledger.resumed(facts.resumed_unix_s)
         except (KeyError, TypeError, ValueError):
             continue  # a row written by another version: its cost is not rebuilt
         replayed += 1

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from controller.actuators.base import ActuatorError
+from controller.logic.remediation.params import GoodputFacts
 from controller.logic.remediation.rules import Rule, Step
 from controller.services.remediation.records import Remediation, fault_time
 from controller.services.remediation.steps.base import StepContext, StepResult
@@ -86,15 +87,15 @@ async def restart(
         )
         return True, summary
     last_step = book.ledger.high_water_step
-    params["goodput"] = {
-        "ledger_id": rem.ledger_id,
-        "kind": incident.kind if incident is not None else "grow",
-        "fault_unix_s": fault_time(incident) if incident else rem.started_unix_s,
-        "detected_unix_s": incident.opened_unix_s if incident else rem.started_unix_s,
-        "last_step": last_step if last_step is not None else 0,
-        "resume_step": resume_step if resume_step is not None else 0,
-        "step_s": book.ledger.median_step_s(),
-    }
+    params["goodput"] = GoodputFacts(
+        ledger_id=rem.ledger_id,
+        kind=incident.kind if incident is not None else "grow",
+        fault_unix_s=fault_time(incident) if incident else rem.started_unix_s,
+        detected_unix_s=incident.opened_unix_s if incident else rem.started_unix_s,
+        last_step=last_step if last_step is not None else 0,
+        resume_step=resume_step if resume_step is not None else 0,
+        step_s=book.ledger.median_step_s(),
+    ).to_params()
     action = await record(incident, rem, ACTION_KIND, job, params, "pending", "")
     try:
         result = await actuator.restart_job(placement, reason=f"remediation {rem.id}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from controller.logic.remediation.params import GoodputFacts
 from controller.services.remediation.records import JobBook, Remediation
 from controller.services.remediation.steps.base import StepContext
 
@@ -72,11 +73,10 @@ async def _note_resumed(ctx: StepContext, rem: Remediation, at: float, step: int
     if rem.restart_action is None or rem.restart_params is None:
         return
     params = dict(rem.restart_params)
-    params["goodput"] = {
-        **params.get("goodput", {}),
-        "restart_unix_s": rem.restarted_unix_s,
-        "resumed_unix_s": at,
-    }
+    facts = GoodputFacts.model_validate(params["goodput"])
+    params["goodput"] = facts.resumed(
+        restart_unix_s=rem.restarted_unix_s, resumed_unix_s=at
+    ).to_params()
     params["resumed_step"] = step
     try:
         await ctx.recorder.update_params(rem.restart_action, params)
