@@ -7,6 +7,7 @@ The public face (everything else is private machinery behind it)::
     reshard(root, targets, sharding=)    fill this rank's tensors from any saved layout
     verify(root, step=)                  re-read every byte against its checksums
     CheckpointStore(root)                list, open, and set aside checkpoints
+    ObjectStoreConfig(bucket=, ...)      the S3-compatible tier (CheckpointConfig.object_store)
     ShardingSpec, RuleSpec, ParallelLayout, ZeroPartition   where each shard belongs
 
 A save runs four private stages, one module each: ``_snapshot`` (walk the state),
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from checkpoint._store import CheckpointStore, verify_checkpoint
-from checkpoint.config import CheckpointConfig
+from checkpoint.config import CheckpointConfig, ObjectStoreConfig
 from checkpoint.errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
@@ -76,6 +77,7 @@ __all__ = [
     "CheckpointSupersededError",
     "CheckpointWriteError",
     "Checkpointer",
+    "ObjectStoreConfig",
     "ParallelLayout",
     "ReshardResult",
     "Restored",
@@ -104,16 +106,31 @@ def load(
     rank: int = 0,
     step: int | None = None,
     restore_rng: bool = True,
+    object_store: ObjectStoreConfig | None = None,
 ) -> Restored:
     """Restore ``state`` (modules, optimizers, ... in place) as rank ``rank`` saved it.
 
     With ``step=None`` the newest complete checkpoint that loads is used; ``latest`` is
     only a hint, and every checkpoint passed over is named in ``Restored.skipped`` (and
-    logged). With an explicit step its error is raised.
+    logged). With an explicit step its error is raised. With ``object_store`` a step
+    without a good local copy is downloaded from the bucket (checksummed) into ``root``
+    first; ``Restored.source`` says which tier was used.
     """
     from checkpoint._load import load_state
 
-    return load_state(Path(root), state, rank=rank, step=step, restore_rng=restore_rng)
+    if object_store is None:
+        return load_state(Path(root), state, rank=rank, step=step, restore_rng=restore_rng)
+    from checkpoint._tier import load_nearest
+
+    restored, choice = load_nearest(
+        Path(root),
+        object_store,
+        lambda s: load_state(Path(root), state, rank=rank, step=s, restore_rng=restore_rng),
+        step=step,
+    )
+    restored.source = choice.source
+    restored.skipped = choice.skipped + restored.skipped
+    return restored
 
 
 def reshard(

@@ -19,6 +19,7 @@ PUBLIC = {
     "CheckpointSupersededError",
     "CheckpointWriteError",
     "Checkpointer",
+    "ObjectStoreConfig",
     "ParallelLayout",
     "ReshardResult",
     "Restored",
