@@ -18,6 +18,7 @@ from agents.settings import load_settings
 _FLAGS: list[tuple[str, str, Any]] = [
     ("--controller", "controller_url", str),
     ("--token", "token", str),
+    ("--token-file", "token_file", str),
     ("--node-name", "node_name", str),
     ("--gpus", "gpus", str),
     ("--dev-dir", "dev_dir", str),
@@ -32,6 +33,9 @@ _FLAGS: list[tuple[str, str, Any]] = [
     ("--spool-dir", "spool_dir", str),
     ("--spool-max-bytes", "spool_max_bytes", int),
     ("--socket-path", "socket_path", str),
+    ("--job-listen", "job_listen", str),
+    ("--job-token-file", "job_token_file", str),
+    ("--client-idle-timeout", "client_idle_timeout_s", float),
     ("--metrics-host", "metrics_host", str),
     ("--metrics-port", "metrics_port", int),
     ("--node-base-power-w", "node_base_power_w", float),

@@ -105,8 +105,13 @@ class Agent:
         self.spool = Spool(settings.resolved_spool_dir, max_bytes=settings.spool_max_bytes)
         self.batch = Batch(self.spool.journal_dir, next_seq=self.spool.next_seq)
         self.endpoint: LocalEndpoint | None = None
-        if settings.socket_path:
-            self.endpoint = LocalEndpoint(Path(settings.socket_path), on_records=self._on_records)
+        if settings.socket_path or settings.job_listen:
+            self.endpoint = LocalEndpoint(
+                Path(settings.socket_path) if settings.socket_path else None,
+                on_records=self._on_records,
+                tcp=settings.job_tcp(),
+                idle_timeout_s=settings.client_idle_timeout_s,
+            )
         api = self.backend.api
         self.xids: XidWatcher | None = None
         self.executor: CommandExecutor | None = None

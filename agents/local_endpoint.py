@@ -10,6 +10,11 @@ The socket is created ``0o660`` (owner and group: the training pods' group, not 
 a stale socket left by a crashed agent is replaced, a live one is refused, and the file is
 removed on shutdown.
 
+The same endpoint can also accept ranks over TCP (:mod:`agents.tcp_endpoint`: a token in
+the hello, for training pods that may not mount a hostPath); both kinds of connection share
+the sessions, the command queues and the bounds below. Every connection is closed after
+``idle_timeout_s`` without a frame (a live client ships one every ~0.15 s).
+
 A rank that exits cleanly says so before its connection closes (an ``exited`` rank event,
 or a last frame with ``closing=True`` when it stops instrumenting). A rank killed from
 outside (SIGKILL, the OOM killer) can say nothing: its connection just closes, and its
@@ -42,7 +47,14 @@ from pathlib import Path
 from pydantic import TypeAdapter, ValidationError
 
 from agents.errors import ListenError
-from trainguard.framing import FrameError, encode_frame, read_frame
+from agents.tcp_endpoint import (
+    HELLO_MAX_BYTES,
+    MAX_UNAUTHENTICATED,
+    JobTokens,
+    TcpListen,
+    bind_tcp,
+)
+from trainguard.framing import MAX_FRAME_BYTES, FrameError, encode_frame, read_frame
 from trainguard.wire import (
     Command,
     JobCommand,
@@ -69,6 +81,9 @@ CLOSED_SESSIONS_KEPT = 256
 #: merely disconnected client reconnect, while the peers' collateral exits still wait for
 #: this report (the controller waits 10 s for it).
 VANISH_GRACE_S = 1.0
+#: Seconds without a frame after which a connection is closed: clients ship an (often empty)
+#: frame every ~0.15 s, so a minute of silence is a wedged or abandoned peer holding a seat.
+IDLE_TIMEOUT_S = 60.0
 
 RecordsSink = Callable[["Session", JobRecords, int], None]
 
@@ -79,6 +94,9 @@ class Session:
 
     conn_id: int
     connected_unix_s: float
+    #: ``unix`` or ``tcp`` (then :attr:`peer_addr` says who, and there is no peer pid).
+    transport: str = "unix"
+    peer_addr: str = ""
     #: Kernel-reported peer (SO_PEERCRED); the hello's pid may differ across PID namespaces.
     peer_pid: int | None = None
     peer_uid: int | None = None
@@ -129,24 +147,69 @@ class LocalEndpoint:
     """Threaded server: one accept thread, one thread per client."""
 
     def __init__(
-        self, path: Path, *, on_records: RecordsSink, vanish_grace_s: float = VANISH_GRACE_S
+        self,
+        path: Path | None,
+        *,
+        on_records: RecordsSink,
+        vanish_grace_s: float = VANISH_GRACE_S,
+        tcp: TcpListen | None = None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
+        if path is None and tcp is None:
+            raise ListenError("the local endpoint needs a socket path, a TCP listener, or both")
         self.path = path
+        self.tcp = tcp
+        self._tokens = JobTokens(tcp.token_file) if tcp is not None else None
         self._on_records = on_records
         self.vanish_grace_s = vanish_grace_s
+        self.idle_timeout_s = idle_timeout_s
         self._lock = threading.Lock()
         self._sessions: dict[int, Session] = {}
         self._conns: dict[int, socket.socket] = {}
         self._closed: deque[Session] = deque(maxlen=CLOSED_SESSIONS_KEPT)
         self._server: socket.socket | None = None
+        self._tcp_server: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self._tcp_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._next_id = 0
         self._inode: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def tcp_address(self) -> tuple[str, int] | None:
+        """The bound TCP (host, port) once started (the port is real when 0 was asked)."""
+        if self._tcp_server is None:
+            return None
+        host, port = self._tcp_server.getsockname()[:2]
+        return str(host), int(port)
+
     def start(self) -> None:
+        if self.tcp is not None:
+            assert self._tokens is not None
+            self._tokens.load()  # no token file, no listener: refuse to start unauthenticated
+            self._tcp_server = bind_tcp(self.tcp)
+        try:
+            if self.path is not None:
+                self._start_unix(self.path)
+        except BaseException:
+            if self._tcp_server is not None:
+                self._tcp_server.close()
+            raise
+        if self._tcp_server is not None:
+            self._tcp_thread = threading.Thread(
+                target=self._accept_loop,
+                args=(self._tcp_server, "tcp"),
+                name="local-accept-tcp",
+                daemon=True,
+            )
+            self._tcp_thread.start()
+            host, port = self.tcp_address or ("?", 0)
+            log.info("job endpoint listening on %s:%d (TCP, token required)", host, port)
+
+    def _start_unix(self, path: Path) -> None:
+        self.path = path
         _remove_stale_socket(self.path)
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # no window where the socket is world-accessible
@@ -163,23 +226,27 @@ class LocalEndpoint:
         server.listen(64)
         server.settimeout(0.2)
         self._server = server
-        self._thread = threading.Thread(target=self._accept_loop, name="local-accept", daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept_loop, args=(server, "unix"), name="local-accept", daemon=True
+        )
         self._thread.start()
         log.info("local endpoint listening on %s", self.path)
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._server is not None:
-            self._server.close()
+        for thread in (self._thread, self._tcp_thread):
+            if thread is not None:
+                thread.join(timeout=5)
+        for server in (self._server, self._tcp_server):
+            if server is not None:
+                server.close()
         with self._lock:
             conns = list(self._conns.values())
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
-            if self._inode is not None and self.path.stat().st_ino == self._inode:
+            if self.path is not None and self._inode and self.path.stat().st_ino == self._inode:
                 self.path.unlink()  # only our own socket, not a successor's
 
     # ------------------------------------------------------------------ sessions
@@ -199,11 +266,10 @@ class LocalEndpoint:
 
     # ------------------------------------------------------------------ serving
 
-    def _accept_loop(self) -> None:
-        assert self._server is not None
+    def _accept_loop(self, server: socket.socket, transport: str) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._server.accept()
+                conn, addr = server.accept()
             except TimeoutError:
                 continue
             except OSError as exc:
@@ -213,25 +279,36 @@ class LocalEndpoint:
                 time.sleep(0.1)
                 continue
             with self._lock:
+                full = ""
                 if len(self._sessions) >= MAX_CLIENTS:
-                    full = True
+                    full = f"agent has {MAX_CLIENTS} clients"
+                elif transport == "tcp" and self._unauthenticated() >= MAX_UNAUTHENTICATED:
+                    full = f"agent has {MAX_UNAUTHENTICATED} connections waiting for a hello"
                 else:
-                    full = False
                     self._next_id += 1
-                    session = Session(self._next_id, time.time(), *_peer_credentials(conn))
+                    if transport == "tcp":
+                        session = Session(self._next_id, time.time(), "tcp", f"{addr[0]}:{addr[1]}")
+                    else:
+                        pid, uid = _peer_credentials(conn)
+                        session = Session(self._next_id, time.time(), peer_pid=pid, peer_uid=uid)
                     self._sessions[session.conn_id] = session
                     self._conns[session.conn_id] = conn
             if full:
-                self._send(conn, LocalReply(ok=False, error=f"agent has {MAX_CLIENTS} clients"))
+                self._send(conn, LocalReply(ok=False, error=full))
                 conn.close()
                 continue
-            conn.settimeout(None)
+            if transport == "tcp":
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
                 target=self._serve,
                 args=(conn, session),
                 name=f"local-{session.conn_id}",
                 daemon=True,
             ).start()
+
+    def _unauthenticated(self) -> int:
+        """TCP connections still without a good hello (call with the lock held)."""
+        return sum(1 for s in self._sessions.values() if s.transport == "tcp" and not s.hello)
 
     def _send(self, conn: socket.socket, reply: LocalReply) -> bool:
         try:
@@ -242,10 +319,20 @@ class LocalEndpoint:
 
     def _serve(self, conn: socket.socket, session: Session) -> None:
         reason = "closed by client"
+        tcp = session.transport == "tcp"
         try:
             while not self._stop.is_set():
+                waiting = tcp and session.hello is None
+                hello_s = self.tcp.hello_timeout_s if self.tcp is not None else self.idle_timeout_s
+                conn.settimeout(hello_s if waiting else self.idle_timeout_s)
                 try:
-                    payload = read_frame(conn)
+                    payload = read_frame(conn, HELLO_MAX_BYTES if waiting else MAX_FRAME_BYTES)
+                except TimeoutError:
+                    what = "hello" if waiting else "frame"
+                    reason = f"no {what} for {conn.gettimeout():g} s"
+                    self._send(conn, LocalReply(ok=False, error=f"closing: {reason}"))
+                    log.info("local client %d: %s; closing it", session.conn_id, reason)
+                    return
                 except FrameError as exc:
                     if "closed" not in str(exc):
                         session.bad_frames += 1
@@ -257,9 +344,13 @@ class LocalEndpoint:
                     reason = f"socket error: {exc}"
                     return
                 session.frames += 1
-                if not self._send(conn, self._reply(session, payload)):
+                reply = self._reply(session, payload)
+                if not self._send(conn, reply):
                     reason = "client went away before the reply"
                     return
+                if tcp and session.hello is None:
+                    reason = f"not authenticated: {reply.error}"
+                    return  # a TCP peer gets one answer, not a conversation, without a token
         finally:
             conn.close()
             session.disconnected_unix_s = time.time()
@@ -338,7 +429,26 @@ class LocalEndpoint:
             if session.hello is not None:
                 session.bad_frames += 1
                 return LocalReply(ok=False, error="hello already received on this connection")
-            session.hello = message
+            if session.transport == "tcp":
+                assert self._tokens is not None
+                if not self._tokens.check(message.token):
+                    session.bad_frames += 1
+                    log.warning(
+                        "job endpoint: refused %s (job %s rank %d): %s job token",
+                        session.peer_addr,
+                        message.job,
+                        message.rank,
+                        "wrong" if message.token else "no",
+                    )
+                    return LocalReply(
+                        ok=False,
+                        error=(
+                            "authentication failed: the hello's job token is "
+                            f"{'wrong' if message.token else 'missing'}; mount the job-token "
+                            "Secret and set TRAINGUARD_AGENT_TOKEN_FILE (docs/kubernetes.md)"
+                        ),
+                    )
+            session.hello = message.model_copy(update={"token": ""})  # never kept
             log.info(
                 "local client %d: job %s rank %d pid %d",
                 session.conn_id,
@@ -412,6 +522,7 @@ def _foreign_job(records: JobRecords, job: str) -> str | None:
 
 
 __all__ = [
+    "IDLE_TIMEOUT_S",
     "MAX_CLIENTS",
     "SOCKET_MODE",
     "VANISH_GRACE_S",

@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from agents.errors import AgentConfigError
 from agents.gpu.backend import parse_gpus_setting
 from agents.gpu.faults import parse_fault_spec, split_fault_specs
+from agents.tcp_endpoint import TcpListen, parse_listen
 from trainguard.wire import NAME_PATTERN
 
 _NAME_RE = re.compile(NAME_PATTERN)
@@ -99,6 +100,24 @@ class AgentSettings(BaseSettings):
     spool_dir: Path | None = None
     spool_max_bytes: int = Field(default=256 * 1024 * 1024, ge=64 * 1024)
     socket_path: str = Field(default_factory=default_socket_path)
+    job_listen: str = Field(
+        default="",
+        description=(
+            "HOST:PORT of the authenticated TCP endpoint for ranks (e.g. 0.0.0.0:9471, "
+            "published as a hostPort); empty: Unix socket only"
+        ),
+    )
+    job_token_file: Path | None = Field(
+        default=None,
+        description="File of accepted job tokens, one per line (a mounted Secret); required "
+        "with job_listen",
+    )
+    client_idle_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="Close a rank's connection after this long without a frame",
+    )
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(default=9470, ge=-1, le=65535)
     node_base_power_w: float = Field(default=0.0, ge=0)
@@ -163,6 +182,13 @@ class AgentSettings(BaseSettings):
             raise ValueError(f"longer than {_MAX_SOCKET_PATH_BYTES} bytes (Unix socket limit)")
         return value
 
+    @field_validator("job_listen")
+    @classmethod
+    def _check_job_listen(cls, value: str) -> str:
+        if value:
+            parse_listen(value)
+        return value
+
     @field_validator("log_level")
     @classmethod
     def _check_log_level(cls, value: str) -> str:
@@ -177,10 +203,23 @@ class AgentSettings(BaseSettings):
                 f"report_interval_s ({self.report_interval_s}) must be >= sample_interval_s "
                 f"({self.sample_interval_s})"
             )
+        if self.job_listen and self.job_token_file is None:
+            raise ValueError(
+                "job_listen needs job_token_file: the TCP endpoint never accepts ranks "
+                "without a token"
+            )
         if self.spool_dir is None:
             state = Path(platformdirs.user_state_dir("trainguard"))
             self.spool_dir = state / f"agent-{self.node_name}" / "spool"
         return self
+
+    def job_tcp(self) -> TcpListen | None:
+        """The TCP endpoint's listen settings, or None when ranks use the Unix socket only."""
+        if not self.job_listen:
+            return None
+        assert self.job_token_file is not None  # checked by _derive
+        host, port = parse_listen(self.job_listen)
+        return TcpListen(host=host, port=port, token_file=self.job_token_file)
 
     @property
     def resolved_spool_dir(self) -> Path:

@@ -1,4 +1,9 @@
-"""The job-side client of the node agent's Unix socket (a daemon thread per rank).
+"""The job-side client of the node agent (a daemon thread per rank).
+
+Transport: the agent's Unix socket (``agent_socket``), or its TCP endpoint on the node's IP
+(``agent_addr``, for pods that may not mount a hostPath) with the job token from
+``agent_token_file`` in the hello; an agent that refuses the hello (a wrong token) is
+announced once as a WARNING with its reason and retried like an absent one.
 
 Protocol (``trainguard.framing``): ``hello`` once per connection, then a ``records`` frame
 every ``ship_interval_s`` (empty ones too: each reply is also how commands reach the
@@ -28,10 +33,14 @@ from pydantic import ValidationError
 from trainguard.framing import FrameError, encode_frame, read_frame
 from trainguard.wire import Command, LocalHello, LocalRecords, LocalReply
 
-from .config import InstrumentConfig
+from .config import InstrumentConfig, parse_agent_addr
 from .outbox import Outbox
 
 log = logging.getLogger("trainguard.collectives")
+
+
+class _Refused(Exception):
+    """The agent answered the hello with ok=false (e.g. a wrong job token)."""
 
 
 class AgentClient:
@@ -56,6 +65,7 @@ class AgentClient:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._warned = False
+        self._refusal_warned = False
         self._retry_at = 0.0
         self._backoff_s = 0.1
         self._thread = threading.Thread(target=self._run, name="trainguard-ship", daemon=True)
@@ -110,32 +120,72 @@ class AgentClient:
         clock = time.monotonic()
         if not force and clock < self._retry_at:
             return False
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.cfg.socket_timeout_s)
+        sock: socket.socket | None = None
         try:
-            sock.connect(self.cfg.agent_socket)
-            sock.sendall(encode_frame(self.hello.model_dump_json().encode()))
+            sock = self._open_socket()
+            sock.sendall(encode_frame(self._hello_payload()))
             reply = self._read_reply(sock)
-        except (OSError, FrameError, ValidationError) as exc:
-            sock.close()
+            if not reply.ok:
+                raise _Refused(reply.error)
+        except (OSError, FrameError, ValidationError, _Refused) as exc:
+            if sock is not None:
+                sock.close()
             self.connect_failures += 1
             self._retry_at = clock + self._backoff_s
             self._backoff_s = min(self._backoff_s * 2, self.cfg.connect_backoff_max_s)
-            if not self._warned:
+            if isinstance(exc, _Refused) and not self._refusal_warned:
+                self._refusal_warned = True
+                log.warning(
+                    "trainguard: the node agent at %s refused this rank (%s); training "
+                    "continues unmonitored, retrying quietly",
+                    self.agent_location,
+                    exc,
+                )
+            elif not isinstance(exc, _Refused) and not self._warned:
                 self._warned = True
                 log.warning(
                     "trainguard: no node agent at %s (%s); training continues unmonitored, "
                     "retrying quietly",
-                    self.cfg.agent_socket,
+                    self.agent_location,
                     getattr(exc, "strerror", None) or exc,
                 )
             return False
         self._sock = sock
         self.connected = True
         self._backoff_s = 0.1
-        log.info("trainguard: connected to node agent at %s", self.cfg.agent_socket)
+        log.info("trainguard: connected to node agent at %s", self.agent_location)
         self._deliver(reply)
         return True
+
+    @property
+    def agent_location(self) -> str:
+        """Where this client looks for its agent, for messages."""
+        return self.cfg.agent_addr or self.cfg.agent_socket
+
+    def _open_socket(self) -> socket.socket:
+        """A connected socket: TCP when ``agent_addr`` is set, else the Unix socket."""
+        if self.cfg.agent_addr:
+            host, port = parse_agent_addr(self.cfg.agent_addr)
+            sock = socket.create_connection((host, port), timeout=self.cfg.socket_timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.cfg.socket_timeout_s)
+        try:
+            sock.connect(self.cfg.agent_socket)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _hello_payload(self) -> bytes:
+        """The hello, with the job token over TCP (read now: a rotated Secret applies)."""
+        hello = self.hello
+        if self.cfg.agent_addr:
+            with open(self.cfg.agent_token_file, encoding="utf-8", errors="replace") as fh:
+                token = next((line.strip() for line in fh if line.strip()), "")
+            hello = hello.model_copy(update={"token": token})
+        return hello.model_dump_json().encode()
 
     def _ship(self, *, closing: bool = False) -> bool:
         sock = self._sock

@@ -35,6 +35,8 @@ DEFAULT_AGENT_SOCKET = default_agent_socket()
 
 ENV_JOB = "TRAINGUARD_JOB"
 ENV_SOCKET = "TRAINGUARD_AGENT_SOCKET"
+ENV_ADDR = "TRAINGUARD_AGENT_ADDR"
+ENV_TOKEN_FILE = "TRAINGUARD_AGENT_TOKEN_FILE"
 ENV_FAULTS = "TRAINGUARD_FAULTS"
 ENV_PREFIX = "TRAINGUARD_COLLECTIVES_"
 
@@ -48,7 +50,14 @@ class InstrumentConfig:
     job: str
     """Job name (RFC 1123, as the controller knows the job)."""
     agent_socket: str = DEFAULT_AGENT_SOCKET
-    """Path of the node agent's Unix socket."""
+    """Path of the node agent's Unix socket (used when ``agent_addr`` is empty)."""
+    agent_addr: str = ""
+    """``HOST:PORT`` of the node agent's TCP endpoint (on Kubernetes: the node IP from the
+    downward API's ``status.hostIP`` and the agent's hostPort); takes precedence over the
+    socket. Needs ``agent_token_file``: the agent refuses a hello without its job token."""
+    agent_token_file: str = ""
+    """File holding the job token sent in the hello over TCP (a mounted Secret's key); read
+    at each connection, so a rotated Secret is picked up on the next reconnect."""
     ship_interval_s: float = 0.15
     """How often the background thread ships a batch and polls for commands: well under a
     second so hangs and commands travel fast, well above the cost of one local frame."""
@@ -123,6 +132,13 @@ class InstrumentConfig:
             value = getattr(self, field.name)
             if field.name.endswith("_s") and not value > 0:
                 raise CollectivesConfigError(f"{field.name} must be > 0 seconds, got {value!r}")
+        if self.agent_addr:
+            parse_agent_addr(self.agent_addr)
+            if not self.agent_token_file:
+                raise CollectivesConfigError(
+                    f"agent_addr {self.agent_addr!r} needs agent_token_file (set "
+                    f"{ENV_TOKEN_FILE} to the mounted job-token Secret's file)"
+                )
         if self.watchdog_multiplier < 1:
             raise CollectivesConfigError(
                 f"watchdog_multiplier must be >= 1, got {self.watchdog_multiplier!r}"
@@ -140,6 +156,17 @@ class InstrumentConfig:
         ):
             if getattr(self, name) < 1:
                 raise CollectivesConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+
+
+def parse_agent_addr(addr: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port), or a one-line config error."""
+    host, sep, port = addr.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise CollectivesConfigError(
+            f"agent_addr {addr!r} is not HOST:PORT (e.g. {ENV_ADDR}=$(NODE_IP):9471)"
+        )
+    return host, int(port)
 
 
 def validate_job_name(job: str) -> str:
@@ -166,10 +193,14 @@ def config_from_env(
     kwargs: dict[str, object] = {"job": job}
     if env.get(ENV_SOCKET):
         kwargs["agent_socket"] = env[ENV_SOCKET]
+    if env.get(ENV_ADDR):
+        kwargs["agent_addr"] = env[ENV_ADDR]
+    if env.get(ENV_TOKEN_FILE):
+        kwargs["agent_token_file"] = env[ENV_TOKEN_FILE]
     types = {f.name: f.type for f in dataclasses.fields(InstrumentConfig)}
     for name, type_name in types.items():
         raw = env.get(ENV_PREFIX + name.upper())
-        if raw is None or name in ("job", "agent_socket"):
+        if raw is None or name in ("job", "agent_socket", "agent_addr", "agent_token_file"):
             continue
         kwargs[name] = _parse_env_value(ENV_PREFIX + name.upper(), raw, str(type_name))
     kwargs.update(overrides)
@@ -198,10 +229,13 @@ def _parse_env_value(var: str, raw: str, type_name: str) -> object:
 
 __all__ = [
     "DEFAULT_AGENT_SOCKET",
+    "ENV_ADDR",
     "ENV_FAULTS",
     "ENV_JOB",
     "ENV_SOCKET",
+    "ENV_TOKEN_FILE",
     "InstrumentConfig",
     "config_from_env",
+    "parse_agent_addr",
     "validate_job_name",
 ]

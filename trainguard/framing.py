@@ -33,9 +33,9 @@ def encode_frame(payload: bytes) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 
 
-def _check_length(length: int) -> int:
-    if length > MAX_FRAME_BYTES:
-        raise FrameError(f"peer announced a {length}-byte frame (limit {MAX_FRAME_BYTES})")
+def _check_length(length: int, limit: int = MAX_FRAME_BYTES) -> int:
+    if length > limit:
+        raise FrameError(f"peer announced a {length}-byte frame (limit {limit})")
     return length
 
 
@@ -49,10 +49,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(chunks)
 
 
-def read_frame(sock: socket.socket) -> bytes:
-    """Read one frame from a blocking socket (raises :class:`FrameError` on EOF)."""
+def read_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """Read one frame from a blocking socket (raises :class:`FrameError` on EOF).
+
+    ``max_bytes`` lowers the limit, e.g. for a peer that has not authenticated yet.
+    """
     (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    return _recv_exact(sock, _check_length(length)) if length else b""
+    return _recv_exact(sock, _check_length(length, max_bytes)) if length else b""
 
 
 async def read_frame_async(reader: asyncio.StreamReader) -> bytes:

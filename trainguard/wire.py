@@ -769,6 +769,15 @@ class LocalHello(WireModel):
     namespace: str = Field(
         default="", max_length=63, pattern=NO_NUL, description="Namespace of that pod"
     )
+    token: str = Field(
+        default="",
+        max_length=1024,
+        repr=False,
+        description=(
+            "Job token proving the client may use the agent's TCP endpoint (the Unix socket "
+            "is guarded by its file mode and ignores it); never logged or kept by the agent"
+        ),
+    )
 
 
 class LocalRecords(WireModel):

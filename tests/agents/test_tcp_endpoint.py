@@ -1,0 +1,204 @@
+"""The agent's TCP endpoint for ranks: token check, bounds on unauthenticated peers, idle
+timeout, settings. Raw sockets on 127.0.0.1 against the real endpoint (the real job-side
+client over TCP is in tests/collectives/test_client_tcp.py)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import agents.local_endpoint as local_endpoint
+from agents.errors import AgentConfigError, ListenError
+from agents.local_endpoint import LocalEndpoint, Session
+from agents.settings import load_settings
+from agents.tcp_endpoint import HELLO_MAX_BYTES, JobTokens, TcpListen, parse_listen
+from trainguard.framing import encode_frame, read_frame
+from trainguard.wire import JobRecords, LocalHello, LocalRecords, LocalReply
+
+TOKEN = "job-token-5e8c1a2b9d4f7031"
+
+
+def _noop(session: Session, records: JobRecords, size: int) -> None:
+    return None
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+def _endpoint(token_file: Path, **kw: float) -> LocalEndpoint:
+    hello_timeout_s = kw.pop("hello_timeout_s", 5.0)
+    ep = LocalEndpoint(
+        None,
+        on_records=_noop,
+        tcp=TcpListen(
+            host="127.0.0.1", port=0, token_file=token_file, hello_timeout_s=hello_timeout_s
+        ),
+        **kw,
+    )
+    ep.start()
+    return ep
+
+
+@pytest.fixture
+def endpoint(token_file: Path) -> Iterator[LocalEndpoint]:
+    ep = _endpoint(token_file)
+    try:
+        yield ep
+    finally:
+        ep.stop()
+
+
+def _connect(ep: LocalEndpoint) -> socket.socket:
+    assert ep.tcp_address is not None
+    sock = socket.create_connection(ep.tcp_address, timeout=5)
+    return sock
+
+
+def _ask(sock: socket.socket, payload: bytes) -> LocalReply:
+    sock.sendall(encode_frame(payload))
+    return LocalReply.model_validate_json(read_frame(sock))
+
+
+def _hello(token: str) -> bytes:
+    return LocalHello(job="j", rank=0, world_size=1, pid=7, token=token).model_dump_json().encode()
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_good_token_then_records(endpoint: LocalEndpoint) -> None:
+    sock = _connect(endpoint)
+    try:
+        assert _ask(sock, _hello(TOKEN)).ok
+        assert _ask(sock, LocalRecords().model_dump_json().encode()).ok
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(
+    ("payload", "error"),
+    [
+        (_hello(""), "authentication failed: the hello's job token is missing"),
+        (_hello(TOKEN[:-1] + "X"), "authentication failed: the hello's job token is wrong"),
+        (_hello(TOKEN + "X"), "authentication failed: the hello's job token is wrong"),
+        (LocalRecords().model_dump_json().encode(), "send a hello frame before records"),
+        (b"{not json", "invalid frame: not JSON"),
+    ],
+    ids=["missing", "wrong", "longer", "records-first", "garbage"],
+)
+def test_unauthenticated_peer_gets_one_answer_then_is_closed(
+    endpoint: LocalEndpoint, payload: bytes, error: str
+) -> None:
+    sock = _connect(endpoint)
+    try:
+        reply = _ask(sock, payload)
+        assert not reply.ok and reply.error.startswith(error)
+        assert _closed(sock)
+    finally:
+        sock.close()
+    assert all(TOKEN not in s.close_reason for s in endpoint.sessions())
+
+
+def test_unauthenticated_peer_cannot_announce_a_big_frame(endpoint: LocalEndpoint) -> None:
+    sock = _connect(endpoint)
+    try:
+        sock.sendall(struct.pack(">I", HELLO_MAX_BYTES + 1))
+        reply = LocalReply.model_validate_json(read_frame(sock))
+        assert (
+            not reply.ok and "framing error" in reply.error and str(HELLO_MAX_BYTES) in reply.error
+        )
+        assert _closed(sock)
+    finally:
+        sock.close()
+
+
+def test_silent_peers_are_closed_before_and_after_the_hello(token_file: Path) -> None:
+    ep = _endpoint(token_file, hello_timeout_s=0.3, idle_timeout_s=0.5)
+    quiet, idle = _connect(ep), _connect(ep)
+    try:
+        assert _ask(idle, _hello(TOKEN)).ok
+        started = time.monotonic()
+        reply = LocalReply.model_validate_json(read_frame(quiet))
+        assert reply.error == "closing: no hello for 0.3 s"
+        assert _closed(quiet)
+        reply = LocalReply.model_validate_json(read_frame(idle))
+        assert reply.error == "closing: no frame for 0.5 s"
+        assert _closed(idle) and time.monotonic() - started < 3
+    finally:
+        quiet.close()
+        idle.close()
+        ep.stop()
+
+
+def test_unauthenticated_seats_are_bounded(
+    token_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(local_endpoint, "MAX_UNAUTHENTICATED", 2)
+    ep = _endpoint(token_file)
+    waiting = [_connect(ep), _connect(ep)]
+    time.sleep(0.3)  # both accepted and seated
+    late = _connect(ep)
+    try:
+        reply = LocalReply.model_validate_json(read_frame(late))
+        assert not reply.ok and "2 connections waiting for a hello" in reply.error
+        assert _closed(late)
+        assert _ask(waiting[0], _hello(TOKEN)).ok  # a seat frees once a peer authenticates
+        ok = _connect(ep)
+        assert _ask(ok, _hello(TOKEN)).ok
+        ok.close()
+    finally:
+        for sock in [*waiting, late]:
+            sock.close()
+        ep.stop()
+
+
+def test_no_usable_token_file_means_no_listener(tmp_path: Path) -> None:
+    for content in (None, "", "short\n"):
+        path = tmp_path / "tokens"
+        path.unlink(missing_ok=True)
+        if content is not None:
+            path.write_text(content)
+        ep = LocalEndpoint(
+            None, on_records=_noop, tcp=TcpListen(host="127.0.0.1", port=0, token_file=path)
+        )
+        with pytest.raises(ListenError, match="job token file"):
+            ep.start()
+
+
+def test_job_tokens_compare_every_line_and_reload_on_change(tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    path.write_text("a" * 16 + "\n\n" + "b" * 20 + "\n")
+    tokens = JobTokens(path)
+    assert tokens.check("a" * 16) and tokens.check("b" * 20)
+    assert not tokens.check("") and not tokens.check("a" * 15) and not tokens.check("c" * 16)
+    path.write_text("c" * 17)
+    assert tokens.check("c" * 17) and not tokens.check("a" * 16)
+    path.write_text("x")  # a broken rewrite keeps the last good set
+    assert tokens.check("c" * 17)
+
+
+def test_settings() -> None:
+    settings = load_settings(
+        socket_path="", job_listen="0.0.0.0:9471", job_token_file="/etc/trainguard/job-token"
+    )
+    tcp = settings.job_tcp()
+    assert tcp is not None and (tcp.host, tcp.port) == ("0.0.0.0", 9471)
+    assert load_settings(socket_path="").job_tcp() is None
+    with pytest.raises(AgentConfigError, match="job_listen needs job_token_file"):
+        load_settings(job_listen="0.0.0.0:9471")
+    with pytest.raises(AgentConfigError, match="job_listen: must be HOST:PORT"):
+        load_settings(job_listen="9471", job_token_file="/t")
+    assert parse_listen("[::]:9471") == ("::", 9471)
