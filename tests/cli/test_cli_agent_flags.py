@@ -36,6 +36,7 @@ FLAGS = {
 #: Flags whose values ``test_every_flag_reaches_its_setting`` checks one by one.
 OTHER_FLAGS = {
     "token": "--token",
+    "token_file": "--token-file",
     "labels": "--label",
     "powercap_dir": "--powercap-dir",
     "sim_no_permission": "--sim-no-permission",
@@ -72,7 +73,7 @@ def test_every_flag_reaches_its_setting(started: list[AgentSettings], tmp_path: 
     args += ["--powercap-dir", str(tmp_path / "rapl"), "--sim-no-permission"]
     args += ["--sim-fault-file", str(tmp_path / "faults")]
     args += ["--dev-dir", str(tmp_path / "dev"), "--sysfs-root", str(tmp_path / "sys")]
-    args += ["--no-foreground"]
+    args += ["--no-foreground", "--token-file", str(tmp_path / "token")]
     args += ["--sim-fault", "kind=xid,code=79,gpu=1,at=5", "--token", "t" * 20]
     assert _agent(tmp_path, *args) == 0
     (settings,) = started
@@ -86,6 +87,7 @@ def test_every_flag_reaches_its_setting(started: list[AgentSettings], tmp_path: 
     assert settings.dev_dir == tmp_path / "dev" and settings.sysfs_root == tmp_path / "sys"
     assert settings.foreground is False
     assert settings.token is not None and settings.token.get_secret_value() == "t" * 20
+    assert settings.token_file == tmp_path / "token"
     assert settings.resolved_spool_dir == tmp_path / "spool"
 
 

@@ -29,7 +29,7 @@ EXPECTED = {
     "agent-token": [],
     "agent-token issue": ["NODE", *CLIENT],
     "agent": [
-        "--controller", "--token", "--node-name", "--gpus", "--sim-fault", "--sim-fault-file",
+        "--controller", "--token", "--token-file", "--node-name", "--gpus", "--sim-fault", "--sim-fault-file",
         "--spool-dir",
         "--socket-path", "--metrics-port", "--sample-interval", "--report-interval",
         "--report-timeout", "--backoff-max", "--spool-max-bytes", "--metrics-host",

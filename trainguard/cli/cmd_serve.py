@@ -95,6 +95,14 @@ def agent(
     token: Annotated[
         str | None, typer.Option("--token", help="Agent-role token.", show_default=False)
     ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="Read the token from this file before each request (a rotating projected "
+            "service-account token or per-node token; docs/security.md).",
+        ),
+    ] = None,
     node_name: Annotated[
         str | None, typer.Option("--node-name", help="Node name (default: hostname).")
     ] = None,
@@ -190,6 +198,7 @@ def agent(
     values = _given(
         controller_url=controller_url,
         token=token,
+        token_file=token_file,
         node_name=node_name,
         gpus=gpus,
         sim_faults=sim_fault or None,
