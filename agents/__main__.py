@@ -19,7 +19,6 @@ _FLAGS: list[tuple[str, str, Any]] = [
     ("--controller", "controller_url", str),
     ("--token", "token", str),
     ("--token-file", "token_file", str),
-    ("--token-file", "token_file", str),
     ("--node-name", "node_name", str),
     ("--gpus", "gpus", str),
     ("--dev-dir", "dev_dir", str),
