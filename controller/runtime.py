@@ -21,7 +21,13 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from controller.auth import Authenticator
-from controller.db.migrate import head_revision, is_up_to_date, revision_of, upgrade
+from controller.db.migrate import (
+    current_revision,
+    head_revision,
+    revision_of,
+    schema_at_or_past_head,
+    upgrade,
+)
 from controller.db.repositories import history
 from controller.db.session import make_engine
 from controller.errors import NotMigrated
@@ -64,19 +70,27 @@ def package_version() -> str:
 
 
 def prepare_database(settings: ControllerSettings) -> None:
-    """Migrate SQLite in place; refuse PostgreSQL that is not at the head revision."""
-    if settings.database_kind() == "sqlite":
-        upgrade(settings.database_url)
-        return
+    """Migrate SQLite in place; refuse PostgreSQL whose schema is behind this release's head.
+
+    A schema at or past head is accepted (:func:`schema_at_or_past_head`, shared with
+    ``/readyz``): during a rollout the new release's migration runs before the old replicas
+    restart, and its expand-only changes keep them working. SQLite written by a newer
+    release is left as it is (this release cannot "upgrade" to a revision it lacks).
+    """
     engine = make_engine(settings.database_url, pool_size=1, max_overflow=0)
     try:
-        if not is_up_to_date(engine):
-            raise NotMigrated(
-                f"database schema is not at revision {head_revision()}: run "
-                "`trainguard db upgrade` against this database, then start the controller"
-            )
+        current = current_revision(engine)
     finally:
         engine.dispose()
+    if settings.database_kind() == "sqlite":
+        if current is None or not schema_at_or_past_head(current):
+            upgrade(settings.database_url)
+        return
+    if not schema_at_or_past_head(current):
+        raise NotMigrated(
+            f"database schema is not at revision {head_revision()}: run "
+            "`trainguard db upgrade` against this database, then start the controller"
+        )
 
 
 def compose(
@@ -334,22 +348,8 @@ class Controller:
             return ok, detail
 
         def check(session: Session) -> bool:
-            from alembic.script import ScriptDirectory
-            from alembic.util.exc import CommandError
-
-            from controller.db.migrate import alembic_config
-
             session.execute(text("SELECT 1"))
-            current = revision_of(session.connection())
-            if current == head_revision():
-                return True
-            if current is None:
-                return False
-            try:
-                ScriptDirectory.from_config(alembic_config("sqlite://")).get_revision(current)
-            except CommandError:
-                return True  # newer than this release: accepted
-            return False
+            return schema_at_or_past_head(revision_of(session.connection()))
 
         try:
             ok = await asyncio.wait_for(self.store.read(check), timeout=5.0)

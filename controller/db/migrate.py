@@ -99,3 +99,24 @@ def upgrade(database_url: str, revision: str = "head") -> str:
 
 def is_up_to_date(engine: Engine) -> bool:
     return current_revision(engine) == head_revision()
+
+
+def schema_at_or_past_head(current: str | None) -> bool:
+    """Whether this release may run against a schema at revision ``current``.
+
+    At head: yes. A revision this release's migrations do not contain was written by a newer
+    release, whose expand-only migrations keep this one working (one release back), so yes:
+    a rollout's new pod migrates before the old leader hands over. A revision it knows but
+    that is not head (or no schema at all) is behind: no. ``/readyz`` and startup share this.
+    """
+    if current is None:
+        return False
+    if current == head_revision():
+        return True
+    from alembic.util.exc import CommandError
+
+    try:
+        known = ScriptDirectory.from_config(alembic_config("sqlite://")).get_revision(current)
+    except CommandError:
+        return True
+    return known is None

@@ -17,7 +17,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from controller.db.migrate import alembic_config, head_revision, upgrade
+from controller.db.migrate import alembic_config, current_revision, head_revision, upgrade
 from controller.db.models import Base
 from controller.db.session import make_engine
 from controller.errors import NotMigrated
@@ -89,6 +89,43 @@ def test_postgres_refuses_to_start_unmigrated(db_url: str) -> None:
         prepare_database(settings)
     upgrade(db_url)
     prepare_database(settings)  # now fine
+
+
+def _stamp(db_url: str, revision: str) -> None:
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = :r"), {"r": revision})
+    finally:
+        engine.dispose()
+
+
+def test_replica_accepts_schema_at_or_past_its_head(db_url: str) -> None:
+    """Issue 22: during a rollout the new release migrates first; an old replica that
+    restarts then finds a revision it does not know (newer) and must start, not crash-loop.
+    A schema behind head is still refused on PostgreSQL (migrated in place on SQLite)."""
+    settings = ControllerSettings(database_url=db_url, tokens=TOKENS)
+    upgrade(db_url)
+    prepare_database(settings)  # at head
+    _stamp(db_url, "9999_from_a_newer_release")
+    prepare_database(settings)  # past head: accepted, left as it is
+    engine = make_engine(db_url)
+    try:
+        assert current_revision(engine) == "9999_from_a_newer_release"
+    finally:
+        engine.dispose()
+    _stamp(db_url, head_revision())
+    command.downgrade(alembic_config(db_url), "0003")
+    if db_url.startswith("postgresql"):
+        with pytest.raises(NotMigrated, match=r"not at revision 0004.*trainguard db upgrade"):
+            prepare_database(settings)
+    else:
+        prepare_database(settings)
+        engine = make_engine(db_url)
+        try:
+            assert current_revision(engine) == head_revision()
+        finally:
+            engine.dispose()
 
 
 def test_failed_commit_is_503_and_retry_is_accepted(
