@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.detect_baselines import baseline_figures
 from bench.detect_fleet import fleet_results, print_fleet
 from controller.logic.detection.c4d import C4DConfig, Finding, FindingKind, JobTrackers
 from controller.logic.detection.cause import straggler_cause
@@ -397,6 +398,7 @@ def main() -> None:
         }
     )
     hang_s: list[float] = []
+    all_detect_s: list[float] = []
     straggler_steps: list[int] = []
     correct = total = 0
     for sc in SCENARIOS:
@@ -405,6 +407,7 @@ def main() -> None:
         correct += sum(o.correct for o in outs)
         times = [o.detect_s for o in outs if o.detect_s is not None]
         steps = [o.detect_steps for o in outs if o.detect_steps is not None]
+        all_detect_s += times
         if sc.hang_rank is not None:
             hang_s += times
         if FindingKind.STRAGGLER in sc.kinds:
@@ -431,6 +434,11 @@ def main() -> None:
         gloo = gloo_results(args.quick)
         fleet["baselines"][0]["gloo"] = gloo.pop("baseline")
         fleet["gloo"] = gloo
+    # PyTorch as it ships, and its Flight Recorder's culprit, on the same scenario matrix.
+    for flight in (False, True):
+        fleet["baselines"].append(
+            baseline_figures(SCENARIOS, len(seeds), WORLD, healthy_steps, flight=flight)
+        )
     overhead: dict[str, Any] = {}
     if not args.no_overhead:
         from bench.collectives import measure
@@ -460,6 +468,22 @@ def main() -> None:
             f"{c['ranks']:>7} {c['parse_us_per_record']:>13} {c['detect_us_per_record']:>14} "
             f"{c['detect_ms_per_step']:>15}"
         )
+    print(
+        "\nBaselines on the same scenario matrix (derived: documented default timeouts; "
+        "Flight Recorder culprit from the real analysis):"
+    )
+    print(f"{'SCENARIO':<24} " + " ".join(f"{b['name']:>34}" for b in fleet["baselines"][1:]))
+    for i, sc in enumerate(SCENARIOS):
+        cells = []
+        for b in fleet["baselines"][1:]:
+            row = b["scenarios"][i]
+            cells.append(f"{row['detected']} {row['named']!s} {_num(row['detect_s'])}s")
+        print(f"{sc.name:<24} " + " ".join(f"{c:>34}" for c in cells))
+    for b in fleet["baselines"][1:]:
+        print(
+            f"{b['name']}: localization accuracy {b['localization_accuracy']}, hang noticed "
+            f"after {b['hang_detect_s_p50']} s, stragglers never"
+        )
     print_fleet(fleet)
     if "gloo" in fleet:
         print(f"real gloo runs (8 ranks): {json.dumps(fleet['gloo'])}")
@@ -481,6 +505,7 @@ def main() -> None:
         "plain_us_per_call": overhead.get("plain_us_per_call_1rank"),
         "overhead_us_per_call_2ranks": overhead.get("overhead_us_per_call"),
         "scenarios": rows,
+        "detect_s": all_detect_s,
     }
     print(
         f"localization accuracy {result['localization_accuracy']:.3f}, "
