@@ -22,10 +22,11 @@ from controller.actuators.base import ActuatorError, Placement
 LABEL_JOB: Final = "trainguard.io/job"
 LABEL_RANK: Final = "trainguard.io/rank"
 LABEL_TP: Final = "trainguard.io/tp"
-TAINT_KEY: Final = "trainguard.io/isolated"
-#: JSON ``{"reason", "at", "cordoned", "tainted"}`` on an isolated node: what trainguard
-#: changed, so that release undoes exactly that.
-ANN_ISOLATED: Final = "trainguard.io/isolation"
+#: The quarantine taint (``k8s.nodes.TAINT_KEY``; value: the reason, label-safe).
+TAINT_KEY: Final = "trainguard.io/unhealthy"
+#: JSON ``{"by", "instance", "reason", "at", "cordoned", "tainted"}`` on a quarantined node:
+#: what trainguard changed, so that release undoes exactly that (``k8s.nodes``).
+ANN_ISOLATED: Final = "trainguard.io/cordoned-by"
 ANN_GENERATION: Final = "trainguard.io/generation"
 ANN_RESUME_STEP: Final = "trainguard.io/resume-step"
 #: On a JobSet with several replicatedJobs: the name of the one that holds the ranks.
@@ -44,10 +45,12 @@ class PolicyRule(TypedDict):
 
 
 #: Exactly what this module calls, and nothing more (a test serves every call through a
-#: fake API server and fails on a call outside these rules). ``nodes`` is cluster-scoped
-#: and needs a ClusterRole; node Events are written to ``default`` (see docs/kubernetes.md).
+#: fake API server and fails on a call outside these rules). ``nodes`` and ``nodes/status``
+#: (the TrainguardHealthy condition) are cluster-scoped and need a ClusterRole; node Events
+#: are written to ``default`` (see docs/kubernetes.md).
 RBAC_RULES: Final[tuple[PolicyRule, ...]] = (
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]},
+    {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "delete"]},
     {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},

@@ -27,7 +27,6 @@ answer 409 instead of being overwritten, and the actuator re-reads and tries aga
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import time
@@ -43,6 +42,11 @@ from kubernetes.config.config_exception import ConfigException
 
 from controller.actuators import kube_objects as ko
 from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
+from controller.actuators.k8s.api import Kube
+from controller.actuators.k8s.events import EventRecorder
+from controller.actuators.k8s.lease import LeaseElector
+from controller.actuators.k8s.nodes import ANN_CORDONED_BY, NodeGuard, QuarantineSettings
+from controller.actuators.k8s.placement import PlacementBook
 from controller.actuators.kube_objects import (
     ANN_GENERATION,
     ANN_ISOLATED,
@@ -67,6 +71,9 @@ from controller.actuators.kube_objects import (
     rbac_rules_yaml,
 )
 
+#: Client methods that change the cluster; each is fenced by the leader lease.
+_WRITES = ("patch_", "create_", "delete_", "replace_")
+
 
 class KubernetesActuator:
     """Acts on one namespace's training workloads and on the cluster's nodes."""
@@ -82,13 +89,17 @@ class KubernetesActuator:
         node_event_namespace: str = "default",
         settle_timeout_s: float = 60.0,
         poll_interval_s: float = 0.5,
+        quarantine: QuarantineSettings | None = None,
+        book: PlacementBook | None = None,
     ) -> None:
         """``delete_on_pdb_block``: when stopping a job, delete a pod whose eviction a
         PodDisruptionBudget refuses (the job is being stopped as a whole, so the budget
         protects nothing). ``node_event_namespace``: where Events about Nodes go; the API
         accepts cluster-scoped objects' Events only in ``default``. ``settle_timeout_s``:
         how long a restart waits for a suspended batch Job's pods to be gone before it may
-        change the pod template (the API refuses earlier)."""
+        change the pod template (the API refuses earlier). ``quarantine``: taint key and
+        effect, condition type, drain scope (``k8s.nodes``). ``book``: the placements the
+        ranks reported (``k8s.placement``), preferred over ``trainguard.io/rank`` labels."""
         self._api = api_client
         self.namespace = namespace
         self.delete_on_pdb_block = delete_on_pdb_block
@@ -99,6 +110,24 @@ class KubernetesActuator:
         self._batch = client.BatchV1Api(api_client)
         self._custom = client.CustomObjectsApi(api_client)
         self._instance = os.environ.get("POD_NAME") or socket.gethostname()
+        self.kube = Kube(api_client)
+        self.book = book if book is not None else PlacementBook()
+        self.nodes = NodeGuard(
+            self.kube,
+            EventRecorder(self.kube, node_event_namespace=node_event_namespace),
+            quarantine or QuarantineSettings(drain_namespaces=(namespace,)),
+            fence_generation=lambda: self._fence_generation(),
+        )
+        self._elector: LeaseElector | None = None
+
+    def fence_with(self, elector: LeaseElector) -> None:
+        """Cluster mode: every write this actuator makes first asks ``elector`` whether this
+        replica still surely leads, and Nodes carry its generation (``k8s.lease``)."""
+        self._elector = elector
+        self.kube.fence = elector.check
+
+    def _fence_generation(self) -> int | None:
+        return None if self._elector is None else self._elector.fence_generation()
 
     @classmethod
     def from_environment(cls, namespace: str, **options: Any) -> KubernetesActuator:
@@ -132,7 +161,11 @@ class KubernetesActuator:
     # -- API plumbing ------------------------------------------------------------------
 
     async def _call(self, what: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """Run one client call in a thread; answer plain camelCase dicts, as the API sent."""
+        """Run one client call in a thread; answer plain camelCase dicts, as the API sent.
+        A write (patch, create, delete, replace) is fenced first: a deposed leader raises."""
+        name = getattr(getattr(fn, "func", fn), "__name__", "")
+        if self.kube.fence is not None and name.startswith(_WRITES):
+            self.kube.fence()
         try:
             result = await asyncio.to_thread(fn, *args, **kwargs)
         except ApiException as exc:
@@ -189,6 +222,20 @@ class KubernetesActuator:
         return [Workload(kind, item["metadata"]["name"], item) for item in items or []]
 
     async def _job_pods(self, job: str) -> list[dict[str, Any]]:
+        """The job's pods: labelled ``trainguard.io/job``, or named by its ranks' reports."""
+        labelled = await self._labelled_pods(job)
+        layout = self.book.layout(job)
+        if layout is None:
+            return labelled
+        names = set(layout.pods()) - {p["metadata"]["name"] for p in labelled}
+        if not names:
+            return labelled
+        every = await self._call(
+            f"list pods of job {job}", self._core.list_namespaced_pod, self.namespace
+        )
+        return labelled + [p for p in every.get("items") or [] if p["metadata"]["name"] in names]
+
+    async def _labelled_pods(self, job: str) -> list[dict[str, Any]]:
         pods = await self._call(
             f"list pods of job {job}",
             self._core.list_namespaced_pod,
@@ -295,90 +342,18 @@ class KubernetesActuator:
 
     # -- nodes -------------------------------------------------------------------------
 
-    async def _patch_node(self, name: str, body: dict[str, Any], what: str) -> Any:
-        return await self._call(
-            f"{what} node {name}", self._core.patch_node, name, body, _content_type=MERGE_PATCH
-        )
-
     async def isolate_node(self, node: str, *, reason: str) -> ActuatorResult:
-        for _ in range(3):
-            obj = await self._call(f"get node {node}", self._core.read_node, node)
-            annotations = ko.annotations_of(obj)
-            taints: list[dict[str, Any]] = obj["spec"].get("taints") or []
-            has_taint = any(t.get("key") == TAINT_KEY for t in taints)
-            cordoned = bool(obj["spec"].get("unschedulable"))
-            if ANN_ISOLATED in annotations and has_taint and cordoned:
-                return ActuatorResult(
-                    outcome=f"node {node} already isolated", details={"already": True}
-                )
-            previous = json.loads(annotations.get(ANN_ISOLATED) or "{}")
-            record = {
-                "reason": reason,
-                "at": ko.now(),
-                # Re-isolating keeps what trainguard added the first time.
-                "cordoned": previous.get("cordoned", not cordoned) or not cordoned,
-                "tainted": previous.get("tainted", not has_taint) or not has_taint,
-            }
-            if not has_taint:
-                taints.append({"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"})
-            body = {
-                "metadata": {
-                    "resourceVersion": obj["metadata"]["resourceVersion"],
-                    "annotations": {ANN_ISOLATED: json.dumps(record)},
-                },
-                "spec": {"unschedulable": True, "taints": taints},
-            }
-            try:
-                patched = await self._patch_node(node, body, "isolate")
-            except KubernetesApiError as exc:
-                if exc.status == 409:
-                    continue
-                raise
-            details: dict[str, Any] = {"cordoned": record["cordoned"], "tainted": record["tainted"]}
-            await self._try_event(
-                self._event(patched, "NodeIsolated", f"trainguard: {reason}", True), details
-            )
-            return ActuatorResult(outcome=f"node {node} cordoned and tainted", details=details)
-        raise ActuatorError(f"isolate node {node}: kept changing under us; retry", retryable=True)
+        """Cordon, taint ``trainguard.io/unhealthy=<reason>``, condition
+        ``TrainguardHealthy=False``, Event: :meth:`NodeGuard.quarantine`."""
+        return await self.nodes.quarantine(node, reason=reason, message=f"trainguard: {reason}")
 
     async def release_node(self, node: str, *, reason: str) -> ActuatorResult:
-        for _ in range(3):
-            obj = await self._call(f"get node {node}", self._core.read_node, node)
-            raw = ko.annotations_of(obj).get(ANN_ISOLATED)
-            if raw is None:
-                return ActuatorResult(
-                    outcome=f"node {node} not isolated by trainguard; nothing to undo",
-                    details={"already": True},
-                )
-            record = json.loads(raw)
-            taints = obj["spec"].get("taints") or []
-            spec: dict[str, Any] = {}
-            if record.get("tainted", True):
-                spec["taints"] = [t for t in taints if t.get("key") != TAINT_KEY]
-            if record.get("cordoned", True):
-                spec["unschedulable"] = None
-            body = {
-                "metadata": {
-                    "resourceVersion": obj["metadata"]["resourceVersion"],
-                    "annotations": {ANN_ISOLATED: None},
-                },
-                "spec": spec,
-            }
-            try:
-                patched = await self._patch_node(node, body, "release")
-            except KubernetesApiError as exc:
-                if exc.status == 409:
-                    continue
-                raise
-            details: dict[str, Any] = {
-                "uncordoned": "unschedulable" in spec,
-                "untainted": "taints" in spec,
-            }
-            await self._try_event(
-                self._event(patched, "NodeReleased", f"trainguard: {reason}", False), details
-            )
-            return ActuatorResult(outcome=f"node {node} released", details=details)
-        raise ActuatorError(f"release node {node}: kept changing under us; retry", retryable=True)
+        """Undo only what trainguard did: :meth:`NodeGuard.release`."""
+        return await self.nodes.release(node, reason=f"trainguard: {reason}")
+
+    async def drain_node(self, node: str, *, reason: str) -> ActuatorResult:
+        """Evict the node's pods through the eviction API: :meth:`NodeGuard.drain`."""
+        return await self.nodes.drain(node, reason=reason)
 
     async def candidate_nodes(self, job: str) -> list[str]:
         w = await self._resolve(job)
@@ -390,7 +365,7 @@ class KubernetesActuator:
         )
         out = []
         for n in nodes.get("items") or []:
-            ours = ANN_ISOLATED in ko.annotations_of(n)
+            ours = ANN_CORDONED_BY in ko.annotations_of(n)
             if n.get("spec", {}).get("unschedulable") and not ours:
                 continue  # cordoned by someone else: not ours to use
             out.append(n["metadata"]["name"])
@@ -463,7 +438,29 @@ class KubernetesActuator:
         return ActuatorResult(outcome=outcome, details=details)
 
     async def current_placement(self, job: str) -> Placement | None:
-        return ko.placement_of(job, await self._job_pods(job))
+        """From what the ranks reported (pod, node per rank), else ``trainguard.io/rank``
+        labels; generation and resume step from the pods' annotations."""
+        pods = await self._job_pods(job)
+        layout = self.book.layout(job)
+        if layout is None or not layout.complete:
+            return ko.placement_of(job, pods)
+        running = {
+            p["metadata"]["name"]: p
+            for p in pods
+            if p.get("status", {}).get("phase") == "Running"
+            and not p["metadata"].get("deletionTimestamp")
+        }
+        if not set(layout.pods()) <= set(running):
+            return ko.placement_of(job, pods)  # the reported pods are gone: a new launch
+        first = running[next(iter(layout.pods()))]
+        meta = {**ko.annotations_of(first), **ko.labels_of(first)}
+        generations = [g for p in running.values() if (g := ko.pod_generation(p)) is not None]
+        step = meta.get(ANN_RESUME_STEP, "")
+        return layout.placement(
+            generation=max(generations, default=0),
+            tp=int(meta.get(LABEL_TP) or 1),
+            resume_step=int(step) if step.isdigit() else None,
+        )
 
     # -- restart -----------------------------------------------------------------------
 

@@ -248,7 +248,12 @@ class FakeCluster(FakeKube):
     def _serve_check(self, group: str, resource: str, verb: str, name: str) -> None:
         self.served.append((group, resource, verb))
         if (group, resource, verb) in self.forbidden:
-            raise ApiError(403, "Forbidden", f'{resource} "{name}" is forbidden: cannot {verb} it')
+            raise ApiError(
+                403,
+                "Forbidden",
+                f'{resource} "{name}" is forbidden: User "system:serviceaccount:tg:trainguard"'
+                f' cannot {verb} resource "{resource}" in API group "{group}"',
+            )
 
     def _stale(self, key: Key, body: Any) -> None:
         want = (body or {}).get("metadata", {}).get("resourceVersion")

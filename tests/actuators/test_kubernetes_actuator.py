@@ -23,7 +23,7 @@ from controller.actuators.kubernetes import (
     rbac_rules_yaml,
 )
 from tests.actuators import k8s_objects as k
-from tests.actuators.fake_kube import FakeKube
+from tests.actuators.fake_cluster import FakeCluster as FakeKube
 
 NS = k.NS
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,23 +79,26 @@ def test_isolate_cordons_taints_annotates_emits_event_and_is_idempotent(
 
     result = run(act.isolate_node("gpu-1", reason="XID 79 on GPU 3"))
 
-    assert result.outcome == "node gpu-1 cordoned and tainted"
+    taint = {"key": TAINT_KEY, "value": "XID-79-on-GPU-3", "effect": "NoSchedule"}
+    assert result.outcome == f"node gpu-1 cordoned, tainted {TAINT_KEY}=XID-79-on-GPU-3:NoSchedule"
     node = node_obj(kube, "gpu-1")
     assert node["spec"]["unschedulable"] is True
     assert other in node["spec"]["taints"]
-    assert {"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"} in node["spec"]["taints"]
+    assert taint in node["spec"]["taints"]
+    (condition,) = [c for c in node["status"]["conditions"] if c["type"] == "TrainguardHealthy"]
+    assert condition["status"] == "False" and condition["reason"] == "XID79OnGPU3"
     record = json.loads(node["metadata"]["annotations"][ANN_ISOLATED])
     assert record["reason"] == "XID 79 on GPU 3" and record["cordoned"] and record["tainted"]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", record["at"])
     (event,) = events(kube)
     assert event["metadata"]["namespace"] == "default"
     assert event["involvedObject"]["kind"] == "Node" and event["involvedObject"]["name"] == "gpu-1"
-    assert event["type"] == "Warning" and event["reason"] == "NodeIsolated"
+    assert event["type"] == "Warning" and event["reason"] == "TrainguardQuarantined"
     assert event["reportingComponent"] == "trainguard" and "XID 79" in event["message"]
 
     version = node["metadata"]["resourceVersion"]
     again = run(act.isolate_node("gpu-1", reason="XID 79 again"))
-    assert again.outcome == "node gpu-1 already isolated" and again.details["already"]
+    assert again.outcome == "node gpu-1 already quarantined" and again.details["already"]
     assert node_obj(kube, "gpu-1")["metadata"]["resourceVersion"] == version
     assert len(events(kube)) == 1
 
@@ -117,10 +120,10 @@ def test_release_undoes_only_what_trainguard_added(kube: FakeKube, act: Kubernet
     ops = node_obj(kube, "cordoned-by-ops")
     assert ops["spec"]["unschedulable"] is True and ops["spec"]["taints"] == [theirs]
     assert not node_obj(kube, "fresh")["spec"].get("unschedulable")
-    assert [e["reason"] for e in events(kube)].count("NodeReleased") == 2
+    assert [e["reason"] for e in events(kube)].count("TrainguardReleased") == 2
 
     again = run(act.release_node("fresh", reason="repaired"))
-    assert again.details["already"] and "nothing to undo" in again.outcome
+    assert again.details["already"] and "not cordoned by trainguard" in again.outcome
 
 
 def test_isolate_retries_on_a_concurrent_node_update(
@@ -409,7 +412,7 @@ def test_forbidden_call_names_the_missing_permission(
     with pytest.raises(ActuatorError) as err:
         run(act.isolate_node("gpu-1", reason="x"))
     message = str(err.value)
-    assert message.startswith("isolate node gpu-1: HTTP 403 ")
+    assert message.startswith("quarantine node gpu-1: HTTP 403 ")
     assert 'cannot patch resource "nodes"' in message and "RBAC_RULES" in message
     assert not err.value.retryable
 
@@ -446,6 +449,7 @@ def test_every_api_call_is_covered_by_rbac_rules_and_every_rule_is_used(
     kube.objects[("batch", "jobs", NS, "j")]["status"] = {}
     run(act.restart_job(placement("j", ("n1",), 1, gen=1), reason="x"))
     run(act.release_node("n1", reason="x"))
+    run(act.drain_node("n1", reason="x"))
     owner = k.jobset(kube, "js", 1)
     k.pods(kube, "js", k.child_job(kube, owner, "js-workers-0"), ["n1"], 1)
     k.pods(kube, "pt", k.pytorchjob(kube, "pt", 1, master=False), ["n1"], 1)

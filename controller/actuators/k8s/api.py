@@ -10,8 +10,6 @@ longer sure it leads raises :class:`Fenced` instead of writing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -21,38 +19,14 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from controller.actuators.base import ActuatorError
+from controller.actuators.kube_objects import KubernetesApiError, api_error
 
 MERGE_PATCH: Final = "application/merge-patch+json"
 STRATEGIC_PATCH: Final = "application/strategic-merge-patch+json"
 
 
-class KubernetesApiError(ActuatorError):
-    """A Kubernetes API call failed; ``status`` is the HTTP status (0: no answer)."""
-
-    def __init__(self, message: str, *, status: int, retryable: bool) -> None:
-        super().__init__(message, retryable=retryable)
-        self.status = status
-
-
 class Fenced(ActuatorError):
     """This replica may no longer be the leader: it must not write."""
-
-
-def api_error(what: str, exc: ApiException) -> KubernetesApiError:
-    status = int(exc.status or 0)
-    detail = exc.reason or ""
-    with contextlib.suppress(ValueError, AttributeError):
-        detail = json.loads(exc.body or "").get("message") or detail
-    hint = {
-        403: "; grant the rules listed in docs/kubernetes.md (RBAC_RULES)",
-        409: "; someone changed it meanwhile, retry",
-        422: "; the API server refused the change",
-    }.get(status, "; retry later" if status == 429 or status >= 500 else "")
-    return KubernetesApiError(
-        f"{what}: HTTP {status} {detail}{hint}",
-        status=status,
-        retryable=status in (409, 429) or status >= 500,
-    )
 
 
 def plain(value: Any) -> Any:

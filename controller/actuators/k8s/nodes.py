@@ -169,7 +169,9 @@ class NodeGuard:
             cordoned = bool(node.get("spec", {}).get("unschedulable"))
             previous = json.loads(annotations.get(ANN_CORDONED_BY) or "{}")
             want = {"key": s.taint_key, "value": value, "effect": s.taint_effect}
-            if previous and cordoned and mine == [want]:
+            # Quarantined already (perhaps for another reason): the first reason stays, so
+            # a repeated detection does not churn the Node and its watchers.
+            if previous and cordoned and [t.get("effect") for t in mine] == [s.taint_effect]:
                 return ActuatorResult(
                     outcome=f"node {name} already quarantined", details={"already": True}
                 )
