@@ -102,7 +102,8 @@ def _rows(
         rule.append("UNCHECKED: NUL allowed")
     if name == "int" and not any(r.startswith("<") for r in rule):
         rule.append("UNBOUNDED")
-    if name == "float" and "finite" not in rule:
+    bounded = any(r.startswith(">") for r in rule) and any(r.startswith("<") for r in rule)
+    if name == "float" and "finite" not in rule and not bounded:
         rule.append("NOT CHECKED FINITE")
     out.append((path, name, ", ".join(rule)))
 
@@ -131,10 +132,20 @@ def _models() -> list[tuple[str, type[BaseModel]]]:
         (f"Command `{cls.model_fields['kind'].default}`", cls)
         for cls in get_args(get_args(wire.Command)[0])
     ]
+    from controller.api.chaos import FaultsRequest
+    from controller.api.preflight import PreflightRequest
+    from controller.api.remediation import IsolationRequest
+    from controller.api.traffic import LinkStateRequest, PlanRequest
+
     return [
         ("Report (`POST /api/v1/reports`)", wire.Report),
         *commands,
-        ("Remediation policy", Policy),
+        ("Remediation policy (`PUT /api/v1/remediation/policy`)", Policy),
+        ("`POST /api/v1/nodes/{name}/isolate`, `/release`", IsolationRequest),
+        ("`POST /api/v1/nodes/{name}/preflight`", PreflightRequest),
+        ("`POST /api/v1/jobs/{name}/faults`", FaultsRequest),
+        ("`POST /api/v1/topology/links/{link}/state`", LinkStateRequest),
+        ("`POST /api/v1/plans`", PlanRequest),
     ]
 
 

@@ -11,13 +11,14 @@ from controller.schemas import CommandsPublic
 from controller.services import chaos, queries
 from controller.services.container import Services
 from trainguard import wire
+from trainguard.limits import NO_NUL
 
 router = APIRouter(tags=["jobs"])
 
 
 class FaultsRequest(BaseModel):
     faults: list[wire.FaultSpec] = Field(min_length=1, max_length=64)
-    reason: str = Field(default="", max_length=512)
+    reason: str = Field(default="", max_length=512, pattern=NO_NUL)
 
 
 @router.post(

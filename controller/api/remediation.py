@@ -19,6 +19,7 @@ from controller.auth import Principal
 from controller.errors import Conflict, NotFound
 from controller.logic.remediation.rules import Policy
 from controller.services.container import Services
+from trainguard.limits import NO_NUL
 
 router = APIRouter(tags=["remediation"])
 
@@ -54,7 +55,7 @@ async def put_policy(
 
 
 class IsolationRequest(BaseModel):
-    reason: str = Field(min_length=1, max_length=500)
+    reason: str = Field(min_length=1, max_length=500, pattern=NO_NUL)
 
 
 async def _node_action(

@@ -23,6 +23,7 @@ from controller.schemas import ErrorPublic
 from controller.services.container import Services
 from controller.services.traffic import views
 from controller.services.traffic.placement import Layout
+from trainguard.limits import INT64_MAX, NO_NUL
 
 router = APIRouter(tags=["traffic"])
 
@@ -59,9 +60,11 @@ class LayoutIn(BaseModel):
 
     tp: int = Field(default=1, ge=1, le=1024)
     pp: int = Field(default=1, ge=1, le=1024)
-    grad_bytes: int = Field(default=1 << 30, ge=0, description="All-reduce bytes per rank")
-    pp_bytes: int = Field(default=0, ge=0)
-    tp_bytes: int = Field(default=0, ge=0)
+    grad_bytes: int = Field(
+        default=1 << 30, ge=0, le=INT64_MAX, description="All-reduce bytes per rank"
+    )
+    pp_bytes: int = Field(default=0, ge=0, le=INT64_MAX)
+    tp_bytes: int = Field(default=0, ge=0, le=INT64_MAX)
     channels: int = Field(default=2, ge=1, le=64)
     qps_per_connection: int = Field(default=1, ge=1, le=16)
 
@@ -69,7 +72,7 @@ class LayoutIn(BaseModel):
 class PlanRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    job: str = Field(min_length=1, max_length=253)
+    job: str = Field(min_length=1, max_length=253, pattern=NO_NUL)
     layout: LayoutIn = Field(default_factory=LayoutIn)
     replace: bool = Field(default=False, description="Plan again as a new version")
 
