@@ -198,6 +198,7 @@ def test_default_objects(helm_bin: Path, tmp_path: Path) -> None:
         [
             "ServiceAccount",
             "Secret",
+            "Secret",  # the agents' job token (agent.jobEndpoint)
             "ClusterRole",
             "ClusterRoleBinding",
             "Role",
@@ -408,6 +409,8 @@ def test_existing_secrets_are_referenced(helm_bin: Path, tmp_path: Path) -> None
         "name": "tg-auth",
         "key": "agent-token",
     }
+    volumes = _one(docs, "DaemonSet")["spec"]["template"]["spec"]["volumes"]
+    assert {v["name"]: v for v in volumes}["job-token"]["secret"]["secretName"] == "tg-job-token"
 
 
 def test_sqlite_persistence(helm_bin: Path, tmp_path: Path) -> None:
@@ -456,7 +459,11 @@ def test_agent_daemonset(helm_bin: Path, tmp_path: Path, monkeypatch: pytest.Mon
     mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
     socket_path = env["TRAINGUARD_AGENT_SOCKET_PATH"]["value"]
     assert Path(socket_path).parent == Path(mounts["socket-dir"]) == Path("/run/trainguard")
-    assert agent["ports"] == [{"name": "metrics", "containerPort": 9470, "protocol": "TCP"}]
+    assert agent["ports"] == [
+        {"name": "metrics", "containerPort": 9470, "protocol": "TCP"},
+        # The job endpoint on the node's IP: what training pods use instead of the hostPath.
+        {"name": "jobs", "containerPort": 9471, "hostPort": 9471, "protocol": "TCP"},
+    ]
     # Non-root by default; power and clock commands need agent.privileged.
     ctx = agent["securityContext"]
     assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] != 0
@@ -475,6 +482,14 @@ def test_agent_daemonset(helm_bin: Path, tmp_path: Path, monkeypatch: pytest.Mon
     assert (settings.metrics_host, settings.metrics_port) == ("0.0.0.0", 9470)
     assert settings.socket_path == "/run/trainguard/agent.sock"
     assert str(settings.resolved_spool_dir).startswith(mounts["spool"])
+    tcp = settings.job_tcp()
+    assert tcp is not None and (tcp.host, tcp.port) == ("0.0.0.0", 9471)
+    secret = volumes["job-token"]["secret"]
+    assert secret == {
+        "secretName": f"{FULLNAME}-job-token",
+        "items": [{"key": "token", "path": "token"}],
+    }
+    assert tcp.token_file == Path(mounts["job-token"]) / "token"
 
 
 def test_agent_privileged_value(helm_bin: Path, tmp_path: Path) -> None:
@@ -616,6 +631,14 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
         "/database/url",
     ),
     "bad gpus": (_merge(TOKENS, {"agent": {"gpus": "all"}}), "/agent/gpus"),
+    "short job token": (
+        _merge(TOKENS, {"agent": {"jobEndpoint": {"token": "short"}}}),
+        "/agent/jobEndpoint/token",
+    ),
+    "bad job namespace": (
+        _merge(TOKENS, {"agent": {"jobEndpoint": {"jobNamespaces": ["Team_A"]}}}),
+        "/agent/jobEndpoint/jobNamespaces/0",
+    ),
 }
 
 
@@ -765,6 +788,7 @@ EXPECTED_ALERTS = {
     "TrainguardGpuFaultOpen",
     "TrainguardPowerAboveBudget",
     "TrainguardGoodputLow",
+    "TrainguardCheckpointsNotDurable",
 }
 
 
@@ -803,6 +827,10 @@ def test_prometheus_rule_alerts_use_real_metrics_and_have_runbooks(
         assert alert["annotations"]["runbook_url"] == f"{base}#{anchor}"
     assert alerts["TrainguardGoodputLow"]["expr"].endswith("< 0.9")
     assert alerts["TrainguardAgentSilent"]["for"] == "5m"
+    # N missed intervals (3) of the observed interval, else of checkpointIntervalMinutes (30).
+    durable = alerts["TrainguardCheckpointsNotDurable"]["expr"]
+    assert "> 3 * (max by (job) (trainguard_job_checkpoint_interval_seconds" in durable
+    assert durable.count("1800") == 2
     # Opt-in: not rendered by default even where the CRDs exist.
     assert "PrometheusRule" not in _kinds(_render(helm_bin, tmp_path, TOKENS))
 
@@ -823,3 +851,58 @@ def test_chart_readme_values_table_is_up_to_date() -> None:
     )
     documented = {path for path, _ in values_table.documented_keys(values_text)}
     assert {"image.registry", "agent.priorityClassName", "prometheusRule.enabled"} <= documented
+
+
+# -- the agents' job endpoint (TCP on the node's IP, no hostPath in training pods) -----------
+
+JOB_TOKEN = "job-token-91c3e7a0d2b48f65"
+
+
+def test_job_token_copied_to_job_namespaces(helm_bin: Path, tmp_path: Path) -> None:
+    values = _merge(
+        TOKENS, {"agent": {"jobEndpoint": {"token": JOB_TOKEN, "jobNamespaces": ["train", "b"]}}}
+    )
+    docs = _render(helm_bin, tmp_path, values)
+    secrets = {
+        (d["metadata"]["namespace"], d["metadata"]["name"]): base64.b64decode(
+            d["data"]["token"]
+        ).decode()
+        for d in docs
+        if d["kind"] == "Secret" and "token" in d.get("data", {})
+    }
+    assert secrets == {
+        (NAMESPACE, f"{FULLNAME}-job-token"): JOB_TOKEN,
+        ("train", "trainguard-job-token"): JOB_TOKEN,
+        ("b", "trainguard-job-token"): JOB_TOKEN,
+    }
+    ds = _one(docs, "DaemonSet")
+    assert JOB_TOKEN not in yaml.safe_dump(ds)  # mounted from the Secret, never inlined
+
+
+def test_job_token_generated_once_per_render(helm_bin: Path, tmp_path: Path) -> None:
+    values = _merge(TOKENS, {"agent": {"jobEndpoint": {"jobNamespaces": ["train"]}}})
+    docs = _render(helm_bin, tmp_path, values)
+    tokens = {
+        base64.b64decode(d["data"]["token"]).decode()
+        for d in docs
+        if d["kind"] == "Secret" and d["metadata"]["name"].endswith("job-token")
+    }
+    (token,) = tokens  # the agents' Secret and the copy carry the same random token
+    assert len(token) == 48 and token.isalnum()
+
+
+def test_job_endpoint_existing_secret_and_off(helm_bin: Path, tmp_path: Path) -> None:
+    docs = _render(
+        helm_bin, tmp_path, _merge(TOKENS, {"agent": {"jobEndpoint": {"existingSecret": "jt"}}})
+    )
+    assert not [d for d in docs if d["metadata"]["name"].endswith("job-token")]
+    pod = _one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in pod["volumes"]}["job-token"]["secret"]["secretName"] == "jt"
+
+    docs = _render(helm_bin, tmp_path, _merge(TOKENS, {"agent": {"jobEndpoint": {"port": 0}}}))
+    ds = _one(docs, "DaemonSet")
+    agent = _container(ds, "agent")
+    assert not [d for d in docs if d["metadata"]["name"].endswith("job-token")]
+    assert "TRAINGUARD_AGENT_JOB_LISTEN" not in _env(agent)
+    assert [p["name"] for p in agent["ports"]] == ["metrics"]
+    assert "job-token" not in {v["name"] for v in ds["spec"]["template"]["spec"]["volumes"]}

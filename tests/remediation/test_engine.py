@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import secrets
 import time
 from collections.abc import Coroutine
@@ -526,3 +527,37 @@ def test_nonfinite_without_a_clean_checkpoint_is_left_to_a_human(controller_fact
     assert actuator.restarts() == []
     remediation = next(r for r in live.controller.remediation.remediations if r.job == "gpt")
     wait_for(lambda: remediation.state == "failed")
+
+
+def test_checkpoint_freshness_is_exported_for_the_not_durable_alert(controller_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 22: TrainguardCheckpointsNotDurable reads when each job last committed, its
+    interval as observed between two commits, and its newest step. Only ``committed`` counts
+    (a ``durable`` of one rank is not a checkpoint yet); a later commit at a lower step
+    (after a rollback) still moves the time on."""
+    live = controller_factory()
+    agents = Agents(live)
+    t0 = time.time() - 600.0
+
+    def checkpoint(step: int, t: float, kind: str = "committed") -> None:
+        event = {"job": "gpt", "rank": 0, "step": step, "kind": kind, "time_unix_s": t}
+        agents.report("n0", job={"checkpoints": [event]})
+
+    def gauges() -> dict[str, float]:
+        text = httpx.get(f"{live.url}/metrics").text
+        found = re.findall(
+            r'^(trainguard_job_(?:checkpoint|last_step)\w*)\{job="gpt"\} (\S+)$', text, re.M
+        )
+        return {name: float(value) for name, value in found}
+
+    checkpoint(10, t0)
+    first = wait_for(gauges)
+    assert first == {"trainguard_job_checkpoint_committed_timestamp_seconds": t0}
+    checkpoint(20, t0 + 300.0, kind="durable")
+    checkpoint(5, t0 + 240.0)  # rolled back, committed again at a lower step
+    agents.steps("n0", "gpt", [(6, t0 + 250.0)])
+    after = wait_for(lambda: len(gauges()) == 3 and gauges())
+    assert after == {
+        "trainguard_job_checkpoint_committed_timestamp_seconds": t0 + 240.0,
+        "trainguard_job_checkpoint_interval_seconds": 240.0,
+        "trainguard_job_last_step_timestamp_seconds": t0 + 250.0,
+    }

@@ -167,6 +167,7 @@ class RemediationEngine:
                 book = self.book(ckpt.job)
                 if book.checkpoint is None or ckpt.step >= book.checkpoint[0]:
                     book.checkpoint = (ckpt.step, received_unix_s)
+                book.committed(min(ckpt.time_unix_s, received_unix_s))
         for summary in records.steps:
             if summary.rank != 0:
                 continue  # one record per step is enough for goodput and resumption
@@ -175,6 +176,7 @@ class RemediationEngine:
             # Before the step is recorded: the restart's window ends where it begins.
             await resume_wait.step_seen(self.ctx, book, end, summary.step)
             book.ledger.record_step(summary.step, end, summary.step_time_s)
+            book.last_step_unix_s = max(book.last_step_unix_s or end, end)
 
     # ------------------------------------------------------------------ deciding
 

@@ -1,4 +1,5 @@
-"""Prometheus view of remediation: goodput per job, isolated nodes, remediations by outcome.
+"""Prometheus view of remediation: goodput and checkpoint freshness per job, isolated nodes,
+remediations by outcome.
 
 Read from the engine at scrape time, like the controller's other gauges, so a dashboard
 shows the same numbers as ``GET /api/v1/jobs/{name}/goodput`` and never a stale copy.
@@ -37,6 +38,7 @@ class RemediationCollector(SafeCollector):
             lost.add_metric([name], float(snap.get("lost_s") or 0.0))
         yield ratio
         yield lost
+        yield from _checkpoint_metrics(engine)
         states: dict[str, int] = {"running": 0, "done": 0, "failed": 0}
         for rem in engine.remediations:
             states[rem.state] = states.get(rem.state, 0) + 1
@@ -53,3 +55,34 @@ class RemediationCollector(SafeCollector):
         )
         isolated.add_metric([], len(engine.isolated_nodes()))
         yield isolated
+
+
+def _checkpoint_metrics(engine: RemediationEngine) -> Iterator[Metric]:
+    """When each job last committed a checkpoint, its observed interval and its newest step:
+    the PrometheusRule's TrainguardCheckpointsNotDurable compares the age of the commit with
+    N intervals, for jobs still stepping (a finished job's old commit is no alarm)."""
+    committed = GaugeMetricFamily(
+        "trainguard_job_checkpoint_committed_timestamp_seconds",
+        "Unix time of the job's newest committed (durable, all ranks) checkpoint",
+        labels=["job"],
+    )
+    interval = GaugeMetricFamily(
+        "trainguard_job_checkpoint_interval_seconds",
+        "Seconds between the job's two newest committed checkpoints (its interval, as observed)",
+        labels=["job"],
+    )
+    last_step = GaugeMetricFamily(
+        "trainguard_job_last_step_timestamp_seconds",
+        "Unix time the job's newest step (rank 0) ended",
+        labels=["job"],
+    )
+    for name, book in sorted(engine.jobs.items()):
+        if book.committed_unix_s is not None:
+            committed.add_metric([name], book.committed_unix_s)
+        if book.checkpoint_interval_s is not None:
+            interval.add_metric([name], book.checkpoint_interval_s)
+        if book.last_step_unix_s is not None:
+            last_step.add_metric([name], book.last_step_unix_s)
+    yield committed
+    yield interval
+    yield last_step

@@ -82,6 +82,21 @@ class JobBook:
     last_remediation_unix_s: float | None = None
     resumed_unix_s: float | None = None
     culprits: dict[str, list[float]] = field(default_factory=dict)
+    #: When the newest committed checkpoint was committed (any step: after a rollback the
+    #: steps start lower again), for the "checkpoints not durable" alert.
+    committed_unix_s: float | None = None
+    #: Seconds between the two newest commits: the job's checkpoint interval as observed.
+    checkpoint_interval_s: float | None = None
+    #: End of the newest step rank 0 reported: a job is running while this keeps moving.
+    last_step_unix_s: float | None = None
+
+    def committed(self, t: float) -> None:
+        """Record a commit at job time ``t`` (events may arrive late or out of order)."""
+        if self.committed_unix_s is not None:
+            if t <= self.committed_unix_s:
+                return
+            self.checkpoint_interval_s = t - self.committed_unix_s
+        self.committed_unix_s = t
 
 
 def culprit_node(incident: IncidentState) -> str | None:
