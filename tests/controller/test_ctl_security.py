@@ -323,3 +323,32 @@ def test_agent_reads_its_rotating_token_from_a_file(controller_factory: Any, tmp
     spool_one("node-b")
     assert reporter.send_oldest() == "config"  # kept, retried with backoff, logged
     assert len(spool.pending()) == 1
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_acks_and_preflight_verdicts_only_from_the_commands_node(
+    controller_factory: Any, ctl_report
+) -> None:
+    live = controller_factory(allow_shared_agent_tokens=False)
+    with httpx.Client(base_url=live.url, timeout=10) as client:
+        operator = live.headers("operator")
+        a = _bearer(_node_tokens(client, operator, "node-a")["token"])
+        b = _bearer(_node_tokens(client, operator, "node-b")["token"])
+        assert client.post(REPORTS, json=ctl_report("node-a", 0), headers=a).is_success
+        assert client.post(REPORTS, json=ctl_report("node-b", 0), headers=b).is_success
+        r = client.post("/api/v1/nodes/node-b/preflight", headers=operator)
+        assert r.status_code == 201, r.text
+        command = r.json()["id"]
+        ack = {"command_id": command, "status": "succeeded", "reason": "all checks passed"}
+        # node-a's agent claims node-b's preflight passed: as node-b (403) or as itself.
+        forged = ctl_report("node-b", 1, command_acks=[ack])
+        assert client.post(REPORTS, json=forged, headers=a).status_code == 403
+        own = ctl_report("node-a", 1, command_acks=[ack])
+        assert client.post(REPORTS, json=own, headers=a).is_success
+        verdict = client.get(f"/api/v1/nodes/node-b/preflight/{command}", headers=operator)
+        assert verdict.json()["status"] in ("pending", "sent"), verdict.text
+        # node-b's own agent answers it.
+        reply = client.post(REPORTS, json=ctl_report("node-b", 2, command_acks=[ack]), headers=b)
+        assert reply.is_success
+        verdict = client.get(f"/api/v1/nodes/node-b/preflight/{command}", headers=operator)
+        assert verdict.json()["status"] == "succeeded"
