@@ -314,7 +314,20 @@ class TierUploader:
         journal.save()
         shutil.rmtree(staging, ignore_errors=True)
         self.stats.steps_uploaded.append(step)
+        self._forget_older_failures(step)
         self.apply_retention(newest=step)
+
+    def _forget_older_failures(self, step: int) -> None:
+        """Steps older than ``step`` whose upload failed are superseded: free their hard
+        links (the bucket's retention removes their partial objects and uploads)."""
+        staging_root = self.tier_dir / "staging"
+        if not staging_root.is_dir():
+            return
+        for path in staging_root.iterdir():
+            name = path.name
+            if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) < step:
+                shutil.rmtree(path, ignore_errors=True)
+                (self.tier_dir / f"{name}.json").unlink(missing_ok=True)
 
     def _upload_file(self, path: Path, step: int, name: str, journal: _Journal) -> dict[str, Any]:
         size = path.stat().st_size
@@ -517,7 +530,9 @@ def _read_record(client: Any, cfg: ObjectStoreConfig, step: int) -> dict[str, An
         raw = json.loads(client.get_object(Bucket=cfg.bucket, Key=key)["Body"].read())
     except ValueError as exc:
         raise CheckpointCorruptError(f"{where}: not JSON ({exc})") from exc
-    files = raw.get("files") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise CheckpointCorruptError(f"{where}: not a JSON object")
+    files = raw.get("files")
     if raw.get("step") != step or not isinstance(files, dict) or MANIFEST_NAME not in files:
         raise CheckpointCorruptError(f"{where}: field step/files missing or wrong")
     for name, info in files.items():
@@ -639,10 +654,22 @@ def load_nearest(
         if candidate in remote:
             try:
                 download_step(client, cfg, candidate, root)
+            except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
+                log.warning("remote checkpoint step %d unusable: %s", candidate, exc)
+                skipped.append(f"remote step {candidate}: {exc}")
+                continue
+            except CheckpointError:
+                raise
+            except Exception as exc:  # the network, the server: an older copy may still do
+                message = f"{type(exc).__name__}: {exc}"
+                log.warning("remote checkpoint step %d not fetched: %s", candidate, message)
+                skipped.append(f"remote step {candidate}: not fetched ({message})")
+                continue
+            try:
                 return try_load(candidate), TierChoice(
                     step=candidate, source="object_store", skipped=skipped
                 )
-            except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
+            except _UNUSABLE as exc:
                 log.warning("remote checkpoint step %d unusable: %s", candidate, exc)
                 skipped.append(f"remote step {candidate}: {exc}")
     detail = "; ".join(skipped) if skipped else "none found"

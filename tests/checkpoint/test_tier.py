@@ -8,6 +8,9 @@ import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -327,3 +330,76 @@ def test_inspect_shows_the_object_store_state(tmp_path: Path, store: ObjectStore
     table = CliRunner().invoke(app, ["inspect", str(tmp_path)])
     assert "OBJECT STORE" in table.output and "uploaded" in table.output
     assert CheckpointStore(tmp_path).list()[0].complete
+
+
+def _journaled_parts(root: Path, step: int) -> int:
+    """Parts of the data file that the uploader's journal records as stored."""
+    try:
+        raw = json.loads((root / TIER_DIR / f"{step_dir_name(step)}.json").read_bytes())
+    except (FileNotFoundError, ValueError):
+        return 0
+    return len(raw.get("files", {}).get(rank_data_name(0), {}).get("parts", {}))
+
+
+_KILLED_UPLOADER = """
+import sys, time
+from pathlib import Path
+from checkpoint._tier import TierUploader
+from checkpoint.config import ObjectStoreConfig
+cfg = ObjectStoreConfig(bucket=sys.argv[2], prefix="jobs/unit", endpoint_url=sys.argv[3],
+                        region="us-east-1", part_bytes=int(sys.argv[4]), max_concurrency=1)
+up = TierUploader(Path(sys.argv[1]), cfg)
+up.client.meta.events.register("before-call.s3.UploadPart", lambda **_: time.sleep(0.15))
+up.submit(int(sys.argv[5]))
+up.wait()
+"""
+
+
+def test_uploader_killed_mid_upload_resumes_from_the_parts_the_server_holds(
+    tmp_path: Path, store: ObjectStoreConfig
+) -> None:
+    """SIGKILL, not a polite failure: the journal (written atomically per part) and
+    ListParts must be enough for the next uploader to send only what is missing."""
+    root = tmp_path / "ckpt"
+    state = _state(6)
+    with Checkpointer(_config(root, None)) as ckpt:
+        assert ckpt.save(state, step=9)
+        ckpt.wait()
+    total_parts = -(-(root / step_dir_name(9) / rank_data_name(0)).stat().st_size // PART)
+    args = [str(store.endpoint_url), str(PART), "9"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_UPLOADER, str(root), store.bucket, *args],
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if _journaled_parts(root, 9) >= 4:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the uploader finished or died before it was killed"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    client = make_client(store)
+    assert remote_steps(client, store) == []
+
+    attempts = {"n": 0}
+
+    def count(**_: Any) -> None:
+        attempts["n"] += 1
+
+    client.meta.events.register("before-call.s3.UploadPart", count)
+    resumed = TierUploader(root, store, client=client)
+    assert resumed.wait(timeout=30)
+    resumed.close()
+    assert resumed.stats.errors == [] and resumed.stats.steps_uploaded == [9]
+    assert 4 <= resumed.stats.parts_reused < total_parts
+    assert attempts["n"] == total_parts - resumed.stats.parts_reused
+
+    _wipe_local(root)
+    target = _blank()
+    restored = checkpoint.load(root, target, object_store=store)
+    assert (restored.step, restored.source) == (9, "object_store")
+    _same(target, state)
