@@ -111,6 +111,11 @@ app.kubernetes.io/component: agent
 {{- $token -}}
 {{- end -}}
 
+{{/* The Secret (release namespace, key `token`) with the job token(s) the agents accept. */}}
+{{- define "trainguard.jobTokenSecret" -}}
+{{- default (printf "%s-job-token" (include "trainguard.fullname" .)) .Values.agent.jobEndpoint.existingSecret -}}
+{{- end -}}
+
 {{/* Refuse values that would render an unusable release, each with a message that says
 what to set. Included by every workload template. */}}
 {{- define "trainguard.validate" -}}
