@@ -79,12 +79,12 @@ def store(endpoint: str) -> ObjectStoreConfig:
 class Holder(torch.nn.Module):
     """A 1 MiB fp32 weight and a bf16 buffer: loaded in place through load_state_dict."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, rows: int = 256) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed or 0)
         fill = seed is not None
         self.w = torch.nn.Parameter(
-            torch.randn(256, 1024, generator=g) if fill else torch.zeros(256, 1024)
+            torch.randn(rows, 1024, generator=g) if fill else torch.zeros(rows, 1024)
         )
         self.register_buffer(
             "b",
@@ -92,8 +92,8 @@ class Holder(torch.nn.Module):
         )
 
 
-def _state(seed: int) -> dict[str, Any]:
-    return {"model": Holder(seed), "extras": {"step_seed": seed}}
+def _state(seed: int, rows: int = 256) -> dict[str, Any]:
+    return {"model": Holder(seed, rows), "extras": {"step_seed": seed}}
 
 
 def _blank() -> dict[str, Any]:
@@ -281,7 +281,7 @@ def test_retention_per_tier(tmp_path: Path, store: ObjectStoreConfig) -> None:
     store.keep_last = 3
     with Checkpointer(_config(tmp_path, store, keep_last=2)) as ckpt:
         for step in range(1, 6):
-            assert ckpt.save(_state(step), step=step)
+            assert ckpt.save(_state(step, rows=32), step=step)  # 128 KiB: 2 parts
             ckpt.wait()
             assert ckpt.uploader is not None and ckpt.uploader.wait(timeout=30)
         assert ckpt.uploader is not None
@@ -294,24 +294,34 @@ def test_retention_per_tier(tmp_path: Path, store: ObjectStoreConfig) -> None:
 
 
 def test_upload_does_not_block_saves(tmp_path: Path, store: ObjectStoreConfig) -> None:
-    """A slow link (every part takes 0.3 s: >= 1.5 s for the 17 parts, 4 at a time) must
-    not hold up save() / wait(), which return once the local tier is durable."""
+    """The link is held shut (every part waits for ``link_open``) while the trainer saves
+    twice: save() and wait() (local durability) return, and the second step queues behind
+    the stalled upload; once the link opens both steps reach the bucket."""
+    link_open = threading.Event()
 
-    def slow(**_: Any) -> None:
-        time.sleep(0.3)
+    def stalled(**_: Any) -> None:
+        assert link_open.wait(timeout=60)
 
     with Checkpointer(_config(tmp_path, store)) as ckpt:
         assert ckpt.uploader is not None
-        ckpt.uploader.client.meta.events.register("before-call.s3.UploadPart", slow)
-        t0 = time.monotonic()
-        assert ckpt.save(_state(1), step=1)
-        ckpt.wait()
-        local_s = time.monotonic() - t0
-        state = read_tier_state(tmp_path)[1]["state"]
-        assert state in ("queued", "uploading"), local_s  # still on its way to the bucket
-        assert local_s < 1.5
+        ckpt.uploader.client.meta.events.register("before-call.s3.UploadPart", stalled)
+
+        def save_and_wait(step: int) -> None:
+            assert ckpt.save(_state(step), step=step)
+            ckpt.wait()
+
+        for step in (1, 2):
+            trainer = threading.Thread(target=save_and_wait, args=(step,))
+            trainer.start()
+            trainer.join(timeout=30)
+            assert not trainer.is_alive(), "save/wait waited on the object store"
+        assert committed_steps(tmp_path) == [1, 2]
+        states = read_tier_state(tmp_path)
+        assert (states[1]["state"], states[2]["state"]) == ("uploading", "queued")
+        link_open.set()
         assert ckpt.uploader.wait(timeout=30)
-    assert read_tier_state(tmp_path)[1]["state"] == "uploaded"
+        assert ckpt.uploader.stats.steps_uploaded == [1, 2]
+    assert remote_steps(make_client(store), store) == [1, 2]
 
 
 def test_inspect_shows_the_object_store_state(tmp_path: Path, store: ObjectStoreConfig) -> None:
