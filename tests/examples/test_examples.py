@@ -9,8 +9,10 @@
 
 A model drops a field it does not know, so each object must survive a round trip through its
 model unchanged: a misspelt or misplaced key fails the test instead of vanishing. Then the
-trainguard contract is checked on every rank's pod: the job label, the agent socket, the
-socket's group, the restart annotations mapped to the environment the ranks read.
+trainguard contract is checked on every rank's pod: the job label, the agent's TCP address
+from the node IP and the job token from its Secret (resolved as the kubelet would and read
+by the ranks' own config), the restart annotations mapped to the environment the ranks
+read; and every rank's pod must pass the Pod Security Standards ``baseline`` level.
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 K8S_VERSION = "1.33"
-SOCKET_GROUP = 2470
+JOB_ENDPOINT_PORT = 9471  # the chart's agent.jobEndpoint.port
+JOB_TOKEN_SECRET = "trainguard-job-token"  # the chart's copy in agent.jobEndpoint.jobNamespaces
 
 trainer = pytest.importorskip("kubeflow_trainer_api.models")
 training = pytest.importorskip("kubeflow.training.models")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 from kubernetes import client as k8s_client  # noqa: E402
+
+from collectives.config import config_from_env  # noqa: E402
+from tests.examples.pss_baseline import baseline_violations  # noqa: E402
 
 TRAINER_MODELS = {
     "JobSet": trainer.JobsetV1alpha2JobSet,
@@ -139,19 +145,39 @@ def _pod_templates(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
+def _expand(value: str, env: dict[str, str]) -> str:
+    """The kubelet's ``$(VAR)`` expansion of an env value (earlier variables only)."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
 def _check_contract(template: dict[str, Any], job: str | None) -> None:
     """What trainguard needs from every rank's pod (docs/kubernetes.md, examples/README.md)."""
     pod = template["spec"]
+    # Admitted in a namespace that enforces Pod Security `baseline`: no hostPath, no host
+    # namespaces or ports, not privileged.
+    assert baseline_violations(pod, template.get("metadata", {}).get("annotations")) == []
     if job is not None:
         assert template["metadata"]["labels"]["trainguard.io/job"] == job
-    assert SOCKET_GROUP in pod["securityContext"]["supplementalGroups"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     (container,) = pod["containers"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     env = {e["name"]: e for e in container["env"]}
-    socket = Path(env["TRAINGUARD_AGENT_SOCKET"]["value"])
-    socket_volume = next(n for n, path in mounts.items() if Path(path) == socket.parent)
-    assert volumes[socket_volume]["hostPath"]["path"] == "/run/trainguard"
+    # The node's IP from the downward API, then the agent's address built from it.
+    resolved: dict[str, str] = {}
+    for entry in container["env"]:
+        if entry.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.hostIP":
+            resolved[entry["name"]] = "10.0.7.21"
+        elif "value" in entry:
+            resolved[entry["name"]] = _expand(entry["value"], resolved)
+    cfg = config_from_env(job="demo", env={**resolved, "TRAINGUARD_JOB": "demo"})
+    assert cfg.agent_addr == f"10.0.7.21:{JOB_ENDPOINT_PORT}"
+    # The token file lies in a mounted volume of the job-token Secret, under its item's path.
+    token = Path(cfg.agent_token_file)
+    (volume_name,) = [n for n, path in mounts.items() if token.parent == Path(path)]
+    secret = volumes[volume_name]["secret"]
+    assert secret["secretName"] == JOB_TOKEN_SECRET
+    assert {"key": "token", "path": token.name} in secret["items"]
+    assert "TRAINGUARD_AGENT_SOCKET" not in env
     for var, key in (("TRAINGUARD_GENERATION", "generation"),
                      ("TRAINGUARD_RESUME_STEP", "resume-step")):  # fmt: skip
         field = env[var]["valueFrom"]["fieldRef"]["fieldPath"]
@@ -235,4 +261,35 @@ def test_validation_catches_a_misspelt_or_mistyped_field(
         if kind in TRAINER_MODELS
         else _strict(doc, f"KubeflowOrgV1{kind}", "")
     )
+    assert any(fragment in e for e in errors), errors
+
+
+# -- the Pod Security baseline checker catches each kind of violation ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (lambda p: p["volumes"].append({"name": "s", "hostPath": {"path": "/run/trainguard"}}),
+         "hostPath volumes: volume 's'"),
+        (lambda p: p.update(hostNetwork=True), "host namespaces: hostNetwork=true"),
+        (lambda p: p.update(hostPID=True), "host namespaces: hostPID=true"),
+        (lambda p: p["containers"][0]["securityContext"].update(privileged=True),
+         "privileged containers: containers[trainer]"),
+        (lambda p: p["containers"][0]["securityContext"].update(
+            capabilities={"add": ["SYS_ADMIN"]}), "adds ['SYS_ADMIN']"),
+        (lambda p: p["containers"][0].update(ports=[{"containerPort": 1, "hostPort": 1}]),
+         "host ports: trainer hostPort 1"),
+        (lambda p: p["securityContext"].update(seccompProfile={"type": "Unconfined"}),
+         "seccomp: spec.securityContext Unconfined"),
+        (lambda p: p["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]),
+         "sysctls: kernel.msgmax"),
+    ],
+)  # fmt: skip
+def test_baseline_check_catches_violations(mutate: Any, fragment: str) -> None:
+    jobset = next(d for d in _docs("jobset.yaml") if d["kind"] == "JobSet")
+    (template,) = _pod_templates(jobset)
+    assert baseline_violations(template["spec"]) == []
+    mutate(template["spec"])
+    errors = baseline_violations(template["spec"])
     assert any(fragment in e for e in errors), errors
