@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from trainguard.cli.drill import FaultOutcome
@@ -78,6 +79,12 @@ def test_demo_recovers_from_three_faults_then_keeps_running_until_ctrl_c(tmp_pat
     assert [m.group(8, 9) for m in rows.values()] == [("4", "4"), ("4", "4"), ("4", "2")]
     assert re.search(r"^GOODPUT\s+\d+\.\d%$", out, re.MULTILINE)
     assert "FAIL" not in out and out.count("  ok  ") == 10
+    # The dashboard URL the demo printed serves the page while the cluster keeps running.
+    dashboard = re.search(r"^  dashboard  (http://\S+/ui/) ", out, re.MULTILINE)
+    assert dashboard, out
+    assert re.search(r"^    the job    http://\S+/ui/#/job/gpt-demo$", out, re.MULTILINE), out
+    page = httpx.get(dashboard.group(1), follow_redirects=True, timeout=10)
+    assert page.status_code == 200 and "<html" in page.text.lower(), page.text[:200]
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err

@@ -31,7 +31,7 @@ import typer
 from rich.console import Console
 
 from trainguard.cli.demo_view import Check, fault_table, print_checks
-from trainguard.cli.drill import FAULT_KINDS, Drill, DrillConfig, FaultOutcome, JsonObject
+from trainguard.cli.drill import FAULT_KINDS, JOB, Drill, DrillConfig, FaultOutcome, JsonObject
 from trainguard.cli.errors import DemoFailed
 from trainguard.cli.output import OutputFormat, align
 from trainguard.cli.procs import ProcessSet
@@ -71,6 +71,8 @@ class Demo:
         out = self.console.out
         out(f"  API        {drill.server}/api/v1", highlight=False)
         out(f"  dashboard  {drill.server}/ui/  (paste the TRAINGUARD_TOKEN below)", highlight=False)
+        out(f"    the job    {drill.server}/ui/#/job/{JOB}", highlight=False)
+        out(f"    incidents  {drill.server}/ui/#/incidents", highlight=False)
         out("  use the CLI against it from another shell:", highlight=False)
         out(f"    export TRAINGUARD_SERVER={drill.server}", highlight=False)
         out(f"    export TRAINGUARD_TOKEN={drill.operator_token}", highlight=False)
