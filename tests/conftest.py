@@ -191,11 +191,22 @@ def live_controller(controller_factory: ControllerFactory) -> LiveController:
 
 
 # Tests that run a whole cluster (controller, agents, a multi-rank training job) and judge
-# it by how fast faults are detected and recovered. Under ``pytest -n`` (as ``make test``
-# runs) they share one worker so two of them never compete for the same two cores, and they
-# go first: they are the longest chain, so the other worker takes everything else meanwhile.
-# Every other test module stays whole on one worker so its module-scoped fixtures start once.
+# it by how fast faults are detected and recovered. Under ``pytest -n --dist loadgroup`` (as
+# ``make test`` runs) they share one worker so two of them never compete for the same two
+# cores, and they go first: they are the longest chain, so the other worker takes everything
+# else meanwhile. Every other test module stays whole on one worker so its module-scoped
+# fixtures start once.
+#
+# The grouping is done by the scheduler below, from the node id's path, not by xdist_group
+# marks: pytest 9 keeps node ids in ``Item._id``, and xdist 3.8 still appends the group to
+# ``Item._nodeid``, so under loadgroup every test became its own unit and went to whichever
+# worker was free (cluster tests ran two at a time; module fixtures started on both
+# workers). The marks stay for anyone reading ``-m``/``--collect-only``.
 _CLUSTER_TESTS = ("tests/e2e/",)
+
+
+def _group_of(path: str) -> str:
+    return "cluster" if path.startswith(_CLUSTER_TESTS) else path
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -206,5 +217,50 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     items.sort(key=lambda item: not path(item).startswith(_CLUSTER_TESTS))  # stable
     for item in items:
-        p = path(item)
-        item.add_marker(pytest.mark.xdist_group("cluster" if p.startswith(_CLUSTER_TESTS) else p))
+        item.add_marker(pytest.mark.xdist_group(_group_of(path(item))))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadgroup``: one unit of work per group, in collection order."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid.split("::", 1)[0])
+
+        def schedule(self) -> None:
+            # Keep collection order (cluster first) rather than "most tests first".
+            self.config.option.loadscopereorder = False
+            super().schedule()
+
+    return ByGroup(config, log)
+
+
+# Opt-in CPU accounting: ``TRAINGUARD_TEST_CPU_LOG=/tmp/cpu.tsv pytest ...`` appends one line
+# per test (setup + call + teardown) to ``/tmp/cpu.tsv.<worker>``: node id, wall seconds, CPU
+# seconds of this process (all its threads, so an in-thread controller counts) and of its
+# reaped children (a subprocess counts only once waited for; one still running at teardown,
+# e.g. a module-scoped agent, is charged to the test that reaps it). CPU is what a 2-core
+# machine under load cannot hide: the sum over tests / 2 is the floor of ``make test``'s wall.
+_CPU_LOG = os.environ.get("TRAINGUARD_TEST_CPU_LOG")
+
+if _CPU_LOG:
+    import resource
+
+    def _cpu() -> tuple[float, float]:
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+        wall0, (self0, kids0) = time.monotonic(), _cpu()
+        yield
+        wall1, (self1, kids1) = time.monotonic(), _cpu()
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{_CPU_LOG}.{worker}", "a", encoding="utf-8") as out:
+            out.write(
+                f"{item.nodeid}\t{wall1 - wall0:.3f}\t{self1 - self0:.3f}\t{kids1 - kids0:.3f}\n"
+            )
