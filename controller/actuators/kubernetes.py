@@ -46,7 +46,13 @@ from controller.actuators.k8s.api import Kube
 from controller.actuators.k8s.events import EventRecorder
 from controller.actuators.k8s.lease import LeaseElector
 from controller.actuators.k8s.nodes import ANN_CORDONED_BY, NodeGuard, QuarantineSettings
-from controller.actuators.k8s.placement import PlacementBook
+from controller.actuators.k8s.placement import PlacementBook, running_placement
+from controller.actuators.k8s.workloads import (
+    GangPlan,
+    delete_gang_pods,
+    plan_gang_restart,
+    restart_budget,
+)
 from controller.actuators.kube_objects import (
     ANN_GENERATION,
     ANN_ISOLATED,
@@ -442,25 +448,8 @@ class KubernetesActuator:
         labels; generation and resume step from the pods' annotations."""
         pods = await self._job_pods(job)
         layout = self.book.layout(job)
-        if layout is None or not layout.complete:
-            return ko.placement_of(job, pods)
-        running = {
-            p["metadata"]["name"]: p
-            for p in pods
-            if p.get("status", {}).get("phase") == "Running"
-            and not p["metadata"].get("deletionTimestamp")
-        }
-        if not set(layout.pods()) <= set(running):
-            return ko.placement_of(job, pods)  # the reported pods are gone: a new launch
-        first = running[next(iter(layout.pods()))]
-        meta = {**ko.annotations_of(first), **ko.labels_of(first)}
-        generations = [g for p in running.values() if (g := ko.pod_generation(p)) is not None]
-        step = meta.get(ANN_RESUME_STEP, "")
-        return layout.placement(
-            generation=max(generations, default=0),
-            tp=int(meta.get(LABEL_TP) or 1),
-            resume_step=int(step) if step.isdigit() else None,
-        )
+        learned = None if layout is None else running_placement(layout, pods)
+        return learned if learned is not None else ko.placement_of(job, pods)
 
     # -- restart -----------------------------------------------------------------------
 
@@ -478,22 +467,35 @@ class KubernetesActuator:
             ANN_GENERATION: str(gen),
             ANN_RESUME_STEP: None if placement.resume_step is None else str(placement.resume_step),
         }
-        _, old_world = ko.restart_patch(w, placement.world_size, template_annotations)
+        # Pods, not ranks: torchrun runs several ranks per pod (as the ranks reported).
+        layout = self.book.layout(job)
+        per_pod = len(next(iter(layout.pods().values()))) if layout is not None else 1
+        size = placement.world_size // per_pod
+        _, old_world = ko.restart_patch(w, size, template_annotations)
         details: dict[str, Any] = {
             "workload": w.label,
             "generation": gen,
             "world_size": placement.world_size,
-            "previous_world_size": old_world,
+            "previous_world_size": old_world * per_pod,
+            "ranks_per_pod": per_pod,
             "env_wired": ko.env_wired(w),
         }
         # Pods created from the new template carry the new generation: a retried restart
         # leaves them alone and removes only what is left of older generations.
         stale = [p for p in pods if ko.pod_generation(p) != gen]
         record = {"metadata": {"annotations": {ANN_GENERATION: str(gen)}}}
+        if w.kind is JOBSET and old_world == size and not w.suspended:
+            # Same size: let the JobSet's own failurePolicy restart the gang (counted
+            # against maxRestarts); a resize still needs suspend/resume below.
+            plan = plan_gang_restart("JobSet", w.obj, current_nodes=1, healthy_nodes=1)
+            if plan.mode == "refuse":
+                raise ActuatorError(f"restart job {job}: {plan.note}")
+            if plan.mode == "fail-child-jobs":
+                return await self._fail_gang(w, pods, placement, plan, details, reason)
         if w.kind is PYTORCHJOB:
             # The operator recreates deleted pods from the current spec: change it first,
             # then remove the old pods, then record the generation as done.
-            patch, _ = ko.restart_patch(w, placement.world_size, template_annotations)
+            patch, _ = ko.restart_patch(w, size, template_annotations)
             if w.suspended:
                 patch = ko.merge(patch, ko.nest(w.kind.suspend_path, False))
             w = await self._patch_workload(w, patch, "resize")
@@ -506,7 +508,7 @@ class KubernetesActuator:
             await self._remove_pods(stale, details)
             if w.kind is JOB:
                 w = await self._wait_job_settled(w)
-            patch, _ = ko.restart_patch(w, placement.world_size, template_annotations)
+            patch, _ = ko.restart_patch(w, size, template_annotations)
             version = {"metadata": {"resourceVersion": w.obj["metadata"].get("resourceVersion")}}
             patch = ko.merge(
                 ko.merge(ko.merge(patch, record), version), ko.nest(w.kind.suspend_path, False)
@@ -520,6 +522,31 @@ class KubernetesActuator:
             outcome += f"; its pod template does not map {ENV_GENERATION} from the annotation"
         await self._try_event(
             self._event(w.obj, "JobRestarted", f"{outcome}: {reason}", False), details
+        )
+        return ActuatorResult(outcome=outcome, details=details)
+
+    async def _fail_gang(
+        self,
+        w: Workload,
+        pods: list[dict[str, Any]],
+        placement: Placement,
+        plan: GangPlan,
+        details: dict[str, Any],
+        reason: str,
+    ) -> ActuatorResult:
+        """Fail the JobSet the way a crashed rank would: record the generation, then delete
+        the gang's pods off the placement (all of them if none is off it)."""
+        used, allowed = restart_budget(w.obj)
+        record = {"metadata": {"annotations": {ANN_GENERATION: str(placement.generation)}}}
+        w = await self._patch_workload(w, record, "record generation of")
+        off = [p for p in pods if p.get("spec", {}).get("nodeName") not in placement.nodes]
+        result = await delete_gang_pods(
+            self.kube, self.nodes.events, w.obj, off or pods, plan=plan, reason=reason
+        )
+        details.update(result.details, restarts_used=used + 1, max_restarts=allowed)
+        outcome = (
+            f"job {placement.job} generation {placement.generation}: {result.outcome} "
+            f"(restart {used + 1} of {allowed})"
         )
         return ActuatorResult(outcome=outcome, details=details)
 

@@ -171,4 +171,7 @@ def test_per_job_policy_annotation() -> None:
     plan = plan_gang_restart(
         "JobSet", doc, current_nodes=2, healthy_nodes=2, policy=JobPolicy(max_restarts=1)
     )
-    assert plan.mode == "refuse" and "used 1 of 1" in plan.note
+    assert plan.mode == "refuse" and "used 1 of 1 restarts its trainguard.io/policy" in plan.note
+    never = jobset_doc("never", replicas=2, max_restarts=0)
+    plan = plan_gang_restart("JobSet", never, current_nodes=2, healthy_nodes=2)
+    assert plan.mode == "suspend-resume" and "maxRestarts is 0" in plan.note

@@ -25,6 +25,9 @@ from controller.logic.remediation.placement import Placement
 from trainguard.wire import RankEvent
 
 LABEL_RANK: Final = "trainguard.io/rank"
+LABEL_TP: Final = "trainguard.io/tp"
+ANN_GENERATION: Final = "trainguard.io/generation"
+ANN_RESUME_STEP: Final = "trainguard.io/resume-step"
 JOBSET_NAME: Final = "jobset.sigs.k8s.io/jobset-name"
 JOBSET_REPLICATED_JOB: Final = "jobset.sigs.k8s.io/replicatedjob-name"
 JOBSET_JOB_INDEX: Final = "jobset.sigs.k8s.io/job-index"
@@ -148,6 +151,36 @@ class PlacementBook:
         return JobLayout(job, max(world, max(seats) + 1), seats)
 
 
+def running_placement(layout: JobLayout, pods: list[dict[str, Any]]) -> Placement | None:
+    """``layout``'s placement while every pod the ranks named still runs (``None``: they
+    are gone, a new launch has not reported yet); generation, resume step and tp from the
+    pods' annotations and labels."""
+    running = {
+        p["metadata"]["name"]: p
+        for p in pods
+        if p.get("status", {}).get("phase") == "Running"
+        and not p["metadata"].get("deletionTimestamp")
+    }
+    if not layout.complete or not set(layout.pods()) <= set(running):
+        return None
+    first = running[next(iter(layout.pods()))]
+    meta = {
+        **(first["metadata"].get("annotations") or {}),
+        **(first["metadata"].get("labels") or {}),
+    }
+    generations = [
+        int(g)
+        for p in running.values()
+        if str(g := (p["metadata"].get("annotations") or {}).get(ANN_GENERATION, "")).isdigit()
+    ]
+    step = str(meta.get(ANN_RESUME_STEP, ""))
+    return layout.placement(
+        generation=max(generations, default=0),
+        tp=int(meta.get(LABEL_TP) or 1),
+        resume_step=int(step) if step.isdigit() else None,
+    )
+
+
 # -- the workload that owns a pod ------------------------------------------------------
 
 
@@ -249,5 +282,6 @@ __all__ = [
     "WorkloadRef",
     "read_workload",
     "resolve_workload",
+    "running_placement",
     "workload_hint",
 ]

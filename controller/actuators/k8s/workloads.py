@@ -9,7 +9,8 @@ new ranks) and must land on healthy nodes (the bad one is already cordoned and t
   against ``maxRestarts`` exactly as JobSet counts it. trainguard deletes the gang's pods
   on the bad nodes; with ``backoffLimit: 0`` their child Job fails and the JobSet
   controller restarts the whole set. A JobSet that has used all its restarts is not
-  touched (failing it once more would end it): the incident goes to a human.
+  touched (failing it once more would end it): the incident goes to a human. One with
+  ``maxRestarts: 0`` never restarts itself: it is suspended and resumed instead.
 * **PyTorchJob**: its replicas' ``restartPolicy``: ``OnFailure``/``Always``/``ExitCode``
   make the operator recreate the deleted pods (elsewhere, the node being tainted) and
   torchrun's rendezvous restarts all workers; ``Never`` would end the job, so it is
@@ -135,18 +136,24 @@ def plan_gang_restart(
         target, shrunk = healthy_nodes, True
         note = f"shrunk from {current_nodes} to {target} node(s) within {bounds.source}"
     js = obj if kind == "JobSet" else jobset
-    if js is not None:
-        used, allowed = restart_budget(js)
-        if policy is not None and policy.max_restarts is not None:
-            allowed = min(allowed, policy.max_restarts)
-        if used >= allowed:
-            return GangPlan(
-                "refuse",
-                target,
-                shrunk,
-                f"JobSet {js['metadata']['name']} has used {used} of {allowed} restarts "
-                "(failurePolicy.maxRestarts); one more failure would end it",
-            )
+    used, allowed = restart_budget(js) if js is not None else (0, 0)
+    cap = None if policy is None else policy.max_restarts
+    if js is not None and cap is not None and used >= cap:
+        return GangPlan(
+            "refuse",
+            target,
+            shrunk,
+            f"{js['metadata']['name']} has used {used} of {cap} restarts "
+            "its trainguard.io/policy allows",
+        )
+    if js is not None and allowed > 0 and used >= allowed:
+        return GangPlan(
+            "refuse",
+            target,
+            shrunk,
+            f"JobSet {js['metadata']['name']} has used {used} of {allowed} restarts "
+            "(failurePolicy.maxRestarts); one more failure would end it",
+        )
     if shrunk:
         return GangPlan("suspend-resume", target, True, note)
     if kind in ("JobSet", "TrainJob"):
@@ -154,6 +161,14 @@ def plan_gang_restart(
             int(((rj.get("template") or {}).get("spec") or {}).get("backoffLimit", 6))
             for rj in ((js or {}).get("spec") or {}).get("replicatedJobs") or []
         ]
+        if allowed == 0:
+            return GangPlan(
+                "suspend-resume",
+                target,
+                False,
+                "failurePolicy.maxRestarts is 0 (the JobSet never restarts itself): "
+                "suspended and resumed instead",
+            )
         if limits and all(limit == 0 for limit in limits):
             return GangPlan(
                 "fail-child-jobs", target, False, "failurePolicy restarts every child Job"
