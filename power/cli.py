@@ -419,7 +419,7 @@ def status(
     ctx: typer.Context,
     server: Annotated[
         str | None,
-        typer.Option("--server", "-s", help="Controller base URL [env: TRAINGUARD_SERVER]."),
+        typer.Option("--server", help="Controller base URL [env: TRAINGUARD_SERVER]."),
     ] = None,
     token: Annotated[
         str | None, typer.Option("--token", help="Viewer token [env: TRAINGUARD_TOKEN].")
