@@ -1,0 +1,113 @@
+"""An HTTP webhook so a site can plug its own ticketing or repair flow into remediation.
+
+trainguard POSTs one JSON document per action (the incident, the node or job, what it did
+or asks for) to the site's URL. The receiver can trust it: the body is signed with
+HMAC-SHA256 over ``<timestamp>.<body>`` with a shared secret, sent as
+``X-Trainguard-Signature: sha256=<hex>`` with ``X-Trainguard-Timestamp: <unix seconds>``
+(reject old timestamps to stop replays; :func:`verify` is the receiver's side, in Python).
+Each attempt has a timeout; connection failures, timeouts, 429 and 5xx are retried with
+exponential backoff, other 4xx are final (the receiver refused this payload: retrying sends
+the same refusal). ``X-Trainguard-Delivery`` stays the same across retries, so a receiver
+can drop a duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+def sign(secret: bytes, timestamp: str, body: bytes) -> str:
+    digest = hmac.new(secret, timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+    return f"sha256={digest}"
+
+
+def verify(
+    secret: bytes,
+    headers: dict[str, str],
+    body: bytes,
+    *,
+    now: float | None = None,
+    max_age_s: float = 300.0,
+) -> bool:
+    """The receiver's check: the signature matches and the timestamp is recent."""
+    lower = {k.lower(): v for k, v in headers.items()}
+    timestamp = lower.get("x-trainguard-timestamp", "")
+    signature = lower.get("x-trainguard-signature", "")
+    if not timestamp.isdigit():
+        return False
+    if abs((time.time() if now is None else now) - int(timestamp)) > max_age_s:
+        return False
+    return hmac.compare_digest(sign(secret, timestamp, body), signature)
+
+
+@dataclass(slots=True)
+class WebhookResult:
+    ok: bool
+    status: int | None
+    attempts: int
+    delivery: str
+    error: str = ""
+    response: Any = None
+
+
+@dataclass(slots=True)
+class Webhook:
+    url: str
+    secret: bytes
+    timeout_s: float = 5.0
+    retries: int = 3
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 10.0
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    transport: httpx.AsyncBaseTransport | None = field(default=None, repr=False)
+
+    async def send(self, event: str, payload: dict[str, Any]) -> WebhookResult:
+        """POST ``payload`` as ``event``; never raises: the result says what happened."""
+        delivery = str(uuid.uuid4())
+        body = json.dumps(
+            {"event": event, "delivery": delivery, "payload": payload}, sort_keys=True
+        ).encode()
+        delay, error, status = self.backoff_initial_s, "", None
+        async with httpx.AsyncClient(timeout=self.timeout_s, transport=self.transport) as http:
+            for attempt in range(1, self.retries + 2):
+                timestamp = str(int(time.time()))
+                headers = {
+                    "Content-Type": "application/json",
+                    "User-Agent": "trainguard-webhook",
+                    "X-Trainguard-Event": event,
+                    "X-Trainguard-Delivery": delivery,
+                    "X-Trainguard-Timestamp": timestamp,
+                    "X-Trainguard-Signature": sign(self.secret, timestamp, body),
+                }
+                try:
+                    answer = await http.post(self.url, content=body, headers=headers)
+                except httpx.HTTPError as exc:
+                    status, error = None, f"{type(exc).__name__}: {exc}"[:300]
+                else:
+                    status = answer.status_code
+                    if 200 <= status < 300:
+                        try:
+                            data = answer.json()
+                        except ValueError:
+                            data = None
+                        return WebhookResult(True, status, attempt, delivery, response=data)
+                    error = f"HTTP {status}: {answer.text[:200]}"
+                    if status != 429 and status < 500:
+                        return WebhookResult(False, status, attempt, delivery, error)
+                if attempt <= self.retries:
+                    await self.sleep(delay)
+                    delay = min(delay * 2, self.backoff_max_s)
+        return WebhookResult(False, status, self.retries + 1, delivery, error)
+
+
+__all__ = ["Webhook", "WebhookResult", "sign", "verify"]
