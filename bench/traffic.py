@@ -13,6 +13,12 @@ boundary per step, planned together with the gradient rings) and runs 4 QPs per 
 (so flows are a quarter of the size and ECMP loses less). Here the planner has to earn its
 result: the ideal is a fractional bound that no integral routing may reach.
 
+ECMP across flow counts (``ecmp_settings``): the standard rows use NCCL's 2 channels x 1
+QP, near ECMP's worst case; the sweep runs a 256-GPU job at 2:1 (launcher's order) at
+channels x QPs from 1x1 to 8x4, with ECMP's busbw distribution (p10/median/p90 over hash
+draws) and our paths' speedup over each. This is a flow-level model (``FLOW_MODEL_NOTE``):
+no packets, queues, PFC/ECN, adaptive routing or NCCL scheduling.
+
 Rows per configuration: ECMP as launched (median and p95 over seeds), our paths for the job
 as launched (no reordering: what C4P itself does), ECMP after our ring reordering (isolates
 what path planning adds), our plan after hash enforcement (crc32 switches, Linux layer3+4
@@ -40,7 +46,16 @@ from typing import Any
 
 import numpy as np
 
-from controller.logic.traffic.compare import SimConfig, Variant, compare, unplanned_traffic
+from controller.logic.traffic.compare import (
+    SimConfig,
+    Traffic,
+    Variant,
+    compare,
+    ecmp_paths,
+    phase_times,
+    traffic_of,
+    unplanned_traffic,
+)
 from controller.logic.traffic.enforce import enforce
 from controller.logic.traffic.fattree import FatTreeSpec, build_fat_tree
 from controller.logic.traffic.hashing import HashConfig
@@ -191,6 +206,142 @@ def run_case(case: Case, *, plan_repeats: int, with_lp: bool) -> dict[str, Any]:
     }
 
 
+FLOW_SETTINGS = ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 4))
+"""(NCCL channels, QPs per connection): NCCL opens 2-32 channels depending on the GPU and
+the topology and NCCL_IB_QPS_PER_CONNECTION (default 1) splits each connection into QPs;
+every (channel, QP) is one flow the switches hash. More flows per connection: each is
+smaller and ECMP's collisions cost less."""
+
+FLOW_MODEL_NOTE = (
+    "simulated: a flow-level model (max-min fair sharing of each link by long-lived flows, "
+    "ECMP as an independent uniform draw per hop); it leaves out packets, queues and "
+    "buffers, PFC/ECN congestion control and its pauses, adaptive routing and packet "
+    "spraying, NCCL's own scheduling across channels and the ring's per-step "
+    "synchronization, and the latency term (hop_latency_s = 0)"
+)
+
+
+def _dp_size(traffic: Traffic) -> tuple[int, int]:
+    dp = [c for c in traffic.flows.collectives if c.kind == "dp"]
+    return (len(dp[0].ranks), dp[0].size_bytes) if dp else (0, 0)
+
+
+def _busbw_gbps(traffic: Traffic, t_s: float) -> float:
+    n, size = _dp_size(traffic)
+    return size / t_s * 2 * (n - 1) / n * 8 / 1e9 if n and t_s > 0 else 0.0
+
+
+def ecmp_setting(
+    channels: int, qps: int, *, gpus: int, oversubscription: float, seeds: int
+) -> dict[str, Any]:
+    """ECMP's outcome distribution for one flows-per-connection setting, beside our plan.
+
+    Both keep the launcher's ring order, so the speedup is what path planning adds at this
+    setting. Our paths are the planner's, before hash enforcement (``enforce`` moves a few
+    flows; the standard rows above include it)."""
+    nodes = gpus // 8
+    topo = build_fat_tree(
+        FatTreeSpec(
+            nodes=nodes * CLUSTER_FACTOR,
+            nics_per_node=8,
+            ports_per_nic=2,
+            port_speed_gbps=200.0,
+            nodes_per_leaf=16,
+            oversubscription=oversubscription,
+        )
+    )
+    names = random.Random(gpus).sample([n.name for n in topo.nodes], nodes)
+    job = JobSpec(
+        name=f"job-{gpus}-{channels}x{qps}",
+        nodes=names,
+        tp=8,
+        grad_bytes=1 << 30,
+        channels=channels,
+        qps_per_connection=qps,
+    )
+    # The launcher's order, kept (what C4P plans for): ring edges cross the spines as a
+    # fragmented cluster makes them, so the comparison is about paths at each flow count.
+    planner = Planner(topo, PlannerConfig(reorder_ring=False))
+    t0 = time.perf_counter()
+    plan = planner.plan(job)
+    plan_s = time.perf_counter() - t0
+    ours_t = traffic_of(plan)
+    rng = np.random.default_rng(gpus + 31 * channels + qps)
+
+    def draws(traffic: Traffic) -> list[float]:
+        return [
+            phase_times(topo, traffic, ecmp_paths(topo, traffic, rng))["dp"]
+            for _ in range(max(1, seeds))
+        ]
+
+    same_order = draws(ours_t)
+    ours_s = phase_times(topo, ours_t, plan.paths())["dp"]
+    bw = sorted(_busbw_gbps(ours_t, t) for t in same_order)
+    ours_bw = _busbw_gbps(ours_t, ours_s)
+    med = float(np.median(bw))
+    return {
+        "channels": channels,
+        "qps_per_connection": qps,
+        "flows_per_connection": channels * qps,
+        "flows": len(plan.flows),
+        "gpus": gpus,
+        "oversubscription": oversubscription,
+        "seeds": len(bw),
+        "ecmp_busbw_gbps_p10": round(float(np.percentile(bw, 10)), 1),
+        "ecmp_busbw_gbps_median": round(med, 1),
+        "ecmp_busbw_gbps_p90": round(float(np.percentile(bw, 90)), 1),
+        "ours_busbw_gbps": round(ours_bw, 1),
+        "speedup_vs_ecmp_median": round(ours_bw / med, 3),
+        "speedup_vs_ecmp_p10": round(ours_bw / float(np.percentile(bw, 10)), 3),
+        "speedup_vs_ecmp_p90": round(ours_bw / float(np.percentile(bw, 90)), 3),
+        "plan_time_s": round(plan_s, 3),
+    }
+
+
+SWEEP_GPUS = 256
+
+
+def ecmp_sweep(*, quick: bool) -> list[dict[str, Any]]:
+    """Every flow setting on a 256-GPU job at 2:1 (seeds: 3 with --quick, else 20)."""
+    return [
+        ecmp_setting(c, q, gpus=SWEEP_GPUS, oversubscription=2.0, seeds=3 if quick else 20)
+        for c, q in FLOW_SETTINGS
+    ]
+
+
+def print_sweep(sweep: list[dict[str, Any]]) -> None:
+    print(
+        f"\nECMP across flows per connection ({SWEEP_GPUS} GPUs, 2:1, launcher's order; "
+        f"{FLOW_MODEL_NOTE})"
+    )
+    lines = [
+        [
+            "CHANNELSxQPS",
+            "FLOWS",
+            "ECMP_P10",
+            "ECMP_MEDIAN",
+            "ECMP_P90",
+            "OURS_GBPS",
+            "SPEEDUP_MEDIAN",
+            "SPEEDUP_P10..P90",
+        ]
+    ]
+    for e in sweep:
+        lines.append(
+            [
+                f"{e['channels']}x{e['qps_per_connection']}",
+                str(e["flows"]),
+                f"{e['ecmp_busbw_gbps_p10']:.1f}",
+                f"{e['ecmp_busbw_gbps_median']:.1f}",
+                f"{e['ecmp_busbw_gbps_p90']:.1f}",
+                f"{e['ours_busbw_gbps']:.1f}",
+                f"{e['speedup_vs_ecmp_median']:.2f}x",
+                f"{e['speedup_vs_ecmp_p10']:.2f}x..{e['speedup_vs_ecmp_p90']:.2f}x",
+            ]
+        )
+    _table(lines)
+
+
 def gbps(v: Variant) -> float:
     return v.busbw_bytes_per_s * 8 / 1e9
 
@@ -274,7 +425,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     ap.add_argument("--lp", action="store_true", help="also solve the LP relaxation (slow)")
     ap.add_argument("--no-hard", action="store_true", help="skip the hard setups")
+    ap.add_argument(
+        "--sweep-only", action="store_true", help="only the ECMP flows-per-connection sweep"
+    )
     args = ap.parse_args(argv)
+    sweep = ecmp_sweep(quick=args.quick)
+    print_sweep(sweep)
+    if args.sweep_only:
+        if args.json:
+            print(json.dumps({"ecmp_settings": sweep, "model": FLOW_MODEL_NOTE}))
+        return 0
     s_small, s_big = (5, 2) if args.quick else (20, 10)
     small, big = SIZES
     cases = [
@@ -400,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         _table(lines)
 
     summary = summarize(results, quick=args.quick)
+    summary["ecmp_settings"] = sweep
+    summary["model"] = FLOW_MODEL_NOTE
     print()
     print(
         f"standard setups, worst case: +{summary['busbw_gain_vs_ecmp_median_pct']}% bus "
