@@ -220,6 +220,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(_group_of(path(item))))
 
 
+@pytest.hookimpl(optionalhook=True)  # so ``-p no:xdist`` still runs
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under ``--dist loadgroup``: one unit of work per group, in collection order."""
     if config.getvalue("dist") != "loadgroup":
