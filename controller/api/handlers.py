@@ -1,4 +1,4 @@
-"""The one place exceptions become HTTP responses, and the request-body size cap."""
+"""The one place exceptions become HTTP responses (the body cap is ``middleware.BodyCap``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controller.errors import ControllerError, InvalidInput, PayloadTooLarge, TemporaryError
 from controller.validation import one_line, structured
@@ -71,58 +70,3 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(
         {"detail": "internal error; the controller log has the details"}, status_code=500
     )
-
-
-class BodyLimitMiddleware:
-    """Refuse bodies over ``max_bytes``: by ``Content-Length`` before reading anything, and
-    by counting for chunked bodies that lie or have no length."""
-
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    length = int(value)
-                except ValueError:
-                    await _reply(send, 400, "Content-Length is not a number")
-                    return
-                if length > self.max_bytes:
-                    await _reply(send, 413, self._message())
-                    return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise payload_too_large(self.max_bytes)
-            return message
-
-        await self.app(scope, limited, send)
-
-    def _message(self) -> str:
-        return payload_too_large(self.max_bytes).message
-
-
-async def _reply(send: Send, status: int, detail: str) -> None:
-    body = json.dumps({"detail": detail}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
