@@ -13,12 +13,16 @@ from pathlib import Path
 import pytest
 
 import agents.local_endpoint as local_endpoint
+from agents.daemon import Agent
 from agents.errors import AgentConfigError, ListenError
 from agents.local_endpoint import LocalEndpoint, Session
 from agents.settings import load_settings
 from agents.tcp_endpoint import HELLO_MAX_BYTES, JobTokens, TcpListen, parse_listen
+from tests.agents.agents_testkit import FakeController
+from tests.agents.test_daemon import Running
+from tests.agents.test_daemon import settings as daemon_settings
 from trainguard.framing import encode_frame, read_frame
-from trainguard.wire import JobRecords, LocalHello, LocalRecords, LocalReply
+from trainguard.wire import InflightCollective, JobRecords, LocalHello, LocalRecords, LocalReply
 
 TOKEN = "job-token-5e8c1a2b9d4f7031"
 
@@ -202,3 +206,64 @@ def test_settings() -> None:
     with pytest.raises(AgentConfigError, match="job_listen: must be HOST:PORT"):
         load_settings(job_listen="9471", job_token_file="/t")
     assert parse_listen("[::]:9471") == ("::", 9471)
+
+
+def test_a_tcp_rank_that_vanishes_is_reported_and_one_that_reconnects_is_not(
+    token_file: Path,
+) -> None:
+    got: list[JobRecords] = []
+    ep = LocalEndpoint(
+        None,
+        on_records=lambda session, records, size: got.append(records),
+        tcp=TcpListen(host="127.0.0.1", port=0, token_file=token_file),
+        vanish_grace_s=0.2,
+    )
+    ep.start()
+    try:
+        gone = _connect(ep)
+        assert _ask(gone, _hello(TOKEN)).ok
+        gone.close()  # no goodbye, and no peer pid to look at over TCP
+        back = _connect(ep)
+        assert _ask(back, LocalHello(job="j", rank=1, world_size=2, pid=8, token=TOKEN)
+                    .model_dump_json().encode()).ok  # fmt: skip
+        back.close()
+        again = _connect(ep)  # rank 1 (pid 8) reconnects inside the grace: not vanished
+        assert _ask(again, LocalHello(job="j", rank=1, world_size=2, pid=8, token=TOKEN)
+                    .model_dump_json().encode()).ok  # fmt: skip
+        deadline = time.monotonic() + 3
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.4)  # past rank 1's grace too
+        events = [e for records in got for e in records.rank_events]
+        assert [(e.rank, e.kind, e.disconnected) for e in events] == [(0, "exited", True)]
+        assert "cannot be seen from the agent" in (events[0].error or "")
+        again.close()
+    finally:
+        ep.stop()
+
+
+def test_the_agent_serves_ranks_over_tcp_only(
+    tmp_path: Path, token_file: Path, agents_controller: FakeController
+) -> None:
+    """The whole agent from its settings: no socket, the TCP endpoint, records reach the
+    controller."""
+    s = daemon_settings(
+        tmp_path, tmp_path, agents_controller.url, report_interval_s=30.0, socket_path="",
+        job_listen="127.0.0.1:0", job_token_file=token_file,
+    )  # fmt: skip
+    agent = Agent(s)
+    with Running(agent):
+        assert agent.endpoint is not None and agent.endpoint.path is None
+        sock = _connect(agent.endpoint)
+        try:
+            assert _ask(sock, _hello(TOKEN)).ok
+            stuck = InflightCollective(
+                job="j", rank=0, group="g0", op="all_reduce", seq=41, elapsed_s=12.0
+            )
+            records = LocalRecords(records=JobRecords(inflight=[stuck]))
+            assert _ask(sock, records.model_dump_json().encode()).ok
+            agents_controller.wait_for(
+                lambda: any(r.job.inflight for r in agents_controller.state.ordered()), 10
+            )
+        finally:
+            sock.close()
