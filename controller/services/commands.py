@@ -19,6 +19,11 @@ from pydantic import TypeAdapter
 from controller.db.keys import CommandKey
 from controller.db.repositories import commands as repo_commands
 from controller.errors import InvalidInput, NotFound
+from controller.logic.remediation.preflight import (
+    FinishedCommand,
+    PreflightVerdict,
+    latest_verdicts,
+)
 from controller.state import ClusterState, CommandState
 from controller.validation import first_unstorable
 from controller.writer import GroupCommitWriter
@@ -53,6 +58,25 @@ class CommandService:
         self._writer = writer
         self.expire_after_s = expire_after_s
         self.tick_interval_s = min(5.0, expire_after_s / 4)
+        #: Each node's last preflight verdict, kept after its command leaves memory.
+        self._preflight: dict[str, PreflightVerdict] = {}
+
+    def preflight_verdicts(self) -> dict[str, PreflightVerdict]:
+        """Each node's last preflight verdict (placement keeps nodes that failed out)."""
+        self._preflight = latest_verdicts(
+            self._preflight,
+            (
+                FinishedCommand(
+                    node=c.node,
+                    kind=c.kind,
+                    status=c.status,
+                    reason=c.reason,
+                    finished_unix_s=c.finished_unix_s,
+                )
+                for c in self._state.commands.values()
+            ),
+        )
+        return dict(self._preflight)
 
     async def create(self, node_name: str, request: wire.CommandBase, *, by: str) -> CommandState:
         node = self._state.nodes.get(node_name)
@@ -94,6 +118,7 @@ class CommandService:
     async def tick(self, now_unix_s: float) -> None:
         """Expire unacknowledged commands and forget finished ones."""
         expired: list[tuple[CommandState, str]] = []
+        self.preflight_verdicts()  # take the verdicts before their commands are forgotten
         for command in list(self._state.commands.values()):
             if command.status in FINAL:
                 done = command.finished_unix_s or command.created_unix_s

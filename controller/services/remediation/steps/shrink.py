@@ -8,8 +8,11 @@ all place the job through :func:`plan_placement`, which feeds the pure planner
 
 from __future__ import annotations
 
+import dataclasses
+
 from controller.logic.remediation.placement import Placement
 from controller.logic.remediation.planner import RestartPlan, plan_restart
+from controller.logic.remediation.preflight import describe_exclusions, failed_nodes
 from controller.services.remediation.steps.base import StepContext
 
 
@@ -28,13 +31,15 @@ def limits(ctx: StepContext, job: str) -> tuple[int, int | None]:
 def excluded(
     ctx: StepContext, candidates: list[str], current: Placement, *, grow_back: bool
 ) -> set[str]:
-    """Nodes a restart must not use: isolated, unhealthy and lost ones. A grow-back is
-    stricter: a spare it adds must be known healthy (its agent reports it so)."""
+    """Nodes a restart must not use: isolated, unhealthy and lost ones, and those whose
+    last preflight failed. A grow-back is stricter: a spare it adds must be known healthy
+    (its agent reports it so)."""
     out = {
         n.name
         for n in ctx.state.nodes.values()
         if n.isolated_reason is not None or n.health in ("unhealthy", "lost")
     }
+    out |= set(failed_nodes(ctx.commands.preflight_verdicts()))
     if grow_back:
         for name in candidates:
             node = ctx.state.nodes.get(name)
@@ -58,7 +63,7 @@ async def plan_placement(
     book = ctx.book(job)
     min_dp, divide = limits(ctx, job)
     ctx.original_nodes.setdefault(job, len(current.nodes))
-    return plan_restart(
+    plan = plan_restart(
         current,
         candidates,
         excluded(ctx, candidates, current, grow_back=grow_back),
@@ -70,3 +75,9 @@ async def plan_placement(
         if resume_step is not None
         else (book.checkpoint[0] if book.checkpoint else None),
     )
+    # Say why a node the job could have used was passed over for a failed preflight.
+    failed = failed_nodes(ctx.commands.preflight_verdicts())
+    clause = describe_exclusions(failed, [*current.nodes, *candidates])
+    if not clause:
+        return plan
+    return dataclasses.replace(plan, reason=f"{plan.reason}; {clause}")
