@@ -83,8 +83,10 @@ lint: $(STAMP)
 
 BENCHES := ingest detect collectives power traffic traffic_api checkpoint recovery dashboard
 
+# Every bench with --quick (CI's setting), its JSON, plots and REPORT.md in bench/results/;
+# BENCH_ARGS=--full for the full runs.
 bench: $(STAMP) browser web-assets
-	@for b in $(BENCHES); do echo "== bench.$$b"; $(PY) -m bench.$$b --quick || exit 1; done
+	$(PY) -m bench.report $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
