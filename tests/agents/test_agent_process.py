@@ -105,6 +105,7 @@ def all_times(controller: FakeController) -> list[float]:
     return [s.time_unix_s for r in controller.state.ordered() for s in r.samples]
 
 
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
 def test_bad_settings_exit_2_with_one_line(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_AGENT_")}
     env["PYTHONPATH"] = str(ROOT)
@@ -128,6 +129,7 @@ def test_bad_settings_exit_2_with_one_line(tmp_path: Path) -> None:
         assert len(lines) == 1 and expected in lines[0], result.stderr
 
 
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
 def test_broken_nvml_on_a_gpu_node_exits_3_in_the_foreground(
     tmp_path: Path, agents_controller: FakeController
 ) -> None:

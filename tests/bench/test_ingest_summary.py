@@ -47,6 +47,7 @@ def test_max_nodes_stops_at_the_first_failed_level(
         assert best is None and summary["p99_ms"] is None
 
 
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
 def test_unreachable_postgres_is_an_explicit_entry_in_json_and_table() -> None:
     env = {"TRAINGUARD_TEST_PG": "postgresql://postgres:secret@127.0.0.1:1/postgres"}
     proc = subprocess.run(
