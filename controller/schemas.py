@@ -8,8 +8,26 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    computed_field,
+)
 
+from controller.logic.remediation.params import (
+    PARAMS_BY_KIND,
+    ActionKind,
+    AlertParams,
+    CaptureParams,
+    CheckpointParams,
+    IsolateParams,
+    RestartParams,
+    SkipParams,
+)
 from trainguard import wire
 
 NodeHealth = Literal["healthy", "unhealthy", "lost", "unknown"]
@@ -128,12 +146,10 @@ class IncidentsPublic(BaseModel):
     count: int
 
 
-class ActionPublic(PublicModel):
+class _ActionPublicBase(PublicModel):
     id: int
-    kind: str
     target: str
     trigger: str
-    params: dict[str, Any]
     status: Literal["pending", "succeeded", "failed", "dry_run", "skipped"]
     outcome: str
     created_unix_s: float
@@ -146,6 +162,63 @@ class ActionPublic(PublicModel):
         if self.finished_unix_s is None:
             return None
         return max(0.0, self.finished_unix_s - self.created_unix_s)
+
+
+class AlertActionPublic(_ActionPublicBase):
+    kind: Literal[ActionKind.ALERT]
+    params: AlertParams
+
+
+class SkipActionPublic(_ActionPublicBase):
+    kind: Literal[ActionKind.SKIP]
+    params: SkipParams
+
+
+class CaptureActionPublic(_ActionPublicBase):
+    kind: Literal[ActionKind.CAPTURE_EVIDENCE]
+    params: CaptureParams
+
+
+class CheckpointActionPublic(_ActionPublicBase):
+    kind: Literal[ActionKind.CHECKPOINT]
+    params: CheckpointParams
+
+
+class IsolateActionPublic(_ActionPublicBase):
+    kind: Literal[ActionKind.ISOLATE_NODE]
+    params: IsolateParams
+
+
+class RestartActionPublic(_ActionPublicBase):
+    kind: Literal[ActionKind.RESTART_JOB]
+    params: RestartParams
+
+
+class OtherActionPublic(_ActionPublicBase):
+    """An action of another service (power, traffic, policy changes): params as stored."""
+
+    kind: str
+    params: dict[str, Any]
+
+
+def _action_tag(value: Any) -> str:
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return kind if isinstance(kind, str) and kind in PARAMS_BY_KIND else "other"
+
+
+#: One action row, its ``params`` typed by its ``kind`` (the remediation engine's kinds;
+#: others are plain objects). Validate rows with :data:`ACTION_ADAPTER`.
+ActionPublic = Annotated[
+    Annotated[AlertActionPublic, Tag(ActionKind.ALERT)]
+    | Annotated[SkipActionPublic, Tag(ActionKind.SKIP)]
+    | Annotated[CaptureActionPublic, Tag(ActionKind.CAPTURE_EVIDENCE)]
+    | Annotated[CheckpointActionPublic, Tag(ActionKind.CHECKPOINT)]
+    | Annotated[IsolateActionPublic, Tag(ActionKind.ISOLATE_NODE)]
+    | Annotated[RestartActionPublic, Tag(ActionKind.RESTART_JOB)]
+    | Annotated[OtherActionPublic, Tag("other")],
+    Discriminator(_action_tag),
+]
+ACTION_ADAPTER: TypeAdapter[ActionPublic] = TypeAdapter(ActionPublic)
 
 
 class ActionsPublic(BaseModel):

@@ -122,10 +122,32 @@ ACTIONS = ResourceView(
         Column("AGE", age_of("created_unix_s")),
         Column("DURATION", lambda item, _now: _duration(item.get("duration_s"))),
         Column("FINISHED", age_of("finished_unix_s"), wide=True),
-        Column("PARAMS", field("params"), wide=True),
+        Column("PARAMS", lambda item, _now: action_params_cell(item), wide=True),
         Column("OUTCOME", field("outcome"), wide=True),
     ),
 )
+
+#: Shown in their own columns (TRIGGER) or implied by TARGET: left out of PARAMS.
+_TRIGGER_FIELDS = frozenset({"incident", "incident_kind", "remediation", "job"})
+
+
+def action_params_cell(item: JsonObject) -> str:
+    """An action's own parameters, read through the controller's model of its kind (the
+    one the API schema publishes): what it did, without what triggered it. Parameters that
+    do not fit the model (another release's) are shown as they came."""
+    from pydantic import ValidationError
+
+    from controller.logic.remediation.params import ActionParams, parse_params
+
+    raw = item.get("params")
+    try:
+        typed = parse_params(str(item.get("kind", "")), raw)
+    except ValidationError:
+        return cell(raw)
+    if not isinstance(typed, ActionParams):
+        return cell(typed)
+    own = {k: v for k, v in typed.to_params().items() if k not in _TRIGGER_FIELDS}
+    return cell(own)
 
 
 def _duration(value: Any) -> str:

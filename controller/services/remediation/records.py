@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.logic.remediation.goodput import GoodputLedger
+from controller.logic.remediation.params import RestartParams
 from controller.state import IncidentState
 
 #: Incident kinds that are hardware evidence against the node they name.
@@ -38,7 +39,7 @@ class Remediation:
     resume_step: int | None = None
     #: The restart's action row and its parameters (updated when the job resumes).
     restart_action: int | None = None
-    restart_params: dict[str, Any] | None = None
+    restart_params: RestartParams | None = None
 
     @property
     def ledger_id(self) -> str:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from controller.actuators.base import Actuator
 from controller.logic.remediation import guards
 from controller.logic.remediation.goodput import GoodputLedger
+from controller.logic.remediation.params import ActionParams, RestartParams, parse_params
 from controller.logic.remediation.rules import Policy, Rule, Step
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
@@ -46,8 +47,13 @@ class ActionRecorder:
         status: str,
         outcome: str,
     ) -> int:
-        """One action row, triggered by ``incident`` or (grow-back) by ``rem`` alone."""
-        full = self.params(incident, rem, params)
+        """One action row, triggered by ``incident`` or (grow-back) by ``rem`` alone.
+
+        The parameters pass through their kind's model (:func:`parse_params`), the one the
+        API reads them back with: a field of the wrong type fails here, at the writer.
+        """
+        typed = parse_params(kind, self.params(incident, rem, params))
+        full = typed.to_params() if isinstance(typed, ActionParams) else typed
         if rem is not None and rem.trigger:
             trigger = rem.trigger
         elif incident is not None:
@@ -80,8 +86,9 @@ class ActionRecorder:
             action_id, status=status, outcome=outcome, finished_unix_s=time.time()
         )
 
-    async def update_params(self, action_id: int, params: dict[str, Any]) -> None:
-        await self._actions.update(action_id, params=params)
+    async def update_params(self, action_id: int, params: RestartParams) -> None:
+        """Rewrite a restart row's parameters (the resume wait adds when the job resumed)."""
+        await self._actions.update(action_id, params=params.to_params())
 
 
 @dataclass(eq=False)

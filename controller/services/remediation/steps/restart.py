@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from controller.actuators.base import ActuatorError
-from controller.logic.remediation.params import GoodputFacts
+from controller.logic.remediation.params import GoodputFacts, RestartParams, RollbackFacts
 from controller.logic.remediation.rules import Rule, Step
 from controller.services.remediation.records import Remediation, fault_time
 from controller.services.remediation.steps.base import StepContext, StepResult
@@ -27,10 +27,11 @@ async def restart(
     incident: IncidentState | None,
     *,
     resume_step: int | None = None,
-    extra: dict[str, Any] | None = None,
+    rollback: RollbackFacts | None = None,
 ) -> StepResult:
     """Restart ``rem``'s job without excluded nodes, from ``resume_step`` (default: the
-    newest committed checkpoint); ``extra`` goes into the action's parameters."""
+    newest committed checkpoint); ``rollback`` (a rollback's bad step) goes into the action's
+    parameters."""
     record = ctx.recorder.record
     job = rem.job
     now = time.time()
@@ -54,7 +55,8 @@ async def restart(
     plan = await plan_placement(ctx, job, current, grow_back=rem.grow, resume_step=resume_step)
     placement = plan.placement
     resume_step = placement.resume_step if placement is not None else None
-    params: dict[str, Any] = dict(extra or {}) | {
+    given = RestartParams() if rollback is None else RestartParams(rollback=rollback)
+    params: dict[str, Any] = given.to_params() | {
         "plan": plan.kind,
         "reason": plan.reason,
         "from_nodes": list(current.nodes),
@@ -115,7 +117,7 @@ async def restart(
     rem.resume_step = resume_step
     rem.restarted_unix_s = started
     rem.restart_action = action
-    rem.restart_params = ctx.recorder.params(incident, rem, params)
+    rem.restart_params = RestartParams.model_validate(ctx.recorder.params(incident, rem, params))
     book.awaiting_resume = rem
     await actuator.record_event(
         target=job, reason="TrainguardRestart", message=summary, warning=True

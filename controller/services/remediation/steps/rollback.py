@@ -7,6 +7,7 @@ from memory, so a leader that took over after the NaN still finds them.
 
 from __future__ import annotations
 
+from controller.logic.remediation.params import RestartParams, RollbackFacts
 from controller.logic.remediation.rules import Rule, Step
 from controller.services.remediation import history
 from controller.services.remediation.records import Remediation
@@ -37,7 +38,8 @@ class Rollback:
         clean = await ctx.store.read(
             lambda session: history.newest_committed_before(session, job, bad)
         )
-        params = {"rollback": {"bad_step": bad}}
+        rollback = RollbackFacts(bad_step=bad)
+        params = RestartParams(rollback=rollback).to_params()
         if clean is None:
             outcome = (
                 f"no checkpoint of job {job} was committed before step {bad}: nothing clean "
@@ -45,4 +47,4 @@ class Rollback:
             )
             await ctx.recorder.record(incident, rem, ACTION_KIND, job, params, "skipped", outcome)
             return False, outcome
-        return await restart(ctx, rem, incident, resume_step=clean, extra=params)
+        return await restart(ctx, rem, incident, resume_step=clean, rollback=rollback)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from controller.logic.remediation.params import GoodputFacts
+from controller.logic.remediation.params import RestartParams
 from controller.services.remediation.records import JobBook, Remediation
 from controller.services.remediation.steps.base import StepContext
 
@@ -72,12 +72,13 @@ async def _note_resumed(ctx: StepContext, rem: Remediation, at: float, step: int
     the time to recover."""
     if rem.restart_action is None or rem.restart_params is None:
         return
-    params = dict(rem.restart_params)
-    facts = GoodputFacts.model_validate(params["goodput"])
-    params["goodput"] = facts.resumed(
-        restart_unix_s=rem.restarted_unix_s, resumed_unix_s=at
-    ).to_params()
-    params["resumed_step"] = step
+    facts = rem.restart_params.goodput
+    if facts is None:
+        return
+    resumed = facts.resumed(restart_unix_s=rem.restarted_unix_s, resumed_unix_s=at)
+    params = RestartParams.model_validate(
+        rem.restart_params.to_params() | {"goodput": resumed.to_params(), "resumed_step": step}
+    )
     try:
         await ctx.recorder.update_params(rem.restart_action, params)
     except Exception:  # the record is a nicety; the ingest path must go on
