@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="full runs instead of --quick")
     ap.add_argument("--only", nargs="+", choices=BENCHES, help="run these benches only")
     ap.add_argument("--report-only", action="store_true", help="rebuild from existing JSON")
+    ap.add_argument("--note", default="", help="a sentence added to the report's preamble")
     args = ap.parse_args(argv)
     RESULTS.mkdir(exist_ok=True)
     names = list(args.only or BENCHES)
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     note = (
         f"These are {mode} on a shared machine (other jobs ran at the same time), so "
         "measured times are upper bounds of what a quiet machine gives."
-    )
+    ) + (f" {args.note}" if args.note else "")
     out = write_report(list(BENCHES), note)
     print(f"wrote {out}")
     if failed:

@@ -12,12 +12,8 @@ def test_ecmp_distribution_and_speedup_per_flow_setting() -> None:
         assert e["seeds"] == 3
         assert e["ecmp_busbw_gbps_p10"] <= e["ecmp_busbw_gbps_median"] <= e["ecmp_busbw_gbps_p90"]
         assert e["ours_busbw_gbps"] >= e["ecmp_busbw_gbps_median"]
-        assert (
-            e["speedup_vs_ecmp_median"]
-            == round(e["ours_busbw_gbps"] / e["ecmp_busbw_gbps_median"], 2)
-            or abs(e["speedup_vs_ecmp_median"] * e["ecmp_busbw_gbps_median"] - e["ours_busbw_gbps"])
-            < 1
-        )
+        implied = e["speedup_vs_ecmp_median"] * e["ecmp_busbw_gbps_median"]
+        assert abs(implied - e["ours_busbw_gbps"]) < 0.01 * e["ours_busbw_gbps"]
     assert many["flows_per_connection"] == 8 and many["flows"] == 8 * few["flows"]
     # More, smaller flows: ECMP's collisions cost less, so planning gains less.
     assert many["speedup_vs_ecmp_median"] < few["speedup_vs_ecmp_median"]
