@@ -580,6 +580,7 @@ def test_notes_explain_access(helm_bin: Path, tmp_path: Path) -> None:
     # The plugin goes through the API server: the release's namespace and Service named.
     assert f"kubectl trainguard status -n {NAMESPACE} --service {FULLNAME}" in notes
     assert "TRAINGUARD_AGENT_SOCKET=/run/trainguard/agent.sock" in notes
+    assert "TRAINGUARD_AGENT_ADDR=$(NODE_IP):9471" in notes
     assert "not highly available" in notes or "no high availability" in notes
 
 
