@@ -179,6 +179,13 @@ def compose(
         JobRecordsReported, lambda e: jobs.on_report(e.report, e.received_unix_s), name="jobs"
     )
     events.subscribe(JobRecordsReported, remediation.on_job_records, name="remediation")
+
+    async def observe_ranks(e: JobRecordsReported) -> None:
+        """The actuator learns where each rank runs (its pod, on Kubernetes)."""
+        if remediation.actuator is not None and e.records.rank_events:
+            remediation.actuator.observe_ranks(e.node, e.records.rank_events)
+
+    events.subscribe(JobRecordsReported, observe_ranks, name="placement")
     events.subscribe(IncidentOpened, slow_links.on_incident_opened, name="slow-links")
     events.subscribe(IncidentOpened, lambda e: flight.on_incident_opened(e.incident), name="flight")
     events.subscribe(

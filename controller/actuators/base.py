@@ -14,10 +14,12 @@ records it as the action's outcome.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from controller.logic.remediation.placement import Placement
+from trainguard.wire import RankEvent
 
 
 class ActuatorError(Exception):
@@ -93,6 +95,11 @@ class Actuator(Protocol):
 
     def limits(self, job: str) -> JobLimits | None:
         """What ``job`` declares about its own restarts (``None``: nothing beyond policy)."""
+        ...
+
+    def observe_ranks(self, node: str, events: Sequence[RankEvent]) -> None:
+        """What ranks on ``node`` said about themselves (Kubernetes: their pod and namespace,
+        so the job's placement is learned from the job; the local actuator knows its own)."""
         ...
 
     async def close(self) -> None:

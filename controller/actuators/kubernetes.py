@@ -30,7 +30,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
@@ -76,6 +76,7 @@ from controller.actuators.kube_objects import (
     WorkloadKind,
     rbac_rules_yaml,
 )
+from trainguard.wire import RankEvent
 
 #: Client methods that change the cluster; each is fenced by the leader lease.
 _WRITES = ("patch_", "create_", "delete_", "replace_")
@@ -122,7 +123,7 @@ class KubernetesActuator:
             self.kube,
             EventRecorder(self.kube, node_event_namespace=node_event_namespace),
             quarantine or QuarantineSettings(drain_namespaces=(namespace,)),
-            fence_generation=lambda: self._fence_generation(),
+            fence_generation=lambda: self._elector.fence_generation() if self._elector else None,
         )
         self._elector: LeaseElector | None = None
 
@@ -131,9 +132,6 @@ class KubernetesActuator:
         replica still surely leads, and Nodes carry its generation (``k8s.lease``)."""
         self._elector = elector
         self.kube.fence = elector.check
-
-    def _fence_generation(self) -> int | None:
-        return None if self._elector is None else self._elector.fence_generation()
 
     @classmethod
     def from_environment(cls, namespace: str, **options: Any) -> KubernetesActuator:
@@ -156,6 +154,11 @@ class KubernetesActuator:
     async def start(self) -> list[Placement]:
         """Nothing to launch: the workloads are the platform's, started by their owners."""
         return []
+
+    def observe_ranks(self, node: str, events: Sequence[RankEvent]) -> None:
+        """Learn each job's rank -> pod -> node placement from its ranks (``PlacementBook``)."""
+        for event in events:
+            self.book.observe(node, event)
 
     def limits(self, job: str) -> JobLimits | None:
         """A workload declares no restart limits here; the policy's apply."""
@@ -349,8 +352,7 @@ class KubernetesActuator:
     # -- nodes -------------------------------------------------------------------------
 
     async def isolate_node(self, node: str, *, reason: str) -> ActuatorResult:
-        """Cordon, taint ``trainguard.io/unhealthy=<reason>``, condition
-        ``TrainguardHealthy=False``, Event: :meth:`NodeGuard.quarantine`."""
+        """Cordon, taint, condition TrainguardHealthy=False: :meth:`NodeGuard.quarantine`."""
         return await self.nodes.quarantine(node, reason=reason, message=f"trainguard: {reason}")
 
     async def release_node(self, node: str, *, reason: str) -> ActuatorResult:

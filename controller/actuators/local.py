@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
+from trainguard.wire import RankEvent
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,9 @@ class LocalProcessActuator:
                     extra={"fields": {"job": spec.name, "outcome": result.outcome}},
                 )
         return launched
+
+    def observe_ranks(self, node: str, events: Sequence[RankEvent]) -> None:
+        """Nothing to learn: this actuator placed every rank itself."""
 
     def limits(self, job: str) -> JobLimits | None:
         """A registered job's own ``min_dp`` and batch divisor."""

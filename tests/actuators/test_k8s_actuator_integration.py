@@ -47,7 +47,7 @@ def report_ranks(act: KubernetesActuator, c: FakeCluster) -> None:
             ev = RankEvent(job="llm", rank=2 * i + local, kind="started", time_unix_s=1.0,
                            local_rank=local, world_size=4, pod=pod["metadata"]["name"],
                            namespace=NS)  # fmt: skip
-            act.book.observe(pod["spec"]["nodeName"], ev)
+            act.observe_ranks(pod["spec"]["nodeName"], [ev])
 
 
 def test_placement_from_ranks_and_a_jobset_gang_restart_by_its_failure_policy(

@@ -26,6 +26,9 @@ class RecordingActuator:
     def restarts(self) -> list[Placement]:
         return [arg for method, arg in self.calls if method == "restart_job"]
 
+    def observe_ranks(self, node: str, events: Any) -> None:
+        self.calls.append(("observe_ranks", node))
+
     async def candidate_nodes(self, job: str) -> list[str]:
         return list(self.pools.get(job, []))
 

@@ -1,0 +1,45 @@
+"""The composition root hands every rank event to the actuator (issue 18: placement from
+the ranks), through the real event bus."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from controller.runtime import compose
+from controller.services.events import JobRecordsReported
+from controller.settings import ControllerSettings
+from tests.remediation.recording import RecordingActuator
+from trainguard import wire
+
+
+def test_rank_events_reach_the_actuator(tmp_path: Path) -> None:
+    tokens = [{"name": "ops", "role": "operator", "token": "o" * 20}]
+    settings = ControllerSettings(database_url=f"sqlite:///{tmp_path / 'tg.db'}", tokens=tokens)
+
+    async def noop(*_: object) -> None:
+        return None
+
+    async def scenario() -> list[tuple[str, object]]:
+        services = compose(settings, on_elected=noop, on_lost=noop, acting=lambda: False)
+        actuator = RecordingActuator(placements={}, pools={})
+        services.remediation.actuator = actuator
+        services.events.start()
+        try:
+            event = wire.RankEvent(job="llm", rank=0, kind="started", time_unix_s=1.0,
+                                   world_size=2, pod="llm-w-0-0-a", namespace="train")  # fmt: skip
+            report = wire.Report.model_validate(
+                {
+                    "node": {"name": "gpu-a"},
+                    "agent_instance": "a1",
+                    "seq": 1,
+                    "sent_unix_s": 1.0,
+                    "job": {"rank_events": [event.model_dump()]},
+                }
+            )
+            await services.events.deliver(JobRecordsReported(report, 1.0))
+        finally:
+            await services.events.stop()
+        return actuator.calls
+
+    assert ("observe_ranks", "gpu-a") in asyncio.run(scenario())
