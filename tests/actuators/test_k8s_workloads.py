@@ -3,6 +3,7 @@ Job/JobSet controllers and scheduler."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -175,3 +176,14 @@ def test_per_job_policy_annotation() -> None:
     never = jobset_doc("never", replicas=2, max_restarts=0)
     plan = plan_gang_restart("JobSet", never, current_nodes=2, healthy_nodes=2)
     assert plan.mode == "suspend-resume" and "maxRestarts is 0" in plan.note
+
+
+def test_docs_show_the_tested_jobset() -> None:
+    import yaml
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "kubernetes.md").read_text()
+    shown = jobset_doc("llm", replicas=2, max_restarts=3, nnodes="1:2")
+    assert f"```yaml\n{yaml.safe_dump(shown, sort_keys=False)}```" in doc
+    round_trip(shown)
+    plan = plan_gang_restart("JobSet", shown, current_nodes=2, healthy_nodes=1)
+    assert plan.note == "shrunk from 2 to 1 node(s) within torchrun --nnodes=1:2"
