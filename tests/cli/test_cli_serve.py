@@ -30,6 +30,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")} | extra
 
 
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
 def test_db_upgrade_reports_the_revision_and_is_idempotent(db_url: str) -> None:
     first = _tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
     assert first.returncode == 0, first.stderr
@@ -46,6 +47,7 @@ def test_printed_database_urls_hide_passwords() -> None:
     assert redact_url("sqlite:////var/lib/tg.db") == "sqlite:////var/lib/tg.db"
 
 
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
 @pytest.mark.postgres
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_controller_refuses_unmigrated_postgres_in_one_line(db_url: str) -> None:
@@ -60,6 +62,7 @@ def test_controller_refuses_unmigrated_postgres_in_one_line(db_url: str) -> None
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
 def test_controller_without_tokens_outside_dev_is_exit_2(tmp_path: Path) -> None:
     proc = _tg("controller", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/x.db",
                env=_clean_env())  # fmt: skip
@@ -68,6 +71,7 @@ def test_controller_without_tokens_outside_dev_is_exit_2(tmp_path: Path) -> None
     assert proc.stderr.count("\n") == 1
 
 
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
 def test_controller_on_a_taken_port_is_exit_1(tmp_path: Path) -> None:
     token = secrets.token_urlsafe(24)
     env = _clean_env(
@@ -84,6 +88,7 @@ def test_controller_on_a_taken_port_is_exit_1(tmp_path: Path) -> None:
     assert len(errors) == 1 and "in use" in errors[0].lower(), proc.stderr
 
 
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
 def test_controller_reads_config_file_and_flags_override_it(tmp_path: Path) -> None:
     viewer, agent = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     flag_port, file_port = free_port(), free_port()
@@ -134,6 +139,7 @@ def test_cli_against_live_controller_on_each_database(
     assert capsys.readouterr().out.split() == ["node/node-a", "node/node-b", "node/node-c"]
 
 
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
 def test_module_entry_point_matches_console_script() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "trainguard.cli", "--version"], capture_output=True, text=True
