@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -116,7 +114,6 @@ class KubernetesActuator:
         self._core = client.CoreV1Api(api_client)
         self._batch = client.BatchV1Api(api_client)
         self._custom = client.CustomObjectsApi(api_client)
-        self._instance = os.environ.get("POD_NAME") or socket.gethostname()
         self.kube = Kube(api_client)
         self.book = book if book is not None else PlacementBook()
         self.nodes = NodeGuard(
@@ -297,31 +294,11 @@ class KubernetesActuator:
     # -- events ------------------------------------------------------------------------
 
     async def _event(self, obj: dict[str, Any], reason: str, message: str, warning: bool) -> None:
-        """A core/v1 Event about ``obj`` (a Node's goes to ``node_event_namespace``)."""
-        meta, now = obj["metadata"], datetime.now(UTC)
-        namespace = meta.get("namespace") or self.node_event_namespace
-        involved = client.V1ObjectReference(
-            api_version=obj.get("apiVersion"),
-            kind=obj.get("kind"),
-            name=meta["name"],
-            namespace=meta.get("namespace"),
-            uid=meta.get("uid"),
-        )
-        body = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(name=f"{meta['name']}.{time.time_ns():x}"),
-            involved_object=involved,
-            reason=reason,
-            message=message[:1024],
-            type="Warning" if warning else "Normal",
-            source=client.V1EventSource(component=COMPONENT),
-            reporting_component=COMPONENT,
-            reporting_instance=self._instance,
-            first_timestamp=now,
-            last_timestamp=now,
-            count=1,
-        )
-        what = f"create event {reason} for {obj.get('kind')} {meta['name']}"
-        await self._call(what, self._core.create_namespaced_event, namespace, body)
+        """A core/v1 Event about ``obj`` (``k8s.events``; a Node's goes to
+        ``node_event_namespace``); raises when it could not be written."""
+        error = await self.nodes.events.emit(obj, reason, message, warning=warning)
+        if error:
+            raise ActuatorError(error)
 
     async def _try_event(self, coro: Awaitable[None], details: dict[str, Any]) -> None:
         """An Event is a courtesy: failing to write one must not fail the action."""
