@@ -27,6 +27,13 @@ from typing import Any
 from controller.logic.detection.c4d import C4DConfig, Finding, FindingKind, JobTrackers
 from controller.logic.detection.c4d.hang import ring_pairs
 from controller.logic.detection.cause import straggler_cause
+from controller.logic.detection.nic_evidence import (
+    InvolvedRank,
+    NicEvidence,
+    NicIssue,
+    NicPort,
+    nic_evidence,
+)
 from controller.services.commands import CommandService
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState
@@ -90,8 +97,12 @@ class JobDetector:
         self.rounds: dict[str, ProbeRound] = {}
         self.deferred: dict[str, DeferredProbe] = {}
         self._round_of_command: dict[str, str] = {}
+        #: Each job node's RDMA ports as its agent last described them (GPU-to-NIC affinity).
+        self.nic_inventory: dict[str, list[wire.NicInfo]] = {}
 
     async def on_report(self, report: wire.Report, received_unix_s: float) -> None:
+        if report.node.nics:  # kept by reference: the identity is rebuilt only when it changes
+            self.nic_inventory[report.node.name] = report.node.nics
         records = report.job
         if records.is_empty():
             return
@@ -129,6 +140,11 @@ class JobDetector:
             evidence["causes"] = causes
             if causes:
                 summary += "; likely cause: " + ", ".join(causes)
+        if finding.kind in (FindingKind.COMM_SLOW, FindingKind.SLOW_LINK):
+            nic = self.nic_evidence(finding, now_unix_s)
+            evidence["nic"] = nic.as_json()
+            if nic.suspects:
+                summary += "; " + nic.headline()
         spec = IncidentSpec(
             kind=str(finding.kind),
             severity=finding.severity,
@@ -204,6 +220,50 @@ class JobDetector:
         return straggler_cause(
             self._sample(tracker.rank_node.get(rank), tracker.rank_gpu.get(rank)), peers
         )
+
+    def nic_evidence(self, finding: Finding, now_unix_s: float) -> NicEvidence:
+        """NICs with recent errors or flaps on the finding's nodes, the involved GPUs'
+        nearest NIC first (``controller.logic.detection.nic_evidence``)."""
+        tracker = self.trackers.jobs.get(finding.job)
+        rank_node = tracker.rank_node if tracker is not None else {}
+        rank_gpu = tracker.rank_gpu if tracker is not None else {}
+        involved = [
+            InvolvedRank(rank=r, node=rank_node[r], gpu_index=rank_gpu.get(r))
+            for r in finding.ranks
+            if r in rank_node
+        ]
+        known = {i.node for i in involved}
+        involved += [
+            InvolvedRank(rank=-1, node=n, gpu_index=None) for n in finding.nodes if n not in known
+        ]
+        issues = [
+            NicIssue(
+                node=inc.node,
+                device=str(inc.evidence.get("device") or ""),
+                signal=str(inc.evidence.get("signal") or ""),
+                count=inc.count,
+                last_unix_s=inc.updated_unix_s,
+                detail=inc.summary,
+            )
+            for inc in self._state.incidents.values()
+            if inc.kind in ("hw_degraded", "nic_errors")
+            and inc.node is not None
+            and inc.evidence.get("device")
+        ]
+        inventory = {
+            node: [
+                NicPort(
+                    device=n.device,
+                    port=n.port,
+                    pci_bus_id=n.pci_bus_id,
+                    gpu_affinity=dict(n.gpu_affinity),
+                )
+                for n in nics
+            ]
+            for node, nics in self.nic_inventory.items()
+            if node in {i.node for i in involved}
+        }
+        return nic_evidence(issues, inventory, involved, now_unix_s)
 
     def _sample(self, node: str | None, gpu_index: int | None) -> wire.GpuSample | None:
         node_state = self._state.nodes.get(node) if node else None
