@@ -153,6 +153,40 @@ class LeaseElector:
             self.generation = None
         return self.leading
 
+    async def release(self) -> None:
+        """Give the Lease up at once (holder cleared) so a standby need not wait for it to
+        expire; stops acting first."""
+        was = self.generation if self.leading else None
+        self.generation, self._renewed_at = None, None
+        if was is None:
+            return
+        coord = self.kube.coordination
+        try:
+            lease = await self.kube.read(
+                f"get lease {self.name}", coord.read_namespaced_lease, self.name, self.namespace
+            )
+            spec = lease.get("spec") or {}
+            if spec.get("holderIdentity") != self.identity:
+                return
+            body = self._body(
+                lease["metadata"]["resourceVersion"],
+                transitions=was,
+                acquired=_parse(spec.get("acquireTime")) or datetime.now(UTC),
+                renewed=datetime.now(UTC),
+            )
+            assert body.spec is not None
+            body.spec.holder_identity = ""
+            body.spec.lease_duration_seconds = 1
+            await self.kube.read(
+                f"release lease {self.name}",
+                coord.replace_namespaced_lease,
+                self.name,
+                self.namespace,
+                body,
+            )
+        except KubernetesApiError:
+            pass  # it expires on its own
+
     async def run(self, stop: asyncio.Event) -> None:
         """Acquire and renew until ``stop`` is set (then leave the Lease to expire)."""
         while not stop.is_set():
