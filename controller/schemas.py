@@ -197,7 +197,8 @@ class RestartActionPublic(_ActionPublicBase):
 class OtherActionPublic(_ActionPublicBase):
     """An action of another service (power, traffic, policy changes): params as stored."""
 
-    kind: str
+    #: Not one of the typed kinds: keeps the schema's ``oneOf`` exclusive.
+    kind: str = Field(json_schema_extra={"not": {"enum": [k.value for k in ActionKind]}})
     params: dict[str, Any]
 
 

@@ -175,3 +175,24 @@ def test_cli_actions_view_reads_params_through_the_model() -> None:
     odd = {"kind": "restart_job", "params": {"plan": "sideways"}}
     assert action_params_cell(odd) == "plan=sideways"
     assert action_params_cell({"kind": "set_policy", "params": {"enabled": True}}) == "enabled=true"
+
+
+def test_other_kinds_do_not_overlap_the_typed_ones(tmp_path: Path) -> None:
+    """``oneOf`` needs exactly one match: a restart row must not also fit OtherActionPublic."""
+    jsonschema = pytest.importorskip("jsonschema")
+    settings = ControllerSettings(database_url=f"sqlite:///{tmp_path / 'tg.db'}", tokens=TOKENS)
+    spec = create_app(settings).openapi()
+    items = spec["components"]["schemas"]["ActionsPublic"]["properties"]["data"]["items"]
+    schema = jsonschema.Draft202012Validator({**items, "components": spec["components"]})
+    row = {
+        "id": 1,
+        "target": "gpt",
+        "trigger": "incident:7",
+        "status": "succeeded",
+        "outcome": "",
+        "created_unix_s": 1.0,
+        "finished_unix_s": None,
+        "duration_s": None,
+    }
+    schema.validate({**row, "kind": "restart_job", "params": OLD_RESTART})
+    schema.validate({**row, "kind": "set_policy", "params": {"enabled": True}})

@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session
 
 from controller.actuators.base import Actuator
 from controller.logic.remediation import guards
+from controller.logic.remediation.params import AlertParams, Severity
 from controller.logic.remediation.rules import Policy, Rule, Step
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
@@ -339,7 +340,9 @@ class RemediationEngine:
             None,
             "alert",
             incident.job or incident.node or "",
-            {"severity": incident.severity, "then": [str(s) for s in rule.actions]},
+            AlertParams(
+                severity=Severity(incident.severity), then=[str(s) for s in rule.actions]
+            ).to_params(),
             "succeeded",
             outcome[:2000],
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from controller.logic.remediation.params import CheckpointParams
 from controller.logic.remediation.rules import Rule, Step
 from controller.services.remediation.records import Remediation
 from controller.services.remediation.steps.base import StepContext, StepResult
@@ -38,7 +39,9 @@ class ProtectiveCheckpoint:
             return True, "no running ranks to checkpoint"
         book = ctx.book(job_name)
         before = book.checkpoint
-        params = {"nodes": nodes, "before_step": before[0] if before else None}
+        params = CheckpointParams(
+            nodes=list(nodes), before_step=before[0] if before else None
+        ).to_params()
         if rem.dry_run:
             await record(
                 incident, rem, self.action_kind, job_name, params, "dry_run",

@@ -12,6 +12,7 @@ import time
 
 from controller.actuators.base import ActuatorError
 from controller.logic.remediation import guards
+from controller.logic.remediation.params import IsolateParams
 from controller.logic.remediation.rules import IsolateWhen, Rule, Step
 from controller.services.remediation.records import HARDWARE_KINDS, Remediation
 from controller.services.remediation.steps.base import StepContext, StepResult
@@ -93,7 +94,7 @@ class Isolate:
             outcome = f"would isolate {node}"
             await record(incident, rem, kind, node, {}, "dry_run", outcome)
             return True, outcome
-        params = {"actuator": ctx.actuator.name if ctx.actuator else None}
+        params = IsolateParams(actuator=ctx.actuator.name if ctx.actuator else None).to_params()
         action = await record(incident, rem, kind, node, params, "pending", "")
         ok, outcome = await apply_isolation(ctx, node, isolate=True, reason=reason)
         await ctx.recorder.finish(action, "succeeded" if ok else "failed", outcome)
