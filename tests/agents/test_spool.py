@@ -28,7 +28,10 @@ from trainguard.wire import (
 def builder(spool: Spool, samples: int = 1, pad: int = 0):  # type: ignore[no-untyped-def]
     def build(seq: int, dropped: int) -> Report:
         return Report(
-            node=NodeIdentity(name="n1", labels={"pad": "x" * pad}),
+            # Padding in label values of at most 250 characters (labels are names, capped).
+            node=NodeIdentity(
+                name="n1", labels={f"pad{i}": "x" * 250 for i in range(-(-pad // 250))}
+            ),
             agent_instance=spool.agent_instance,
             seq=seq,
             sent_unix_s=1.0,

@@ -31,6 +31,8 @@ FLAGS = {
     "log_level": ("--log-level", "DEBUG", "debug"),
     "sim_seed": ("--sim-seed", "7", 7),
     "nvml_timeout_s": ("--nvml-timeout", "2.5", 2.5),
+    "client_idle_timeout_s": ("--client-idle-timeout", "30", 30.0),
+    "job_listen": ("--job-listen", "127.0.0.1:9471", "127.0.0.1:9471"),
 }
 
 #: Flags whose values ``test_every_flag_reaches_its_setting`` checks one by one.
@@ -47,6 +49,7 @@ OTHER_FLAGS = {
     "dev_dir": "--dev-dir",
     "foreground": "--foreground",
     "sysfs_root": "--sysfs-root",
+    "job_token_file": "--job-token-file",
 }
 
 
@@ -74,6 +77,7 @@ def test_every_flag_reaches_its_setting(started: list[AgentSettings], tmp_path: 
     args += ["--sim-fault-file", str(tmp_path / "faults")]
     args += ["--dev-dir", str(tmp_path / "dev"), "--sysfs-root", str(tmp_path / "sys")]
     args += ["--no-foreground", "--token-file", str(tmp_path / "token")]
+    args += ["--job-token-file", str(tmp_path / "job-tokens")]
     args += ["--sim-fault", "kind=xid,code=79,gpu=1,at=5", "--token", "t" * 20]
     assert _agent(tmp_path, *args) == 0
     (settings,) = started
@@ -88,6 +92,7 @@ def test_every_flag_reaches_its_setting(started: list[AgentSettings], tmp_path: 
     assert settings.foreground is False
     assert settings.token is not None and settings.token.get_secret_value() == "t" * 20
     assert settings.token_file == tmp_path / "token"
+    assert settings.job_token_file == tmp_path / "job-tokens"
     assert settings.resolved_spool_dir == tmp_path / "spool"
 
 

@@ -29,9 +29,9 @@ EXPECTED = {
     "agent-token": [],
     "agent-token issue": ["NODE", *CLIENT],
     "agent": [
-        "--controller", "--token", "--token-file", "--node-name", "--gpus", "--sim-fault", "--sim-fault-file",
-        "--spool-dir",
-        "--socket-path", "--metrics-port", "--sample-interval", "--report-interval",
+        "--controller", "--token", "--token-file", "--node-name", "--gpus", "--sim-fault",
+        "--sim-fault-file", "--spool-dir", "--socket-path", "--job-listen", "--job-token-file",
+        "--client-idle-timeout", "--metrics-port", "--sample-interval", "--report-interval",
         "--report-timeout", "--backoff-max", "--spool-max-bytes", "--metrics-host",
         "--node-base-power-w", "--powercap-dir", "--label", "--log-level", "--sim-seed",
         "--sim-no-permission", "--dev-dir", "--no-foreground/--foreground", "--nvml-timeout",

@@ -127,6 +127,23 @@ def agent(
     socket_path: Annotated[
         str | None, typer.Option("--socket-path", help="Local job socket ('' disables).")
     ] = None,
+    job_listen: Annotated[
+        str | None,
+        typer.Option(
+            "--job-listen",
+            help="HOST:PORT of the authenticated TCP endpoint for ranks (needs --job-token-file).",
+        ),
+    ] = None,
+    job_token_file: Annotated[
+        Path | None,
+        typer.Option("--job-token-file", help="File of accepted job tokens, one per line."),
+    ] = None,
+    client_idle_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--client-idle-timeout", help="Close a rank's connection idle this long, seconds."
+        ),
+    ] = None,
     metrics_port: Annotated[
         int | None,
         typer.Option("--metrics-port", min=-1, max=65535, help="0 = ephemeral, -1 = off."),
@@ -205,6 +222,9 @@ def agent(
         sim_fault_file=sim_fault_file,
         spool_dir=spool_dir,
         socket_path=socket_path,
+        job_listen=job_listen,
+        job_token_file=job_token_file,
+        client_idle_timeout_s=client_idle_timeout,
         metrics_port=metrics_port,
         sample_interval_s=sample_interval,
         report_interval_s=report_interval,
