@@ -234,7 +234,7 @@ def write_report(names: list[str], note: str) -> Path:
     lines = [
         "# Benchmark results",
         "",
-        "Written by `make bench` (`python -m bench.report`). " + note,
+        "Written by `python -m bench.report` (what `make bench` runs). " + note,
         "",
         "## Machine",
         "",
@@ -254,7 +254,8 @@ def write_report(names: list[str], note: str) -> Path:
             lines.append(f"| {name} | {LABELS.get(name, '?')} | - | not run | - |")
             continue
         meta = data.get("_run", {})
-        status = "failed" if data.get("_failed") else f"ok ({meta.get('elapsed_s')} s)"
+        took = f" ({meta['elapsed_s']} s)" if meta.get("elapsed_s") is not None else ""
+        status = "failed" if data.get("_failed") else f"ok{took}"
         heads = "; ".join(
             f"{k} = {_fmt(data.get(k))}" for k in HEADLINES.get(name, []) if k in data
         )
