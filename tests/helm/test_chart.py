@@ -907,3 +907,25 @@ def test_job_endpoint_existing_secret_and_off(helm_bin: Path, tmp_path: Path) ->
     assert "TRAINGUARD_AGENT_JOB_LISTEN" not in _env(agent)
     assert [p["name"] for p in agent["ports"]] == ["metrics"]
     assert "job-token" not in {v["name"] for v in ds["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_grafana_dashboard_queries_use_real_metrics_and_labels() -> None:
+    """Every panel's PromQL parses, names a metric the code exports and groups GPU metrics
+    only by labels the agent puts on them (dcgm-exporter's ``Hostname`` is the node; a panel
+    grouped by a label no series carries draws one anonymous line)."""
+    promql = pytest.importorskip("promql_parser")
+    from agents.metrics import _GPU_LABELS
+
+    dashboard = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    sources = _code_sources("controller", "agents")
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs
+    for expr in exprs:
+        promql.parse(expr)
+        for metric in set(re.findall(r"trainguard_\w+", expr)):
+            base = re.sub(r"_(bucket|sum|count|total)$", "", metric)
+            assert f'"{metric}"' in sources or f'"{base}"' in sources, f"{expr}: no {metric}"
+        if "trainguard_gpu_" in expr:
+            for group in re.findall(r"by \(([^)]*)\)", expr):
+                for label in (g.strip() for g in group.split(",")):
+                    assert label in [*_GPU_LABELS, "xid"], f"{expr}: GPU series have no {label}"
