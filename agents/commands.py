@@ -150,6 +150,12 @@ class CommandExecutor:
             return CommandStatus.SUCCEEDED, self._unlock_clocks(cmd.gpu_index)
         raise CommandRefused(f"unknown command kind {cmd.kind!r}")
 
+    def adopt_api(self, api: Any, handles: Sequence[Any]) -> None:
+        """NVML came back after failing at start: commands go to the working API now."""
+        with self._lock:
+            self._api = api
+            self._handles = list(handles)
+
     def update_handles(self, handles: Sequence[Any]) -> None:
         """A GPU that was unavailable at start answered: its handle can take commands now."""
         with self._lock:

@@ -17,6 +17,7 @@ spool, so a clean stop loses nothing and a crash loses nothing either (see agent
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import socket
@@ -31,7 +32,7 @@ import trainguard
 from agents.batch import Batch
 from agents.commands import CommandExecutor
 from agents.errors import AgentConfigError, GpuWatchError
-from agents.gpu.backend import GpuBackend, open_backend
+from agents.gpu.backend import GpuBackend, next_retry_delay_s, open_backend, retry_nvml
 from agents.gpu.fault_file import FaultFile
 from agents.gpu.sim import SimNvml
 from agents.local_endpoint import LocalEndpoint, Session
@@ -64,6 +65,10 @@ log = logging.getLogger(__name__)
 MIN_URGENT_GAP_S = 0.25
 #: On shutdown, how long the reporter may keep sending what is spooled.
 SHUTDOWN_DRAIN_S = 2.0
+#: NVML that failed at start is retried after this delay, doubling up to the cap: a node whose
+#: driver comes back (module reloaded, upgrade finished) recovers without an agent restart.
+NVML_RETRY_FIRST_S = 5.0
+NVML_RETRY_MAX_S = 300.0
 #: Hardware events that are sent at once rather than at the next report interval.
 URGENT_EVENTS = frozenset(
     {"gpu_unknown", "nvlink_down", "nic_port_down", "nic_gone", "bond_member_down"}
@@ -95,6 +100,11 @@ class Agent:
             identity=settings.node_name,
             dev_dir=settings.dev_dir,
         )
+        #: Retry schedule while ``backend.error`` (NVML failed although GPUs are present).
+        self.nvml_retry_first_s = NVML_RETRY_FIRST_S
+        self.nvml_retry_max_s = NVML_RETRY_MAX_S
+        self.nvml_retries = 0
+        self._next_nvml_retry: float | None = None
         try:
             self._build(settings)
         except BaseException:
@@ -246,6 +256,8 @@ class Agent:
             self.metrics_source.inventory = inventory
             if self.executor is not None:
                 self.executor.update_handles(self.sampler.handles)
+            if self.xids is not None:
+                self.xids.update_handles(self.sampler.handles)
         now = time.time()
         power_w, source = self.node_power.node_power(gpus)
         nics, nic_events = self.nics.sample(now)
@@ -309,6 +321,8 @@ class Agent:
         stop_watcher.start()
         while not stop.is_set():
             now = time.monotonic()
+            if self.backend.error:
+                self._guarded("NVML retry", functools.partial(self._maybe_retry_nvml, now))
             urgent = self._urgent.is_set() and now - self._last_urgent >= MIN_URGENT_GAP_S
             if now >= next_sample or urgent:
                 self._guarded("sample", self.sample)
@@ -325,6 +339,66 @@ class Agent:
                 timeout = min(timeout, self._last_urgent + MIN_URGENT_GAP_S - time.monotonic())
             if timeout > 0:
                 self._wake.wait(timeout)
+
+    def _maybe_retry_nvml(self, now: float) -> bool:
+        """Retry ``nvmlInit`` when due (capped exponential backoff); True once adopted."""
+        if self._next_nvml_retry is None:
+            self._next_nvml_retry = now + next_retry_delay_s(
+                0, first_s=self.nvml_retry_first_s, max_s=self.nvml_retry_max_s
+            )
+        if now < self._next_nvml_retry:
+            return False
+        self.nvml_retries += 1
+        backend = retry_nvml(self.backend)
+        if backend is None:
+            self._next_nvml_retry = now + next_retry_delay_s(
+                self.nvml_retries, first_s=self.nvml_retry_first_s, max_s=self.nvml_retry_max_s
+            )
+            return False
+        self._adopt_backend(backend)
+        return True
+
+    def _adopt_backend(self, backend: GpuBackend) -> None:
+        """NVML answers now: watch its GPUs as if they had been there at start (sampler,
+        commands, XID events, the report's identity); the next report clears ``gpu_error``."""
+        old_sampler = self.sampler
+        sampler = GpuSampler(
+            backend.api,
+            xid_source=lambda i: self.xids.drain(i) if self.xids else [],
+            locked_clock_mhz=lambda i: self.executor.locked_clock_mhz(i) if self.executor else None,
+            on_lost=lambda i: self.request_report(f"GPU {i} lost"),
+            timeout_s=self.settings.nvml_timeout_s,
+        )
+        inventory = sampler.open()
+        self.backend, self.sampler = backend, sampler
+        self._inventory_version = sampler.inventory_version
+        old_sampler.close()
+        if self.executor is not None:
+            self.executor.adopt_api(backend.api, sampler.handles)
+        if self.xids is not None:
+            self.xids.stop()
+        self.xids = XidWatcher(
+            backend.api, sampler.handles, on_event=self._on_xid, on_ecc=self._on_ecc
+        )
+        if inventory and not self._stopping.is_set():
+            self.xids.start()
+        self.identity = self.identity.model_copy(
+            update={
+                "gpus": inventory,
+                "driver_version": backend.driver_version[:64],
+                "gpu_error": "",
+                "nics": self._nic_inventory(),
+            }
+        )
+        self.metrics_source.inventory = inventory
+        log.warning(
+            "NVML answers again after %d retr%s: watching %d GPU(s), driver %s",
+            self.nvml_retries,
+            "y" if self.nvml_retries == 1 else "ies",
+            len(inventory),
+            backend.driver_version or "?",
+        )
+        self.request_report("NVML recovered")
 
     def _guarded(self, what: str, fn: Callable[[], object]) -> None:
         try:

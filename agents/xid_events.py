@@ -106,6 +106,28 @@ class XidWatcher:
         self._thread = threading.Thread(target=self._run, name="xid-watcher", daemon=True)
         self._thread.start()
 
+    def update_handles(self, handles: Sequence[Any]) -> list[int]:
+        """Register GPUs that first answered after ``start`` (they had no handle then);
+        returns the indices registered now. Before ``start`` only the handles are kept."""
+        self._handles = list(handles)
+        if self._event_set is None:
+            return []
+        added: list[int] = []
+        for index, handle in enumerate(self._handles):
+            if handle is None or index in self.registered_events:
+                continue
+            mask = self._register(index, handle)
+            if mask:
+                self.registered.append(index)
+                self.registered_events[index] = mask
+                added.append(index)
+                log.info("GPU %d: registered for XID events after it first answered", index)
+        return added
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def _register(self, index: int, handle: Any) -> int:
         """Register ``handle`` for what it supports of WATCHED_EVENTS; 0 when it refuses."""
         try:

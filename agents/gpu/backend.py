@@ -51,6 +51,8 @@ class GpuBackend:
     kind: Literal["nvml", "sim"]
     driver_version: str = ""
     error: str = ""
+    #: With ``error``: the NVML module whose ``nvmlInit`` failed, for :func:`retry_nvml`.
+    nvml: Any = None
 
     def shutdown(self) -> None:
         try:
@@ -163,7 +165,24 @@ def open_backend(
             "check the driver with nvidia-smi"
         )
         log.error("%s; reporting this node unhealthy", error)
-        return GpuBackend(api=NoGpus(), kind="nvml", error=error[:512])
+        return GpuBackend(api=NoGpus(), kind="nvml", error=error[:512], nvml=nvml)
+
+
+def retry_nvml(backend: GpuBackend) -> GpuBackend | None:
+    """Try ``nvmlInit`` again for a backend that failed with GPUs present: the working
+    backend once the driver answers (a reloaded module, a finished upgrade), else ``None``."""
+    if not backend.error or backend.nvml is None:
+        return None
+    try:
+        return _open_nvml(backend.nvml)
+    except pynvml.NVMLError as exc:
+        log.debug("nvmlInit still fails: %s", exc)
+        return None
+
+
+def next_retry_delay_s(attempt: int, *, first_s: float, max_s: float) -> float:
+    """Delay before retry ``attempt`` (0-based): doubling from ``first_s``, capped at ``max_s``."""
+    return min(max_s, first_s * 2.0 ** min(attempt, 32))
 
 
 __all__ = [
@@ -171,7 +190,9 @@ __all__ = [
     "MAX_SIM_GPUS",
     "GpuBackend",
     "NoGpus",
+    "next_retry_delay_s",
     "nvidia_device_files",
     "open_backend",
     "parse_gpus_setting",
+    "retry_nvml",
 ]
