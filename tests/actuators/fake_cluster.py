@@ -22,7 +22,8 @@ client would get wrong:
 * Deletion honours finalizers (``deletionTimestamp`` set, object kept until its last
   finalizer goes) and garbage-collects dependents by ``ownerReferences`` uid (a JobSet's
   child Jobs, then their pods), ``propagationPolicy=Orphan`` only drops the references.
-* Enough of the Job and JobSet controllers and the scheduler for gang restarts: a deleted
+* Enough of the Job and JobSet controllers and the scheduler for gang restarts
+  (``fake_controllers.py``): a deleted
   or evicted pod fails its Job when ``backoffLimit`` is 0 (an eviction not, when the
   podFailurePolicy ignores ``DisruptionTarget``); :meth:`FakeCluster.reconcile_jobset`
   creates the child Jobs and their pods on schedulable, untainted nodes and, when a child
@@ -43,6 +44,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from tests.actuators import fake_kube
+from tests.actuators.fake_controllers import WorkloadControllers
 from tests.actuators.fake_kube import ApiError, FakeKube, Key, _Handler, merge_patch
 
 fake_kube.KINDS.update(
@@ -142,7 +144,7 @@ class _Store(dict[Key, dict[str, Any]]):
         return obj
 
 
-class FakeCluster(FakeKube):
+class FakeCluster(WorkloadControllers, FakeKube):
     def __init__(self) -> None:
         super().__init__()
         # The base server treats every named group but batch as a CRD; these are built in.
@@ -446,157 +448,6 @@ class FakeCluster(FakeKube):
                         "metadata": {"resourceVersion": str(since)},
                     },
                 }
-
-    # -- the Job and JobSet controllers and a scheduler, enough for gang restarts --------
-
-    def _pod_failed(self, pod: dict[str, Any], *, evicted: bool) -> None:
-        """The Job controller: a pod that ended early counts against ``backoffLimit``
-        (an eviction is ignored when the Job's podFailurePolicy ignores DisruptionTarget)."""
-        owner = next((r for r in _refs(pod) if r.get("kind") == "Job"), None)
-        key = ("batch", "jobs", pod["metadata"].get("namespace", ""), (owner or {}).get("name"))
-        job = self.objects.get(key)  # type: ignore[arg-type]
-        if job is None:
-            return
-        spec = job.get("spec") or {}
-        rules = (spec.get("podFailurePolicy") or {}).get("rules") or []
-        ignored = any(
-            r.get("action") == "Ignore"
-            and any(c.get("type") == "DisruptionTarget" for c in r.get("onPodConditions") or [])
-            for r in rules
-        )
-        if (evicted and ignored) or int(spec.get("backoffLimit", 6)) > 0:
-            return
-        new = copy.deepcopy(job)
-        status = new.setdefault("status", {})
-        status["failed"] = int(status.get("failed") or 0) + 1
-        status["conditions"] = [
-            {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}
-        ]
-        self._store(key, new)  # type: ignore[arg-type]
-
-    def schedule(self, pod: dict[str, Any]) -> str:
-        """A scheduler: the schedulable, untainted node with the fewest pods."""
-        load: dict[str, int] = {}
-        for (g, pl, _, _), o in self.objects.items():
-            if (g, pl) == ("", "pods"):
-                n = o.get("spec", {}).get("nodeName", "")
-                load[n] = load.get(n, 0) + 1
-        tolerated = {t.get("key") for t in pod["spec"].get("tolerations") or []}
-        eligible = [
-            n["metadata"]["name"]
-            for (g, pl, _, _), n in sorted(self.objects.items())
-            if (g, pl) == ("", "nodes")
-            and not n.get("spec", {}).get("unschedulable")
-            and not any(
-                t.get("effect") in ("NoSchedule", "NoExecute") and t.get("key") not in tolerated
-                for t in n.get("spec", {}).get("taints") or []
-            )
-        ]
-        if not eligible:
-            return ""
-        return min(eligible, key=lambda name: (load.get(name, 0), name))
-
-    def reconcile_jobset(self, ns: str, name: str) -> str:
-        """One reconcile of JobSet ``name``, as its controller would: create missing child
-        Jobs and their pods (scheduled), and when a child Job failed restart the whole gang
-        (``status.restarts`` + 1) or, past ``failurePolicy.maxRestarts``, fail the JobSet.
-        Returns ``created``, ``restarted``, ``failed`` or ``nothing``."""
-        with self.lock:
-            key = ("jobset.x-k8s.io", "jobsets", ns, name)
-            js = self.objects[key]
-            uid = js["metadata"]["uid"]
-            children = [
-                k
-                for k, j in self.objects.items()
-                if k[:3] == ("batch", "jobs", ns) and any(r.get("uid") == uid for r in _refs(j))
-            ]
-            failed = any(
-                c.get("type") == "Failed" and c.get("status") == "True"
-                for k in children
-                for c in self.objects[k].get("status", {}).get("conditions") or []
-            )
-            if js.get("status", {}).get("terminalState") or js["spec"].get("suspend"):
-                return "nothing"
-            new = copy.deepcopy(js)
-            status = new.setdefault("status", {})
-            if failed:
-                attempt = int(status.get("restarts") or 0)
-                max_restarts = int((js["spec"].get("failurePolicy") or {}).get("maxRestarts", 0))
-                if attempt >= max_restarts:
-                    status["terminalState"] = "Failed"
-                    status["conditions"] = [
-                        {"type": "Failed", "status": "True", "reason": "FailedJobs"}
-                    ]
-                    self._store(key, new)
-                    return "failed"
-                for child in children:
-                    self._delete(child, {}, None)
-                status["restarts"] = attempt + 1
-                self._store(key, new)
-                self._create_children(new)
-                return "restarted"
-            if children:
-                return "nothing"
-            self._create_children(new)
-            return "created"
-
-    def _create_children(self, js: dict[str, Any]) -> None:
-        meta = js["metadata"]
-        ns, name = meta["namespace"], meta["name"]
-        ref = {
-            "apiVersion": js["apiVersion"],
-            "kind": "JobSet",
-            "name": name,
-            "uid": meta["uid"],
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
-        restarts = str(js.get("status", {}).get("restarts") or 0)
-        for rj in js["spec"].get("replicatedJobs") or []:
-            for index in range(int(rj.get("replicas", 1))):
-                labels = {
-                    "jobset.sigs.k8s.io/jobset-name": name,
-                    "jobset.sigs.k8s.io/replicatedjob-name": rj["name"],
-                    "jobset.sigs.k8s.io/job-index": str(index),
-                    "jobset.sigs.k8s.io/restart-attempt": restarts,
-                }
-                job_name = f"{name}-{rj['name']}-{index}"
-                spec = copy.deepcopy(rj["template"]["spec"])
-                job = self.put(
-                    "batch",
-                    "jobs",
-                    {
-                        "metadata": {
-                            "name": job_name,
-                            "namespace": ns,
-                            "labels": labels,
-                            "ownerReferences": [ref],
-                        },
-                        "spec": spec,
-                    },
-                )
-                job_ref = {
-                    "apiVersion": "batch/v1",
-                    "kind": "Job",
-                    "name": job_name,
-                    "uid": job["metadata"]["uid"],
-                    "controller": True,
-                }
-                template = spec.get("template") or {}
-                for i in range(int(spec.get("parallelism") or 1)):
-                    pod_meta = copy.deepcopy(template.get("metadata") or {})
-                    pod_meta["labels"] = {
-                        **(pod_meta.get("labels") or {}),
-                        **labels,
-                        "batch.kubernetes.io/job-completion-index": str(i),
-                    }
-                    pod_meta.update(
-                        name=f"{job_name}-{i}-r{restarts}", namespace=ns, ownerReferences=[job_ref]
-                    )
-                    pod = {"metadata": pod_meta, "spec": copy.deepcopy(template.get("spec") or {})}
-                    pod["spec"]["nodeName"] = self.schedule(pod)
-                    pod["status"] = {"phase": "Running" if pod["spec"]["nodeName"] else "Pending"}
-                    self.put("", "pods", pod)
 
 
 def _rv_of(obj: dict[str, Any]) -> int:
