@@ -37,6 +37,8 @@ def test_bench_quick_json_keys(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(bt, "SIZES", (256, 512))
+    monkeypatch.setattr(bt, "SWEEP_GPUS", 128)
+    monkeypatch.setattr(bt, "FLOW_SETTINGS", ((1, 1), (2, 2)))
     assert bt.main(["--quick", "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
@@ -52,4 +54,8 @@ def test_bench_quick_json_keys(
     ):
         assert key in summary
     assert summary["plan_enforce_time_s_4096"] >= summary["plan_time_s_4096"]
+    sweep = summary["ecmp_settings"]
+    assert [(e["channels"], e["qps_per_connection"]) for e in sweep] == [(1, 1), (2, 2)]
+    assert all(e["speedup_vs_ecmp_median"] > 0 for e in sweep)
+    assert "flow-level model" in summary["model"]
     assert 0 < summary["hard_pct_of_ideal"] <= 100.0 + 1e-6
