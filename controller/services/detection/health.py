@@ -52,9 +52,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.db.keys import GpuKey, NodeKey, RowKey
 from controller.logic.detection.hw_rules import HwFinding, HwRules
 from controller.services.incidents import IncidentService, IncidentSpec
-from controller.db.keys import GpuKey, NodeKey, RowKey
 from controller.state import ClusterState, GpuState, IncidentState, NodeState
 from controller.writer import GroupCommitWriter
 from trainguard import wire
