@@ -477,7 +477,8 @@ def main() -> None:
         cells = []
         for b in fleet["baselines"][1:]:
             row = b["scenarios"][i]
-            cells.append(f"{row['detected']} {row['named']!s} {_num(row['detect_s'])}s")
+            when = "never" if row["detect_s"] is None else f"{row['detect_s']}s"
+            cells.append(f"{row['detected']} {row['named']!s} {when}")
         print(f"{sc.name:<24} " + " ".join(f"{c:>34}" for c in cells))
     for b in fleet["baselines"][1:]:
         print(
