@@ -86,7 +86,7 @@ BENCHES := ingest detect collectives power traffic traffic_api checkpoint recove
 # Every bench with --quick (CI's setting), its JSON, plots and REPORT.md in bench/results/;
 # BENCH_ARGS=--full for the full runs.
 bench: $(STAMP) browser web-assets
-	$(PY) -m bench.report $(BENCH_ARGS)
+	$(PY) -m bench.report --only $(BENCHES) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
