@@ -120,7 +120,7 @@ def load(
 
     if object_store is None:
         return load_state(Path(root), state, rank=rank, step=step, restore_rng=restore_rng)
-    from checkpoint._tier import load_nearest
+    from checkpoint._tier_restore import load_nearest
 
     restored, choice = load_nearest(
         Path(root),

@@ -52,7 +52,8 @@ from checkpoint._stage import (
     wait_guard,
     zero_gaps,
 )
-from checkpoint._tier import TierUploader, load_nearest
+from checkpoint._tier import TierUploader
+from checkpoint._tier_restore import load_nearest
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointConfigError, CheckpointError, CheckpointWriteError
 from checkpoint.manifest import SKELETON_ENTRY, Entry, GlobalMap, Piece, step_dir_name

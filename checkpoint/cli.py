@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from checkpoint._store import CheckpointReader, CheckpointStore
-from checkpoint._tier import tier_rows
+from checkpoint._tier_restore import tier_rows
 from checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,

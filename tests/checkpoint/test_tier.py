@@ -29,11 +29,11 @@ from checkpoint._tier import (
     TIER_DIR,
     TierUploader,
     list_step_prefixes,
-    load_nearest,
     make_client,
     read_tier_state,
     remote_steps,
 )
+from checkpoint._tier_restore import load_nearest
 from checkpoint.config import ObjectStoreConfig
 from checkpoint.manifest import rank_data_name, step_dir_name
 from tests.checkpoint.s3_server import moto_server
