@@ -57,6 +57,19 @@ def _demo(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
 
 def test_demo_recovers_from_three_faults_then_keeps_running_until_ctrl_c(tmp_path: Path) -> None:
     proc = _demo(tmp_path, "--keep-running")
+    try:
+        _check_demo_keeps_running(proc)
+    finally:
+        if proc.poll() is None:  # a failed check must not leave the cluster running
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+def _check_demo_keeps_running(proc: subprocess.Popen[str]) -> None:
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
