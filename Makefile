@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	# python-dateutil<3, the kubernetes client >=3; botocore runs on the newer one (the
 	# checkpoint tiering tests exercise it), so pip must not downgrade it here.
 	$(PY) -m pip install --quiet --no-deps "boto3>=1.34" "botocore>=1.34" "s3transfer>=0.10" "jmespath>=1.0"
+	# The Training Operator's API models (PyPI kubeflow-training, PyTorchJob) for the tests of
+	# examples/, likewise: it declares kubernetes<36, the actuator needs the client >=37.
+	$(PY) -m pip install --quiet --no-deps "kubeflow-training>=1.9"
 	touch $(STAMP)
 
 # Headless Chromium for the dashboard's browser tests (tests/web), from the distribution's
