@@ -1,5 +1,9 @@
 """Per-node agent credentials (sha256 digests only), issue 14.
 
+Backward compatible (expand only): one new table, nothing altered or dropped, so a
+controller of the previous release keeps running on this schema during a rolling upgrade
+(it never reads the table; shared agent tokens keep working there).
+
 Revision ID: 0004
 Revises: 0003
 Create Date: 2026-11-25
