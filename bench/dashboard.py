@@ -21,12 +21,9 @@ Everything runs on this machine's CPU (no GPU is involved; the GPUs are simulate
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
-import secrets
-import socket
 import statistics
 import tempfile
 import threading
@@ -36,53 +33,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
+
+from bench._server import Server as _Server
 
 CHROMIUM = Path(os.environ.get("TRAINGUARD_TEST_CHROMIUM", "/usr/bin/chromium"))
 NODES = 2048
 GPUS = 8
 
 
-class Server:
-    """One controller in a thread; the bench talks to it over HTTP only."""
-
-    def __init__(self, workdir: Path) -> None:
-        from controller.api.app import create_app
-        from controller.server import uvicorn_config
-        from controller.settings import ControllerSettings
-
-        roles = ("agent", "viewer", "operator")
-        self.tokens = {r: f"{r}-{secrets.token_hex(12)}" for r in roles}
-        settings = ControllerSettings(
-            database_url=f"sqlite:///{workdir / 'bench.db'}",
-            host="127.0.0.1",
-            port=0,
-            tokens=[{"name": r, "role": r, "token": t} for r, t in self.tokens.items()],
-            log_level="warning",
-            # Nodes report once here (then only a few per second): keep them "healthy".
-            node_lost_after_s=3600.0,
-        )
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
-        self.thread = threading.Thread(
-            target=lambda: asyncio.run(self.server.serve(sockets=[sock])), daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("controller did not start")
-            time.sleep(0.02)
-
-    def client(self, role: str) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {self.tokens[role]}"}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
+def Server(workdir: Path) -> _Server:
+    """The dashboard bench's controller: every role, nodes that report once stay healthy."""
+    # Nodes report once here (then only a few per second): keep them "healthy".
+    return _Server(workdir, ("agent", "viewer", "operator"), node_lost_after_s=3600.0)
 
 
 def node_name(i: int) -> str:
@@ -144,7 +106,7 @@ class Fleet:
 class Churn:
     """Background load while the page is live: reports and isolate/release flips."""
 
-    def __init__(self, server: Server, fleet: Fleet, skip: set[int]) -> None:
+    def __init__(self, server: _Server, fleet: Fleet, skip: set[int]) -> None:
         self.server = server
         self.fleet = fleet
         self.skip = skip

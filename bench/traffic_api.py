@@ -17,24 +17,20 @@ job, no HTTP, no database), and next to it re-plan plus enforcement of every flo
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
-import secrets
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-import uvicorn
 import yaml
 
+from bench._server import Server as _Server
 from controller.logic.traffic.enforce import enforce, enforce_changed
 from controller.logic.traffic.fattree import FatTreeSpec, build_fat_tree
 from controller.logic.traffic.hashing import HashConfig
@@ -44,44 +40,11 @@ from controller.logic.traffic.planner import Planner
 FABRIC = {"nics_per_node": 8, "ports_per_nic": 2, "port_speed_gbps": 200.0, "nodes_per_leaf": 16}
 
 
-class Server:
-    """One controller in a thread; the bench talks to it only over HTTP."""
-
-    def __init__(self, workdir: Path, topology_file: Path) -> None:
-        from controller.api.app import create_app
-        from controller.server import uvicorn_config
-        from controller.settings import ControllerSettings
-
-        self.tokens = {r: f"{r}-{secrets.token_hex(12)}" for r in ("agent", "operator")}
-        settings = ControllerSettings(
-            database_url=f"sqlite:///{workdir / 'bench.db'}",
-            host="127.0.0.1",
-            port=0,
-            tokens=[{"name": r, "role": r, "token": t} for r, t in self.tokens.items()],
-            log_level="warning",
-            topology_file=topology_file,
-        )
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
-        self.thread = threading.Thread(
-            target=lambda: asyncio.run(self.server.serve(sockets=[sock])), daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("controller did not start")
-            time.sleep(0.02)
-
-    def client(self, role: str) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {self.tokens[role]}"}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=300)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
+def Server(workdir: Path, topology_file: Path) -> _Server:
+    """The traffic API bench's controller, with the fabric from ``topology_file``."""
+    return _Server(
+        workdir, ("agent", "operator"), client_timeout_s=300, topology_file=topology_file
+    )
 
 
 def report_job(agent: httpx.Client, job: str, nodes: list[str]) -> None:
