@@ -116,6 +116,11 @@ class ControllerSettings(BaseSettings):
     #: hardware-slowdown throttling (never ``sw_power_cap``: that is our own power loop).
     degraded_throttle_s: float = Field(default=30.0, gt=0, le=3_600)
     history_retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    #: Prometheus (its base URL, ``http://prometheus:9090``) that scrapes the agents: the
+    #: dashboard's GPU history charts query it (``query_range``) instead of ``gpu_history``;
+    #: when it does not answer, they fall back to ``gpu_history`` and say so.
+    prometheus_url: str | None = Field(default=None, max_length=2048, pattern=r"^https?://\S+$")
+    prometheus_timeout_s: float = Field(default=5.0, gt=0, le=60)
     ingest_flush_interval_s: float = Field(default=0.02, ge=0)
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     #: A command an agent has not acknowledged this long after it was queued is marked
