@@ -105,7 +105,8 @@ class ControllerSettings(BaseSettings):
     kube_agent_service_accounts: list[str] = Field(
         default_factory=lambda: ["system:serviceaccount:trainguard:trainguard-agent"]
     )
-    #: API server for TokenReview; empty: in-cluster config, else the kubeconfig.
+    #: API server for TokenReview, the Kubernetes actuator and the leader Lease; empty:
+    #: in-cluster config, else the kubeconfig.
     kube_api_url: str = ""
     node_lost_after_s: float = Field(default=30.0, gt=0)
     #: A GPU is degrading (``gpu_degraded``, docs/detection.md) when its correctable ECC
@@ -167,6 +168,21 @@ class ControllerSettings(BaseSettings):
     #: Seconds between the leader's checks that it still holds the lock (PostgreSQL: one
     #: query on the lock connection): bounds how long a cut-off leader keeps acting.
     leader_check_interval_s: float = Field(default=1.0, gt=0, le=30)
+    #: Which lock elects the acting replica: ``lease``, a ``coordination.k8s.io/v1`` Lease
+    #: (``leader_lease_namespace``) whose generation also fences every write the Kubernetes
+    #: actuator makes; ``database``, the lock above; ``auto``, the Lease when running in a
+    #: pod, the database otherwise (the local mode). The leader renews the Lease every
+    #: ``leader_check_interval_s``.
+    leader_election_backend: Literal["auto", "database", "lease"] = "auto"
+    #: Namespace of the Lease; empty: the pod's own namespace, else ``kube_namespace``.
+    leader_lease_namespace: str = Field(default="", max_length=63)
+    #: This replica's holder identity in the Lease; empty: ``$POD_NAME`` (else the host
+    #: name) and a random suffix, so a restarted pod is a new candidate.
+    leader_identity: str = Field(default="", max_length=128)
+    #: A standby takes the Lease over once it has seen it unrenewed this long …
+    leader_lease_duration_s: float = Field(default=15.0, gt=0, le=300)
+    #: … and a leader that could not renew for this long stops acting (and writing) first.
+    leader_lease_renew_deadline_s: float = Field(default=10.0, gt=0, le=300)
 
     @classmethod
     def settings_customise_sources(
@@ -208,6 +224,21 @@ class ControllerSettings(BaseSettings):
                     f"token {entry.name!r} is shorter than {MIN_TOKEN_LENGTH} characters; "
                     "use a longer random token (e.g. `openssl rand -hex 24`)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _lease_timings(self) -> Self:
+        if self.leader_election_backend == "lease" and not (
+            self.leader_check_interval_s
+            < self.leader_lease_renew_deadline_s
+            < self.leader_lease_duration_s
+        ):
+            raise ValueError(
+                "leader election needs leader_check_interval_s < leader_lease_renew_deadline_s"
+                f" < leader_lease_duration_s (got {self.leader_check_interval_s}, "
+                f"{self.leader_lease_renew_deadline_s}, {self.leader_lease_duration_s}): a "
+                "leader must stop acting before its Lease can expire for the others"
+            )
         return self
 
     @field_validator("power_domains_file")
