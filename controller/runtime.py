@@ -43,7 +43,8 @@ from controller.services.events import EventBus, IncidentOpened, JobRecordsRepor
 from controller.services.flight_evidence import FlightEvidence
 from controller.services.incidents import IncidentService
 from controller.services.ingest import IngestService
-from controller.services.leader import LeaderElector, build_lock
+from controller.services.leader import LeaderElector
+from controller.services.lease_lock import build_leader_lock
 from controller.services.metrics import ControllerMetrics, EventBusCollector
 from controller.services.nodes import NodeRecords
 from controller.services.power import build_power
@@ -107,12 +108,10 @@ def compose(
     events = EventBus()
     auth = Authenticator(settings.tokens, allow_anonymous_read=settings.allow_anonymous_read)
     #: Only the elected replica loads state and acts (``controller.services.leader``).
+    # The database's lock, or in a cluster a Lease that also fences the actuator's writes.
+    lock, lease = build_leader_lock(settings)
     leader = LeaderElector(
-        build_lock(
-            settings.database_url,
-            enabled=settings.leader_election,
-            name=settings.leader_election_name,
-        ),
+        lock,
         retry_interval_s=settings.leader_retry_interval_s,
         check_interval_s=settings.leader_check_interval_s,
         on_elected=on_elected,
@@ -153,6 +152,7 @@ def compose(
         actions=actions,
         nodes=nodes,
         is_leader=acting,
+        lease=lease,
     )
     metrics.registry.register(RemediationCollector(remediation))
     metrics.registry.register(EventBusCollector(events))
