@@ -10,10 +10,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from controller.actuators.base import Actuator, Placement
+from controller.actuators.base import Actuator, ActuatorError, Placement
 from controller.actuators.local import LocalJobSpec, LocalProcessActuator
 from controller.logic.remediation.rules import (
     Policy,
@@ -25,11 +26,15 @@ from controller.logic.remediation.rules import (
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
 from controller.services.incidents import IncidentService
+from controller.services.lease_lock import kube_api_client
 from controller.services.nodes import NodeRecords
 from controller.services.remediation.engine import RemediationEngine
 from controller.settings import ControllerSettings
 from controller.state import ClusterState
 from controller.store import Store
+
+if TYPE_CHECKING:
+    from controller.actuators.k8s.lease import LeaseElector
 
 
 class LocalJob(BaseModel):
@@ -108,9 +113,17 @@ def load_local_jobs(path: Path) -> list[LocalJob]:
 
 
 def build_actuator(
-    settings: ControllerSettings, local_jobs: Sequence[LocalJob] = ()
+    settings: ControllerSettings,
+    local_jobs: Sequence[LocalJob] = (),
+    *,
+    lease: LeaseElector | None = None,
 ) -> Actuator | None:
-    """The actuator the settings name; the local one gets the jobs it launches at start."""
+    """The actuator the settings name; the local one gets the jobs it launches at start.
+
+    ``lease``: the replica's leader Lease (cluster mode, ``lease_lock.build_leader_lock``).
+    The Kubernetes actuator fences every write with it, so a deposed leader stops writing
+    at its renew deadline, before the Lease can expire for the next one.
+    """
     if local_jobs and settings.actuator != "local":
         raise PolicyError("local_jobs_file is set but the actuator is not 'local'")
     if settings.actuator == "local":
@@ -118,7 +131,14 @@ def build_actuator(
     if settings.actuator == "kubernetes":
         from controller.actuators.kubernetes import KubernetesActuator
 
-        return KubernetesActuator.from_environment(settings.kube_namespace)
+        try:
+            api = kube_api_client(settings.kube_api_url)
+        except ValueError as exc:
+            raise ActuatorError(str(exc)) from exc
+        actuator = KubernetesActuator(api, settings.kube_namespace)
+        if lease is not None:
+            actuator.fence_with(lease)
+        return actuator
     return None
 
 
@@ -140,8 +160,10 @@ def build_remediation(
     actions: ActionService,
     nodes: NodeRecords,
     is_leader: Callable[[], bool],
+    lease: LeaseElector | None = None,
 ) -> RemediationEngine:
-    """The engine with its policy and actuator, both chosen by the settings."""
+    """The engine with its policy and actuator, both chosen by the settings (the actuator
+    fenced by ``lease`` in cluster mode)."""
     policy = load_remediation_policy(settings)
     local_jobs = load_local_jobs(settings.local_jobs_file) if settings.local_jobs_file else []
     return RemediationEngine(
@@ -151,7 +173,7 @@ def build_remediation(
         commands,
         actions,
         nodes,
-        build_actuator(settings, local_jobs),
+        build_actuator(settings, local_jobs, lease=lease),
         policy,
         is_leader=is_leader,
     )
