@@ -5,6 +5,12 @@ its durable id. Incidents with the same ``dedupe_key`` that are still open are o
 whose ``count`` grows, so a storm of identical events (an XID-45 storm) is one row, not
 thousands. Rows of entities whose health changed with the incident (nodes, GPUs) are
 written in the same transaction, so the database never shows a fault without its incident.
+
+Write, then publish (issue 14): a detector hands its change as rows built from a *staged*
+copy (``rows``) and a callback that applies it to memory (``on_written``); the callback runs
+only once the transaction committed. A write that fails raises, leaves memory and the API as
+they were, and is counted in :attr:`IncidentService.write_failures`; the detector's next
+report or tick tries again.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class IncidentService:
         #: Called when an incident is resolved, before it is written; each returns the keys
         #: of rows it changed (e.g. a GPU back to healthy), written in the same transaction.
         self.resolve_hooks: list[Callable[[IncidentState], set[RowKey]]] = []
+        #: Incident writes (open, bump, resolve) the database did not take, by operation.
+        self.write_failures: dict[str, int] = {"open": 0, "bump": 0, "resolve": 0}
 
     def find_open(self, dedupe_key: str) -> IncidentState | None:
         return self._state.incidents_by_key.get(dedupe_key)
@@ -64,21 +72,28 @@ class IncidentService:
         events: list[dict[str, Any]] | None = None,
         also_write: set[RowKey] | None = None,
         refresh: bool = False,
+        evidence_update: dict[str, Any] | None = None,
+        rows: dict[Table, list[dict[str, Any]]] | None = None,
+        on_written: Callable[[], None] | None = None,
     ) -> tuple[IncidentState, bool]:
         """Open a new incident, or add ``count`` to the open one with the same key.
 
         With ``refresh`` the open incident also takes the spec's summary and evidence (a
         newer reading of the same condition, e.g. a straggler growing slower), so what the
-        operator and the remediation policy read is current. Returns the incident and
-        whether it was newly opened.
+        operator and the remediation policy read is current; ``evidence_update`` merges
+        keys into the evidence without touching the summary. ``rows`` (staged rows of
+        other tables) are written in the same transaction and ``on_written`` publishes
+        them to memory once it committed. Returns the incident and whether it was newly
+        opened; raises (memory unchanged) when the database does not take it.
         """
         now = time.time()
         existing = self._state.incidents_by_key.get(spec.dedupe_key)
-        rows = self._rows(also_write)
+        rows = _merge(self._rows(also_write), rows)
         if existing is not None:
             evidence = dict(existing.evidence)
             if refresh:
                 evidence.update(spec.evidence or {})
+            evidence.update(evidence_update or {})
             if events:
                 kept = [*evidence.get("events", []), *events]
                 evidence["events"] = kept[-MAX_EVIDENCE_EVENTS:]
@@ -96,14 +111,16 @@ class IncidentService:
                 repo.update_incident(conn, incident_id, values)
 
             # Write, then publish: a bump the database refused leaves the incident as shown.
-            await self._store.write(bump)
+            await self._write("bump", bump, spec)
+            if on_written is not None:
+                on_written()
             existing.count += count
             existing.updated_unix_s = now
             existing.summary = summary
             existing.evidence = evidence
             return existing, False
 
-        evidence = dict(spec.evidence or {})
+        evidence = {**(spec.evidence or {}), **(evidence_update or {})}
         if events:
             evidence["events"] = events[-MAX_EVIDENCE_EVENTS:]
         count = max(count, 1)  # a refresh (count 0) of a condition no longer open opens it
@@ -129,7 +146,9 @@ class IncidentService:
             write_batch(conn, rows)
             return repo.insert_incident(conn, row)
 
-        incident.id = await self._store.write(insert)
+        incident.id = await self._write("open", insert, spec)
+        if on_written is not None:
+            on_written()
         incident_id = incident.id
         self._state.add_incident(incident)
         self._events.publish(IncidentOpened(incident))
@@ -150,8 +169,15 @@ class IncidentService:
         return incident, True
 
     async def resolve(
-        self, incident: IncidentState, *, note: str, also_write: set[RowKey] | None = None
+        self,
+        incident: IncidentState,
+        *,
+        note: str,
+        also_write: set[RowKey] | None = None,
+        rows: dict[Table, list[dict[str, Any]]] | None = None,
+        on_written: Callable[[], None] | None = None,
     ) -> None:
+        """Resolve ``incident``; ``rows``/``on_written`` as in :meth:`open_or_bump`."""
         now = time.time()
         evidence = {**incident.evidence, "resolution": note}
         # Hooks change the incident's node in memory (a GPU trusted again); put it back if
@@ -160,7 +186,7 @@ class IncidentService:
         keys = set(also_write or ())
         for hook in self.resolve_hooks:
             keys |= hook(incident)
-        rows = self._rows(keys)
+        all_rows = _merge(self._rows(keys), rows)
         values = {
             "state": "resolved",
             "resolved_unix_s": now,
@@ -169,15 +195,17 @@ class IncidentService:
         }
 
         def resolve(conn: Connection) -> None:
-            write_batch(conn, rows)
+            write_batch(conn, all_rows)
             repo.update_incident(conn, incident.id, values)
 
         # Write, then publish: a resolution the database refused leaves the incident open.
         try:
-            await self._store.write(resolve)
+            await self._write("resolve", resolve, incident)
         except Exception:
             self._state.restore_node(saved)
             raise
+        if on_written is not None:
+            on_written()
         self._state.drop_incident(incident)
         incident.state = "resolved"
         incident.resolved_unix_s = now
@@ -188,6 +216,27 @@ class IncidentService:
             extra={"fields": {"incident": incident.id, "kind": incident.kind, "note": note}},
         )
 
+    async def _write(
+        self, op: str, fn: Callable[[Connection], Any], what: IncidentSpec | IncidentState
+    ) -> Any:
+        """``fn`` in one transaction; a failure is logged, counted and raised."""
+        try:
+            return await self._store.write(fn)
+        except Exception as exc:
+            self.write_failures[op] += 1
+            log.warning(
+                "incident write failed; memory left unchanged",
+                extra={
+                    "fields": {
+                        "op": op,
+                        "kind": what.kind,
+                        "dedupe_key": what.dedupe_key,
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                    }
+                },
+            )
+            raise
+
     def _rows(self, keys: set[RowKey] | None) -> dict[Table, list[dict[str, Any]]]:
         rows: dict[Table, list[dict[str, Any]]] = {}
         for key in keys or ():
@@ -195,3 +244,15 @@ class IncidentService:
             if row is not None:
                 rows.setdefault(key.table, []).append(row)
         return rows
+
+
+def _merge(
+    a: dict[Table, list[dict[str, Any]]], b: dict[Table, list[dict[str, Any]]] | None
+) -> dict[Table, list[dict[str, Any]]]:
+    """Rows of ``a`` and ``b``; for the same table, ``b``'s (staged) rows come last."""
+    if not b:
+        return a
+    merged = {table: list(found) for table, found in a.items()}
+    for table, found in b.items():
+        merged.setdefault(table, []).extend(found)
+    return merged

@@ -102,6 +102,8 @@ class _Watch:
     # Bumps held back by BUMP_INTERVAL_S.
     pending: int = 0
     pending_events: list[dict[str, Any]] = field(default_factory=list)
+    #: The newest evidence, for the incident once the held-back bump is written.
+    pending_evidence: dict[str, Any] | None = None
     last_write_unix_s: float = 0.0
 
 
@@ -167,12 +169,18 @@ class DegradedGpuDetector:
                         found.setdefault(g.index, []).append(event)
                 if watch.ecc_active or watch.throttle_active:
                     active.add(g.index)
+        failed: Exception | None = None
         for index, watch in sorted(touched.items()):
             watch.last_seen_unix_s = received_unix_s
             if index in active:
                 watch.last_active_unix_s = received_unix_s
             if index in found:
-                await self._raise(node, index, watch, found[index], received_unix_s)
+                try:
+                    await self._raise(node, index, watch, found[index], received_unix_s)
+                except Exception as exc:  # one GPU's failed write must not skip the others
+                    failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _rebaseline(self, node: str) -> None:
         for (name, _), watch in self._watches.items():
@@ -264,14 +272,15 @@ class DegradedGpuDetector:
         existing = self._incidents.find_open(key)
         if existing is None:
             watch.causes.clear()
-            watch.pending, watch.pending_events = 0, []
+            watch.pending, watch.pending_events, watch.pending_evidence = 0, [], None
         watch.causes.update(e["cause"] for e in events)
         evidence = self._evidence(watch, events)
         if existing is not None:
             since = existing.evidence.get("since_unix_s")
             if isinstance(since, int | float) and since < evidence.get("since_unix_s", since):
                 evidence["since_unix_s"] = since  # the fault began when it first began
-            existing.evidence.update(evidence)
+            # Held with the pending bump; the incident takes it once the bump is stored.
+            watch.pending_evidence = evidence
             watch.pending += len(events)
             watch.pending_events.extend(events)
             if now - watch.last_write_unix_s >= BUMP_INTERVAL_S:
@@ -288,7 +297,13 @@ class DegradedGpuDetector:
             evidence=evidence,
         )
         watch.last_write_unix_s = now
-        await self._incidents.open_or_bump(spec, count=1, events=events)
+        try:
+            await self._incidents.open_or_bump(spec, count=1, events=events)
+        except Exception:
+            # Not stored: forget that the condition was seen, so the next sample that still
+            # shows it is a new finding and the open is tried again.
+            watch.ecc_active = watch.throttle_active = False
+            raise
         log.warning(
             "gpu degrading",
             extra={"fields": {"node": node, "gpu": index, "causes": evidence["causes"]}},
@@ -335,8 +350,8 @@ class DegradedGpuDetector:
         return evidence
 
     async def _flush(self, incident: IncidentState, watch: _Watch, now: float) -> None:
-        count, events = watch.pending, watch.pending_events
-        watch.pending, watch.pending_events = 0, []
+        """Write the held-back bump; kept (and tried again at a tick) if it is not stored."""
+        count, events, evidence = watch.pending, list(watch.pending_events), watch.pending_evidence
         watch.last_write_unix_s = now
         await self._incidents.open_or_bump(
             IncidentSpec(
@@ -349,7 +364,13 @@ class DegradedGpuDetector:
             ),
             count=count,
             events=events,
+            evidence_update=evidence,
         )
+        # Only what was flushed: a report may have added more while the write was waiting.
+        watch.pending -= count
+        watch.pending_events = watch.pending_events[len(events) :]
+        if watch.pending_evidence is evidence:
+            watch.pending_evidence = None
 
     # ------------------------------------------------------------------ time
 
@@ -386,10 +407,10 @@ class DegradedGpuDetector:
         clear_s = self.clear_after_s(watch.causes)
         if quiet_s < clear_s:
             return
-        watch.causes.clear()
         await self._incidents.resolve(
             incident, note=f"no ECC burst or hardware throttling for {quiet_s:.0f} s"
         )
+        watch.causes.clear()  # once resolved: a failed resolution is tried again as it was
 
 
 def _union(masks: Iterable[int]) -> int:

@@ -44,15 +44,26 @@ above, ``degrade`` ones open one ``hw_degraded`` warning per GPU or NIC, NIC err
 ``nic_errors`` info record; a node whose agent reports ``gpu_error`` (NVML broken where
 NVIDIA devices exist) is unhealthy with a ``gpu_watch_failed`` incident until it reports
 without one.
+
+Every health change is written before it is shown (issue 14): the detector stages it on a
+copy of the node, writes the copy's rows in the incident's transaction, and applies it to
+:class:`~controller.state.ClusterState` only once that committed. If the database does not
+take it, the API keeps showing what is stored, the failure is logged and counted
+(``IncidentService.write_failures``), and the node's next report (or the next tick, for a
+silent node) detects the same condition again and retries.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sqlalchemy import Table
+
 from controller.db.keys import GpuKey, NodeKey, RowKey
+from controller.db.repositories.nodes import gpu_row, node_row
 from controller.logic.detection.hw_rules import HwFinding, HwRules
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState, GpuState, IncidentState, NodeState
@@ -102,6 +113,66 @@ class _GpuFindings:
     xids: dict[str, tuple[int, list[dict[str, Any]]]] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _Staged:
+    """A health change of one node, made on a copy: its rows are written, then it is applied."""
+
+    live: NodeState
+    copy: NodeState
+    #: GPUs whose rows the change touches.
+    gpus: set[int] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, node: NodeState) -> _Staged:
+        gpus = {i: replace(g) for i, g in node.gpus.items()}
+        return cls(node, replace(node, gpus=gpus))
+
+    def rows(self) -> dict[Table, list[dict[str, Any]]]:
+        name = self.copy.name
+        rows: dict[Table, list[dict[str, Any]]] = {NodeKey.table: [node_row(self.copy)]}
+        if self.gpus:
+            rows[GpuKey.table] = [gpu_row(name, self.copy.gpus[i]) for i in sorted(self.gpus)]
+        return rows
+
+    def apply(self) -> None:
+        """Publish the change to memory (the database has it)."""
+        node, copy = self.live, self.copy
+        before = node.health
+        node.health, node.health_reason = copy.health, copy.health_reason
+        for index in self.gpus:
+            staged, gpu = copy.gpus[index], node.gpus.get(index)
+            if gpu is None:
+                node.gpus[index] = staged
+                continue
+            gpu.health, gpu.health_reason = staged.health, staged.health_reason
+            gpu.ecc_uncorrected_total = staged.ecc_uncorrected_total
+        if node.health != before:
+            log.warning(
+                "node health changed",
+                extra={
+                    "fields": {
+                        "node": node.name,
+                        "from": before,
+                        "to": node.health,
+                        "reason": node.health_reason,
+                    }
+                },
+            )
+
+
+async def _each(steps: list[Awaitable[None]]) -> None:
+    """Await every step even when one fails (one GPU's failed write must not hide another
+    GPU's fault); the first failure is raised at the end, for the caller to log."""
+    first: Exception | None = None
+    for step in steps:
+        try:
+            await step
+        except Exception as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+
+
 class HealthDetector:
     """A ``ReportObserver`` and ``Ticker`` that keeps node and GPU health."""
 
@@ -129,30 +200,41 @@ class HealthDetector:
         node = self._state.nodes.get(report.node.name)
         if node is None:
             return
+        steps: list[Awaitable[None]] = []
         if node.health == "lost":
-            await self._node_back(node)
+            steps.append(self._node_back(node))
         findings: dict[int, _GpuFindings] = {}
-        dirty: set[RowKey] = set()
+        #: GPU -> its uncorrectable ECC count as this report leaves it (memory not yet).
+        ecc: dict[int, int] = {}
         gpus = node.gpus
         for sample in report.samples:
             for g in sample.gpus:
                 # Most samples are uneventful: check that cheaply before looking closer.
                 if g.lost or g.xid_events:
-                    self._inspect(node, g, sample.time_unix_s, findings, dirty)
+                    self._inspect(node, g, sample.time_unix_s, findings, ecc)
                 elif g.ecc_uncorrected_total is not None:
                     known = gpus.get(g.index)
-                    if known is None or known.ecc_uncorrected_total != g.ecc_uncorrected_total:
-                        self._inspect(node, g, sample.time_unix_s, findings, dirty)
+                    seen = ecc.get(g.index, None if known is None else known.ecc_uncorrected_total)
+                    if known is None or seen != g.ecc_uncorrected_total:
+                        self._inspect(node, g, sample.time_unix_s, findings, ecc)
         for index, found in sorted(findings.items()):
             if found.fault_reasons:
-                await self._gpu_fault(node, index, found)
+                # The new ECC count goes with the fault: not stored, it is seen again.
+                steps.append(self._gpu_fault(node, index, found, ecc.pop(index, None)))
             for kind, (count, events) in found.xids.items():
-                await self._record_xids(node, index, kind, count, events)
-        await self._gpu_watch(node, report.node.gpu_error)
-        for finding in self._hw.findings(report):
-            await self._hw_finding(node, finding)
+                steps.append(self._record_xids(node, index, kind, count, events))
+        steps.append(self._gpu_watch(node, report.node.gpu_error))
+        steps.extend(self._hw_finding(node, f) for f in self._hw.findings(report))
+        # Counter values with no fault are report data, committed like the report itself.
+        dirty: set[RowKey] = set()
+        for index, value in ecc.items():
+            gpu = gpus.get(index)
+            if gpu is not None and gpu.ecc_uncorrected_total != value:
+                gpu.ecc_uncorrected_total = value
+                dirty.add(GpuKey(node.name, index))
         if dirty:
             self._writer.mark_dirty(dirty)
+        await _each(steps)
 
     async def _gpu_watch(self, node: NodeState, error: str) -> None:
         """A node whose NVML is broken is unhealthy until its agent reports without error."""
@@ -160,9 +242,17 @@ class HealthDetector:
         if error == (before or ""):
             return
         key = f"gpu_watch_failed:{node.name}"
+        staged = _Staged.of(node)
+        self._recompute(staged.copy, error or None)
+
+        def publish() -> None:
+            if error:
+                self._gpu_errors[node.name] = error
+            else:
+                self._gpu_errors.pop(node.name, None)
+            staged.apply()
+
         if error:
-            self._gpu_errors[node.name] = error
-            self._recompute_node(node)
             await self._incidents.open_or_bump(
                 IncidentSpec(
                     kind="gpu_watch_failed",
@@ -172,24 +262,24 @@ class HealthDetector:
                     node=node.name,
                     evidence={"gpu_error": error},
                 ),
-                also_write={NodeKey(node.name)},
+                rows=staged.rows(),
+                on_written=publish,
             )
             return
-        del self._gpu_errors[node.name]
-        self._recompute_node(node)
         incident = self._incidents.find_open(key)
         if incident is not None:
             await self._incidents.resolve(
-                incident, note="NVML works again", also_write={NodeKey(node.name)}
+                incident, note="NVML works again", rows=staged.rows(), on_written=publish
             )
         else:
+            publish()
             self._writer.mark_dirty({NodeKey(node.name)})
 
     async def _hw_finding(self, node: NodeState, f: HwFinding) -> None:
         event = {"time_unix_s": f.time_unix_s, "signal": f.signal, "detail": f.reason}
         if f.level == "fatal" and f.gpu_index is not None:
             found = _GpuFindings(fault_reasons=[f.reason], fault_events=[event])
-            await self._gpu_fault(node, f.gpu_index, found)
+            await self._gpu_fault(node, f.gpu_index, found, None)
             return
         if f.level == "fatal":
             return  # node-level fatal (gpu_watch_failed) is handled by _gpu_watch
@@ -219,8 +309,9 @@ class HealthDetector:
         sample: wire.GpuSample,
         time_unix_s: float,
         findings: dict[int, _GpuFindings],
-        dirty: set[RowKey],
+        ecc: dict[int, int],
     ) -> None:
+        """Classify one GPU sample; changes nothing but ``findings`` and ``ecc``."""
         gpu = node.gpus.get(sample.index)
         if sample.lost:
             found = findings.setdefault(sample.index, _GpuFindings())
@@ -247,7 +338,7 @@ class HealthDetector:
                 found.xids[kind] = (count + 1, events)
         value = sample.ecc_uncorrected_total
         if gpu is not None and value is not None:
-            before = gpu.ecc_uncorrected_total
+            before = ecc.get(sample.index, gpu.ecc_uncorrected_total)
             if before is not None and value > before:
                 found = findings.setdefault(sample.index, _GpuFindings())
                 found.fault_reasons.append(
@@ -256,25 +347,34 @@ class HealthDetector:
                 found.fault_events.append(
                     {"time_unix_s": time_unix_s, "ecc_uncorrected_total": value, "before": before}
                 )
-            if before != value:
-                # Also when it drops (a driver reload resets the volatile counter).
-                gpu.ecc_uncorrected_total = value
-                dirty.add(GpuKey(node.name, sample.index))
+            # Also when it drops (a driver reload resets the volatile counter).
+            ecc[sample.index] = value
 
-    async def _gpu_fault(self, node: NodeState, index: int, found: _GpuFindings) -> None:
-        gpu = node.gpus.get(index)
+    async def _gpu_fault(
+        self, node: NodeState, index: int, found: _GpuFindings, ecc_value: int | None
+    ) -> None:
+        staged = _Staged.of(node)
+        staged.gpus.add(index)
+        gpu = staged.copy.gpus.get(index)
         if gpu is None:
-            gpu = node.gpus[index] = GpuState(index=index)
+            gpu = staged.copy.gpus[index] = GpuState(index=index)
+        if ecc_value is not None:
+            gpu.ecc_uncorrected_total = ecc_value
         reason = found.fault_reasons[0]
         changed = gpu.health == "healthy" or (found.lost and gpu.health != "lost")
         if changed:
             gpu.health = "lost" if found.lost else "unhealthy"
             gpu.health_reason = reason
-            self._recompute_node(node)
-            log.warning(
-                "gpu unhealthy",
-                extra={"fields": {"node": node.name, "gpu": index, "reason": reason}},
-            )
+            self._recompute(staged.copy, self._gpu_errors.get(node.name))
+
+        def publish() -> None:
+            staged.apply()
+            if changed:
+                log.warning(
+                    "gpu unhealthy",
+                    extra={"fields": {"node": node.name, "gpu": index, "reason": reason}},
+                )
+
         spec = IncidentSpec(
             kind="gpu_fault",
             severity="critical",
@@ -288,7 +388,8 @@ class HealthDetector:
             spec,
             count=len(found.fault_events),
             events=found.fault_events,
-            also_write={NodeKey(node.name), GpuKey(node.name, index)},
+            rows=staged.rows(),
+            on_written=publish,
         )
 
     async def _record_xids(
@@ -305,71 +406,85 @@ class HealthDetector:
             dedupe_key=f"{kind}:{node.name}:{index}",
             node=node.name,
             gpu_index=index,
-            evidence={"codes": {}},
         )
         existing = self._incidents.find_open(spec.dedupe_key)
-        by_code: dict[str, int] = (
-            existing.evidence.setdefault("codes", {}) if existing is not None else {}
+        # A new dict, never the open incident's own: counted once the bump is stored.
+        by_code: dict[str, int] = dict(
+            existing.evidence.get("codes", {}) if existing is not None else {}
         )
-        if existing is None:
-            spec.evidence = {"codes": by_code}
         for event in events:
             by_code[str(event["xid"])] = by_code.get(str(event["xid"]), 0) + 1
-        await self._incidents.open_or_bump(spec, count=count, events=events)
+        await self._incidents.open_or_bump(
+            spec, count=count, events=events, evidence_update={"codes": by_code}
+        )
 
     # ------------------------------------------------------------------ silence
 
     async def tick(self, now_unix_s: float) -> None:
+        steps: list[Awaitable[None]] = []
         for node in list(self._state.nodes.values()):
             if node.health == "lost" or node.last_seen_unix_s <= 0:
                 continue
             silent_s = now_unix_s - node.last_seen_unix_s
-            if silent_s <= self.node_lost_after_s:
-                continue
-            before = (node.health, node.health_reason)
-            node.health = "lost"
-            node.health_reason = (
-                f"no report for {silent_s:.0f} s (node_lost_after_s={self.node_lost_after_s:g})"
-            )
-            try:
-                await self._incidents.open_or_bump(
-                    IncidentSpec(
-                        kind="node_lost",
-                        severity="critical",
-                        summary=f"{node.name}: agent silent for {silent_s:.0f} s",
-                        dedupe_key=f"node_lost:{node.name}",
-                        node=node.name,
-                        evidence={"last_report_unix_s": node.last_report_unix_s},
-                    ),
-                    also_write={NodeKey(node.name)},
-                )
-            except Exception:
-                # Not recorded: stay as we were so the next tick tries again.
-                node.health, node.health_reason = before
-                raise
+            if silent_s > self.node_lost_after_s:
+                steps.append(self._node_lost(node, silent_s))
+        await _each(steps)
+
+    async def _node_lost(self, node: NodeState, silent_s: float) -> None:
+        """Record a silent node as lost; not stored, it stays as it was for the next tick."""
+        staged = _Staged.of(node)
+        staged.copy.health = "lost"
+        staged.copy.health_reason = (
+            f"no report for {silent_s:.0f} s (node_lost_after_s={self.node_lost_after_s:g})"
+        )
+
+        def publish() -> None:
+            staged.apply()
             log.warning(
                 "node lost", extra={"fields": {"node": node.name, "silent_s": round(silent_s, 1)}}
             )
 
-    async def _node_back(self, node: NodeState) -> None:
-        node.health = "healthy"
-        self._recompute_node(node)
-        log.info(
-            "node reporting again",
-            extra={"fields": {"node": node.name, "health": node.health}},
+        await self._incidents.open_or_bump(
+            IncidentSpec(
+                kind="node_lost",
+                severity="critical",
+                summary=f"{node.name}: agent silent for {silent_s:.0f} s",
+                dedupe_key=f"node_lost:{node.name}",
+                node=node.name,
+                evidence={"last_report_unix_s": node.last_report_unix_s},
+            ),
+            rows=staged.rows(),
+            on_written=publish,
         )
+
+    async def _node_back(self, node: NodeState) -> None:
+        staged = _Staged.of(node)
+        staged.copy.health = "healthy"
+        self._recompute(staged.copy, self._gpu_errors.get(node.name))
+
+        def publish() -> None:
+            staged.apply()
+            log.info(
+                "node reporting again",
+                extra={"fields": {"node": node.name, "health": node.health}},
+            )
+
         incident = self._incidents.find_open(f"node_lost:{node.name}")
         if incident is not None:
             await self._incidents.resolve(
-                incident, note="agent reported again", also_write={NodeKey(node.name)}
+                incident, note="agent reported again", rows=staged.rows(), on_written=publish
             )
         else:
+            publish()
             self._writer.mark_dirty({NodeKey(node.name)})
 
     # ------------------------------------------------------------------ resolution
 
     def _on_resolved(self, incident: IncidentState) -> set[RowKey]:
-        """An operator resolved a GPU fault: the GPU is trusted again."""
+        """An operator resolved a GPU fault: the GPU is trusted again.
+
+        A resolve hook: the incident service saved the node and puts it back if the
+        resolution is not stored."""
         if incident.kind != "gpu_fault" or incident.node is None or incident.gpu_index is None:
             return set()
         node = self._state.nodes.get(incident.node)
@@ -378,21 +493,21 @@ class HealthDetector:
             return set()
         gpu.health = "healthy"
         gpu.health_reason = ""
-        self._recompute_node(node)
+        self._recompute(node, self._gpu_errors.get(node.name))
         log.info(
             "gpu healthy again",
             extra={"fields": {"node": node.name, "gpu": gpu.index, "incident": incident.id}},
         )
         return {NodeKey(node.name), GpuKey(node.name, gpu.index)}
 
-    def _recompute_node(self, node: NodeState) -> None:
+    @staticmethod
+    def _recompute(node: NodeState, gpu_error: str | None) -> None:
+        """Derive ``node``'s health from its GPUs and NVML's state (a lost node stays lost)."""
         if node.health == "lost":
             return
         bad = [
             g for g in sorted(node.gpus.values(), key=lambda g: g.index) if g.health != "healthy"
         ]
-        before = node.health
-        gpu_error = self._gpu_errors.get(node.name)
         if gpu_error:
             node.health, node.health_reason = "unhealthy", f"GPUs not watched: {gpu_error}"
         elif bad:
@@ -400,15 +515,3 @@ class HealthDetector:
             node.health, node.health_reason = "unhealthy", bad[0].health_reason + more
         else:
             node.health, node.health_reason = "healthy", ""
-        if node.health != before:
-            log.warning(
-                "node health changed",
-                extra={
-                    "fields": {
-                        "node": node.name,
-                        "from": before,
-                        "to": node.health,
-                        "reason": node.health_reason,
-                    }
-                },
-            )
