@@ -1,0 +1,214 @@
+"""Operator actions that drive the remediation engine by hand: restart a job, and approve an
+action the policy only recorded (``dry_run``).
+
+Both act through the same code as the policy's own steps (the ``restart`` step and
+``apply_isolation``, which act only through the actuator interface) and leave action rows
+triggered ``operator:<name>``, so the audit trail reads like the policy's. An approval is
+itself an action row (``approve_action``, target ``action:<id>``): a dry run is approved at
+most once, and the row names what was carried out.
+
+This module sits beside :mod:`controller.services.actions` rather than in it: the engine
+imports that module, and the acyclic-siblings contract forbids the way back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+import weakref
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from controller.db.models import Action
+from controller.errors import Conflict, NotFound
+from controller.services.actions import ActionService
+from controller.services.remediation.engine import RemediationEngine
+from controller.services.remediation.records import Remediation
+from controller.services.remediation.steps.restart import ACTION_KIND as RESTART_KIND
+from controller.services.remediation.steps.restart import restart
+from controller.store import Store
+
+#: Dry-run kinds an operator may approve (what carrying each out means is below).
+APPROVABLE = frozenset({RESTART_KIND, "isolate_node"})
+APPROVE_KIND = "approve_action"
+
+
+async def restart_job(
+    engine: RemediationEngine, job: str, actor: str, reason: str, *, known: bool
+) -> dict[str, Any]:
+    """Restart ``job`` now through the actuator, from its newest committed checkpoint,
+    without isolated nodes: the policy's ``restart`` step, triggered ``operator:<actor>``.
+
+    Synchronous (the reply says what happened), and under the same guard rails as the
+    policy's restarts: refused while another remediation of the job runs or waits for the
+    job to resume, and by the restart rate limit. An operator's restart is never a dry
+    run: the operator is the approval."""
+    if not known and job not in engine.jobs:
+        raise NotFound(f"job {job!r} not found")
+    if engine.actuator is None:
+        raise Conflict(
+            "no actuator configured (settings: actuator): trainguard cannot restart jobs here;"
+            " restart it by hand"
+        )
+    book = engine.book(job)
+    busy = book.running or book.awaiting_resume
+    if busy is not None:
+        raise Conflict(f"job {job!r} has a remediation in progress ({busy.id}); wait for it")
+    now = time.time()
+    rem = Remediation(
+        id=uuid.uuid4().hex[:12],
+        incident_id=None,
+        incident_kind="operator",
+        job=job,
+        node=None,
+        steps=["restart"],
+        started_unix_s=now,
+        dry_run=False,
+        trigger=f"operator:{actor}"[:128],
+        outcome=reason,
+    )
+    # Bookkeeping as the engine's own remediations do it (engine._start / _run): the job is
+    # busy while it restarts, the restart's cost goes into its goodput ledger, and the
+    # remediation is listed by GET /remediation.
+    engine.remediations.append(rem)
+    book.running = rem
+    book.last_remediation_unix_s = now
+    book.ledger.fault(now, rem.ledger_id, "operator")
+    book.ledger.detected(now, rem.ledger_id)
+    ok, outcome = False, ""
+    try:
+        ok, outcome = await restart(engine.ctx, rem, None)
+    finally:
+        rem.finished_unix_s = time.time()
+        rem.state = "done" if ok else "failed"
+        rem.outcome = outcome
+        book.running = None
+        if rem.restarted_unix_s is None:
+            book.ledger.closed(rem.finished_unix_s, rem.ledger_id)
+    if not ok:
+        raise Conflict(f"restart of job {job!r} not done: {outcome}")
+    return {
+        "job": job,
+        "remediation": rem.id,
+        "action": rem.restart_action,
+        "generation": rem.generation,
+        "resume_step": rem.resume_step,
+        "outcome": outcome,
+    }
+
+
+class Approvals:
+    """Approves dry-run actions, each at most once (also across concurrent requests)."""
+
+    def __init__(self, store: Store, actions: ActionService, engine: RemediationEngine) -> None:
+        self._store = store
+        self._actions = actions
+        self._engine = engine
+        self._lock = asyncio.Lock()
+
+    async def approve(self, action_id: int, actor: str) -> dict[str, Any]:
+        """Carry out what dry-run action ``action_id`` would have done, now:
+        ``restart_job`` restarts its job (:func:`restart_job`), ``isolate_node`` isolates
+        its node. 404 for no such action, 409 for one that is not a dry run, not of an
+        approvable kind, approved already, or whose effect fails."""
+
+        def read(session: Session) -> tuple[Action | None, bool]:
+            row = session.get(Action, action_id)
+            if row is not None:
+                session.expunge(row)
+            approved = session.execute(
+                select(Action.id).where(
+                    Action.kind == APPROVE_KIND,
+                    Action.target == f"action:{action_id}",
+                    Action.status == "succeeded",
+                )
+            ).first()
+            return row, approved is not None
+
+        async with self._lock:
+            row, approved = await self._store.read(read)
+            if row is None:
+                raise NotFound(f"action {action_id} not found")
+            if row.status != "dry_run":
+                raise Conflict(f"action {action_id} is {row.status}, not a dry run")
+            if approved:
+                raise Conflict(f"action {action_id} is approved already")
+            if row.kind not in APPROVABLE:
+                raise Conflict(
+                    f"a dry-run {row.kind} cannot be approved here (only "
+                    f"{', '.join(sorted(APPROVABLE))}); do it by hand"
+                )
+            reason = f"approved dry run #{action_id} by {actor}"
+            if row.kind == RESTART_KIND:
+                job = row.params.get("job") or row.target
+                try:
+                    done = await restart_job(self._engine, str(job), actor, reason, known=True)
+                except Conflict as exc:
+                    await self._record(action_id, row.kind, actor, None, "failed", exc.message)
+                    raise
+                carried, outcome = done["action"], done["outcome"]
+            else:
+                carried, outcome = await self._isolate(row.target, actor, reason)
+            approval = await self._record(
+                action_id, row.kind, actor, carried, "succeeded", f"{reason}: {outcome}"
+            )
+            return {
+                "action": action_id,
+                "kind": row.kind,
+                "approval": approval,
+                "carried_out": carried,
+                "outcome": outcome,
+            }
+
+    async def _isolate(self, node: str, actor: str, reason: str) -> tuple[int, str]:
+        engine = self._engine
+        state = engine.ctx.state.nodes.get(node)
+        if state is None:
+            raise NotFound(f"node {node!r} of the dry run is not known (any more)")
+        if state.isolated_reason is not None:
+            raise Conflict(f"node {node!r} is already isolated")
+        started = time.time()
+        actuator = engine.actuator
+        ok, outcome = await engine.apply_isolation(node, isolate=True, reason=reason)
+        action = await self._actions.create(
+            kind="isolate_node",
+            target=node,
+            trigger=f"operator:{actor}",
+            params={"reason": reason, "actuator": actuator.name if actuator else None},
+            status="succeeded" if ok else "failed",
+            outcome=outcome,
+            created_unix_s=started,
+        )
+        if not ok:
+            raise Conflict(f"isolate {node}: {outcome} (action {action})")
+        return action, outcome
+
+    async def _record(
+        self, action_id: int, kind: str, actor: str, carried: int | None, status: str, outcome: str
+    ) -> int:
+        return await self._actions.create(
+            kind=APPROVE_KIND,
+            target=f"action:{action_id}",
+            trigger=f"operator:{actor}",
+            params={"action": action_id, "kind": kind, "carried_out": carried},
+            status=status,
+            outcome=outcome[:2000],
+        )
+
+
+_APPROVALS: weakref.WeakKeyDictionary[RemediationEngine, Approvals] = weakref.WeakKeyDictionary()
+
+
+def approvals(store: Store, actions: ActionService, engine: RemediationEngine) -> Approvals:
+    """The one :class:`Approvals` of this controller (one per engine: its lock serializes
+    approvals, so two clicks cannot carry out one dry run twice)."""
+    found = _APPROVALS.get(engine)
+    if found is None:
+        found = _APPROVALS[engine] = Approvals(store, actions, engine)
+    return found
+
+
+__all__ = ["APPROVABLE", "APPROVE_KIND", "Approvals", "approvals", "restart_job"]
