@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from controller.logic.remediation.placement import Placement
+from controller.logic.remediation.rules import JobPolicy
 from trainguard.wire import RankEvent
 
 
@@ -97,6 +98,12 @@ class Actuator(Protocol):
         """What ``job`` declares about its own restarts (``None``: nothing beyond policy)."""
         ...
 
+    async def job_policy(self, job: str) -> JobPolicy | None:
+        """The job's own policy (Kubernetes: its workload's ``trainguard.io/policy``
+        annotation; ``None``: the controller's rule alone). A bad one raises
+        :class:`ActuatorError` with a one-line message."""
+        ...
+
     def observe_ranks(self, node: str, events: Sequence[RankEvent]) -> None:
         """What ranks on ``node`` said about themselves (Kubernetes: their pod and namespace,
         so the job's placement is learned from the job; the local actuator knows its own)."""
@@ -107,4 +114,4 @@ class Actuator(Protocol):
         ...
 
 
-__all__ = ["Actuator", "ActuatorError", "ActuatorResult", "JobLimits", "Placement"]
+__all__ = ["Actuator", "ActuatorError", "ActuatorResult", "JobLimits", "JobPolicy", "Placement"]

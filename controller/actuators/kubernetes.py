@@ -39,7 +39,13 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from controller.actuators import kube_objects as ko
-from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
+from controller.actuators.base import (
+    ActuatorError,
+    ActuatorResult,
+    JobLimits,
+    JobPolicy,
+    Placement,
+)
 from controller.actuators.k8s.api import Kube
 from controller.actuators.k8s.events import EventRecorder
 from controller.actuators.k8s.lease import LeaseElector
@@ -160,6 +166,17 @@ class KubernetesActuator:
     def limits(self, job: str) -> JobLimits | None:
         """A workload declares no restart limits here; the policy's apply."""
         return None
+
+    async def job_policy(self, job: str) -> JobPolicy | None:
+        """The workload's ``trainguard.io/policy`` annotation (``k8s.workloads.job_policy``;
+        a bad one is a one-line :class:`ActuatorError`); ``None`` when it has none."""
+        from controller.actuators.k8s.workloads import ANN_POLICY, job_policy
+
+        w = await self._resolve(job)
+        if not w.annotations.get(ANN_POLICY):
+            return None
+        p = job_policy(w.obj)
+        return JobPolicy(p.steps, p.dry_run, p.max_restarts)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._api.close)

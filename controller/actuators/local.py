@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
+from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, JobPolicy, Placement
 from trainguard.wire import RankEvent
 
 log = logging.getLogger(__name__)
@@ -204,6 +204,10 @@ class LocalProcessActuator:
 
     def observe_ranks(self, node: str, events: Sequence[RankEvent]) -> None:
         """Nothing to learn: this actuator placed every rank itself."""
+
+    async def job_policy(self, job: str) -> JobPolicy | None:
+        """Local jobs carry no policy of their own: the controller's rule applies."""
+        return None
 
     def limits(self, job: str) -> JobLimits | None:
         """A registered job's own ``min_dp`` and batch divisor."""

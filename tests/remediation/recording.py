@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
+from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, JobPolicy, Placement
 
 
 @dataclass
@@ -22,6 +22,8 @@ class RecordingActuator:
     name: str = "recording"
     #: (method, argument) of every call, oldest first.
     calls: list[tuple[str, Any]] = field(default_factory=list)
+    #: Job -> its own policy (a workload annotation on Kubernetes), or the error it raises.
+    policies: dict[str, JobPolicy | ActuatorError] = field(default_factory=dict)
 
     def restarts(self) -> list[Placement]:
         return [arg for method, arg in self.calls if method == "restart_job"]
@@ -65,6 +67,12 @@ class RecordingActuator:
 
     def limits(self, job: str) -> JobLimits | None:
         return None
+
+    async def job_policy(self, job: str) -> JobPolicy | None:
+        policy = self.policies.get(job)
+        if isinstance(policy, ActuatorError):
+            raise policy
+        return policy
 
     async def close(self) -> None:
         return None

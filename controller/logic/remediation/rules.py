@@ -16,6 +16,7 @@ checkpoint committed before it appeared.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Literal
@@ -46,6 +47,38 @@ class Step(StrEnum):
     #: incident's evidence names (``evidence.step``: where NaN/Inf first appeared), so the
     #: job does not resume from a state that already carries the damage.
     ROLLBACK = "rollback"
+    #: POST the incident and the remediation, signed, to the site's own URL
+    #: (``remediation_webhook_url``): a ticketing or repair flow of its own
+    #: (docs/remediation.md, "Webhook step"). Its answer is recorded; a failure does not
+    #: stop the steps after it.
+    WEBHOOK = "webhook"
+
+
+@dataclass(frozen=True, slots=True)
+class JobPolicy:
+    """What one job's own policy says (a Kubernetes workload's ``trainguard.io/policy``
+    annotation): it narrows what the controller's rule does to *this* job.
+
+    ``steps``: the steps run for this job instead of the rule's (the rule still decides
+    whether and when to act); ``dry_run``: record the plan and wait for a human to approve
+    it (``RemediationEngine.approve``); ``max_restarts``: applied by the actuator, which
+    knows the workload's own restart count.
+    """
+
+    steps: tuple[str, ...] | None = None
+    dry_run: bool = False
+    max_restarts: int | None = None
+
+    def step_list(self) -> list[Step] | None:
+        """``steps`` as :class:`Step` (``alert`` dropped: it is the rule's), or ``None``.
+        An unknown name is a one-line :class:`ValueError`."""
+        if self.steps is None:
+            return None
+        known = {s.value for s in Step}
+        unknown = [s for s in self.steps if s not in known]
+        if unknown:
+            raise ValueError(f"unknown step(s) {unknown}; known: {', '.join(sorted(known))}")
+        return [Step(s) for s in self.steps if s != Step.ALERT]
 
 
 class IsolateWhen(StrEnum):
