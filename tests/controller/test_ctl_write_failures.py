@@ -1,0 +1,214 @@
+"""Detector and periodic writes that fail change nothing (issue 14), on SQLite and PostgreSQL.
+
+The database is made unavailable for one kind of statement (``ctl_db_outage``: a real
+SQLAlchemy hook raising the driver's ``OperationalError`` inside the real transaction) while
+a detector opens or bumps an incident, the health detector marks a silent node lost or a
+node back, or the command service expires a command. Each time the API (memory) still shows
+exactly what the database holds, the failure is counted, and once the database answers
+again the next report or tick records the same condition.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from sqlalchemy import text
+
+from controller.db.session import make_engine
+
+
+def _stored(db_url: str, sql: str, **params: Any) -> Any:
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text(sql), params).scalar()
+    finally:
+        engine.dispose()
+
+
+def _post(client: httpx.Client, live: Any, path: str, body: Any, role: str = "operator") -> Any:
+    return client.post(path, json=body, headers=live.headers(role))
+
+
+def _node(client: httpx.Client, live: Any, name: str) -> dict[str, Any]:
+    r = client.get(f"/api/v1/nodes/{name}", headers=live.headers())
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _open(client: httpx.Client, live: Any, node: str) -> list[dict[str, Any]]:
+    r = client.get("/api/v1/incidents?state=open", headers=live.headers())
+    assert r.status_code == 200, r.text
+    return [i for i in r.json()["data"] if i["node"] == node]
+
+
+def _fatal(ctl_report: Callable[..., dict[str, Any]], node: str, seq: int) -> dict[str, Any]:
+    """A report whose GPU 0 shows XID 79 (fallen off the bus) once."""
+    body = ctl_report(node, seq, gpu_overrides={0: {"xid_events": [{"code": 79}]}})
+    for sample in body["samples"]:
+        for event in sample["gpus"][0].get("xid_events", []):
+            event["time_unix_s"] = sample["time_unix_s"]
+    return body
+
+
+def _wait(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def _agrees(client: httpx.Client, live: Any, db_url: str, node: str) -> dict[str, Any]:
+    """Assert the API's node and GPU 0 health and open incidents equal the database's."""
+    shown = _node(client, live, node)
+    gpu0 = next(g for g in shown["gpus"] if g["index"] == 0)
+    assert shown["health"] == _stored(db_url, "SELECT health FROM nodes WHERE name = :n", n=node)
+    stored_gpu = _stored(
+        db_url, 'SELECT health FROM gpus WHERE node_name = :n AND "index" = 0', n=node
+    )
+    assert gpu0["health"] == stored_gpu
+    incidents = _open(client, live, node)
+    stored_open = _stored(
+        db_url,
+        "SELECT count(*) FROM incidents WHERE node_name = :n AND state = 'open'",
+        n=node,
+    )
+    assert len(incidents) == stored_open
+    for incident in incidents:
+        count = _stored(db_url, "SELECT count FROM incidents WHERE id = :i", i=incident["id"])
+        assert incident["count"] == count
+    return shown
+
+
+def test_incident_open_and_bump_that_fail_change_nothing(
+    live_controller, db_url, ctl_report, ctl_db_outage
+) -> None:
+    live = live_controller
+    incidents = live.controller.incidents
+    with httpx.Client(base_url=live.url, timeout=20) as client:
+        assert _post(client, live, "/api/v1/reports", ctl_report("w1", 0), "agent").is_success
+
+        # Open: the report is stored (200), the fault is not, so nothing shows it.
+        ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
+        r = _post(client, live, "/api/v1/reports", _fatal(ctl_report, "w1", 1), "agent")
+        assert r.status_code == 200, r.text
+        _wait(lambda: incidents.write_failures["open"] >= 1)
+        shown = _agrees(client, live, db_url, "w1")
+        assert shown["health"] == "healthy" and _open(client, live, "w1") == []
+        ctl_db_outage.disarm()
+
+        # The next report carrying the fault records it, with its node and GPU.
+        r = _post(client, live, "/api/v1/reports", _fatal(ctl_report, "w1", 2), "agent")
+        assert r.status_code == 200, r.text
+        _wait(lambda: bool(_open(client, live, "w1")))
+        shown = _agrees(client, live, db_url, "w1")
+        assert shown["health"] == "unhealthy"
+        (fault,) = _open(client, live, "w1")
+        assert fault["kind"] == "gpu_fault"
+        count = fault["count"]
+
+        # Bump: not stored, so the count shown is the stored one.
+        ctl_db_outage.arm(r"^\s*UPDATE incidents")
+        r = _post(client, live, "/api/v1/reports", _fatal(ctl_report, "w1", 3), "agent")
+        assert r.status_code == 200, r.text
+        _wait(lambda: incidents.write_failures["bump"] >= 1)
+        _agrees(client, live, db_url, "w1")
+        assert _open(client, live, "w1")[0]["count"] == count
+        ctl_db_outage.disarm()
+        r = _post(client, live, "/api/v1/reports", _fatal(ctl_report, "w1", 4), "agent")
+        assert r.status_code == 200, r.text
+        _wait(lambda: _open(client, live, "w1")[0]["count"] > count)
+        _agrees(client, live, db_url, "w1")
+
+
+def test_gpu_watch_failure_that_is_not_stored_is_tried_again(
+    live_controller, db_url, ctl_report, ctl_db_outage
+) -> None:
+    live = live_controller
+    with httpx.Client(base_url=live.url, timeout=20) as client:
+        broken = ctl_report("w2", 0)
+        broken["node"]["gpu_error"] = "NVML_ERROR_DRIVER_NOT_LOADED"
+        ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
+        assert _post(client, live, "/api/v1/reports", broken, "agent").status_code == 200
+        _wait(lambda: live.controller.incidents.write_failures["open"] >= 1)
+        assert _agrees(client, live, db_url, "w2")["health"] == "healthy"
+        ctl_db_outage.disarm()
+        broken = ctl_report("w2", 1)
+        broken["node"]["gpu_error"] = "NVML_ERROR_DRIVER_NOT_LOADED"
+        assert _post(client, live, "/api/v1/reports", broken, "agent").status_code == 200
+        _wait(lambda: _node(client, live, "w2")["health"] == "unhealthy")
+        assert [i["kind"] for i in _open(client, live, "w2")] == ["gpu_watch_failed"]
+        _agrees(client, live, db_url, "w2")
+
+        # Resolving it (NVML works again) fails: still unhealthy, still open, both places.
+        ctl_db_outage.arm(r"^\s*UPDATE incidents")
+        assert _post(client, live, "/api/v1/reports", ctl_report("w2", 2), "agent").is_success
+        _wait(lambda: live.controller.incidents.write_failures["resolve"] >= 1)
+        assert _agrees(client, live, db_url, "w2")["health"] == "unhealthy"
+        ctl_db_outage.disarm()
+        assert _post(client, live, "/api/v1/reports", ctl_report("w2", 3), "agent").is_success
+        _wait(lambda: _node(client, live, "w2")["health"] == "healthy")
+        assert _open(client, live, "w2") == []
+        _agrees(client, live, db_url, "w2")
+
+
+def test_node_lost_and_back_that_fail_change_nothing(
+    controller_factory, db_url, ctl_report, ctl_db_outage
+) -> None:
+    live = controller_factory(node_lost_after_s=0.6, ingest_flush_interval_s=0.0)
+    failures = live.controller.incidents.write_failures
+    with httpx.Client(base_url=live.url, timeout=20) as client:
+        ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
+        assert _post(client, live, "/api/v1/reports", ctl_report("w3", 0), "agent").is_success
+        # Silent while the database cannot take the incident: every tick fails, the node
+        # stays as stored (healthy), never "lost" in the API alone.
+        _wait(lambda: failures["open"] >= 2)
+        assert _agrees(client, live, db_url, "w3")["health"] == "healthy"
+        ctl_db_outage.disarm()
+        _wait(lambda: _node(client, live, "w3")["health"] == "lost")
+        assert [i["kind"] for i in _open(client, live, "w3")] == ["node_lost"]
+        _agrees(client, live, db_url, "w3")
+
+        # Back: the resolution fails, so the node is still lost in both places ...
+        ctl_db_outage.arm(r"^\s*UPDATE incidents")
+        assert _post(client, live, "/api/v1/reports", ctl_report("w3", 1), "agent").is_success
+        _wait(lambda: failures["resolve"] >= 1)
+        assert _agrees(client, live, db_url, "w3")["health"] == "lost"
+        ctl_db_outage.disarm()
+        # ... and its next report brings it back.
+        assert _post(client, live, "/api/v1/reports", ctl_report("w3", 2), "agent").is_success
+        _wait(lambda: _node(client, live, "w3")["health"] == "healthy")
+        assert _open(client, live, "w3") == []
+        _agrees(client, live, db_url, "w3")
+
+
+def test_command_expiry_that_fails_changes_nothing(
+    controller_factory, db_url, ctl_report, ctl_db_outage
+) -> None:
+    live = controller_factory(command_expire_after_s=0.4, ingest_flush_interval_s=0.0)
+    state = live.controller.state
+    with httpx.Client(base_url=live.url, timeout=20) as client:
+        assert _post(client, live, "/api/v1/reports", ctl_report("w4", 0), "agent").is_success
+        command = {"kind": "set_power_limit", "gpu_index": 0, "limit_w": 400}
+        r = _post(client, live, "/api/v1/nodes/w4/commands", command)
+        assert r.status_code == 201, r.text
+        command_id = r.json()["id"]
+
+        def stored() -> Any:
+            return _stored(db_url, "SELECT status FROM commands WHERE id = :i", i=command_id)
+
+        ctl_db_outage.arm(r"^\s*INSERT INTO commands")
+        time.sleep(1.5)  # several expiry ticks, each refused
+        assert ctl_db_outage.hits >= 1
+        assert state.commands[command_id].status == stored() == "pending"
+        ctl_db_outage.disarm()
+        _wait(lambda: stored() == "expired")
+        _wait(lambda: state.commands[command_id].status == "expired")
+        listed = client.get("/api/v1/commands?node=w4", headers=live.headers()).json()
+        assert [c["status"] for c in listed["data"]] == ["expired"]
+        # An expired command is never handed to the agent; its reports still store.
+        reply = _post(client, live, "/api/v1/reports", ctl_report("w4", 1), "agent")
+        assert reply.status_code == 200 and reply.json()["commands"] == []
