@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import spawn as _torch_spawn
 
 import collectives
 from collectives.timing import CpuEventClock, CudaEventClock, EventClock
@@ -48,6 +48,11 @@ from collectives.wrap import OPS
 from . import collectives_parallel
 
 WORLD = 2
+
+
+def _spawn(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
+    """``torch.multiprocessing.spawn`` with a typed face (torch leaves it unannotated)."""
+    _torch_spawn(fn, args=args, nprocs=nprocs, join=True)  # type: ignore[no-untyped-call]
 
 
 def _per_call(plain: Any, wrapped: Any, tensor: torch.Tensor, calls: int) -> dict[str, float]:
@@ -84,8 +89,11 @@ def _wrapper_cost_us(calls: int, repeats: int) -> tuple[float, float]:
     session = collectives.current()
     assert session is not None
     inst = session.instrumenter
-    noop = inst._make_wrapper("all_reduce", OPS["all_reduce"], lambda tensor, **kw: None)
-    plain = lambda tensor: None  # noqa: E731
+
+    def plain(tensor: torch.Tensor, **kwargs: Any) -> None:
+        return None
+
+    noop = inst._make_wrapper("all_reduce", OPS["all_reduce"], plain)
     tensor = torch.ones(4)
     plain_s, wrapped_s = [], []
     with collectives.step(1):
@@ -117,7 +125,8 @@ def _rank(rank: int, store: str, out: str, quick: bool) -> None:
     per_call = _per_call(original, dist.all_reduce, tensor, calls)
     weights = torch.randn(160, 160)
     step_calls = 20
-    step_plain, step_wrapped = [], []
+    step_plain: list[float] = []
+    step_wrapped: list[float] = []
     for i in range(steps):
         runs = [(step_plain, original, False), (step_wrapped, dist.all_reduce, True)]
         for out_list, fn, mark in runs if i % 2 else runs[::-1]:
@@ -289,7 +298,7 @@ def seen_ratios(tmp: str, steps: int) -> dict[str, Any]:
     """``collectives_seen_ratio`` per workload, both ranks together."""
     os.environ["TORCH_FR_BUFFER_SIZE"] = "4000"  # before the children create their groups
     out = os.path.join(tmp, "seen.json")
-    mp.spawn(_seen_rank, args=(os.path.join(tmp, "store2"), out, steps), nprocs=WORLD, join=True)
+    _spawn(_seen_rank, (os.path.join(tmp, "store2"), out, steps), WORLD)
     per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD)]
     ratios: dict[str, float | None] = {}
     missing: dict[str, list[Any]] = {}
@@ -303,6 +312,7 @@ def seen_ratios(tmp: str, steps: int) -> dict[str, Any]:
         "collectives_seen_source": {
             "fsdp2": "flight_recorder",
             "dtensor": "flight_recorder",
+            "compiled": "flight_recorder",
             "pipeline": "profiler_c10d_ops",
         },
         "collectives_seen_missing": missing,
@@ -314,20 +324,15 @@ def measure(quick: bool = False) -> dict[str, Any]:
     """Run the two-rank measurement; other benchmarks (bench.detect) can call this."""
     with tempfile.TemporaryDirectory(prefix="tgbench") as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_rank, args=(os.path.join(tmp, "store"), out, quick), nprocs=WORLD, join=True)
+        _spawn(_rank, (os.path.join(tmp, "store"), out, quick), WORLD)
         result: dict[str, Any] = json.loads(Path(out).read_text())
         single = os.path.join(tmp, "single.json")
-        mp.spawn(
-            _single_rank,
-            args=(os.path.join(tmp, "store1"), single, quick),
-            nprocs=1,
-            join=True,
-        )
+        _spawn(_single_rank, (os.path.join(tmp, "store1"), single, quick), 1)
         result.update(json.loads(Path(single).read_text()))
         result["overhead_us_per_call_cuda_events"] = None  # measured only on a GPU
         if torch.cuda.is_available() and dist.is_nccl_available():
             cuda = os.path.join(tmp, "cuda.json")
-            mp.spawn(_cuda_rank, args=(os.path.join(tmp, "store3"), cuda, quick), nprocs=1)
+            _spawn(_cuda_rank, (os.path.join(tmp, "store3"), cuda, quick), 1)
             result.update(json.loads(Path(cuda).read_text()))
         result.update(seen_ratios(tmp, 2 if quick else 4))
         result["overhead_pct_of_step_1rank"] = round(

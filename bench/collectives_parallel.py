@@ -2,17 +2,19 @@
 wrapper saw next to what torch itself recorded (``collectives_seen_ratio``).
 
 Shared by ``bench.collectives`` and ``tests/collectives/test_parallel.py``: each rank builds
-the three workloads in turn (FSDP2 ``fully_shard`` on a ``dp`` mesh; DTensor redistribute, a
-partial sum and a direct functional all_reduce on a ``tp`` mesh; ``ScheduleGPipe`` over one
+the four workloads in turn (FSDP2 ``fully_shard`` on a ``dp`` mesh; DTensor redistribute, a
+partial sum and a direct functional all_reduce on a ``tp`` mesh; a ``torch.compile``'d
+function whose graph all_gathers, all_reduces and reduce_scatters; ``ScheduleGPipe`` over one
 stage per rank), runs ``steps`` instrumented steps of each under the profiler, and returns
 the wrapper's calls per step, its Flight Recorder entries and the profiler's ``c10d::``
 operators per step. :func:`seen` turns that into ratios: Flight Recorder's collectives
-(group, sequence number, op) for FSDP2 and DTensor, the profiler's point-to-point operators
-for pipelining (gloo's Flight Recorder does not record P2P).
+(group, sequence number, op) for FSDP2, DTensor and the compiled graph, the profiler's
+point-to-point operators for pipelining (gloo's Flight Recorder does not record P2P).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -25,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 import collectives
 from collectives import flight
 
-SCENARIOS = ("fsdp2", "dtensor", "pipeline")
+SCENARIOS = ("fsdp2", "dtensor", "compiled", "pipeline")
 
 
 def fsdp2(rank: int, world: int) -> Callable[[], None]:
@@ -46,7 +48,7 @@ def fsdp2(rank: int, world: int) -> Callable[[], None]:
         with torch.no_grad():
             for p in model.parameters():
                 assert p.grad is not None
-                p -= 0.1 * p.grad
+                p.sub_(0.1 * p.grad)
                 p.grad = None
 
     return step
@@ -55,15 +57,52 @@ def fsdp2(rank: int, world: int) -> Callable[[], None]:
 def dtensor(rank: int, world: int) -> Callable[[], None]:
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
 
     def step() -> None:
         d = distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
         d.redistribute(mesh, [Replicate()]).to_local()
-        (d * 2).sum().full_tensor()
-        funcol.wait_tensor(funcol.all_reduce(torch.ones(4), "sum", mesh))
+        total = (d * 2).sum()
+        assert isinstance(total, DTensor)  # a DTensor op returns one: its sum is Partial
+        total.full_tensor()
+        reduced = funcol.all_reduce(torch.ones(4), "sum", mesh)
+        funcol.wait_tensor(reduced)  # type: ignore[no-untyped-call]
+
+    return step
+
+
+COMPILE_BACKEND = os.environ.get("TG_COMPILE_BACKEND", "aot_eager")
+"""``torch.compile`` backend of the ``compiled`` scenario. ``aot_eager`` by default: the
+same AOTAutograd graph inductor starts from, run by torch's eager kernels, compiled in
+about a second; ``inductor`` (its generated code calls ``all_reduce_`` in place) took 71 s
+to compile a two-collective function for one rank on a shared 2-core machine."""
+
+
+def compiled(rank: int, world: int) -> Callable[[], None]:
+    """A ``torch.compile``'d step: a functional all_reduce of the gradient-like tensor and an
+    FSDP2-like all_gather of a parameter shard, both inside one graph (``fullgraph``), and a
+    reduce_scatter back, as FSDP2 would issue them if compiled."""
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+    assert group is not None
+    shard = torch.full((4,), float(rank + 1))
+
+    def body(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        full = funcol.all_gather_tensor(w, 0, group)  # FSDP2's unshard
+        y = funcol.all_reduce(x * full.sum(), "sum", group)
+        out: torch.Tensor = funcol.reduce_scatter_tensor(y.repeat(world), "sum", 0, group)
+        return out
+
+    fn = torch.compile(body, backend=COMPILE_BACKEND, fullgraph=True)
+    data = torch.randn(4, generator=torch.Generator().manual_seed(rank))
+    fn(data, shard)  # compile outside the steps: the trace itself issues no collective
+
+    def step() -> None:
+        out = fn(data, shard)
+        float(out.sum())  # use the result: its wait runs inside the step
 
     return step
 
@@ -86,7 +125,7 @@ def pipeline(rank: int, world: int) -> Callable[[], None]:
     return step
 
 
-BUILDERS = {"fsdp2": fsdp2, "dtensor": dtensor, "pipeline": pipeline}
+BUILDERS = {"fsdp2": fsdp2, "dtensor": dtensor, "compiled": compiled, "pipeline": pipeline}
 
 
 def run(steps: int = 2) -> dict[str, Any]:

@@ -6,15 +6,26 @@ a graph call the ``_c10d_functional`` operators (``torch.ops._c10d_functional.al
 ``torch.distributed.all_reduce``: C++ resolves the process group by name and never comes back
 through Python, so the function wrappers of :mod:`collectives.wrap` cannot see them.
 
-Each such operator gets a Python kernel at the ``Autograd`` dispatch key, which every
-tensor's dispatch passes through before the real kernel, eager or compiled (inductor calls
-the same operators). The kernel records the call with its process group, then redispatches
-below autograd to torch's own kernel. A functional collective is asynchronous: it returns
-at once and completes at ``wait_tensor`` (also given a kernel), so the record stays in flight
-until its outputs are waited (on a device: until the mark recorded after that wait fires).
+Each such operator gets a Python kernel, registered with ``torch.library`` at the
+``BackendSelect`` dispatch key: a key in every dispatch's default included set, below the
+autograd, functionalization and Python (tensor subclass, fake tensor) keys and just above the
+backend. So the kernel runs for every call that reaches a real kernel, whoever made it: eager
+code, the waits an ``AsyncCollectiveTensor`` issues from its ``__torch_dispatch__``, calls
+under ``torch.inference_mode()``, and the graphs ``torch.compile`` runs (measured on torch
+2.13 CPU: ``aot_eager`` graphs call ``all_reduce``/``all_gather_into_tensor``, inductor's
+generated code calls ``all_reduce_`` in place, then ``wait_tensor``). The kernel records the
+call with its process group, then redispatches to torch's own kernel with the keys below
+``BackendSelect``. A functional collective is asynchronous: it returns at once and completes
+at ``wait_tensor`` (also given a kernel), so the record stays in flight until its outputs are
+waited (on a device: until the mark recorded after that wait fires).
 
-Not seen: calls made under ``torch.inference_mode()`` (its tensors skip the autograd keys),
-and calls traced with fake tensors while compiling (not run, so rightly not recorded).
+The kernels are registered in the dispatcher, never by replacing attributes of
+``torch.ops._c10d_functional``: dynamo guards on those objects, and a stand-in made every
+compiled function that calls a functional collective fail its own guards.
+
+Not seen: calls traced with fake or functional tensors while compiling (not run, so rightly
+not recorded), and the functional point-to-point operators (``isend``, ``irecv``,
+``batch_p2p_ops``; pipelining uses the eager ones, which :mod:`collectives.wrap` sees).
 """
 
 from __future__ import annotations
@@ -67,6 +78,10 @@ FUNCTIONAL_OPS: dict[str, FunctionalOp] = {
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
+_KEY = "BackendSelect"
+#: The keys a kernel at ``_KEY`` hands the call on to (the backend's).
+_BELOW = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
@@ -81,24 +96,6 @@ def _compiling() -> bool:
     return bool(torch.compiler.is_compiling())
 
 
-class _Packet:
-    """Stands in for ``torch.ops._c10d_functional.<op>`` (an ``OpOverloadPacket``): calls
-    through it are recorded; every other attribute, ``.default`` included, is the packet's
-    own (torch registers autograd formulas and inductor lowerings keyed by that overload)."""
-
-    __slots__ = ("_call", "_packet")
-
-    def __init__(self, packet: Any, call: Callable[..., Any]) -> None:
-        self._packet = packet
-        self._call = call
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._packet, name)
-
-
 def _real(tensors: list[torch.Tensor]) -> bool:
     """Plain tensors with data (not fake/meta tensors of a compile-time trace)."""
     return bool(tensors) and all(type(t) in _PLAIN and not t.is_meta for t in tensors)
@@ -110,7 +107,9 @@ class FunctionalHooks:
     def __init__(self, instrumenter: Instrumenter, depth: threading.local) -> None:
         self.instrumenter = instrumenter
         self._tls = depth
-        self._swapped: list[tuple[Any, str, Any]] = []
+        self._library: Any = None
+        """The ``torch.library.Library`` holding the kernels while installed (torch leaves
+        its methods unannotated, hence ``Any``)."""
         #: data_ptr of an output not yet waited -> (its call, outputs of that call still due)
         self._pending: dict[int, tuple[CallRecord, list[int]]] = {}
         self._lock = threading.Lock()
@@ -118,36 +117,42 @@ class FunctionalHooks:
 
     def install(self) -> None:
         namespace = torch.ops._c10d_functional
-        for name, spec in FUNCTIONAL_OPS.items():
-            packet = getattr(namespace, name, None)
-            if packet is None:  # an older torch without this operator
-                continue
-            self._swap(namespace, name, packet, self._kernel(packet, spec))
-        wait = namespace.wait_tensor
-        self._swap(namespace, "wait_tensor", wait, self._wait_kernel(wait))
-
-    def _swap(self, namespace: Any, name: str, packet: Any, call: Callable[..., Any]) -> None:
-        setattr(namespace, name, _Packet(packet, call))
-        self._swapped.append((namespace, name, packet))
+        library: Any = torch.library.Library(  # type: ignore[no-untyped-call]
+            "_c10d_functional", "IMPL"
+        )
+        try:
+            for name, spec in FUNCTIONAL_OPS.items():
+                packet = getattr(namespace, name, None)
+                if packet is None:  # an older torch without this operator
+                    continue
+                library.impl(name, self._kernel(packet.default, spec), _KEY, with_keyset=True)
+            wait = namespace.wait_tensor.default
+            library.impl("wait_tensor", self._wait_kernel(wait), _KEY, with_keyset=True)
+        except BaseException:
+            library._destroy()
+            raise
+        self._library = library
 
     def remove(self) -> None:
-        for namespace, name, packet in reversed(self._swapped):
-            setattr(namespace, name, packet)
-        self._swapped.clear()
+        """Deregister the kernels (torch's own serve the operators again)."""
+        library, self._library = self._library, None
+        if library is not None:
+            library._destroy()
 
     # ------------------------------------------------------------------ kernels
 
     def _kernel(self, overload: Any, spec: FunctionalOp) -> Callable[..., Any]:
         tls = self._tls
 
-        def kernel(*args: Any, **kwargs: Any) -> Any:
+        def kernel(keys: Any, *args: Any, **kwargs: Any) -> Any:
+            below = keys & _BELOW
             inputs = _tensors(args[0]) if args else []
             if getattr(tls, "depth", 0) or _compiling() or not _real(inputs):
-                return overload(*args, **kwargs)
+                return overload.redispatch(below, *args, **kwargs)
             rec, start = self._enter(spec, args, inputs)
             tls.depth = 1
             try:
-                result = overload(*args, **kwargs)
+                result = overload.redispatch(below, *args, **kwargs)
             except BaseException:
                 self.instrumenter.recorder.complete(rec, now(), ok=False)
                 raise
@@ -166,19 +171,20 @@ class FunctionalHooks:
         return kernel
 
     def _wait_kernel(self, overload: Any) -> Callable[..., Any]:
-        def kernel(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def kernel(dispatch_keys: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            below = dispatch_keys & _BELOW
             recorder = self.instrumenter.recorder
             hit = None
-            if self._pending and isinstance(tensor, torch.Tensor):
+            if self._pending and type(tensor) in _PLAIN and not tensor.is_meta:
                 with self._lock:
                     hit = self._pending.pop(tensor.data_ptr(), None)
             if hit is None:
-                return overload(tensor, *args, **kwargs)
+                return overload.redispatch(below, tensor, *args, **kwargs)
             rec, keys = hit
             recorder.blocked()
             t0 = now()
             try:
-                result = overload(tensor, *args, **kwargs)
+                result = overload.redispatch(below, tensor, *args, **kwargs)
             finally:
                 recorder.unblocked(t0, now(), rec)
             if tensor.data_ptr() in keys:

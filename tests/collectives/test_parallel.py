@@ -50,7 +50,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("scenario", ["fsdp2", "dtensor"])
+@pytest.mark.parametrize("scenario", ["fsdp2", "dtensor", "compiled"])
 def test_every_collective_flight_recorder_lists_is_seen(
     scenario: str, runs: list[dict[str, Any]]
 ) -> None:
