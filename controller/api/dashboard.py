@@ -7,6 +7,7 @@ history and per-link plan load (viewer role, read-only), and acknowledging an in
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,7 +28,9 @@ from controller.services import queries
 from controller.services.container import Services
 from controller.services.dashboard import RESYNC
 from controller.services.dashboard_reads import job_checkpoints, node_history, plan_links
+from controller.services.history_prometheus import PrometheusHistory, PrometheusUnavailable
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["dashboard"])
 
 #: Seconds between heartbeats on an idle stream (the page calls itself "behind" after 8).
@@ -123,12 +126,26 @@ async def get_node_history(
     services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Per-GPU power, temperature, SM clock, utilization, ECC totals and active throttle
-    reasons, averaged (maxima for temperature and ECC) into at most ``points`` buckets."""
+    reasons, averaged (maxima for temperature and ECC) into at most ``points`` buckets.
+
+    From Prometheus when ``prometheus_url`` is set (``source: prometheus``); from the
+    controller's database otherwise, or when Prometheus does not answer (``source:
+    database`` and ``fallback`` saying why), so the chart is never empty for its sake."""
     if name not in services.state.nodes:
         raise NotFound(f"node {name!r} not found; it appears after its first report")
     now = time.time()
     since = now - window_s
-    return await services.store.read(lambda s: node_history(s, name, since, now, points))
+    fallback = None
+    url = services.settings.prometheus_url
+    if url:
+        prometheus = PrometheusHistory(url, timeout_s=services.settings.prometheus_timeout_s)
+        try:
+            return await prometheus.node_history(name, since, now, points)
+        except PrometheusUnavailable as exc:
+            log.warning("prometheus history unavailable", extra={"fields": {"error": str(exc)}})
+            fallback = f"Prometheus unavailable ({exc}); charts from the controller's database"
+    found = await services.store.read(lambda s: node_history(s, name, since, now, points))
+    return {**found, "source": "database", "fallback": fallback}
 
 
 @router.get(

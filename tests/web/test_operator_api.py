@@ -79,16 +79,16 @@ def test_an_operator_approves_what_the_policy_left_in_dry_run(controller_factory
     wait_for(lambda: "gpt" in live.controller.state.jobs)
     agents.report("n0", xid=79)  # a fatal XID under gpt's rank 0: checkpoint, isolate, restart
     rows = wait_for(
-        lambda: {
-            a["kind"]: a
-            for a in _actions(live)
-            if a["status"] == "dry_run" and a["kind"] in ("isolate_node", "restart_job")
-        }
-        if len(
-            [a for a in _actions(live) if a["status"] == "dry_run" and a["kind"] != "alert"]
+        lambda: (
+            {
+                a["kind"]: a
+                for a in _actions(live)
+                if a["status"] == "dry_run" and a["kind"] in ("isolate_node", "restart_job")
+            }
+            if len([a for a in _actions(live) if a["status"] == "dry_run" and a["kind"] != "alert"])
+            >= 3
+            else None
         )
-        >= 3
-        else None
     )
     isolate, restart = rows["isolate_node"], rows["restart_job"]
     assert live.controller.state.nodes["n0"].isolated_reason is None
