@@ -61,6 +61,11 @@ RBAC_RULES: Final[tuple[PolicyRule, ...]] = (
         "resources": ["pytorchjobs"],
         "verbs": ["get", "list", "patch"],
     },
+    {
+        "apiGroups": ["trainer.kubeflow.org"],
+        "resources": ["trainjobs"],
+        "verbs": ["get", "list", "patch"],
+    },
 )
 
 
@@ -98,7 +103,14 @@ JOBSET: Final = WorkloadKind(
 PYTORCHJOB: Final = WorkloadKind(
     "PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", ("spec", "runPolicy", "suspend")
 )
-KINDS: Final = (JOB, JOBSET, PYTORCHJOB)
+#: Kubeflow Trainer v2: its pods come from a JobSet it controls (``Workload.runtime``);
+#: trainguard restarts it through that JobSet and suspends/resizes it on the TrainJob.
+TRAINJOB: Final = WorkloadKind(
+    "TrainJob", "trainer.kubeflow.org", "v1alpha1", "trainjobs", ("spec", "suspend")
+)
+KINDS: Final = (JOB, JOBSET, PYTORCHJOB, TRAINJOB)
+#: The replicatedJob of a TrainJob's JobSet that runs the trainer (Kubeflow Trainer v2).
+TRAINER_REPLICATED_JOB: Final = "node"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +118,8 @@ class Workload:
     kind: WorkloadKind
     name: str
     obj: dict[str, Any]
+    #: A TrainJob's JobSet (the object that holds its pod template); ``None`` otherwise.
+    runtime: dict[str, Any] | None = None
 
     @property
     def label(self) -> str:
@@ -169,6 +183,12 @@ def api_error(what: str, exc: ApiException) -> KubernetesApiError:
     )
 
 
+def controller_ref(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    """``obj``'s controlling ownerReference if it is a ``kind``."""
+    refs = obj["metadata"].get("ownerReferences") or []
+    return next((r for r in refs if r.get("controller") and r.get("kind") == kind), None)
+
+
 def annotations_of(obj: dict[str, Any]) -> dict[str, str]:
     return cast(dict[str, str], obj["metadata"].get("annotations") or {})
 
@@ -198,6 +218,8 @@ def replicated_job(w: Workload) -> tuple[int, dict[str, Any]]:
     wanted = w.annotations.get(ANN_REPLICATED_JOB)
     if wanted is None and len(rjobs) == 1:
         return 0, rjobs[0]
+    if wanted is None:
+        wanted = TRAINER_REPLICATED_JOB  # a TrainJob's JobSet: the trainer's replicatedJob
     for i, rj in enumerate(rjobs):
         if rj.get("name") == wanted:
             return i, rj
@@ -209,6 +231,10 @@ def replicated_job(w: Workload) -> tuple[int, dict[str, Any]]:
 
 
 def pod_templates(w: Workload) -> list[dict[str, Any]]:
+    if w.kind is TRAINJOB:
+        if w.runtime is None:
+            return []
+        return pod_templates(Workload(JOBSET, w.runtime["metadata"]["name"], w.runtime))
     if w.kind is JOB:
         return [w.obj["spec"]["template"]]
     if w.kind is JOBSET:
@@ -218,7 +244,8 @@ def pod_templates(w: Workload) -> list[dict[str, Any]]:
 
 
 def node_selector(w: Workload) -> dict[str, str]:
-    return cast(dict[str, str], pod_templates(w)[0].get("spec", {}).get("nodeSelector") or {})
+    templates = pod_templates(w) or [{}]
+    return cast(dict[str, str], templates[0].get("spec", {}).get("nodeSelector") or {})
 
 
 def env_wired(w: Workload) -> bool:
@@ -254,6 +281,16 @@ def restart_patch(
                 f"{w.label} is not an Indexed Job; only Indexed Jobs can change their size"
             )
         return {"spec": {"parallelism": world, "completions": world, "template": meta}}, old
+    if w.kind is TRAINJOB:
+        # Its pods come from the runtime's JobSet, which the TrainJob controller owns: size
+        # it through ``trainer.numNodes``; pod annotations cannot be set from a TrainJob.
+        trainer = spec.get("trainer") or {}
+        nodes: int = int(trainer.get("numNodes") or 0)
+        if not nodes and w.runtime is not None:
+            _, rj = replicated_job(Workload(JOBSET, w.runtime["metadata"]["name"], w.runtime))
+            per = int((rj["template"].get("spec") or {}).get("parallelism") or 1)
+            nodes = int(rj.get("replicas", 1)) * per
+        return {"spec": {"trainer": {"numNodes": world}}}, nodes or 1
     if w.kind is PYTORCHJOB:
         specs = spec["pytorchReplicaSpecs"]
         masters = int(specs["Master"].get("replicas", 1)) if "Master" in specs else 0

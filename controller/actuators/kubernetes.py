@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
@@ -51,12 +50,7 @@ from controller.actuators.k8s.events import EventRecorder
 from controller.actuators.k8s.lease import LeaseElector
 from controller.actuators.k8s.nodes import ANN_CORDONED_BY, NodeGuard, QuarantineSettings
 from controller.actuators.k8s.placement import PlacementBook, running_placement
-from controller.actuators.k8s.workloads import (
-    GangPlan,
-    delete_gang_pods,
-    plan_gang_restart,
-    restart_budget,
-)
+from controller.actuators.k8s.restart import restart_job as gang_restart
 from controller.actuators.kube_objects import (
     ANN_GENERATION,
     ANN_ISOLATED,
@@ -74,6 +68,7 @@ from controller.actuators.kube_objects import (
     PYTORCHJOB,
     RBAC_RULES,
     TAINT_KEY,
+    TRAINJOB,
     KubernetesApiError,
     PolicyRule,
     Workload,
@@ -230,7 +225,7 @@ class KubernetesActuator:
     async def _patch_workload(self, w: Workload, body: dict[str, Any], what: str) -> Workload:
         patch = self._workload_api(w.kind)[1]
         obj = await self._call(f"{what} {w.label}", patch, name=w.name, body=body)
-        return Workload(w.kind, w.name, obj)
+        return Workload(w.kind, w.name, obj, w.runtime)
 
     async def _list_workloads(self, kind: WorkloadKind, job: str) -> list[Workload]:
         list_ = self._workload_api(kind)[2]
@@ -242,7 +237,26 @@ class KubernetesActuator:
             if exc.status == 404:  # the CRD is not installed: no workloads of that kind
                 return []
             raise
-        return [Workload(kind, item["metadata"]["name"], item) for item in items or []]
+        found = [Workload(kind, item["metadata"]["name"], item) for item in items or []]
+        if kind is TRAINJOB:  # its JobSet has its name (Kubeflow Trainer v2)
+            for i, w in enumerate(found):
+                try:
+                    runtime = await self._get_workload(JOBSET, w.name)
+                except KubernetesApiError as exc:
+                    if exc.status != 404:
+                        raise
+                else:
+                    found[i] = Workload(TRAINJOB, w.name, w.obj, runtime.obj)
+        return found
+
+    async def _above_jobset(self, w: Workload) -> Workload:
+        """A JobSet a TrainJob controls is restarted and resized through that TrainJob
+        (its controller would undo changes made to the JobSet directly)."""
+        owner = ko.controller_ref(w.obj, "TrainJob")
+        if owner is None:
+            return w
+        trainjob = await self._get_workload(TRAINJOB, owner["name"])
+        return Workload(TRAINJOB, trainjob.name, trainjob.obj, w.obj)
 
     async def _job_pods(self, job: str) -> list[dict[str, Any]]:
         """The job's pods: labelled ``trainguard.io/job``, or named by its ranks' reports."""
@@ -279,29 +293,28 @@ class KubernetesActuator:
         for kind_name, name in sorted(owners):
             if kind_name == "Job":
                 w = await self._get_workload(JOB, name)
-                parent = [
-                    r
-                    for r in w.obj["metadata"].get("ownerReferences") or []
-                    if r.get("controller") and r.get("kind") == "JobSet"
-                ]
+                parent = ko.controller_ref(w.obj, "JobSet")
                 if parent:
-                    w = await self._get_workload(JOBSET, parent[0]["name"])
+                    w = await self._get_workload(JOBSET, parent["name"])
+                    w = await self._above_jobset(w)
             elif kind_name == "PyTorchJob":
                 w = await self._get_workload(PYTORCHJOB, name)
             else:
                 raise ActuatorError(
                     f"pods of job {job!r} are owned by {kind_name} {name}; trainguard stops "
-                    "and restarts only Job, JobSet and PyTorchJob workloads"
+                    "and restarts only Job, JobSet, TrainJob and PyTorchJob workloads"
                 )
             if all(x.label != w.label for x in found):
                 found.append(w)
         if not owners:
             for kind in KINDS:
-                found.extend(await self._list_workloads(kind, job))
+                for w in await self._list_workloads(kind, job):
+                    found.append(await self._above_jobset(w) if w.kind is JOBSET else w)
+            found = list({w.label: w for w in found}.values())
         if not found:
             raise ActuatorError(
                 f"job {job!r} not found in namespace {self.namespace}: no pods and no "
-                f"Job/JobSet/PyTorchJob labelled {LABEL_JOB}={job}"
+                f"Job/JobSet/PyTorchJob/TrainJob labelled {LABEL_JOB}={job}"
             )
         if len(found) > 1:
             names = ", ".join(w.label for w in found)
@@ -383,7 +396,9 @@ class KubernetesActuator:
             if pod["metadata"].get("deletionTimestamp"):
                 continue
             eviction = client.V1Eviction(
-                metadata=client.V1ObjectMeta(name=name, namespace=self.namespace)
+                api_version="policy/v1",
+                kind="Eviction",
+                metadata=client.V1ObjectMeta(name=name, namespace=self.namespace),
             )
             try:
                 await self._call(
@@ -450,118 +465,8 @@ class KubernetesActuator:
     # -- restart -----------------------------------------------------------------------
 
     async def restart_job(self, placement: Placement, *, reason: str) -> ActuatorResult:
-        job, gen = placement.job, placement.generation
-        pods = await self._job_pods(job)
-        w = await self._resolve(job, pods)
-        done = w.annotations.get(ANN_GENERATION, "")
-        if done.isdigit() and int(done) >= gen:
-            return ActuatorResult(
-                outcome=f"job {job} generation {done} already started; nothing to do",
-                details={"already": True, "workload": w.label},
-            )
-        template_annotations = {
-            ANN_GENERATION: str(gen),
-            ANN_RESUME_STEP: None if placement.resume_step is None else str(placement.resume_step),
-        }
-        # Pods, not ranks: torchrun runs several ranks per pod (as the ranks reported).
-        layout = self.book.layout(job)
-        per_pod = len(next(iter(layout.pods().values()))) if layout is not None else 1
-        size = placement.world_size // per_pod
-        _, old_world = ko.restart_patch(w, size, template_annotations)
-        details: dict[str, Any] = {
-            "workload": w.label,
-            "generation": gen,
-            "world_size": placement.world_size,
-            "previous_world_size": old_world * per_pod,
-            "ranks_per_pod": per_pod,
-            "env_wired": ko.env_wired(w),
-        }
-        # Pods created from the new template carry the new generation: a retried restart
-        # leaves them alone and removes only what is left of older generations.
-        stale = [p for p in pods if ko.pod_generation(p) != gen]
-        record = {"metadata": {"annotations": {ANN_GENERATION: str(gen)}}}
-        if w.kind is JOBSET and old_world == size and not w.suspended:
-            # Same size: let the JobSet's own failurePolicy restart the gang (counted
-            # against maxRestarts); a resize still needs suspend/resume below.
-            plan = plan_gang_restart("JobSet", w.obj, current_nodes=1, healthy_nodes=1)
-            if plan.mode == "refuse":
-                raise ActuatorError(f"restart job {job}: {plan.note}")
-            if plan.mode == "fail-child-jobs":
-                return await self._fail_gang(w, pods, placement, plan, details, reason)
-        if w.kind is PYTORCHJOB:
-            # The operator recreates deleted pods from the current spec: change it first,
-            # then remove the old pods, then record the generation as done.
-            patch, _ = ko.restart_patch(w, size, template_annotations)
-            if w.suspended:
-                patch = ko.merge(patch, ko.nest(w.kind.suspend_path, False))
-            w = await self._patch_workload(w, patch, "resize")
-            await self._remove_pods(stale, details)
-            w = await self._patch_workload(w, record, "record generation of")
-        else:
-            # Job and JobSet accept pod-template changes only while suspended.
-            if not w.suspended:
-                w = await self._patch_workload(w, ko.nest(w.kind.suspend_path, True), "suspend")
-            await self._remove_pods(stale, details)
-            if w.kind is JOB:
-                w = await self._wait_job_settled(w)
-            patch, _ = ko.restart_patch(w, size, template_annotations)
-            version = {"metadata": {"resourceVersion": w.obj["metadata"].get("resourceVersion")}}
-            patch = ko.merge(
-                ko.merge(ko.merge(patch, record), version), ko.nest(w.kind.suspend_path, False)
-            )
-            w = await self._patch_workload(w, patch, "resize and resume")
-        outcome = (
-            f"job {job} restarted as generation {gen} with {placement.world_size} ranks "
-            f"({w.label}, was {old_world})"
-        )
-        if not details["env_wired"]:
-            outcome += f"; its pod template does not map {ENV_GENERATION} from the annotation"
-        await self._try_event(
-            self._event(w.obj, "JobRestarted", f"{outcome}: {reason}", False), details
-        )
-        return ActuatorResult(outcome=outcome, details=details)
-
-    async def _fail_gang(
-        self,
-        w: Workload,
-        pods: list[dict[str, Any]],
-        placement: Placement,
-        plan: GangPlan,
-        details: dict[str, Any],
-        reason: str,
-    ) -> ActuatorResult:
-        """Fail the JobSet the way a crashed rank would: record the generation, then delete
-        the gang's pods off the placement (all of them if none is off it)."""
-        used, allowed = restart_budget(w.obj)
-        record = {"metadata": {"annotations": {ANN_GENERATION: str(placement.generation)}}}
-        w = await self._patch_workload(w, record, "record generation of")
-        off = [p for p in pods if p.get("spec", {}).get("nodeName") not in placement.nodes]
-        result = await delete_gang_pods(
-            self.kube, self.nodes.events, w.obj, off or pods, plan=plan, reason=reason
-        )
-        details.update(result.details, restarts_used=used + 1, max_restarts=allowed)
-        outcome = (
-            f"job {placement.job} generation {placement.generation}: {result.outcome} "
-            f"(restart {used + 1} of {allowed})"
-        )
-        return ActuatorResult(outcome=outcome, details=details)
-
-    async def _wait_job_settled(self, w: Workload) -> Workload:
-        """A suspended Job's pod template becomes mutable once the Job controller has
-        removed its pods and cleared ``status.startTime``."""
-        deadline = time.monotonic() + self.settle_timeout_s
-        while True:
-            status = w.obj.get("status") or {}
-            if not status.get("active") and not status.get("startTime"):
-                return w
-            if time.monotonic() >= deadline:
-                raise ActuatorError(
-                    f"{w.label} still has {status.get('active') or 0} active pod(s) "
-                    f"{self.settle_timeout_s:.0f}s after suspension; retry the restart",
-                    retryable=True,
-                )
-            await asyncio.sleep(self.poll_interval_s)
-            w = await self._get_workload(w.kind, w.name)
+        """Restart the whole gang the workload's own way (``k8s.restart``)."""
+        return await gang_restart(self, placement, reason)
 
 
 # -- per-kind spec surgery (pure functions of the workload object) ---------------------

@@ -43,6 +43,7 @@ SUSPEND_PATH = {
     "jobs": ("spec", "suspend"),
     "jobsets": ("spec", "suspend"),
     "pytorchjobs": ("spec", "runPolicy", "suspend"),
+    "trainjobs": ("spec", "suspend"),
 }
 
 
@@ -182,17 +183,19 @@ class FakeKube:
             ]
 
     def _owned_pods(self, group: str, plural: str, ns: str, name: str) -> list[Key]:
-        """Pods whose controller chain (pod -> Job -> JobSet) reaches the given workload."""
+        """Pods whose controller chain (pod -> Job -> JobSet -> TrainJob) reaches the given
+        workload."""
         kind = KINDS[(group, plural)][1]
         out = []
         for key, pod in self.objects.items():
             if key[1] != "pods" or key[2] != ns:
                 continue
             chain = [(r["kind"], r["name"]) for r in pod["metadata"].get("ownerReferences", [])]
-            for ref_kind, ref_name in list(chain):
-                if ref_kind == "Job":
-                    job = self.objects.get(("batch", "jobs", ns, ref_name), {})
-                    refs = job.get("metadata", {}).get("ownerReferences", [])
+            for ref_kind, ref_name in chain:  # grows while walked: each owner's owners
+                parent = {"Job": ("batch", "jobs"), "JobSet": ("jobset.x-k8s.io", "jobsets")}
+                if ref_kind in parent:
+                    obj = self.objects.get((*parent[ref_kind], ns, ref_name), {})
+                    refs = obj.get("metadata", {}).get("ownerReferences", [])
                     chain += [(r["kind"], r["name"]) for r in refs]
             if (kind, name) in chain:
                 out.append(key)

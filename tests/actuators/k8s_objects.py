@@ -64,10 +64,21 @@ def indexed_job(kube: FakeKube, job: str, world: int, **kw: Any) -> dict[str, An
     )
 
 
-def pytorchjob(kube: FakeKube, job: str, workers: int, *, master: bool = True) -> dict[str, Any]:
-    specs: dict[str, Any] = {"Worker": {"replicas": workers, "template": pod_template(job)}}
+def pytorchjob(
+    kube: FakeKube,
+    job: str,
+    workers: int,
+    *,
+    master: bool = True,
+    restart_policy: str | None = None,
+) -> dict[str, Any]:
+    """``restart_policy``: every replica's (absent: the operator's default, ``Never``)."""
+    policy = {"restartPolicy": restart_policy} if restart_policy else {}
+    specs: dict[str, Any] = {
+        "Worker": {"replicas": workers, "template": pod_template(job), **policy}
+    }
     if master:
-        specs["Master"] = {"replicas": 1, "template": pod_template(job)}
+        specs["Master"] = {"replicas": 1, "template": pod_template(job), **policy}
     return kube.put(
         "kubeflow.org",
         "pytorchjobs",
@@ -88,6 +99,33 @@ def jobset(kube: FakeKube, job: str, replicas: int, *, per_job: int = 1) -> dict
         "jobsets",
         {"metadata": meta(job, job), "spec": {"replicatedJobs": rjobs}},
     )
+
+
+def trainjob(kube: FakeKube, job: str, nodes: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Kubeflow Trainer v2 TrainJob and the JobSet its controller made of it (same name,
+    controlled by the TrainJob, the trainer's replicatedJob ``node``)."""
+    tj = kube.put(
+        "trainer.kubeflow.org",
+        "trainjobs",
+        {
+            "metadata": meta(job, job),
+            "spec": {"runtimeRef": {"name": "torch-distributed"}, "trainer": {"numNodes": nodes}},
+        },
+    )
+    job_spec = {"parallelism": 1, "completions": 1, "template": pod_template(job)}
+    rjobs = [
+        {"name": "dataset-initializer", "replicas": 1, "template": {"spec": job_spec}},
+        {"name": "node", "replicas": nodes, "template": {"spec": job_spec}},
+    ]
+    js = kube.put(
+        "jobset.x-k8s.io",
+        "jobsets",
+        {
+            "metadata": {**meta(job, job), "ownerReferences": [ref(tj)]},
+            "spec": {"replicatedJobs": rjobs},
+        },
+    )
+    return tj, js
 
 
 def child_job(kube: FakeKube, owner: dict[str, Any], name: str) -> dict[str, Any]:

@@ -254,7 +254,7 @@ def test_restart_non_indexed_job_cannot_resize(kube: FakeKube, act: KubernetesAc
 def test_restart_pytorchjob_shrinks_workers_and_deletes_old_pods(
     kube: FakeKube, act: KubernetesActuator
 ) -> None:
-    owner = k.pytorchjob(kube, "pt", 3)
+    owner = k.pytorchjob(kube, "pt", 3, restart_policy="OnFailure")
     k.pods(kube, "pt", owner, ["n1", "n2"], 2)
 
     result = run(act.restart_job(placement("pt", ("n1",), 2, gen=1), reason="n2 bad"))
@@ -268,12 +268,16 @@ def test_restart_pytorchjob_shrinks_workers_and_deletes_old_pods(
     assert obj["metadata"]["annotations"][ANN_GENERATION] == "1"
     assert kube.items("", "pods") == []
     assert len(result.details["evicted"]) == 4 and result.details["previous_world_size"] == 4
+    assert result.details["mode"] == "delete-pods"
+    resize = "shrunk from 4 to 2 pod(s) (the job declares no elastic range)"
+    assert result.details["resize"] == resize
+    assert result.details["resize"] in result.outcome
 
 
 def test_restart_pytorchjob_keeps_pods_already_at_the_new_generation(
     kube: FakeKube, act: KubernetesActuator
 ) -> None:
-    owner = k.pytorchjob(kube, "pt", 1)
+    owner = k.pytorchjob(kube, "pt", 1, restart_policy="OnFailure")
     k.pods(kube, "pt", owner, ["n1"], 2, annotations={ANN_GENERATION: "3"})
     run(act.restart_job(placement("pt", ("n1",), 2, gen=3), reason="retry after a crash"))
     assert len(kube.items("", "pods")) == 2
@@ -398,7 +402,7 @@ def test_missing_workload_is_a_clear_error(kube: FakeKube, act: KubernetesActuat
     with pytest.raises(ActuatorError) as err:
         run(act.restart_job(placement("ghost", ("n1",), 1, gen=1), reason="x"))
     assert str(err.value) == (
-        "job 'ghost' not found in namespace train: no pods and no Job/JobSet/PyTorchJob "
+        "job 'ghost' not found in namespace train: no pods and no Job/JobSet/PyTorchJob/TrainJob "
         "labelled trainguard.io/job=ghost"
     )
     assert not err.value.retryable
@@ -453,8 +457,12 @@ def test_every_api_call_is_covered_by_rbac_rules_and_every_rule_is_used(
     owner = k.jobset(kube, "js", 1)
     k.pods(kube, "js", k.child_job(kube, owner, "js-workers-0"), ["n1"], 1)
     k.pods(kube, "pt", k.pytorchjob(kube, "pt", 1, master=False), ["n1"], 1)
-    for name in ("js", "pt"):
+    _, tjs = k.trainjob(kube, "tj", 1)
+    k.pods(kube, "tj", k.child_job(kube, tjs, "tj-node-0"), ["n1"], 1)
+    for name in ("js", "pt", "tj"):
         run(act.restart_job(placement(name, ("n1",), 1, gen=1), reason="x"))
+    with pytest.raises(ActuatorError, match="not found"):  # lists every workload kind
+        run(act.restart_job(placement("ghost", ("n1",), 1, gen=1), reason="x"))
 
     served = set(kube.served)
     assert [s for s in served if not _allowed(*s)] == []

@@ -323,7 +323,9 @@ class NodeGuard:
         """True once the pod is gone (evicted now or already); False when a PDB refuses."""
         meta = pod["metadata"]
         body = client.V1Eviction(
-            metadata=client.V1ObjectMeta(name=meta["name"], namespace=meta["namespace"])
+            api_version="policy/v1",
+            kind="Eviction",
+            metadata=client.V1ObjectMeta(name=meta["name"], namespace=meta["namespace"]),
         )
         try:
             await self.kube.write(

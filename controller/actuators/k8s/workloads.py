@@ -41,6 +41,7 @@ from controller.actuators.k8s.events import EventRecorder
 
 ANN_POLICY: Final = "trainguard.io/policy"
 _NNODES = re.compile(r"--nnodes[= ](\d+):(\d+)")
+_FIXED_NNODES = re.compile(r"--nnodes[= ](\d+)(?![\d:])")
 _RESTARTING_POLICIES: Final = {"OnFailure", "Always", "ExitCode"}
 
 Mode = Literal["fail-child-jobs", "delete-pods", "suspend-resume", "refuse"]
@@ -85,6 +86,22 @@ def pod_templates(kind: str, obj: dict[str, Any]) -> list[dict[str, Any]]:
     return []  # TrainJob: the pods come from its runtime's JobSet
 
 
+def _command_lines(kind: str, obj: dict[str, Any]) -> list[str]:
+    """Each container's command and args as one line (a TrainJob's: its ``trainer``)."""
+    if kind == "TrainJob":
+        containers = [(obj.get("spec") or {}).get("trainer") or {}]
+    else:
+        containers = [
+            c
+            for template in pod_templates(kind, obj)
+            for c in (template.get("spec") or {}).get("containers") or []
+        ]
+    return [
+        " ".join(str(x) for x in (c.get("command") or []) + (c.get("args") or []))
+        for c in containers
+    ]
+
+
 def elastic_bounds(kind: str, obj: dict[str, Any]) -> ElasticBounds | None:
     """The node-count range the job accepts, from its own spec, or ``None`` (fixed)."""
     elastic = (obj.get("spec") or {}).get("elasticPolicy") or {}
@@ -92,15 +109,47 @@ def elastic_bounds(kind: str, obj: dict[str, Any]) -> ElasticBounds | None:
         return ElasticBounds(
             int(elastic["minReplicas"]), int(elastic["maxReplicas"]), "elasticPolicy"
         )
-    for template in pod_templates(kind, obj):
-        for container in (template.get("spec") or {}).get("containers") or []:
-            line = " ".join(
-                str(x) for x in (container.get("command") or []) + (container.get("args") or [])
-            )
-            if m := _NNODES.search(line):
-                low, high = int(m.group(1)), int(m.group(2))
-                return ElasticBounds(low, high, f"torchrun --nnodes={low}:{high}")
+    for line in _command_lines(kind, obj):
+        if m := _NNODES.search(line):
+            low, high = int(m.group(1)), int(m.group(2))
+            return ElasticBounds(low, high, f"torchrun --nnodes={low}:{high}")
     return None
+
+
+def fixed_nnodes(kind: str, obj: dict[str, Any]) -> int | None:
+    """A torchrun ``--nnodes=N`` without a range in the job's command (``None``: none)."""
+    for line in _command_lines(kind, obj):
+        if m := _FIXED_NNODES.search(line):
+            return int(m.group(1))
+    return None
+
+
+def resize_note(kind: str, obj: dict[str, Any], old: int, new: int, *, masters: int = 0) -> str:
+    """What a restart from ``old`` to ``new`` pods does to the job's size, for the action's
+    outcome and the incident ("" when the size stays). Raises when the job does not allow
+    it: outside its elastic range, or a fixed ``torchrun --nnodes=N`` (its agents would wait
+    for N nodes forever). ``masters``: PyTorchJob Master pods, which ``elasticPolicy``'s
+    replica bounds do not count."""
+    if new == old:
+        return ""
+    name = f"{kind} {(obj.get('metadata') or {}).get('name')}"
+    verb = "shrunk" if new < old else "grown"
+    bounds = elastic_bounds(kind, obj)
+    if bounds is not None:
+        count = new - masters if bounds.source == "elasticPolicy" else new
+        if not bounds.min_nodes <= count <= bounds.max_nodes:
+            raise ActuatorError(
+                f"{name}: {count} node(s) is outside its {bounds.source} "
+                f"({bounds.min_nodes}..{bounds.max_nodes}); the job does not allow that size"
+            )
+        return f"{verb} from {old} to {new} pod(s) within {bounds.source}"
+    fixed = fixed_nnodes(kind, obj)
+    if fixed is not None:
+        raise ActuatorError(
+            f"{name}: its torchrun --nnodes={fixed} is fixed, so {new} pod(s) would wait for "
+            f"{fixed} forever; declare --nnodes=MIN:MAX to let trainguard resize it"
+        )
+    return f"{verb} from {old} to {new} pod(s) (the job declares no elastic range)"
 
 
 def restart_budget(jobset: dict[str, Any]) -> tuple[int, int]:
@@ -267,8 +316,10 @@ __all__ = [
     "JobPolicy",
     "delete_gang_pods",
     "elastic_bounds",
+    "fixed_nnodes",
     "job_policy",
     "plan_gang_restart",
     "pod_templates",
+    "resize_note",
     "restart_budget",
 ]

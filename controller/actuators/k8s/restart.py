@@ -1,0 +1,263 @@
+"""``KubernetesActuator.restart_job``: restart a job's whole gang the workload's own way.
+
+Which way is :func:`~controller.actuators.k8s.workloads.plan_gang_restart`'s answer, read
+from the workload itself:
+
+* **fail-child-jobs** (JobSet, and a TrainJob through the JobSet it runs as): record the
+  generation, delete the gang's pods off the new placement; the JobSet's ``failurePolicy``
+  recreates every child Job and counts the restart against ``maxRestarts``.
+* **delete-pods** (PyTorchJob whose replicas restart: ``OnFailure``/``Always``/``ExitCode``):
+  write the new size and generation into the spec, then remove every old-generation pod;
+  the operator recreates each from the new spec (off the tainted node).
+* **suspend-resume** (indexed batch/v1 Job, PyTorchJob ``Never``, a JobSet that does not
+  restart itself, every resize of a Job/JobSet/TrainJob): suspend (the workload's
+  controller deletes every pod), remove what is left, change size and template, resume (all
+  pods recreated).
+
+Never half a gang: a suspend-resume interrupted half-way leaves the workload suspended (no
+pod of either generation runs) and a retry resumes it; a delete-pods restart interrupted
+half-way suspends the PyTorchJob before it reports the error, so old and new pods never
+train side by side, and the retry goes the suspend-resume way. Pods already carrying the new
+generation are never removed, so a retry finishes the job instead of starting over.
+
+A resize says what it did (``details["resize"]``, in the outcome): "shrunk from 4 to 3 pod(s)
+within torchrun --nnodes=2:4", and is refused when the job does not allow the size
+(:func:`~controller.actuators.k8s.workloads.resize_note`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import Any, Protocol
+
+from controller.actuators import kube_objects as ko
+from controller.actuators.base import ActuatorError, ActuatorResult, Placement
+from controller.actuators.k8s.api import Kube
+from controller.actuators.k8s.nodes import NodeGuard
+from controller.actuators.k8s.placement import PlacementBook
+from controller.actuators.k8s.workloads import (
+    GangPlan,
+    delete_gang_pods,
+    job_policy,
+    plan_gang_restart,
+    resize_note,
+    restart_budget,
+)
+from controller.actuators.kube_objects import (
+    ANN_GENERATION,
+    ANN_RESUME_STEP,
+    ENV_GENERATION,
+    JOB,
+    JOBSET,
+    PYTORCHJOB,
+    TRAINJOB,
+    Workload,
+    WorkloadKind,
+)
+
+
+class KubernetesActuator(Protocol):
+    """What a restart uses of :class:`controller.actuators.kubernetes.KubernetesActuator`
+    (a protocol, so this package does not import the module that imports it)."""
+
+    book: PlacementBook
+    kube: Kube
+    nodes: NodeGuard
+    settle_timeout_s: float
+    poll_interval_s: float
+
+    async def _job_pods(self, job: str) -> list[dict[str, Any]]: ...
+    async def _resolve(self, job: str, pods: list[dict[str, Any]] | None = None) -> Workload: ...
+    async def _get_workload(self, kind: WorkloadKind, name: str) -> Workload: ...
+    async def _patch_workload(self, w: Workload, body: dict[str, Any], what: str) -> Workload: ...
+    async def _remove_pods(self, pods: list[dict[str, Any]], details: dict[str, Any]) -> None: ...
+    async def _event(self, obj: dict[str, Any], reason: str, msg: str, warning: bool) -> None: ...
+    async def _try_event(self, coro: Awaitable[None], details: dict[str, Any]) -> None: ...
+
+
+def _masters(w: Workload) -> int:
+    if w.kind is not PYTORCHJOB:
+        return 0
+    specs = w.obj["spec"].get("pytorchReplicaSpecs") or {}
+    return int(specs["Master"].get("replicas", 1)) if "Master" in specs else 0
+
+
+def gang_plan(w: Workload, *, same_size: bool) -> GangPlan:
+    """How to restart ``w``'s gang; raises when the workload must not be failed again."""
+    if w.suspended:
+        return GangPlan("suspend-resume", 0, False, "the workload is suspended: resumed")
+    policy = job_policy(w.obj)
+    if w.kind in (JOBSET, TRAINJOB) and same_size:
+        plan = plan_gang_restart(
+            w.kind.kind, w.obj, current_nodes=1, healthy_nodes=1, jobset=w.runtime, policy=policy
+        )
+        if plan.mode == "refuse":
+            raise ActuatorError(f"restart {w.label}: {plan.note}")
+        return plan
+    if w.kind is PYTORCHJOB:
+        return plan_gang_restart("PyTorchJob", w.obj, current_nodes=1, healthy_nodes=1)
+    return GangPlan("suspend-resume", 0, False, "every pod deleted and recreated")
+
+
+async def restart_job(act: KubernetesActuator, placement: Placement, reason: str) -> ActuatorResult:
+    job, gen = placement.job, placement.generation
+    pods = await act._job_pods(job)
+    w = await act._resolve(job, pods)
+    done = w.annotations.get(ANN_GENERATION, "")
+    if done.isdigit() and int(done) >= gen:
+        return ActuatorResult(
+            outcome=f"job {job} generation {done} already started; nothing to do",
+            details={"already": True, "workload": w.label},
+        )
+    annotations = {
+        ANN_GENERATION: str(gen),
+        ANN_RESUME_STEP: None if placement.resume_step is None else str(placement.resume_step),
+    }
+    # Pods, not ranks: torchrun runs several ranks per pod (as the ranks reported).
+    layout = act.book.layout(job)
+    per_pod = len(next(iter(layout.pods().values()))) if layout is not None else 1
+    size = placement.world_size // per_pod
+    _, old_size = ko.restart_patch(w, size, annotations)
+    resize = resize_note(w.kind.kind, w.obj, old_size, size, masters=_masters(w))
+    plan = gang_plan(w, same_size=old_size == size)
+    details: dict[str, Any] = {
+        "workload": w.label,
+        "generation": gen,
+        "world_size": placement.world_size,
+        "previous_world_size": old_size * per_pod,
+        "ranks_per_pod": per_pod,
+        "env_wired": ko.env_wired(w),
+        "mode": plan.mode,
+    }
+    if resize:
+        details["resize"] = resize
+    # Pods created from the new template carry the new generation: a retried restart
+    # leaves them alone and removes only what is left of older generations.
+    stale = [p for p in pods if ko.pod_generation(p) != gen]
+    if plan.mode == "fail-child-jobs":
+        return await _fail_gang(act, w, pods, placement, plan, details, reason)
+    if plan.mode == "delete-pods":
+        w = await _recreate_pods(act, w, size, annotations, stale, details)
+    else:
+        w = await _suspend_resume(act, w, size, annotations, stale, details)
+    outcome = (
+        f"job {job} restarted as generation {gen} with {placement.world_size} ranks "
+        f"({w.label}, was {old_size * per_pod}; {plan.note})"
+    )
+    if resize:
+        outcome += f"; {resize}"
+    if not details["env_wired"]:
+        outcome += f"; its pod template does not map {ENV_GENERATION} from the annotation"
+    await act._try_event(act._event(w.obj, "JobRestarted", f"{outcome}: {reason}", False), details)
+    return ActuatorResult(outcome=outcome, details=details)
+
+
+def _record(gen: int) -> dict[str, Any]:
+    return {"metadata": {"annotations": {ANN_GENERATION: str(gen)}}}
+
+
+async def _recreate_pods(
+    act: KubernetesActuator,
+    w: Workload,
+    size: int,
+    annotations: dict[str, Any],
+    stale: list[dict[str, Any]],
+    details: dict[str, Any],
+) -> Workload:
+    """PyTorchJob with restarting replicas: new spec first, then every old pod goes (the
+    operator recreates it from the new spec); half-way failures suspend the job."""
+    patch, _ = ko.restart_patch(w, size, annotations)
+    w = await act._patch_workload(w, patch, "resize")
+    try:
+        await act._remove_pods(stale, details)
+        if details.get("blocked_by_pdb"):
+            raise ActuatorError(
+                f"a PodDisruptionBudget kept {len(details['blocked_by_pdb'])} old pod(s)"
+            )
+    except ActuatorError as exc:
+        removed = len(details.get("evicted", [])) + len(details.get("deleted_despite_pdb", []))
+        what = f"restart {w.label} interrupted after {removed} of {len(stale)} old pod(s) ({exc})"
+        try:
+            await act._patch_workload(w, ko.nest(w.kind.suspend_path, True), "suspend")
+        except ActuatorError as again:
+            raise ActuatorError(
+                f"{what}; suspending it to stop the half gang failed too ({again}); "
+                "retry the restart",
+                retryable=True,
+            ) from exc
+        raise ActuatorError(
+            f"{what}; suspended so that no half gang trains; retry the restart", retryable=True
+        ) from exc
+    record = _record(int(annotations[ANN_GENERATION]))
+    return await act._patch_workload(w, record, "record generation of")
+
+
+async def _suspend_resume(
+    act: KubernetesActuator,
+    w: Workload,
+    size: int,
+    annotations: dict[str, Any],
+    stale: list[dict[str, Any]],
+    details: dict[str, Any],
+) -> Workload:
+    """Suspend (every pod goes), change size and template, resume: one patch at the end,
+    so an interruption leaves the workload suspended, never half restarted."""
+    if not w.suspended:
+        w = await act._patch_workload(w, ko.nest(w.kind.suspend_path, True), "suspend")
+    await act._remove_pods(stale, details)
+    if w.kind is JOB:
+        w = await _wait_job_settled(act, w)
+    patch, _ = ko.restart_patch(w, size, annotations)
+    version = {"metadata": {"resourceVersion": w.obj["metadata"].get("resourceVersion")}}
+    for part in (_record(int(annotations[ANN_GENERATION])), version):
+        patch = ko.merge(patch, part)
+    patch = ko.merge(patch, ko.nest(w.kind.suspend_path, False))
+    return await act._patch_workload(w, patch, "resize and resume")
+
+
+async def _fail_gang(
+    act: KubernetesActuator,
+    w: Workload,
+    pods: list[dict[str, Any]],
+    placement: Placement,
+    plan: GangPlan,
+    details: dict[str, Any],
+    reason: str,
+) -> ActuatorResult:
+    """Fail the JobSet (a TrainJob's: its runtime) the way a crashed rank would: record the
+    generation, then delete the gang's pods off the placement (all of them if none is)."""
+    used, allowed = restart_budget(w.runtime if w.runtime is not None else w.obj)
+    w = await act._patch_workload(w, _record(placement.generation), "record generation of")
+    off = [p for p in pods if p.get("spec", {}).get("nodeName") not in placement.nodes]
+    result = await delete_gang_pods(
+        act.kube, act.nodes.events, w.obj, off or pods, plan=plan, reason=reason
+    )
+    details.update(result.details, restarts_used=used + 1, max_restarts=allowed)
+    outcome = (
+        f"job {placement.job} generation {placement.generation}: {result.outcome} "
+        f"(restart {used + 1} of {allowed})"
+    )
+    return ActuatorResult(outcome=outcome, details=details)
+
+
+async def _wait_job_settled(act: KubernetesActuator, w: Workload) -> Workload:
+    """A suspended Job's pod template becomes mutable once the Job controller has removed
+    its pods and cleared ``status.startTime``."""
+    deadline = time.monotonic() + act.settle_timeout_s
+    while True:
+        status = w.obj.get("status") or {}
+        if not status.get("active") and not status.get("startTime"):
+            return w
+        if time.monotonic() >= deadline:
+            raise ActuatorError(
+                f"{w.label} still has {status.get('active') or 0} active pod(s) "
+                f"{act.settle_timeout_s:.0f}s after suspension; retry the restart",
+                retryable=True,
+            )
+        await asyncio.sleep(act.poll_interval_s)
+        w = await act._get_workload(w.kind, w.name)
+
+
+__all__ = ["gang_plan", "restart_job"]
