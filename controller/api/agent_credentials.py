@@ -1,7 +1,9 @@
-"""Per-node agent credentials: an operator issues (and so rotates) a node's agent token.
+"""Per-node agent credentials: an operator issues (and so rotates) or revokes a node's tokens.
 
 The token is in this one reply and nowhere else (the database keeps its sha256); the node's
 older tokens stay valid for ``agent_token_grace_s``, long enough to roll the new one out.
+Revoking ends all of a node's tokens at once (a node suspected compromised), audited as an
+action row.
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Path, Request
 from pydantic import BaseModel
 
-from controller.api.deps import AUTH_ERRORS, require_operator
+from controller.api.deps import AUTH_ERRORS, NOT_FOUND, require_operator
 from controller.auth import Principal
+from controller.errors import NotFound
 from controller.services.agent_identity import IdentityResolver
 from trainguard.wire import NAME_PATTERN
 
@@ -28,6 +31,12 @@ class AgentCredentialPublic(BaseModel):
 class AgentTokenIssued(AgentCredentialPublic):
     token: str
     previous_valid_until_unix_s: float | None
+
+
+class AgentTokensRevoked(BaseModel):
+    node: str
+    #: Tokens that were valid and are not any more.
+    revoked: int
 
 
 class AgentCredentialsPublic(BaseModel):
@@ -87,3 +96,21 @@ async def list_agent_credentials(
         for c in _resolver(request).credentials.for_node(node)
     ]
     return AgentCredentialsPublic(data=data, count=len(data))
+
+
+@router.delete(
+    "/agent-credentials/{node}",
+    operation_id="revoke_agent_tokens",
+    response_model=AgentTokensRevoked,
+    responses={**AUTH_ERRORS, **NOT_FOUND},
+)
+async def revoke_agent_tokens(
+    request: Request,
+    node: str = NodeName,
+    principal: Principal = Depends(require_operator),
+) -> AgentTokensRevoked:
+    """End every valid agent token of ``node`` now: its next report is 401 (no grace)."""
+    revoked = await _resolver(request).revoke(node, by=f"operator:{principal.name}")
+    if not revoked:
+        raise NotFound(f"node {node!r} has no valid agent token to revoke")
+    return AgentTokensRevoked(node=node, revoked=revoked)

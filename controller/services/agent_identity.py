@@ -7,14 +7,18 @@ bind an agent to one node:
 * **per-node tokens** issued and rotated by the controller (``POST
   /api/v1/agent-credentials/{node}``, ``trainguard agent-token issue NODE``): random, shown
   once, kept only as sha256 digests in ``agent_credentials``. Rotation issues a new token and
-  gives the node's older ones a grace period, after which they stop working;
+  gives the node's older ones a grace period, after which they stop working. Revocation
+  (``DELETE /api/v1/agent-credentials/{node}``, ``trainguard agent-token revoke NODE``) ends
+  all of them at once: the node's next report is 401. It is audited as an action row
+  (``revoke_agent_tokens``) written in the same transaction;
 * **Kubernetes service-account tokens** (a projected token of the agent DaemonSet's pod):
   verified by the API server with a ``TokenReview``; the node is the one the API server bound
   the token to (``user.extra["authentication.kubernetes.io/node-name"]``), never a value the
   agent chooses. Only tokens of the configured service account are agents.
 
 The route then refuses (403) a report whose ``node.name`` is not the credential's node.
-Shared agent tokens from the settings work only with ``allow_shared_agent_tokens``.
+Shared agent tokens from the settings work only with ``allow_shared_agent_tokens`` (off by
+default).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from controller.store import Store
 
 #: Prefix of per-node tokens, so a leaked one is recognizable (and secret scanners can match).
 TOKEN_PREFIX = "tgn_"
+#: Kind of the action row that audits a revocation.
+REVOKE_ACTION = "revoke_agent_tokens"
 #: The API server's extra field naming the node a projected service-account token is bound to.
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 
@@ -140,6 +146,35 @@ class NodeCredentials:
         self._by_digest[digest] = credential
         return token, credential
 
+    async def revoke(self, node: str, *, by: str) -> int:
+        """End every valid token of ``node`` now; returns how many. Write, then publish: the
+        tokens stop working once the revocation and its audit row are stored."""
+        from controller.db.repositories.agent_credentials import revoke_credentials
+
+        now = self._clock()
+        valid = [
+            c for c in self.for_node(node) if c.expires_unix_s is None or c.expires_unix_s > now
+        ]
+        if not valid:
+            return 0
+        action = {
+            "kind": REVOKE_ACTION,
+            "target": f"node:{node}"[:512],
+            "trigger": by[:128],
+            "params": {"node": node, "credentials": len(valid)},
+            "status": "succeeded",
+            "outcome": f"{len(valid)} agent token(s) of node {node!r} revoked",
+            "created_unix_s": now,
+            "finished_unix_s": now,
+        }
+        ended = await self._store.write(
+            lambda conn: revoke_credentials(conn, node=node, now=now, action=action)
+        )
+        for key, old in list(self._by_digest.items()):
+            if old.node == node and (old.expires_unix_s is None or old.expires_unix_s > now):
+                self._by_digest[key] = NodeCredential(old.node, old.digest, old.created_unix_s, now)
+        return int(ended)
+
     def for_node(self, node: str) -> list[NodeCredential]:
         return sorted(
             (c for c in self._by_digest.values() if c.node == node),
@@ -181,6 +216,15 @@ class IdentityResolver:
     @property
     def credentials(self) -> NodeCredentials:
         return self._credentials
+
+    async def revoke(self, node: str, *, by: str) -> int:
+        """Revoke ``node``'s per-node tokens and forget its cached TokenReview answers (a
+        service-account token is asked about again; see docs/security.md for ending those)."""
+        ended = await self._credentials.revoke(node, by=by)
+        for key, (_, principal) in list(self._reviewed.items()):
+            if principal is not None and principal.node == node:
+                del self._reviewed[key]
+        return ended
 
     def lookup(self, digest: bytes) -> Principal | None:
         """Synchronous: per-node tokens and cached TokenReview answers."""

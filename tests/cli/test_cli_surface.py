@@ -28,6 +28,7 @@ EXPECTED = {
     "actions": CLIENT,
     "agent-token": [],
     "agent-token issue": ["NODE", *CLIENT],
+    "agent-token revoke": ["NODE", *CLIENT],
     "agent": [
         "--controller", "--token", "--token-file", "--node-name", "--gpus", "--sim-fault",
         "--sim-fault-file", "--spool-dir", "--socket-path", "--job-listen", "--job-token-file",

@@ -1,9 +1,12 @@
-"""``trainguard agent-token issue NODE``: a new agent token bound to one node.
+"""``trainguard agent-token issue NODE``: a new agent token bound to one node;
+``trainguard agent-token revoke NODE``: end all of a node's tokens now.
 
 The controller keeps only the token's sha256 and prints it once; the node's older tokens
 keep working for the controller's ``agent_token_grace_s`` so the new one can be rolled out
 (this is how tokens are rotated). The agent then sends it as ``TRAINGUARD_TOKEN`` and may
-report only as that node (docs/security.md).
+report only as that node (docs/security.md). Revoking (a node suspected compromised, or
+taken out of the cluster) has no grace: the node's next report is refused with 401, until
+a new token is issued for it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from trainguard.cli.options import DEFAULT_OUTPUT, Output, Server, Token, connec
 from trainguard.cli.output import OutputFormat, dump_json, dump_yaml, emit
 from trainguard.wire import API_PREFIX
 
-group = typer.Typer(help="Per-node agent credentials (issue, rotate).", no_args_is_help=True)
+group = typer.Typer(
+    help="Per-node agent credentials (issue, rotate, revoke).", no_args_is_help=True
+)
 
 
 @group.command("issue")
@@ -37,6 +42,25 @@ def issue(
         emit(dump_yaml(result))
     else:
         emit(str(result["token"]))
+
+
+@group.command("revoke")
+def revoke(
+    ctx: typer.Context,
+    node: Annotated[str, typer.Argument(help="Node whose agent tokens end now.")],
+    server: Server = None,
+    token: Token = None,
+    output: Output = DEFAULT_OUTPUT,
+) -> None:
+    """Revoke every agent token of NODE at once (its next report is 401); audited."""
+    client = connect(ctx, server, token)
+    result = client._request("DELETE", f"{API_PREFIX}/agent-credentials/{quote(node, safe='')}")
+    if output is OutputFormat.JSON:
+        emit(dump_json(result))
+    elif output is OutputFormat.YAML:
+        emit(dump_yaml(result))
+    else:
+        emit(f"{result['revoked']} agent token(s) of node {result['node']} revoked")
 
 
 def register(app: typer.Typer) -> None:

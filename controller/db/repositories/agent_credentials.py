@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.orm import Session
 
-from controller.db.models import AgentCredential
+from controller.db.models import Action, AgentCredential
 
 
 def load_credentials(session: Session) -> Sequence[AgentCredential]:
@@ -39,3 +39,22 @@ def rotate_credential(
             created_by=created_by,
         )
     )
+
+
+def revoke_credentials(
+    conn: Connection, *, node: str, now: float, action: dict[str, object]
+) -> int:
+    """End every still-valid credential of ``node`` at ``now`` and record ``action`` (the
+    audit row) in the same transaction: a revocation is never without its record. Returns
+    how many credentials were ended. The rows are kept, so the history stays readable."""
+    ended = conn.execute(
+        update(AgentCredential)
+        .where(
+            AgentCredential.node_name == node,
+            (AgentCredential.expires_unix_s.is_(None)) | (AgentCredential.expires_unix_s > now),
+        )
+        .values(expires_unix_s=now)
+    ).rowcount
+    if ended:
+        conn.execute(insert(Action).values(**action))
+    return int(ended or 0)
