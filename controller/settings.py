@@ -20,7 +20,7 @@ from typing import Any, Literal, Self
 
 import platformdirs
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -90,9 +90,10 @@ class ControllerSettings(BaseSettings):
     allow_anonymous_read: bool = False
     #: Let agent tokens from ``tokens`` (not bound to a node) report as any node. Risky: one
     #: compromised node holding it can report fatal faults for every other node and have the
-    #: policy isolate them (docs/security.md). Off: only per-node tokens and, with
-    #: ``kube_token_review``, service-account tokens bound to the reporting node.
-    allow_shared_agent_tokens: bool = True
+    #: policy isolate them (docs/security.md). Off (the default): only per-node tokens
+    #: (``trainguard agent-token issue NODE``) and, with ``kube_token_review``,
+    #: service-account tokens bound to the reporting node.
+    allow_shared_agent_tokens: bool = False
     #: After a per-node token is rotated, the node's older tokens keep working this long.
     agent_token_grace_s: float = Field(default=3600.0, ge=0, le=30 * 86_400)
     #: Accept Kubernetes service-account tokens from agents, verified by TokenReview; the
@@ -184,6 +185,18 @@ class ControllerSettings(BaseSettings):
     #: … and a leader that could not renew for this long stops acting (and writing) first.
     leader_lease_renew_deadline_s: float = Field(default=10.0, gt=0, le=300)
 
+    #: The ``webhook`` remediation step POSTs each remediation here (docs/remediation.md,
+    #: "Webhook step"), signed with HMAC-SHA256 under ``remediation_webhook_secret`` (or the
+    #: secret in ``remediation_webhook_secret_file``); empty: the step records that it has
+    #: nowhere to send.
+    remediation_webhook_url: str = Field(default="", max_length=2048, pattern=r"^(https?://\S+)?$")
+    remediation_webhook_secret: SecretStr | None = None
+    remediation_webhook_secret_file: Path | None = None
+    #: Seconds one attempt may take; failed attempts (connection errors, timeouts, 429,
+    #: 5xx) are retried this many times with exponential backoff.
+    remediation_webhook_timeout_s: float = Field(default=5.0, gt=0, le=120)
+    remediation_webhook_retries: int = Field(default=3, ge=0, le=10)
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -225,6 +238,26 @@ class ControllerSettings(BaseSettings):
                     "use a longer random token (e.g. `openssl rand -hex 24`)"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _webhook_secret(self) -> Self:
+        if self.remediation_webhook_url and not self.webhook_secret():
+            raise ValueError(
+                "remediation_webhook_url needs remediation_webhook_secret or "
+                "remediation_webhook_secret_file (receivers verify the HMAC signature)"
+            )
+        return self
+
+    def webhook_secret(self) -> bytes:
+        """The webhook's shared secret (the file's content, stripped, wins)."""
+        if self.remediation_webhook_secret_file is not None:
+            try:
+                return self.remediation_webhook_secret_file.read_bytes().strip()
+            except OSError as exc:
+                raise ValueError(f"remediation_webhook_secret_file: {exc}") from None
+        if self.remediation_webhook_secret is not None:
+            return self.remediation_webhook_secret.get_secret_value().encode()
+        return b""
 
     @model_validator(mode="after")
     def _lease_timings(self) -> Self:
