@@ -46,7 +46,7 @@ from controller.services.commands import CommandService
 from controller.services.events import JobRecordsReported
 from controller.services.incidents import IncidentService
 from controller.services.nodes import NodeRecords
-from controller.services.remediation import history
+from controller.services.remediation import approval, history
 from controller.services.remediation.grow import GrowBack
 from controller.services.remediation.records import (
     HARDWARE_KINDS,
@@ -64,6 +64,7 @@ from controller.services.remediation.steps import (
 )
 from controller.services.remediation.steps import wait as resume_wait
 from controller.services.remediation.steps.isolate import apply_isolation
+from controller.services.webhook import Webhook
 from controller.state import ClusterState, IncidentState
 from controller.store import Store
 
@@ -95,11 +96,15 @@ class RemediationEngine:
         *,
         is_leader: Callable[[], bool] = lambda: True,
         tick_interval_s: float = 1.0,
+        webhook: Webhook | None = None,
     ) -> None:
         self._state = state
         self._store = store
         self._incidents = incidents
         self._recorder = ActionRecorder(actions)
+        self._actions = actions
+        #: Approvals in flight (``approve``), so two at once cannot both pass the check.
+        self._approving: set[int] = set()
         self.ctx = StepContext(
             state=state,
             store=store,
@@ -108,6 +113,7 @@ class RemediationEngine:
             recorder=self._recorder,
             actuator=actuator,
             policy=policy,
+            webhook=webhook,
         )
         self.is_leader = is_leader
         self.tick_interval_s = tick_interval_s
@@ -348,8 +354,14 @@ class RemediationEngine:
         )
 
     def _launch(
-        self, incident: IncidentState, rule: Rule, steps: list[Step], job: str | None, now: float
-    ) -> None:
+        self,
+        incident: IncidentState,
+        rule: Rule,
+        steps: list[Step],
+        job: str | None,
+        now: float,
+        approved_by: str | None = None,
+    ) -> Remediation:
         """Run ``steps`` of ``rule`` for one job (or none) as a background remediation."""
         rem = Remediation(
             id=uuid.uuid4().hex[:12],
@@ -361,12 +373,14 @@ class RemediationEngine:
             started_unix_s=now,
             dry_run=self.policy.dry_run,
             trigger=f"incident:{incident.id}",
+            approved_by=approved_by,
         )
         if job is not None:
             book = self.book(job)
             book.ledger.fault(fault_time(incident), str(incident.id), incident.kind)
             book.ledger.detected(incident.opened_unix_s, str(incident.id))
         self._start(rem, self._run(rem, incident, rule, steps))
+        return rem
 
     def _start_steps(self, rem: Remediation, steps: list[Step]) -> None:
         """Run ``steps`` for ``rem`` with no incident (a grow-back)."""
@@ -418,11 +432,18 @@ class RemediationEngine:
         remediation, any other step's outcome is reported and the next step runs."""
         failed = ""
         try:
-            for step in steps:
+            # The job's own policy (its steps, its dry run) narrows the rule for this job.
+            own = await approval.apply_job_policy(self.ctx, rem, incident, steps)
+            if own is None:
+                failed = rem.outcome
+            for step in own or []:
                 ok, outcome = await self._step(step, rem, incident, rule)
                 rem.outcome = outcome
                 if not ok and step in (Step.RESTART, Step.ROLLBACK):
                     failed = outcome
+            if own is not None and rem.awaiting_approval and incident is not None:
+                await approval.record_plan(self.ctx, rem, incident, own)
+                rem.outcome = f"planned {', '.join(own)}; awaiting approval"
         except Exception as exc:  # a remediation must never take the engine down
             log.exception("remediation failed", extra={"fields": {"remediation": rem.id}})
             failed = f"{type(exc).__name__}: {exc}"
@@ -448,6 +469,46 @@ class RemediationEngine:
     async def apply_isolation(self, node: str, *, isolate: bool, reason: str) -> StepResult:
         """Isolate or release ``node`` by hand (the API): the same path as the policy's."""
         return await apply_isolation(self.ctx, node, isolate=isolate, reason=reason)
+
+    async def approve(self, action_id: int, actor: str) -> dict[str, Any]:
+        """Run the plan a job's dry run held back (an ``approval`` row), once, as ``actor``.
+
+        The row is marked approved before anything runs, so a repeated approval is refused
+        (:class:`~.approval.ApprovalError`, one line with an HTTP status). Returns the
+        remediation started (:meth:`Remediation.public`)."""
+        if not self.is_leader():
+            raise approval.ApprovalError("this replica is not the leader", 503)
+        if not actor.strip():
+            raise approval.ApprovalError("an approval needs the approver's name", 400)
+        if action_id in self._approving:
+            raise approval.ApprovalError(f"action {action_id} is being approved already")
+        self._approving.add(action_id)
+        try:
+            row = await self._store.read(lambda s: approval.read_action(s, action_id))
+            incident, rule, steps, job = approval.check_approvable(
+                row, action_id, self._state, self.policy
+            )
+            book = self.book(job)
+            if book.running is not None or book.awaiting_resume is not None:
+                raise approval.ApprovalError(
+                    f"job {job} is being remediated now; approve again when that is over"
+                )
+            assert row is not None
+            await self._actions.update(
+                action_id,
+                params=approval.approved_params(row["params"], actor),
+                status="succeeded",
+                outcome=f"approved by {actor}",
+                finished_unix_s=time.time(),
+            )
+        finally:
+            self._approving.discard(action_id)
+        log.warning(
+            "running an approved remediation plan",
+            extra={"fields": {"action": action_id, "by": actor, "job": job, "steps": steps}},
+        )
+        rem = self._launch(incident, rule, steps, job, time.time(), approved_by=actor)
+        return rem.public()
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -40,6 +40,10 @@ class Remediation:
     #: The restart's action row and its parameters (updated when the job resumes).
     restart_action: int | None = None
     restart_params: RestartParams | None = None
+    #: The job's own policy asked for a dry run: its plan waits for a human (``approve``).
+    awaiting_approval: bool = False
+    #: Who approved the plan this remediation carries out (``None``: no approval needed).
+    approved_by: str | None = None
 
     @property
     def ledger_id(self) -> str:
@@ -64,6 +68,8 @@ class Remediation:
             "resume_step": self.resume_step,
             "restarted_unix_s": self.restarted_unix_s,
             "resumed_unix_s": self.resumed_unix_s,
+            "awaiting_approval": self.awaiting_approval,
+            "approved_by": self.approved_by,
         }
 
 

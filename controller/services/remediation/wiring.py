@@ -29,6 +29,7 @@ from controller.services.incidents import IncidentService
 from controller.services.lease_lock import kube_api_client
 from controller.services.nodes import NodeRecords
 from controller.services.remediation.engine import RemediationEngine
+from controller.services.webhook import Webhook
 from controller.settings import ControllerSettings
 from controller.state import ClusterState
 from controller.store import Store
@@ -176,4 +177,17 @@ def build_remediation(
         build_actuator(settings, local_jobs, lease=lease),
         policy,
         is_leader=is_leader,
+        webhook=build_webhook(settings),
+    )
+
+
+def build_webhook(settings: ControllerSettings) -> Webhook | None:
+    """The ``webhook`` step's client, when ``remediation_webhook_url`` is set."""
+    if not settings.remediation_webhook_url:
+        return None
+    return Webhook(
+        settings.remediation_webhook_url,
+        settings.webhook_secret(),
+        timeout_s=settings.remediation_webhook_timeout_s,
+        retries=settings.remediation_webhook_retries,
     )

@@ -20,11 +20,20 @@ from controller.services.remediation.steps.checkpoint import ProtectiveCheckpoin
 from controller.services.remediation.steps.isolate import Isolate
 from controller.services.remediation.steps.restart import Restart
 from controller.services.remediation.steps.rollback import Rollback
+from controller.services.remediation.steps.webhook import WebhookStep
 
 #: The step that carries out each ``Step`` of a rule (``alert`` is the engine's own: it is
 #: recorded when a rule first matches, not run as part of a remediation).
 STEPS: dict[Step, RemediationStep] = {
-    s.step: s for s in (CaptureEvidence(), ProtectiveCheckpoint(), Isolate(), Restart(), Rollback())
+    s.step: s
+    for s in (
+        CaptureEvidence(),
+        ProtectiveCheckpoint(),
+        Isolate(),
+        Restart(),
+        Rollback(),
+        WebhookStep(),
+    )
 }
 #: The action kind each step records, to find where an interrupted remediation stopped.
 STEP_ACTION_KIND: dict[Step, str] = {step: s.action_kind for step, s in STEPS.items()}

@@ -23,6 +23,7 @@ from controller.services.actions import ActionService
 from controller.services.commands import CommandService
 from controller.services.nodes import NodeRecords
 from controller.services.remediation.records import JobBook, Remediation
+from controller.services.webhook import Webhook
 from controller.state import ClusterState, IncidentState
 from controller.store import Store
 
@@ -110,6 +111,8 @@ class StepContext:
     restarts: guards.RestartBudget = field(default_factory=guards.RestartBudget)
     #: Node count of each job's first placement (the size ``grow`` returns to).
     original_nodes: dict[str, int] = field(default_factory=dict)
+    #: Where the ``webhook`` step POSTs (``remediation_webhook_url``; ``None``: not set).
+    webhook: Webhook | None = None
 
     def book(self, job: str) -> JobBook:
         book = self.jobs.get(job)
