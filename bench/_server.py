@@ -40,7 +40,8 @@ class Server:
             port=0,
             tokens=[{"name": r, "role": r, "token": t} for r, t in self.tokens.items()],
             log_level="warning",
-            **settings,
+            # One agent token for every simulated node (the controller's default is off).
+            **{"allow_shared_agent_tokens": True, **settings},
         )
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

@@ -264,6 +264,8 @@ class _Controller:
             "TRAINGUARD_LOG_LEVEL": "warning",
             "TRAINGUARD_NODE_LOST_AFTER_S": "3600",
             "TRAINGUARD_TOKENS": json.dumps([{"name": "bench", "role": "agent", "token": TOKEN}]),
+            # One agent token for every simulated node (the controller's default is off).
+            "TRAINGUARD_ALLOW_SHARED_AGENT_TOKENS": "true",
         }
         code = (
             "import logging, sys\n"

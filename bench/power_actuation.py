@@ -74,7 +74,13 @@ def measure_actuation(
                 *cli_argv("controller", "--host", "127.0.0.1", "--port", str(port)),
                 *("--database-url", f"sqlite:///{Path(tmp) / 'tg.db'}"),
             ],
-            env=_env({"TRAINGUARD_TOKENS": json.dumps(tokens)}),
+            env=_env(
+                {
+                    "TRAINGUARD_TOKENS": json.dumps(tokens),
+                    # One agent token for every simulated node (the default is off).
+                    "TRAINGUARD_ALLOW_SHARED_AGENT_TOKENS": "true",
+                }
+            ),
         )
         http = httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}, timeout=10

@@ -164,6 +164,9 @@ def controller_factory(db_url: str) -> Iterator[ControllerFactory]:
                 for role, token in tokens.items()
             ],
             "log_level": "warning",
+            # Tests post reports for many nodes with one agent token: opted in here; the
+            # identity tests turn it off (the controller's default).
+            "allow_shared_agent_tokens": True,
         }
         values.update(overrides)
         if db_url.startswith("postgresql"):

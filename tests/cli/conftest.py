@@ -46,6 +46,7 @@ def cli_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliServer]:
     policy.write_text(json.dumps({"enabled": False}))
     env |= {
         "TRAINGUARD_TOKENS": json.dumps(tokens),
+        "TRAINGUARD_ALLOW_SHARED_AGENT_TOKENS": "true",  # one token for the fed nodes
         "TRAINGUARD_NODE_LOST_AFTER_S": "3600",
         "TRAINGUARD_POLICY_FILE": str(policy),
     }

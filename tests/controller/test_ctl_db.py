@@ -213,6 +213,7 @@ def test_ack_survives_kill_9(tmp_path, db_url: str, ctl_report) -> None:
         "TRAINGUARD_DATABASE_URL": db_url,
         "TRAINGUARD_PORT": "0",
         "TRAINGUARD_TOKENS": json.dumps([{"name": "a", "role": "agent", "token": "a" * 24}]),
+        "TRAINGUARD_ALLOW_SHARED_AGENT_TOKENS": "true",
         "TRAINGUARD_INGEST_FLUSH_INTERVAL_S": "0.05",
     }
     code = (

@@ -148,6 +148,8 @@ class E2ECluster:
         ]
         env = {
             "TRAINGUARD_TOKENS": json.dumps(tokens),
+            # One agent token for every node of the test cluster (the default is off).
+            "TRAINGUARD_ALLOW_SHARED_AGENT_TOKENS": "true",
             "TRAINGUARD_NODE_LOST_AFTER_S": str(self.node_lost_after_s),
             **(extra_env or {}),
         }

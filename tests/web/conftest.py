@@ -284,6 +284,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 for role, token in tokens.items()
             ],
             log_level="warning",
+            allow_shared_agent_tokens=True,  # one agent token for every simulated node
             # The fabric from the agents' labels (two NICs each), for the network page.
             topology_labels={"spines": 2, "port_speed_gbps": 200.0},
         ),
