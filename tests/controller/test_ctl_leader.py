@@ -72,6 +72,7 @@ def replicas(tmp_path: Path) -> Iterator[Callable[[str], Replica]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     env |= {
         "TRAINGUARD_TOKENS": json.dumps(configured),
+        "TRAINGUARD_ALLOW_SHARED_AGENT_TOKENS": "true",  # one agent token, many nodes
         "TRAINGUARD_NODE_LOST_AFTER_S": str(NODE_LOST_AFTER_S),
         "TRAINGUARD_LOG_LEVEL": "info",
     }

@@ -95,6 +95,7 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
         self.env = env | {
             "TRAINGUARD_TOKENS": json.dumps(configured),
+            "TRAINGUARD_ALLOW_SHARED_AGENT_TOKENS": "true",  # one agent token, many nodes
             "TRAINGUARD_POLICY_FILE": str(policy_file),
             # Silent nodes must not open node_lost incidents of their own during the test.
             "TRAINGUARD_NODE_LOST_AFTER_S": "600",
