@@ -17,12 +17,17 @@ read; and every rank's pod must pass the Pod Security Standards ``baseline`` lev
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import yaml
+
+from collectives.config import config_from_env
+from tests.examples.pss_baseline import baseline_violations
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -30,19 +35,25 @@ K8S_VERSION = "1.33"
 JOB_ENDPOINT_PORT = 9471  # the chart's agent.jobEndpoint.port
 JOB_TOKEN_SECRET = "trainguard-job-token"  # the chart's copy in agent.jobEndpoint.jobNamespaces
 
-trainer = pytest.importorskip("kubeflow_trainer_api.models")
-training = pytest.importorskip("kubeflow.training.models")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
-from kubernetes import client as k8s_client  # noqa: E402
-
-from collectives.config import config_from_env  # noqa: E402
-from tests.examples.pss_baseline import baseline_violations  # noqa: E402
-
+#: The kubeflow-trainer-api model class of each Kubeflow Trainer / JobSet kind.
 TRAINER_MODELS = {
-    "JobSet": trainer.JobsetV1alpha2JobSet,
-    "TrainingRuntime": trainer.TrainerV1alpha1TrainingRuntime,
-    "TrainJob": trainer.TrainerV1alpha1TrainJob,
+    "JobSet": "JobsetV1alpha2JobSet",
+    "TrainingRuntime": "TrainerV1alpha1TrainingRuntime",
+    "TrainJob": "TrainerV1alpha1TrainJob",
 }
+
+
+@functools.cache
+def _libs() -> SimpleNamespace:
+    """The model packages, imported on first use rather than at collection: they define
+    thousands of model classes (~10 s of CPU here), which every pytest-xdist worker would
+    otherwise pay while only one runs these tests. A missing package skips the test."""
+    return SimpleNamespace(
+        trainer=pytest.importorskip("kubeflow_trainer_api.models"),
+        training=pytest.importorskip("kubeflow.training.models"),
+        validate=pytest.importorskip("kubernetes_validate"),
+        k8s=pytest.importorskip("kubernetes.client"),
+    )
 
 
 def _docs(name: str) -> list[dict[str, Any]]:
@@ -63,7 +74,7 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
 
 
 def _trainer_round_trip(doc: dict[str, Any]) -> list[str]:
-    model = TRAINER_MODELS[doc["kind"]].from_dict(doc)
+    model = getattr(_libs().trainer, TRAINER_MODELS[doc["kind"]]).from_dict(doc)
     return _differences(doc, model.to_dict())
 
 
@@ -74,7 +85,7 @@ _DICT = re.compile(r"(?:dict\(str, (.+)\)|Dict\[str, (.+)\])")
 
 
 def _model_class(name: str) -> Any:
-    for module in (training, k8s_client):
+    for module in (_libs().training, _libs().k8s):
         found = getattr(module, name, None)
         if found is not None:
             return found
@@ -120,9 +131,10 @@ def _strict(value: Any, klass: str, path: str) -> list[str]:
 
 
 def _core_errors(doc: dict[str, Any]) -> list[str]:
+    validate = _libs().validate
     try:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    except kubernetes_validate.ValidationError as exc:
+        validate.validate(doc, K8S_VERSION, strict=True)
+    except validate.ValidationError as exc:
         return [f"{doc['kind']} {doc['metadata'].get('name')}: {exc.message}"]
     return []
 
