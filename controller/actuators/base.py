@@ -49,6 +49,19 @@ class ActuatorResult:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeView:
+    """What the platform itself says about a node whose agent went silent: the second
+    signal the engine needs before it quarantines (a partition is not a dead node)."""
+
+    #: The node's own health check (Kubernetes: the Node's ``Ready`` condition; a deleted
+    #: Node is ``False``); ``None``: not known.
+    ready: bool | None = None
+    #: Whether the training pods (local: rank processes) on it still run; ``None``: none
+    #: there, or not known.
+    pods_running: bool | None = None
+
+
 class Actuator(Protocol):
     #: ``"local"`` or ``"kubernetes"``; shown in actions and ``/api/v1/remediation``.
     name: str
@@ -104,6 +117,11 @@ class Actuator(Protocol):
         :class:`ActuatorError` with a one-line message."""
         ...
 
+    async def node_view(self, node: str) -> NodeView:
+        """What the platform says about ``node`` (:class:`NodeView`); may raise
+        :class:`ActuatorError` (the engine then counts it as not known)."""
+        ...
+
     def observe_ranks(self, node: str, events: Sequence[RankEvent]) -> None:
         """What ranks on ``node`` said about themselves (Kubernetes: their pod and namespace,
         so the job's placement is learned from the job; the local actuator knows its own)."""
@@ -114,4 +132,12 @@ class Actuator(Protocol):
         ...
 
 
-__all__ = ["Actuator", "ActuatorError", "ActuatorResult", "JobLimits", "JobPolicy", "Placement"]
+__all__ = [
+    "Actuator",
+    "ActuatorError",
+    "ActuatorResult",
+    "JobLimits",
+    "JobPolicy",
+    "NodeView",
+    "Placement",
+]

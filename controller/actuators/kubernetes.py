@@ -43,6 +43,7 @@ from controller.actuators.base import (
     ActuatorResult,
     JobLimits,
     JobPolicy,
+    NodeView,
     Placement,
 )
 from controller.actuators.k8s.api import Kube
@@ -161,6 +162,33 @@ class KubernetesActuator:
     def limits(self, job: str) -> JobLimits | None:
         """A workload declares no restart limits here; the policy's apply."""
         return None
+
+    async def node_view(self, node: str) -> NodeView:
+        """The Node's ``Ready`` condition (a deleted Node: not ready) and whether the job
+        namespace's pods on it still run: the engine's second signal before it quarantines a
+        node whose agent went silent (``k8s.partition``)."""
+        ready: bool | None = None
+        try:
+            obj = await self._call(f"get node {node}", self._core.read_node, node)
+        except KubernetesApiError as exc:
+            if exc.status != 404:
+                raise
+            ready = False
+        else:
+            for cond in (obj.get("status") or {}).get("conditions") or []:
+                if cond.get("type") == "Ready":
+                    ready = {"True": True, "False": False}.get(cond.get("status"))
+        pods = await self._call(
+            f"list pods on node {node}",
+            self._core.list_namespaced_pod,
+            self.namespace,
+            field_selector=f"spec.nodeName={node}",
+        )
+        live = [p for p in pods.get("items") or [] if not p["metadata"].get("deletionTimestamp")]
+        running = (
+            any((p.get("status") or {}).get("phase") == "Running" for p in live) if live else None
+        )
+        return NodeView(ready=ready, pods_running=running)
 
     async def job_policy(self, job: str) -> JobPolicy | None:
         """The workload's ``trainguard.io/policy`` annotation (``k8s.workloads.job_policy``;

@@ -37,7 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, JobPolicy, Placement
+from controller.actuators.base import (
+    ActuatorError,
+    ActuatorResult,
+    JobLimits,
+    JobPolicy,
+    NodeView,
+    Placement,
+)
 from trainguard.wire import RankEvent
 
 log = logging.getLogger(__name__)
@@ -204,6 +211,17 @@ class LocalProcessActuator:
 
     def observe_ranks(self, node: str, events: Sequence[RankEvent]) -> None:
         """Nothing to learn: this actuator placed every rank itself."""
+
+    async def node_view(self, node: str) -> NodeView:
+        """No node health of its own to ask (``ready`` unknown); whether the ranks it runs on
+        ``node`` are still alive is what it knows."""
+        alive = [
+            _peek(r.proc) is None
+            for gen in self._gens.values()
+            for r in gen.ranks
+            if r.node == node
+        ]
+        return NodeView(pods_running=any(alive) if alive else None)
 
     async def job_policy(self, job: str) -> JobPolicy | None:
         """Local jobs carry no policy of their own: the controller's rule applies."""

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, JobPolicy, Placement
+from controller.actuators.base import (
+    ActuatorError,
+    ActuatorResult,
+    JobLimits,
+    JobPolicy,
+    NodeView,
+    Placement,
+)
 
 
 @dataclass
@@ -24,6 +31,8 @@ class RecordingActuator:
     calls: list[tuple[str, Any]] = field(default_factory=list)
     #: Job -> its own policy (a workload annotation on Kubernetes), or the error it raises.
     policies: dict[str, JobPolicy | ActuatorError] = field(default_factory=dict)
+    #: Node -> what the platform says about it (``node_view``); unknown when absent.
+    views: dict[str, NodeView] = field(default_factory=dict)
 
     def restarts(self) -> list[Placement]:
         return [arg for method, arg in self.calls if method == "restart_job"]
@@ -67,6 +76,10 @@ class RecordingActuator:
 
     def limits(self, job: str) -> JobLimits | None:
         return None
+
+    async def node_view(self, node: str) -> NodeView:
+        self.calls.append(("node_view", node))
+        return self.views.get(node, NodeView())
 
     async def job_policy(self, job: str) -> JobPolicy | None:
         policy = self.policies.get(job)
