@@ -185,6 +185,20 @@ class ControllerSettings(BaseSettings):
     #: … and a leader that could not renew for this long stops acting (and writing) first.
     leader_lease_renew_deadline_s: float = Field(default=10.0, gt=0, le=300)
 
+    #: Partitions (docs/kubernetes.md, "Partitions and mass failures"): a node whose agent
+    #: is silent (``node_lost_after_s``) while the platform says it is fine is *unreachable*
+    #: and left alone until a second signal agrees (its Node not Ready, its pods gone, its
+    #: job's ranks failing). When at least this share of the known nodes …
+    partition_mass_silence_share: float = Field(default=0.3, gt=0, le=1)
+    #: … and at least this many are silent at once, the fault is taken to be the
+    #: controller's own (network, DNS, ingress): no node is acted on.
+    partition_mass_silence_min_nodes: int = Field(default=3, ge=1)
+    #: At most this share of the known nodes (at least one) is quarantined per
+    #: ``quarantine_budget_window_s``; the next quarantine is refused and a critical
+    #: ``quarantine_budget`` incident asks a human. Unlike the policy's circuit breaker it
+    #: cannot be changed through the API.
+    quarantine_budget_share: float = Field(default=0.1, gt=0, le=1)
+    quarantine_budget_window_s: float = Field(default=3600.0, gt=0, le=7 * 86_400)
     #: The ``webhook`` remediation step POSTs each remediation here (docs/remediation.md,
     #: "Webhook step"), signed with HMAC-SHA256 under ``remediation_webhook_secret`` (or the
     #: secret in ``remediation_webhook_secret_file``); empty: the step records that it has
