@@ -22,6 +22,12 @@ client would get wrong:
 * Deletion honours finalizers (``deletionTimestamp`` set, object kept until its last
   finalizer goes) and garbage-collects dependents by ``ownerReferences`` uid (a JobSet's
   child Jobs, then their pods), ``propagationPolicy=Orphan`` only drops the references.
+* Every object a client creates, patches or replaces, and every Eviction it posts, is
+  checked against the schema of the chart's Kubernetes version (built-in kinds) or its
+  project's published model (JobSet, TrainJob, PyTorchJob): ``tests.actuators.k8s_schema``.
+  A failing write answers 422 ``Invalid`` and is kept in :attr:`FakeCluster.invalid_writes`;
+  :meth:`FakeCluster.running` fails the test at its end if any was made (an Event the
+  actuator could not write would otherwise pass unnoticed as ``event_error``).
 * Enough of the Job and JobSet controllers and the scheduler for gang restarts
   (``fake_controllers.py``): a deleted
   or evicted pod fails its Job when ``backoffLimit`` is 0 (an eviction not, when the
@@ -46,6 +52,7 @@ from urllib.parse import parse_qs, urlparse
 from tests.actuators import fake_kube
 from tests.actuators.fake_controllers import WorkloadControllers
 from tests.actuators.fake_kube import ApiError, FakeKube, Key, _Handler, merge_patch
+from tests.actuators.k8s_schema import schema_errors
 
 fake_kube.KINDS.update(
     {
@@ -161,6 +168,13 @@ class FakeCluster(WorkloadControllers, FakeKube):
         self.objects = _Store(self)
         #: Seconds between BOOKMARK events on watches that asked for them.
         self.bookmark_interval_s = 0.2
+        #: Check every client write against the schema (``k8s_schema``).
+        self.validate_writes = True
+        #: "<method> <path>: <why>" for each write that failed the check.
+        self.invalid_writes: list[str] = []
+        #: (group, resource, verb) -> how many more such calls succeed before each answers
+        #: 500: a failure half-way through a sequence of calls.
+        self.faults: dict[tuple[str, str, str], int] = {}
 
     @classmethod
     @contextmanager
@@ -177,6 +191,7 @@ class FakeCluster(WorkloadControllers, FakeKube):
         finally:
             server.shutdown()
             server.server_close()
+        assert not kube.invalid_writes, f"invalid writes: {kube.invalid_writes}"
 
     # -- history -----------------------------------------------------------------------
 
@@ -210,6 +225,32 @@ class FakeCluster(WorkloadControllers, FakeKube):
     # -- requests ----------------------------------------------------------------------
 
     def handle(self, method: str, path: str, query: dict[str, str], body: Any, ctype: str) -> Any:
+        """Serve one request; a client's write must leave a schema-valid object."""
+        if self.validate_writes and method == "POST" and path.endswith("/eviction"):
+            self._check_schema(method, path, {"apiVersion": "policy/v1", "kind": "Eviction"}, body)
+        result = self._serve_request(method, path, query, body, ctype)
+        if (
+            self.validate_writes
+            and method in ("POST", "PATCH", "PUT")
+            and not path.endswith("/eviction")
+            and isinstance(result, dict)
+            and result.get("kind") not in (None, "Status", "TokenReview")
+        ):
+            self._check_schema(method, path, {}, result)
+        return result
+
+    def _check_schema(
+        self, method: str, path: str, defaults: dict[str, Any], obj: dict[str, Any]
+    ) -> None:
+        errors = schema_errors({**defaults, **(obj or {})})
+        if errors:
+            what = f"{method} {path}: {'; '.join(errors[:3])}"
+            self.invalid_writes.append(what)
+            raise ApiError(422, "Invalid", f"schema check failed: {what}")
+
+    def _serve_request(
+        self, method: str, path: str, query: dict[str, str], body: Any, ctype: str
+    ) -> Any:
         parts = [p for p in path.split("/") if p]
         group = "" if parts[:2] == ["api", "v1"] else (parts[1] if len(parts) > 1 else "")
         rest = parts[2:] if group == "" else parts[3:]
@@ -249,6 +290,11 @@ class FakeCluster(WorkloadControllers, FakeKube):
 
     def _serve_check(self, group: str, resource: str, verb: str, name: str) -> None:
         self.served.append((group, resource, verb))
+        left = self.faults.get((group, resource, verb))
+        if left is not None:
+            if left <= 0:
+                raise ApiError(500, "InternalError", f"injected fault on {verb} {resource}")
+            self.faults[(group, resource, verb)] = left - 1
         if (group, resource, verb) in self.forbidden:
             raise ApiError(
                 403,

@@ -82,7 +82,10 @@ def pytorchjob(
     return kube.put(
         "kubeflow.org",
         "pytorchjobs",
-        {"metadata": meta(job, job), "spec": {"pytorchReplicaSpecs": specs}},
+        {
+            "metadata": meta(job, job),
+            "spec": {"runPolicy": {"cleanPodPolicy": "None"}, "pytorchReplicaSpecs": specs},
+        },
     )
 
 

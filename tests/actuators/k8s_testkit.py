@@ -4,19 +4,16 @@ the OpenAPI check every object trainguard writes must pass."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from typing import Any
 
-import kubernetes_validate
 import pytest
 from kubernetes import client
 
 from controller.actuators.k8s.api import Kube
 from tests.actuators.fake_cluster import FakeCluster
+from tests.actuators.k8s_schema import crd_errors, schema_errors
 
-#: The Kubernetes version the chart and examples tests validate against.
-K8S_VERSION = "1.33"
 NS = "train"
 
 
@@ -38,11 +35,9 @@ def kube_on(cluster: FakeCluster) -> Kube:
 
 def validate(obj: dict[str, Any]) -> None:
     """Fail the test when ``obj`` is not valid for the chart's Kubernetes version."""
-    doc = {k: v for k, v in obj.items() if k != "status" or obj.get("kind") == "Node"}
-    try:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    except kubernetes_validate.ValidationError as exc:
-        pytest.fail(f"{obj.get('kind')} {obj['metadata'].get('name')}: {exc.message}")
+    errors = schema_errors(obj)
+    if errors:
+        pytest.fail(f"{obj.get('kind')} {obj['metadata'].get('name')}: {errors[0]}")
 
 
 def node(cluster: FakeCluster, name: str, **spec: Any) -> dict[str, Any]:
@@ -95,41 +90,9 @@ def owner(obj: dict[str, Any], *, controller: bool = True) -> dict[str, Any]:
     }
 
 
-def _differences(a: Any, b: Any, path: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = [f"{path}/{k}: unknown to the model" for k in a.keys() - b.keys()]
-        for key in a.keys() & b.keys():
-            out += _differences(a[key], b[key], f"{path}/{key}")
-        return out
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [
-            d
-            for i, (x, y) in enumerate(zip(a, b, strict=True))
-            for d in _differences(x, y, f"{path}[{i}]")
-        ]
-    return [] if a == b else [f"{path}: {a!r} became {b!r}"]
-
-
 def round_trip(obj: dict[str, Any]) -> None:
     """Fail unless ``obj`` survives the project's own published model unchanged (JobSet and
     TrainJob: ``kubeflow-trainer-api``; PyTorchJob: ``kubeflow-training``)."""
-    if obj["kind"] == "PyTorchJob":
-        # kubeflow-training's own ApiClient cannot deserialize with today's kubernetes
-        # client; the examples test walks its model classes strictly instead: reuse that.
-        from tests.examples.test_examples import _strict
-
-        errors = _strict(obj, "KubeflowOrgV1PyTorchJob", "")
-        if errors:
-            pytest.fail(f"PyTorchJob {obj['metadata']['name']}: " + "; ".join(errors[:5]))
-        return
-    else:
-        from kubeflow_trainer_api import models
-
-        cls = {
-            "JobSet": models.JobsetV1alpha2JobSet,
-            "TrainJob": models.TrainerV1alpha1TrainJob,
-        }[obj["kind"]]
-        back = json.loads(cls.from_dict(obj).model_dump_json(by_alias=True, exclude_none=True))
-    errors = _differences(obj, back)
+    errors = crd_errors(obj)
     if errors:
         pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: " + "; ".join(errors[:5]))

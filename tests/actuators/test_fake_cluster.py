@@ -196,3 +196,28 @@ def test_finalizers_hold_deletion_until_removed(cluster: FakeCluster) -> None:
         "p", NS, {"metadata": {"finalizers": None}}, _content_type="application/merge-patch+json"
     )
     assert cluster.get("", "pods", NS, "p") is None
+
+
+def test_every_write_is_checked_against_the_schema(cluster: FakeCluster) -> None:
+    """A write the chart's Kubernetes version (or the CRD's published model) would not
+    accept is refused with 422 and recorded; a valid one passes."""
+    node(cluster, "n1")
+    core = client.CoreV1Api(api(cluster))
+    merge = "application/merge-patch+json"
+    core.patch_node("n1", {"spec": {"unschedulable": True}}, _content_type=merge)
+    with pytest.raises(ApiException) as err:
+        core.patch_node("n1", {"spec": {"unschedulabel": True}}, _content_type=merge)
+    assert err.value.status == 422 and "unschedulabel" in (err.value.body or "")
+    cluster.put(
+        "jobset.x-k8s.io",
+        "jobsets",
+        {"metadata": {"name": "js", "namespace": NS}, "spec": {"replicatedJobs": []}},
+    )
+    custom = client.CustomObjectsApi(api(cluster))
+    args = ("jobset.x-k8s.io", "v1alpha2", NS, "jobsets", "js")
+    custom.patch_namespaced_custom_object(*args, {"spec": {"suspend": True}})
+    with pytest.raises(ApiException) as err:  # a field JobSet's own model does not know
+        custom.patch_namespaced_custom_object(*args, {"spec": {"suspended": True}})
+    assert err.value.status == 422 and "unknown to the model" in (err.value.body or "")
+    assert len(cluster.invalid_writes) == 2
+    cluster.invalid_writes.clear()  # seen; the fixture fails a test that leaves any
