@@ -210,23 +210,31 @@ def measure(fleet: FleetSet, seeds: list[int]) -> dict[str, Any]:
     base["multi_culprit_accuracy"] = round(base_hits / total, 3)
 
     delays: list[float] = []
+    named_after: list[float] = []
     base_delays: list[float] = []
     found = base_found = total = 0
     for sc in fleet.role_straggler:
         (culprit,) = sc.culprits
         for o in go("role", sc):
             total += 1
-            mine = [s for s, r in o.stragglers() if r == culprit]
+            mine = [s for s, r in o.straggler_data_steps() if r == culprit]
+            named_at = [s for s, r in o.stragglers() if r == culprit]
             # The baseline may have flagged the rank before the fault (a popular expert):
             # only an opening after it counts as finding the fault.
             theirs = [s for s, r in o.baseline_opened if r == culprit and s >= sc.fault_step]
             if mine and len(o.opened) == 1:
                 found += 1
                 delays.append(mine[0] - sc.fault_step)
+                named_after.append(named_at[0] - sc.fault_step)
             if theirs:
                 base_found += 1
                 base_delays.append(theirs[0] - sc.fault_step)
+    # Steps of data the verdict took (the baseline, fed every step complete and in order,
+    # is measured the same way); the job's steps until the incident opened, delivery on
+    # the agents' report timers included, beside it.
     tg["role_straggler_detect_steps_p50"] = _p50(delays)
+    tg["role_straggler_detect_steps"] = delays
+    tg["role_straggler_named_after_steps_p50"] = _p50(named_after)
     tg["role_straggler_detected"] = round(found / total, 3)
     base["role_straggler_detect_steps_p50"] = _p50(base_delays)
     base["role_straggler_detected"] = round(base_found / total, 3)

@@ -25,6 +25,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import tempfile
 import threading
 import time
@@ -150,56 +151,134 @@ def run_gloo(sc: dict[str, Any]) -> list[list[StepSummary]]:
     return [sorted(rows, key=lambda s: s.rank) for _, rows in sorted(by_step.items())]
 
 
+#: Delivery phasings replayed per recorded run (each seed draws the agents' report phases).
+REPLAY_SEEDS = (1, 2, 3, 4, 5)
+#: The agents' report interval: the default (5 s), and 1 s (``--report-interval-s 1``).
+REPORT_INTERVALS_S = (5.0, 1.0)
+FAULT_STEP = 60
+
+
 def gloo_scenarios(quick: bool) -> list[dict[str, Any]]:
     steps = 220 if quick else 300
-    return [
-        {"name": "gloo-pp", "pp": 4, "last_stage_extra": 0.3, "compute_s": 0.04, "steps": steps},
+    pp = {"pp": 4, "last_stage_extra": 0.3, "compute_s": 0.04, "steps": steps}
+    out: list[dict[str, Any]] = [
+        {"name": "gloo-pp", **pp},
         {"name": "gloo-moe", "role": "expert", "moe_skew": 2.0, "compute_s": 0.04, "steps": steps},
-        {
-            "name": "gloo-pp-straggler",
-            "pp": 4,
-            "last_stage_extra": 0.3,
-            "compute_s": 0.04,
-            "steps": steps,
-            "faults": [{"kind": "slowdown", "rank": 3, "from_step": 60, "factor": 1.15}],
-            "culprit": 3,
-            "fault_step": 60,
-        },
     ]
+    # One rank of a middle stage (mesh pp=4 x dp=2: stage = rank // 2) slowed 15%.
+    for culprit in (3,) if quick else (3, 4):
+        out.append(
+            {
+                "name": f"gloo-pp-straggler-{culprit}",
+                **pp,
+                "faults": [
+                    {"kind": "slowdown", "rank": culprit, "from_step": FAULT_STEP, "factor": 1.15}
+                ],
+                "culprit": culprit,
+                "fault_step": FAULT_STEP,
+            }
+        )
+    return out
+
+
+def _p50(values: list[float]) -> float | None:
+    return round(statistics.median(values), 1) if values else None
+
+
+def replays(steps: list[list[StepSummary]]) -> dict[float, list[SimOutcome]]:
+    """The recorded run delivered by agents on each report interval, each phasing seed."""
+    return {
+        iv: [replay(steps, PER_NODE, Delivery(interval_s=iv), seed=s) for s in REPLAY_SEEDS]
+        for iv in REPORT_INTERVALS_S
+    }
+
+
+def straggler_figures(sc: dict[str, Any], runs: dict[float, list[SimOutcome]]) -> dict[str, Any]:
+    """Per replay: steps of data the verdict took (the step that completed it, from the
+    evidence, minus the fault step), and the job's steps and seconds until it opened."""
+    culprit, fault = sc["culprit"], sc["fault_step"]
+    out: dict[str, Any] = {"detect_steps": [], "other_incidents": 0, "named": 0}
+    for iv, outcomes in runs.items():
+        named_after: list[float] = []
+        seconds: list[float] = []
+        for res in outcomes:
+            out["other_incidents"] += sum(1 for _, f in res.opened if f.ranks != (culprit,))
+            mine = [
+                (step, data, t)
+                for (step, f), data, t in zip(
+                    res.opened, res.opened_data_step, res.opened_s, strict=True
+                )
+                if f.ranks == (culprit,)
+            ]
+            if not mine:
+                continue
+            step, data, t = mine[0]
+            named_after.append(step - fault)
+            seconds.append(round(t - res.step_end_s[fault - 1], 1))
+            if iv == REPORT_INTERVALS_S[0]:
+                out["named"] += 1
+                out["detect_steps"].append(data - fault)
+        out[f"named_after_steps_{iv:g}s_reports"] = named_after
+        out[f"detect_s_{iv:g}s_reports"] = seconds
+    return out
 
 
 def gloo_results(quick: bool) -> dict[str, Any]:
     """The fleet keys measured on real gloo runs, trainguard's and the baseline's."""
-    out: dict[str, Any] = {"ranks": WORLD, "nodes": WORLD // PER_NODE}
-    base: dict[str, Any] = {}
+    out: dict[str, Any] = {
+        "ranks": WORLD,
+        "nodes": WORLD // PER_NODE,
+        "replays_per_run": len(REPLAY_SEEDS),
+        "report_intervals_s": list(REPORT_INTERVALS_S),
+    }
+    base: dict[str, Any] = {"role_straggler_detect_steps": [], "role_straggler_other_incidents": 0}
+    pooled: dict[str, Any] = {"detect_steps": [], "other_incidents": 0, "named": 0, "runs": 0}
+    step_s: list[float] = []
     for sc in gloo_scenarios(quick):
         steps = run_gloo(sc)
-        res: SimOutcome = replay(steps, PER_NODE, Delivery(interval_s=5.0), seed=1)
+        step_s += [max(x.step_time_s for x in rows) for rows in steps]
+        runs = replays(steps)
+        default = runs[REPORT_INTERVALS_S[0]]
         key = {"gloo-pp": "pp", "gloo-moe": "moe"}.get(sc["name"])
         if key:
-            out[f"{key}_false_positives"] = len(res.opened)
-            base[f"{key}_false_positives"] = len(res.baseline_opened)
+            # Incidents over every replay of the run, each report interval and phasing.
+            out[f"{key}_false_positives"] = sum(len(o.opened) for o in runs_all(runs))
+            base[f"{key}_false_positives"] = len(default[0].baseline_opened)
             out[f"{key}_steps"] = len(steps)
             continue
+        fig = straggler_figures(sc, runs)
+        pooled["runs"] += len(default)
+        for name, value in fig.items():
+            if isinstance(value, list):
+                pooled.setdefault(name, []).extend(value)
+            else:
+                pooled[name] = pooled.get(name, 0) + value
         culprit, fault = sc["culprit"], sc["fault_step"]
-        mine = [s for s, f in res.opened if f.ranks == (culprit,)]
-        mine_s = [
-            t for (_, f), t in zip(res.opened, res.opened_s, strict=True) if f.ranks == (culprit,)
-        ]
-        out["role_straggler_detect_s"] = (
-            round(mine_s[0] - res.step_end_s[fault - 1], 1) if mine_s else None
+        theirs = [s for s, r in default[0].baseline_opened if r == culprit and s >= fault]
+        base["role_straggler_detect_steps"].append(theirs[0] - fault if theirs else None)
+        base["role_straggler_other_incidents"] += sum(
+            1 for _, r in default[0].baseline_opened if r != culprit
         )
-        theirs = [s for s, r in res.baseline_opened if r == culprit and s >= fault]
-        out["role_straggler_detect_steps"] = mine[0] - fault if mine else None
-        out["role_straggler_other_incidents"] = sum(
-            1 for _, f in res.opened if f.ranks != (culprit,)
+    out["step_s_p50"] = round(statistics.median(step_s), 4) if step_s else None
+    out["role_straggler_detect_steps"] = pooled["detect_steps"]
+    out["role_straggler_detect_steps_p50"] = _p50(pooled["detect_steps"])
+    out["role_straggler_detected"] = (
+        round(pooled["named"] / pooled["runs"], 3) if pooled["runs"] else None
+    )
+    out["role_straggler_other_incidents"] = pooled["other_incidents"]
+    for iv in REPORT_INTERVALS_S:
+        out[f"role_straggler_named_after_steps_p50_{iv:g}s_reports"] = _p50(
+            pooled.get(f"named_after_steps_{iv:g}s_reports", [])
         )
-        base["role_straggler_detect_steps"] = theirs[0] - fault if theirs else None
-        base["role_straggler_other_incidents"] = sum(
-            1 for _, r in res.baseline_opened if r != culprit
+        out[f"role_straggler_detect_s_p50_{iv:g}s_reports"] = _p50(
+            pooled.get(f"detect_s_{iv:g}s_reports", [])
         )
     out["baseline"] = base
     return out
+
+
+def runs_all(runs: dict[float, list[SimOutcome]]) -> list[SimOutcome]:
+    return [o for outcomes in runs.values() for o in outcomes]
 
 
 if __name__ == "__main__":

@@ -136,9 +136,22 @@ class SimOutcome:
     #: the end time of each step, so detection can be told in seconds as well as steps.
     opened_s: list[float] = field(default_factory=list)
     step_end_s: dict[int, float] = field(default_factory=dict)
+    #: Newest step the detector had compared when each finding opened (parallel to
+    #: ``opened``): how many steps of data it needed, apart from their delivery.
+    opened_data_step: list[int] = field(default_factory=list)
 
     def stragglers(self) -> list[tuple[int, int]]:
+        """(step the job was at when the incident opened, rank) per straggler incident."""
         return [(step, f.ranks[0]) for step, f in self.opened if f.kind is FindingKind.STRAGGLER]
+
+    def straggler_data_steps(self) -> list[tuple[int, int]]:
+        """(step whose data completed the verdict, rank) per straggler incident: the
+        detector's own latency in steps, without the summaries' delivery."""
+        return [
+            (data, f.ranks[0])
+            for (_, f), data in zip(self.opened, self.opened_data_step, strict=True)
+            if f.kind is FindingKind.STRAGGLER
+        ]
 
 
 class ThresholdBaseline:
@@ -189,6 +202,7 @@ def run_sim(sc: SimScenario, seed: int, cfg: C4DConfig | None = None) -> SimOutc
     next_send = dict(phase)
     buffers: dict[str, list[StepSummary]] = {n: [] for n in nodes}
     opened: list[tuple[int, Finding]] = []
+    data_step: list[int] = []
     updates: list[Finding] = []
     base_opened: list[tuple[int, int]] = []
     roles = {r: lay.role_fields(r) for r in range(lay.world)}
@@ -210,6 +224,7 @@ def run_sim(sc: SimScenario, seed: int, cfg: C4DConfig | None = None) -> SimOutc
                     updates.append(f)
                 if not (f.resolved or f.refresh):
                     opened.append((step, f))
+                    data_step.append(_data_step(f, trackers))
             next_tick += 1.0
 
     while step < sc.steps:
@@ -264,7 +279,17 @@ def run_sim(sc: SimScenario, seed: int, cfg: C4DConfig | None = None) -> SimOutc
     advance(t + 3 * dl.interval_s)
     tracker = trackers.jobs.get(JOB)
     compared = tracker.stragglers.steps_seen if tracker else 0
-    return SimOutcome(opened, updates, base_opened, step, compared)
+    return SimOutcome(opened, updates, base_opened, step, compared, opened_data_step=data_step)
+
+
+def _data_step(f: Finding, trackers: JobTrackers) -> int:
+    """The step whose data completed the finding: a straggler's evidence says (``at_step``;
+    one evaluation may compare a whole report's worth of steps); otherwise the newest step
+    the detectors compared so far (-1: none)."""
+    at = f.evidence.get("at_step") if f.kind is FindingKind.STRAGGLER else None
+    if isinstance(at, int):
+        return at
+    return max((t.last_compared_step for t in trackers.jobs.values()), default=-1)
 
 
 def _hang(
@@ -325,6 +350,7 @@ def replay(
     buffers: dict[str, list[StepSummary]] = {n: [] for n in nodes}
     opened: list[tuple[int, Finding]] = []
     opened_s: list[float] = []
+    data_step: list[int] = []
     step_end_s: dict[int, float] = {}
     updates: list[Finding] = []
     base_opened: list[tuple[int, int]] = []
@@ -347,6 +373,7 @@ def replay(
                 if not (f.resolved or f.refresh):
                     opened.append((index, f))
                     opened_s.append(next_tick)
+                    data_step.append(_data_step(f, trackers))
             next_tick += 1.0
 
     for index, rows in enumerate(steps):
@@ -364,4 +391,6 @@ def replay(
     # ``opened`` carries the index of the step being fed; report the ranks' step numbers.
     first = steps[0][0].step if steps and steps[0] else 0
     opened = [(first + i, f) for i, f in opened]
-    return SimOutcome(opened, updates, base_opened, len(steps), compared, opened_s, step_end_s)
+    return SimOutcome(
+        opened, updates, base_opened, len(steps), compared, opened_s, step_end_s, data_step
+    )

@@ -46,9 +46,13 @@ class C4DConfig:
     all-to-all with uneven routing) are compared on compute normalized by bytes moved."""
 
     confirm_min_s: float = 5.0
-    """Seconds on the controller's clock a straggler or slow-communication condition must
-    persist, besides ``straggler_confirm_steps`` steps, before it opens or clears: a few
-    seconds of CPU contention or I/O should not open an incident however short the steps."""
+    """Seconds on the controller's clock a slow-communication condition must persist,
+    besides its steps, before it opens or clears: a few seconds of network contention
+    should not start a probe round however short the steps. Stragglers do not use it: their
+    persistence is counted in steps (``straggler_confirm_steps``, and the window median,
+    which needs the rank slow in half of ``window_steps``), because summaries reach the
+    controller in batches of one agent report interval (5 s, ~70 steps of a 70 ms job),
+    so a rule in seconds measured the report timers, not the rank."""
 
     min_step_coverage: float = 0.9
     """Share of the job's ranks that must have reported a step before it is compared."""

@@ -85,6 +85,10 @@ class StragglerEvidence(BaseModel):
     of_steps: int
     flaps: int
     """Times the rank went back to slow after looking normal while the incident was open."""
+    at_step: int | None = None
+    """The job step whose comparison gave this reading (the step that completed the verdict
+    when the incident opened): with ``flagged_steps`` it tells how many steps of data the
+    verdict took, apart from the seconds its summaries spent on their way."""
     verdict: str
 
     def as_json(self) -> dict[str, object]:

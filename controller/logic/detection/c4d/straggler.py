@@ -17,10 +17,11 @@ compute time is divided by its peers' median (or byte-predicted) compute in that
 score is the median of those ratios over the last ``window_steps`` steps, and its spread is
 the groups' pooled MAD. A spike is one ratio of twenty and does not move the median.
 
-Hysteresis: a straggler opens when flagged in ``straggler_confirm_steps`` of the last
-``straggler_confirm_of_steps`` steps (and ``confirm_min_s`` seconds), and resolves only after
-``straggler_clear_windows`` full windows of calm steps. A node flapping between slow and
-normal stays one open incident, with each return to slow counted as a flap.
+Hysteresis, counted in steps (the data is per step; the controller's clock would measure
+the agents' report batching instead): a straggler opens when flagged in
+``straggler_confirm_steps`` of the last ``straggler_confirm_of_steps`` compared steps, and
+resolves only after ``straggler_clear_windows`` full windows of calm steps. A node flapping
+between slow and normal stays one open incident, with each return to slow counted as a flap.
 """
 
 from __future__ import annotations
@@ -217,10 +218,7 @@ class _Hold:
     """Per-rank hysteresis: k-of-n to open, whole calm windows to close, flaps between."""
 
     recent: deque[bool]
-    #: Controller time of the first flag since ``recent`` was last all clear.
-    since_s: float | None = None
     calm_steps: int = 0
-    calm_since_s: float = 0.0
     flaps: int = 0
     #: Open and calm for ``straggler_confirm_steps`` steps: the next slow step is a flap.
     normal_phase: bool = False
@@ -273,8 +271,14 @@ class StragglerState:
         )
         return self.last
 
-    def transitions(self, now_s: float) -> tuple[set[int], set[int]]:
-        """Ranks confirmed slow now, and open ranks confirmed recovered now."""
+    def transitions(self) -> tuple[set[int], set[int]]:
+        """Ranks confirmed slow now, and open ranks confirmed recovered now.
+
+        Counted in compared steps only, never on the controller's clock: summaries arrive
+        in batches (one agent report carries ~70 steps of a 70 ms job), so a rule in
+        seconds would measure the agents' report timers rather than the rank, and would
+        need as many more steps as a report interval holds before it could open.
+        """
         cfg = self.cfg
         flagged = self.last.flagged if self.last else set()
         opened: set[int] = set()
@@ -286,31 +290,17 @@ class StragglerState:
                 hold = self.holds[rank] = _Hold(deque(maxlen=cfg.straggler_confirm_of_steps))
             slow = rank in flagged
             hold.recent.append(slow)
-            if slow and hold.since_s is None:
-                hold.since_s = now_s
-            elif not any(hold.recent):
-                hold.since_s = None
             if rank not in self.open_ranks:
-                if (
-                    hold.since_s is not None
-                    and sum(hold.recent) >= cfg.straggler_confirm_steps
-                    and now_s - hold.since_s >= cfg.confirm_min_s
-                ):
+                if sum(hold.recent) >= cfg.straggler_confirm_steps:
                     opened.add(rank)
                     hold.calm_steps, hold.flaps, hold.normal_phase = 0, 0, False
                 continue
             if not slow and self.score(rank) < 1 + cfg.straggler_min_slowdown / 2:
-                if hold.calm_steps == 0:
-                    hold.calm_since_s = now_s
                 hold.calm_steps += 1
                 hold.normal_phase |= hold.calm_steps >= cfg.straggler_confirm_steps
-                if (
-                    hold.calm_steps >= clear_steps
-                    and now_s - hold.calm_since_s >= cfg.confirm_min_s
-                ):
+                if hold.calm_steps >= clear_steps:
                     cleared.add(rank)
                     hold.recent.clear()
-                    hold.since_s = None
                 continue
             hold.calm_steps = 0
             if slow and hold.normal_phase:
@@ -384,6 +374,7 @@ class StragglerState:
             flagged_steps=sum(hold.recent) if hold else 0,
             of_steps=len(hold.recent) if hold else 0,
             flaps=hold.flaps if hold else 0,
+            at_step=self.last.step if self.last else None,
             verdict=(
                 f"windowed median of its compute over its {len(members) - 1} peers' "
                 f"{against} is {self.score(rank):.3f} ({slowdown:+.0%}), "

@@ -230,7 +230,7 @@ class JobTracker:
     def _compare_step(self, step: int, rows: dict[int, StepSummary], now_s: float) -> list[Finding]:
         verdict = self.stragglers.add(step, rows)
         out: list[Finding] = []
-        opened, cleared = self.stragglers.transitions(now_s)
+        opened, cleared = self.stragglers.transitions()
         for rank in sorted(opened):
             out.append(self._straggler_finding(rank, resolved=False))
             self._straggler_reported[rank] = (
