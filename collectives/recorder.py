@@ -158,6 +158,13 @@ class Recorder:
             step.calls += 1
         return rec
 
+    def grow(self, rec: CallRecord, size_bytes: int) -> None:
+        """One more call joined ``rec`` (a coalescing block's calls are one collective)."""
+        rec.size_bytes += size_bytes
+        step = self._step
+        if step is not None and rec.step == step.step:
+            step.bytes += size_bytes
+
     def nonfinite_input(self, rec: CallRecord) -> None:
         """``rec``'s input from this rank held NaN/Inf before the call (a rare, cold path)."""
         step = self._step

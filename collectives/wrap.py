@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from .coalesce import FAST_PATH, Block
 from .faults import FaultInjector
 from .functional import FunctionalHooks
 from .groups import GroupInfo, GroupRegistry, p2p_channel
@@ -82,6 +83,7 @@ OPS: dict[str, OpSpec] = {
 }
 
 _tls = threading.local()
+_COALESCING = "_coalescing_manager"
 
 
 class _Params:
@@ -274,6 +276,14 @@ class Instrumenter:
             self._wrappers[name] = wrapper
             setattr(c10d, name, wrapper)
             setattr(dist, name, wrapper)
+        coalescing = getattr(c10d, _COALESCING, None)
+        if coalescing is not None:
+            self.originals[_COALESCING] = coalescing
+            wrapper = self._wrap_coalescing(coalescing)
+            self._wrappers[_COALESCING] = wrapper
+            setattr(c10d, _COALESCING, wrapper)
+            if hasattr(dist, _COALESCING):
+                setattr(dist, _COALESCING, wrapper)
         self._rebind_imported()
 
     def _rebind_imported(self) -> None:
@@ -323,6 +333,29 @@ class Instrumenter:
         wrapper.__trainguard_original__ = original  # type: ignore[attr-defined]
         return wrapper
 
+    def _wrap_coalescing(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``_coalescing_manager`` whose block is recorded and timed as one collective
+        (:mod:`collectives.coalesce`)."""
+        params = _Params(original)
+
+        @functools.wraps(original)
+        def coalescing_manager(*args: Any, **kwargs: Any) -> Any:
+            inner = original(*args, **kwargs)
+            if getattr(_tls, "depth", 0) or getattr(_tls, "block", None) is not None:
+                return inner  # nested, or issued by a call already recorded
+            group = params.get(args, kwargs, "group")
+            return Block(
+                self,
+                _tls,
+                inner,
+                self.groups.resolve(group).id,
+                device=params.get(args, kwargs, "device") is not None,
+                async_ops=bool(params.get(args, kwargs, "async_ops")),
+            )
+
+        coalescing_manager.__trainguard_original__ = original  # type: ignore[attr-defined]
+        return coalescing_manager
+
     # ------------------------------------------------------------------ one call
 
     def call(
@@ -357,6 +390,14 @@ class Instrumenter:
                 size += n
                 dtype = dtype or d
         async_op = spec.always_async or bool(params.get(args, kwargs, "async_op"))
+        block: Block | None = getattr(_tls, "block", None)
+        if block is not None:
+            if gid == block.gid and op in FAST_PATH:
+                return self._coalesced(block, op, spec, params, args, kwargs, first, size, dtype)
+            if not block.device_mode or (
+                gid != block.gid and self.groups.resolve(group).id != block.gid
+            ):
+                block = None  # a call of its own, outside the block's Work
         injector = self.injector
         inside = None
         step = recorder.step
@@ -387,7 +428,9 @@ class Instrumenter:
         if timed:
             if check:  # queued on the stream ahead of the reduction that would spread it
                 recorder.device_nonfinite(source, rec)
-            start = clock.start()  # type: ignore[union-attr]
+            # queued in a device-mode block: the block's marks bracket the call
+            shared = block.start if block is not None else None
+            start = shared if shared is not None else clock.start()  # type: ignore[union-attr]
             rec.events = (start, None)
         _tls.depth = 1
         try:
@@ -415,6 +458,9 @@ class Instrumenter:
             recorder.complete(rec, t1)
             return result
         recorder.unblocked(t0, t1, rec)
+        if block is not None:  # queued in the block's NCCL group: timed by the block's marks
+            block.defer(rec, t1 - t0)
+            return result
         if async_op and result is not None:
             rec.events = (start, clock.end_async(result))  # type: ignore[union-attr]
             recorder.event_launched(rec, t1 - t0)
@@ -422,6 +468,48 @@ class Instrumenter:
         rec.events = (start, clock.end_sync())  # type: ignore[union-attr]
         recorder.event_launched(rec, t1 - t0)
         return result
+
+    def _coalesced(
+        self,
+        block: Block,
+        op: str,
+        spec: OpSpec,
+        params: _Params,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        first: Any,
+        size: int,
+        dtype: str,
+    ) -> Any:
+        """A fast-path call inside a coalescing block: torch lists it; the block's one
+        record takes its size and its NaN/Inf check."""
+        tensor = _first_tensor(first) if first is not None else None
+        timed = (
+            self.clock is not None
+            and tensor is not None
+            and (not self._device_only or _on_gpu(tensor))
+        )
+        source = None
+        if spec.input_param is not None:
+            source = first if spec.input_is_size else params.get(args, kwargs, spec.input_param)
+        check = (
+            spec.reduces
+            and self.recorder.step is not None
+            and self.check_nonfinite
+            and (size >= self.nonfinite_min_bytes or not spec.input_is_size)
+        )
+        bad = check and not timed and _nonfinite(source, self.nonfinite_min_bytes)
+        return block.add(
+            op,
+            size,
+            dtype,
+            bad=bad,
+            device_check=source if check and timed else None,
+            timed=timed,
+            original=self.originals[op],
+            args=args,
+            kwargs=kwargs,
+        )
 
     def _peer(
         self,

@@ -123,3 +123,38 @@ def test_nan_in_a_cuda_gradient_is_counted_without_a_sync() -> None:
 def test_probe_runs_on_the_ranks_gpu() -> None:
     session = _session()
     assert session.probe_device == torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+
+
+@pytest.mark.usefixtures("nccl_rank")
+def test_a_coalesced_block_is_timed_as_one_collective() -> None:
+    """A coalescing block's calls launch together at its end (one NCCL group, one Work):
+    one start mark before the first call and one end mark after the block, so the record
+    stays in flight while the stream is still busy ahead of the block; calls queued in a
+    ``device=`` block (broadcast here) share the block's marks."""
+    session = _session()
+    rec = session.recorder
+    assert _until(lambda: not rec._inflight)
+    xs = [torch.ones(1 << 16, device="cuda") for _ in range(3)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with collectives.step(0):
+            torch.cuda._sleep(BUSY_CYCLES)
+            with dist._coalescing_manager(async_ops=True) as cm:
+                for x in xs:
+                    dist.all_reduce(x, async_op=True)
+            cm.wait()  # a stream dependency (not blocking wait)
+            with dist._coalescing_manager(device=torch.device("cuda")):
+                dist.broadcast(xs[0], 0)
+                dist.broadcast(xs[1], 0)
+            in_flight = len(rec._inflight)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert in_flight == 3  # the GPU is still sleeping
+    assert _until(lambda: session.outbox.steps.items)
+    calls = [c for c in rec.history if c.step == 0]
+    assert sorted(c.op for c in calls) == ["all_reduce_coalesced", "broadcast", "broadcast"]
+    merged = next(c for c in calls if c.op == "all_reduce_coalesced")
+    assert merged.size_bytes == sum(x.nbytes for x in xs)
+    broadcasts = [c for c in calls if c.op == "broadcast"]
+    assert broadcasts[0].events == broadcasts[1].events  # the block's two marks
+    assert all(c.events is not None and c.blocked_s > 0 for c in calls)
