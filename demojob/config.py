@@ -47,6 +47,10 @@ class JobConfig:
     """Seconds slept inside each step, so steps are periodic like real ones."""
     log_path: Path | None
     seed: int
+    pg_timeout_s: float | None = None
+    """TG_PG_TIMEOUT_S: the process groups' timeout (world and every subgroup). Unset:
+    torch's default (30 min for gloo). Set short by ``bench.recovery``'s torchrun baseline,
+    whose hang is noticed only when this timeout fires."""
 
     @property
     def dp(self) -> int:
@@ -99,6 +103,15 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def _pg_timeout(env: Mapping[str, str]) -> float | None:
+    if not env.get("TG_PG_TIMEOUT_S"):
+        return None
+    value = _float(env, "TG_PG_TIMEOUT_S", 0.0)
+    if value <= 0:
+        raise JobConfigError(f"TG_PG_TIMEOUT_S must be > 0 seconds, got {value}")
+    return value
+
+
 def config_from_env(env: Mapping[str, str] | None = None) -> JobConfig:
     """Parse and cross-check the settings; :class:`JobConfigError` names the first bad one."""
     env = os.environ if env is None else env
@@ -138,4 +151,5 @@ def config_from_env(env: Mapping[str, str] | None = None) -> JobConfig:
         step_sleep_s=_float(env, "TG_STEP_SLEEP_S", 0.1),
         log_path=Path(log_path) if log_path else None,
         seed=_int(env, "TG_SEED", 0, minimum=0),
+        pg_timeout_s=_pg_timeout(env),
     )

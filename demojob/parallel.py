@@ -15,6 +15,7 @@ instrumented function is the one that runs. A group of one rank skips the call.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ class Groups:
     dp_size: int
 
 
-def make_groups(world_size: int, tp: int, rank: int) -> Groups:
+def make_groups(world_size: int, tp: int, rank: int, timeout: timedelta | None = None) -> Groups:
     """Create every TP and DP group on every rank (``new_group`` is collective) and keep ours.
 
     TP groups are consecutive ranks ``[d*tp, (d+1)*tp)``; DP groups take one rank per TP
@@ -42,12 +43,12 @@ def make_groups(world_size: int, tp: int, rank: int) -> Groups:
     mine_dp: Any = None
     for d in range(dp):
         ranks = [d * tp + t for t in range(tp)]
-        group = dist.new_group(ranks) if tp > 1 else None
+        group = dist.new_group(ranks, timeout=timeout) if tp > 1 else None
         if rank in ranks:
             mine_tp = group
     for t in range(tp):
         ranks = [d * tp + t for d in range(dp)]
-        group = dist.new_group(ranks) if dp > 1 else None
+        group = dist.new_group(ranks, timeout=timeout) if dp > 1 else None
         if rank in ranks:
             mine_dp = group
     return Groups(tp=mine_tp, dp=mine_dp, tp_size=tp, dp_size=dp)

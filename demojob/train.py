@@ -14,6 +14,7 @@ import os
 import secrets
 import sys
 import time
+from datetime import timedelta
 from typing import Any, NoReturn, TextIO
 
 import torch
@@ -178,12 +179,13 @@ def _log_line(out: TextIO | None, record: dict[str, Any]) -> None:
 
 
 def run(cfg: JobConfig) -> int:
-    dist.init_process_group("gloo")
+    timeout = None if cfg.pg_timeout_s is None else timedelta(seconds=cfg.pg_timeout_s)
+    dist.init_process_group("gloo", timeout=timeout)
     try:
         collectives.instrument()
     except collectives.CollectivesConfigError as exc:
         _die(2, str(exc))
-    groups = make_groups(cfg.world_size, cfg.tp, cfg.rank)
+    groups = make_groups(cfg.world_size, cfg.tp, cfg.rank, timeout)
     torch.manual_seed(cfg.seed)
     model = build_model(groups, cfg.tp_rank, cfg.seed)
     optim = torch.optim.Adam(model.parameters(), lr=LR)

@@ -34,6 +34,9 @@ def test_good_environment_parses_with_documented_defaults() -> None:
     # a downward-API mapping of a missing annotation gives an empty string: unset
     assert config_from_env({**GOOD, "TRAINGUARD_RESUME_STEP": ""}).resume_step is None
     assert config_from_env({**GOOD, "TRAINGUARD_RESUME_STEP": "40"}).resume_step == 40
+    # torch's default process-group timeout unless the launcher asks for another
+    assert cfg.pg_timeout_s is None
+    assert config_from_env({**GOOD, "TG_PG_TIMEOUT_S": "20"}).pg_timeout_s == 20.0
 
 
 @pytest.mark.parametrize(
@@ -51,6 +54,8 @@ def test_good_environment_parses_with_documented_defaults() -> None:
         ({"MASTER_PORT": None}, "MASTER_PORT is not set"),
         ({"TRAINGUARD_RESUME_STEP": "latest"}, "TRAINGUARD_RESUME_STEP='latest' is not an int"),
         ({"TRAINGUARD_RESUME_STEP": "-1"}, "TRAINGUARD_RESUME_STEP must be >= 0, got -1"),
+        ({"TG_PG_TIMEOUT_S": "0"}, "TG_PG_TIMEOUT_S must be > 0 seconds"),
+        ({"TG_PG_TIMEOUT_S": "inf"}, "TG_PG_TIMEOUT_S must be a finite number >= 0"),
     ],
 )
 def test_bad_settings_are_named(change: dict[str, str | None], message: str | None) -> None:
