@@ -22,12 +22,14 @@ leaves free), and a resharded load (saved TP=4, loaded TP=3) against a same-layo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -278,6 +280,111 @@ def dcp_step_overhead(tmp: Path, rounds: int) -> dict[str, float]:
         "step_s": statistics.median(per_step["plain"]),
         "step_with_ckpt_s": statistics.median(per_step["ckpt"]),
         "step_overhead_pct": 100.0 * (statistics.median(ratios) - 1.0),
+    }
+
+
+def cpu_split() -> tuple[list[int], list[int]]:
+    """Issue 19's setting: training on one core, the rest left to the checkpoint writers
+    (as a GPU node leaves host cores free). Falls back to sharing when only one CPU."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    return cpus[:1], (cpus[1:] or cpus[:1])
+
+
+def _pin_other_threads(main_tid: int, cpus: list[int]) -> None:
+    """Move every thread of this process but the training thread onto ``cpus``: DCP starts
+    a new writer thread per ``async_save``, which would inherit the training thread's core."""
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != main_tid:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), cpus)
+
+
+def every_step_side_by_side(tmp: Path, rounds: int) -> dict[str, Any]:
+    """Step time with a checkpoint every step: no checkpoint, this engine, DCP
+    ``async_save``, interleaved in one loop on one model.
+
+    The training thread is pinned to ``train_cores`` (one intra-op thread); this engine's
+    copier, writer process and reply reader run on ``writer_cores``
+    (``CheckpointConfig.writer_cpus``), and so do DCP's writer threads (moved after each
+    ``async_save``). Each round runs one block of each kind, in an order rotated and
+    reversed from round to round (ABC CBA BCA ...), so drifts in the shared machine's load
+    hit all three alike; an engine's overhead is the median over rounds of its block's time
+    over the plain block of the same round. As torchtitan does, each DCP save first waits
+    for the previous one's future (DCP has no skip); each checkpointing block ends waiting
+    for its last save, so persisting is charged to it.
+    """
+    from torch.distributed.checkpoint.state_dict_saver import async_save
+
+    train_cores, writer_cores = cpu_split()
+    threads = torch.get_num_threads()
+    main_tid = threading.get_native_id()
+    before = os.sched_getaffinity(0)
+    model, opt = make_state(24)
+    step = 0
+    cfg = CheckpointConfig(
+        root=tmp / "every-step",
+        keep_last=1,
+        writer=DEFAULT_WRITER,  # type: ignore[arg-type]
+        writer_cpus=tuple(writer_cores),
+    )
+    fut: Any = None
+
+    def block(kind: str, engine: Checkpointer, steps: int = 4) -> float:
+        nonlocal step, fut
+        t0 = clock()
+        for _ in range(steps):
+            if kind == "ours":
+                engine.save({"model": model, "optim": opt}, step=step)
+            elif kind == "dcp":
+                if fut is not None:
+                    fut.result()
+                state = {"model": model.state_dict(), "optim": opt.state_dict()}
+                fut = async_save(state, checkpoint_id=str(tmp / f"dcp-{step % 2}"), no_dist=True)
+                _pin_other_threads(main_tid, writer_cores)
+            for _ in range(4):
+                fwd_bwd(model, batch=512)
+            opt.step()
+            opt.zero_grad()
+            step += 1
+        if kind == "ours":
+            engine.wait()
+        elif fut is not None:
+            fut.result()
+            fut = None
+        return (clock() - t0) / steps
+
+    os.sched_setaffinity(0, train_cores)
+    torch.set_num_threads(len(train_cores))
+    times: dict[str, list[float]] = {"plain": [], "ours": [], "dcp": []}
+    ratios: dict[str, list[float]] = {"ours": [], "dcp": []}
+    try:
+        with Checkpointer(cfg) as engine:
+            for kind in ("ours", "dcp", "plain"):  # warm-up: buffers, writer, DCP planner
+                block(kind, engine, 1)
+            kinds = ["plain", "ours", "dcp"]
+            for r in range(rounds):
+                order = kinds[r % 3 :] + kinds[: r % 3]
+                this = {kind: block(kind, engine) for kind in (order[::-1] if r % 2 else order)}
+                for kind, t in this.items():
+                    times[kind].append(t)
+                for kind in ratios:
+                    ratios[kind].append(this[kind] / this["plain"])
+            skipped = engine.saves_skipped
+    finally:
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, before)
+    return {
+        "train_cores": train_cores,
+        "writer_cores": writer_cores,
+        "rounds": rounds,
+        "step_s": statistics.median(times["plain"]),
+        "step_with_ckpt_s": statistics.median(times["ours"]),
+        "dcp_step_with_ckpt_s": statistics.median(times["dcp"]),
+        "every_step_overhead_pct": 100.0 * (statistics.median(ratios["ours"]) - 1.0),
+        "dcp_every_step_overhead_pct": 100.0 * (statistics.median(ratios["dcp"]) - 1.0),
+        "every_step_overhead_pct_rounds": [round(100 * (x - 1), 1) for x in ratios["ours"]],
+        "dcp_every_step_overhead_pct_rounds": [round(100 * (x - 1), 1) for x in ratios["dcp"]],
+        "saves_skipped": skipped,
     }
 
 

@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Any, Protocol
 
-from checkpoint._persist import PersistJob, PersistResult, lower_priority, persist_part
+from checkpoint._persist import PersistJob, PersistResult, lower_priority, persist_part, pin_cpus
 from checkpoint._stage import HostBuffer, Snapshot
 from checkpoint.errors import CheckpointWriteError
 
@@ -48,9 +48,10 @@ class WriterHost(Protocol):
 
 
 class ThreadWriter:
-    def __init__(self, host: WriterHost, *, nice: int = 0) -> None:
+    def __init__(self, host: WriterHost, *, nice: int = 0, cpus: tuple[int, ...] = ()) -> None:
         self.host = host
         self._nice = nice
+        self._cpus = cpus
         self._q: queue.Queue[tuple[Snapshot, PersistJob] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
         self._thread.start()
@@ -73,6 +74,7 @@ class ThreadWriter:
     def _loop(self) -> None:
         host = self.host
         lower_priority(self._nice)  # this thread and the ones it starts
+        pin_cpus(self._cpus)
         while True:
             item = self._q.get()
             if item is None:
@@ -112,10 +114,12 @@ class ProcessWriter:
     nothing patches its environment.
     """
 
-    def __init__(self, host: WriterHost, *, nice: int = 0) -> None:
+    def __init__(self, host: WriterHost, *, nice: int = 0, cpus: tuple[int, ...] = ()) -> None:
         self.host = host
+        self._cpus = cpus
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpoint._writer_process", str(nice)],
+            [sys.executable, "-m", "checkpoint._writer_process", str(nice)]
+            + [",".join(map(str, cpus))] * bool(cpus),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -166,6 +170,7 @@ class ProcessWriter:
 
     def _read(self) -> None:
         host = self.host
+        pin_cpus(self._cpus)  # off the training cores: it parses the writer's replies
         stdout = self._proc.stdout
         assert stdout is not None
         for line in stdout:

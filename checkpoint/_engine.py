@@ -145,6 +145,7 @@ class Checkpointer:
             on_progress=self._on_copy_progress,
             on_copied=self._report_snapshot_done,
             on_failed=self._on_copy_failed,
+            cpus=config.writer_cpus,
         )
         self._shared = config.writer == "process"
         if self._shared:
@@ -158,7 +159,7 @@ class Checkpointer:
 
     def _new_writer(self) -> ThreadWriter | ProcessWriter:
         kind = ProcessWriter if self._shared else ThreadWriter
-        return kind(self, nice=self.config.writer_nice)
+        return kind(self, nice=self.config.writer_nice, cpus=self.config.writer_cpus)
 
     # ------------------------------------------------------------------ events
     def emit(self, kind: str, step: int, **fields: Any) -> None:
@@ -332,10 +333,10 @@ class Checkpointer:
             snap.queued.set()
             snap.copy_done.set()
             self.emit("snapshot_done", step, blocking_s=snap.blocking_s, size_bytes=offset)
-        if lazy:
+        if hold and lazy:
             self._copier.submit(snap)
-        if not hold:
-            self._submit(snap, job)
+        elif not hold:  # the writer first: its syscalls before the copier wants the GIL
+            self._submit(snap, job, start_copy=bool(lazy))
 
     def _plan_writers(self, tensors: list[CapturedTensor]) -> dict[str, int]:
         """Which rank writes each tensor shared with data-parallel replicas (``_dedup``)."""
@@ -370,15 +371,23 @@ class Checkpointer:
             run_id=self.run_id,
         )
 
-    def _submit(self, snap: Snapshot, job: PersistJob) -> None:
+    def _submit(self, snap: Snapshot, job: PersistJob, *, start_copy: bool = False) -> None:
+        """Hand ``job`` to the writer; ``start_copy``: then start the lazy copy (after, so
+        that the training thread's pipe write and ``waitpid`` do not compete for the GIL
+        with the copier)."""
         try:
             self._writer_for_save().submit(snap, job)
         except CheckpointWriteError as exc:  # the training loop goes on without this one
             with self.cond:
                 snap.aborted = True
                 self.cond.notify_all()
+            if start_copy:  # on_done waits for the copy to end
+                self._copier.submit(snap)
             self.on_failed(snap, str(exc))
             self.on_done(snap)
+            return
+        if start_copy:
+            self._copier.submit(snap)
 
     def _writer_for_save(self) -> ThreadWriter | ProcessWriter:
         """The writer, restarted if its process died (OOM killer, a stray kill)."""

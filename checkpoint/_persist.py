@@ -250,6 +250,15 @@ def lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
+def pin_cpus(cpus: tuple[int, ...] | list[int]) -> None:
+    """Run the calling thread (and the threads it starts afterwards) on ``cpus`` only
+    (:attr:`CheckpointConfig.writer_cpus`). Empty, or no affinity call here: unchanged."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, set(cpus))  # 0: this thread (Linux affinity is per thread)
+
+
 def mirror_part(job: PersistJob, mirror: Path) -> None:
     """Copy this rank's committed files to the second tier; rank 0 commits there too.
 

@@ -265,8 +265,10 @@ class Copier:
         on_progress: Callable[[Snapshot], None],
         on_copied: Callable[[Snapshot], None],
         on_failed: Callable[[Snapshot, str], None],
+        cpus: tuple[int, ...] = (),
     ) -> None:
         self.cond = cond
+        self._cpus = cpus
         self.slice_bytes = slice_bytes
         self._on_progress, self._on_copied, self._on_failed = on_progress, on_copied, on_failed
         self._streams: dict[torch.device, Any] = {}
@@ -294,6 +296,9 @@ class Copier:
         return stream
 
     def _loop(self) -> None:
+        if self._cpus and hasattr(os, "sched_setaffinity"):  # CheckpointConfig.writer_cpus
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, set(self._cpus))
         while True:
             with self._q_cond:
                 while not self._q:

@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from checkpoint._persist import PersistJob, PersistResult, lower_priority, persist_part
+from checkpoint._persist import PersistJob, PersistResult, lower_priority, persist_part, pin_cpus
 
 
 class _Job:
@@ -137,7 +137,9 @@ class WriterProcess:
 
 def main() -> None:
     nice = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    cpus = [int(c) for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else []
     lower_priority(nice)  # before any thread starts: Linux threads inherit it
+    pin_cpus(cpus)  # likewise (CheckpointConfig.writer_cpus)
     WriterProcess().run()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -138,7 +139,24 @@ class CheckpointConfig:
     threads preempt its checksumming and syscalls. Off by default: on the 2-core test host
     10 and 19 made no difference beyond the noise to the every-step overhead."""
 
+    writer_cpus: tuple[int, ...] = ()
+    """CPUs (Linux ``sched_setaffinity``) for everything a save runs beside training: the
+    copier thread, the writer process (all its threads) or writer thread, and the thread
+    that reads the writer's replies. Set it to the host cores training does not use (on a
+    GPU node, those the data loader and launcher leave free) so that the save's CPU work
+    never preempts a training thread. Empty (default): no pinning, the scheduler decides.
+    The training threads are the caller's to pin."""
+
     def validate(self) -> None:
+        if self.writer_cpus:
+            # Against the machine's CPUs, not the calling thread's mask: the caller may
+            # already have pinned its training thread elsewhere.
+            count = os.cpu_count() or 1
+            bad = [c for c in self.writer_cpus if type(c) is not int or not 0 <= c < count]
+            if bad:
+                raise CheckpointConfigError(
+                    f"writer_cpus {bad} not CPUs of this host (0..{count - 1})"
+                )
         if self.keep_last < 1:
             raise CheckpointConfigError(f"keep_last must be >= 1, got {self.keep_last}")
         if self.writer not in ("process", "thread"):
