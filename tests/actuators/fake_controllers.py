@@ -1,5 +1,7 @@
-"""The fake cluster's Job and JobSet controllers and its scheduler (a mixin of
-:class:`tests.actuators.fake_cluster.FakeCluster`), enough for gang restarts: a deleted or
+"""The fake cluster's Job, JobSet and PyTorchJob (training operator) controllers and its
+scheduler (a mixin of :class:`tests.actuators.fake_cluster.FakeCluster`), enough for gang
+restarts: :meth:`WorkloadControllers.reconcile_pytorchjob` recreates a PyTorchJob's missing
+pods from its current spec; a deleted or
 evicted pod fails its Job when ``backoffLimit`` is 0 (an eviction not, when the Job's
 podFailurePolicy ignores ``DisruptionTarget``); :meth:`WorkloadControllers.reconcile_jobset`
 creates the child Jobs and their pods on schedulable, untainted nodes and, when a child Job
@@ -179,3 +181,50 @@ class WorkloadControllers:
                     pod["spec"]["nodeName"] = self.schedule(pod)
                     pod["status"] = {"phase": "Running" if pod["spec"]["nodeName"] else "Pending"}
                     self.put("", "pods", pod)
+
+    def reconcile_pytorchjob(self, ns: str, name: str) -> list[str]:
+        """One reconcile of the training operator: create every replica's missing pod
+        (``<job>-<type>-<index>``, scheduled) from the current spec, delete pods past the
+        replica counts; nothing while ``runPolicy.suspend``. Returns the pods created."""
+        with self.lock:
+            pj = self.objects[("kubeflow.org", "pytorchjobs", ns, name)]
+            if (pj["spec"].get("runPolicy") or {}).get("suspend"):
+                return []
+            ref = {
+                "apiVersion": pj["apiVersion"],
+                "kind": "PyTorchJob",
+                "name": name,
+                "uid": pj["metadata"]["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+            ours = {
+                k[3]
+                for k, p in self.objects.items()
+                if k[:3] == ("", "pods", ns) and any(r.get("uid") == ref["uid"] for r in _refs(p))
+            }
+            wanted: set[str] = set()
+            created: list[str] = []
+            for rtype, rspec in sorted(pj["spec"]["pytorchReplicaSpecs"].items()):
+                template = rspec.get("template") or {}
+                for index in range(int(rspec.get("replicas", 1))):
+                    pod_name = f"{name}-{rtype.lower()}-{index}"
+                    wanted.add(pod_name)
+                    if pod_name in ours:
+                        continue
+                    meta = copy.deepcopy(template.get("metadata") or {})
+                    meta["labels"] = {
+                        **(meta.get("labels") or {}),
+                        "training.kubeflow.org/job-name": name,
+                        "training.kubeflow.org/replica-type": rtype.lower(),
+                        "training.kubeflow.org/replica-index": str(index),
+                    }
+                    meta.update(name=pod_name, namespace=ns, ownerReferences=[ref])
+                    pod = {"metadata": meta, "spec": copy.deepcopy(template.get("spec") or {})}
+                    pod["spec"]["nodeName"] = self.schedule(pod)
+                    pod["status"] = {"phase": "Running" if pod["spec"]["nodeName"] else "Pending"}
+                    self.put("", "pods", pod)
+                    created.append(pod_name)
+            for extra in sorted(ours - wanted):
+                self._delete(("", "pods", ns, extra), {}, None)
+            return created

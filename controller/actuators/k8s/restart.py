@@ -84,6 +84,15 @@ def _masters(w: Workload) -> int:
     return int(specs["Master"].get("replicas", 1)) if "Master" in specs else 0
 
 
+def _size_source(w: Workload) -> tuple[str, dict[str, Any]]:
+    """Where the job says which sizes it runs at: a TrainJob's trainer command, else (the
+    runtime's own command) its JobSet; every other kind itself."""
+    trainer = (w.obj.get("spec") or {}).get("trainer") or {}
+    if w.kind is TRAINJOB and w.runtime is not None and not trainer.get("command"):
+        return "JobSet", w.runtime
+    return w.kind.kind, w.obj
+
+
 def gang_plan(w: Workload, *, same_size: bool) -> GangPlan:
     """How to restart ``w``'s gang; raises when the workload must not be failed again."""
     if w.suspended:
@@ -120,7 +129,7 @@ async def restart_job(act: KubernetesActuator, placement: Placement, reason: str
     per_pod = len(next(iter(layout.pods().values()))) if layout is not None else 1
     size = placement.world_size // per_pod
     _, old_size = ko.restart_patch(w, size, annotations)
-    resize = resize_note(w.kind.kind, w.obj, old_size, size, masters=_masters(w))
+    resize = resize_note(*_size_source(w), old_size, size, masters=_masters(w))
     plan = gang_plan(w, same_size=old_size == size)
     details: dict[str, Any] = {
         "workload": w.label,

@@ -1,0 +1,236 @@
+"""``KubernetesActuator.restart_job`` the workload's own way, end to end on the fake cluster
+(its JobSet controller, training operator and scheduler): PyTorchJob by its restartPolicy,
+TrainJob through its JobSet's failurePolicy, elastic shrinks, and never half a gang when a
+restart fails half-way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from controller.actuators.base import ActuatorError, Placement
+from controller.actuators.kubernetes import KubernetesActuator
+from tests.actuators import k8s_objects as k
+from tests.actuators.fake_cluster import FakeCluster
+from tests.actuators.k8s_testkit import NS, cluster, node, round_trip, run
+from tests.actuators.test_k8s_workloads import jobset_doc
+from trainguard.wire import RankEvent
+
+__all__ = ["cluster"]
+
+NODES = ("gpu-a", "gpu-b", "gpu-c", "gpu-d")
+
+
+def actuator(c: FakeCluster) -> KubernetesActuator:
+    cfg = client.Configuration(host=c.url)
+    cfg.retries = 0
+    return KubernetesActuator(client.ApiClient(cfg), NS, settle_timeout_s=2, poll_interval_s=0.05)
+
+
+def report_ranks(act: KubernetesActuator, c: FakeCluster, job: str, per_pod: int = 2) -> None:
+    """What the agents forward: ``per_pod`` torchrun ranks in each pod, no rank labels."""
+    pods = sorted(c.items("", "pods", NS), key=lambda p: p["metadata"]["name"])
+    world = len(pods) * per_pod
+    for i, pod in enumerate(pods):
+        for local in range(per_pod):
+            ev = RankEvent(job=job, rank=per_pod * i + local, kind="started", time_unix_s=1.0,
+                           local_rank=local, world_size=world, pod=pod["metadata"]["name"],
+                           namespace=NS)  # fmt: skip
+            act.observe_ranks(pod["spec"]["nodeName"], [ev])
+
+
+def pods_of(c: FakeCluster) -> dict[str, tuple[str, str | None]]:
+    """pod -> (node, trainguard generation annotation)."""
+    return {
+        p["metadata"]["name"]: (
+            p["spec"]["nodeName"],
+            (p["metadata"].get("annotations") or {}).get("trainguard.io/generation"),
+        )
+        for p in c.items("", "pods", NS)
+    }
+
+
+def elastic_pytorchjob(c: FakeCluster, *, policy: str = "OnFailure") -> dict[str, Any]:
+    """Four workers, torchrun-elastic between two and four (``elasticPolicy``)."""
+    template = k.pod_template("pt")
+    template["spec"]["restartPolicy"] = policy
+    doc = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": "pt", "namespace": NS, "labels": {"trainguard.io/job": "pt"}},
+        "spec": {
+            "runPolicy": {"cleanPodPolicy": "None"},
+            "elasticPolicy": {"minReplicas": 2, "maxReplicas": 4, "rdzvBackend": "c10d"},
+            "pytorchReplicaSpecs": {
+                "Worker": {"replicas": 4, "restartPolicy": policy, "template": template}
+            },
+        },
+    }
+    round_trip(doc)
+    for n in NODES:
+        node(c, n)
+    c.put("kubeflow.org", "pytorchjobs", doc)
+    assert len(c.reconcile_pytorchjob(NS, "pt")) == 4
+    return doc
+
+
+def test_pytorchjob_on_failure_shrinks_within_its_elastic_policy_when_no_node_is_spare(
+    cluster: FakeCluster,
+) -> None:
+    elastic_pytorchjob(cluster)
+    act = actuator(cluster)
+    report_ranks(act, cluster, "pt")
+    placement = run(act.current_placement("pt"))
+    assert placement is not None and placement.nodes == NODES
+    run(act.isolate_node("gpu-a", reason="xid 79"))
+    # No spare node: the gang goes on three nodes, which elasticPolicy 2..4 allows.
+    new = Placement(job="pt", nodes=NODES[1:], ranks_per_node=2, generation=1, resume_step=40)
+    result = run(act.restart_job(new, reason="xid 79 on gpu-a"))
+    assert result.details["mode"] == "delete-pods"
+    assert result.details["resize"] == "shrunk from 4 to 3 pod(s) within elasticPolicy"
+    assert "shrunk from 4 to 3 pod(s) within elasticPolicy" in result.outcome
+    assert len(result.details["evicted"]) == 4  # the whole gang, not only gpu-a's pod
+    pj = cluster.get("kubeflow.org", "pytorchjobs", NS, "pt")
+    assert pj is not None
+    round_trip(pj)
+    worker = pj["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 3
+    assert worker["template"]["metadata"]["annotations"]["trainguard.io/generation"] == "1"
+    assert pj["metadata"]["annotations"]["trainguard.io/generation"] == "1"
+    # The operator recreates the pods from the new spec, the scheduler keeps gpu-a out.
+    cluster.reconcile_pytorchjob(NS, "pt")
+    after = pods_of(cluster)
+    assert sorted(n for n, _ in after.values()) == ["gpu-b", "gpu-c", "gpu-d"]
+    assert {g for _, g in after.values()} == {"1"}
+    reasons = [(e["involvedObject"]["kind"], e["reason"]) for e in cluster.items("", "events")]
+    assert ("PyTorchJob", "JobRestarted") in reasons
+    # Below elasticPolicy.minReplicas: refused, nothing written.
+    writes = len([s for s in cluster.served if s[2] in ("patch", "delete", "create")])
+    with pytest.raises(ActuatorError, match=r"outside its elasticPolicy \(2\.\.4\)"):
+        run(act.restart_job(Placement(job="pt", nodes=("gpu-b",), ranks_per_node=2,
+                                      generation=2), reason="x"))  # fmt: skip
+    assert len([s for s in cluster.served if s[2] in ("patch", "delete", "create")]) == writes
+
+
+def test_pytorchjob_restart_failing_half_way_suspends_it_and_a_retry_finishes(
+    cluster: FakeCluster,
+) -> None:
+    elastic_pytorchjob(cluster)
+    act = actuator(cluster)
+    report_ranks(act, cluster, "pt")
+    cluster.faults[("", "pods/eviction", "create")] = 1  # the second eviction fails
+    new = Placement(job="pt", nodes=NODES, ranks_per_node=2, generation=1)
+    with pytest.raises(ActuatorError) as err:
+        run(act.restart_job(new, reason="hang"))
+    assert err.value.retryable
+    assert "interrupted after 1 of 4 old pod(s)" in str(err.value)
+    assert "suspended so that no half gang trains" in str(err.value)
+    pj = cluster.get("kubeflow.org", "pytorchjobs", NS, "pt")
+    assert pj is not None and pj["spec"]["runPolicy"]["suspend"] is True
+    # Never old and new side by side: the operator runs nothing while suspended.
+    assert cluster.reconcile_pytorchjob(NS, "pt") == [] and pods_of(cluster) == {}
+    del cluster.faults[("", "pods/eviction", "create")]
+    result = run(act.restart_job(new, reason="retry"))
+    assert result.details["mode"] == "suspend-resume"
+    pj = cluster.get("kubeflow.org", "pytorchjobs", NS, "pt")
+    assert pj is not None and pj["spec"]["runPolicy"]["suspend"] is False
+    assert len(cluster.reconcile_pytorchjob(NS, "pt")) == 4
+    assert {g for _, g in pods_of(cluster).values()} == {"1"}
+
+
+def test_pytorchjob_never_goes_through_suspend_and_resume(cluster: FakeCluster) -> None:
+    elastic_pytorchjob(cluster, policy="Never")
+    act = actuator(cluster)
+    report_ranks(act, cluster, "pt")
+    new = Placement(job="pt", nodes=NODES, ranks_per_node=2, generation=1)
+    result = run(act.restart_job(new, reason="hang"))
+    assert result.details["mode"] == "suspend-resume" and "resize" not in result.details
+    suspends = [
+        s for s in cluster.served if s == ("kubeflow.org", "pytorchjobs", "patch")
+    ]  # suspend, then one resize-and-resume patch
+    assert len(suspends) == 2
+    assert len(cluster.reconcile_pytorchjob(NS, "pt")) == 4
+
+
+def test_indexed_job_restart_failing_half_way_stays_suspended(cluster: FakeCluster) -> None:
+    cluster.instant_controller = False  # the pods outlive the suspension for a while
+    job = k.indexed_job(cluster, "ix", 4)
+    k.pods(cluster, "ix", job, ["gpu-a", "gpu-b"], 2)
+    act = actuator(cluster)
+    cluster.faults[("", "pods/eviction", "create")] = 2
+    with pytest.raises(ActuatorError, match="injected fault"):
+        run(act.restart_job(Placement(job="ix", nodes=("gpu-a", "gpu-b"), ranks_per_node=2,
+                                      generation=1), reason="x"))  # fmt: skip
+    obj = cluster.get("batch", "jobs", NS, "ix")
+    assert obj is not None and obj["spec"]["suspend"] is True
+    # The template still says the old generation: nothing of generation 1 can start.
+    assert "annotations" not in obj["spec"]["template"].get("metadata", {})
+    del cluster.faults[("", "pods/eviction", "create")]
+    cluster.objects[("batch", "jobs", NS, "ix")]["status"] = {}  # the Job controller caught up
+    result = run(act.restart_job(Placement(job="ix", nodes=("gpu-a", "gpu-b"), ranks_per_node=2,
+                                           generation=1), reason="retry"))  # fmt: skip
+    assert result.details["mode"] == "suspend-resume"
+    obj = cluster.get("batch", "jobs", NS, "ix")
+    assert obj is not None and obj["spec"]["suspend"] is False
+    assert obj["spec"]["template"]["metadata"]["annotations"]["trainguard.io/generation"] == "1"
+
+
+def trainjob(c: FakeCluster, *, max_restarts: int) -> None:
+    """A TrainJob and the JobSet Kubeflow Trainer made of it (two nodes, torchrun x2)."""
+    for n in NODES[:3]:
+        node(c, n)
+    tj = {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": "tj", "namespace": NS, "labels": {"trainguard.io/job": "tj"}},
+        "spec": {"runtimeRef": {"name": "torch-distributed"}, "trainer": {"numNodes": 2}},
+    }
+    round_trip(tj)
+    tj = c.put("trainer.kubeflow.org", "trainjobs", tj)
+    js = jobset_doc("tj", replicas=2, max_restarts=max_restarts)
+    js["spec"]["replicatedJobs"][0]["name"] = "node"
+    js["metadata"]["ownerReferences"] = [k.ref(tj)]
+    c.put("jobset.x-k8s.io", "jobsets", js)
+    assert c.reconcile_jobset(NS, "tj") == "created"
+
+
+def test_trainjob_restarts_through_its_jobsets_failure_policy(cluster: FakeCluster) -> None:
+    trainjob(cluster, max_restarts=2)
+    act = actuator(cluster)
+    report_ranks(act, cluster, "tj")
+    run(act.isolate_node("gpu-a", reason="xid 79"))
+    new = Placement(job="tj", nodes=("gpu-b", "gpu-c"), ranks_per_node=2, generation=1)
+    result = run(act.restart_job(new, reason="xid 79 on gpu-a"))
+    assert result.details["workload"] == "TrainJob tj"
+    assert result.details["mode"] == "fail-child-jobs"
+    assert (result.details["restarts_used"], result.details["max_restarts"]) == (1, 2)
+    tj = cluster.get("trainer.kubeflow.org", "trainjobs", NS, "tj")
+    assert tj is not None and tj["metadata"]["annotations"]["trainguard.io/generation"] == "1"
+    round_trip(tj)
+    assert cluster.reconcile_jobset(NS, "tj") == "restarted"
+    assert sorted(n for n, _ in pods_of(cluster).values()) == ["gpu-b", "gpu-c"]
+    reasons = [(e["involvedObject"]["kind"], e["reason"]) for e in cluster.items("", "events")]
+    assert ("TrainJob", "TrainguardGangRestart") in reasons
+
+
+def test_trainjob_shrink_is_refused_by_a_fixed_nnodes_and_resizes_on_the_trainjob(
+    cluster: FakeCluster,
+) -> None:
+    trainjob(cluster, max_restarts=2)
+    act = actuator(cluster)
+    report_ranks(act, cluster, "tj")
+    one = Placement(job="tj", nodes=("gpu-b",), ranks_per_node=2, generation=1)
+    with pytest.raises(ActuatorError, match=r"torchrun --nnodes=2 is fixed"):
+        run(act.restart_job(one, reason="x"))
+    js = cluster.objects[("jobset.x-k8s.io", "jobsets", NS, "tj")]
+    container = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    container["containers"][0]["command"][1] = "--nnodes=1:2"
+    result = run(act.restart_job(one, reason="x"))
+    assert result.details["resize"] == "shrunk from 2 to 1 pod(s) within torchrun --nnodes=1:2"
+    assert result.details["mode"] == "suspend-resume"
+    tj = cluster.get("trainer.kubeflow.org", "trainjobs", NS, "tj")
+    assert tj is not None
+    assert tj["spec"]["trainer"]["numNodes"] == 1 and tj["spec"]["suspend"] is False
+    round_trip(tj)
