@@ -197,6 +197,11 @@ def test_default_objects(helm_bin: Path, tmp_path: Path) -> None:
     assert sorted(_kinds(docs)) == sorted(
         [
             "ServiceAccount",
+            # Node-bound agents by default (auth.agentIdentity): their own ServiceAccount,
+            # and the controller's right to verify their tokens (TokenReview).
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
             "Secret",
             "Secret",  # the agents' job token (agent.jobEndpoint)
             "ClusterRole",
@@ -204,6 +209,8 @@ def test_default_objects(helm_bin: Path, tmp_path: Path) -> None:
             "Role",
             "RoleBinding",
             "Role",
+            "RoleBinding",
+            "Role",  # the leader Lease's (test_chart_lease.py)
             "RoleBinding",
             "Service",
             "Service",
@@ -256,7 +263,7 @@ def test_rbac_rules_equal_code(helm_bin: Path, tmp_path: Path) -> None:
             {"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}
         ]
         assert binding["roleRef"]["name"] == binding["metadata"]["name"]
-    sa = _one(docs, "ServiceAccount")
+    sa = _one(docs, "ServiceAccount", FULLNAME)
     assert sa["metadata"]["name"] == FULLNAME
     pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == FULLNAME
@@ -283,12 +290,14 @@ def test_job_namespace_default_needs_one_role(helm_bin: Path, tmp_path: Path) ->
     assert [(r["metadata"]["namespace"], r["metadata"]["name"]) for r in roles] == [
         ("default", f"{FULLNAME}-jobs")
     ]
-    cluster = _one(docs, "ClusterRole")["rules"]
+    cluster = _one(docs, "ClusterRole", f"{FULLNAME}-nodes")["rules"]
     assert cluster + roles[0]["rules"] == [dict(rule) for rule in RBAC_RULES]
 
 
 def test_no_rbac_without_kubernetes_actuator(helm_bin: Path, tmp_path: Path) -> None:
     docs = _render(helm_bin, tmp_path, VALUE_SETS["sqlite-pvc-no-actuator"])
+    # No actuator, no agents: no RBAC at all, and no API credentials in the controller's pod.
+    assert VALUE_SETS["sqlite-pvc-no-actuator"]["agent"]["enabled"] is False
     assert not _rbac(docs)
     pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
@@ -430,7 +439,8 @@ def test_sqlite_persistence(helm_bin: Path, tmp_path: Path) -> None:
 
 
 def test_agent_daemonset(helm_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    docs = _render(helm_bin, tmp_path, TOKENS)
+    # The shared agent token (opt-in): the node-bound default is test_chart_agent_identity.
+    docs = _render(helm_bin, tmp_path, _merge(TOKENS, {"auth": {"agentIdentity": "sharedToken"}}))
     ds = _one(docs, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     agent = _container(ds, "agent")
@@ -613,7 +623,12 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
         "/auth/tokens/0/role",
     ),
     "agent token only hashed": (
-        {"auth": {"tokens": [{"name": "a", "role": "agent", "sha256": "a" * 64}]}},
+        {
+            "auth": {
+                "tokens": [{"name": "a", "role": "agent", "sha256": "a" * 64}],
+                "agentIdentity": "sharedToken",
+            }
+        },
         "the agents need a plaintext agent-role token",
     ),
     "ha on sqlite": (

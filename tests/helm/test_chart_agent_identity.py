@@ -64,9 +64,19 @@ def test_node_bound_agents(helm_bin: Path, tmp_path: Path) -> None:
     assert binding["subjects"][0]["name"] == controller["serviceAccountName"]
 
 
-def test_shared_token_is_the_default(helm_bin: Path, tmp_path: Path) -> None:
+def test_node_bound_is_the_default_and_shared_token_opt_in(helm_bin: Path, tmp_path: Path) -> None:
     docs = _render(helm_bin, tmp_path, _merge(TOKENS, {}))
     pod = _one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == f"{RELEASE}-trainguard-agent"
+    assert "TRAINGUARD_AGENT_TOKEN" not in _env(pod["containers"][0])
+    cenv = _env(_one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0])
+    assert cenv["TRAINGUARD_ALLOW_SHARED_AGENT_TOKENS"] == "false"
+
+    shared = _render(helm_bin, tmp_path, _merge(TOKENS, {"auth": {"agentIdentity": "sharedToken"}}))
+    pod = _one(shared, "DaemonSet")["spec"]["template"]["spec"]
     assert "serviceAccountName" not in pod
     assert "TRAINGUARD_AGENT_TOKEN" in _env(pod["containers"][0])
-    assert not [d for d in docs if d["metadata"]["name"].endswith("-tokenreview")]
+    assert not [d for d in shared if d["metadata"]["name"].endswith("-tokenreview")]
+    # The controller refuses shared agent tokens unless told: the chart tells it.
+    cenv = _env(_one(shared, "Deployment")["spec"]["template"]["spec"]["containers"][0])
+    assert cenv["TRAINGUARD_ALLOW_SHARED_AGENT_TOKENS"] == "true"

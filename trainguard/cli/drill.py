@@ -31,6 +31,7 @@ from typing import Any
 from trainguard.cli.client import ApiClient
 from trainguard.cli.errors import BadInput, DemoFailed
 from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
+from trainguard.wire import API_PREFIX
 
 JsonObject = dict[str, Any]
 JOB = "gpt-demo"
@@ -134,7 +135,6 @@ class Drill:
     workdir: Path
     procs: ProcessSet
     server: str = ""
-    agent_token: str = field(default_factory=lambda: os.urandom(18).hex())
     operator_token: str = field(default_factory=lambda: os.urandom(18).hex())
     node_names: list[str] = field(default_factory=list)
     #: Called with one line whenever something worth narrating happens.
@@ -184,6 +184,10 @@ class Drill:
     def _fault_file(self, node: str) -> Path:
         return self.workdir / node / "gpu-faults"
 
+    def _token_file(self, node: str) -> Path:
+        """The node's own agent token (issued by the controller once it is up)."""
+        return self.workdir / node / "agent-token"
+
     def _start_agents(self) -> None:
         cfg = self.config
         for node in self.node_names:
@@ -191,7 +195,10 @@ class Drill:
         self.server = f"http://127.0.0.1:{free_port()}"
         for node in self.node_names:
             argv = cli_argv(
-                *("agent", "--controller", self.server, "--token", self.agent_token),
+                *("agent", "--controller", self.server),
+                # Each agent its own token, bound to its node (docs/security.md): the file
+                # is written once the controller has issued it; until then reports wait.
+                *("--token-file", str(self._token_file(node))),
                 *("--node-name", node, "--gpus", f"sim:{cfg.ranks_per_node}"),
                 *("--spool-dir", str(self.workdir / node / "spool")),
                 *("--socket-path", self._socket(node), "--metrics-port", "0"),
@@ -233,10 +240,7 @@ class Drill:
         (self.workdir / "ranks").mkdir(exist_ok=True)
         (self.workdir / "jobs.json").write_text(json.dumps(jobs, indent=1))
         (self.workdir / "policy.json").write_text(json.dumps(drill_policy(), indent=1))
-        tokens = [
-            {"name": "demo-agent", "role": "agent", "token": self.agent_token},
-            {"name": "demo-operator", "role": "operator", "token": self.operator_token},
-        ]
+        tokens = [{"name": "demo-operator", "role": "operator", "token": self.operator_token}]
         env = {
             "TRAINGUARD_TOKENS": json.dumps(tokens),
             "TRAINGUARD_ACTUATOR": "local",
@@ -254,6 +258,19 @@ class Drill:
             ok = wait_until(lambda: probe.ready() or not child.alive(), timeout_s=60)
             if not (ok and child.alive()):
                 raise DemoFailed(f"the controller did not start:\n{child.log_tail(30)}")
+        self._issue_agent_tokens()
+
+    def _issue_agent_tokens(self) -> None:
+        """One token per node, as an operator provisions agents (``trainguard agent-token
+        issue NODE``); shared agent tokens stay off, as they are by default."""
+        with self.api() as api:
+            for node in self.node_names:
+                issued = api._request("POST", f"{API_PREFIX}/agent-credentials/{node}")
+                path = self._token_file(node)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(str(issued["token"]))
+                tmp.chmod(0o600)
+                os.replace(tmp, path)  # the agent never reads half a token
 
     @staticmethod
     def _env(extra: dict[str, str]) -> dict[str, str]:
