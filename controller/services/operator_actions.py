@@ -1,11 +1,20 @@
 """Operator actions that drive the remediation engine by hand: restart a job, and approve an
-action the policy only recorded (``dry_run``).
+action that was only recorded (``dry_run``).
 
-Both act through the same code as the policy's own steps (the ``restart`` step and
-``apply_isolation``, which act only through the actuator interface) and leave action rows
-triggered ``operator:<name>``, so the audit trail reads like the policy's. An approval is
-itself an action row (``approve_action``, target ``action:<id>``): a dry run is approved at
-most once, and the row names what was carried out.
+Two kinds of dry run can be approved through ``POST /api/v1/actions/{id}/approve``:
+
+* an ``approval`` row, the plan a *job's own* policy held back (``trainguard.io/policy``
+  with ``dry_run``): :meth:`RemediationEngine.approve` runs that plan once (its rules:
+  :mod:`controller.services.remediation.approval`);
+* a step the *controller's* policy recorded in dry-run mode (``policy.dry_run``): a
+  ``restart_job`` or ``isolate_node`` row is carried out here, through the same code as the
+  policy's own steps (the ``restart`` step and ``apply_isolation``, which act only through
+  the actuator interface). Such an approval is itself an action row (``approve_action``,
+  target ``action:<id>``): a dry run is approved at most once, and the row names what was
+  carried out.
+
+Everything done by hand leaves action rows triggered ``operator:<name>``, so the audit
+trail reads like the policy's.
 
 This module sits beside :mod:`controller.services.actions` rather than in it: the engine
 imports that module, and the acyclic-siblings contract forbids the way back.
@@ -23,8 +32,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Action
-from controller.errors import Conflict, NotFound
+from controller.errors import Conflict, NotFound, TemporaryError
 from controller.services.actions import ActionService
+from controller.services.remediation.approval import APPROVAL_KIND, ApprovalError
 from controller.services.remediation.engine import RemediationEngine
 from controller.services.remediation.records import Remediation
 from controller.services.remediation.steps.restart import ACTION_KIND as RESTART_KIND
@@ -110,15 +120,27 @@ class Approvals:
         self._lock = asyncio.Lock()
 
     async def approve(self, action_id: int, actor: str) -> dict[str, Any]:
-        """Carry out what dry-run action ``action_id`` would have done, now:
-        ``restart_job`` restarts its job (:func:`restart_job`), ``isolate_node`` isolates
-        its node. 404 for no such action, 409 for one that is not a dry run, not of an
-        approvable kind, approved already, or whose effect fails."""
+        """Carry out what dry-run action ``action_id`` would have done, now: an
+        ``approval`` plan runs through the engine; ``restart_job`` restarts its job
+        (:func:`restart_job`), ``isolate_node`` isolates its node. 404 for no such action,
+        409 for one that is not a dry run, not of an approvable kind, approved already, or
+        whose effect fails."""
 
-        def read(session: Session) -> tuple[Action | None, bool]:
+        def read(session: Session) -> tuple[Action | None, bool, int | None]:
             row = session.get(Action, action_id)
-            if row is not None:
-                session.expunge(row)
+            if row is None:
+                return None, False, None
+            session.expunge(row)
+            # A step of a job policy's held-back plan is approved with its plan, as a whole.
+            plan = None
+            rem = row.params.get("remediation")
+            if row.kind != APPROVAL_KIND and rem:
+                plans = session.execute(
+                    select(Action.id, Action.params).where(
+                        Action.kind == APPROVAL_KIND, Action.trigger == row.trigger
+                    )
+                ).all()
+                plan = next((i for i, params in plans if params.get("remediation") == rem), None)
             approved = session.execute(
                 select(Action.id).where(
                     Action.kind == APPROVE_KIND,
@@ -126,12 +148,19 @@ class Approvals:
                     Action.status == "succeeded",
                 )
             ).first()
-            return row, approved is not None
+            return row, approved is not None, plan
 
         async with self._lock:
-            row, approved = await self._store.read(read)
+            row, approved, plan = await self._store.read(read)
             if row is None:
                 raise NotFound(f"action {action_id} not found")
+            if row.kind == APPROVAL_KIND:
+                return await self._approve_plan(action_id, actor)
+            if plan is not None:
+                raise Conflict(
+                    f"action {action_id} is a step of the plan in action {plan}, which the"
+                    f" job's own policy holds for approval: approve action {plan}"
+                )
             if row.status != "dry_run":
                 raise Conflict(f"action {action_id} is {row.status}, not a dry run")
             if approved:
@@ -162,6 +191,22 @@ class Approvals:
                 "carried_out": carried,
                 "outcome": outcome,
             }
+
+    async def _approve_plan(self, action_id: int, actor: str) -> dict[str, Any]:
+        """A job policy's held-back plan: the engine runs it (and keeps it to once)."""
+        try:
+            started = await self._engine.approve(action_id, actor)
+        except ApprovalError as exc:
+            error = {404: NotFound, 503: TemporaryError}.get(exc.status, Conflict)
+            raise error(str(exc)) from None
+        return {
+            "action": action_id,
+            "kind": APPROVAL_KIND,
+            "approval": action_id,
+            "carried_out": None,
+            "remediation": started,
+            "outcome": f"approved by {actor}: running {', '.join(started.get('steps', []))}",
+        }
 
     async def _isolate(self, node: str, actor: str, reason: str) -> tuple[int, str]:
         engine = self._engine

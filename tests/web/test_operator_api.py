@@ -126,3 +126,31 @@ def test_an_operator_approves_what_the_policy_left_in_dry_run(controller_factory
     # A row that is not a dry run is refused.
     not_dry = _post(live, f"/actions/{carried['id']}/approve")
     assert not_dry.status_code == 409 and "not a dry run" in not_dry.json()["detail"]
+
+
+def test_a_plan_a_jobs_own_policy_held_back_is_approved_as_a_whole(controller_factory) -> None:  # type: ignore[no-untyped-def]
+    """An ``approval`` row (the job's ``trainguard.io/policy`` asked for a dry run) goes to
+    ``RemediationEngine.approve``; its step rows are approved with it, not one by one."""
+    from controller.actuators.base import JobPolicy
+    from tests.remediation.test_engine import open_incident
+
+    live = controller_factory()
+    agents = Agents(live)
+    for node in ("n0", "n1", "n2", "n3"):
+        agents.report(node)
+    actuator = _gpt_on(live, ("n0", "n1"), ["n0", "n1", "n2", "n3"])
+    actuator.policies["gpt"] = JobPolicy(dry_run=True)
+    open_incident(live, "gpu_fault", node="n1", severity="critical")
+    plan = wait_for(lambda: [a for a in _actions(live) if a["kind"] == "approval"])[0]
+    step = next(a for a in _actions(live) if a["kind"] == "isolate_node")
+    assert step["status"] == "dry_run"
+
+    assert _post(live, f"/actions/{plan['id']}/approve", "viewer").status_code == 403
+    one = _post(live, f"/actions/{step['id']}/approve")
+    assert one.status_code == 409 and f"approve action {plan['id']}" in one.json()["detail"]
+    r = _post(live, f"/actions/{plan['id']}/approve")
+    assert r.status_code == 200, r.text
+    assert r.json()["remediation"]["approved_by"] == "test-operator"
+    wait_for(lambda: ("isolate_node", "n1") in actuator.calls)
+    again = _post(live, f"/actions/{plan['id']}/approve")
+    assert again.status_code == 409 and "already approved" in again.json()["detail"]
