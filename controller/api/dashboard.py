@@ -86,7 +86,8 @@ async def stream(
 ) -> StreamingResponse:
     """Server-sent events: ``hello``, then ``nodes`` (a full snapshot, later only changed
     nodes), ``changed`` (topics to fetch again) and ``ping`` every 3 s when idle. Every
-    message carries ``t``, the controller's time, so a client sees when it lags."""
+    message carries ``t``, the controller's time, so a client sees when it lags; a client
+    too slow to take what was sent gets a snapshot with ``missed`` (messages dropped)."""
     feed = services.dashboard
     sub = feed.subscribe()
 
@@ -102,7 +103,7 @@ async def stream(
                         return
                     yield f'event: ping\ndata: {{"t":{time.time()}}}\n\n'.encode()
                     continue
-                yield feed.snapshot() if message == RESYNC else message
+                yield feed.resync(sub) if message == RESYNC else message
         finally:
             feed.unsubscribe(sub)
 

@@ -253,7 +253,10 @@ RESYNC = b""  # queued to a subscriber that fell behind: send it a snapshot
 @dataclass(eq=False, slots=True)
 class Subscription:
     queue: asyncio.Queue[bytes] = field(default_factory=lambda: asyncio.Queue(QUEUE_MAX))
+    #: Times this subscriber fell behind (its queue overflowed) since it connected.
     dropped: int = 0
+    #: Messages discarded since its last snapshot: the next snapshot tells the browser.
+    missed: int = 0
 
 
 def node_fields(
@@ -352,11 +355,20 @@ class DashboardFeed:
             self._task.cancel()
             self._task = None
 
-    def snapshot(self) -> bytes:
-        """The whole fleet as one ``nodes`` message (sent on connect and on resync)."""
+    def snapshot(self, missed: int = 0) -> bytes:
+        """The whole fleet as one ``nodes`` message (sent on connect and on resync; a
+        resync says how many messages the subscriber missed, so the page can say so)."""
         now = time.time()
         nodes = node_fields(self.state, now, self._incidents_by_node(), self.silent_after_s)
-        return _sse("nodes", {"t": now, "full": True, "data": list(nodes.values())})
+        data: dict[str, Any] = {"t": now, "full": True, "data": list(nodes.values())}
+        if missed:
+            data["missed"] = missed
+        return _sse("nodes", data)
+
+    def resync(self, sub: Subscription) -> bytes:
+        """The snapshot a subscriber that fell behind gets instead of what it missed."""
+        missed, sub.missed = sub.missed, 0
+        return self.snapshot(missed)
 
     # -- the loop
 
@@ -414,8 +426,10 @@ class DashboardFeed:
                 sub.queue.put_nowait(message)
             except asyncio.QueueFull:
                 sub.dropped += 1
+                sub.missed += 1  # this message
                 while not sub.queue.empty():
-                    sub.queue.get_nowait()
+                    if sub.queue.get_nowait() != RESYNC:
+                        sub.missed += 1
                 sub.queue.put_nowait(RESYNC)
 
     async def tick(self) -> None:

@@ -133,8 +133,17 @@ def test_feed_sends_only_changed_nodes_and_resyncs_a_subscriber_that_fell_behind
         for i in range(QUEUE_MAX + 5):
             state.nodes["n1"].health_reason = f"r{i}"
             await feed.tick()
-        assert _messages(sub.queue)[0] == ("resync", {})
-        assert sub.dropped >= 1
+        queued = _messages(sub.queue)
+        assert queued[0] == ("resync", {})
+        # The 64 deltas queued and the one that did not fit were dropped; the 4 sent after
+        # the overflow follow the marker.
+        assert [k for k, _ in queued[1:]] == ["nodes"] * 4
+        assert sub.dropped == 1 and sub.missed == QUEUE_MAX + 1
+        # The stream answers the marker with a snapshot that says how much was missed.
+        resync = json.loads(feed.resync(sub).decode().split("data: ", 1)[1])
+        assert resync["full"] and resync["missed"] == QUEUE_MAX + 1
+        assert sub.missed == 0
+        assert "missed" not in json.loads(feed.snapshot().decode().split("data: ", 1)[1])
         feed.unsubscribe(sub)
         assert feed.subscribers == set()
 

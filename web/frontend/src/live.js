@@ -2,13 +2,16 @@
 // goes in the Authorization header (EventSource cannot send one). Reconnects by itself
 // with backoff; says "behind" when events stop arriving or arrive late, "disconnected"
 // while the controller cannot be reached. The server sends a full snapshot on every
-// (re)connect, so nothing is missed across a gap.
+// (re)connect, and to a client whose queue overflowed (with the count of updates it
+// missed): either way the client says so, shows the snapshot and asks the page to fetch
+// again ("resync"), so nothing missed stays missing.
 import { API, ApiError, authHeaders } from "./api.js";
 import { nowS, setServerTime } from "./format.js";
 
 const BEHIND_AFTER_MS = 8000; // the server sends at least a heartbeat every 3 s
 const RECONNECT_AFTER_MS = 15000;
 const LATE_S = 5;
+const SHOW_MISSED_MS = 5000; // how long "behind: N updates missed" stays up after a resync
 
 export class Live {
   constructor() {
@@ -20,6 +23,8 @@ export class Live {
     this.retryMs = 500;
     this.stopped = true;
     this.watchdog = null;
+    this.behindUntil = 0;
+    this.missedTotal = 0;
   }
 
   on(type, fn) {
@@ -69,9 +74,11 @@ export class Live {
       if (this.abort) this.abort.abort(); // the read loop reconnects
       return;
     }
-    if (quiet > BEHIND_AFTER_MS || this.lastServerLagS > LATE_S) {
-      this.setState("behind", `last event ${Math.round(quiet / 1000)} s ago`);
-    } else if (this.state === "behind") {
+    if (quiet > BEHIND_AFTER_MS) {
+      this.setState("behind", `no update for ${Math.round(quiet / 1000)} s`);
+    } else if (this.lastServerLagS > LATE_S) {
+      this.setState("behind", `updates arrive ${Math.round(this.lastServerLagS)} s late`);
+    } else if (this.state === "behind" && performance.now() >= this.behindUntil) {
       this.setState("live");
     }
   }
@@ -137,13 +144,28 @@ export class Live {
     } catch {
       return;
     }
+    const wasQuietMs = this.lastEventAt ? performance.now() - this.lastEventAt : 0;
     this.lastEventAt = performance.now();
     if (typeof parsed.t === "number") {
       if (type === "hello") setServerTime(parsed.t);
       this.lastServerLagS = Math.max(0, nowS() - parsed.t);
     }
-    if (this.state !== "live" && this.lastServerLagS <= LATE_S) this.setState("live");
+    const missed = type === "nodes" && parsed.full && typeof parsed.missed === "number" ? parsed.missed : 0;
+    if (missed > 0) {
+      // The server dropped updates this client was too slow to take, and sent a snapshot.
+      this.missedTotal += missed;
+      this.behindUntil = performance.now() + SHOW_MISSED_MS;
+      this.setState("behind", `${missed} update${missed === 1 ? "" : "s"} missed; caught up from a snapshot`);
+    } else if (this.state === "behind" && wasQuietMs > BEHIND_AFTER_MS) {
+      // Back after a stall: the page may have missed "changed" hints in the meantime.
+      this.behindUntil = 0;
+      this.emit("resync", { reason: "stall" });
+    }
+    if (this.state !== "live" && this.lastServerLagS <= LATE_S && performance.now() >= this.behindUntil) {
+      this.setState("live");
+    }
     this.emit(type, parsed);
+    if (missed > 0) this.emit("resync", { reason: "missed", missed });
   }
 }
 

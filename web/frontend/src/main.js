@@ -113,7 +113,8 @@ async function route() {
     ok: () => {
       if (seq !== renderSeq) return;
       view.classList.remove("stale");
-      if (!$("banner").classList.contains("action")) clearBanner();
+      const kind = $("banner").classList;
+      if (!kind.contains("action") && !kind.contains("warn")) clearBanner();
     },
   };
   try {
@@ -198,11 +199,16 @@ function showLive({ state, detail }) {
   node.dataset.state = state;
   const text = { live: "● live", behind: "◐ behind", disconnected: "✕ disconnected", connecting: "… connecting" }[state];
   node.textContent = detail ? `${text} (${detail})` : text;
+  const banner = $("banner");
   if (state === "disconnected") {
     $("view").classList.add("stale");
     if (detail !== "token refused") showBanner(`Controller unreachable at ${location.origin}; live updates paused, reconnecting.`, "error");
+  } else if (state === "behind") {
+    if (!banner.classList.contains("error") || banner.hidden) {
+      showBanner(`Live updates are behind (${detail}); the view may be out of date until they catch up.`, "warn");
+    }
   } else if (state === "live") {
-    if ($("banner").classList.contains("error")) clearBanner();
+    if (banner.classList.contains("error") || banner.classList.contains("warn")) clearBanner();
     $("view").classList.remove("stale");
   }
 }
@@ -220,6 +226,10 @@ document.addEventListener("DOMContentLoaded", () => {
   live.on("error", handleError);
   // A page that missed data while the stream was down asks again once it is back.
   live.on("hello", () => {
+    if (current && current.refresh) current.refresh();
+  });
+  // Likewise after updates were dropped or the stream stalled: "changed" hints may be lost.
+  live.on("resync", () => {
     if (current && current.refresh) current.refresh();
   });
   window.addEventListener("hashchange", () => {
