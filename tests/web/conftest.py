@@ -327,7 +327,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             jobs = httpx.get(
                 f"{live.url}/api/v1/jobs", headers=live.headers("viewer"), timeout=5
             ).json()
-            if nodes["count"] == 3 and jobs["count"] == 1 and jobs["data"][0]["last_step"]:
+            job = jobs["data"][0] if jobs["count"] == 1 else {}
+            # Every rank, not only the first: the plan below needs the whole placement.
+            if nodes["count"] == 3 and job.get("last_step") and job["ranks_reporting"] == 4:
                 break
             time.sleep(0.2)
         else:

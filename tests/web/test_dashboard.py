@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from importlib import resources
 from pathlib import Path
@@ -148,6 +149,8 @@ def test_viewer_cannot_act_through_the_api(cluster) -> None:
         ("/incidents/1/resolve", {}),
         ("/incidents/1/ack", {}),
         ("/nodes/sim-a/commands", {"kind": "job_checkpoint", "job": "llm-pretrain"}),
+        ("/jobs/llm-pretrain/restart", {"reason": "viewer tries"}),
+        ("/actions/1/approve", {}),
     ):
         r = httpx.post(
             f"{live.url}/api/v1{path}", json=body, headers=live.headers("viewer"), timeout=10
@@ -365,6 +368,164 @@ def test_operator_actions_confirm_their_effect_and_change_server_state(
         assert r.status_code == status, r.text
     assert not page.errors, page.errors
     page.close()
+
+
+def _put_policy(cluster: Any, policy: dict[str, Any]) -> None:
+    live = cluster.live
+    r = httpx.put(
+        f"{live.url}/api/v1/remediation/policy", json=policy, headers=live.headers(), timeout=10
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_an_operator_restarts_a_job_and_approves_dry_runs_a_viewer_cannot(
+    cluster, dash_browser
+) -> None:
+    """Restart and approve go through the remediation engine's steps to the actuator: the
+    recording one (tests/remediation/recording.py), the engine's boundary kept with state,
+    since the cluster's job is threads that no real actuator launched."""
+    from playwright.sync_api import expect
+
+    from controller.actuators.base import Placement
+    from tests.remediation.recording import RecordingActuator
+    from tests.waiting import wait_for
+
+    live = cluster.live
+    engine = live.controller.remediation
+    actuator = RecordingActuator(
+        placements={
+            "llm-pretrain": Placement(
+                job="llm-pretrain", nodes=("sim-a", "sim-b"), ranks_per_node=2
+            )
+        },
+        pools={"llm-pretrain": ["sim-a", "sim-b", "sim-c"]},
+    )
+    engine.actuator = actuator
+    page = open_page(dash_browser, cluster, live.operator_token, "#/job/llm-pretrain")
+    try:
+        page.click('button[data-action="restart"]')
+        effect = page.locator("#confirm-effect")
+        expect(effect).to_contain_text("Restart llm-pretrain now: stop all 4 ranks")
+        expect(effect).to_contain_text("Progress since that checkpoint is lost")
+        page.fill("#confirm-reason", "loss spike")
+        shot(page, "confirm-restart")
+        page.click("#confirm-ok")
+        expect(page.locator("#banner")).to_contain_text("Restart job: done.")
+        [placement] = actuator.restarts()
+        assert placement.job == "llm-pretrain" and placement.generation == 1
+        [row] = [
+            a
+            for a in api(cluster, "/actions?limit=500")["data"]
+            if a["kind"] == "restart_job" and a["trigger"] == "operator:test-operator"
+        ]
+        assert row["status"] == "succeeded" and row["target"] == "llm-pretrain"
+        expect(page.locator(f'table.actions tr[data-action-id="{row["id"]}"]')).to_contain_text(
+            "operator:test-operator"
+        )
+
+        # The policy in dry run: a fatal XID under rank 0 is only recorded. (The circuit
+        # breaker opened: on three nodes, the default 25 % allows no isolation at all.)
+        _put_policy(cluster, {"dry_run": True, "guards": {"max_isolated_fraction": 1.0}})
+        wait_for(lambda: engine.jobs["llm-pretrain"].awaiting_resume is None, timeout_s=20)
+        cluster.inject("sim-a", "kind=xid,code=79,gpu=2,at=0")
+
+        def dry_runs() -> dict[str, dict[str, Any]]:
+            rows = api(cluster, "/actions?limit=500")["data"]
+            found = {
+                a["kind"]: a
+                for a in rows
+                if a["status"] == "dry_run"
+                and (a["kind"], a["target"])
+                in (("isolate_node", "sim-a"), ("restart_job", "llm-pretrain"))
+            }
+            return found if len(found) == 2 else {}
+
+        found = wait_for(dry_runs, timeout_s=30)
+        isolate, restart = found["isolate_node"], found["restart_job"]
+        assert api(cluster, "/nodes/sim-a")["isolated_reason"] is None
+        assert len(actuator.restarts()) == 1
+
+        # A viewer sees the dry runs and no button to approve them.
+        viewer = open_page(dash_browser, cluster, live.viewer_token, "#/node/sim-a")
+        expect(viewer.locator(f'tr[data-action-id="{isolate["id"]}"]')).to_contain_text("dry_run")
+        assert viewer.locator('button[data-action="approve"]').count() == 0
+        viewer.close()
+
+        page.goto(f"{live.url}/ui/#/node/sim-a")
+        iso_row = page.locator(f'table.actions tr[data-action-id="{isolate["id"]}"]')
+        iso_row.locator('button[data-action="approve"]').click()
+        expect(effect).to_contain_text(f"Carry out dry run #{isolate['id']} now: isolate sim-a")
+        page.click("#confirm-ok")
+        expect(iso_row).to_contain_text("approved")
+        expect(iso_row.locator('button[data-action="approve"]')).to_have_count(0)
+        reason = f"approved dry run #{isolate['id']} by test-operator"
+        expect(page.locator("dl.facts dd.isolated")).to_have_text(f"yes: {reason}")
+        assert api(cluster, "/nodes/sim-a")["isolated_reason"] == reason
+
+        page.goto(f"{live.url}/ui/#/job/llm-pretrain")
+        rs_row = page.locator(f'table.actions tr[data-action-id="{restart["id"]}"]')
+        rs_row.locator('button[data-action="approve"]').click()
+        expect(effect).to_contain_text("restart job llm-pretrain through the actuator")
+        page.click("#confirm-ok")
+        expect(rs_row).to_contain_text("approved")
+        assert len(actuator.restarts()) == 2
+        assert "sim-a" not in actuator.restarts()[-1].nodes  # the approved isolation holds
+        approvals = [
+            a for a in api(cluster, "/actions?limit=500")["data"] if a["kind"] == "approve_action"
+        ]
+        assert sorted(a["target"] for a in approvals) == sorted(
+            [f"action:{isolate['id']}", f"action:{restart['id']}"]
+        )
+        shot(page, "approved")
+        assert not page.errors, page.errors
+    finally:
+        page.close()
+        engine.actuator = None
+        _put_policy(cluster, {})
+        httpx.post(f"{live.url}/api/v1/nodes/sim-a/release", headers=live.headers(), timeout=10)
+
+
+def test_a_stalled_stream_is_shown_as_behind_and_catches_up(cluster, dash_browser) -> None:
+    """The controller's event loop stalls for 12 s (what a long pause or an overloaded
+    controller does to the stream); an operator's isolation waits in its queue meanwhile."""
+    from playwright.sync_api import expect
+
+    live = cluster.live
+    page = open_page(dash_browser, cluster, live.viewer_token)
+    live_state = page.locator("#live")
+    cell = page.locator('#fleet .cell[data-node="sim-c"]')
+    expect(live_state).to_have_attribute("data-state", "live")
+    expect(cell).not_to_have_attribute("data-state", "cordoned")
+    loop = live._server.servers[0].get_loop()
+    loop.call_soon_threadsafe(time.sleep, 12.0)
+    answers: list[int] = []
+
+    def isolate() -> None:
+        r = httpx.post(
+            f"{live.url}/api/v1/nodes/sim-c/isolate",
+            json={"reason": "while the stream stalled"},
+            headers=live.headers(),
+            timeout=60,
+        )
+        answers.append(r.status_code)
+
+    worker = threading.Thread(target=isolate)
+    worker.start()
+    try:
+        expect(live_state).to_have_attribute("data-state", "behind", timeout=15_000)
+        expect(page.locator("#banner")).to_contain_text("Live updates are behind (no update for")
+        expect(cell).not_to_have_attribute("data-state", "cordoned")
+        shot(page, "behind")
+        expect(live_state).to_have_attribute("data-state", "live", timeout=20_000)
+        expect(page.locator("#banner")).to_be_hidden()
+        expect(cell).to_have_attribute("data-state", "cordoned")  # caught up, no reload
+        worker.join(timeout=30)
+        assert answers == [200]
+        assert not page.errors, page.errors
+    finally:
+        worker.join(timeout=30)
+        page.close()
+        httpx.post(f"{live.url}/api/v1/nodes/sim-c/release", headers=live.headers(), timeout=10)
 
 
 def test_the_controller_going_away_is_shown_and_recovered_from(cluster, dash_browser) -> None:

@@ -1,12 +1,110 @@
-// Pieces several pages share: badges, culprit text, incident and action tables.
+// Pieces several pages share: reloading on live changes, badges, culprit text, incident
+// and action tables (with "Approve" on a dry run for operators).
+import { actionButton } from "../actions.js";
 import { el, dash, link, row, table, td } from "../dom.js";
 import { fmtAge, fmtDuration } from "../format.js";
 import { get } from "../api.js";
+import { live } from "../live.js";
 
-/** Recent actions on one target (node or job); the list route has no target filter. */
+/** Dry-run kinds the API carries out on approval (POST /actions/{id}/approve). */
+const APPROVABLE = new Set(["restart_job", "isolate_node"]);
+
+/** A page's refresh: load again, then clear the error state, or show the error. */
+export function reloader(ctx, load) {
+  return async () => {
+    try {
+      await load();
+      ctx.ok();
+    } catch (err) {
+      ctx.onError(err);
+    }
+  };
+}
+
+/**
+ * Reload when the live stream says one of `topics` changed (coalesced: at most one reload
+ * per `delayMs`), or when `nodeName` is among the nodes it sent. Returns {refresh, dispose}.
+ */
+export function refreshOn(ctx, load, { topics = [], nodeName = null, delayMs = 1000 } = {}) {
+  let pending = null;
+  const refresh = reloader(ctx, load);
+  const later = () => {
+    if (pending) return;
+    pending = setTimeout(() => {
+      pending = null;
+      refresh();
+    }, delayMs);
+  };
+  const offs = [
+    live.on("changed", (msg) => {
+      if (msg.topics.some((t) => topics.includes(t))) later();
+    }),
+  ];
+  if (nodeName !== null) {
+    offs.push(
+      live.on("nodes", (msg) => {
+        if (msg.data.some((n) => n.n === nodeName)) later();
+      }),
+    );
+  }
+  return {
+    refresh,
+    dispose() {
+      for (const off of offs) off();
+      clearTimeout(pending);
+    },
+  };
+}
+
+/**
+ * What a page hands the router: its node, its refresh (`r` from refreshOn) and a dispose
+ * that stops the reloads and the page's charts (`charts()`: the ones drawn now).
+ */
+export function mounted(node, r, charts = () => []) {
+  return {
+    node,
+    refresh: r.refresh,
+    dispose() {
+      r.dispose();
+      for (const c of charts()) c.dispose();
+    },
+  };
+}
+
+/**
+ * What the action list says about approvals: `approved`, the ids of dry runs approved
+ * already (their `approve_action` rows name `action:{id}`), and `plans`, remediation id ->
+ * the `approval` row holding that remediation's plan (its steps are approved with it).
+ */
+export function approvals(actions) {
+  const approved = new Set();
+  const plans = new Map();
+  for (const a of actions) {
+    if (a.kind === "approve_action" && a.status === "succeeded" && a.target.startsWith("action:")) {
+      approved.add(Number(a.target.slice(7)));
+    }
+    if (a.kind === "approval" && a.params && a.params.remediation) plans.set(a.params.remediation, a.id);
+  }
+  return { approved, plans };
+}
+
+/** Recent actions on one target (node or job), and what approvals say about them. */
 export async function actionsFor(target) {
   const all = await get("/actions?limit=500");
-  return { data: all.data.filter((a) => a.target === target), count: 0 };
+  return { data: all.data.filter((a) => a.target === target), ...approvals(all.data) };
+}
+
+/** What approving a dry run does, for its confirmation. */
+function approvalEffect(a) {
+  const would = a.outcome ? ` The policy recorded: "${a.outcome}".` : "";
+  if (a.kind === "approval") {
+    const steps = (a.params && a.params.planned_steps) || [];
+    return `Run the plan job ${a.target}'s own policy held back (#${a.id}) now, for real: ${steps.join(", ") || "no steps"}. It runs once; the approval is logged with your name.`;
+  }
+  if (a.kind === "restart_job") {
+    return `Carry out dry run #${a.id} now: restart job ${a.target} through the actuator, from its newest committed checkpoint, without isolated nodes. Progress since that checkpoint is lost.${would}`;
+  }
+  return `Carry out dry run #${a.id} now: isolate ${a.target} (cordon it so no new work lands there).${would}`;
 }
 
 export function badge(value) {
@@ -44,9 +142,34 @@ export function incidentTable(list, emptyText = "no incidents") {
   return table(["ID", "Kind", "Severity", "State", "Culprit", "Summary", "Age"], rows, emptyText, "incidents");
 }
 
-export function actionTable(list, emptyText = "no actions") {
+/**
+ * The actions table. For an operator, a dry run the API can carry out gets an "Approve"
+ * button: a job policy's held-back plan (`approval`), or a `restart_job`/`isolate_node`
+ * step the controller's dry-run policy recorded (`approved`, `plans`: from approvals();
+ * `done`: called after one).
+ */
+export function actionTable(list, emptyText = "no actions", { approved = new Set(), plans = new Map(), done = null } = {}) {
   const rows = list.map((a) => {
     const status = td(null, badge(a.status));
+    const plan = a.params && a.params.remediation && a.kind !== "approval" ? plans.get(a.params.remediation) : undefined;
+    const approvable = a.kind === "approval" ? Boolean(a.params && a.params.awaiting_approval) : APPROVABLE.has(a.kind);
+    if (a.status === "dry_run" && approvable) {
+      if (approved.has(a.id)) {
+        status.append(" ", el("span", "muted approved", "approved"));
+      } else if (plan !== undefined) {
+        status.append(" ", el("span", "muted", `part of plan #${plan}`));
+      } else {
+        const button = actionButton({
+          id: "approve",
+          label: "Approve",
+          title: "Approve dry run",
+          effect: approvalEffect(a),
+          path: `/actions/${a.id}/approve`,
+          done: () => done && done(),
+        });
+        if (button) status.append(" ", button);
+      }
+    }
     return row(
       [
         td("num", String(a.id)),
@@ -58,7 +181,7 @@ export function actionTable(list, emptyText = "no actions") {
         td("num", a.duration_s === null ? "running" : fmtDuration(a.duration_s)),
         td("num", fmtAge(a.created_unix_s)),
       ],
-      { "data-action-id": String(a.id) },
+      { "data-action-id": String(a.id), "data-status": a.status },
     );
   });
   return table(["ID", "Kind", "Target", "Trigger", "Status", "Outcome", "Took", "Age"], rows, emptyText, "actions");

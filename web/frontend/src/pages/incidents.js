@@ -5,28 +5,7 @@ import { actionBar, actionButton } from "../actions.js";
 import { timeChart } from "../charts.js";
 import { el, fill, attrs, dash, link, section, notReported } from "../dom.js";
 import { fmtTime, nowS } from "../format.js";
-import { live } from "../live.js";
-import { actionTable, badge, culprit, evidenceList, incidentTable } from "./common.js";
-
-function onChanges(ctx, load, topics) {
-  let pending = null;
-  const refresh = async () => {
-    try {
-      await load();
-      ctx.ok();
-    } catch (err) {
-      ctx.onError(err);
-    }
-  };
-  const off = live.on("changed", (msg) => {
-    if (pending || !msg.topics.some((t) => topics.includes(t))) return;
-    pending = setTimeout(() => {
-      pending = null;
-      refresh();
-    }, 800);
-  });
-  return { refresh, dispose: () => (off(), clearTimeout(pending)) };
-}
+import { actionTable, approvals, badge, culprit, evidenceList, incidentTable, mounted, refreshOn, reloader } from "./common.js";
 
 function timeline(list) {
   const box = el("figure", "timeline");
@@ -100,8 +79,8 @@ export async function incidentsPage(ctx) {
     );
   }
   await load();
-  const r = onChanges(ctx, load, ["incidents"]);
-  return { node: root, refresh: r.refresh, dispose: r.dispose };
+  const r = refreshOn(ctx, load, { topics: ["incidents"], delayMs: 800 });
+  return mounted(root, r);
 }
 
 export async function incidentPage(ctx) {
@@ -191,25 +170,14 @@ export async function incidentPage(ctx) {
         inc.job ? el("dd", null, link(`#/job/${enc(inc.job)}`, inc.job)) : null,
       ),
       section("Evidence", picture, evidenceList(inc.evidence)),
-      section("Actions taken", actionTable(related, "no action recorded for this incident")),
+      section(
+        "Actions taken",
+        actionTable(related, "no action recorded for this incident", { ...approvals(actions.data), done: () => refresh() }),
+      ),
     );
   }
-  async function refresh() {
-    try {
-      await load();
-      ctx.ok();
-    } catch (err) {
-      ctx.onError(err);
-    }
-  }
+  const refresh = reloader(ctx, load);
   await load();
-  const r = onChanges(ctx, load, ["incidents", "actions"]);
-  return {
-    node: root,
-    refresh: r.refresh,
-    dispose() {
-      r.dispose();
-      for (const c of charts) c.dispose();
-    },
-  };
+  const r = refreshOn(ctx, load, { topics: ["incidents", "actions"], delayMs: 800 });
+  return mounted(root, r, () => charts);
 }

@@ -1,39 +1,13 @@
 // Jobs: the list, and one job's rank x step heatmap (stragglers/hung ranks marked), its
 // step time over time with incidents, checkpoints and restarts on the same axis, goodput,
-// checkpoints and actions; "checkpoint now" for operators.
+// checkpoints and actions; "checkpoint now", "restart job" and approving dry runs for
+// operators.
 import { get, post, enc } from "../api.js";
 import { actionBar, actionButton } from "../actions.js";
 import { heatmap, timeChart } from "../charts.js";
 import { el, fill, dash, link, row, section, table, td, notReported } from "../dom.js";
 import { fmtAge, fmtBytes, fmtDuration, fmtPct, fmtTime } from "../format.js";
-import { live } from "../live.js";
-import { actionTable, actionsFor, badge, incidentTable } from "./common.js";
-
-function refresher(ctx, load, topics) {
-  let pending = null;
-  const refresh = async () => {
-    try {
-      await load();
-      ctx.ok();
-    } catch (err) {
-      ctx.onError(err);
-    }
-  };
-  const off = live.on("changed", (msg) => {
-    if (pending || !msg.topics.some((t) => topics.includes(t))) return;
-    pending = setTimeout(() => {
-      pending = null;
-      refresh();
-    }, 1000);
-  });
-  return {
-    refresh,
-    dispose() {
-      off();
-      clearTimeout(pending);
-    },
-  };
-}
+import { actionTable, actionsFor, badge, incidentTable, mounted, refreshOn } from "./common.js";
 
 export async function jobsPage(ctx) {
   const root = el("div", "page jobs");
@@ -65,8 +39,8 @@ export async function jobsPage(ctx) {
     );
   }
   await load();
-  const r = refresher(ctx, load, ["jobs", "incidents"]);
-  return { node: root, refresh: r.refresh, dispose: r.dispose };
+  const r = refreshOn(ctx, load, { topics: ["jobs", "incidents"] });
+  return mounted(root, r);
 }
 
 export async function jobPage(ctx) {
@@ -156,6 +130,16 @@ export async function jobPage(ctx) {
         },
         done: () => refresh(),
       }),
+      actionButton({
+        id: "restart",
+        label: "Restart job",
+        title: "Restart job",
+        effect: `Restart ${name} now: stop all ${job.world_size} ranks and start them again through the actuator, from ${resumeFrom(checkpoints.data)}, without isolated nodes. Progress since that checkpoint is lost; the restart counts against the job's restart limit.`,
+        path: `/jobs/${enc(name)}/restart`,
+        reason: { default: "" },
+        body: (reason) => ({ reason }),
+        done: () => refresh(),
+      }),
     );
 
     const goodputPart = goodput
@@ -203,21 +187,14 @@ export async function jobPage(ctx) {
       section("Ranks", table(["Rank", "Node", "GPU", "Role", "pp · dp · tp (peers)", "State", "Last step", "Marked"], rankRows, "no ranks", "ranks")),
       section("Checkpoints (tier = kind)", table(["Step", "Rank", "Kind", "Size", "Blocking", "Durable after", "Path / error", "Age"], ckRows, "no checkpoint reported", "checkpoints")),
       section("Incidents", incidentTable(incidents.data, "no incidents for this job")),
-      section("Actions", actionTable(actions.data, "no actions on this job")),
+      section("Actions", actionTable(actions.data, "no actions on this job", { approved: actions.approved, plans: actions.plans, done: () => refresh() })),
     );
   }
 
   await load();
-  const r = refresher(ctx, load, ["jobs", "incidents", "actions", "checkpoints"]);
+  const r = refreshOn(ctx, load, { topics: ["jobs", "incidents", "actions", "checkpoints"] });
   const refresh = r.refresh;
-  return {
-    node: root,
-    refresh,
-    dispose() {
-      r.dispose();
-      for (const c of charts) c.dispose();
-    },
-  };
+  return mounted(root, r, () => charts);
 }
 
 /** "pp 1 · dp 0 · tp 3 (8 peers)" from what the rank's step summaries declared. */
@@ -228,6 +205,12 @@ function layoutText(info) {
     .map(([k, v]) => `${k} ${v}`);
   if (info.peer_group_size) parts.push(`(${info.peer_group_size} peers)`);
   return parts.length ? parts.join(" · ") : "-";
+}
+
+/** Where a restart resumes: the newest committed checkpoint the ranks reported. */
+function resumeFrom(list) {
+  const committed = list.filter((c) => c.kind === "committed" && !c.error).map((c) => c.step);
+  return committed.length ? `its newest committed checkpoint (step ${Math.max(...committed)})` : "the start (no committed checkpoint reported)";
 }
 
 function uniqueCheckpoints(list) {

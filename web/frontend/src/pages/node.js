@@ -1,13 +1,13 @@
 // One node: its GPUs now, their last hour as charts (downsampled history from the
-// controller's database), its incidents and actions; isolate/return for operators.
+// controller's database, or from Prometheus when the controller is configured with one),
+// its incidents and actions; isolate/return and approving dry runs for operators.
 import { get, enc } from "../api.js";
 import { actionBar, actionButton } from "../actions.js";
 import { timeChart } from "../charts.js";
 import { el, fill, dash, link, row, section, table, td, notReported } from "../dom.js";
 import { fmtAge, fmtW } from "../format.js";
-import { live } from "../live.js";
 import { nodeState, STATE_GLYPH } from "../store.js";
-import { actionTable, actionsFor, badge, evidenceList, incidentTable } from "./common.js";
+import { actionTable, actionsFor, badge, incidentTable, mounted, refreshOn, reloader } from "./common.js";
 
 const WINDOW_S = 3600;
 
@@ -126,7 +126,11 @@ export async function nodePage(ctx) {
       bar,
       facts,
       section(`GPUs (${node.gpu_count})`, table(["GPU", "Model", "Health", "Reason", "Power", "Temp", "SM clock", "Util"], gpuRows, "no GPUs reported", "gpus")),
-      section(`Last hour (${hist.bucket_s} s buckets, from the controller's history store)`, chartBox),
+      section(
+        `Last hour (${hist.bucket_s} s buckets, from ${hist.source === "prometheus" ? "Prometheus" : "the controller's history store"})`,
+        hist.fallback ? el("p", "fallback", `⚠ ${hist.fallback}`) : null,
+        chartBox,
+      ),
       section(
         "XID events",
         xids.length
@@ -135,45 +139,12 @@ export async function nodePage(ctx) {
       ),
       section("NICs", notReported("per-node NIC state")),
       section("Incidents", incidentTable(incidents.data, "no incidents on this node")),
-      section("Actions", actionTable(actions.data, "no actions on this node")),
+      section("Actions", actionTable(actions.data, "no actions on this node", { approved: actions.approved, plans: actions.plans, done: () => refresh() })),
     );
-    void evidenceList;
   }
 
-  async function refresh() {
-    try {
-      await load();
-      ctx.ok();
-    } catch (err) {
-      ctx.onError(err);
-    }
-  }
-
+  const refresh = reloader(ctx, load);
   await load();
-  let pending = null;
-  const off = live.on("nodes", (msg) => {
-    if (!msg.data.some((n) => n.n === name) || pending) return;
-    pending = setTimeout(() => {
-      pending = null;
-      refresh();
-    }, 1000);
-  });
-  const offChanged = live.on("changed", (msg) => {
-    if ((msg.topics.includes("actions") || msg.topics.includes("incidents")) && !pending) {
-      pending = setTimeout(() => {
-        pending = null;
-        refresh();
-      }, 1000);
-    }
-  });
-  return {
-    node: root,
-    refresh,
-    dispose() {
-      off();
-      offChanged();
-      clearTimeout(pending);
-      for (const c of charts) c.dispose();
-    },
-  };
+  const r = refreshOn(ctx, load, { topics: ["actions", "incidents"], nodeName: name });
+  return mounted(root, r, () => charts);
 }
