@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from checkpoint._commit import apply_retention, commit, new_rank_manifest, write_rank_manifest
+from checkpoint._load import dtype_of
 from checkpoint._reshard import FragmentIndex, consolidate, identity_map
 from checkpoint._snapshot import TensorRef
 from checkpoint._store import CheckpointStore
@@ -180,13 +181,43 @@ def to_safetensors(src: Path, out: Path, *, step: int | None = None, check: bool
 
 
 def to_dcp(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> int:
+    """Write a PyTorch DCP checkpoint (one rank, one global tensor per name) by DCP's own
+    ``save`` and ``FileSystemWriter``, streaming: the state handed to DCP holds only
+    ``meta`` tensors (shape and dtype, no storage), and the planner assembles each global
+    tensor from the fragments when DCP's writer asks for it (``resolve_data``, one item at a
+    time), so peak memory is about one tensor and a checkpoint larger than RAM converts."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItem
     from torch.distributed.checkpoint.state_dict_saver import save
 
     with _open(src, step) as reader:
-        tensors = dict(consolidate(reader, check_replicas=check))
-    with warnings.catch_warnings():  # "assuming ... a single process": exactly the intent
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        save(tensors, checkpoint_id=str(out), no_dist=True)
+        index = FragmentIndex(reader)
+
+        def assemble(name: str) -> torch.Tensor:
+            frag = index.fragments(name)[0]
+            full = torch.empty(
+                frag.global_map.shape, dtype=dtype_of(frag.entry.dtype, str(reader.path))
+            )
+            index.fill(name, full, identity_map(name, full), check_replicas=check)
+            return full
+
+        class StreamingPlanner(DefaultSavePlanner):
+            def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+                return assemble(write_item.index.fqn)
+
+        placeholders = {}
+        for name in index.names():
+            frag = index.fragments(name)[0]
+            dtype = dtype_of(frag.entry.dtype, str(reader.path))
+            placeholders[name] = torch.empty(frag.global_map.shape, dtype=dtype, device="meta")
+        with warnings.catch_warnings():  # "assuming ... a single process": exactly the intent
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            save(
+                placeholders,
+                checkpoint_id=str(out),
+                planner=StreamingPlanner(flatten_state_dict=False),
+                no_dist=True,
+            )
     return sum(p.stat().st_size for p in out.iterdir())
 
 

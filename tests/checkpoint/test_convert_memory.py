@@ -37,11 +37,11 @@ def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["universal", "safetensors"])
+@pytest.mark.parametrize("kind", ["universal", "safetensors", "dcp"])
 def test_convert_peak_memory_is_a_few_tensors(
     big_checkpoint: Path, tmp_path: Path, kind: str
 ) -> None:
-    out = tmp_path / ("out" if kind == "universal" else "out.safetensors")
+    out = tmp_path / ("out.safetensors" if kind == "safetensors" else "out")
     run = subprocess.run(
         [sys.executable, "-c", PROBE, str(big_checkpoint), str(out), kind],
         capture_output=True,
@@ -55,3 +55,11 @@ def test_convert_peak_memory_is_a_few_tensors(
 
         back = load_file(str(out))
         assert len(back) == TENSORS and torch.equal(back["w07"][:3], torch.full((3,), 7.0))
+    if kind == "dcp":  # read back by DCP itself, every tensor
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        numel = TENSOR_MB * (1 << 20) // 4
+        back = {f"w{i:02d}": torch.empty(numel) for i in range(TENSORS)}
+        load(back, checkpoint_id=str(out), no_dist=True)
+        for i, name in enumerate(sorted(back)):
+            assert torch.equal(back[name], torch.full((numel,), float(i))), name
