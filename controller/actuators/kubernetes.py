@@ -264,6 +264,10 @@ class KubernetesActuator:
         except KubernetesApiError as exc:
             if exc.status == 404:  # the CRD is not installed: no workloads of that kind
                 return []
+            if exc.status == 403 and kind is not JOB:
+                # Its rule dropped (rbac.jobsets / rbac.pytorchjobs / a custom Role): the site
+                # runs no such workloads; every other lookup still finds its own kind.
+                return []
             raise
         found = [Workload(kind, item["metadata"]["name"], item) for item in items or []]
         if kind is TRAINJOB:  # its JobSet has its name (Kubeflow Trainer v2)

@@ -421,6 +421,23 @@ def test_forbidden_call_names_the_missing_permission(
     assert not err.value.retryable
 
 
+def test_a_dropped_workload_rule_does_not_break_finding_the_others(
+    kube: FakeKube, act: KubernetesActuator
+) -> None:
+    """A site that runs no TrainJobs or PyTorchJobs drops their rules (403 on their lists):
+    a stopped JobSet is still found by its label."""
+    kube.forbidden |= {
+        ("trainer.kubeflow.org", "trainjobs", "list"),
+        ("kubeflow.org", "pytorchjobs", "list"),
+    }
+    k.jobset(kube, "js", 1)
+    result = run(act.restart_job(placement("js", ("n1",), 1, gen=1), reason="resume"))
+    assert result.details["workload"] == "JobSet js"
+    kube.forbidden.add(("batch", "jobs", "list"))  # the built-in kind's rule is never optional
+    with pytest.raises(ActuatorError, match="HTTP 403"):
+        run(act.restart_job(placement("js", ("n1",), 1, gen=2), reason="x"))
+
+
 def test_unsupported_owner_is_refused(kube: FakeKube, act: KubernetesActuator) -> None:
     owner = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "metadata": {"name": "rs", "uid": "u"}}
     k.pods(kube, "rs", owner, ["n1"], 1)
