@@ -39,7 +39,11 @@ def _revocations(client: httpx.Client, live: Any) -> list[dict[str, Any]]:
 
 
 def test_shared_agent_tokens_are_off_by_default() -> None:
-    assert ControllerSettings(database_url="sqlite://").allow_shared_agent_tokens is False
+    assert ControllerSettings.model_fields["allow_shared_agent_tokens"].default is False
+    settings = ControllerSettings(
+        database_url="sqlite://", tokens=[{"name": "a", "role": "agent", "token": "a" * 24}]
+    )
+    assert settings.allow_shared_agent_tokens is False
 
 
 def test_revoked_token_is_refused_at_once_and_audited(

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 from sqlalchemy import text
 
 from controller.db.session import make_engine
@@ -212,3 +214,83 @@ def test_command_expiry_that_fails_changes_nothing(
         # An expired command is never handed to the agent; its reports still store.
         reply = _post(client, live, "/api/v1/reports", ctl_report("w4", 1), "agent")
         assert reply.status_code == 200 and reply.json()["commands"] == []
+
+
+def _fabric_file(tmp_path: Path) -> Path:
+    """Two leaves, two spines, four one-NIC nodes (tf-0, tf-1 on tor-a; tf-2, tf-3 on tor-b)."""
+    leaf = {"tf-0": "tor-a", "tf-1": "tor-a", "tf-2": "tor-b", "tf-3": "tor-b"}
+    doc = {
+        "name": "lab",
+        "port_speed_gbps": 100,
+        "switches": [{"name": n, "tier": 1} for n in ("tor-a", "tor-b")]
+        + [{"name": n, "tier": 2} for n in ("spine-0", "spine-1")],
+        "cables": [
+            {"lower": lo, "upper": up} for lo in ("tor-a", "tor-b") for up in ("spine-0", "spine-1")
+        ],
+        "nodes": [{"name": n, "nics": [{"ports": [{"leaf": leaf[n]}]}]} for n in sorted(leaf)],
+    }
+    path = tmp_path / "fabric.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_traffic_plan_and_link_writes_that_fail_change_nothing(
+    controller_factory, db_url, ctl_db_outage, tmp_path
+) -> None:
+    live = controller_factory(topology_file=_fabric_file(tmp_path), ingest_flush_interval_s=0.0)
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        for k in range(4):
+            ranks = [2 * k, 2 * k + 1]
+            steps = [
+                {"job": "llm", "rank": r, "world_size": 8, "step": 0, "compute_time_s": 1.0,
+                 "collective_wait_s": 0.05, "step_time_s": 1.05, "gpu_index": i}
+                for i, r in enumerate(ranks)
+            ]  # fmt: skip
+            gpus = [{"index": i, "uuid": f"tf-{k}-g{i}"} for i in (0, 1)]
+            body = {
+                "node": {"name": f"tf-{k}", "gpus": gpus},
+                "agent_instance": "i1", "seq": 0, "sent_unix_s": time.time(),
+                "job": {"steps": steps}, "samples": [],
+            }  # fmt: skip
+            assert _post(client, live, "/api/v1/reports", body, "agent").status_code == 200
+
+        def plans() -> list[dict[str, Any]]:
+            r = client.get("/api/v1/plans", headers=live.headers())
+            assert r.status_code == 200, r.text
+            return list(r.json()["data"])
+
+        request = {"job": "llm", "layout": {"tp": 1, "channels": 2}}
+        ctl_db_outage.arm(r"^\s*INSERT INTO traffic_plans")
+        r = _post(client, live, "/api/v1/plans", request)
+        assert r.status_code == 503, r.text
+        assert plans() == [] and _stored(db_url, "SELECT count(*) FROM traffic_plans") == 0
+        ctl_db_outage.disarm()
+        r = _post(client, live, "/api/v1/plans", request)
+        assert r.status_code == 201, r.text
+        plan_id = r.json()["plan_id"]
+
+        def version_shown() -> int:
+            return int(
+                client.get(f"/api/v1/plans/{plan_id}", headers=live.headers()).json()["version"]
+            )
+
+        def version_stored() -> int:
+            return int(
+                _stored(
+                    db_url, "SELECT max(version) FROM traffic_plans WHERE plan_id = :p", p=plan_id
+                )
+            )
+
+        assert version_shown() == version_stored() == 1
+
+        # A link marked down re-plans: the new version and the link state are one write.
+        ctl_db_outage.arm(r"^\s*INSERT INTO traffic_links")
+        r = _post(client, live, "/api/v1/topology/links/tor-a--spine-0/state", {"state": "down"})
+        assert r.status_code == 503, r.text
+        assert version_shown() == version_stored() == 1
+        assert _stored(db_url, "SELECT count(*) FROM traffic_links") == 0
+        ctl_db_outage.disarm()
+        r = _post(client, live, "/api/v1/topology/links/tor-a--spine-0/state", {"state": "down"})
+        assert r.status_code == 200, r.text
+        assert version_shown() == version_stored() == 2
+        assert _stored(db_url, "SELECT link FROM traffic_links") == "tor-a--spine-0"
