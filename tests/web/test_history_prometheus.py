@@ -293,6 +293,8 @@ def test_a_real_prometheus_scraping_the_agent_feeds_the_same_chart(
                 )
             except httpx.HTTPError:
                 return False
+            if r.status_code != 200:
+                return False  # 503 "Service Unavailable" until its storage is ready
             result = r.json()["data"]["result"]
             return bool(result) and float(result[0]["value"][1]) >= 8
 

@@ -10,7 +10,7 @@ const $ = (id) => document.getElementById(id);
 function confirmEffect({ title, effect, reason }) {
   const dialog = $("confirm");
   $("confirm-title").textContent = title;
-  $("confirm-effect").textContent = effect;
+  $("confirm-effect").textContent = typeof effect === "function" ? effect() : effect;
   const input = $("confirm-reason");
   const label = $("confirm-reason-label");
   input.hidden = label.hidden = !reason;
@@ -44,7 +44,8 @@ function say(text, kind) {
 
 /**
  * An action button, or null for a viewer. spec: {label, title, effect, path, body(reason),
- * reason: {default} | undefined, done(result)}.
+ * reason: {default} | undefined, done(result)}; effect may be a function, called when the
+ * button is clicked (text about data that moves, read as it is then).
  */
 export function actionButton(spec) {
   if (session.role !== "operator") return null;

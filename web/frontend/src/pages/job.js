@@ -47,6 +47,7 @@ export async function jobPage(ctx) {
   const [name] = ctx.args;
   const root = el("div", "page job");
   let charts = [];
+  const shown = { checkpoints: [] }; // the newest load's, for texts read at click time
 
   async function load() {
     const [job, steps, goodput, incidents, checkpoints, actions] = await Promise.all([
@@ -60,6 +61,7 @@ export async function jobPage(ctx) {
     if (!ctx.isCurrent()) return;
     for (const c of charts) c.dispose();
     charts = [];
+    shown.checkpoints = checkpoints.data;
 
     // Ranks an open straggler/hang/fault incident names are marked on the heatmap.
     const marked = new Map();
@@ -134,7 +136,8 @@ export async function jobPage(ctx) {
         id: "restart",
         label: "Restart job",
         title: "Restart job",
-        effect: `Restart ${name} now: stop all ${job.world_size} ranks and start them again through the actuator, from ${resumeFrom(checkpoints.data)}, without isolated nodes. Progress since that checkpoint is lost; the restart counts against the job's restart limit.`,
+        effect: () =>
+          `Restart ${name} now: stop all ${job.world_size} ranks and start them again through the actuator, from ${resumeFrom(shown.checkpoints)}, without isolated nodes. Progress since that checkpoint is lost; the restart counts against the job's restart limit.`,
         path: `/jobs/${enc(name)}/restart`,
         reason: { default: "" },
         body: (reason) => ({ reason }),
@@ -210,7 +213,9 @@ function layoutText(info) {
 /** Where a restart resumes: the newest committed checkpoint the ranks reported. */
 function resumeFrom(list) {
   const committed = list.filter((c) => c.kind === "committed" && !c.error).map((c) => c.step);
-  return committed.length ? `its newest committed checkpoint (step ${Math.max(...committed)})` : "the start (no committed checkpoint reported)";
+  return committed.length
+    ? `its newest committed checkpoint (step ${Math.max(...committed)} when this page last loaded)`
+    : "its newest committed checkpoint (none reported to this page yet: from the start if there is none)";
 }
 
 function uniqueCheckpoints(list) {
