@@ -521,6 +521,21 @@ def test_a_stalled_stream_is_shown_as_behind_and_catches_up(cluster, dash_browse
         expect(cell).to_have_attribute("data-state", "cordoned")  # caught up, no reload
         worker.join(timeout=30)
         assert answers == [200]
+
+        # A burst larger than a subscriber's queue within one feed tick: the server drops
+        # what the tab could not take and sends a snapshot saying how much; the page says
+        # so, shows the snapshot, then is live again.
+        from controller.services.dashboard import QUEUE_MAX
+
+        feed = live.controller.services.dashboard
+        burst = b'event: changed\ndata: {"t":%f,"topics":["jobs"]}\n\n' % time.time()
+        loop.call_soon_threadsafe(lambda: [feed._broadcast(burst) for _ in range(QUEUE_MAX + 6)])
+        expect(live_state).to_contain_text(
+            re.compile(r"behind \(\d+ updates missed; caught up from a snapshot\)")
+        )
+        expect(page.locator("#banner")).to_contain_text("updates missed")
+        expect(live_state).to_have_attribute("data-state", "live", timeout=15_000)
+        expect(cell).to_have_attribute("data-state", "cordoned")
         assert not page.errors, page.errors
     finally:
         worker.join(timeout=30)
