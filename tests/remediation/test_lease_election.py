@@ -30,7 +30,7 @@ from tests.actuators.k8s_testkit import NS, cluster, node
 __all__ = ["cluster"]
 
 TOKENS = [{"name": "ops", "role": "operator", "token": "o" * 20}]
-DURATION_S, DEADLINE_S, RENEW_S = 2.0, 1.2, 0.2
+DURATION_S, DEADLINE_S, RENEW_S = 4.0, 2.5, 0.3
 
 
 class Proxy:
@@ -150,6 +150,7 @@ def test_deposed_leader_stops_acting_before_the_lease_expires(
         b = Controller(settings(tmp_path, "b", cluster.url))
         a.on_leadership_lost = lambda reason: t.setdefault("a_stopped", time.monotonic())
         await a.start()
+        assert a.acting
         await b.start()
         try:
             assert a.acting and not b.acting

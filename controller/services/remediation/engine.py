@@ -37,7 +37,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from controller.actuators.base import Actuator
+from controller.actuators.base import Actuator, NodeView
+from controller.actuators.k8s.partition import PartitionSettings
 from controller.logic.remediation import guards
 from controller.logic.remediation.params import AlertParams, Severity
 from controller.logic.remediation.rules import Policy, Rule, Step
@@ -46,7 +47,7 @@ from controller.services.commands import CommandService
 from controller.services.events import JobRecordsReported
 from controller.services.incidents import IncidentService
 from controller.services.nodes import NodeRecords
-from controller.services.remediation import approval, history
+from controller.services.remediation import approval, history, partition
 from controller.services.remediation.grow import GrowBack
 from controller.services.remediation.records import (
     HARDWARE_KINDS,
@@ -97,6 +98,7 @@ class RemediationEngine:
         is_leader: Callable[[], bool] = lambda: True,
         tick_interval_s: float = 1.0,
         webhook: Webhook | None = None,
+        partition: PartitionSettings | None = None,
     ) -> None:
         self._state = state
         self._store = store
@@ -114,6 +116,8 @@ class RemediationEngine:
             actuator=actuator,
             policy=policy,
             webhook=webhook,
+            incidents=incidents,
+            partition=partition or PartitionSettings(),
         )
         self.is_leader = is_leader
         self.tick_interval_s = tick_interval_s
@@ -122,6 +126,8 @@ class RemediationEngine:
         self.decided: dict[int, str] = {}
         #: Incidents whose rule's ``alert`` is recorded (at most once each), decided or not.
         self.alerted: set[int] = set()
+        #: ``node_lost`` incidents held by the partition guard, and why (``partition``).
+        self.held: dict[int, str] = {}
         self._loaded = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._grow = GrowBack(self.ctx, self._start_steps)
@@ -286,6 +292,15 @@ class RemediationEngine:
         if rule is None:
             self.decided[incident.id] = "no rule"
             return
+        confirmed = False
+        if incident.kind == "node_lost" and incident.node is not None:
+            verdict = await partition.judge_silence(
+                self._state, incident, self.ctx.partition, self._node_view
+            )
+            if incident.node not in verdict.act_on:
+                await self._hold(incident, rule, verdict.summary)
+                return  # unreachable, or mass silence: looked at again next tick
+            confirmed = True  # a second signal just agreed: fresh evidence
         jobs = self._jobs_of(incident)
         # A job's own incidents raised while trainguard restarts it (ranks stopped, peers
         # timing out) are consequences of that restart; hardware faults never are.
@@ -302,7 +317,7 @@ class RemediationEngine:
             if absorbable and since is not None and since <= incident.opened_unix_s < settled:
                 await self._absorb(incident, None)
                 return
-        reason = guards.stale(incident.updated_unix_s, now, policy.guards)
+        reason = None if confirmed else guards.stale(incident.updated_unix_s, now, policy.guards)
         if reason is not None:
             self.decided[incident.id] = "stale"
             await self._recorder.record(incident, None, "skip", "", {}, "skipped", reason)
@@ -327,6 +342,30 @@ class RemediationEngine:
         targets: list[str | None] = list(jobs) or [None]
         for target in targets:
             self._launch(incident, rule, actions, target, now)
+
+    async def _node_view(self, node: str) -> NodeView:
+        return NodeView() if self.actuator is None else await self.actuator.node_view(node)
+
+    async def _hold(self, incident: IncidentState, rule: Rule, why: str) -> None:
+        """A silent node not (yet) confirmed lost: say so once, act on nothing."""
+        if self.held.get(incident.id) == why:
+            return
+        first = incident.id not in self.held
+        self.held[incident.id] = why
+        log.warning("node_lost held", extra={"fields": {"incident": incident.id, "why": why}})
+        if first and incident.id not in self.alerted:
+            self.alerted.add(incident.id)
+            params = AlertParams(severity=Severity(incident.severity), then=list(rule.actions))
+            outcome = f"held, not acted on: {why}"[:2000]
+            await self._recorder.record(
+                incident,
+                None,
+                "alert",
+                incident.node or "",
+                params.to_params(),
+                "succeeded",
+                outcome,
+            )
 
     async def _alert(self, incident: IncidentState, rule: Rule) -> None:
         """Record the rule's alert, once per incident (also across a failover)."""
@@ -536,4 +575,5 @@ class RemediationEngine:
             "actuator": self.actuator.name if self.actuator else None,
             "remediations": [r.public() for r in reversed(self.remediations)],
             "isolated_nodes": self.isolated_nodes(),
+            "held": {str(i): why for i, why in self.held.items() if i in self._state.incidents},
         }

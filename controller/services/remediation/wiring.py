@@ -29,6 +29,7 @@ from controller.services.incidents import IncidentService
 from controller.services.lease_lock import kube_api_client
 from controller.services.nodes import NodeRecords
 from controller.services.remediation.engine import RemediationEngine
+from controller.services.remediation.partition import partition_settings
 from controller.services.webhook import Webhook
 from controller.settings import ControllerSettings
 from controller.state import ClusterState
@@ -178,6 +179,7 @@ def build_remediation(
         policy,
         is_leader=is_leader,
         webhook=build_webhook(settings),
+        partition=partition_settings(settings),
     )
 
 

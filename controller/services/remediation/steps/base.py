@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from controller.actuators.base import Actuator
+from controller.actuators.k8s.partition import PartitionSettings
 from controller.logic.remediation import guards
 from controller.logic.remediation.goodput import GoodputLedger
 from controller.logic.remediation.params import ActionParams, RestartParams, parse_params
 from controller.logic.remediation.rules import Policy, Rule, Step
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
+from controller.services.incidents import IncidentService
 from controller.services.nodes import NodeRecords
 from controller.services.remediation.records import JobBook, Remediation
 from controller.services.webhook import Webhook
@@ -113,6 +115,10 @@ class StepContext:
     original_nodes: dict[str, int] = field(default_factory=dict)
     #: Where the ``webhook`` step POSTs (``remediation_webhook_url``; ``None``: not set).
     webhook: Webhook | None = None
+    #: Opens the ``quarantine_budget`` incident when the budget refuses a quarantine.
+    incidents: IncidentService | None = None
+    #: Partition guard and quarantine budget settings (``services.remediation.partition``).
+    partition: PartitionSettings = field(default_factory=PartitionSettings)
 
     def book(self, job: str) -> JobBook:
         book = self.jobs.get(job)

@@ -14,6 +14,7 @@ from controller.actuators.base import ActuatorError
 from controller.logic.remediation import guards
 from controller.logic.remediation.params import IsolateParams
 from controller.logic.remediation.rules import IsolateWhen, Rule, Step
+from controller.services.remediation.partition import quarantine_refusal, raise_budget_incident
 from controller.services.remediation.records import HARDWARE_KINDS, Remediation
 from controller.services.remediation.steps.base import StepContext, StepResult
 from controller.state import IncidentState
@@ -89,6 +90,13 @@ class Isolate:
         if refused is not None:
             await record(incident, rem, kind, node, {}, "skipped", refused)
             return False, refused
+        budget = quarantine_refusal(ctx.state, node, ctx.partition, now=now)
+        if budget is not None and not rem.dry_run:
+            message, evidence = budget
+            await record(incident, rem, kind, node, {}, "skipped", message)
+            if ctx.incidents is not None:
+                await raise_budget_incident(ctx.incidents, message, evidence)
+            return False, message
         reason = f"incident {incident.id} ({incident.kind}): {incident.summary}"[:500]
         if rem.dry_run:
             outcome = f"would isolate {node}"
