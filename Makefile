@@ -66,12 +66,17 @@ $(S3_STAMP):
 
 # Two workers: the suite is half waiting on subprocesses and sockets, so it fits two cores.
 PYTEST_WORKERS ?= 2
+# Bytecode caching on even where the environment turns it off (PYTHONDONTWRITEBYTECODE=1,
+# common in containers): the suite starts a few hundred interpreters (controllers, agents,
+# CLI runs, ranks) and each pytest worker rewrites every test module's asserts; uncached,
+# each of them compiles the same sources again. The caches go to the ignored __pycache__/.
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
 test: $(STAMP) browser web-assets s3-server
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15
+	$(PYTEST) -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15
 
 test-fast: $(STAMP) web-assets
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
+	$(PYTEST) -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 
 # The CUDA paths (collectives' event timing, on-device NaN/Inf check, probes; the checkpoint
 # copier): run wherever a GPU is at hand. Every test in tests/gpu skips without CUDA.
