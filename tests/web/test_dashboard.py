@@ -386,8 +386,9 @@ def test_an_operator_restarts_a_job_and_approves_dry_runs_a_viewer_cannot(
     since the cluster's job is threads that no real actuator launched."""
     from playwright.sync_api import expect
 
-    from controller.actuators.base import Placement
+    from controller.actuators.base import JobPolicy, Placement
     from tests.remediation.recording import RecordingActuator
+    from tests.remediation.test_engine import open_incident
     from tests.waiting import wait_for
 
     live = cluster.live
@@ -477,6 +478,29 @@ def test_an_operator_restarts_a_job_and_approves_dry_runs_a_viewer_cannot(
             [f"action:{isolate['id']}", f"action:{restart['id']}"]
         )
         shot(page, "approved")
+
+        # A job's own policy asks for a dry run: its plan waits as one ``approval`` row,
+        # approved as a whole (RemediationEngine.approve), with the controller's policy live.
+        _put_policy(cluster, {"guards": {"max_isolated_fraction": 1.0}})
+        wait_for(lambda: engine.jobs["llm-pretrain"].awaiting_resume is None, timeout_s=20)
+        actuator.policies["llm-pretrain"] = JobPolicy(dry_run=True, steps=("restart",))
+        open_incident(live, "gpu_fault", job="llm-pretrain", severity="critical")
+
+        def plans() -> list[dict[str, Any]]:
+            rows = api(cluster, "/actions?limit=500")["data"]
+            return [a for a in rows if a["kind"] == "approval"]
+
+        plan = wait_for(plans)[0]
+        page.goto(f"{live.url}/ui/#/job/llm-pretrain")
+        plan_row = page.locator(f'table.actions tr[data-action-id="{plan["id"]}"]')
+        plan_row.locator('button[data-action="approve"]').click()
+        expect(effect).to_contain_text(
+            f"Run the plan job llm-pretrain's own policy held back (#{plan['id']}) now"
+        )
+        page.click("#confirm-ok")
+        expect(plan_row).to_have_attribute("data-status", "succeeded")
+        expect(plan_row).to_contain_text("approved by test-operator")
+        wait_for(lambda: len(actuator.restarts()) == 3)
         assert not page.errors, page.errors
     finally:
         page.close()
