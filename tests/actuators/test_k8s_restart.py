@@ -234,3 +234,33 @@ def test_trainjob_shrink_is_refused_by_a_fixed_nnodes_and_resizes_on_the_trainjo
     assert tj is not None
     assert tj["spec"]["trainer"]["numNodes"] == 1 and tj["spec"]["suspend"] is False
     round_trip(tj)
+
+
+def test_pytorchjob_pods_kept_by_a_pdb_are_no_half_gang(cluster: FakeCluster) -> None:
+    """With ``delete_on_pdb_block`` off, a PodDisruptionBudget that keeps old pods would
+    leave them training beside the new ones: the PyTorchJob is suspended instead."""
+    elastic_pytorchjob(cluster)
+    cfg = client.Configuration(host=cluster.url)
+    cfg.retries = 0
+    act = KubernetesActuator(client.ApiClient(cfg), NS, delete_on_pdb_block=False)
+    report_ranks(act, cluster, "pt")
+    cluster.pdb_blocked.add("pt-worker-3")
+    new = Placement(job="pt", nodes=NODES, ranks_per_node=2, generation=1)
+    with pytest.raises(ActuatorError, match="PodDisruptionBudget kept 1 old pod"):
+        run(act.restart_job(new, reason="hang"))
+    pj = cluster.get("kubeflow.org", "pytorchjobs", NS, "pt")
+    assert pj is not None and pj["spec"]["runPolicy"]["suspend"] is True
+    assert pods_of(cluster) == {}
+
+
+def test_trainjob_stop_suspends_the_trainjob_not_its_jobset(cluster: FakeCluster) -> None:
+    trainjob(cluster, max_restarts=2)
+    act = actuator(cluster)
+    report_ranks(act, cluster, "tj")
+    result = run(act.stop_job("tj", reason="hang"))
+    assert result.details["workload"] == "TrainJob tj"
+    tj = cluster.get("trainer.kubeflow.org", "trainjobs", NS, "tj")
+    js = cluster.get("jobset.x-k8s.io", "jobsets", NS, "tj")
+    assert tj is not None and tj["spec"]["suspend"] is True
+    assert js is not None and not js["spec"].get("suspend")  # the TrainJob's controller's
+    assert pods_of(cluster) == {}
