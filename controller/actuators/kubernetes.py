@@ -4,12 +4,16 @@ Everything goes through the official ``kubernetes`` client (synchronous, so each
 in :func:`asyncio.to_thread`). The contract with the cluster, in short (the full version,
 with examples, is docs/kubernetes.md):
 
-* Every pod of a training job carries ``trainguard.io/job=<job>`` and
-  ``trainguard.io/rank=<n>``; optionally ``trainguard.io/tp=<n>`` (label or annotation).
+* Each rank reports its pod and node (``k8s.placement``); ``trainguard.io/job=<job>`` on
+  the pods and ``trainguard.io/rank=<n>`` are optional overrides, ``trainguard.io/tp=<n>``
+  optional (label or annotation).
 * The pods' controlling ``ownerReference`` leads to the workload: a batch/v1 ``Job``
-  (itself possibly owned by a ``jobset.x-k8s.io/v1alpha2`` ``JobSet``) or a
-  ``kubeflow.org/v1`` ``PyTorchJob``. When no pod exists (a stopped job), the workload is
-  found by the same ``trainguard.io/job`` label on the workload object itself.
+  (itself possibly owned by a ``jobset.x-k8s.io/v1alpha2`` ``JobSet``, itself possibly
+  owned by a ``trainer.kubeflow.org/v1alpha1`` ``TrainJob``) or a ``kubeflow.org/v1``
+  ``PyTorchJob``. When no pod exists (a stopped job), the workload is found by the same
+  ``trainguard.io/job`` label on the workload object itself.
+* Restarts go the workload's own way (``k8s.restart``): a JobSet's failurePolicy, a
+  PyTorchJob's restartPolicy, suspend/resume otherwise; never half a gang.
 * Ranks read the restart generation and resume step from their pod's annotations
   ``trainguard.io/generation`` / ``trainguard.io/resume-step``, which trainguard writes into
   the pod template; the pod template maps them to ``TRAINGUARD_GENERATION`` /
