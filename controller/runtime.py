@@ -137,7 +137,7 @@ def compose(
         ecc_window_s=settings.degraded_ecc_window_s,
         throttle_s=settings.degraded_throttle_s,
     )
-    jobs = JobDetector(state, incidents, commands)
+    jobs = JobDetector(state, incidents, commands, probe_lead_s=settings.probe_lead_s)
     flight = FlightEvidence(state, incidents, commands)
     traffic = build_traffic(settings, state, store)
     slow_links = SlowLinkReaction(traffic, state, actions)

@@ -142,6 +142,10 @@ class ControllerSettings(BaseSettings):
     power_enabled: bool | None = None
     #: Seconds between two power-policy ticks when no report arrives (stale detection).
     power_tick_interval_s: float = Field(default=1.0, gt=0, le=60)
+    #: Seconds of training ahead at which a link-probe round is scheduled (docs/detection.md):
+    #: the command rides an agent's report reply, then the ranks' next poll, so it must
+    #: exceed a report interval with margin. Tests with 0.5 s reports use a few seconds.
+    probe_lead_s: float = Field(default=15.0, gt=0, le=600)
     #: Remediation policy (YAML/JSON, docs/remediation.md); unset: the built-in defaults.
     policy_file: Path | None = None
     #: Record what the policy would do without doing it (overrides the policy's own flag).

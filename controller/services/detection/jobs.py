@@ -42,7 +42,8 @@ from trainguard import wire
 log = logging.getLogger(__name__)
 
 #: Commands reach ranks at the agent's next report reply, then the ranks' next poll, so a
-#: probe is scheduled this many seconds of training ahead (at least ``MIN_LEAD_STEPS``).
+#: probe is scheduled this many seconds of training ahead (at least ``MIN_LEAD_STEPS``);
+#: the default of the ``probe_lead_s`` setting.
 PROBE_LEAD_S = 15.0
 MIN_LEAD_STEPS = 5
 #: A probe round that has not heard back from every pair this long after its step is
@@ -88,8 +89,10 @@ class JobDetector:
         *,
         config: C4DConfig | None = None,
         tick_interval_s: float = 1.0,
+        probe_lead_s: float = PROBE_LEAD_S,
     ) -> None:
         self.trackers = JobTrackers(config)
+        self.probe_lead_s = probe_lead_s
         self._state = state
         self._incidents = incidents
         self._commands = commands
@@ -285,7 +288,7 @@ class JobDetector:
         if tracker is None:
             return
         step_s = tracker.stragglers.last.median_step_s if tracker.stragglers.last else 1.0
-        lead = max(MIN_LEAD_STEPS, math.ceil(PROBE_LEAD_S / max(step_s, 1e-3)))
+        lead = max(MIN_LEAD_STEPS, math.ceil(self.probe_lead_s / max(step_s, 1e-3)))
         at_step = tracker.newest_step + lead
         probe_round = ProbeRound(
             job=job,
