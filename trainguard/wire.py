@@ -519,7 +519,22 @@ class CheckpointEvent(WireModel):
     job: Name
     rank: Rank
     step: NonNegInt
-    kind: Literal["started", "snapshot_done", "durable", "failed", "committed"]
+    kind: Literal[
+        "started",
+        "snapshot_done",
+        "durable",
+        "failed",
+        "committed",
+        # The object-store tier's upload of the step (``tier="object_store"``): queued,
+        # sending, in the bucket (``duration_s``: from the save to its remote commit), failed.
+        "upload_pending",
+        "uploading",
+        "uploaded",
+        "upload_failed",
+    ]
+    tier: Literal["local", "object_store"] = Field(
+        default="local", description="Which copy of the step the event is about"
+    )
     blocking_s: NonNegFloat | None = None
     duration_s: NonNegFloat | None = None
     size_bytes: NonNegInt | None = None
