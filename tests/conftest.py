@@ -295,7 +295,13 @@ def live_controller(controller_factory: ControllerFactory) -> LiveController:
 _CLUSTER_TESTS = ("tests/e2e/",)
 
 
-_CLUSTER_A = ("tests/e2e/test_demo.py", "tests/e2e/test_recovery_e2e.py")
+# Chain a: the demo (~1.5 min), recovery and the Kubernetes JobSet run; chain b: the
+# detection scenarios and the walking skeleton (tests/e2e/test_e2e_loop.py).
+_CLUSTER_A = (
+    "tests/e2e/test_demo.py",
+    "tests/e2e/test_recovery_e2e.py",
+    "tests/e2e/test_k8s_jobset_e2e.py",
+)
 
 
 def _group_of(path: str) -> str:
