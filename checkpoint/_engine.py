@@ -153,8 +153,10 @@ class Checkpointer:
         self._writer = self._new_writer()
         #: The object-storage tier's uploader (rank 0 only; see ``checkpoint._tier``).
         self.uploader: TierUploader | None = None
-        if config.object_store is not None and rank == 0:
-            self.uploader = TierUploader(self.root, config.object_store)
+        if config.object_store is not None:  # every rank sends its own files
+            self.uploader = TierUploader(
+                self.root, config.object_store, rank=rank, world_size=world_size
+            )
         atexit.register(self._at_exit)
 
     def _new_writer(self) -> ThreadWriter | ProcessWriter:
@@ -469,14 +471,20 @@ class Checkpointer:
     def on_durable(self, snap: Snapshot, size_bytes: int) -> None:
         snap.durable_s = time.monotonic() - snap.t0
         self.emit("durable", snap.step, size_bytes=size_bytes, duration_s=snap.durable_s)
+        if self.uploader is not None and self.rank != 0:  # rank 0 queues at its commit
+            self._queue_upload(snap.step)
 
     def on_committed(self, snap: Snapshot) -> None:
         self.emit("committed", snap.step, duration_s=time.monotonic() - snap.t0)
         if self.uploader is not None:
-            try:  # hard links and a queue entry; the upload runs on the uploader's thread
-                self.uploader.submit(snap.step)
-            except Exception as exc:  # the local tier stands; the next commit uploads
-                log.error("checkpoint step %d: not queued for upload: %s", snap.step, exc)
+            self._queue_upload(snap.step)
+
+    def _queue_upload(self, step: int) -> None:
+        assert self.uploader is not None
+        try:  # hard links and a queue entry; the upload runs on the uploader's thread
+            self.uploader.submit(step)
+        except Exception as exc:  # the local tier stands; the next save uploads
+            log.error("checkpoint step %d: not queued for upload: %s", step, exc)
 
     def on_failed(self, snap: Snapshot, error: str) -> None:
         log.error("checkpoint step %d failed: %s", snap.step, error)

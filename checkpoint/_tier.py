@@ -13,6 +13,10 @@ Why this shape:
   in ``<root>/.tier/step-<n>.json``; an interrupted upload (process killed, network gone)
   resumes with ``ListParts`` on that id and re-sends only the parts the server does not
   hold with the right MD5.
+* Every rank uploads its own files (``rank-<r>.bin``, ``rank-<r>.json``) from its own
+  root, so a job's upload bandwidth grows with its nodes; rank ``r > 0`` then puts
+  ``step-<n>/TIER-rank-<r>.json`` (its files' sizes and SHA-256). Rank 0 uploads its own
+  files, waits for every peer's record, and only then uploads ``MANIFEST.json``.
 * ``step-<n>/TIER.json`` is the remote commit point, written last: it lists every file with
   its size, part size and whole-file SHA-256. A step without it is incomplete and never
   restored from. A restore downloads every file, checks size and SHA-256 against it, then
@@ -44,12 +48,19 @@ from checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
 )
-from checkpoint.manifest import MANIFEST_NAME, step_dir_name
+from checkpoint.manifest import (
+    MANIFEST_NAME,
+    rank_data_name,
+    rank_manifest_name,
+    step_dir_name,
+)
 
 log = logging.getLogger(__name__)
 
 #: The remote commit record of one step, uploaded after every other object of the step.
 TIER_RECORD = "TIER.json"
+#: Rank ``r > 0``'s record that its files of a step are in the bucket (``.format(r)``).
+RANK_RECORD = "TIER-rank-{:05d}.json"
 #: Local state of the tier under the checkpoint root (ignored by ``step-*`` scans).
 TIER_DIR = ".tier"
 _READ_BYTES = 8 << 20
@@ -115,6 +126,8 @@ class UploadStats:
     bytes_sent: int = 0
     steps_dropped: int = 0
     errors: list[str] = field(default_factory=list)
+    #: Object keys this uploader completed, in order (the commit records come last).
+    keys: list[str] = field(default_factory=list)
 
 
 class _Journal:
@@ -173,13 +186,26 @@ class TierUploader:
     :attr:`stats` counts it in ``steps_dropped``.
     """
 
-    def __init__(self, root: Path, cfg: ObjectStoreConfig, *, client: Any | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        cfg: ObjectStoreConfig,
+        *,
+        client: Any | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        """``rank``/``world_size``: this uploader sends rank ``rank``'s files; rank 0 also
+        ``MANIFEST.json`` and the commit record, after the other ranks' records."""
         cfg.validate()
         self.root = Path(root)
         self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
         self.client = client if client is not None else make_client(cfg)
         self.stats = UploadStats()
-        self.tier_dir = self.root / TIER_DIR
+        # Ranks sharing a root keep their staging and journals apart; rank 0's stay where
+        # ``inspect`` reads them.
+        self.tier_dir = self.root / TIER_DIR / (f"rank-{rank:05d}" if rank else "")
         self.tier_dir.mkdir(parents=True, exist_ok=True)
         self._cond = threading.Condition()
         self._queued: int | None = None
@@ -194,21 +220,29 @@ class TierUploader:
     def _staging(self, step: int) -> Path:
         return self.tier_dir / "staging" / step_dir_name(step)
 
+    def own_files(self) -> set[str]:
+        """The files of a step this rank uploads."""
+        own = {rank_data_name(self.rank), rank_manifest_name(self.rank)}
+        return own | {MANIFEST_NAME} if self.rank == 0 else own
+
     def submit(self, step: int) -> None:
-        """Queue committed ``step`` for upload; cheap enough for a writer callback."""
+        """Queue ``step`` for upload (rank 0: committed; others: this rank's part durable);
+        cheap enough for a writer callback."""
         src = self.root / step_dir_name(step)
         staging = self._staging(step)
         staging.mkdir(parents=True, exist_ok=True)
+        own = self.own_files()
         for path in src.iterdir():
-            if path.is_file() and not path.name.startswith("."):
+            if path.is_file() and path.name in own:
                 target = staging / path.name
                 target.unlink(missing_ok=True)
                 try:
                     os.link(path, target)
                 except OSError:  # a file system without hard links: copy instead
                     shutil.copyfile(path, target)
-        if not (staging / MANIFEST_NAME).is_file():
-            raise CheckpointIncompleteError(f"{src}: not committed, nothing to upload")
+        if not own <= {p.name for p in staging.iterdir()}:
+            what = "not committed" if self.rank == 0 else f"rank {self.rank}'s part missing"
+            raise CheckpointIncompleteError(f"{src}: {what}, nothing to upload")
         journal = _Journal(self.tier_dir / f"{step_dir_name(step)}.json", step)
         journal.save()
         self._enqueue(step)
@@ -292,15 +326,18 @@ class TierUploader:
             names = sorted(p.name for p in staging.iterdir() if p.is_file())
             record: dict[str, Any] = {"step": step, "files": {}}
             for name in names:
-                record["files"][name] = self._upload_file(staging / name, step, name, journal)
+                if name != MANIFEST_NAME:
+                    record["files"][name] = self._upload_file(staging / name, step, name, journal)
+            if self.rank == 0:  # the commit point only once every rank's files are there
+                for peer in range(1, self.world_size):
+                    record["files"].update(self._peer_files(step, peer))
+                for name in names:
+                    if name == MANIFEST_NAME:
+                        record["files"][name] = self._upload_file(
+                            staging / name, step, name, journal
+                        )
             record["uploaded_unix_s"] = time.time()
-            body = json.dumps(record, sort_keys=True, indent=1).encode()
-            self.client.put_object(
-                Bucket=self.cfg.bucket,
-                Key=_key(self.cfg, step, TIER_RECORD),
-                Body=body,
-                ContentMD5=base64.b64encode(_md5(body)).decode(),
-            )
+            self._put_record(step, record)
         except Exception as exc:
             journal.data["state"] = "failed"
             journal.data["error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -311,7 +348,45 @@ class TierUploader:
         shutil.rmtree(staging, ignore_errors=True)
         self.stats.steps_uploaded.append(step)
         self._forget_older_failures(step)
-        self.apply_retention(newest=step)
+        if self.rank == 0:
+            self.apply_retention(newest=step)
+
+    def _put_record(self, step: int, record: dict[str, Any]) -> None:
+        """Rank 0: ``TIER.json`` (the remote commit point); others: their rank record."""
+        name = TIER_RECORD if self.rank == 0 else RANK_RECORD.format(self.rank)
+        body = json.dumps(record, sort_keys=True, indent=1).encode()
+        key = _key(self.cfg, step, name)
+        self.client.put_object(
+            Bucket=self.cfg.bucket,
+            Key=key,
+            Body=body,
+            ContentMD5=base64.b64encode(_md5(body)).decode(),
+        )
+        self.stats.keys.append(key)
+
+    def _peer_files(self, step: int, peer: int) -> dict[str, Any]:
+        """Rank ``peer``'s files of ``step`` as its record in the bucket lists them, polled
+        until it appears (``peer_timeout_s``; a peer that dropped or failed this step)."""
+        key = _key(self.cfg, step, RANK_RECORD.format(peer))
+        deadline = time.monotonic() + self.cfg.peer_timeout_s
+        while True:
+            try:
+                body = self.client.get_object(Bucket=self.cfg.bucket, Key=key)["Body"].read()
+                break
+            except Exception as exc:
+                if _error_code(exc) not in ("404", "NoSuchKey", "NotFound"):
+                    raise
+            if time.monotonic() > deadline:
+                raise CheckpointIncompleteError(
+                    f"s3://{self.cfg.bucket}/{key}: rank {peer}'s files of step {step} not in "
+                    f"the bucket after {self.cfg.peer_timeout_s:g} s"
+                )
+            time.sleep(0.2)
+        files = json.loads(body).get("files")
+        own = {rank_data_name(peer), rank_manifest_name(peer)}
+        if not isinstance(files, dict) or set(files) != own:
+            raise CheckpointCorruptError(f"s3://{self.cfg.bucket}/{key}: not rank {peer}'s files")
+        return files
 
     def _forget_older_failures(self, step: int) -> None:
         """Steps older than ``step`` whose upload failed are superseded: free their hard
@@ -356,6 +431,7 @@ class TierUploader:
             self.stats.bytes_sent += size
             entry.update(parts_total=1, parts={"1": digest.hex()}, done=True)
             journal.save()
+            self.stats.keys.append(key)
             return described
         count = -(-size // part_bytes)
         entry["parts_total"] = count
@@ -425,6 +501,7 @@ class TierUploader:
             )
         entry["done"] = True
         journal.save()
+        self.stats.keys.append(key)
         return described
 
     def _stored_parts(self, key: str, entry: dict[str, Any]) -> dict[int, str]:

@@ -46,6 +46,11 @@ class ObjectStoreConfig:
     keep_last: int = 3
     """Complete checkpoints kept in the bucket (the local tier has its own ``keep_last``)."""
 
+    peer_timeout_s: float = 300.0
+    """Every rank uploads its own files; rank 0 uploads ``MANIFEST.json`` and the remote
+    commit record only once every other rank's files are in the bucket, waiting up to this
+    long (off the training thread) before it gives the step up as failed."""
+
     def validate(self) -> None:
         if not self.bucket or "/" in self.bucket:
             raise CheckpointConfigError(f"object_store.bucket: bad bucket name {self.bucket!r}")
@@ -57,6 +62,8 @@ class ObjectStoreConfig:
             raise CheckpointConfigError(
                 f"object_store.keep_last must be >= 1, got {self.keep_last}"
             )
+        if not self.peer_timeout_s > 0:
+            raise CheckpointConfigError("object_store.peer_timeout_s must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)

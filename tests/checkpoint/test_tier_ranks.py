@@ -1,0 +1,116 @@
+"""Every rank's files reach the object store (issue 19): a 2-rank gloo job saves with the
+object-store tier against moto's S3 server; each rank uploads its own shard, rank 0's
+``MANIFEST.json`` and ``TIER.json`` go last, and a restore from the bucket alone is
+complete for both ranks, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint._tier import RANK_RECORD, TIER_RECORD, make_client, remote_steps
+from checkpoint.config import ObjectStoreConfig
+from checkpoint.manifest import MANIFEST_NAME, rank_data_name, rank_manifest_name, step_dir_name
+from tests.checkpoint.s3_server import moto_server
+from tests.checkpoint.tier_rank_worker import shard
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    os.environ["AWS_ACCESS_KEY_ID"] = "AKIATRAINGUARDTEST"
+    os.environ["AWS_SECRET_ACCESS_KEY"] = "tg-ranks-secret"
+    try:
+        with moto_server(tmp_path_factory.mktemp("s3")) as url:
+            yield url
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_every_rank_uploads_its_files_and_the_commit_goes_last(
+    tmp_path: Path, endpoint: str
+) -> None:
+    fields = {
+        "bucket": f"ranks-{uuid.uuid4().hex[:12]}",
+        "prefix": "jobs/ranks",
+        "endpoint_url": endpoint,
+        "region": "us-east-1",
+        "part_bytes": 256 << 10,  # the 1.2 MB shards go up as multipart uploads
+        "keep_last": 2,
+        "peer_timeout_s": 60.0,
+    }
+    store = ObjectStoreConfig(**fields)  # type: ignore[arg-type]
+    client = make_client(store)
+    client.create_bucket(Bucket=store.bucket)
+    root = tmp_path / "shared"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    init = f"file://{tmp_path / 'rendezvous'}"
+    worker = [sys.executable, "-m", "tests.checkpoint.tier_rank_worker"]
+    procs = [
+        subprocess.Popen(
+            [*worker, str(r), "2", init, str(root), json.dumps(fields)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    reports = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        line = json.loads(out.strip().splitlines()[-1])
+        reports[line["rank"]] = line
+
+    assert remote_steps(client, store) == [1, 2]
+    for step in (1, 2):
+        prefix = f"{store.prefix}/{step_dir_name(step)}/"
+        rank0 = [k for k in reports[0]["keys"] if k.startswith(prefix)]
+        rank1 = [k for k in reports[1]["keys"] if k.startswith(prefix)]
+        # Each rank sent its own shard and manifest, nothing of the other's.
+        assert sorted(rank1) == sorted(
+            prefix + n for n in (rank_data_name(1), rank_manifest_name(1), RANK_RECORD.format(1))
+        )
+        assert {prefix + rank_data_name(0), prefix + rank_manifest_name(0)} <= set(rank0)
+        assert not any("rank-00001" in k for k in rank0)
+        # Rank 0 commits last: MANIFEST.json, then TIER.json, after its own files.
+        assert rank0[-2:] == [prefix + MANIFEST_NAME, prefix + TIER_RECORD]
+        record = json.loads(
+            client.get_object(Bucket=store.bucket, Key=prefix + TIER_RECORD)["Body"].read()
+        )
+        assert set(record["files"]) == {
+            MANIFEST_NAME,
+            rank_data_name(0),
+            rank_manifest_name(0),
+            rank_data_name(1),
+            rank_manifest_name(1),
+        }
+
+    # The local copies are gone: a restore from the bucket alone is complete for each rank.
+    shutil.rmtree(root)
+    fresh = tmp_path / "fresh"
+    for r in range(2):
+        restored = checkpoint.load(fresh, {"shard": None}, rank=r, object_store=store)
+        assert restored.step == 2
+        assert restored.source == ("object_store" if r == 0 else "local")  # r=1: r=0 fetched
+        assert torch.equal(restored.values["shard"], shard(r, 2))
