@@ -39,6 +39,7 @@ from agents.local_endpoint import LocalEndpoint, Session
 from agents.metrics import MetricsServer, MetricsSource
 from agents.nics import NicMonitor
 from agents.node_power import NodePowerSampler, RaplReader
+from agents.peer_groups import PeerGroupCache
 from agents.preflight import evaluate, summary
 from agents.reporter import BackoffPolicy, Reporter
 from agents.sampler import GpuSampler
@@ -114,6 +115,7 @@ class Agent:
     def _build(self, settings: AgentSettings) -> None:
         self.spool = Spool(settings.resolved_spool_dir, max_bytes=settings.spool_max_bytes)
         self.batch = Batch(self.spool.journal_dir, next_seq=self.spool.next_seq)
+        self.peer_groups = PeerGroupCache()
         self.endpoint: LocalEndpoint | None = None
         if settings.socket_path or settings.job_listen:
             self.endpoint = LocalEndpoint(
@@ -420,6 +422,7 @@ class Agent:
             self.request_report(f"uncorrectable ECC error on GPU {event.gpu_index}")
 
     def _on_records(self, session: Session, records: JobRecords, size_bytes: int) -> None:
+        self.peer_groups.remember(records)
         full = self.batch.add_records(records, size_bytes)
         exited = [e for e in records.rank_events if e.kind == "exited"]
         if exited:
@@ -477,6 +480,11 @@ class Agent:
     def _on_reply(self, reply: ReportReply) -> None:
         if reply.commands and self.executor is not None:
             self.executor.handle(reply.commands)
+        if reply.peer_groups_unknown:  # the controller restarted: declare them again
+            again = self.peer_groups.wanted(reply.peer_groups_unknown)
+            if again.peer_groups:
+                self.batch.add_records(again, len(again.model_dump_json()))
+                self.request_report("the controller asked for peer groups")
 
 
 def _configure_logging(level: str) -> None:

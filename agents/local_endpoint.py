@@ -510,6 +510,7 @@ def process_state(pid: int | None) -> str:
 def _foreign_job(records: JobRecords, job: str) -> str | None:
     for group in (
         records.steps,
+        records.peer_groups,
         records.inflight,
         records.rank_events,
         records.checkpoints,

@@ -153,6 +153,7 @@ class AgentClient:
         self._sock = sock
         self.connected = True
         self._backoff_s = 0.1
+        self.outbox.registered()  # a new registration: peer groups are declared again
         log.info("trainguard: connected to node agent at %s", self.agent_location)
         self._deliver(reply)
         return True

@@ -4,6 +4,12 @@ The training thread only appends; the shipping thread drains. Each kind of recor
 own bound so a flood of one (a long outage filling up step summaries) cannot push out the
 rare, precious ones (a rank's exit event). When a buffer is full the oldest record goes and
 a drop counter grows: fresh data matters more than old data to a detector.
+
+A step summary's peer group (``group_ranks``: up to every rank of a pipeline stage, 2,000
+at scale) is not shipped with every summary: :meth:`Outbox.drain` replaces the list by its
+id (``wire.peer_group_id``) and adds the membership (``wire.PeerGroup``) to the batch the
+first time an id goes out on a connection. :meth:`Outbox.registered` (a new connection to
+the agent: this rank registers again) makes every id go out once more.
 """
 
 from __future__ import annotations
@@ -17,10 +23,15 @@ from trainguard.wire import (
     FlightRecorderDump,
     InflightCollective,
     JobRecords,
+    PeerGroup,
     ProbeResult,
     RankEvent,
     StepSummary,
+    peer_group_id,
 )
+
+#: Peer groups a rank remembers (it has one at a time; a role change adds one).
+_KNOWN_GROUPS = 64
 
 
 class _Bounded:
@@ -71,6 +82,47 @@ class Outbox:
         self.probes = _Bounded(limit)
         self.checkpoints = _Bounded(limit)
         self.traces = _Bounded(16)  # a dump is large and the newest one is what matters
+        #: Peer group id -> its ranks, for every group a shipped summary named.
+        self._known: dict[str, list[int]] = {}
+        #: Ids whose membership went out on the current connection.
+        self._declared: set[str] = set()
+        self._last: tuple[list[int], str] | None = None
+
+    def registered(self) -> None:
+        """A new connection to the agent: declare each peer group again when next named."""
+        with self._lock:
+            self._declared.clear()
+
+    def _group_id(self, ranks: list[int]) -> str:
+        last = self._last
+        if last is not None and (ranks is last[0] or ranks == last[0]):
+            return last[1]
+        gid = peer_group_id(ranks)
+        self._last = (ranks, gid)
+        self._known.pop(gid, None)
+        self._known[gid] = sorted(set(ranks))
+        while len(self._known) > _KNOWN_GROUPS:
+            self._known.pop(next(iter(self._known)))
+        return gid
+
+    def _refer(self, steps: list[StepSummary]) -> list[PeerGroup]:
+        """Replace each summary's ``group_ranks`` by its ``peer_group`` id (shipping thread;
+        the summaries in :attr:`steps` keep their lists) and return the memberships not yet
+        declared on this connection."""
+        declare: list[PeerGroup] = []
+        for i, step in enumerate(steps):
+            if step.group_ranks:
+                gid = self._group_id(step.group_ranks)
+                steps[i] = step.model_copy(update={"group_ranks": [], "peer_group": gid})
+            elif step.peer_group is not None:  # requeued after it was referred
+                gid = step.peer_group
+            else:
+                continue
+            ranks = self._known.get(gid)
+            if gid not in self._declared and ranks is not None:
+                self._declared.add(gid)
+                declare.append(PeerGroup.model_construct(job=step.job, id=gid, ranks=ranks))
+        return declare
 
     def add_step(self, record: StepSummary) -> None:
         with self._lock:
@@ -119,8 +171,10 @@ class Outbox:
             steps: list[StepSummary] = []
             while self.steps.items and len(steps) < max_steps:
                 steps.append(self.steps.items.popleft())
+            peer_groups = self._refer(steps)
             return JobRecords.model_construct(
                 steps=steps,
+                peer_groups=peer_groups,
                 inflight=_newest(self.inflight, _WIRE_LIMIT),
                 rank_events=_newest(self.rank_events, _WIRE_LIMIT),
                 checkpoints=_newest(self.checkpoints, _WIRE_LIMIT),
@@ -129,8 +183,11 @@ class Outbox:
             )
 
     def requeue(self, batch: JobRecords) -> None:
-        """Put back a batch the agent never received, ahead of newer records."""
+        """Put back a batch the agent never received, ahead of newer records (its peer
+        groups are declared again when the summaries naming them go out)."""
         with self._lock:
+            for group in batch.peer_groups:
+                self._declared.discard(group.id)
             for buf, items in (
                 (self.steps, batch.steps),
                 (self.inflight, batch.inflight),

@@ -24,6 +24,8 @@ a report it has already stored (``duplicate=True``) without counting it again.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -40,6 +42,9 @@ SCHEMA_VERSION = 1
 #: 5 s with a few hundred step summaries is ~200 KiB; 4 MiB leaves room for batches sent
 #: after an outage without letting one client exhaust memory.
 MAX_REPORT_BYTES = 4 * 1024 * 1024
+
+#: Most ranks in one peer group or collective group carried on the wire.
+MAX_GROUP_RANKS = 100_000
 
 #: Kubernetes-compatible object name (RFC 1123 subdomain).
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
@@ -439,12 +444,54 @@ class StepSummary(WireModel):
     tp_rank: Rank | None = Field(default=None, description="Tensor-parallel index")
     group_ranks: list[Rank] = Field(
         default_factory=list,
-        max_length=100_000,
+        max_length=MAX_GROUP_RANKS,
         description=(
             "Global ranks of this rank's peer group, those doing the same work (same pipeline "
-            "stage of the mesh), itself included; empty when unknown"
+            "stage of the mesh), itself included; empty when unknown. Current job-side code "
+            "sends peer_group instead and the controller fills this in from the PeerGroup it "
+            "declared; summaries that carry the list (older agents) are still accepted"
         ),
     )
+    peer_group: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        pattern=NO_NUL,
+        description=(
+            "Id of this rank's peer group (peer_group_id of its ranks), declared once per "
+            "registration in JobRecords.peer_groups instead of listed in every summary"
+        ),
+    )
+
+
+def peer_group_id(ranks: Iterable[int]) -> str:
+    """The content address of a peer group: the same ranks give the same id on every rank,
+    so the controller keeps one copy per job however many members declare it."""
+    members = sorted(set(int(r) for r in ranks))
+    digest = hashlib.sha256(",".join(map(str, members)).encode()).hexdigest()[:24]
+    return f"pg{len(members)}-{digest}"
+
+
+class PeerGroup(WireModel):
+    """A peer group's membership, declared once per (re)registration of a rank with its
+    agent and again when the controller asks (``ReportReply.peer_groups_unknown``, e.g. after
+    a controller restart); step summaries refer to it by ``id``."""
+
+    job: Name
+    id: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=NO_NUL,
+        description="peer_group_id(ranks) as job-side code makes it; opaque to the controller",
+    )
+    ranks: list[Rank] = Field(min_length=1, max_length=MAX_GROUP_RANKS)
+
+
+class PeerGroupRef(WireModel):
+    """A peer group the controller was told of by id only and does not know."""
+
+    job: Name
+    id: str = Field(min_length=1, max_length=64, pattern=NO_NUL)
 
 
 class InflightCollective(WireModel):
@@ -467,7 +514,7 @@ class InflightCollective(WireModel):
     step: NonNegInt | None = None
     group_ranks: list[Rank] = Field(
         default_factory=list,
-        max_length=100_000,
+        max_length=MAX_GROUP_RANKS,
         description="Global ranks of the group, so the controller knows who never entered",
     )
 
@@ -590,10 +637,16 @@ class JobRecords(WireModel):
     checkpoints: list[CheckpointEvent] = Field(default_factory=list, max_length=4_096)
     probes: list[ProbeResult] = Field(default_factory=list, max_length=20_000)
     traces: list[FlightRecorderDump] = Field(default_factory=list, max_length=1_024)
+    peer_groups: list[PeerGroup] = Field(
+        default_factory=list,
+        max_length=4_096,
+        description="Peer-group memberships the summaries (of this or later reports) refer to",
+    )
 
     def is_empty(self) -> bool:
         return not (
             self.steps
+            or self.peer_groups
             or self.inflight
             or self.rank_events
             or self.checkpoints
@@ -760,6 +813,14 @@ class ReportReply(WireModel):
     duplicate: bool = False
     commands: list[Command] = Field(default_factory=list)
     server_unix_s: NonNegFloat = 0.0
+    peer_groups_unknown: list[PeerGroupRef] = Field(
+        default_factory=list,
+        max_length=4_096,
+        description=(
+            "Peer groups the report's summaries named by id that this controller does not know "
+            "(it restarted since they were declared): the agent sends them again"
+        ),
+    )
 
 
 # --------------------------------------------------------------------------- local socket
@@ -826,6 +887,7 @@ __all__ = [
     "GPU_COMMAND_KINDS",
     "HARDWARE_EVENT_KINDS",
     "JOB_COMMAND_KINDS",
+    "MAX_GROUP_RANKS",
     "MAX_REPORT_BYTES",
     "SCHEMA_VERSION",
     "THROTTLE_REASON_BITS",
@@ -859,6 +921,8 @@ __all__ = [
     "NodeIdentity",
     "NodeSample",
     "NvLinkSample",
+    "PeerGroup",
+    "PeerGroupRef",
     "ProbeResult",
     "RankEvent",
     "Report",
@@ -871,4 +935,5 @@ __all__ = [
     "UnlockClocks",
     "XidEvent",
     "decode_throttle_reasons",
+    "peer_group_id",
 ]

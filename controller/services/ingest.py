@@ -12,6 +12,14 @@ committed waits for that commit and gets the same answer. A new ``agent_instance
 new cursor. If the commit fails the report's pending mark is removed, so the agent's retry is
 accepted, and the request gets 503.
 
+Peer groups: current job-side code names a rank's peer group by id in its step summaries
+and declares the membership (``wire.PeerGroup``) once per registration. Ingest keeps the
+memberships (in memory, per job and id) and fills ``StepSummary.group_ranks`` back in before
+anything else sees the report, so the detectors read summaries as older agents sent them
+(those carry the list and are taken as they are). An id this controller does not know (it
+restarted since the declaration) leaves the list empty and goes back in the reply
+(``peer_groups_unknown``); the agent then sends the membership again.
+
 History is downsampled here: the samples of one report become one ``gpu_history`` row per
 GPU (count, averages and maxima over the report window), so the database grows with
 reports, not samples.
@@ -47,6 +55,9 @@ from trainguard import wire
 
 log = logging.getLogger(__name__)
 
+#: Peer-group memberships kept (per job and id; a job has one per pipeline stage or role).
+MAX_PEER_GROUPS = 100_000
+
 
 def parse_report(body: bytes) -> wire.Report:
     try:
@@ -76,6 +87,8 @@ class IngestService:
         #: Each durable report is announced here (:class:`NodeReported`, and
         #: :class:`JobRecordsReported` when it carries job records); detectors subscribe.
         self._events = events
+        #: (job, peer group id) -> its ranks, shared by every summary that names it.
+        self._peer_groups: dict[tuple[str, str], list[int]] = {}
 
     async def ingest(self, report: wire.Report) -> wire.ReportReply:
         started = time.perf_counter()
@@ -100,6 +113,7 @@ class IngestService:
 
         # Memory changes now (the batch reads its rows from memory); if the commit fails,
         # this puts it back, so the API never serves what the database does not hold.
+        unknown = self._resolve_peer_groups(report.job)
         snapshot = self._state.snapshot(report)
         received = time.time()
         upserts: set[RowKey] = set()
@@ -142,6 +156,7 @@ class IngestService:
             seq=report.seq,
             commands=[to_wire(c) for c in sent],
             server_unix_s=time.time(),
+            peer_groups_unknown=unknown,
         )
 
     def _duplicate(self, report: wire.Report) -> wire.ReportReply:
@@ -157,6 +172,29 @@ class IngestService:
         await asyncio.gather(*deliveries)
 
     # ------------------------------------------------------------------ state updates
+
+    def _resolve_peer_groups(self, records: wire.JobRecords) -> list[wire.PeerGroupRef]:
+        """Learn the declared memberships, fill ``group_ranks`` of the summaries that name
+        a known one, and return the ids named but unknown (at most one ref each)."""
+        groups = self._peer_groups
+        for group in records.peer_groups:
+            key = (group.job, group.id)
+            groups.pop(key, None)
+            groups[key] = sorted(set(group.ranks))
+        while len(groups) > MAX_PEER_GROUPS:
+            groups.pop(next(iter(groups)))
+        unknown: dict[tuple[str, str], wire.PeerGroupRef] = {}
+        for step in records.steps:
+            gid = step.peer_group
+            if gid is None or step.group_ranks:
+                continue
+            key = (step.job, gid)
+            ranks = groups.get(key)
+            if ranks is not None:
+                step.group_ranks = ranks  # one list per group, however many summaries
+            elif key not in unknown:
+                unknown[key] = wire.PeerGroupRef(job=step.job, id=gid)
+        return list(unknown.values())[:4_096]
 
     def _apply_node(self, report: wire.Report, received: float, upserts: set[RowKey]) -> NodeState:
         ident = report.node
