@@ -4,15 +4,19 @@ Each scenario runs a small instrumented training job (4 ranks on 2 simulated nod
 each) whose ranks talk to their node's agent over its Unix socket; the agents report to a
 controller process. One fault per job; the test asserts the incident names the true
 culprit and that nothing else opened for that job. Margins are wide (fault sizes, time
-limits) so the suite holds on a loaded 2-core machine.
+limits) so the suite holds on a loaded 2-core machine. The ranks are forked from a process
+that imported torch once (tests/e2e/rank_zygote.py), each then a process of its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +31,7 @@ from trainguard.cli.procs import Child, cli_argv, free_port, wait_until
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("train_worker.py")
+ZYGOTE = Path(__file__).with_name("rank_zygote.py")
 NODES = ("det-node-0", "det-node-1")
 WORLD = 4
 
@@ -35,14 +40,113 @@ def node_of(rank: int) -> str:
     return NODES[rank * len(NODES) // WORLD]
 
 
+class ZygotePopen:
+    """What ``Child`` and the tests use of ``subprocess.Popen``, for a rank forked by the
+    zygote (its parent, which reaps it and reports the exit code)."""
+
+    def __init__(self, pid: int, zygote: RankZygote) -> None:
+        self.pid = pid
+        self.args = [f"rank pid {pid}"]
+        self._zygote = zygote
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def poll(self) -> int | None:
+        return self._zygote.exit_code(self.pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.02)
+        return code
+
+
+class RankZygote:
+    """tests/e2e/rank_zygote.py: forks ranks with torch already imported (see there why)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        with (log_dir / "zygote.log").open("ab") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, str(ZYGOTE)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=_clean_env({"OMP_NUM_THREADS": "1"}),
+                start_new_session=True,
+            )
+        self._codes: dict[int, int] = {}
+        self._pids: queue.Queue[int] = queue.Queue()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name="rank-zygote", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            message = json.loads(line)
+            if "pid" in message:
+                self._pids.put(message["pid"])
+            else:
+                with self._lock:
+                    self._codes[message["exit"]] = message["code"]
+        self._pids.put(-1)  # the zygote is gone
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._lock:
+            if pid in self._codes:
+                return self._codes[pid]
+        if self.popen.poll() is None:
+            return None
+        try:  # the zygote is gone (test teardown): its orphans are reaped by init
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return -int(signal.SIGKILL)
+        return None
+
+    def start(self, name: str, env: dict[str, str]) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(json.dumps({"env": env, "log": str(log_path)}).encode() + b"\n")
+        self.popen.stdin.flush()
+        pid = self._pids.get(timeout=60)
+        if pid < 0:
+            raise AssertionError(f"rank zygote died: {(self.log_dir / 'zygote.log').read_text()}")
+        popen: Any = ZygotePopen(pid, self)
+        return Child(name=name, argv=[str(WORKER)], log_path=log_path, popen=popen)
+
+    def close(self) -> None:
+        if self.popen.stdin is not None:
+            self.popen.stdin.close()
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+
 class DetectionCluster:
     def __init__(self, workdir: Path) -> None:
         self.base = E2ECluster(workdir, f"sqlite:///{workdir / 'tg.db'}")
         self.workdir = workdir
         self.sockets = {n: str(workdir / f"{n}.sock") for n in NODES}
+        self.zygote = RankZygote(workdir / "logs")
+        self.ranks: list[Child] = []
+
+    def close(self) -> None:
+        for child in self.ranks:
+            stop(child, timeout_s=5)
+        self.zygote.close()
+        self.base.close()
 
     def start(self) -> None:
-        self.base.start_controller()
+        # Agents report every 0.5 s here (the default lead of 15 s is sized for 5 s reports):
+        # a probe round's command reaches every rank within a second or two.
+        self.base.start_controller({"TRAINGUARD_PROBE_LEAD_S": "5"})
         for node in NODES:
             argv = cli_argv(
                 *("agent", "--controller", self.base.server, "--token", self.base.agent_token),
@@ -84,9 +188,10 @@ class DetectionCluster:
                     **(extra_env or {}),
                 }
             )
-            ranks.append(
-                self.base.procs.start(f"{job}-r{rank}", [sys.executable, str(WORKER)], env=env)
-            )
+            child = self.zygote.start(f"{job}-r{rank}", env)
+            self.base.procs.children[child.name] = child  # for the logs of a failure
+            ranks.append(child)
+        self.ranks += ranks
         return ranks
 
     def incidents(self, job: str) -> list[dict[str, Any]]:
@@ -107,9 +212,22 @@ class DetectionCluster:
             raise AssertionError(f"no {kind} incident for {job}: {self.incidents(job)}\n{logs}")
         return found[0]
 
-    def stop_job(self, ranks: list[Child]) -> None:
+    def stop_job(self, ranks: list[Child], timeout_s: float = 5) -> None:
         for child in ranks:
-            self.base.procs.stop(child.name, timeout_s=5)
+            stop(child, timeout_s=timeout_s)
+
+
+def stop(child: Child, *, timeout_s: float) -> int | None:
+    """``ProcessSet.stop`` for a rank: SIGTERM (and SIGCONT), SIGKILL after ``timeout_s``."""
+    if child.alive():
+        child.send(signal.SIGTERM)
+        child.send(signal.SIGCONT)
+        try:
+            child.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.send(signal.SIGKILL)
+            child.popen.wait(timeout=30)
+    return child.popen.returncode
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +237,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DetectionClust
         c.start()
         yield c
     finally:
-        c.base.close()
+        c.close()
 
 
 def kinds(incidents: list[dict[str, Any]]) -> list[str]:
@@ -211,8 +329,8 @@ def test_slow_link_is_probed_and_localized(cluster: DetectionCluster) -> None:
     try:
         slow = cluster.wait_incident("slowlink", "comm_slow", timeout_s=60)
         assert slow["evidence"]["wait_s"] > slow["evidence"]["reference_wait_s"]
-        # The controller schedules a probe round ~15 s of training ahead; every rank runs
-        # it at the same step and the pair through the slow link stands out.
+        # The controller schedules a probe round ~5 s of training ahead (probe_lead_s); every
+        # rank runs it at the same step and the pair through the slow link stands out.
         link = cluster.wait_incident("slowlink", "slow_link", timeout_s=90)
         assert link["ranks"] == [1, 2] and link["evidence"]["scope"] == "link"
         assert link["evidence"]["slow_pairs"] == [[1, 2]]
@@ -261,8 +379,7 @@ def test_communication_hang_is_localized_by_the_probe_after_restart(
     finally:
         for child in ranks:  # the whole job at once, as a restart stops it
             child.send(signal.SIGTERM)
-        for child in ranks:
-            cluster.base.procs.stop(child.name, timeout_s=10)
+        cluster.stop_job(ranks, timeout_s=10)
     ranks = cluster.run_job("commhang", [link], steps=3000)
     try:
         found = cluster.wait_incident("commhang", "slow_link", timeout_s=120)
