@@ -253,20 +253,21 @@ class JobDetector:
             and inc.node is not None
             and inc.evidence.get("device")
         ]
-        inventory = {
-            node: [
-                NicPort(
-                    device=n.device,
-                    port=n.port,
-                    pci_bus_id=n.pci_bus_id,
-                    gpu_affinity=dict(n.gpu_affinity),
-                )
-                for n in nics
-            ]
-            for node, nics in self.nic_inventory.items()
-            if node in {i.node for i in involved}
-        }
+        nodes = {i.node for i in involved}
+        inventory = {node: self.nic_ports(node) for node in self.nic_inventory if node in nodes}
         return nic_evidence(issues, inventory, involved, now_unix_s)
+
+    def nic_ports(self, node: str) -> list[NicPort]:
+        """The RDMA ports ``node``'s agent last reported (empty: none, or never reported)."""
+        return [
+            NicPort(
+                device=n.device,
+                port=n.port,
+                pci_bus_id=n.pci_bus_id,
+                gpu_affinity=dict(n.gpu_affinity),
+            )
+            for n in self.nic_inventory.get(node, [])
+        ]
 
     def _sample(self, node: str | None, gpu_index: int | None) -> wire.GpuSample | None:
         node_state = self._state.nodes.get(node) if node else None
