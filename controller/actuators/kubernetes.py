@@ -55,6 +55,7 @@ from controller.actuators.k8s.events import EventRecorder
 from controller.actuators.k8s.lease import LeaseElector
 from controller.actuators.k8s.nodes import ANN_CORDONED_BY, NodeGuard, QuarantineSettings
 from controller.actuators.k8s.placement import PlacementBook, running_placement
+from controller.actuators.k8s.restart import job_limits
 from controller.actuators.k8s.restart import restart_job as gang_restart
 from controller.actuators.kube_objects import (
     ANN_GENERATION,
@@ -129,6 +130,9 @@ class KubernetesActuator:
             fence_generation=lambda: self._elector.fence_generation() if self._elector else None,
         )
         self._elector: LeaseElector | None = None
+        #: Per job: what its workload allows (``limits``) and its tp (``current_placement``).
+        self._limits: dict[str, JobLimits] = {}
+        self._tp: dict[str, int] = {}
 
     def fence_with(self, elector: LeaseElector) -> None:
         """Cluster mode: every write this actuator makes first asks ``elector`` whether this
@@ -164,8 +168,10 @@ class KubernetesActuator:
             self.book.observe(node, event)
 
     def limits(self, job: str) -> JobLimits | None:
-        """A workload declares no restart limits here; the policy's apply."""
-        return None
+        """The smallest data-parallel size the workload's own spec allows (elastic range or
+        fixed torchrun ``--nnodes``), as read at the last :meth:`candidate_nodes` (which
+        the engine calls just before); ``None``: nothing declared, the policy's apply."""
+        return self._limits.get(job)
 
     async def node_view(self, node: str) -> NodeView:
         """The Node's ``Ready`` condition (a deleted Node: not ready) and whether the job
@@ -408,6 +414,13 @@ class KubernetesActuator:
 
     async def candidate_nodes(self, job: str) -> list[str]:
         w = await self._resolve(job)
+        layout = self.book.layout(job)
+        per_pod = len(next(iter(layout.pods().values()))) if layout is not None else 1
+        own = job_limits(w, per_pod, self._tp.get(job, 1))
+        if own is None:
+            self._limits.pop(job, None)
+        else:
+            self._limits[job] = own
         selector = ko.node_selector(w)
         nodes = await self._call(
             "list nodes",
@@ -496,7 +509,10 @@ class KubernetesActuator:
         pods = await self._job_pods(job)
         layout = self.book.layout(job)
         learned = None if layout is None else running_placement(layout, pods)
-        return learned if learned is not None else ko.placement_of(job, pods)
+        placement = learned if learned is not None else ko.placement_of(job, pods)
+        if placement is not None:
+            self._tp[job] = placement.tp
+        return placement
 
     # -- restart -----------------------------------------------------------------------
 

@@ -264,3 +264,25 @@ def test_trainjob_stop_suspends_the_trainjob_not_its_jobset(cluster: FakeCluster
     assert tj is not None and tj["spec"]["suspend"] is True
     assert js is not None and not js["spec"].get("suspend")  # the TrainJob's controller's
     assert pods_of(cluster) == {}
+
+
+def test_limits_tell_the_engine_the_smallest_size_the_job_allows(cluster: FakeCluster) -> None:
+    """``limits`` (read by the shrink planner right after ``candidate_nodes``): min_dp from
+    the workload's own elastic range, in data-parallel ranks."""
+    elastic_pytorchjob(cluster)
+    act = actuator(cluster)
+    report_ranks(act, cluster, "pt")
+    assert act.limits("pt") is None  # not read yet
+    run(act.current_placement("pt"))
+    assert run(act.candidate_nodes("pt")) == list(NODES)
+    limits = act.limits("pt")
+    assert limits is not None and limits.min_dp == 4  # minReplicas 2 x torchrun 2 ranks
+
+
+def test_limits_of_a_fixed_nnodes_forbid_any_shrink(cluster: FakeCluster) -> None:
+    trainjob(cluster, max_restarts=2)
+    act = actuator(cluster)
+    report_ranks(act, cluster, "tj")
+    run(act.candidate_nodes("tj"))
+    limits = act.limits("tj")
+    assert limits is not None and limits.min_dp == 4  # --nnodes=2, 2 ranks per pod

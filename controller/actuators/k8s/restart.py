@@ -33,13 +33,15 @@ from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from controller.actuators import kube_objects as ko
-from controller.actuators.base import ActuatorError, ActuatorResult, Placement
+from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
 from controller.actuators.k8s.api import Kube
 from controller.actuators.k8s.nodes import NodeGuard
 from controller.actuators.k8s.placement import PlacementBook
 from controller.actuators.k8s.workloads import (
     GangPlan,
     delete_gang_pods,
+    elastic_bounds,
+    fixed_nnodes,
     job_policy,
     plan_gang_restart,
     resize_note,
@@ -91,6 +93,21 @@ def _size_source(w: Workload) -> tuple[str, dict[str, Any]]:
     if w.kind is TRAINJOB and w.runtime is not None and not trainer.get("command"):
         return "JobSet", w.runtime
     return w.kind.kind, w.obj
+
+
+def job_limits(w: Workload, ranks_per_pod: int, tp: int) -> JobLimits | None:
+    """The smallest data-parallel size ``w`` runs at, from its elastic range (a fixed
+    torchrun ``--nnodes=N``: N pods, so no shrink), so the engine plans no restart that
+    :func:`restart_job` would refuse; ``None`` when the job declares nothing."""
+    kind, obj = _size_source(w)
+    bounds = elastic_bounds(kind, obj)
+    if bounds is not None:
+        pods = bounds.min_nodes + (_masters(w) if bounds.source == "elasticPolicy" else 0)
+    elif (fixed := fixed_nnodes(kind, obj)) is not None:
+        pods = fixed
+    else:
+        return None
+    return JobLimits(min_dp=max(1, pods * ranks_per_pod // max(1, tp)))
 
 
 def gang_plan(w: Workload, *, same_size: bool) -> GangPlan:
@@ -269,4 +286,4 @@ async def _wait_job_settled(act: KubernetesActuator, w: Workload) -> Workload:
         w = await act._get_workload(w.kind, w.name)
 
 
-__all__ = ["gang_plan", "restart_job"]
+__all__ = ["gang_plan", "job_limits", "restart_job"]
