@@ -140,7 +140,7 @@ def compose(
     jobs = JobDetector(state, incidents, commands, probe_lead_s=settings.probe_lead_s)
     flight = FlightEvidence(state, incidents, commands)
     traffic = build_traffic(settings, state, store)
-    slow_links = SlowLinkReaction(traffic, state, actions)
+    slow_links = SlowLinkReaction(traffic, state, actions, nic_ports=jobs.nic_ports)
     power = build_power(settings, state, store, commands, incidents, actions)
     #: Incidents -> actions (docs/remediation.md); acts only while this replica leads.
     remediation = build_remediation(

@@ -5,7 +5,8 @@ ranks per node. Before the job slows down, agents report a flapping port on tg-3
 and a symbol-error rise on tg-1's mlx5_1 (and errors on tg-9, which runs no rank). When the
 detectors open the ``comm_slow`` incident, its evidence names the two NICs of the job's
 nodes, each with the rank whose GPU sits next to it, the flap first; the slow-link reaction
-degrades exactly those NICs' links in the job's traffic plan.
+degrades exactly those NICs' links in the job's traffic plan. Each NIC's own incident has
+already degraded its links when it opened, before the job slowed down.
 """
 
 from __future__ import annotations
@@ -109,6 +110,23 @@ def test_nic_errors_name_the_first_suspects_and_degrade_their_links_in_the_plan(
     agents.post("tg-3", events=[nic_event("nic_port_down", "mlx5_0", detail="link_downed +3")])
     agents.post("tg-9", events=[nic_event("nic_errors_rising", "mlx5_0", **errors)])
 
+    # Each NIC's own incident degrades its links at once, before any job slows down (tg-9
+    # is outside the fabric: nothing to degrade there).
+    assert wait_for(lambda: op.get(f"/api/v1/plans/{plan_id}").json()["version"] >= 3)
+    early = op.get(f"/api/v1/plans/{plan_id}").json()["versions"][1:3]
+    nic_incidents = {
+        f"incident:{i['id']}"
+        for i in op.get("/api/v1/incidents").json()["data"]
+        if i["kind"] in ("hw_degraded", "nic_errors") and i["node"] in ("tg-1", "tg-3")
+    }
+    assert {v["trigger"] for v in early} == nic_incidents and len(nic_incidents) == 2
+    assert {c["link"]: c["health"] for v in early for c in v["changes"]} == {
+        "tg-3/nic0/p0->tor-b": 0.25,
+        "tor-b->tg-3/nic0/p0": 0.25,
+        "tg-1/nic1/p0->tor-a": 0.5,
+        "tor-a->tg-1/nic1/p0": 0.5,
+    }
+
     def comm_slow() -> list[dict[str, Any]]:
         found = op.get("/api/v1/incidents", params={"kind": "comm_slow"}).json()["data"]
         return found  # type: ignore[no-any-return]
@@ -129,7 +147,7 @@ def test_nic_errors_name_the_first_suspects_and_degrade_their_links_in_the_plan(
     affine = {(a["rank"], a["device"]) for a in incident["evidence"]["nic"]["affine"]}
     assert (3, "mlx5_1") in affine and (6, "mlx5_0") in affine and len(affine) == 8
 
-    replanned = wait_for(lambda: op.get(f"/api/v1/plans/{plan_id}").json()["version"] > 1)
+    replanned = wait_for(lambda: op.get(f"/api/v1/plans/{plan_id}").json()["version"] > 3)
     assert replanned
     latest = op.get(f"/api/v1/plans/{plan_id}").json()["versions"][-1]
     assert latest["trigger"] == f"incident:{incident['id']}"
@@ -139,11 +157,15 @@ def test_nic_errors_name_the_first_suspects_and_degrade_their_links_in_the_plan(
         "tg-1/nic1/p0->tor-a": 0.5,
         "tor-a->tg-1/nic1/p0": 0.5,
     }
-    (action,) = [
-        a for a in op.get("/api/v1/actions").json()["data"] if a["kind"] == "traffic_replan"
-    ]
-    assert action["status"] == "succeeded"
-    assert "4 link(s) of suspect NICs degraded" in action["outcome"]
+    replans = {
+        a["trigger"]: a
+        for a in op.get("/api/v1/actions").json()["data"]
+        if a["kind"] == "traffic_replan"
+    }
+    assert set(replans) == nic_incidents | {f"incident:{incident['id']}"}
+    assert all(a["status"] == "succeeded" for a in replans.values())
+    action = replans[f"incident:{incident['id']}"]
+    assert action["outcome"].startswith("4 link(s) of suspect NICs degraded")
 
 
 def wait_for(fetch: Any, timeout_s: float = 15.0) -> Any:

@@ -11,15 +11,25 @@ NIC evidence counts too: a ``slow_link`` or ``comm_slow`` incident whose evidenc
 with recent errors or flaps (``evidence["nic"]``, from
 :mod:`controller.logic.detection.nic_evidence`) degrades those NICs' fabric links
 (:func:`controller.logic.traffic.nic_links.nic_link_factors`), so the planner moves flows
-off them even when the probe could not single out a link, or before a probe ran.
+off them even when the probe could not single out a link, or before a probe ran. A NIC's own
+incident (``hw_degraded`` / ``nic_errors`` with a NIC signal: gone, port down or flapping,
+bond member down, errors rising) degrades its links as soon as it opens, before any job
+slows down. Links stay degraded until an operator restores them (``PUT /api/v1/links``),
+as for probe-found slow links: a port that flapped once is not trusted again by itself.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from controller.logic.traffic.nic_links import merge_link_factors, nic_link_factors
+from controller.logic.detection.nic_evidence import NicPort, device_order
+from controller.logic.traffic.nic_links import (
+    NIC_SIGNAL_FACTOR,
+    merge_link_factors,
+    nic_link_factors,
+)
 from controller.services.actions import ActionService
 from controller.services.events import IncidentOpened
 from controller.services.traffic import placement
@@ -29,19 +39,46 @@ from controller.state import ClusterState, IncidentState
 log = logging.getLogger(__name__)
 
 
+#: Incidents about one NIC (``controller.logic.detection.hw_rules``).
+NIC_INCIDENT_KINDS = ("hw_degraded", "nic_errors")
+
+
 class SlowLinkReaction:
     def __init__(
-        self, service: TrafficService, state: ClusterState, actions: ActionService
+        self,
+        service: TrafficService,
+        state: ClusterState,
+        actions: ActionService,
+        nic_ports: Callable[[str], Sequence[NicPort]] = lambda _node: (),
     ) -> None:
         self._service = service
         self._state = state
         self._actions = actions
+        #: A node's RDMA ports as its agent last reported them (the fabric's nic<k> order).
+        self._nic_ports = nic_ports
 
     async def on_incident_opened(self, event: IncidentOpened) -> None:
-        """Re-plan around a ``slow_link`` incident when planning is on (a fabric is known)."""
-        kind = event.incident.kind
-        if kind in ("slow_link", "comm_slow") and self._service.planner is not None:
-            await self.react(event.incident)
+        """Re-plan around a slow-link, slow-communication or NIC incident when planning is
+        on (a fabric is known)."""
+        incident = event.incident
+        if self._service.planner is None:
+            return
+        if incident.kind in ("slow_link", "comm_slow") or self._nic_suspect(incident):
+            await self.react(incident)
+
+    def _nic_suspect(self, incident: IncidentState) -> tuple[str, int, str] | None:
+        """(node, nic index, signal) of a NIC's own incident; ``None`` for other incidents,
+        signals that are not about a NIC, or a device the node never reported."""
+        signal = str(incident.evidence.get("signal") or "")
+        device = str(incident.evidence.get("device") or "")
+        if incident.kind not in NIC_INCIDENT_KINDS or signal not in NIC_SIGNAL_FACTOR:
+            return None
+        if incident.node is None or not device:
+            return None
+        order = device_order(list(self._nic_ports(incident.node)))
+        if device not in order:
+            return None
+        return incident.node, order.index(device), signal
 
     def suspects(self, incident: IncidentState) -> tuple[list[str], float]:
         live = self._service.plan_of(incident.job or "")
@@ -53,8 +90,13 @@ class SlowLinkReaction:
     def nic_changes(self, incident: IncidentState) -> list[tuple[str, float]]:
         """(link, factor) for the links of the NICs the incident's NIC evidence suspects."""
         topo = self._service.topology
+        if topo is None:
+            return []
+        own = self._nic_suspect(incident)
+        if own is not None:
+            return nic_link_factors(topo, [own])
         nic = incident.evidence.get("nic")
-        if topo is None or not isinstance(nic, dict):
+        if not isinstance(nic, dict):
             return []
         suspects = [
             (str(s["node"]), int(s["nic_index"]), str(s["signal"]))
@@ -83,10 +125,12 @@ class SlowLinkReaction:
             await self._record(incident, trigger, {}, "failed", f"{type(exc).__name__}: {exc}")
             return
         moved = sum(p["moved_flows"] for p in result["plans"])
-        nic_part = f" and {len(nic_links)} link(s) of suspect NICs degraded" if nic_links else ""
+        parts = [f"marked {len(links)} link(s) slow at {factor:.2f} of capacity"] if links else []
+        if nic_links:
+            parts.append(f"{len(nic_links)} link(s) of suspect NICs degraded")
         outcome = (
-            f"marked {len(links)} link(s) slow at {factor:.2f} of capacity{nic_part}; re-planned "
-            f"{len(result['plans'])} plan(s), {moved} flow(s) moved in {result['replan_ms']:.1f} ms"
+            f"{' and '.join(parts)}; re-planned {len(result['plans'])} plan(s), "
+            f"{moved} flow(s) moved in {result['replan_ms']:.1f} ms"
         )
         await self._record(incident, trigger, result, "succeeded", outcome)
 
