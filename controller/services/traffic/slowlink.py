@@ -14,7 +14,8 @@ with recent errors or flaps (``evidence["nic"]``, from
 off them even when the probe could not single out a link, or before a probe ran. A NIC's own
 incident (``hw_degraded`` / ``nic_errors`` with a NIC signal: gone, port down or flapping,
 bond member down, errors rising) degrades its links as soon as it opens, before any job
-slows down. Links stay degraded until an operator restores them (``PUT /api/v1/links``),
+slows down. Links stay degraded until an operator restores them
+(``POST /api/v1/topology/links/{link}/state``),
 as for probe-found slow links: a port that flapped once is not trusted again by itself.
 """
 
