@@ -11,6 +11,7 @@ import time
 from sqlalchemy.orm import Session
 
 from controller.db.repositories import commands, incidents, jobs, nodes
+from controller.logic.remediation.preflight import PREFLIGHT_KIND
 from controller.state import (
     ClusterState,
     CommandState,
@@ -47,4 +48,8 @@ def load_state(session: Session, state: ClusterState) -> None:
     for i in incidents.load_open(session):
         state.add_incident(IncidentState(**incidents.INCIDENT.fields(i, IncidentState)))
     for cmd in commands.load_unfinished(session):
+        state.commands[cmd.id] = CommandState(**commands.COMMAND.fields(cmd, CommandState))
+    # The last preflight verdict of each node (placement and quarantine read them from the
+    # commands in memory; finished ones leave memory, their rows stay).
+    for cmd in commands.load_last_finished(session, PREFLIGHT_KIND):
         state.commands[cmd.id] = CommandState(**commands.COMMAND.fields(cmd, CommandState))

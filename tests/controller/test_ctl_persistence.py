@@ -353,3 +353,57 @@ def test_restore_puts_back_everything_a_report_changed() -> None:
     state.nodes["n-new"] = NodeState(name="n-new", first_seen_unix_s=1.0)
     state.restore(snap)
     assert "n-new" not in state.nodes
+
+
+def test_last_preflight_verdicts_survive_a_restart(tmp_path: Path) -> None:
+    """A node whose last preflight failed stays out of placement after a restart or a
+    failover: finished commands leave memory, their rows stay, the loader takes each node's
+    newest verdict back."""
+    from sqlalchemy.orm import Session
+
+    from controller.db.migrate import upgrade
+    from controller.db.session import make_engine
+    from controller.loader import load_state
+    from controller.logic.remediation.preflight import PREFLIGHT_KIND, failed_nodes
+    from controller.services.commands import CommandService
+
+    url = f"sqlite:///{tmp_path / 'pf.db'}"
+    upgrade(url)
+    before = _sample_state()
+    before.nodes["n2"] = dataclasses.replace(before.nodes["n1"], name="n2", gpus={})
+
+    def done(cid: str, node: str, kind: str, status: str, at: float) -> CommandState:
+        command = CommandState(id=cid, node=node, kind=kind, params={}, created_unix_s=at - 1)
+        command.status, command.reason, command.finished_unix_s = status, f"{cid} said", at
+        return command
+
+    commands = [
+        done("p1", "n1", PREFLIGHT_KIND, "succeeded", 10.0),
+        done("p2", "n1", PREFLIGHT_KIND, "failed", 20.0),  # n1's newest: failed
+        done("p3", "n2", PREFLIGHT_KIND, "failed", 10.0),
+        done("p4", "n2", PREFLIGHT_KIND, "succeeded", 30.0),  # n2's newest: passed
+        done("p5", "n2", PREFLIGHT_KIND, "expired", 40.0),  # no verdict
+        done("x1", "n2", "set_power_limit", "failed", 50.0),  # another kind
+    ]
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            repositories.write_batch(
+                conn,
+                {
+                    NodeKey("n1").table: [before.row_for(NodeKey(n)) for n in ("n1", "n2")],
+                    CommandKey("p1").table: [
+                        repositories.commands.command_row(c) for c in commands
+                    ],
+                },
+            )
+        after = ClusterState()
+        with Session(engine) as session:
+            load_state(session, after)
+    finally:
+        engine.dispose()
+    assert sorted(after.commands) == ["p2", "p4"]
+    service = CommandService(after, None, expire_after_s=60)  # type: ignore[arg-type]
+    verdicts = service.preflight_verdicts()
+    assert failed_nodes(verdicts) == {"n1": "p2 said"}
+    assert verdicts["n2"].passed
