@@ -16,12 +16,22 @@ Where the facts come from, strongest first:
    coordinates on dims named ``pp``, ``dp*``/``fsdp``/``hsdp``/``replicate``/``shard`` and
    ``tp`` give the stage and the data/tensor-parallel ranks; the peer group is every rank of
    the mesh at the same ``pp`` coordinate (data- and tensor-parallel ranks of one stage do
-   the same work).
+   the same work). A job of several meshes over disjoint ranks (TP groups of two sizes, each
+   its own mesh) gives each rank the ranks of its own mesh.
+4. Neither: the sizes of the process groups this rank's collectives use (the world group
+   and point-to-point channels aside), as ``role="pg_sizes=2,8"``. A rank in a TP group
+   of 2 does other work per step than one in a TP group of 4, so ranks are compared only
+   with ranks whose groups have the same sizes; where every rank's groups have the same
+   sizes (plain DDP, FSDP, uniform TP x DP) they all stay peers, as before.
 
 Meshes and stages built after ``instrument()`` are seen through a thin wrapper of their
 constructors; a mesh built before it is found once, at ``instrument()`` time, among live
 objects. ``group_ranks`` is empty when the peers are unknown (a pipeline without a mesh
-across data-parallel replicas): detectors then group by ``role`` alone.
+across data-parallel replicas): detectors then group by ``role`` alone. The process-group
+sizes are read at each step's end from the groups the wrapper met so far, so they settle
+after the first step that used every group (a group first used later, say an evaluation
+all-reduce on a subgroup, changes the role then, and the detector restarts that rank's
+windows). ``instrument(role=...)`` / ``set_role(...)`` override all of it.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import functools
 import gc
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -40,6 +50,10 @@ _PP_NAMES = frozenset({"pp", "pipe", "pipeline"})
 _TP_NAMES = frozenset({"tp", "tensor"})
 _DP_PREFIXES = ("dp", "fsdp", "hsdp", "ddp", "replicate", "shard")
 MAX_ROLE_LEN = 128
+#: Role prefix of ranks grouped by the sizes of the process groups they use.
+PG_SIZES_PREFIX = "pg_sizes="
+#: At most this many distinct group sizes go into the role (it must stay short).
+MAX_PG_SIZES = 8
 
 
 def _is_dp(name: str) -> bool:
@@ -53,7 +67,16 @@ class RoleTracker:
     updates come from the constructors' wrappers or from :meth:`declare`.
     """
 
-    def __init__(self, rank: int, world_size: int, role: str | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        role: str | None = None,
+        groups: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
+        """``groups``: group id -> member ranks of every process group this rank's
+        collectives used so far (the wrapper's map, ``Recorder.group_ranks``), read for
+        the process-group sizes; ``None``: not derived from groups."""
         self.rank = rank
         self.world_size = world_size
         self._lock = threading.Lock()
@@ -61,7 +84,10 @@ class RoleTracker:
         self._mesh: dict[str, Any] = {}
         self._stage_positions: set[int] = set()
         self._stage_peers: list[int] | None = None
-        self.fields: dict[str, Any] = {}
+        self._groups = groups
+        self._groups_seen = 0
+        self._pg_role: str | None = None
+        self._fields: dict[str, Any] = {}
         self._patched: list[tuple[Any, str, Any]] = []
         if role is not None:
             self.declare(role=role)
@@ -130,7 +156,24 @@ class RoleTracker:
                 self._stage_peers = peers
             self._rebuild()
 
+    def _see_groups(self) -> None:
+        """The sizes of the process groups used so far, when a new group came up."""
+        groups = self._groups
+        if groups is None or len(groups) == self._groups_seen:
+            return
+        self._groups_seen = len(groups)
+        self._pg_role = pg_sizes_role(list(groups.items()), self.world_size)
+        with self._lock:
+            self._rebuild()
+
     # ------------------------------------------------------------------ result
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """This rank's role fields for the next step summary (read once per step: a length
+        check, then the cached dict)."""
+        self._see_groups()
+        return self._fields
 
     def _rebuild(self) -> None:
         out: dict[str, Any] = {
@@ -150,9 +193,11 @@ class RoleTracker:
                 out["group_ranks"] = list(self._stage_peers)
         if out["pp_stage"] is not None:
             out["role"] = f"pp_stage={out['pp_stage']}"
+        elif not out["group_ranks"] and self._pg_role is not None:
+            out["role"] = self._pg_role
         for key, value in self._declared.items():
             out[key] = value
-        self.fields = out
+        self._fields = out
 
     # ------------------------------------------------------------------ auto-derivation
 
@@ -216,6 +261,18 @@ def mesh_fields(mesh: Any) -> dict[str, Any] | None:
     return out
 
 
+def pg_sizes_role(groups: Any, world_size: int) -> str | None:
+    """``pg_sizes=<sizes>`` from (group id, member ranks) pairs: the distinct sizes of the
+    groups smaller than the world, point-to-point channels (``p2p-*``) aside; None when
+    there are none (every rank then is in the world group only: plain data parallel)."""
+    sizes = sorted(
+        {len(members) for gid, members in groups if not gid.startswith("p2p-")} - {world_size}
+    )
+    if not sizes:
+        return None
+    return PG_SIZES_PREFIX + ",".join(map(str, sizes[:MAX_PG_SIZES]))
+
+
 def _live(cls: tuple[type, ...]) -> list[Any]:
     """Instances of ``cls`` alive now (one scan, at instrument() time only; ~10 ms here)."""
     with warnings.catch_warnings():  # isinstance() on deprecated torch aliases warns
@@ -223,4 +280,4 @@ def _live(cls: tuple[type, ...]) -> list[Any]:
         return [obj for obj in gc.get_objects() if isinstance(obj, cls)]
 
 
-__all__ = ["MAX_ROLE_LEN", "RoleTracker", "mesh_fields"]
+__all__ = ["MAX_ROLE_LEN", "PG_SIZES_PREFIX", "RoleTracker", "mesh_fields", "pg_sizes_role"]

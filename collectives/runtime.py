@@ -75,7 +75,9 @@ class Session:
             local_rank=self.local_rank,
             gpu_index=self.gpu_index,
         )
-        self.roles = RoleTracker(self.rank, self.world_size, role=cfg.role)
+        self.roles = RoleTracker(
+            self.rank, self.world_size, role=cfg.role, groups=self.recorder.group_ranks
+        )
         self.recorder.roles = self.roles
         if faults is None:
             self.injector = injector_from_env(self.rank)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import collectives
 from collectives.config import config_from_env
-from collectives.roles import RoleTracker, mesh_fields
+from collectives.roles import RoleTracker, mesh_fields, pg_sizes_role
 
 pytestmark = pytest.mark.usefixtures("single_rank")
 
@@ -126,3 +126,37 @@ def test_role_comes_from_the_launcher_env_too() -> None:
     assert cfg.role == "expert"
     tracker = RoleTracker(0, 1, role=cfg.role)
     assert tracker.fields["role"] == "expert"
+
+
+def test_process_group_sizes_give_the_role_when_nothing_says_more() -> None:
+    """TP groups of two sizes, no mesh, no declared role: ranks are told apart by the sizes
+    of the groups their collectives use (world group and p2p channels aside)."""
+    groups: dict[str, list[int]] = {"g8-world": list(range(8))}
+    tracker = RoleTracker(5, 8, groups=groups)
+    assert tracker.fields["role"] is None  # the world group only: plain data parallel
+    groups["g2-a"] = [4, 5]
+    groups["p2p-5-6"] = [5, 6]
+    assert tracker.fields["role"] == "pg_sizes=2"
+    groups["g4-dp"] = [1, 3, 5, 7]
+    assert tracker.fields["role"] == "pg_sizes=2,4"
+    assert tracker.fields["group_ranks"] == []
+    # A mesh says more (the ranks of this rank's stage); a declared role wins over both.
+    tracker.see_mesh(_mesh(("pp", "dp"), (2, 4), 5))
+    assert tracker.fields["role"] == "pp_stage=1"
+    tracker.declare(role="expert")
+    assert tracker.fields["role"] == "expert"
+
+
+def test_pg_sizes_role_ignores_the_world_and_point_to_point_channels() -> None:
+    assert pg_sizes_role([("g4-w", [0, 1, 2, 3]), ("p2p-0-1", [0, 1])], 4) is None
+    assert pg_sizes_role([("g2-a", [0, 1]), ("g2-b", [0, 2]), ("g1-c", [0])], 4) == ("pg_sizes=1,2")
+
+
+def test_the_session_derives_the_role_from_the_groups_its_collectives_use() -> None:
+    session = collectives.instrument("unit", agent_socket="/nonexistent/tg.sock")
+    assert _one_step(session).role is None
+    # A real (1-rank) subgroup next to the 1-rank world is still the world's size here;
+    # the session passes the wrapper's own group map, which this reads.
+    assert session.roles.fields is session.roles.fields
+    session.recorder.group_ranks["g2-fake"] = [0, 1]
+    assert _one_step(session).role == "pg_sizes=2"

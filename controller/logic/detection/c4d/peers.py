@@ -17,6 +17,10 @@ from enum import StrEnum
 
 from trainguard.wire import StepSummary
 
+#: Role ``collectives`` derives from the sizes of a rank's process groups (the same string
+#: as ``collectives.roles.PG_SIZES_PREFIX``; the controller does not import collectives).
+PG_SIZES_PREFIX = "pg_sizes="
+
 
 class PeerBasis(StrEnum):
     """Why ranks were put in one group (shown to the operator with the verdict)."""
@@ -26,6 +30,10 @@ class PeerBasis(StrEnum):
     GROUP_RANKS = "group_ranks"
     #: Same role (declared, or ``pp_stage=<n>`` derived from pipelining), no member list.
     ROLE = "role"
+    #: Same sizes of the process groups their collectives use (``role="pg_sizes=2,8"``,
+    #: derived by ``collectives`` when neither a mesh, a pipeline nor the job says more):
+    #: TP groups of different sizes do different work per rank.
+    PROCESS_GROUPS = "process_groups"
     #: Nothing reported: every rank of the job is assumed to do the same work.
     JOB = "job"
 
@@ -41,6 +49,8 @@ class PeerKey:
     def basis(self) -> PeerBasis:
         if self.members:
             return PeerBasis.GROUP_RANKS
+        if self.role.startswith(PG_SIZES_PREFIX):
+            return PeerBasis.PROCESS_GROUPS
         return PeerBasis.ROLE if self.role else PeerBasis.JOB
 
     def label(self) -> str:
@@ -60,6 +70,13 @@ class PeerKey:
             return (
                 f"ranks that report the same peer group {_span(self.members)}{role}{stage}: "
                 "the same work per step (from the job's DeviceMesh or its declaration)"
+            )
+        if self.basis is PeerBasis.PROCESS_GROUPS:
+            sizes = self.role.removeprefix(PG_SIZES_PREFIX)
+            return (
+                f"ranks whose collectives use process groups of the same sizes ({sizes} "
+                "ranks, the world group aside): ranks in groups of other sizes (a TP group "
+                "of another size) do other work per step"
             )
         if self.basis is PeerBasis.ROLE:
             return f"ranks with the same role {self.role!r}{stage}"
