@@ -80,8 +80,7 @@ async def restart_job_route(
     checkpoint, without isolated nodes (the policy's ``restart`` step, under its rate
     limit). 409 when no actuator is configured, a remediation of the job is in progress,
     or the restart is refused or fails."""
-    known = name in services.state.jobs
-    if not known and name not in services.remediation.jobs:
+    if name not in services.state.jobs and name not in services.remediation.jobs:
         raise NotFound(f"job {name!r} not found")
-    reason = f"{body.reason} (by {principal.name})"
-    return await restart_job(services.remediation, name, principal.name, reason, known=True)
+    engine, actions = services.remediation, services.actions
+    return await restart_job(engine, actions, name, principal.name, body.reason)

@@ -35,7 +35,7 @@ from controller.db.models import Action
 from controller.errors import Conflict, NotFound, TemporaryError
 from controller.services.actions import ActionService
 from controller.services.remediation.approval import APPROVAL_KIND, ApprovalError
-from controller.services.remediation.engine import RemediationEngine
+from controller.services.remediation.engine import RECENT_REMEDIATIONS, RemediationEngine
 from controller.services.remediation.records import Remediation
 from controller.services.remediation.steps.restart import ACTION_KIND as RESTART_KIND
 from controller.services.remediation.steps.restart import restart
@@ -47,7 +47,7 @@ APPROVE_KIND = "approve_action"
 
 
 async def restart_job(
-    engine: RemediationEngine, job: str, actor: str, reason: str, *, known: bool
+    engine: RemediationEngine, actions: ActionService, job: str, actor: str, reason: str
 ) -> dict[str, Any]:
     """Restart ``job`` now through the actuator, from its newest committed checkpoint,
     without isolated nodes: the policy's ``restart`` step, triggered ``operator:<actor>``.
@@ -55,9 +55,9 @@ async def restart_job(
     Synchronous (the reply says what happened), and under the same guard rails as the
     policy's restarts: refused while another remediation of the job runs or waits for the
     job to resume, and by the restart rate limit. An operator's restart is never a dry
-    run: the operator is the approval."""
-    if not known and job not in engine.jobs:
-        raise NotFound(f"job {job!r} not found")
+    run: the operator is the approval. ``reason`` leads the restart row's outcome."""
+    if not engine.is_leader():
+        raise TemporaryError("this replica is not the leader: restart the job on the leader")
     if engine.actuator is None:
         raise Conflict(
             "no actuator configured (settings: actuator): trainguard cannot restart jobs here;"
@@ -84,6 +84,7 @@ async def restart_job(
     # busy while it restarts, the restart's cost goes into its goodput ledger, and the
     # remediation is listed by GET /remediation.
     engine.remediations.append(rem)
+    del engine.remediations[:-RECENT_REMEDIATIONS]
     book.running = rem
     book.last_remediation_unix_s = now
     book.ledger.fault(now, rem.ledger_id, "operator")
@@ -98,6 +99,15 @@ async def restart_job(
         book.running = None
         if rem.restarted_unix_s is None:
             book.ledger.closed(rem.finished_unix_s, rem.ledger_id)
+    action_id = rem.restart_action
+    if action_id is not None:  # the step wrote its row; say who asked, and why, first
+
+        def recorded(session: Session) -> str:
+            row = session.get(Action, action_id)
+            return row.outcome if row is not None else ""
+
+        done = await engine.ctx.store.read(recorded)
+        await actions.update(action_id, outcome=f"by hand: {reason}; {done}"[:2000])
     if not ok:
         raise Conflict(f"restart of job {job!r} not done: {outcome}")
     return {
@@ -174,7 +184,7 @@ class Approvals:
             if row.kind == RESTART_KIND:
                 job = row.params.get("job") or row.target
                 try:
-                    done = await restart_job(self._engine, str(job), actor, reason, known=True)
+                    done = await restart_job(self._engine, self._actions, str(job), actor, reason)
                 except Conflict as exc:
                     await self._record(action_id, row.kind, actor, None, "failed", exc.message)
                     raise

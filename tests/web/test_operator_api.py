@@ -63,6 +63,7 @@ def test_an_operator_restarts_a_job_through_the_actuator(controller_factory) -> 
     row = next(a for a in _actions(live) if a["id"] == done["action"])
     assert row["kind"] == "restart_job" and row["status"] == "succeeded"
     assert row["trigger"] == "operator:test-operator" and row["target"] == "gpt"
+    assert row["outcome"].startswith("by hand: loss spike, try again; same_size: world 2")
     # The job now waits for its first step of the new generation: no second restart.
     again = _post(live, "/jobs/gpt/restart", body=body)
     assert again.status_code == 409 and "in progress" in again.json()["detail"]
