@@ -23,6 +23,10 @@ class Normalization(StrEnum):
     #: Divided by what its peers' compute predicts for the bytes this rank moved (the peers
     #: moved different volumes: MoE all-to-all with uneven routing).
     BYTES = "bytes"
+    #: A rank alone in its peer group: its compute relative to the rest of the job's median,
+    #: divided by the same ratio over its own first steps (it has no peer to be compared
+    #: with; ``compute_s.peers`` etc. then hold its own reference steps).
+    OWN_HISTORY = "own_history"
 
 
 class TimeStats(BaseModel):

@@ -49,6 +49,9 @@ NOISE_ALPHA = 0.02
 SLOPE_MIN_BYTES_DIFF = 0.05
 #: Per-step slope estimates kept; their median is the slope used.
 SLOPE_STEPS = 64
+#: Steps a rank alone in its peer group is watched before its own history becomes its
+#: reference (three windows: long enough that a spike or a slow phase does not set it).
+HISTORY_REF_STEPS = 60
 
 
 @dataclass(slots=True)
@@ -106,6 +109,14 @@ class PeerWindows:
     step_cost: dict[int, float] = field(default_factory=dict)
     _sigma: float = 0.0
     _noise_steps: int = 0
+    #: A group of one rank (a pipeline stage without a data-parallel replica, a role one
+    #: rank declares): it has no peer, so it is compared with its own history instead.
+    alone: bool = False
+    #: ``alone`` only: (compute over the rest of the job's median compute, wait offset from
+    #: the rest of the job's median wait per step time, compute, wait, step time) over its
+    #: first ``HISTORY_REF_STEPS`` steps; their medians are the reference once learned.
+    history: list[tuple[float, float, float, float, float]] = field(default_factory=list)
+    reference: tuple[float, float] | None = None
 
     def forget(self, rank: int) -> None:
         """The rank now reports another role: its windows here no longer apply."""
@@ -123,7 +134,13 @@ class PeerWindows:
             store.pop(rank, None)
         self.flagged.discard(rank)
 
-    def add(self, rows: list[StepSummary]) -> None:
+    def add(self, rows: list[StepSummary], rest: tuple[float, float] | None = None) -> None:
+        """One step of the group's members. ``rest``: the other ranks' median compute and
+        median wait in this step (used by a group of one, compared with its history)."""
+        if self.alone:
+            if rest is not None:
+                self._add_alone(rows[0], *rest)
+            return
         compute = [s.compute_time_s for s in rows]
         wait = [s.collective_wait_s for s in rows]
         med_w = fmedian(wait)
@@ -141,6 +158,37 @@ class PeerWindows:
             _window(self.bytes_moved, r, n).append(float(s.collective_bytes))
         self.steps_seen += 1
         self._judge(fmedian(compute), med_step)
+
+    def _add_alone(self, s: StepSummary, rest_compute_s: float, rest_wait_s: float) -> None:
+        """A rank with no peer: its compute relative to the rest of the job (which cancels
+        work that varies for the whole job alike) against the same ratio over its first
+        ``HISTORY_REF_STEPS`` steps. A rank slow from its first step is not found."""
+        step_s = s.step_time_s
+        if rest_compute_s <= 0 or step_s <= 0:
+            return
+        rel = s.compute_time_s / rest_compute_s
+        offset = (s.collective_wait_s - rest_wait_s) / step_s
+        if self.reference is None:
+            self.history.append((rel, offset, s.compute_time_s, s.collective_wait_s, step_s))
+            if len(self.history) >= HISTORY_REF_STEPS:
+                ref = fmedian(h[0] for h in self.history)
+                self.reference = (ref, fmedian(h[1] for h in self.history))
+                # Its own per-step noise over the reference steps seeds the noise estimate.
+                ratios = [h[0] / ref for h in self.history] if ref > 0 else [1.0]
+                self._sigma = MAD_TO_SIGMA * mad(ratios, 1.0)
+                self._noise_steps = len(ratios)
+            return
+        ref_rel, ref_offset = self.reference
+        n, r = self.cfg.window_steps, s.rank
+        _window(self.ratio, r, n).append(rel / ref_rel if ref_rel > 0 else 1.0)
+        _window(self.wait_offset, r, n).append(offset - ref_offset)
+        _window(self.compute_s, r, n).append(s.compute_time_s)
+        _window(self.wait_s, r, n).append(s.collective_wait_s)
+        _window(self.step_s, r, n).append(step_s)
+        _window(self.bytes_moved, r, n).append(float(s.collective_bytes))
+        self.pp_stage = s.pp_stage
+        self.steps_seen += 1
+        self._judge(s.compute_time_s, step_s)
 
     def _expected(self, rows: list[StepSummary], compute: list[float]) -> list[float]:
         """Each rank's compute as its peers' predict it: their median, or, where peers
@@ -171,7 +219,7 @@ class PeerWindows:
         need = max(2, self.cfg.window_steps // 2)
         ranks = [r for r, q in self.ratio.items() if len(q) >= need]
         self.flagged = set()
-        if self.steps_seen < need or len(ranks) < 2:
+        if self.steps_seen < need or len(ranks) < (1 if self.alone else 2):
             return
         scores = [fmedian(self.ratio[r]) for r in ranks]
         stderr = max(self._score_stderr(ranks, scores), self.cfg.straggler_scale_floor)
@@ -207,9 +255,13 @@ class PeerWindows:
         n = min(len(self.ratio[r]) for r in ranks)
         return 1.2533 * sigma / math.sqrt(n)
 
-    def compare(self, rank: int, store: dict[int, deque[float]]) -> Comparison:
-        """The rank's window of ``store`` next to its peers' windows, pooled."""
-        peers = [x for r, q in store.items() if r != rank and r in self.scores for x in q]
+    def compare(self, rank: int, store: dict[int, deque[float]], column: int) -> Comparison:
+        """The rank's window of ``store`` next to its peers' windows, pooled (a rank alone:
+        next to its own reference steps, ``history`` column ``column``)."""
+        if self.alone:
+            peers = [h[column] for h in self.history]
+        else:
+            peers = [x for r, q in store.items() if r != rank and r in self.scores for x in q]
         return Comparison(culprit=_stats(list(store.get(rank, ()))), peers=_stats(peers))
 
 
@@ -232,6 +284,8 @@ class StragglerState:
     peers: PeerIndex = field(default_factory=PeerIndex)
     groups: dict[PeerKey, PeerWindows] = field(default_factory=dict)
     rank_group: dict[int, PeerKey] = field(default_factory=dict)
+    #: How many ranks report each key (a role reported by one rank is a group of one).
+    key_ranks: dict[PeerKey, int] = field(default_factory=dict)
     steps_seen: int = 0
     last: StepVerdict | None = None
     holds: dict[int, _Hold] = field(default_factory=dict)
@@ -245,19 +299,23 @@ class StragglerState:
             key = self.peers.key(s)
             old = self.rank_group.get(s.rank)
             if old != key:
-                if old is not None and old in self.groups:
-                    self.groups[old].forget(s.rank)
+                if old is not None:
+                    self.key_ranks[old] -= 1
+                    if old in self.groups:
+                        self.groups[old].forget(s.rank)
                 self.rank_group[s.rank] = key
+                self.key_ranks[key] = self.key_ranks.get(key, 0) + 1
             by_group.setdefault(key, []).append(s)
         flagged: set[int] = set()
         scored: list[int] = []
         for key, members in by_group.items():
-            if len(members) < 2:
+            alone = self._alone(key)
+            if len(members) < 2 and not alone:
                 continue  # no peer reported this step: nothing to compare with
             group = self.groups.get(key)
-            if group is None:
-                group = self.groups[key] = PeerWindows(key, self.cfg)
-            group.add(members)
+            if group is None or group.alone != alone:
+                group = self.groups[key] = PeerWindows(key, self.cfg, alone=alone)
+            group.add(members, _rest(rows, members[0].rank) if alone else None)
             flagged |= group.flagged
             scored += [s.rank for s in members if s.rank in group.scores]
         self._scored = scored
@@ -270,6 +328,13 @@ class StragglerState:
             fmedian(s.step_time_s for s in rows.values()),
         )
         return self.last
+
+    def _alone(self, key: PeerKey) -> bool:
+        """Whether the group has one member: its reported member list says so, or (a role
+        without a list) one rank of the job ever reported it."""
+        if key.members:
+            return len(key.members) == 1
+        return self.key_ranks.get(key, 0) == 1 and key.role != ""
 
     def transitions(self) -> tuple[set[int], set[int]]:
         """Ranks confirmed slow now, and open ranks confirmed recovered now.
@@ -347,8 +412,28 @@ class StragglerState:
             group = PeerWindows(key or PeerKey("", ()), self.cfg)
         members = sorted(group.scores)
         slowdown = self.slowdown(rank)
-        norm = Normalization.BYTES if group.normalized else Normalization.PEER_MEDIAN
+        if group.alone:
+            norm = Normalization.OWN_HISTORY
+        else:
+            norm = Normalization.BYTES if group.normalized else Normalization.PEER_MEDIAN
         against = "byte-predicted compute" if group.normalized else "median compute"
+        why = group.key.why(group.pp_stage)
+        verdict = (
+            f"windowed median of its compute over its {len(members) - 1} peers' "
+            f"{against} is {self.score(rank):.3f} ({slowdown:+.0%}), "
+        )
+        if group.alone:
+            why += (
+                "; it is the group's only rank, so it is compared with its own history: "
+                f"its compute relative to the rest of the job over its first "
+                f"{len(group.history)} compared steps"
+            )
+            verdict = (
+                "alone in its peer group: windowed median of its compute relative to the "
+                "rest of the job is "
+                f"{self.score(rank):.3f} times its own over its first {len(group.history)} "
+                f"steps ({slowdown:+.0%}), "
+            )
         return StragglerEvidence(
             rank=rank,
             node=node,
@@ -364,21 +449,31 @@ class StragglerState:
                 basis=group.key.basis,
                 role=group.key.role or None,
                 ranks=members,
-                why=group.key.why(group.pp_stage),
+                why=why,
             ),
             normalization=norm,
-            compute_s=group.compare(rank, group.compute_s),
-            collective_wait_s=group.compare(rank, group.wait_s),
-            step_time_s=group.compare(rank, group.step_s),
-            bytes_moved=group.compare(rank, group.bytes_moved) if group.normalized else None,
+            compute_s=group.compare(rank, group.compute_s, 2),
+            collective_wait_s=group.compare(rank, group.wait_s, 3),
+            step_time_s=group.compare(rank, group.step_s, 4),
+            bytes_moved=(
+                group.compare(rank, group.bytes_moved, 2)
+                if group.normalized and not group.alone
+                else None
+            ),
             flagged_steps=sum(hold.recent) if hold else 0,
             of_steps=len(hold.recent) if hold else 0,
             flaps=hold.flaps if hold else 0,
             at_step=self.last.step if self.last else None,
             verdict=(
-                f"windowed median of its compute over its {len(members) - 1} peers' "
-                f"{against} is {self.score(rank):.3f} ({slowdown:+.0%}), "
-                f"{group.z.get(rank, 0.0):.1f} standard errors above 1, and it waits less "
-                "in collectives than they do"
+                f"{verdict}{group.z.get(rank, 0.0):.1f} standard errors above 1, and it waits "
+                "less in collectives than " + ("it did then" if group.alone else "they do")
             ),
         )
+
+
+def _rest(rows: dict[int, StepSummary], rank: int) -> tuple[float, float] | None:
+    """The median compute and wait of every rank but ``rank`` in this step (None: alone)."""
+    others = [s for r, s in rows.items() if r != rank]
+    if not others:
+        return None
+    return fmedian(s.compute_time_s for s in others), fmedian(s.collective_wait_s for s in others)
