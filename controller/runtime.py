@@ -47,6 +47,7 @@ from controller.services.leader import LeaderElector
 from controller.services.lease_lock import build_leader_lock
 from controller.services.metrics import ControllerMetrics, EventBusCollector
 from controller.services.nodes import NodeRecords
+from controller.services.platform_events import subscribe_platform_events
 from controller.services.power import build_power
 from controller.services.remediation.metrics import RemediationCollector
 from controller.services.remediation.wiring import build_remediation
@@ -193,6 +194,12 @@ def compose(
     )
     events.subscribe(NodeReported, dashboard.on_node_reported, name="dashboard")
     events.subscribe(IncidentOpened, dashboard.on_incident_opened, name="dashboard-incidents")
+    # Detections as platform Events, failed preflights as quarantines: the leader's only.
+    subscribe_platform_events(
+        events,
+        lambda: remediation.actuator if acting() else None,
+        commands.preflight_verdicts,
+    )
 
     return Services(
         settings=settings,
