@@ -43,3 +43,38 @@ def test_rank_events_reach_the_actuator(tmp_path: Path) -> None:
         return actuator.calls
 
     assert ("observe_ranks", "gpu-a") in asyncio.run(scenario())
+
+
+def test_detections_reach_the_platform_only_from_the_leader(tmp_path: Path) -> None:
+    """compose() subscribes DetectionEvents: a new incident becomes a platform Event through
+    the actuator, on the leader; a standby records nothing (issue 18)."""
+    from controller.services.events import IncidentOpened
+    from controller.state import IncidentState
+
+    tokens = [{"name": "ops", "role": "operator", "token": "o" * 20}]
+    settings = ControllerSettings(database_url=f"sqlite:///{tmp_path / 'tg.db'}", tokens=tokens)
+    leading = {"now": False}
+
+    async def noop(*_: object) -> None:
+        return None
+
+    incident = IncidentState(
+        id=7, kind="xid_fatal", severity="critical", state="open", summary="XID 79",
+        dedupe_key="k", opened_unix_s=1.0, updated_unix_s=1.0, node="gpu-a",
+    )  # fmt: skip
+
+    async def scenario() -> list[tuple[str, object]]:
+        services = compose(settings, on_elected=noop, on_lost=noop, acting=lambda: leading["now"])
+        actuator = RecordingActuator(placements={}, pools={})
+        services.remediation.actuator = actuator
+        services.events.start()
+        try:
+            await services.events.deliver(IncidentOpened(incident))
+            leading["now"] = True
+            await services.events.deliver(IncidentOpened(incident))
+        finally:
+            await services.events.stop()
+        return actuator.calls
+
+    calls = asyncio.run(scenario())
+    assert calls.count(("record_event", "TrainguardXidFatal")) == 1
