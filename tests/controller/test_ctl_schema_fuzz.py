@@ -38,7 +38,7 @@ def test_openapi_has_stable_operation_ids(live_controller) -> None:
     assert {
         "post_report", "get_status", "list_nodes", "get_node", "list_jobs", "get_job",
         "list_incidents", "get_incident", "list_actions", "create_command", "list_commands",
-        "healthz", "readyz", "issue_agent_token", "list_agent_credentials",
+        "healthz", "readyz", "issue_agent_token", "list_agent_credentials", "revoke_agent_tokens",
     } <= ids  # fmt: skip
     body = spec["paths"]["/api/v1/reports"]["post"]["requestBody"]["content"]
     assert body["application/json"]["schema"] == {"$ref": "#/components/schemas/Report"}
