@@ -41,6 +41,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.logic.detection.incident_evidence import (
+    DegradedEvidence,
+    EccCause,
+    ThrottleCause,
+)
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState, IncidentState
 from trainguard import wire
@@ -310,20 +315,21 @@ class DegradedGpuDetector:
         )
 
     def _evidence(self, watch: _Watch, events: list[dict[str, Any]]) -> dict[str, Any]:
-        """The incident's evidence: each cause's numbers, and when the first one began."""
-        evidence: dict[str, Any] = {}
-        causes: list[str] = []
+        """The incident's evidence (:class:`DegradedEvidence`, stored as its JSON): each
+        cause's numbers, and when the first one began."""
+        evidence = DegradedEvidence(causes=[])
+        causes = evidence.causes
         starts: list[float] = []
         if watch.ecc_active and watch.ecc_since_unix_s is not None:
             causes.append(f"{watch.ecc_sum} correctable ECC errors within {self.ecc_window_s:g} s")
             starts.append(watch.ecc_since_unix_s)
-            evidence["ecc"] = {
-                "rise": watch.ecc_sum,
-                "threshold": self.ecc_rise,
-                "window_s": self.ecc_window_s,
-                "ecc_corrected_total": watch.ecc_last,
-                "since_unix_s": watch.ecc_since_unix_s,
-            }
+            evidence.ecc = EccCause(
+                rise=watch.ecc_sum,
+                threshold=self.ecc_rise,
+                window_s=self.ecc_window_s,
+                ecc_corrected_total=watch.ecc_last,
+                since_unix_s=watch.ecc_since_unix_s,
+            )
         if watch.throttle_active and watch.throttle_since_unix_s is not None:
             newest = next((e for e in reversed(events) if e["cause"] == "throttle"), None)
             reasons = (
@@ -335,19 +341,18 @@ class DegradedGpuDetector:
             duration = last_t - watch.throttle_since_unix_s
             causes.append(f"{', '.join(reasons)} for {duration:.0f} s{hot}")
             starts.append(watch.throttle_since_unix_s)
-            evidence["throttle"] = {
-                "reasons": reasons,
-                "duration_s": round(duration, 1),
-                "min_duration_s": self.throttle_s,
-                "throttled_fraction": round(watch.throttle_bad / len(watch.throttle), 3),
-                "temperature_c": temps[-1] if temps else None,
-                "max_temperature_c": max(temps) if temps else None,
-                "since_unix_s": watch.throttle_since_unix_s,
-            }
-        evidence["causes"] = causes
+            evidence.throttle = ThrottleCause(
+                reasons=reasons,
+                duration_s=round(duration, 1),
+                min_duration_s=self.throttle_s,
+                throttled_fraction=round(watch.throttle_bad / len(watch.throttle), 3),
+                temperature_c=temps[-1] if temps else None,
+                max_temperature_c=max(temps) if temps else None,
+                since_unix_s=watch.throttle_since_unix_s,
+            )
         if starts:
-            evidence["since_unix_s"] = min(starts)
-        return evidence
+            evidence.since_unix_s = min(starts)
+        return evidence.as_json()
 
     async def _flush(self, incident: IncidentState, watch: _Watch, now: float) -> None:
         """Write the held-back bump; kept (and tried again at a tick) if it is not stored."""

@@ -65,6 +65,13 @@ from sqlalchemy import Table
 from controller.db.keys import GpuKey, NodeKey, RowKey
 from controller.db.repositories.nodes import gpu_row, node_row
 from controller.logic.detection.hw_rules import HwFinding, HwRules
+from controller.logic.detection.incident_evidence import (
+    GpuFaultEvidence,
+    GpuWatchEvidence,
+    HwEvidence,
+    NodeLostEvidence,
+    XidEvidence,
+)
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState, GpuState, IncidentState, NodeState
 from controller.writer import GroupCommitWriter
@@ -260,7 +267,7 @@ class HealthDetector:
                     summary=f"{node.name}: GPUs not watched: {error}",
                     dedupe_key=key,
                     node=node.name,
-                    evidence={"gpu_error": error},
+                    evidence=GpuWatchEvidence(gpu_error=error).as_json(),
                 ),
                 rows=staged.rows(),
                 on_written=publish,
@@ -298,7 +305,7 @@ class HealthDetector:
                 dedupe_key=f"{kind}:{node.name}:{where}",
                 node=node.name,
                 gpu_index=f.gpu_index,
-                evidence={"signal": f.signal, "device": f.device},
+                evidence=HwEvidence(signal=f.signal, device=f.device).as_json(),
             ),
             events=[event],
         )
@@ -382,7 +389,7 @@ class HealthDetector:
             dedupe_key=f"gpu_fault:{node.name}:{index}",
             node=node.name,
             gpu_index=index,
-            evidence={"reasons": found.fault_reasons[:20]},
+            evidence=GpuFaultEvidence(reasons=found.fault_reasons[:20]).as_json(),
         )
         await self._incidents.open_or_bump(
             spec,
@@ -415,7 +422,7 @@ class HealthDetector:
         for event in events:
             by_code[str(event["xid"])] = by_code.get(str(event["xid"]), 0) + 1
         await self._incidents.open_or_bump(
-            spec, count=count, events=events, evidence_update={"codes": by_code}
+            spec, count=count, events=events, evidence_update=XidEvidence(codes=by_code).as_json()
         )
 
     # ------------------------------------------------------------------ silence
@@ -451,7 +458,7 @@ class HealthDetector:
                 summary=f"{node.name}: agent silent for {silent_s:.0f} s",
                 dedupe_key=f"node_lost:{node.name}",
                 node=node.name,
-                evidence={"last_report_unix_s": node.last_report_unix_s},
+                evidence=NodeLostEvidence(last_report_unix_s=node.last_report_unix_s).as_json(),
             ),
             rows=staged.rows(),
             on_written=publish,
