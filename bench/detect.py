@@ -22,9 +22,11 @@ a straggler inside a pipeline stage, a hang whose waiting node goes quiet; a dev
 set and a held-out set from other distributions, with a plain per-rank threshold detector
 measured in the same runs (``baselines``). These are simulated; beside them, ``gloo`` holds
 the same figures from real 8-rank gloo runs (``bench.detect_gloo``: a DeviceMesh pipeline,
-MoE experts with uneven all-to-all, a slowed stage replica), whose measured step summaries
-are replayed to the detectors on simulated report timers (skipped with --no-gloo). The
-real-process
+MoE experts with uneven all-to-all, TP groups of two sizes, a slowed middle-stage rank),
+whose measured step summaries are replayed to the detectors on simulated report timers
+(skipped with --no-gloo). With the gloo runs, the top-level ``pp_false_positives``,
+``moe_false_positives`` and ``role_straggler_detect_steps_p50`` pool both (the generator's
+alone under ``sim``). The real-process
 path is covered by tests/e2e/test_detection_e2e.py; the wrapper's overhead next to plain
 torch.distributed comes from bench.collectives in the same run (skipped with --no-overhead).
 
@@ -434,6 +436,7 @@ def main() -> None:
         gloo = gloo_results(args.quick)
         fleet["baselines"][0]["gloo"] = gloo.pop("baseline")
         fleet["gloo"] = gloo
+        pool_gloo(fleet, gloo)
     # PyTorch as it ships, and its Flight Recorder's culprit, on the same scenario matrix.
     for flight in (False, True):
         fleet["baselines"].append(
@@ -516,6 +519,27 @@ def main() -> None:
     )
     if args.json:
         print(json.dumps(result))
+
+
+def pool_gloo(fleet: dict[str, Any], gloo: dict[str, Any]) -> None:
+    """The issue-16 figures from the real gloo runs and the generator's development set
+    together: false positives add up, the role straggler's p50 is over both sets of runs
+    (steps of data the verdict took). The generator-only figures stay under ``sim``."""
+    fleet["sim"] = {
+        key: fleet[key]
+        for key in (
+            "pp_false_positives",
+            "moe_false_positives",
+            "role_straggler_detect_steps_p50",
+            "role_straggler_detected",
+        )
+    }
+    for key in ("pp_false_positives", "moe_false_positives"):
+        fleet[key] += gloo[key]
+    steps = fleet["role_straggler_detect_steps"] + gloo["role_straggler_detect_steps"]
+    fleet["role_straggler_detect_steps"] = steps
+    fleet["role_straggler_detect_steps_p50"] = round(statistics.median(steps), 1) if steps else None
+    fleet["tp_mixed_false_positives"] = gloo["tp_mixed_false_positives"]
 
 
 def _num(value: float | int | None) -> str:

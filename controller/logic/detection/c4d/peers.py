@@ -6,8 +6,11 @@ receive uneven token counts; a job may run TP groups of different sizes. Each st
 carries the rank's ``role`` (declared with ``collectives.instrument(role=...)`` or derived
 from its pipeline stage) and ``group_ranks`` (its peers, from the job's DeviceMesh or
 declared); ranks that report the same pair are one peer group and are compared only with
-each other. A rank that reports neither is in the job-wide group (pure data parallelism,
-the premise C4D and MegaScale start from).
+each other. Where neither a mesh, a pipeline nor the job says more, ``collectives`` reports
+the sizes of the process groups the rank's collectives use (``role="pg_sizes=2,8"``), so
+TP groups of different sizes are told apart. A rank that reports none of these is in the
+job-wide group (pure data parallelism, the premise C4D and MegaScale start from). A group
+of one rank has no peer; the straggler detector compares it with its own history.
 """
 
 from __future__ import annotations
