@@ -100,6 +100,12 @@ def proxy(cluster: FakeCluster) -> Iterator[Proxy]:
     p.close()
 
 
+def node_annotations(cluster: FakeCluster, name: str) -> dict[str, str]:
+    obj = cluster.get("", "nodes", "", name)
+    assert obj is not None
+    return dict(obj["metadata"].get("annotations") or {})
+
+
 def settings(tmp_path: Path, name: str, api_url: str) -> ControllerSettings:
     return ControllerSettings(
         database_url=f"sqlite:///{tmp_path / (name + '.db')}",
@@ -148,7 +154,11 @@ def test_deposed_leader_stops_acting_before_the_lease_expires(
         t: dict[str, float] = {}
         a = Controller(settings(tmp_path, "a", proxy.url))
         b = Controller(settings(tmp_path, "b", cluster.url))
-        a.on_leadership_lost = lambda reason: t.setdefault("a_stopped", time.monotonic())
+
+        def stopped(reason: str) -> None:
+            t.setdefault("a_stopped", time.monotonic())
+
+        a.on_leadership_lost = stopped
         await a.start()
         assert a.acting
         await b.start()
@@ -159,7 +169,7 @@ def test_deposed_leader_stops_acting_before_the_lease_expires(
             assert act_a is not None and act_b is not None
             # The leader writes to the cluster, fenced by its Lease generation.
             await act_a.isolate_node("gpu-1", reason="test: leader writes")
-            fence = cluster.get("", "nodes", "", "gpu-1")["metadata"]["annotations"]
+            fence = node_annotations(cluster, "gpu-1")
             assert fence["trainguard.io/fence"] == "0"
             # A standby's actuator refuses to write at all.
             with pytest.raises(Fenced):
@@ -177,7 +187,7 @@ def test_deposed_leader_stops_acting_before_the_lease_expires(
             assert "trainguard.io/unhealthy" not in str(cluster.get("", "nodes", "", "gpu-2"))
             # The new leader does, under the next generation.
             await act_b.isolate_node("gpu-2", reason="test: new leader")
-            fence = cluster.get("", "nodes", "", "gpu-2")["metadata"]["annotations"]
+            fence = node_annotations(cluster, "gpu-2")
             assert fence["trainguard.io/fence"] == "1"
         finally:
             await b.stop()

@@ -193,6 +193,7 @@ def test_kubernetes_node_view_from_the_node_and_its_pods(cluster: FakeCluster) -
     async def views() -> list[NodeView]:
         got = [await act.node_view("gpu-1"), await act.node_view("gpu-2")]
         obj = cluster.get("", "nodes", "", "gpu-1")
+        assert obj is not None
         obj["status"]["conditions"] = [{"type": "Ready", "status": "Unknown"}]
         cluster.put("", "nodes", obj)
         got.append(await act.node_view("gpu-1"))
