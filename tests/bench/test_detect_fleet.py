@@ -42,3 +42,26 @@ def test_fleet_figures_carry_the_issue_keys_for_trainguard_and_the_baseline() ->
     # last stage, and opens one incident per slow phase of the flapping node.
     assert base["moe_false_positives"] > 0 and base["pp_false_positives"] > 0
     assert base["flapping_incidents_per_flapping_node"] > 1
+
+
+def test_gloo_figures_are_pooled_with_the_generator_and_the_generator_kept_apart() -> None:
+    from bench.detect import pool_gloo
+
+    fleet = {
+        "pp_false_positives": 0,
+        "moe_false_positives": 1,
+        "role_straggler_detect_steps": [10, 12, 14],
+        "role_straggler_detect_steps_p50": 12,
+        "role_straggler_detected": 1.0,
+    }
+    gloo = {
+        "pp_false_positives": 2,
+        "moe_false_positives": 0,
+        "tp_mixed_false_positives": 0,
+        "role_straggler_detect_steps": [30, 40],
+    }
+    pool_gloo(fleet, gloo)
+    assert (fleet["pp_false_positives"], fleet["moe_false_positives"]) == (2, 1)
+    assert fleet["role_straggler_detect_steps_p50"] == 14  # over [10, 12, 14, 30, 40]
+    assert fleet["sim"]["role_straggler_detect_steps_p50"] == 12
+    assert fleet["sim"]["pp_false_positives"] == 0 and fleet["tp_mixed_false_positives"] == 0
