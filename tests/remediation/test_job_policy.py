@@ -202,3 +202,20 @@ def test_webhook_url_needs_a_secret(db_url: str) -> None:  # (the module's param
 
     with pytest.raises(ValueError, match="needs remediation_webhook_secret"):
         ControllerSettings(dev_mode=True, remediation_webhook_url="http://127.0.0.1:1/x")
+
+
+def test_restart_when_the_placement_cannot_be_read_fails_with_the_reason(
+    controller_factory: Any,
+) -> None:
+    live, actuator = start(controller_factory)
+
+    async def unreadable(job: str) -> Any:
+        raise ActuatorError("pod llm-0 of job 'gpt' has no trainguard.io/rank=<n> label")
+
+    actuator.current_placement = unreadable  # type: ignore[method-assign]
+    incident = fault_on_n1(live)
+    row = wait_for(lambda: [a for a in actions(live) if a["kind"] == "restart_job"])[0]
+    assert row["status"] == "failed" and row["trigger"] == f"incident:{incident}"
+    assert row["outcome"].startswith("cannot tell where job gpt runs: pod llm-0")
+    remediation = live.controller.remediation.snapshot()["remediations"][0]
+    assert remediation["state"] == "failed"

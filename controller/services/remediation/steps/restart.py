@@ -46,7 +46,12 @@ async def restart(
         outcome = "no actuator configured: restart the job by hand"
         await record(incident, rem, ACTION_KIND, job, {}, "skipped", outcome)
         return False, outcome
-    current = await actuator.current_placement(job)
+    try:
+        current = await actuator.current_placement(job)
+    except ActuatorError as exc:  # e.g. new pods whose ranks have not reported yet
+        outcome = f"cannot tell where job {job} runs: {exc}"
+        await record(incident, rem, ACTION_KIND, job, {}, "failed", outcome[:2000])
+        return False, outcome
     if current is None:
         outcome = f"job {job} is not managed by the {actuator.name} actuator"
         await record(incident, rem, ACTION_KIND, job, {}, "skipped", outcome)
