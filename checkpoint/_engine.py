@@ -138,6 +138,8 @@ class Checkpointer:
         self._errors: list[str] = []
         self._next_id = 0
         self._hooks: dict[int, Any] = {}
+        #: ``save`` start (monotonic) of the steps queued for upload, for ``uploaded`` events.
+        self._upload_t0: dict[int, float] = {}
         self._closed = False
         self._copier = Copier(
             cond=self.cond,
@@ -155,7 +157,11 @@ class Checkpointer:
         self.uploader: TierUploader | None = None
         if config.object_store is not None:  # every rank sends its own files
             self.uploader = TierUploader(
-                self.root, config.object_store, rank=rank, world_size=world_size
+                self.root,
+                config.object_store,
+                rank=rank,
+                world_size=world_size,
+                on_state=self._on_upload_state,
             )
         atexit.register(self._at_exit)
 
@@ -472,15 +478,29 @@ class Checkpointer:
         snap.durable_s = time.monotonic() - snap.t0
         self.emit("durable", snap.step, size_bytes=size_bytes, duration_s=snap.durable_s)
         if self.uploader is not None and self.rank != 0:  # rank 0 queues at its commit
-            self._queue_upload(snap.step)
+            self._queue_upload(snap.step, snap.t0)
 
     def on_committed(self, snap: Snapshot) -> None:
         self.emit("committed", snap.step, duration_s=time.monotonic() - snap.t0)
         if self.uploader is not None:
-            self._queue_upload(snap.step)
+            self._queue_upload(snap.step, snap.t0)
 
-    def _queue_upload(self, step: int) -> None:
+    def _on_upload_state(self, step: int, state: str, error: str) -> None:
+        """The object-store tier's progress as ``CheckpointEvent`` s (``tier=object_store``);
+        ``uploaded`` carries the time from ``save`` to the step being in the bucket."""
+        with self.cond:
+            t0 = self._upload_t0.get(step)
+            if state in ("uploaded", "upload_failed"):
+                self._upload_t0.pop(step, None)
+        since = None if t0 is None else time.monotonic() - t0
+        duration = since if state == "uploaded" else None
+        self.emit(state, step, tier="object_store", duration_s=duration, error=error[:1000])
+
+    def _queue_upload(self, step: int, t0: float | None = None) -> None:
         assert self.uploader is not None
+        if t0 is not None:
+            with self.cond:
+                self._upload_t0[step] = t0
         try:  # hard links and a queue entry; the upload runs on the uploader's thread
             self.uploader.submit(step)
         except Exception as exc:  # the local tier stands; the next save uploads

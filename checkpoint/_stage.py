@@ -90,6 +90,7 @@ class HostBuffer:
         else:
             self._mm = mmap.mmap(-1, self.size_bytes)
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self.pinned = False
         if pin and torch.cuda.is_available():
             rc = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
@@ -98,7 +99,16 @@ class HostBuffer:
             self.pinned = int(rc) == 0
 
     def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        return self.tensor[offset : offset + nbytes].view(dtype).view(shape)
+        """A typed view of ``[offset, offset + nbytes)``, made once per layout: the same
+        state saved again asks for the same views, and three tensor ops per tensor per
+        save are training-thread time."""
+        key = (offset, nbytes, dtype, *shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 65536:  # a state whose layout keeps changing
+                self._views.clear()
+            view = self._views[key] = self.tensor[offset : offset + nbytes].view(dtype).view(shape)
+        return view
 
     def memory(self) -> memoryview:
         return memoryview(self._mm)
@@ -109,6 +119,7 @@ class HostBuffer:
                 self.tensor.data_ptr()
             )
             self.pinned = False
+        self._views.clear()
         del self.tensor
         with contextlib.suppress(BufferError, ValueError):
             self._mm.close()

@@ -36,11 +36,20 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkpoint._tier_bucket import (
+    TIER_RECORD,
+    _delete_prefix,
+    _error_code,
+    _key,
+    list_step_prefixes,
+    remote_steps,
+)
 from checkpoint._write import write_atomic
 from checkpoint.config import ObjectStoreConfig
 from checkpoint.errors import (
@@ -57,8 +66,6 @@ from checkpoint.manifest import (
 
 log = logging.getLogger(__name__)
 
-#: The remote commit record of one step, uploaded after every other object of the step.
-TIER_RECORD = "TIER.json"
 #: Rank ``r > 0``'s record that its files of a step are in the bucket (``.format(r)``).
 RANK_RECORD = "TIER-rank-{:05d}.json"
 #: Local state of the tier under the checkpoint root (ignored by ``step-*`` scans).
@@ -91,12 +98,6 @@ def make_client(cfg: ObjectStoreConfig) -> Any:
     )
 
 
-def _key(cfg: ObjectStoreConfig, step: int, name: str = "") -> str:
-    prefix = cfg.prefix.strip("/")
-    parts = [p for p in (prefix, step_dir_name(step), name) if p]
-    return "/".join(parts) + ("" if name else "/")
-
-
 def _md5(data: bytes | memoryview) -> bytes:
     return hashlib.md5(data, usedforsecurity=False).digest()
 
@@ -107,13 +108,6 @@ def _file_sha256(path: Path) -> str:
         while chunk := f.read(_READ_BYTES):
             sha.update(chunk)
     return sha.hexdigest()
-
-
-def _error_code(exc: BaseException) -> str:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    return ""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,10 +188,15 @@ class TierUploader:
         client: Any | None = None,
         rank: int = 0,
         world_size: int = 1,
+        on_state: Callable[[int, str, str], None] | None = None,
     ) -> None:
         """``rank``/``world_size``: this uploader sends rank ``rank``'s files; rank 0 also
-        ``MANIFEST.json`` and the commit record, after the other ranks' records."""
+        ``MANIFEST.json`` and the commit record, after the other ranks' records.
+        ``on_state(step, state, error)``: each change of a step's upload state
+        (``upload_pending``, ``uploading``, ``uploaded``, ``upload_failed``), for the
+        engine's ``CheckpointEvent``; called on the caller's or the uploader's thread."""
         cfg.validate()
+        self._on_state = on_state
         self.root = Path(root)
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
@@ -246,6 +245,15 @@ class TierUploader:
         journal = _Journal(self.tier_dir / f"{step_dir_name(step)}.json", step)
         journal.save()
         self._enqueue(step)
+        self._report(step, "upload_pending")
+
+    def _report(self, step: int, state: str, error: str = "") -> None:
+        if self._on_state is None:
+            return
+        try:
+            self._on_state(step, state, error)
+        except Exception:  # instrumentation never stops an upload
+            log.exception("checkpoint upload state callback failed")
 
     def _enqueue(self, step: int) -> None:
         with self._cond:
@@ -259,6 +267,7 @@ class TierUploader:
         log.info("checkpoint step %d: upload superseded by a newer step", step)
         shutil.rmtree(self._staging(step), ignore_errors=True)
         (self.tier_dir / f"{step_dir_name(step)}.json").unlink(missing_ok=True)
+        self._report(step, "upload_failed", "superseded by a newer step before it was sent")
 
     def _resume_leftovers(self) -> None:
         """A previous process's unfinished upload (its staging still here) is queued again;
@@ -322,6 +331,7 @@ class TierUploader:
         journal.data["state"] = "uploading"
         journal.data.pop("error", None)
         journal.save()
+        self._report(step, "uploading")
         try:
             names = sorted(p.name for p in staging.iterdir() if p.is_file())
             record: dict[str, Any] = {"step": step, "files": {}}
@@ -342,9 +352,11 @@ class TierUploader:
             journal.data["state"] = "failed"
             journal.data["error"] = f"{type(exc).__name__}: {exc}"[:500]
             journal.save()
+            self._report(step, "upload_failed", journal.data["error"])
             raise
         journal.data["state"] = "uploaded"
         journal.save()
+        self._report(step, "uploaded")
         shutil.rmtree(staging, ignore_errors=True)
         self.stats.steps_uploaded.append(step)
         self._forget_older_failures(step)
@@ -551,45 +563,3 @@ class TierUploader:
             deleted.append(step)
             (self.tier_dir / f"{step_dir_name(step)}.json").unlink(missing_ok=True)
         return deleted
-
-
-def _delete_prefix(client: Any, bucket: str, prefix: str) -> None:
-    paginator = client.get_paginator("list_objects_v2")
-    for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
-        keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
-        if keys:
-            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-    uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
-    for upload in uploads.get("Uploads", []):
-        with contextlib.suppress(Exception):
-            client.abort_multipart_upload(
-                Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
-            )
-
-
-def list_step_prefixes(client: Any, cfg: ObjectStoreConfig) -> list[int]:
-    """Every ``step-*/`` prefix in the bucket, complete or not, oldest first."""
-    prefix = cfg.prefix.strip("/")
-    base = f"{prefix}/" if prefix else ""
-    steps = []
-    paginator = client.get_paginator("list_objects_v2")
-    for page in paginator.paginate(Bucket=cfg.bucket, Prefix=base, Delimiter="/"):
-        for common in page.get("CommonPrefixes", []):
-            name = common["Prefix"][len(base) :].rstrip("/")
-            if name.startswith("step-") and name[5:].isdigit():
-                steps.append(int(name[5:]))
-    return sorted(steps)
-
-
-def remote_steps(client: Any, cfg: ObjectStoreConfig) -> list[int]:
-    """Steps with a ``TIER.json`` in the bucket (complete uploads), oldest first."""
-    out = []
-    for step in list_step_prefixes(client, cfg):
-        try:
-            client.head_object(Bucket=cfg.bucket, Key=_key(cfg, step, TIER_RECORD))
-        except Exception as exc:
-            if _error_code(exc) in ("404", "NoSuchKey", "NotFound"):
-                continue
-            raise
-        out.append(step)
-    return out

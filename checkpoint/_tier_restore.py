@@ -20,16 +20,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from checkpoint._commit import committed_steps
-from checkpoint._tier import (
-    TIER_DIR,
-    TIER_RECORD,
-    _error_code,
-    _file_sha256,
-    _key,
-    make_client,
-    read_tier_state,
-    remote_steps,
-)
+from checkpoint._tier import TIER_DIR, _file_sha256, make_client, read_tier_state
+from checkpoint._tier_bucket import TIER_RECORD, _error_code, _key, remote_steps
 from checkpoint._write import fsync_dir
 from checkpoint.config import ObjectStoreConfig
 from checkpoint.errors import (

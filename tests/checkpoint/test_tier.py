@@ -25,14 +25,8 @@ import checkpoint
 from checkpoint import CheckpointConfig, Checkpointer, CheckpointStore
 from checkpoint._commit import committed_steps
 from checkpoint._load import load_state
-from checkpoint._tier import (
-    TIER_DIR,
-    TierUploader,
-    list_step_prefixes,
-    make_client,
-    read_tier_state,
-    remote_steps,
-)
+from checkpoint._tier import TIER_DIR, TierUploader, make_client, read_tier_state
+from checkpoint._tier_bucket import list_step_prefixes, remote_steps
 from checkpoint._tier_restore import load_nearest
 from checkpoint.config import ObjectStoreConfig
 from checkpoint.manifest import rank_data_name, step_dir_name

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint._tier import RANK_RECORD, TIER_RECORD, make_client, remote_steps
+from checkpoint._tier import RANK_RECORD, make_client
+from checkpoint._tier_bucket import TIER_RECORD, remote_steps
 from checkpoint.config import ObjectStoreConfig
 from checkpoint.manifest import MANIFEST_NAME, rank_data_name, rank_manifest_name, step_dir_name
 from tests.checkpoint.s3_server import moto_server
@@ -114,3 +115,35 @@ def test_every_rank_uploads_its_files_and_the_commit_goes_last(
         assert restored.step == 2
         assert restored.source == ("object_store" if r == 0 else "local")  # r=1: r=0 fetched
         assert torch.equal(restored.values["shard"], shard(r, 2))
+
+
+def test_upload_state_reaches_the_checkpoint_events(tmp_path: Path, endpoint: str) -> None:
+    """Issue 19: the controller learns each step's object-store state from the same
+    ``CheckpointEvent`` stream as the local tier's (queued, sending, in the bucket with the
+    time since ``save``, or failed with the reason)."""
+    from checkpoint import CheckpointConfig, Checkpointer
+    from trainguard.wire import CheckpointEvent
+
+    good = ObjectStoreConfig(
+        bucket=f"events-{uuid.uuid4().hex[:12]}", endpoint_url=endpoint, region="us-east-1"
+    )
+    make_client(good).create_bucket(Bucket=good.bucket)
+    missing = ObjectStoreConfig(
+        bucket=f"missing-{uuid.uuid4().hex[:12]}", endpoint_url=endpoint, region="us-east-1"
+    )
+    for store, final in ((good, "uploaded"), (missing, "upload_failed")):
+        events: list[CheckpointEvent] = []
+        cfg = CheckpointConfig(root=tmp_path / store.bucket, writer="thread", object_store=store)
+        with Checkpointer(cfg, event_sink=events.append) as engine:
+            engine.save({"x": torch.arange(1000.0)}, step=3)
+        remote = [e for e in events if e.tier == "object_store"]
+        assert [e.kind for e in remote] == ["upload_pending", "uploading", final]
+        assert all(e.step == 3 for e in remote)
+        assert all(e.tier == "local" for e in events if e not in remote)
+        last = CheckpointEvent.model_validate(remote[-1].model_dump())  # as sent on the wire
+        durable = next(e for e in events if e.kind == "durable")
+        if final == "uploaded":
+            assert last.duration_s is not None and durable.duration_s is not None
+            assert last.duration_s >= durable.duration_s and not last.error
+        else:
+            assert "NoSuchBucket" in last.error and last.duration_s is None
