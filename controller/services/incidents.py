@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, Metric
 from sqlalchemy import Connection, Table
 
 from controller.db.keys import RowKey
 from controller.db.repositories import incidents as repo
 from controller.db.repositories import write_batch
 from controller.services.events import EventBus, IncidentOpened
+from controller.services.metrics import SafeCollector
 from controller.state import ClusterState, IncidentState
 from controller.store import Store
 
@@ -244,6 +246,25 @@ class IncidentService:
             if row is not None:
                 rows.setdefault(key.table, []).append(row)
         return rows
+
+
+class IncidentWritesCollector(SafeCollector):
+    """``trainguard_incident_write_failures_total{op}``: incident writes (``open``, ``bump``,
+    ``resolve``) the database did not take; each left memory unchanged and is retried by the
+    detector's next report or tick. Alert on its rate: detectors cannot record faults."""
+
+    def __init__(self, incidents: IncidentService) -> None:
+        self._incidents = incidents
+
+    def _collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "trainguard_incident_write_failures",
+            "Incident writes the database did not take (memory left unchanged)",
+            labels=["op"],
+        )
+        for op, count in sorted(self._incidents.write_failures.items()):
+            family.add_metric([op], count)
+        yield family
 
 
 def _merge(
