@@ -41,7 +41,7 @@ from controller.services.detection.health import HealthDetector
 from controller.services.detection.jobs import JobDetector
 from controller.services.events import EventBus, IncidentOpened, JobRecordsReported, NodeReported
 from controller.services.flight_evidence import FlightEvidence
-from controller.services.incidents import IncidentService
+from controller.services.incidents import IncidentService, IncidentWritesCollector
 from controller.services.ingest import IngestService
 from controller.services.leader import LeaderElector
 from controller.services.lease_lock import build_leader_lock
@@ -157,6 +157,7 @@ def compose(
     )
     metrics.registry.register(RemediationCollector(remediation))
     metrics.registry.register(EventBusCollector(events))
+    metrics.registry.register(IncidentWritesCollector(incidents))
     ingest = IngestService(state, writer, metrics, events)
     dashboard = DashboardFeed(
         state,
