@@ -86,7 +86,7 @@ def _agrees(client: httpx.Client, live: Any, db_url: str, node: str) -> dict[str
 
 
 def test_incident_open_and_bump_that_fail_change_nothing(
-    live_controller, db_url, ctl_report, ctl_db_outage
+    live_controller, db_url, ctl_report, ctl_db_outage, ctl_metric
 ) -> None:
     live = live_controller
     incidents = live.controller.incidents
@@ -100,6 +100,9 @@ def test_incident_open_and_bump_that_fail_change_nothing(
         _wait(lambda: incidents.write_failures["open"] >= 1)
         shown = _agrees(client, live, db_url, "w1")
         assert shown["health"] == "healthy" and _open(client, live, "w1") == []
+        # Counted where an operator sees it.
+        scraped = client.get("/metrics").text
+        assert ctl_metric(scraped, "trainguard_incident_write_failures_total") >= 1
         ctl_db_outage.disarm()
 
         # The next report carrying the fault records it, with its node and GPU.
