@@ -27,13 +27,23 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .recorder import CallRecord, now
+from .timed_work import TimedWork
 from .timing import Mark
 
 if TYPE_CHECKING:
-    from .wrap import Instrumenter
+    from .recorder import Recorder
+    from .timing import EventClock
+
+
+class Instrumented(Protocol):
+    """What a block needs of the wrapper (``wrap.Instrumenter``, which imports this module)."""
+
+    recorder: Recorder
+    clock: EventClock | None
+
 
 #: Calls torch collects on the fast path, and the name of the one call the block makes.
 FAST_PATH: dict[str, str] = {
@@ -64,7 +74,7 @@ class Block:
 
     def __init__(
         self,
-        inst: Instrumenter,
+        inst: Instrumented,
         tls: threading.local,
         inner: Any,
         gid: str,
@@ -122,8 +132,6 @@ class Block:
         if rec is not None:
             self._close(rec, work, end, t1)
             if work is not None and works is not None:
-                from .wrap import TimedWork  # wrap imports this module
-
                 works[-1] = TimedWork(work, rec, recorder)  # cm.wait() goes through it
         for deferred in self.deferred:
             if end is not None and self.start is not None:
