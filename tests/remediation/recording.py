@@ -34,6 +34,14 @@ class RecordingActuator:
     #: Node -> what the platform says about it (``node_view``); unknown when absent.
     views: dict[str, NodeView] = field(default_factory=dict)
 
+    def acts(self) -> list[tuple[str, Any]]:
+        """The calls made on the remediation engine's behalf: node and job actions and the
+        restart's Event. Left out: reads, and the detection Events every new incident gets
+        from ``services.platform_events`` (another subscriber, tested on its own)."""
+        acting = ("isolate_node", "release_node", "stop_job", "restart_job")
+        restart_event = ("record_event", "TrainguardRestart")
+        return [(m, a) for m, a in self.calls if m in acting or (m, a) == restart_event]
+
     def restarts(self) -> list[Placement]:
         return [arg for method, arg in self.calls if method == "restart_job"]
 

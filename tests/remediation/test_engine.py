@@ -294,7 +294,7 @@ def test_a_cheap_straggler_is_only_alerted(controller_factory, tmp_path) -> None
     wait_for(lambda: of(live, incident))
     time.sleep(5)  # well past after_s: it persists, but costs less than min_cost_pct
     assert [(a["kind"], a["status"]) for a in of(live, incident)] == [("alert", "succeeded")]
-    assert actuator.calls == []
+    assert actuator.acts() == []
     assert live.controller.remediation.decided.get(incident) is None  # still watched
     # The detector's refresh says it grew past the threshold: now it escalates.
     spec = refresh_incident(
@@ -365,7 +365,7 @@ def test_no_action_on_stale_evidence(controller_factory, tmp_path) -> None:  # t
     assert [(a["kind"], a["status"]) for a in rows] == [("skip", "skipped")]
     assert rows[0]["outcome"].startswith("stale evidence: the incident was last updated")
     time.sleep(1.5)
-    assert len(of(live, incident)) == 1 and actuator.calls == []
+    assert len(of(live, incident)) == 1 and actuator.acts() == []
 
 
 def test_a_shrunk_job_grows_back_when_its_node_is_released(controller_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -483,7 +483,7 @@ def test_nonfinite_rolls_back_to_the_newest_checkpoint_before_the_bad_step(  # t
     assert [a["kind"] for a in alert] == ["alert"]
     assert "rollback if it lasts 3 steps" in alert[0]["outcome"]
     time.sleep(2)
-    assert [a["kind"] for a in of(live, incident)] == ["alert"] and actuator.calls == []
+    assert [a["kind"] for a in of(live, incident)] == ["alert"] and actuator.acts() == []
     # The detector's refresh: the NaN is still there two steps later (a diverged model).
     refresh_incident(
         live, incident, "job gpt step 30: NaN; NaN/Inf in 3 steps so far", NAN_EVIDENCE
