@@ -442,6 +442,14 @@ def main() -> None:
         fleet["baselines"].append(
             baseline_figures(SCENARIOS, len(seeds), WORLD, healthy_steps, flight=flight)
         )
+    if not args.no_gloo:
+        # The same two baselines measured: real gloo runs with nobody watching, one per
+        # fault, real Flight Recorder dumps (bench/detect_baselines_gloo.py).
+        from bench.detect_baselines_gloo import measured_baselines
+
+        measured = measured_baselines()
+        fleet["baselines"][-2]["gloo"] = measured["pytorch"]
+        fleet["baselines"][-1]["gloo"] = measured["flight"]
     overhead: dict[str, Any] = {}
     if not args.no_overhead:
         from bench.collectives import measure
@@ -488,6 +496,14 @@ def main() -> None:
             f"{b['name']}: localization accuracy {b['localization_accuracy']}, hang noticed "
             f"after {b['hang_detect_s_p50']} s, stragglers never"
         )
+        if "gloo" in b:
+            g = b["gloo"]
+            print(
+                f"  measured on real gloo runs ({g['how']}): detected {g['detected']}, "
+                f"localization accuracy {g['localization_accuracy']}, hang noticed after "
+                f"{g['hang_detect_s_p50']} s ({g['hang_detect_s_p50_at_nccl_default']} s at "
+                f"NCCL's default), false positives/1k steps {g['false_positives_per_1k_steps']}"
+            )
     print_fleet(fleet)
     if "gloo" in fleet:
         print(f"real gloo runs (8 ranks): {json.dumps(fleet['gloo'])}")
