@@ -12,11 +12,13 @@ training loop is *blocked* per checkpoint and the time until the checkpoint is *
   with a forward/backward of the same model running in between, as in training
 
 Also measured in the same run: the disk's own sequential write bandwidth (write + fsync of
-the same number of bytes), the step-time overhead of checkpointing every step in a small
-training loop (training on every core, then on one core fewer: the host CPU a GPU node
-leaves free), and a resharded load (saved TP=4, loaded TP=3) against a same-layout load.
+the same number of bytes), the step-time overhead of checkpointing every step with training
+pinned to one core and the writers on the others, ours and DCP ``async_save`` interleaved
+in one loop (full mode adds the older every-core settings), the durable bandwidth of a
+4 GB state against the ``O_DIRECT`` disk (full mode), bytes per save with DP=4, and a
+resharded load (saved TP=4, loaded TP=3) against a same-layout load.
 
-    python -m bench.checkpoint [--quick] [--json] [--sizes-mb 256,1024]
+    python -m bench.checkpoint [--quick] [--json] [--sizes-mb 256,1024] [--large-mb 4096]
 """
 
 from __future__ import annotations
@@ -143,11 +145,11 @@ def bench_dcp(tmp: Path, model: Any, opt: Any, asynchronous: bool) -> tuple[floa
 
 
 class Ours:
-    def __init__(self, tmp: Path, writer: str) -> None:
+    def __init__(self, tmp: Path, writer: str, writer_cpus: tuple[int, ...] = ()) -> None:
         self.events: list[CheckpointEvent] = []
         self.root = tmp / f"ours-{writer}"
         self.engine = Checkpointer(
-            CheckpointConfig(root=self.root, writer=writer, keep_last=1),  # type: ignore[arg-type]
+            CheckpointConfig(root=self.root, writer=writer, keep_last=1, writer_cpus=writer_cpus),  # type: ignore[arg-type]
             event_sink=self.events.append,
         )
         self.step = 0
@@ -233,53 +235,6 @@ def step_overhead(
         # Saves not taken because the previous one was still in flight (when_busy=skip):
         # an overhead measured with skips is not an every-step overhead; they are reported.
         "saves_skipped": skipped,
-    }
-
-
-def dcp_step_overhead(tmp: Path, rounds: int) -> dict[str, float]:
-    """:func:`step_overhead` for PyTorch DCP ``async_save`` every step: the same loop, state
-    and pairing; as torchtitan does, each save first waits for the previous one's future
-    (DCP has no skip), and a checkpointing block ends waiting for its last save."""
-    from torch.distributed.checkpoint.state_dict_saver import async_save
-
-    model, opt = make_state(24)
-    ratios: list[float] = []
-    per_step: dict[str, list[float]] = {"plain": [], "ckpt": []}
-    step = 0
-
-    def block(dcp: bool, steps: int = 4) -> float:
-        nonlocal step
-        fut: Any = None
-        t0 = clock()
-        for _ in range(steps):
-            if dcp:
-                if fut is not None:
-                    fut.result()
-                state = {"model": model.state_dict(), "optim": opt.state_dict()}
-                out = tmp / f"dcp-every-{step % 2}"
-                fut = async_save(state, checkpoint_id=str(out), no_dist=True)
-            for _ in range(4):
-                fwd_bwd(model, batch=512)
-            opt.step()
-            opt.zero_grad()
-            step += 1
-        if fut is not None:
-            fut.result()
-        return (clock() - t0) / steps
-
-    block(True, 1)  # warm-up: DCP's planner, staging buffers
-    block(False)
-    for r in range(rounds):
-        times: dict[str, float] = {}
-        order = [(False, "plain"), (True, "ckpt")]
-        for dcp, kind in order if r % 2 else order[::-1]:
-            times[kind] = block(dcp)
-            per_step[kind].append(times[kind])
-        ratios.append(times["ckpt"] / times["plain"])
-    return {
-        "step_s": statistics.median(per_step["plain"]),
-        "step_with_ckpt_s": statistics.median(per_step["ckpt"]),
-        "step_overhead_pct": 100.0 * (statistics.median(ratios) - 1.0),
     }
 
 
@@ -385,6 +340,52 @@ def every_step_side_by_side(tmp: Path, rounds: int) -> dict[str, Any]:
         "every_step_overhead_pct_rounds": [round(100 * (x - 1), 1) for x in ratios["ours"]],
         "dcp_every_step_overhead_pct_rounds": [round(100 * (x - 1), 1) for x in ratios["dcp"]],
         "saves_skipped": skipped,
+    }
+
+
+def durable_large(tmp: Path, size_mb: int, repeats: int) -> dict[str, Any]:
+    """Durable bandwidth of the default writer for a large state (issue 19: >= 4 GB) as a
+    fraction of the disk's sequential write bandwidth, both with ``O_DIRECT``, in the same
+    run: the probe writes the same number of bytes to a new file on the same file system
+    and fsyncs. The two alternate (probe, save, probe, save, ...) so load drift hits both;
+    medians of ``repeats``. Only these two at this size: the other methods would need a
+    second and third copy of the state in memory. Issue 19's setting, as in
+    :func:`every_step_side_by_side`: the training step that runs while the copy and the
+    writes proceed is pinned to one core, the writer to the others."""
+    model, opt = make_state(size_mb)
+    nbytes = state_bytes(model, opt)
+    train_cores, writer_cores = cpu_split()
+    threads, before = torch.get_num_threads(), os.sched_getaffinity(0)
+    ours = Ours(tmp, DEFAULT_WRITER, tuple(writer_cores))
+    probe = _disk_probe(direct=True)
+    os.sched_setaffinity(0, train_cores)
+    torch.set_num_threads(len(train_cores))
+    try:
+        ours(tmp, model, opt)  # warm-up: the host buffer, the writer's mapping
+        disk_s, ours_s = [], []
+        for _ in range(repeats):
+            disk_s.append(probe(tmp, model, opt)[1])
+            ours_s.append(ours(tmp, model, opt)[1])
+    finally:
+        ours.close()
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, before)
+    disk_gbps = nbytes / statistics.median(disk_s) / 1e9
+    ours_gbps = nbytes / statistics.median(ours_s) / 1e9
+    print(
+        f"{nbytes >> 20:>8} MB: disk O_DIRECT {disk_gbps:.2f} GB/s, ours ({DEFAULT_WRITER}) "
+        f"{ours_gbps:.2f} GB/s to durable, fraction {ours_gbps / disk_gbps:.2f}"
+    )
+    return {
+        "size_bytes": nbytes,
+        "repeats": repeats,
+        "disk_direct_gbps": disk_gbps,
+        "durable_gbps": ours_gbps,
+        "durable_fraction_of_disk": ours_gbps / disk_gbps,
+        "train_cores": train_cores,
+        "writer_cores": writer_cores,
+        "disk_direct_s": disk_s,
+        "durable_s": ours_s,
     }
 
 
@@ -515,6 +516,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--sizes-mb", default="")
+    parser.add_argument("--rounds", type=int, default=0, help="every-step rounds (0: 8/16)")
+    parser.add_argument(
+        "--large-mb", type=int, default=4096, help="state for the durable fraction (full mode)"
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_mb.split(",") if s] or ([64] if args.quick else [256, 1024])
     repeats = 3 if args.quick else 5
@@ -529,48 +534,35 @@ def main() -> None:
         )
         for size in sizes:
             results.append(bench_size(tmp, size, repeats))
-        overheads = {}
-        for writer in ("process", "thread"):
-            overheads[writer] = o = step_overhead(tmp, 6 if args.quick else 12, writer)
-            print(
-                f"every-step checkpointing, writer {writer}: step {o['step_s'] * 1e3:.1f} ms -> "
-                f"{o['step_with_ckpt_s'] * 1e3:.1f} ms ({o['step_overhead_pct']:+.1f}%)"
-            )
-        overhead = overheads[DEFAULT_WRITER]
-        # The same loop with training on one core fewer: on a GPU node the step runs on the
-        # GPU and host cores are free for the engine; here, with every core computing, the
-        # engine's CPU time is taken from the step almost one for one.
-        threads = torch.get_num_threads()
+        rounds = args.rounds or (8 if args.quick else 16)
+        overheads: dict[str, dict[str, float]] = {}
         free_core: dict[str, float] | None = None
-        if threads > 1:
-            torch.set_num_threads(threads - 1)
-            try:
-                free_core = step_overhead(tmp, 6 if args.quick else 12, DEFAULT_WRITER)
-            finally:
-                torch.set_num_threads(threads)
-            print(
-                f"every-step checkpointing, writer {DEFAULT_WRITER}, training on "
-                f"{threads - 1} of {threads} threads (a core left free): step "
-                f"{free_core['step_s'] * 1e3:.1f} ms -> {free_core['step_with_ckpt_s'] * 1e3:.1f}"
-                f" ms ({free_core['step_overhead_pct']:+.1f}%)"
-            )
-        # Issue 19's setting: training on one core (one intra-op thread, not pinned), the
-        # others left to the writers, as a GPU node leaves host cores free. Ours and DCP
-        # async_save in the same run.
-        train_cores = 1
-        writer_cores = max(0, (os.cpu_count() or 1) - train_cores)
-        torch.set_num_threads(train_cores)
-        try:
-            one_core = step_overhead(tmp, 6 if args.quick else 12, DEFAULT_WRITER)
-            dcp_one_core = dcp_step_overhead(tmp, 6 if args.quick else 12)
-        finally:
-            torch.set_num_threads(threads)
+        threads = torch.get_num_threads()
+        if not args.quick:  # the older settings: training on every core, then on one fewer
+            for writer in ("process", "thread"):
+                overheads[writer] = o = step_overhead(tmp, rounds, writer)
+                print(
+                    f"every-step checkpointing, writer {writer}, training on {threads} threads: "
+                    f"step {o['step_s'] * 1e3:.1f} ms -> {o['step_with_ckpt_s'] * 1e3:.1f} ms "
+                    f"({o['step_overhead_pct']:+.1f}%)"
+                )
+            if threads > 1:
+                torch.set_num_threads(threads - 1)
+                try:
+                    free_core = step_overhead(tmp, rounds, DEFAULT_WRITER)
+                finally:
+                    torch.set_num_threads(threads)
+        # Issue 19's setting: training pinned to one core, the writers on the others (as a
+        # GPU node leaves host cores free); ours and DCP async_save interleaved in one loop.
+        side = every_step_side_by_side(tmp, rounds)
         print(
-            f"every-step checkpointing, training on {train_cores} core ({writer_cores} left): "
-            f"ours {one_core['step_overhead_pct']:+.1f}% ({one_core['saves_skipped']} saves "
-            f"skipped), DCP async_save "
-            f"{dcp_one_core['step_overhead_pct']:+.1f}%"
+            f"every-step checkpointing, training on cores {side['train_cores']}, writers on "
+            f"{side['writer_cores']}: step {side['step_s'] * 1e3:.1f} ms; ours "
+            f"{side['every_step_overhead_pct']:+.1f}% ({side['saves_skipped']} saves skipped), "
+            f"DCP async_save {side['dcp_every_step_overhead_pct']:+.1f}% (medians of "
+            f"{rounds} interleaved rounds)"
         )
+        large = None if args.quick else durable_large(tmp, args.large_mb, 3)
         dp4 = dp4_bytes_ratio(tmp, min(sizes))
         print(f"DP=4 bytes written per save, dedup / naive: {dp4:.3f}")
         reshard = reshard_ratio(tmp, min(sizes), repeats)
@@ -582,39 +574,41 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     largest = results[-1]
     default = largest[OURS[DEFAULT_WRITER]]
+    durable = large or {
+        "size_bytes": largest["size_bytes"],
+        "durable_fraction_of_disk": default["durable_vs_disk"],
+    }
     summary = {
         # Issue 19's keys (setting: train_cores, writer_cores, checkpoint_bytes).
-        "every_step_overhead_pct": one_core["step_overhead_pct"],
-        "dcp_every_step_overhead_pct": dcp_one_core["step_overhead_pct"],
+        "every_step_overhead_pct": side["every_step_overhead_pct"],
+        "dcp_every_step_overhead_pct": side["dcp_every_step_overhead_pct"],
         "blocking_ms": default["blocked_s"] * 1e3,
         "dcp_blocking_ms": largest["dcp.async"]["blocked_s"] * 1e3,
-        "durable_fraction_of_disk": default["durable_vs_disk"],
+        "durable_fraction_of_disk": durable["durable_fraction_of_disk"],
         "dp4_bytes_ratio": dp4,
-        "train_cores": train_cores,
-        "writer_cores": writer_cores,
-        "checkpoint_bytes": largest["size_bytes"],
-        "every_step_saves_skipped": one_core["saves_skipped"],
+        "reshard_load_ratio": reshard["reshard_load_ratio"],
+        "train_cores": len(side["train_cores"]),
+        "writer_cores": len(side["writer_cores"]),
+        "train_cpu_ids": side["train_cores"],
+        "writer_cpu_ids": side["writer_cores"],
+        # The state of the blocking and every-step figures is ``sizes``' largest / 24 MB;
+        # checkpoint_bytes is the state whose durable fraction is reported.
+        "checkpoint_bytes": durable["size_bytes"],
+        "durable_large": large,
+        "every_step": side,
         "default_writer": DEFAULT_WRITER,
         "blocking_ratio_vs_torch_save": default["blocking_ratio_vs_torch_save"],
-        "blocking_ratio_proc_vs_torch_save": largest["ours-proc"]["blocking_ratio_vs_torch_save"],
-        "blocking_ratio_thread_vs_torch_save": largest["ours-thread"][
-            "blocking_ratio_vs_torch_save"
-        ],
         "dcp_async_blocking_ratio_vs_torch_save": largest["dcp.async"][
             "blocking_ratio_vs_torch_save"
         ],
         "durable_gbps": default["durable_gbps"],
         "durable_vs_disk": default["durable_vs_disk"],
-        "durable_gbps_proc": largest["ours-proc"]["durable_gbps"],
-        "durable_gbps_thread": largest["ours-thread"]["durable_gbps"],
         "disk_gbps": largest["disk_gbps"],
         "disk_buffered_gbps": largest["disk.buffered"]["durable_gbps"],
         "disk_direct_gbps": largest["disk.direct"]["durable_gbps"],
-        "step_overhead_pct": overhead["step_overhead_pct"],
-        "step_overhead_pct_proc": overheads["process"]["step_overhead_pct"],
-        "step_overhead_pct_thread": overheads["thread"]["step_overhead_pct"],
+        "step_overhead_pct_proc": overheads.get("process", {}).get("step_overhead_pct"),
+        "step_overhead_pct_thread": overheads.get("thread", {}).get("step_overhead_pct"),
         "step_overhead_pct_free_core": free_core["step_overhead_pct"] if free_core else None,
-        "reshard_load_ratio": reshard["reshard_load_ratio"],
         "load_average": os.getloadavg()[0],
         "sizes": results,
     }
