@@ -64,7 +64,7 @@ def _rank(rank: int, tmp: str, sc: dict[str, Any], timeout_s: float) -> None:
 
     os.environ.update(
         {
-            "TRAINGUARD_JOB": f"baseline-{sc['name']}",
+            "TRAINGUARD_JOB": "baseline-" + sc["name"].replace("_", "-"),
             "TRAINGUARD_AGENT_SOCKET": os.path.join(tmp, "no-agent.sock"),
             "TRAINGUARD_FAULTS": json.dumps(sc["faults"]),
             "TORCH_FR_BUFFER_SIZE": "2000",
@@ -156,6 +156,8 @@ def run_scenario(sc: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         if not ended:
             raise RuntimeError(f"baseline scenario {sc['name']!r} did not end in time")
         steps = [json.loads(line) for line in _lines(Path(tmp) / "steps.jsonl")]
+        if not steps:
+            raise RuntimeError(f"baseline scenario {sc['name']!r}: no step ran (see stderr)")
         dumps = {}
         for path in Path(tmp).glob("dump-*.json"):
             dumps[int(path.stem.split("-")[1])] = json.loads(path.read_text())
