@@ -31,15 +31,13 @@ answer 409 instead of being overwritten, and the actuator re-reads and tries aga
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
 import urllib3
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from kubernetes.config.config_exception import ConfigException
 
 from controller.actuators import kube_objects as ko
 from controller.actuators.base import (
@@ -50,7 +48,7 @@ from controller.actuators.base import (
     NodeView,
     Placement,
 )
-from controller.actuators.k8s.api import Kube
+from controller.actuators.k8s.api import Kube, load_api_client
 from controller.actuators.k8s.events import EventRecorder
 from controller.actuators.k8s.lease import LeaseElector
 from controller.actuators.k8s.nodes import ANN_CORDONED_BY, NodeGuard, QuarantineSettings
@@ -143,20 +141,7 @@ class KubernetesActuator:
     @classmethod
     def from_environment(cls, namespace: str, **options: Any) -> KubernetesActuator:
         """In-cluster ServiceAccount credentials when running in a pod, else kubeconfig."""
-        cfg = client.Configuration()
-        try:
-            config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-        except ConfigException:
-            try:
-                # The client reads $KUBECONFIG once, at import; read it now.
-                config.load_kube_config(  # type: ignore[no-untyped-call]
-                    config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg
-                )
-            except (ConfigException, OSError) as exc:
-                raise ActuatorError(
-                    f"no Kubernetes credentials: not in a pod and no usable kubeconfig ({exc})"
-                ) from exc
-        return cls(client.ApiClient(cfg), namespace, **options)
+        return cls(load_api_client(), namespace, **options)
 
     async def start(self) -> list[Placement]:
         """Nothing to launch: the workloads are the platform's, started by their owners."""

@@ -108,25 +108,13 @@ def in_cluster() -> bool:
 def kube_api_client(api_url: str) -> client.ApiClient:
     """A client on ``api_url`` (tests: the fake API server), else in-cluster credentials,
     else the kubeconfig. A failure is one line (:class:`ValueError`)."""
-    from kubernetes import client, config
-    from kubernetes.config.config_exception import ConfigException
+    from controller.actuators.base import ActuatorError
+    from controller.actuators.k8s.api import load_api_client
 
-    cfg = client.Configuration()
-    if api_url:
-        cfg.host = api_url
-        return client.ApiClient(cfg)
     try:
-        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    except ConfigException:
-        try:
-            config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg
-            )
-        except (ConfigException, OSError) as exc:
-            raise ValueError(
-                f"no Kubernetes credentials: not in a pod and no usable kubeconfig ({exc})"
-            ) from exc
-    return client.ApiClient(cfg)
+        return load_api_client(api_url)
+    except ActuatorError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def lease_backend(settings: ControllerSettings) -> bool:

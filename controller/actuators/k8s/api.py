@@ -10,6 +10,7 @@ longer sure it leads raises :class:`Fenced` instead of writing.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -23,6 +24,31 @@ from controller.actuators.kube_objects import KubernetesApiError, api_error
 
 MERGE_PATCH: Final = "application/merge-patch+json"
 STRATEGIC_PATCH: Final = "application/strategic-merge-patch+json"
+
+
+def load_api_client(api_url: str = "") -> client.ApiClient:
+    """A client on ``api_url`` when given (tests: the fake API server), else in-cluster
+    ServiceAccount credentials when running in a pod, else the kubeconfig ($KUBECONFIG read
+    now: the client reads it once, at import). No credentials: one-line ActuatorError."""
+    from kubernetes import config
+    from kubernetes.config.config_exception import ConfigException
+
+    cfg = client.Configuration()
+    if api_url:
+        cfg.host = api_url
+        return client.ApiClient(cfg)
+    try:
+        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+    except ConfigException:
+        try:
+            config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg
+            )
+        except (ConfigException, OSError) as exc:
+            raise ActuatorError(
+                f"no Kubernetes credentials: not in a pod and no usable kubeconfig ({exc})"
+            ) from exc
+    return client.ApiClient(cfg)
 
 
 class Fenced(ActuatorError):
