@@ -88,7 +88,9 @@ def _writes(path: Path) -> list[tuple[str, int]]:
                     found.append((_table_of(func.value) or "?", node.lineno))
                 continue
             name = func.attr if func.attr in WRITE_CALLS and func.attr != "update" else None
-        if name in ("insert", "update", "delete") and node.args:
+        route = isinstance(node.args[0], ast.Constant) if node.args else False
+        if name in ("insert", "update", "delete") and node.args and not route:
+            # (``router.delete("/path")`` names a route, not a table)
             found.append((_table_of(node.args[0]) or "?", node.lineno))
         elif name in ("upsert", "bulk_insert") and len(node.args) >= 2:
             found.append((_table_of(node.args[1]) or "?", node.lineno))

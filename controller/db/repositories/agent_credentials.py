@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.orm import Session
 
-from controller.db.models import Action, AgentCredential
+from controller.db.models import AgentCredential
+from controller.db.repositories.actions import insert_action
 
 
 def load_credentials(session: Session) -> Sequence[AgentCredential]:
@@ -56,5 +57,5 @@ def revoke_credentials(
         .values(expires_unix_s=now)
     ).rowcount
     if ended:
-        conn.execute(insert(Action).values(**action))
+        insert_action(conn, dict(action))  # the one write path of ``actions``
     return int(ended or 0)
