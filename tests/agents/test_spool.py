@@ -18,6 +18,7 @@ from trainguard.wire import (
     JobRecords,
     NodeIdentity,
     NodeSample,
+    PeerGroup,
     ProbeResult,
     RankEvent,
     Report,
@@ -242,6 +243,7 @@ def test_every_record_kind_survives_the_batch_and_its_journal(tmp_path: Path) ->
             ProbeResult(job="j", probe_id="p", src_rank=0, dst_rank=1, size_bytes=1, duration_s=0.1)
         ],
         traces=[FlightRecorderDump(job="j", rank=0, enabled=True, entries=[{"op": "allreduce"}])],
+        peer_groups=[PeerGroup(job="j", id="pg2-abc", ranks=[0, 1])],
     )
     assert all(getattr(records, name) for name in JobRecords.model_fields), "fill every kind"
     batch = Batch(tmp_path, next_seq=0)
