@@ -86,6 +86,9 @@ class RecoveryCluster:
                 "TRAINGUARD_ACTUATOR": "local",
                 "TRAINGUARD_LOCAL_JOBS_FILE": str(self.workdir / "jobs.json"),
                 "TRAINGUARD_POLICY_FILE": str(self.workdir / "policy.json"),
+                # Two of three nodes fail within minutes: past the default quarantine
+                # budget (10% of the fleet, at least one node, per hour).
+                "TRAINGUARD_QUARANTINE_BUDGET_SHARE": "1.0",
             }
         )
 

@@ -247,6 +247,9 @@ class Drill:
             "TRAINGUARD_LOCAL_JOBS_FILE": str(self.workdir / "jobs.json"),
             "TRAINGUARD_POLICY_FILE": str(self.workdir / "policy.json"),
             "TRAINGUARD_NODE_LOST_AFTER_S": "30",
+            # Three nodes and back-to-back faults: the default quarantine budget (10% of
+            # the fleet, at least one node, per hour) would refuse the second isolation.
+            "TRAINGUARD_QUARANTINE_BUDGET_SHARE": "1.0",
         }
         port = self.server.rsplit(":", 1)[1]
         argv = cli_argv("controller", "--host", "127.0.0.1", "--port", port)
