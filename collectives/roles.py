@@ -275,9 +275,16 @@ def pg_sizes_role(groups: Any, world_size: int) -> str | None:
 
 def _live(cls: tuple[type, ...]) -> list[Any]:
     """Instances of ``cls`` alive now (one scan, at instrument() time only; ~10 ms here)."""
+    found: list[Any] = []
     with warnings.catch_warnings():  # isinstance() on deprecated torch aliases warns
         warnings.simplefilter("ignore")
-        return [obj for obj in gc.get_objects() if isinstance(obj, cls)]
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, cls):
+                    found.append(obj)
+            except ReferenceError:
+                continue  # a weakref.proxy whose referent is gone: isinstance() raises
+    return found
 
 
 __all__ = ["MAX_ROLE_LEN", "PG_SIZES_PREFIX", "RoleTracker", "mesh_fields", "pg_sizes_role"]

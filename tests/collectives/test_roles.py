@@ -160,3 +160,24 @@ def test_the_session_derives_the_role_from_the_groups_its_collectives_use() -> N
     assert session.roles.fields is session.roles.fields
     session.recorder.group_ranks["g2-fake"] = [0, 1]
     assert _one_step(session).role == "pg_sizes=2"
+
+
+def test_the_scan_for_live_meshes_skips_dead_weak_proxies() -> None:
+    """gc.get_objects() can hand back a weakref.proxy whose referent died; isinstance() on it
+    raises ReferenceError, which once failed every later instrument() in the process."""
+    import weakref
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from collectives.roles import _live
+
+    class Gone:
+        pass
+
+    target = Gone()
+    holder = [weakref.proxy(target)]
+    del target
+    assert _live((DeviceMesh,)) == [] or all(
+        isinstance(m, DeviceMesh) for m in _live((DeviceMesh,))
+    )
+    assert holder  # the dead proxy was in gc's objects during the scan
