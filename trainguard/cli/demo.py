@@ -192,12 +192,15 @@ def _loss_goes_on(o: FaultOutcome, rows: list[JsonObject], first_loss: float) ->
 
 @contextmanager
 def signals_interrupt() -> Iterator[None]:
-    """SIGTERM/SIGHUP unwind like Ctrl-C, so the cleanup in ``finally`` blocks runs."""
+    """SIGINT, SIGTERM and SIGHUP unwind like Ctrl-C, so the cleanup in ``finally`` blocks
+    runs. SIGINT too: a process started with SIGINT ignored (by a launcher, ``nohup``, a
+    test runner's worker) inherits that, and Python then installs no Ctrl-C handler."""
 
     def handler(signum: int, _frame: FrameType | None) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
