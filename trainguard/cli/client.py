@@ -274,6 +274,13 @@ class ApiClient:
         result: JsonObject = self._get(path)
         return result
 
+    def agent_credentials(self, node: str, *, revoke: bool = False) -> JsonObject:
+        """``POST /agent-credentials/{node}`` issues (or rotates) the node's agent token and
+        returns it once; ``DELETE`` (``revoke``) ends every token of the node now."""
+        path = f"{API_PREFIX}/agent-credentials/{quote(node, safe='')}"
+        result: JsonObject = self._request("DELETE" if revoke else "POST", path)
+        return result
+
     def set_isolation(self, node: str, *, isolate: bool, reason: str | None) -> JsonObject:
         verb = "isolate" if isolate else "release"
         body = {"reason": reason} if reason else None

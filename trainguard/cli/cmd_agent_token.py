@@ -12,13 +12,11 @@ a new token is issued for it.
 from __future__ import annotations
 
 from typing import Annotated
-from urllib.parse import quote
 
 import typer
 
 from trainguard.cli.options import DEFAULT_OUTPUT, Output, Server, Token, connect
 from trainguard.cli.output import OutputFormat, dump_json, dump_yaml, emit
-from trainguard.wire import API_PREFIX
 
 group = typer.Typer(
     help="Per-node agent credentials (issue, rotate, revoke).", no_args_is_help=True
@@ -34,14 +32,8 @@ def issue(
     output: Output = DEFAULT_OUTPUT,
 ) -> None:
     """Issue (or rotate) NODE's agent token; prints the token once."""
-    client = connect(ctx, server, token)
-    result = client._request("POST", f"{API_PREFIX}/agent-credentials/{quote(node, safe='')}")
-    if output is OutputFormat.JSON:
-        emit(dump_json(result))
-    elif output is OutputFormat.YAML:
-        emit(dump_yaml(result))
-    else:
-        emit(str(result["token"]))
+    result = connect(ctx, server, token).agent_credentials(node)
+    _emit(result, output, str(result["token"]))
 
 
 @group.command("revoke")
@@ -53,14 +45,18 @@ def revoke(
     output: Output = DEFAULT_OUTPUT,
 ) -> None:
     """Revoke every agent token of NODE at once (its next report is 401); audited."""
-    client = connect(ctx, server, token)
-    result = client._request("DELETE", f"{API_PREFIX}/agent-credentials/{quote(node, safe='')}")
+    result = connect(ctx, server, token).agent_credentials(node, revoke=True)
+    _emit(result, output, f"{result['revoked']} agent token(s) of node {result['node']} revoked")
+
+
+def _emit(result: dict[str, object], output: OutputFormat, text: str) -> None:
+    """JSON or YAML as asked, else the one line ``text``."""
     if output is OutputFormat.JSON:
         emit(dump_json(result))
     elif output is OutputFormat.YAML:
         emit(dump_yaml(result))
     else:
-        emit(f"{result['revoked']} agent token(s) of node {result['node']} revoked")
+        emit(text)
 
 
 def register(app: typer.Typer) -> None:

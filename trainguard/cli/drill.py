@@ -31,7 +31,6 @@ from typing import Any
 from trainguard.cli.client import ApiClient
 from trainguard.cli.errors import BadInput, DemoFailed
 from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
-from trainguard.wire import API_PREFIX
 
 JsonObject = dict[str, Any]
 JOB = "gpt-demo"
@@ -268,7 +267,7 @@ class Drill:
         issue NODE``); shared agent tokens stay off, as they are by default."""
         with self.api() as api:
             for node in self.node_names:
-                issued = api._request("POST", f"{API_PREFIX}/agent-credentials/{node}")
+                issued = api.agent_credentials(node)
                 path = self._token_file(node)
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(str(issued["token"]))
