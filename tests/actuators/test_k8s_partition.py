@@ -5,8 +5,8 @@ from __future__ import annotations
 from controller.actuators.k8s.partition import (
     NodeSignals,
     PartitionSettings,
-    QuarantineBudget,
     classify,
+    quarantine_limit,
 )
 from controller.actuators.k8s.watch import NodeCache
 from tests.actuators.fake_cluster import FakeCluster
@@ -42,14 +42,11 @@ def test_many_silent_at_once_acts_on_nobody() -> None:
     assert not v.mass_silence and v.act_on == ["n0", "n1"]
 
 
-def test_quarantine_budget_per_window_raises_for_a_human() -> None:
-    budget = QuarantineBudget(PartitionSettings(max_quarantine_share=0.1, window_s=100))
-    assert budget.allow("a", now=0, fleet_size=20) and budget.allow("b", now=1, fleet_size=20)
-    assert budget.allow("a", now=2, fleet_size=20)  # the same node is not a new one
-    assert not budget.allow("c", now=3, fleet_size=20) and budget.exhausted
-    assert "limit 2, 10% of the fleet" in budget.explain(20)
-    assert budget.allow("c", now=101, fleet_size=20)  # the window moved on
-    assert QuarantineBudget(S).limit(3) == 1  # a small fleet may still isolate one node
+def test_quarantine_limit_is_a_share_of_the_fleet_and_at_least_one() -> None:
+    ten = PartitionSettings(max_quarantine_share=0.1, window_s=100)
+    assert quarantine_limit(ten, 20) == 2 and quarantine_limit(ten, 29) == 2
+    assert quarantine_limit(ten, 30) == 3  # 0.1 * 30 is not 2.9999...
+    assert quarantine_limit(S, 3) == 1 and quarantine_limit(S, 0) == 1  # small fleets: one
 
 
 def test_node_cache_watches_with_bookmarks_and_relists_on_410(cluster: FakeCluster) -> None:

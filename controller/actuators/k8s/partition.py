@@ -11,8 +11,8 @@ alone turns a controller-side fault into a fleet-wide outage. So:
   ``mass_silence_min_nodes``) the fault is most likely on the controller's side: it acts
   on nobody and says so;
 * at most ``max_quarantine_share`` of the fleet (at least one node) may be quarantined
-  within ``window_s``; the next one is refused and the caller raises an incident for a
-  human (:attr:`QuarantineBudget.exhausted`).
+  within ``window_s`` (:func:`quarantine_limit`); the next one is refused and the caller
+  raises an incident for a human (``services.remediation.partition.quarantine_refusal``).
 
 Pure logic: the inputs come from the agents' reports and :class:`~.watch.NodeCache`.
 """
@@ -20,8 +20,7 @@ Pure logic: the inputs come from the agents' reports and :class:`~.watch.NodeCac
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 State = Literal["reporting", "unreachable", "lost"]
@@ -91,36 +90,10 @@ def classify(nodes: list[NodeSignals], settings: PartitionSettings) -> Verdict:
     return Verdict(states, False, lost, "; ".join(parts) or "every agent reporting")
 
 
-@dataclass(slots=True)
-class QuarantineBudget:
-    """At most ``max_quarantine_share`` of the fleet quarantined per sliding window."""
-
-    settings: PartitionSettings
-    _times: deque[tuple[float, str]] = field(default_factory=deque)
-    #: Set when a quarantine was refused for the budget: raise an incident for a human.
-    exhausted: bool = False
-
-    def limit(self, fleet_size: int) -> int:
-        return max(1, math.floor(self.settings.max_quarantine_share * fleet_size))
-
-    def allow(self, node: str, *, now: float, fleet_size: int) -> bool:
-        """Take one quarantine from the budget; False (and :attr:`exhausted`) when spent."""
-        while self._times and now - self._times[0][0] >= self.settings.window_s:
-            self._times.popleft()
-        if any(n == node for _, n in self._times):
-            return True  # the same node again is not a new quarantine
-        if len(self._times) >= self.limit(fleet_size):
-            self.exhausted = True
-            return False
-        self._times.append((now, node))
-        return True
-
-    def explain(self, fleet_size: int) -> str:
-        return (
-            f"quarantine budget spent: {len(self._times)} of {fleet_size} nodes quarantined "
-            f"in the last {self.settings.window_s:.0f} s (limit {self.limit(fleet_size)}, "
-            f"{self.settings.max_quarantine_share:.0%} of the fleet); a human decides on more"
-        )
+def quarantine_limit(settings: PartitionSettings, fleet_size: int) -> int:
+    """Nodes that may be quarantined per window: ``max_quarantine_share`` of the fleet, at
+    least one (a small fleet may still isolate its one bad node)."""
+    return max(1, math.floor(settings.max_quarantine_share * max(fleet_size, 1) + 1e-9))
 
 
-__all__ = ["NodeSignals", "PartitionSettings", "QuarantineBudget", "Verdict", "classify"]
+__all__ = ["NodeSignals", "PartitionSettings", "Verdict", "classify", "quarantine_limit"]

@@ -19,12 +19,17 @@ The quarantine budget (:func:`quarantine_refusal`) is counted from the node rows
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Awaitable, Callable
 
 from controller.actuators.base import ActuatorError, NodeView
-from controller.actuators.k8s.partition import NodeSignals, PartitionSettings, Verdict, classify
+from controller.actuators.k8s.partition import (
+    NodeSignals,
+    PartitionSettings,
+    Verdict,
+    classify,
+    quarantine_limit,
+)
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.settings import ControllerSettings
 from controller.state import ClusterState, IncidentState
@@ -110,7 +115,7 @@ def quarantine_refusal(
     """Why quarantining ``node`` would overspend the budget (and the evidence for the
     human's incident), or ``None``."""
     fleet = max(len(state.nodes), 1)
-    limit = max(1, math.floor(settings.max_quarantine_share * fleet + 1e-9))
+    limit = quarantine_limit(settings, fleet)
     recent = sum(
         1
         for n in state.nodes.values()
