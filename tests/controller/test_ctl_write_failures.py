@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from sqlalchemy import text
 
 from controller.db.session import make_engine
+from tests.traffic.fabrics import lab_fabric_file
 
 
 def _stored(db_url: str, sql: str, **params: Any) -> Any:
@@ -221,28 +220,12 @@ def test_command_expiry_that_fails_changes_nothing(
         assert reply.status_code == 200 and reply.json()["commands"] == []
 
 
-def _fabric_file(tmp_path: Path) -> Path:
-    """Two leaves, two spines, four one-NIC nodes (tf-0, tf-1 on tor-a; tf-2, tf-3 on tor-b)."""
-    leaf = {"tf-0": "tor-a", "tf-1": "tor-a", "tf-2": "tor-b", "tf-3": "tor-b"}
-    doc = {
-        "name": "lab",
-        "port_speed_gbps": 100,
-        "switches": [{"name": n, "tier": 1} for n in ("tor-a", "tor-b")]
-        + [{"name": n, "tier": 2} for n in ("spine-0", "spine-1")],
-        "cables": [
-            {"lower": lo, "upper": up} for lo in ("tor-a", "tor-b") for up in ("spine-0", "spine-1")
-        ],
-        "nodes": [{"name": n, "nics": [{"ports": [{"leaf": leaf[n]}]}]} for n in sorted(leaf)],
-    }
-    path = tmp_path / "fabric.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
-
-
 def test_traffic_plan_and_link_writes_that_fail_change_nothing(
     controller_factory, db_url, ctl_db_outage, tmp_path
 ) -> None:
-    live = controller_factory(topology_file=_fabric_file(tmp_path), ingest_flush_interval_s=0.0)
+    live = controller_factory(
+        topology_file=lab_fabric_file(tmp_path, "tf"), ingest_flush_interval_s=0.0
+    )
     with httpx.Client(base_url=live.url, timeout=30) as client:
         for k in range(4):
             ranks = [2 * k, 2 * k + 1]
