@@ -168,7 +168,7 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def judge(sc: dict[str, Any], run: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def judge(sc: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     """Both baselines' verdicts on one run."""
     steps, dumps = run["steps"], run["dumps"]
     noticed = min((d["noticed_unix_s"] for d in dumps.values() if d["why"] != "signalled"),
@@ -204,7 +204,7 @@ def judge(sc: dict[str, Any], run: dict[str, Any], timeout_s: float) -> dict[str
 
 def measured_baselines(timeout_s: float = 5.0) -> dict[str, Any]:
     """Run every scenario once; the two baselines' figures, the shape ``bench.detect`` uses."""
-    rows = [judge(sc, run_scenario(sc, timeout_s), timeout_s) for sc in SCENARIOS]
+    rows = [judge(sc, run_scenario(sc, timeout_s)) for sc in SCENARIOS]
     faulty = [r for r in rows if r["culprit"]]
     healthy = sum(r["healthy_steps"] for r in rows)
     fps = sum(r["false_positive"] for r in rows)

@@ -64,7 +64,7 @@ def test_measured_baselines_judge_a_hang_from_real_shaped_dumps() -> None:
         for r in (0, 1, 3)
     }  # fmt: skip
     dumps[2] = {"noticed_unix_s": t_fault + 5.4, "why": "signalled", "fr": _fr([1, 2, 3])}
-    verdict = gloo.judge(sc, {"steps": steps, "dumps": dumps}, 5.0)
+    verdict = gloo.judge(sc, {"steps": steps, "dumps": dumps})
     assert verdict["detected"] and verdict["detect_s"] == 5.1
     assert verdict["flight_named"] == [2] and not verdict["false_positive"]
     assert verdict["healthy_steps"] == gloo.FAULT_STEP
@@ -74,7 +74,7 @@ def test_measured_baselines_count_an_error_in_a_healthy_run_as_a_false_positive(
     sc = next(s for s in GLOO_SCENARIOS if s["name"] == "healthy")
     steps = [{"step": i, "t": 100.0 + i, "finite": True} for i in range(10)]
     dumps = {0: {"noticed_unix_s": 111.0, "why": "RuntimeError: x", "fr": _fr([1])}}
-    verdict = gloo.judge(sc, {"steps": steps, "dumps": dumps}, 5.0)
+    verdict = gloo.judge(sc, {"steps": steps, "dumps": dumps})
     assert verdict["false_positive"] and verdict["healthy_steps"] == 10
-    quiet = gloo.judge(sc, {"steps": steps, "dumps": {}}, 5.0)
+    quiet = gloo.judge(sc, {"steps": steps, "dumps": {}})
     assert not quiet["detected"] and not quiet["false_positive"]
