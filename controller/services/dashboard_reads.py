@@ -15,6 +15,16 @@ from controller.db.models import Checkpoint, GpuHistory
 
 #: Smallest history bucket: a few agent reports each, so report jitter leaves no false gaps.
 MIN_BUCKET_S = 5.0
+#: The series of a GPU's history, whichever store answers (database or Prometheus).
+HISTORY_KEYS = (
+    "power_w",
+    "temperature_c",
+    "sm_clock_mhz",
+    "utilization_pct",
+    "ecc_corrected",
+    "ecc_uncorrected",
+    "throttle_reasons",
+)
 
 
 def _bucketed(values: list[float], how: str) -> float | None:
@@ -68,15 +78,7 @@ def node_history(
     if seen:
         buckets = range(min(seen), last + 1)
     how = {"temperature_c": "max", "ecc_corrected": "max", "ecc_uncorrected": "max"}
-    keys = (
-        "power_w",
-        "temperature_c",
-        "sm_clock_mhz",
-        "utilization_pct",
-        "ecc_corrected",
-        "ecc_uncorrected",
-        "throttle_reasons",
-    )
+    keys = HISTORY_KEYS
     gpus = []
     for index in sorted(acc):
         per = acc[index]

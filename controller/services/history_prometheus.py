@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from controller.services.dashboard_reads import MIN_BUCKET_S
+from controller.services.dashboard_reads import HISTORY_KEYS, MIN_BUCKET_S
 
 #: Series of the chart -> (PromQL template, scale to the chart's unit). ``{sel}`` is the
 #: label selector, ``{w}`` the bucket as a range (``15s``).
@@ -34,15 +34,7 @@ QUERIES: dict[str, tuple[str, float]] = {
     "ecc": ("max_over_time(trainguard_gpu_ecc_errors_total{sel}[{w}])", 1.0),
     "throttle_reasons": ("trainguard_gpu_clocks_event_reasons{sel}", 1.0),
 }
-KEYS = (
-    "power_w",
-    "temperature_c",
-    "sm_clock_mhz",
-    "utilization_pct",
-    "ecc_corrected",
-    "ecc_uncorrected",
-    "throttle_reasons",
-)
+KEYS = HISTORY_KEYS
 
 
 class PrometheusUnavailable(Exception):
