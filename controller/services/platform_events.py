@@ -8,8 +8,8 @@
 * :class:`PreflightQuarantine`: a node whose last preflight failed is isolated on the
   platform (Kubernetes: cordoned and tainted ``trainguard.io/unhealthy=<the failing
   checks>``), so the scheduler keeps every workload off it, not only trainguard's placements
-  (which already skip it, ``logic.remediation.preflight``). It looks after each report,
-  which is where a preflight's verdict (the agent's ack) arrives. A node is isolated once per
+  (which already skip it, ``logic.remediation.preflight``). It looks at start and after each
+  report that carries command acks, which is where a preflight's verdict arrives. A node is isolated once per
   failed verdict; a later passing preflight does not release it (the quarantine may also
   stand for other faults): an operator releases it (``POST /api/v1/nodes/{name}/release``).
 
@@ -83,15 +83,23 @@ class PreflightQuarantine:
         self._actuator = actuator
         #: node -> ``finished_unix_s`` of the failed verdict already acted on.
         self._acted: dict[str, float] = {}
+        #: Verdicts may be new: at start (loaded from the database) and after a report that
+        #: carries command acks (a preflight's verdict is one). Every other report skips the
+        #: scan of the commands, so the ingest path does not pay for it.
+        self._due = True
 
     async def on_node_reported(self, event: NodeReported) -> None:
-        await self.check()
+        if event.report.command_acks:
+            self._due = True
+        if self._due:
+            await self.check()
 
     async def check(self) -> dict[str, ActuatorResult]:
         """Isolate the nodes with a failed verdict not acted on yet; node -> result."""
         act = self._actuator()
         if act is None:
-            return {}
+            return {}  # a standby: looked at again once it leads
+        self._due = False
         verdicts = self._verdicts()
         done: dict[str, ActuatorResult] = {}
         for node, checks in failed_nodes(verdicts).items():
@@ -107,7 +115,8 @@ class PreflightQuarantine:
                     "could not isolate a node whose preflight failed",
                     extra={"fields": {"node": node, "error": str(exc)}},
                 )
-                continue  # tried again after the next report
+                self._due = True  # tried again after the next report
+                continue
             self._acted[node] = finished
             log.info(
                 "node isolated after a failed preflight",

@@ -14,6 +14,7 @@ from controller.state import IncidentState
 from tests.actuators.fake_cluster import FakeCluster
 from tests.actuators.k8s_testkit import NS, cluster, run
 from tests.actuators.test_k8s_actuator_integration import actuator, launch
+from trainguard import wire
 
 __all__ = ["cluster"]
 
@@ -65,13 +66,25 @@ def test_a_failed_preflight_cordons_and_taints_the_node_once(cluster: FakeCluste
         "gpu-b": PreflightVerdict(node="gpu-b", passed=False, reason=checks, finished_unix_s=10),
         "gpu-c": PreflightVerdict(node="gpu-c", passed=True, reason="", finished_unix_s=10),
     }
-    report = NodeReported(report=None, received_unix_s=11.0)  # type: ignore[arg-type]
+    looked: list[int] = []
+
+    def verdicts_now() -> dict[str, PreflightVerdict]:
+        looked.append(1)
+        return verdicts
+
+    def report(acks: list[dict[str, object]]) -> NodeReported:
+        body = {"node": {"name": "gpu-b"}, "agent_instance": "a", "seq": 1,
+                "sent_unix_s": 11.0, "command_acks": acks}  # fmt: skip
+        return NodeReported(report=wire.Report.model_validate(body), received_unix_s=11.0)
+
+    ack = {"command_id": "c1", "status": "failed", "reason": checks, "finished_unix_s": 10.0}
 
     async def go() -> None:
         bus = EventBus()
-        subscribe_platform_events(bus, lambda: act, lambda: verdicts)
-        await bus.deliver(report)
-        await bus.deliver(report)  # the same verdict: not acted on twice
+        subscribe_platform_events(bus, lambda: act, verdicts_now)
+        await bus.deliver(report([]))  # the first report: verdicts loaded at start count
+        await bus.deliver(report([]))  # no ack: no new verdict, the commands are not read
+        await bus.deliver(report([ack]))  # the same verdict again: not acted on twice
         await bus.stop()
 
     run(go())
@@ -92,7 +105,7 @@ def test_a_failed_preflight_cordons_and_taints_the_node_once(cluster: FakeCluste
         and condition["reason"] == "PreflightFailedNvlink2Of12LinksDown"
     )
     patches = [s for s in cluster.served if s == ("", "nodes", "patch")]
-    assert len(patches) == 1
+    assert len(patches) == 1 and len(looked) == 2
     other = cluster.get("", "nodes", "", "gpu-c")
     assert other is not None and not other["spec"].get("unschedulable")
     reasons = [(e["involvedObject"]["name"], e["reason"]) for e in cluster.items("", "events")]
