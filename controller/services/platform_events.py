@@ -9,9 +9,10 @@
   platform (Kubernetes: cordoned and tainted ``trainguard.io/unhealthy=<the failing
   checks>``), so the scheduler keeps every workload off it, not only trainguard's placements
   (which already skip it, ``logic.remediation.preflight``). It looks at start and after each
-  report that carries command acks, which is where a preflight's verdict arrives. A node is isolated once per
-  failed verdict; a later passing preflight does not release it (the quarantine may also
-  stand for other faults): an operator releases it (``POST /api/v1/nodes/{name}/release``).
+  report that carries command acks, which is where a preflight's verdict arrives. A node is
+  isolated once per failed verdict; a later passing preflight does not release it (the
+  quarantine may also stand for other faults): an operator releases it
+  (``POST /api/v1/nodes/{name}/release``).
 
 Both are failures-tolerant: an actuator error is logged and the next event still comes.
 Wiring (composition root): :func:`subscribe_platform_events`.
