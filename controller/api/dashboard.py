@@ -178,7 +178,8 @@ async def list_job_checkpoints(
     _principal: Principal = Depends(require_viewer),
     services: Services = ServicesDep,
 ) -> dict[str, Any]:
-    """Checkpoint events the job's ranks reported (kind is the tier), newest first."""
+    """Checkpoint events the job's ranks reported, newest first; ``tier`` says which copy
+    of the step an event is about (``local`` disk or ``object_store``)."""
     if name not in services.state.jobs:
         raise NotFound(f"job {name!r} not found")
     data = await services.store.read(lambda s: job_checkpoints(s, name, limit))

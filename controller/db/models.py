@@ -171,6 +171,10 @@ class Checkpoint(Base):
     node_name: Mapped[str] = mapped_column(String(NAME_LEN))
     step: Mapped[int] = mapped_column(BigInteger)
     kind: Mapped[str] = mapped_column(String(STATE_LEN))
+    #: Which copy of the step the event is about (``CheckpointEvent.tier``): ``local`` (the
+    #: rank's disk: started ... committed) or ``object_store`` (upload_pending ... uploaded).
+    #: The server default fills rows written by a controller that does not know the column.
+    tier: Mapped[str] = mapped_column(String(STATE_LEN), default="local", server_default="local")
     blocking_s: Mapped[float | None]
     duration_s: Mapped[float | None]
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)

@@ -112,6 +112,7 @@ def job_checkpoints(session: Session, job: str, limit: int) -> list[dict[str, An
             "rank": r.rank,
             "node": r.node_name,
             "kind": r.kind,
+            "tier": r.tier,
             "blocking_s": r.blocking_s,
             "duration_s": r.duration_s,
             "size_bytes": r.size_bytes,

@@ -289,6 +289,7 @@ class IngestService:
                     "node_name": node_name,
                     "step": ckpt.step,
                     "kind": ckpt.kind,
+                    "tier": ckpt.tier,
                     "blocking_s": ckpt.blocking_s,
                     "duration_s": ckpt.duration_s,
                     "size_bytes": ckpt.size_bytes,

@@ -28,8 +28,8 @@ TOKENS = [{"name": "ops", "role": "operator", "token": "o" * 20}]
 
 
 def test_migrations_from_empty_match_models(db_url: str) -> None:
-    assert upgrade(db_url) == head_revision() == "0004"
-    assert upgrade(db_url) == "0004"  # idempotent
+    assert upgrade(db_url) == head_revision() == "0005"
+    assert upgrade(db_url) == "0005"  # idempotent
     command.check(alembic_config(db_url))  # `alembic check`: no new upgrade ops to generate
     engine = make_engine(db_url)
     try:

@@ -64,7 +64,7 @@ from controller.services.remediation.steps import (
     StepResult,
 )
 from controller.services.remediation.steps import wait as resume_wait
-from controller.services.remediation.steps.isolate import apply_isolation
+from controller.services.remediation.steps.isolate import Audit, apply_isolation
 from controller.services.webhook import Webhook
 from controller.state import ClusterState, IncidentState
 from controller.store import Store
@@ -176,7 +176,7 @@ class RemediationEngine:
         """Committed checkpoints and rank 0's steps: for goodput and the resume wait."""
         records, received_unix_s = event.records, event.received_unix_s
         for ckpt in records.checkpoints:
-            if ckpt.kind == "committed":
+            if ckpt.kind == "committed" and ckpt.tier == "local":
                 book = self.book(ckpt.job)
                 if book.checkpoint is None or ckpt.step >= book.checkpoint[0]:
                     book.checkpoint = (ckpt.step, received_unix_s)
@@ -505,9 +505,12 @@ class RemediationEngine:
             return True, ""
         return await handler.run(self.ctx, rem, incident, rule)
 
-    async def apply_isolation(self, node: str, *, isolate: bool, reason: str) -> StepResult:
-        """Isolate or release ``node`` by hand (the API): the same path as the policy's."""
-        return await apply_isolation(self.ctx, node, isolate=isolate, reason=reason)
+    async def apply_isolation(
+        self, node: str, *, isolate: bool, reason: str, audit: Audit
+    ) -> tuple[bool, str, Any]:
+        """Isolate or release ``node`` by hand (the API): the same path as the policy's,
+        with ``audit`` (the operator's action rows) in the isolation's transaction."""
+        return await apply_isolation(self.ctx, node, isolate=isolate, reason=reason, audit=audit)
 
     async def approve(self, action_id: int, actor: str) -> dict[str, Any]:
         """Run the plan a job's dry run held back (an ``approval`` row), once, as ``actor``.

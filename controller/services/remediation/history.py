@@ -158,9 +158,16 @@ def newest_committed_before(session: Session, job: str, step: int) -> int | None
     """The newest checkpoint step of ``job`` committed (rank 0's ``committed`` event) below
     ``step``, or None. Strictly below: the checkpoint labelled ``step`` holds the weights
     that the damaged step started from, which may already carry the cause (an overflowing
-    update shows up as NaN only in the next step's gradients)."""
+    update shows up as NaN only in the next step's gradients).
+
+    Only the local tier's commits count: that is the copy a restarted rank finds first
+    (the object store's ``uploaded`` comes later, or never), and the only tier that reports
+    ``committed``; naming it keeps that so if the object store ever reports one too."""
     query = select(func.max(Checkpoint.step)).where(
-        Checkpoint.job_name == job, Checkpoint.kind == "committed", Checkpoint.step < step
+        Checkpoint.job_name == job,
+        Checkpoint.kind == "committed",
+        Checkpoint.tier == "local",
+        Checkpoint.step < step,
     )
     found = session.execute(query).scalar()
     return int(found) if found is not None else None
