@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, Path
 from pydantic import BaseModel, Field
+from sqlalchemy import Connection
 
 from controller.api.deps import (
     AUTH_ERRORS,
@@ -41,8 +43,10 @@ async def put_policy(
     services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Replace the policy (validated strictly; 422 names the field). It lasts until the
-    controller restarts, which reads ``policy_file`` again: keep the file the source of truth."""
-    services.remediation.policy = policy
+    controller restarts, which reads ``policy_file`` again: keep the file the source of truth.
+
+    Write, then publish: the audit row first, so a database that fails (503) leaves the old
+    policy in force and no change goes unrecorded."""
     await services.actions.create(
         kind="set_policy",
         target="remediation",
@@ -51,6 +55,7 @@ async def put_policy(
         status="succeeded",
         outcome="policy replaced",
     )
+    services.remediation.policy = policy
     return policy.model_dump(mode="json")
 
 
@@ -70,18 +75,26 @@ async def _node_action(
     engine = services.remediation
     kind = "isolate_node" if isolate else "release_node"
     started = time.time()
-    ok, outcome = await engine.apply_isolation(name, isolate=isolate, reason=reason)
-    status = "succeeded" if ok else "failed"
-    action = await services.actions.create(
-        kind=kind,
-        target=name,
-        trigger=f"operator:{principal.name}",
-        params={"reason": reason, "actuator": engine.actuator.name if engine.actuator else None},
-        status=status,
-        outcome=outcome,
-        created_unix_s=started,
+
+    def audit(ok: bool, outcome: str) -> Callable[[Connection], int]:
+        # Written in the isolation's own transaction: no isolation without its record.
+        return services.actions.inserting(
+            kind=kind,
+            target=name,
+            trigger=f"operator:{principal.name}",
+            params={
+                "reason": reason,
+                "actuator": engine.actuator.name if engine.actuator else None,
+            },
+            status="succeeded" if ok else "failed",
+            outcome=outcome,
+            created_unix_s=started,
+        )
+
+    ok, outcome, action = await engine.apply_isolation(
+        name, isolate=isolate, reason=reason, audit=audit
     )
-    if status == "failed":
+    if not ok:
         raise Conflict(f"{kind} {name}: {outcome} (action {action})")
     return {"node": name, "isolated": isolate, "action": action, "outcome": outcome}
 

@@ -26,9 +26,10 @@ import asyncio
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Action
@@ -189,11 +190,13 @@ class Approvals:
                     await self._record(action_id, row.kind, actor, None, "failed", exc.message)
                     raise
                 carried, outcome = done["action"], done["outcome"]
+                approval = await self._record(
+                    action_id, row.kind, actor, carried, "succeeded", f"{reason}: {outcome}"
+                )
             else:
-                carried, outcome = await self._isolate(row.target, actor, reason)
-            approval = await self._record(
-                action_id, row.kind, actor, carried, "succeeded", f"{reason}: {outcome}"
-            )
+                carried, outcome, approval = await self._isolate(
+                    action_id, row.target, actor, reason
+                )
             return {
                 "action": action_id,
                 "kind": row.kind,
@@ -218,7 +221,13 @@ class Approvals:
             "outcome": f"approved by {actor}: running {', '.join(started.get('steps', []))}",
         }
 
-    async def _isolate(self, node: str, actor: str, reason: str) -> tuple[int, str]:
+    async def _isolate(
+        self, action_id: int, node: str, actor: str, reason: str
+    ) -> tuple[int, str, int]:
+        """Isolate ``node`` for dry run ``action_id``: the isolation, its ``isolate_node``
+        row and the ``approve_action`` row are one transaction, so a database that fails
+        leaves the node not isolated and the dry run approvable, and a success is never
+        without its record (nor approvable twice)."""
         engine = self._engine
         state = engine.ctx.state.nodes.get(node)
         if state is None:
@@ -227,30 +236,53 @@ class Approvals:
             raise Conflict(f"node {node!r} is already isolated")
         started = time.time()
         actuator = engine.actuator
-        ok, outcome = await engine.apply_isolation(node, isolate=True, reason=reason)
-        action = await self._actions.create(
-            kind="isolate_node",
-            target=node,
-            trigger=f"operator:{actor}",
-            params={"reason": reason, "actuator": actuator.name if actuator else None},
-            status="succeeded" if ok else "failed",
-            outcome=outcome,
-            created_unix_s=started,
-        )
-        if not ok:
-            raise Conflict(f"isolate {node}: {outcome} (action {action})")
-        return action, outcome
 
-    async def _record(
+        def audit(ok: bool, outcome: str) -> Callable[[Connection], tuple[int, int | None]]:
+            isolated = self._actions.inserting(
+                kind="isolate_node",
+                target=node,
+                trigger=f"operator:{actor}",
+                params={"reason": reason, "actuator": actuator.name if actuator else None},
+                status="succeeded" if ok else "failed",
+                outcome=outcome,
+                created_unix_s=started,
+            )
+
+            def write(conn: Connection) -> tuple[int, int | None]:
+                carried = isolated(conn)
+                if not ok:
+                    return carried, None
+                approval = self._approval(
+                    action_id, "isolate_node", actor, carried, "succeeded", f"{reason}: {outcome}"
+                )
+                return carried, approval(conn)
+
+            return write
+
+        ok, outcome, (carried, approval) = await engine.apply_isolation(
+            node, isolate=True, reason=reason, audit=audit
+        )
+        if not ok or approval is None:
+            raise Conflict(f"isolate {node}: {outcome} (action {carried})")
+        return carried, outcome, approval
+
+    def _approval(
         self, action_id: int, kind: str, actor: str, carried: int | None, status: str, outcome: str
-    ) -> int:
-        return await self._actions.create(
+    ) -> Callable[[Connection], int]:
+        return self._actions.inserting(
             kind=APPROVE_KIND,
             target=f"action:{action_id}",
             trigger=f"operator:{actor}",
             params={"action": action_id, "kind": kind, "carried_out": carried},
             status=status,
             outcome=outcome[:2000],
+        )
+
+    async def _record(
+        self, action_id: int, kind: str, actor: str, carried: int | None, status: str, outcome: str
+    ) -> int:
+        return await self._store.write(
+            self._approval(action_id, kind, actor, carried, status, outcome)
         )
 
 

@@ -11,8 +11,11 @@ next.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from sqlalchemy import Connection
 
 from controller.actuators.base import Actuator
 from controller.actuators.k8s.partition import PartitionSettings
@@ -86,6 +89,12 @@ class ActionRecorder:
 
     async def finish(self, action_id: int, status: str, outcome: str) -> None:
         await self._actions.update(
+            action_id, status=status, outcome=outcome, finished_unix_s=time.time()
+        )
+
+    def finishing(self, action_id: int, status: str, outcome: str) -> Callable[[Connection], None]:
+        """:meth:`finish` as a step of the caller's transaction (the change it records)."""
+        return self._actions.updating(
             action_id, status=status, outcome=outcome, finished_unix_s=time.time()
         )
 

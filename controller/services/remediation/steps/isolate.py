@@ -3,14 +3,23 @@
 The rule may ask for hardware evidence or a repeat offence first
 (``isolate_when: hardware_or_repeat``); the circuit breaker refuses when too many nodes are
 isolated already. The actuator keeps work off the node; the isolation itself is recorded
-through :class:`~controller.services.nodes.NodeRecords`, the one writer of node rows.
+through :class:`~controller.services.nodes.NodeRecords`, the one writer of node rows, in one
+transaction with its action row (the policy's ``pending`` row finished, or an operator's
+row inserted): there is never an isolation without its audit record, or the other way round.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Connection
 
 from controller.actuators.base import ActuatorError
+from controller.errors import ControllerError
 from controller.logic.remediation import guards
 from controller.logic.remediation.params import IsolateParams
 from controller.logic.remediation.rules import IsolateWhen, Rule, Step
@@ -19,20 +28,65 @@ from controller.services.remediation.records import HARDWARE_KINDS, Remediation
 from controller.services.remediation.steps.base import StepContext, StepResult
 from controller.state import IncidentState
 
+log = logging.getLogger(__name__)
 
-async def apply_isolation(ctx: StepContext, node: str, *, isolate: bool, reason: str) -> StepResult:
-    """Isolate or release ``node`` through the actuator, then record it: the one path for
-    the policy and for operators. Returns (done, outcome)."""
+
+#: What an isolation records with it: given (done, outcome), the write of its action row(s),
+#: run in the isolation's own transaction (or alone when the actuator failed).
+Audit = Callable[[bool, str], Callable[[Connection], Any]]
+
+
+async def apply_isolation(
+    ctx: StepContext, node: str, *, isolate: bool, reason: str, audit: Audit
+) -> tuple[bool, str, Any]:
+    """Isolate or release ``node`` through the actuator, then record it with its audit row
+    in one transaction: the one path for the policy and for operators. Returns (done,
+    outcome, what ``audit``'s write returned).
+
+    An actuator that fails changes nothing: only the (failed) audit row is written. A
+    database that fails after the actuator acted raises (memory and database as before)
+    and the actuator's change is undone, so the cluster does not keep a node cordoned that
+    neither the API nor the database calls isolated (issue 14)."""
     outcome = f"{node} {'isolated' if isolate else 'released'}"
     actuator = ctx.actuator
+    state = ctx.state.nodes.get(node)
+    previous = state.isolated_reason if state is not None else None
     if actuator is not None:
         call = actuator.isolate_node if isolate else actuator.release_node
         try:
             outcome = (await call(node, reason=reason)).outcome
         except ActuatorError as exc:
-            return False, str(exc)
-    await ctx.nodes.set_isolation(node, reason if isolate else None)
-    return True, outcome
+            return False, str(exc), await ctx.store.write(audit(False, str(exc)))
+    try:
+        written = await ctx.nodes.set_isolation(
+            node, reason if isolate else None, audit=audit(True, outcome)
+        )
+    except Exception as exc:
+        if actuator is not None:
+            await _undo(ctx, node, isolate=isolate, previous=previous, error=exc)
+        raise
+    return True, outcome, written
+
+
+async def _undo(
+    ctx: StepContext, node: str, *, isolate: bool, previous: str | None, error: Exception
+) -> None:
+    """The compensation of an isolation (or release) the database did not take."""
+    actuator = ctx.actuator
+    if actuator is None:
+        return
+    why = f"not recorded ({type(error).__name__}), undone"
+    try:
+        if isolate:
+            await actuator.release_node(node, reason=why)
+        else:
+            await actuator.isolate_node(node, reason=previous or why)
+    except Exception:
+        # Nothing left to do here: the operator sees the 503 and the log says what to check.
+        log.exception(
+            "could not undo an isolation change the database did not record",
+            extra={"fields": {"node": node, "isolate": isolate}},
+        )
 
 
 def hardware_evidence(ctx: StepContext, incident: IncidentState, node: str) -> bool:
@@ -104,6 +158,18 @@ class Isolate:
             return True, outcome
         params = IsolateParams(actuator=ctx.actuator.name if ctx.actuator else None).to_params()
         action = await record(incident, rem, kind, node, params, "pending", "")
-        ok, outcome = await apply_isolation(ctx, node, isolate=True, reason=reason)
-        await ctx.recorder.finish(action, "succeeded" if ok else "failed", outcome)
+
+        def finish(ok: bool, outcome: str) -> Callable[[Connection], None]:
+            return ctx.recorder.finishing(action, "succeeded" if ok else "failed", outcome)
+
+        try:
+            ok, outcome, _ = await apply_isolation(
+                ctx, node, isolate=True, reason=reason, audit=finish
+            )
+        except ControllerError as exc:
+            # Not stored (and undone at the actuator): the node is not isolated anywhere.
+            outcome = f"isolation of {node} not recorded, undone: {exc.message}"[:2000]
+            with contextlib.suppress(ControllerError):  # still down: a new leader closes it
+                await ctx.recorder.finish(action, "failed", outcome)
+            return False, outcome
         return ok, outcome
