@@ -284,40 +284,4 @@ def test_traffic_plan_and_link_writes_that_fail_change_nothing(
         assert _stored(db_url, "SELECT link FROM traffic_links") == "tor-a--spine-0"
 
 
-def test_action_record_that_fails_leaves_memory_and_database_agreeing(
-    live_controller, db_url, ctl_report, ctl_db_outage
-) -> None:
-    """An operator's isolation is recorded as an action row after the isolation itself.
-    With the action insert failing, the client gets 503, the node's isolation shown is the
-    one stored, the action list (read from the database) has no half-written row, and the
-    next request (a release, then an isolation) works and is recorded."""
-    live = live_controller
-    with httpx.Client(base_url=live.url, timeout=20) as client:
-        assert _post(client, live, "/api/v1/reports", ctl_report("w5", 0), "agent").is_success
-
-        def actions() -> list[dict[str, Any]]:
-            r = client.get("/api/v1/actions", headers=live.headers())
-            assert r.status_code == 200, r.text
-            return [a for a in r.json()["data"] if a["target"] == "w5"]
-
-        def isolation_agrees() -> str | None:
-            shown = _node(client, live, "w5")["isolated_reason"]
-            stored = _stored(db_url, "SELECT isolated_reason FROM nodes WHERE name = 'w5'")
-            assert shown == stored
-            return shown  # type: ignore[no-any-return]
-
-        ctl_db_outage.arm(r"^\s*INSERT INTO actions")
-        r = _post(client, live, "/api/v1/nodes/w5/isolate", {"reason": "suspect"})
-        assert r.status_code == 503, r.text
-        ctl_db_outage.disarm()
-        assert actions() == []
-        expected = ["isolate_node"]
-        if isolation_agrees() is not None:  # isolated before the record failed: release it
-            r = _post(client, live, "/api/v1/nodes/w5/release", None)
-            assert r.status_code == 200, r.text
-            assert isolation_agrees() is None
-            expected.append("release_node")
-        r = _post(client, live, "/api/v1/nodes/w5/isolate", {"reason": "suspect"})
-        assert r.status_code == 200, r.text
-        assert isolation_agrees() == "suspect"
-        assert sorted(a["kind"] for a in actions()) == expected
+# The operator's isolation and its action row: test_ctl_isolation_writes.py (one transaction).
