@@ -6,7 +6,7 @@ matching the filter and ``data`` is one page of it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, Union
 
 from pydantic import (
     BaseModel,
@@ -16,8 +16,10 @@ from pydantic import (
     Tag,
     TypeAdapter,
     computed_field,
+    create_model,
 )
 
+from controller.logic.detection.evidence_kinds import KINDS_BY_EVIDENCE
 from controller.logic.remediation.params import (
     PARAMS_BY_KIND,
     ActionKind,
@@ -124,7 +126,7 @@ class JobsPublic(BaseModel):
     count: int
 
 
-class IncidentPublic(PublicModel):
+class _IncidentPublicBase(PublicModel):
     id: int
     kind: str
     severity: Literal["critical", "warning", "info"]
@@ -139,6 +141,71 @@ class IncidentPublic(PublicModel):
     opened_unix_s: float = Field(description="First seen")
     updated_unix_s: float = Field(description="Last seen: the latest occurrence folded in")
     resolved_unix_s: float | None
+
+
+class OtherIncidentPublic(_IncidentPublicBase):
+    """An incident whose evidence has no model: a kind this release does not type (another
+    service's, a newer release's), or a row whose evidence does not fit its kind's model.
+
+    ``evidence_error`` (always present, ``null`` for an untyped kind) keeps the schema's
+    ``oneOf`` exclusive: no typed incident carries it."""
+
+    evidence_error: str | None = Field(
+        description="Why the evidence does not fit its kind's model (null: the kind has none)"
+    )
+
+
+def _typed_incident(evidence: Any, kinds: tuple[str, ...]) -> type[_IncidentPublicBase]:
+    """The incident shape of ``kinds``: the shared fields, ``evidence`` as their model."""
+    # A model names its shape; the one union of two models (StragglerAnyEvidence) is the
+    # straggler's.
+    name = evidence.__name__ if isinstance(evidence, type) else "StragglerEvidence"
+    name = name.removesuffix("Evidence")
+    model: type[_IncidentPublicBase] = create_model(
+        f"{name}IncidentPublic",
+        __base__=_IncidentPublicBase,
+        __doc__=f"An incident of kind {', '.join(kinds)}, its evidence typed.",
+        kind=(Literal[kinds], ...),  # type: ignore[arg-type]  # the kinds of the table
+        evidence=(evidence, ...),
+    )
+    return model
+
+
+#: One incident shape per evidence model (``controller.logic.detection.evidence_kinds``:
+#: the one table of kinds and models), and the untyped one.
+_TYPED_INCIDENTS = {
+    kinds: _typed_incident(evidence, kinds) for evidence, kinds in KINDS_BY_EVIDENCE.items()
+}
+_INCIDENT_TAG = {kind: "|".join(kinds) for kinds in _TYPED_INCIDENTS for kind in kinds}
+
+
+def _incident_tag(value: Any) -> str:
+    """The typed shape of the incident's kind, or ``other``: a kind without a model, or
+    evidence that does not fit its model (``evidence_error`` says why)."""
+    if isinstance(value, dict):
+        kind, error = value.get("kind"), value.get("evidence_error")
+    else:
+        kind, error = getattr(value, "kind", None), getattr(value, "evidence_error", None)
+    if error is not None or not isinstance(kind, str):
+        return "other"
+    return _INCIDENT_TAG.get(kind, "other")
+
+
+if TYPE_CHECKING:
+    IncidentPublic: TypeAlias = _IncidentPublicBase
+else:
+    #: One incident, its ``evidence`` typed by its ``kind``. Validate rows with
+    #: :data:`INCIDENT_ADAPTER` (through :func:`controller.services.queries.incident_public`).
+    IncidentPublic = Annotated[
+        Union[
+            (
+                *(Annotated[m, Tag("|".join(k))] for k, m in _TYPED_INCIDENTS.items()),
+                Annotated[OtherIncidentPublic, Tag("other")],
+            )
+        ],
+        Discriminator(_incident_tag),
+    ]
+INCIDENT_ADAPTER: TypeAdapter[IncidentPublic] = TypeAdapter(IncidentPublic)
 
 
 class IncidentsPublic(BaseModel):

@@ -20,8 +20,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from controller.logic.detection.job_evidence import (
+    FlightDivergence,
+    FlightRecorderEvidence,
+    FlightRecorderUpdate,
+)
 from controller.services.commands import CommandService
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState, IncidentState
@@ -96,8 +100,8 @@ class FlightEvidence:
             return
         evidence = flight_evidence(request.dumps, request.ranks, incident)
         summary = incident.summary
-        if evidence["agrees_with_trainguard"] is False and "Flight Recorder" not in summary:
-            summary += f"; Flight Recorder disagrees: {evidence['verdict']}"
+        if evidence.agrees_with_trainguard is False and "Flight Recorder" not in summary:
+            summary += f"; Flight Recorder disagrees: {evidence.verdict}"
         spec = IncidentSpec(
             kind=incident.kind,
             severity=incident.severity,
@@ -107,14 +111,18 @@ class FlightEvidence:
             gpu_index=incident.gpu_index,
             job=incident.job,
             ranks=list(incident.ranks),
-            evidence={"flight_recorder": evidence},
         )
-        await self._incidents.open_or_bump(spec, count=0, refresh=True)
+        await self._incidents.open_or_bump(
+            spec,
+            count=0,
+            refresh=True,
+            evidence_update=FlightRecorderUpdate(flight_recorder=evidence),
+        )
 
 
 def flight_evidence(
     dumps: dict[int, wire.FlightRecorderDump], ranks: set[int], incident: IncidentState
-) -> dict[str, Any]:
+) -> FlightRecorderEvidence:
     """What the dumps say, next to the incident's own verdict (pure)."""
     members: dict[str, list[int]] = {}
     for dump in dumps.values():
@@ -137,16 +145,16 @@ def flight_evidence(
             agrees = sorted(first.missing) == sorted(incident.ranks)
         else:  # comm_hang: every member entered
             agrees = not first.missing
-    return {
-        "divergences": [d.to_dict() for d in divergences[:8]],
-        "verdict": verdict,
-        "agrees_with_trainguard": agrees,
-        "trainguard_ranks": sorted(incident.ranks),
-        "dumps_from": sorted(dumps),
-        "dumps_missing": sorted(ranks - set(dumps)),
-        "errors": errors,
-        "paths": {str(r): d.path for r, d in dumps.items() if d.path},
-    }
+    return FlightRecorderEvidence(
+        divergences=[FlightDivergence.model_validate(d.to_dict()) for d in divergences[:8]],
+        verdict=verdict,
+        agrees_with_trainguard=agrees,
+        trainguard_ranks=sorted(incident.ranks),
+        dumps_from=sorted(dumps),
+        dumps_missing=sorted(ranks - set(dumps)),
+        errors=errors,
+        paths={str(r): d.path for r, d in dumps.items() if d.path},
+    )
 
 
 __all__ = ["HANG_KINDS", "FlightEvidence", "flight_evidence"]

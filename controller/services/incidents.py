@@ -27,6 +27,7 @@ from sqlalchemy import Connection, Table
 from controller.db.keys import RowKey
 from controller.db.repositories import incidents as repo
 from controller.db.repositories import write_batch
+from controller.logic.detection.incident_evidence import EvidenceEvent, IncidentEvidence
 from controller.services.events import EventBus, IncidentOpened
 from controller.services.metrics import SafeCollector
 from controller.state import ClusterState, IncidentState
@@ -40,6 +41,10 @@ MAX_EVIDENCE_EVENTS = 50
 
 @dataclass(kw_only=True, slots=True)
 class IncidentSpec:
+    """What a detector found. ``evidence`` is the kind's model
+    (``controller.logic.detection.evidence_kinds``); a plain JSON object only for a kind
+    that has none (and for test fixtures that store partial evidence on purpose)."""
+
     kind: str
     severity: str
     summary: str
@@ -48,7 +53,14 @@ class IncidentSpec:
     gpu_index: int | None = None
     job: str | None = None
     ranks: list[int] | None = None
-    evidence: dict[str, Any] | None = None
+    evidence: IncidentEvidence | dict[str, Any] | None = None
+
+
+def _stored(evidence: IncidentEvidence | dict[str, Any] | None) -> dict[str, Any]:
+    """The JSON an incident row stores for ``evidence`` (a new dict, never the caller's)."""
+    if evidence is None:
+        return {}
+    return evidence.as_json() if isinstance(evidence, IncidentEvidence) else dict(evidence)
 
 
 class IncidentService:
@@ -71,10 +83,10 @@ class IncidentService:
         spec: IncidentSpec,
         *,
         count: int = 1,
-        events: list[dict[str, Any]] | None = None,
+        events: list[EvidenceEvent] | None = None,
         also_write: set[RowKey] | None = None,
         refresh: bool = False,
-        evidence_update: dict[str, Any] | None = None,
+        evidence_update: IncidentEvidence | None = None,
         rows: dict[Table, list[dict[str, Any]]] | None = None,
         on_written: Callable[[], None] | None = None,
     ) -> tuple[IncidentState, bool]:
@@ -91,13 +103,14 @@ class IncidentService:
         now = time.time()
         existing = self._state.incidents_by_key.get(spec.dedupe_key)
         rows = _merge(self._rows(also_write), rows)
+        new_events = [e.model_dump(mode="json") for e in events or ()]
         if existing is not None:
             evidence = dict(existing.evidence)
             if refresh:
-                evidence.update(spec.evidence or {})
-            evidence.update(evidence_update or {})
-            if events:
-                kept = [*evidence.get("events", []), *events]
+                evidence.update(_stored(spec.evidence))
+            evidence.update(_stored(evidence_update))
+            if new_events:
+                kept = [*evidence.get("events", []), *new_events]
                 evidence["events"] = kept[-MAX_EVIDENCE_EVENTS:]
             summary = spec.summary if refresh else existing.summary
             values = {
@@ -122,9 +135,9 @@ class IncidentService:
             existing.evidence = evidence
             return existing, False
 
-        evidence = {**(spec.evidence or {}), **(evidence_update or {})}
-        if events:
-            evidence["events"] = events[-MAX_EVIDENCE_EVENTS:]
+        evidence = {**_stored(spec.evidence), **_stored(evidence_update)}
+        if new_events:
+            evidence["events"] = new_events[-MAX_EVIDENCE_EVENTS:]
         count = max(count, 1)  # a refresh (count 0) of a condition no longer open opens it
         incident = IncidentState(
             id=0,  # the database's to give

@@ -15,8 +15,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Action, Command, GpuHistory, Incident
+from controller.logic.detection.evidence_kinds import EVIDENCE_BY_KIND, evidence_error
 from controller.schemas import (
     ACTION_ADAPTER,
+    INCIDENT_ADAPTER,
     ActionPublic,
     CommandPublic,
     GpuHistoryPoint,
@@ -161,22 +163,36 @@ def _page(session: Session, query: Any, limit: int, offset: int) -> tuple[list[A
 
 
 def incident_public(row: Incident) -> IncidentPublic:
-    return IncidentPublic(
-        id=row.id,
-        kind=row.kind,
-        severity=row.severity,
-        state=row.state,
-        summary=row.summary,
-        node=row.node_name,
-        gpu_index=row.gpu_index,
-        job=row.job_name,
-        ranks=list(row.ranks),
-        evidence=dict(row.evidence),
-        count=row.count,
-        opened_unix_s=row.opened_unix_s,
-        updated_unix_s=row.updated_unix_s,
-        resolved_unix_s=row.resolved_unix_s,
-    )
+    """A stored incident, its evidence typed by its kind. A row whose evidence does not fit
+    its kind's model (hand-edited, or a release that broke its shape) is still shown, with
+    its evidence as stored and ``evidence_error`` saying why: an incident is never hidden."""
+    error = evidence_error(row.kind, row.evidence)
+    fields: dict[str, object] = {
+        "id": row.id,
+        "kind": row.kind,
+        "severity": row.severity,
+        "state": row.state,
+        "summary": row.summary,
+        "node": row.node_name,
+        "gpu_index": row.gpu_index,
+        "job": row.job_name,
+        "ranks": list(row.ranks),
+        "evidence": dict(row.evidence),
+        "count": row.count,
+        "opened_unix_s": row.opened_unix_s,
+        "updated_unix_s": row.updated_unix_s,
+        "resolved_unix_s": row.resolved_unix_s,
+    }
+    if error is not None or row.kind not in EVIDENCE_BY_KIND:
+        if error is not None:
+            log.warning(
+                "incident %s (%s): evidence does not fit its kind's model: %s",
+                row.id,
+                row.kind,
+                error,
+            )
+        fields["evidence_error"] = error
+    return INCIDENT_ADAPTER.validate_python(fields)
 
 
 def list_incidents(

@@ -12,14 +12,13 @@ import pytest
 from sqlalchemy import text
 
 from controller.db.session import make_engine
+from controller.logic.detection.evidence_kinds import EVIDENCE_BY_KIND, parse_evidence
 from controller.logic.detection.incident_evidence import (
-    EVIDENCE_BY_KIND,
     DegradedEvidence,
     GpuFaultEvidence,
     HwEvidence,
     NodeLostEvidence,
     XidEvidence,
-    parse_evidence,
 )
 
 #: Evidence exactly as the detectors wrote it before the models (dict literals), per kind.

@@ -1,25 +1,29 @@
-"""Typed evidence of the health and degraded-GPU incidents (issue 13), as the straggler's is.
+"""Typed incident evidence (issue 13): the shared base, and the evidence of node-side incidents.
 
-The detectors (:mod:`controller.services.detection.health`, ``.degraded``) build these
-models and store ``as_json()``; readers (the API, the CLI, the dashboard) parse a stored
-``evidence`` with :func:`parse_evidence`. The stored JSON keeps the shape it always had, so
-rows written before these models existed load unchanged: every model allows keys it does not
-know (written by a newer controller, or added by the incident service: ``events``,
-``resolution``), and a row that does not fit its kind's model is returned as the plain dict
-it is, with a warning, never an error.
+Every incident's ``evidence`` JSON has a model, one per kind: node health and degraded GPUs
+(here), power and the quarantine budget (here too: they are incidents like the others, and
+one module of evidence is easier to find than one per service), and the job detectors'
+kinds (:mod:`controller.logic.detection.job_evidence`). The producers build these models and
+store ``as_json()``; the API schema (``controller.schemas.IncidentPublic``), the CLI and the
+dashboard read the same fields; :mod:`controller.logic.detection.evidence_kinds` maps each
+kind to its model and parses a stored row.
+
+The stored JSON keeps the shape it always had, so rows written before these models existed
+load unchanged: every model allows keys it does not know (written by a newer controller),
+fields added after a kind was introduced have defaults, and a model dumps only the fields a
+row holds (:class:`~controller.logic.given.OnlyGiven`).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-log = logging.getLogger(__name__)
+from controller.logic.given import OnlyGiven
 
 
-class EvidenceEvent(BaseModel):
+class EvidenceEvent(OnlyGiven):
     """One occurrence folded into an incident (its ``events`` list keeps the newest 50)."""
 
     model_config = ConfigDict(extra="allow")
@@ -35,11 +39,19 @@ class EvidenceEvent(BaseModel):
     before: int | None = None
     #: The hardware rule's signal (``controller.logic.detection.hw_rules``).
     signal: str | None = None
-    #: Degraded GPUs: ``ecc`` or ``throttle``.
+    #: Degraded GPUs: ``ecc`` or ``throttle``, and that cause's reading.
     cause: str | None = None
+    rise: int | None = None
+    ecc_corrected_total: int | None = None
+    reasons: list[str] | None = None
+    throttled_fraction: float | None = None
+    temperature_c: float | None = None
+    max_temperature_c: float | None = None
+    #: Power incidents: the policy's message.
+    message: str | None = None
 
 
-class IncidentEvidence(BaseModel):
+class IncidentEvidence(OnlyGiven):
     """Common to every typed evidence: the folded occurrences and the resolution note."""
 
     model_config = ConfigDict(extra="allow")
@@ -50,7 +62,7 @@ class IncidentEvidence(BaseModel):
 
     def as_json(self) -> dict[str, Any]:
         """The stored JSON: only the fields that were set, as before the models existed."""
-        return self.model_dump(mode="json", exclude_unset=True)
+        return self.model_dump(mode="json")
 
 
 class GpuFaultEvidence(IncidentEvidence):
@@ -119,37 +131,28 @@ class DegradedEvidence(IncidentEvidence):
     throttle: ThrottleCause | None = None
 
 
-#: Incident kind -> its evidence model (kinds not here keep plain-dict evidence).
-EVIDENCE_BY_KIND: dict[str, type[IncidentEvidence]] = {
-    "gpu_fault": GpuFaultEvidence,
-    "gpu_watch_failed": GpuWatchEvidence,
-    "node_lost": NodeLostEvidence,
-    "application_xid": XidEvidence,
-    "gpu_xid": XidEvidence,
-    "hw_degraded": HwEvidence,
-    "nic_errors": HwEvidence,
-    "gpu_degraded": DegradedEvidence,
-}
+class PowerEvidence(IncidentEvidence):
+    """``power_*``: the power domain, the policy's incident kind and the domain's numbers
+    when the loop had a reading (budget, draw, level)."""
+
+    domain: str | None
+    policy_kind: str
+    budget_w: float | None = None
+    power_w: float | None = None
+    level: str | None = None
 
 
-def parse_evidence(kind: str, data: dict[str, Any]) -> IncidentEvidence | dict[str, Any]:
-    """``data`` as ``kind``'s model; a kind without one, or a row that does not fit it (an
-    older or damaged row), stays the dict it is (logged, never raised)."""
-    model = EVIDENCE_BY_KIND.get(kind)
-    if model is None:
-        return data
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        log.warning(
-            "incident evidence does not fit its kind's model; shown as stored",
-            extra={"fields": {"kind": kind, "error": str(exc).splitlines()[0]}},
-        )
-        return data
+class QuarantineBudgetEvidence(IncidentEvidence):
+    """``quarantine_budget``: the isolation refused, and the budget that refused it."""
+
+    refused_node: str
+    quarantined_in_window: int
+    limit: int
+    fleet: int
+    window_s: float
 
 
 __all__ = [
-    "EVIDENCE_BY_KIND",
     "DegradedEvidence",
     "EccCause",
     "EvidenceEvent",
@@ -158,7 +161,8 @@ __all__ = [
     "HwEvidence",
     "IncidentEvidence",
     "NodeLostEvidence",
+    "PowerEvidence",
+    "QuarantineBudgetEvidence",
     "ThrottleCause",
     "XidEvidence",
-    "parse_evidence",
 ]

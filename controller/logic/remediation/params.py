@@ -18,18 +18,13 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
+from pydantic import ConfigDict
+
+from controller.logic.given import OnlyGiven
 
 
-class _OnlyGiven(BaseModel):
-    """Serializes the fields a row holds, no defaults added: what the API returns is what
-    the database stores (a reader's ``"key" in params`` keeps its meaning)."""
-
-    @model_serializer(mode="wrap")
-    def _only_given(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
-        data = handler(self)
-        given = self.model_fields_set | set(self.model_extra or {})
-        return {k: v for k, v in data.items() if k in given}
+class _OnlyGiven(OnlyGiven):
+    """Serializes the fields a row holds, no defaults added (:class:`OnlyGiven`)."""
 
     def to_params(self) -> dict[str, Any]:
         """The JSON the action row stores: the fields given, no others."""

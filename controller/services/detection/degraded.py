@@ -39,11 +39,11 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from controller.logic.detection.incident_evidence import (
     DegradedEvidence,
     EccCause,
+    EvidenceEvent,
     ThrottleCause,
 )
 from controller.services.incidents import IncidentService, IncidentSpec
@@ -106,9 +106,9 @@ class _Watch:
     causes: set[str] = field(default_factory=set)
     # Bumps held back by BUMP_INTERVAL_S.
     pending: int = 0
-    pending_events: list[dict[str, Any]] = field(default_factory=list)
+    pending_events: list[EvidenceEvent] = field(default_factory=list)
     #: The newest evidence, for the incident once the held-back bump is written.
-    pending_evidence: dict[str, Any] | None = None
+    pending_evidence: DegradedEvidence | None = None
     last_write_unix_s: float = 0.0
 
 
@@ -154,7 +154,7 @@ class DegradedGpuDetector:
             self._instances[node] = report.agent_instance
         interval = report.sample_interval_s
         touched: dict[int, _Watch] = {}
-        found: dict[int, list[dict[str, Any]]] = {}
+        found: dict[int, list[EvidenceEvent]] = {}
         active: set[int] = set()
         for sample in report.samples:
             t = sample.time_unix_s
@@ -192,7 +192,7 @@ class DegradedGpuDetector:
             if name == node:
                 watch.ecc_last = None
 
-    def _observe_ecc(self, watch: _Watch, value: int | None, t: float) -> dict[str, Any] | None:
+    def _observe_ecc(self, watch: _Watch, value: int | None, t: float) -> EvidenceEvent | None:
         """Count a rise of the corrected-error counter; an event when it is (still) a burst."""
         rise = 0
         if value is not None:
@@ -219,16 +219,13 @@ class DegradedGpuDetector:
             return None
         if not was:
             watch.ecc_since_unix_s = buckets[0].first_unix_s
-        return {
-            "time_unix_s": t,
-            "cause": "ecc",
-            "rise": watch.ecc_sum,
-            "ecc_corrected_total": value,
-        }
+        return EvidenceEvent(
+            time_unix_s=t, cause="ecc", rise=watch.ecc_sum, ecc_corrected_total=value
+        )
 
     def _observe_throttle(
         self, watch: _Watch, g: wire.GpuSample, t: float, interval_s: float
-    ) -> dict[str, Any] | None:
+    ) -> EvidenceEvent | None:
         """Slide the throttle window; an event when throttling has just become persistent."""
         bits = g.throttle_reasons_mask & DEGRADING_MASK
         for reason in g.throttle_reasons:
@@ -256,21 +253,21 @@ class DegradedGpuDetector:
         bad = [s for s in window if s[1]]
         watch.throttle_since_unix_s = bad[0][0]
         temps = [s[2] for s in window if s[2] is not None]
-        return {
-            "time_unix_s": t,
-            "cause": "throttle",
-            "reasons": _reason_names(_union(s[1] for s in bad)),
-            "throttled_fraction": round(watch.throttle_bad / len(window), 3),
-            "temperature_c": g.temperature_c,
-            "max_temperature_c": max(temps) if temps else None,
-        }
+        return EvidenceEvent(
+            time_unix_s=t,
+            cause="throttle",
+            reasons=_reason_names(_union(s[1] for s in bad)),
+            throttled_fraction=round(watch.throttle_bad / len(window), 3),
+            temperature_c=g.temperature_c,
+            max_temperature_c=max(temps) if temps else None,
+        )
 
     async def _raise(
         self,
         node: str,
         index: int,
         watch: _Watch,
-        events: list[dict[str, Any]],
+        events: list[EvidenceEvent],
         now: float,
     ) -> None:
         key = f"{KIND}:{node}:{index}"
@@ -278,12 +275,13 @@ class DegradedGpuDetector:
         if existing is None:
             watch.causes.clear()
             watch.pending, watch.pending_events, watch.pending_evidence = 0, [], None
-        watch.causes.update(e["cause"] for e in events)
+        watch.causes.update(e.cause for e in events if e.cause)
         evidence = self._evidence(watch, events)
         if existing is not None:
             since = existing.evidence.get("since_unix_s")
-            if isinstance(since, int | float) and since < evidence.get("since_unix_s", since):
-                evidence["since_unix_s"] = since  # the fault began when it first began
+            newer = evidence.since_unix_s
+            if isinstance(since, int | float) and newer is not None and since < newer:
+                evidence.since_unix_s = since  # the fault began when it first began
             # Held with the pending bump; the incident takes it once the bump is stored.
             watch.pending_evidence = evidence
             watch.pending += len(events)
@@ -291,7 +289,7 @@ class DegradedGpuDetector:
             if now - watch.last_write_unix_s >= BUMP_INTERVAL_S:
                 await self._flush(existing, watch, now)
             return
-        summary = f"{node}: GPU {index} degrading: {'; '.join(evidence['causes'])}"
+        summary = f"{node}: GPU {index} degrading: {'; '.join(evidence.causes)}"
         spec = IncidentSpec(
             kind=KIND,
             severity="warning",
@@ -311,12 +309,11 @@ class DegradedGpuDetector:
             raise
         log.warning(
             "gpu degrading",
-            extra={"fields": {"node": node, "gpu": index, "causes": evidence["causes"]}},
+            extra={"fields": {"node": node, "gpu": index, "causes": evidence.causes}},
         )
 
-    def _evidence(self, watch: _Watch, events: list[dict[str, Any]]) -> dict[str, Any]:
-        """The incident's evidence (:class:`DegradedEvidence`, stored as its JSON): each
-        cause's numbers, and when the first one began."""
+    def _evidence(self, watch: _Watch, events: list[EvidenceEvent]) -> DegradedEvidence:
+        """The incident's evidence: each cause's numbers, and when the first one began."""
         evidence = DegradedEvidence(causes=[])
         causes = evidence.causes
         starts: list[float] = []
@@ -331,9 +328,11 @@ class DegradedGpuDetector:
                 since_unix_s=watch.ecc_since_unix_s,
             )
         if watch.throttle_active and watch.throttle_since_unix_s is not None:
-            newest = next((e for e in reversed(events) if e["cause"] == "throttle"), None)
+            newest = next((e for e in reversed(events) if e.cause == "throttle"), None)
             reasons = (
-                newest["reasons"] if newest else _reason_names(_union(s[1] for s in watch.throttle))
+                newest.reasons
+                if newest is not None and newest.reasons is not None
+                else _reason_names(_union(s[1] for s in watch.throttle))
             )
             temps = [s[2] for s in watch.throttle if s[2] is not None]
             last_t = watch.throttle[-1][0]
@@ -352,7 +351,7 @@ class DegradedGpuDetector:
             )
         if starts:
             evidence.since_unix_s = min(starts)
-        return evidence.as_json()
+        return evidence
 
     async def _flush(self, incident: IncidentState, watch: _Watch, now: float) -> None:
         """Write the held-back bump; kept (and tried again at a tick) if it is not stored."""

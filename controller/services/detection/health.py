@@ -66,6 +66,7 @@ from controller.db.keys import GpuKey, NodeKey, RowKey
 from controller.db.repositories.nodes import gpu_row, node_row
 from controller.logic.detection.hw_rules import HwFinding, HwRules
 from controller.logic.detection.incident_evidence import (
+    EvidenceEvent,
     GpuFaultEvidence,
     GpuWatchEvidence,
     HwEvidence,
@@ -114,10 +115,10 @@ def xid_class(code: int) -> str:
 @dataclass(slots=True)
 class _GpuFindings:
     fault_reasons: list[str] = field(default_factory=list)
-    fault_events: list[dict[str, Any]] = field(default_factory=list)
+    fault_events: list[EvidenceEvent] = field(default_factory=list)
     lost: bool = False
     #: kind -> (count, events)
-    xids: dict[str, tuple[int, list[dict[str, Any]]]] = field(default_factory=dict)
+    xids: dict[str, tuple[int, list[EvidenceEvent]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -267,7 +268,7 @@ class HealthDetector:
                     summary=f"{node.name}: GPUs not watched: {error}",
                     dedupe_key=key,
                     node=node.name,
-                    evidence=GpuWatchEvidence(gpu_error=error).as_json(),
+                    evidence=GpuWatchEvidence(gpu_error=error),
                 ),
                 rows=staged.rows(),
                 on_written=publish,
@@ -283,7 +284,7 @@ class HealthDetector:
             self._writer.mark_dirty({NodeKey(node.name)})
 
     async def _hw_finding(self, node: NodeState, f: HwFinding) -> None:
-        event = {"time_unix_s": f.time_unix_s, "signal": f.signal, "detail": f.reason}
+        event = EvidenceEvent(time_unix_s=f.time_unix_s, signal=f.signal, detail=f.reason)
         if f.level == "fatal" and f.gpu_index is not None:
             found = _GpuFindings(fault_reasons=[f.reason], fault_events=[event])
             await self._gpu_fault(node, f.gpu_index, found, None)
@@ -305,7 +306,7 @@ class HealthDetector:
                 dedupe_key=f"{kind}:{node.name}:{where}",
                 node=node.name,
                 gpu_index=f.gpu_index,
-                evidence=HwEvidence(signal=f.signal, device=f.device).as_json(),
+                evidence=HwEvidence(signal=f.signal, device=f.device),
             ),
             events=[event],
         )
@@ -325,13 +326,13 @@ class HealthDetector:
             if not found.lost:
                 found.lost = True
                 found.fault_reasons.append(f"GPU {sample.index} lost: the driver cannot reach it")
-                found.fault_events.append({"time_unix_s": time_unix_s, "lost": True})
+                found.fault_events.append(EvidenceEvent(time_unix_s=time_unix_s, lost=True))
         for event in sample.xid_events:
             index = sample.index if event.gpu_index is None else event.gpu_index
             found = findings.setdefault(index, _GpuFindings())
-            record: dict[str, Any] = {"time_unix_s": event.time_unix_s, "xid": event.code}
+            record = EvidenceEvent(time_unix_s=event.time_unix_s, xid=event.code)
             if event.detail:
-                record["detail"] = event.detail
+                record.detail = event.detail
             cls = xid_class(event.code)
             if cls == "fatal":
                 found.fault_reasons.append(
@@ -352,7 +353,9 @@ class HealthDetector:
                     f"uncorrectable ECC errors on GPU {sample.index}: {before} -> {value}"
                 )
                 found.fault_events.append(
-                    {"time_unix_s": time_unix_s, "ecc_uncorrected_total": value, "before": before}
+                    EvidenceEvent(
+                        time_unix_s=time_unix_s, ecc_uncorrected_total=value, before=before
+                    )
                 )
             # Also when it drops (a driver reload resets the volatile counter).
             ecc[sample.index] = value
@@ -389,7 +392,7 @@ class HealthDetector:
             dedupe_key=f"gpu_fault:{node.name}:{index}",
             node=node.name,
             gpu_index=index,
-            evidence=GpuFaultEvidence(reasons=found.fault_reasons[:20]).as_json(),
+            evidence=GpuFaultEvidence(reasons=found.fault_reasons[:20]),
         )
         await self._incidents.open_or_bump(
             spec,
@@ -400,9 +403,9 @@ class HealthDetector:
         )
 
     async def _record_xids(
-        self, node: NodeState, index: int, kind: str, count: int, events: list[dict[str, Any]]
+        self, node: NodeState, index: int, kind: str, count: int, events: list[EvidenceEvent]
     ) -> None:
-        codes = sorted({e["xid"] for e in events})
+        codes = sorted({e.xid for e in events if e.xid is not None})
         known = APPLICATION_XIDS if kind == "application_xid" else {}
         names = ", ".join(f"{c} ({known[c]})" if c in known else str(c) for c in codes)
         label = "application XID" if kind == "application_xid" else "unclassified XID"
@@ -420,9 +423,9 @@ class HealthDetector:
             existing.evidence.get("codes", {}) if existing is not None else {}
         )
         for event in events:
-            by_code[str(event["xid"])] = by_code.get(str(event["xid"]), 0) + 1
+            by_code[str(event.xid)] = by_code.get(str(event.xid), 0) + 1
         await self._incidents.open_or_bump(
-            spec, count=count, events=events, evidence_update=XidEvidence(codes=by_code).as_json()
+            spec, count=count, events=events, evidence_update=XidEvidence(codes=by_code)
         )
 
     # ------------------------------------------------------------------ silence
@@ -458,7 +461,7 @@ class HealthDetector:
                 summary=f"{node.name}: agent silent for {silent_s:.0f} s",
                 dedupe_key=f"node_lost:{node.name}",
                 node=node.name,
-                evidence=NodeLostEvidence(last_report_unix_s=node.last_report_unix_s).as_json(),
+                evidence=NodeLostEvidence(last_report_unix_s=node.last_report_unix_s),
             ),
             rows=staged.rows(),
             on_written=publish,

@@ -26,9 +26,9 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from controller.errors import ControllerError
+from controller.logic.detection.incident_evidence import EvidenceEvent, PowerEvidence
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
 from controller.services.incidents import IncidentService, IncidentSpec
@@ -276,10 +276,12 @@ class PowerLoop:
             severity = "warning"
         gpu = "" if incident.gpu_index is None else str(incident.gpu_index)
         key = f"power:{incident.kind}:{incident.domain or ''}:{incident.node or ''}:{gpu}"
-        evidence: dict[str, Any] = {"domain": incident.domain, "policy_kind": incident.kind}
+        evidence = PowerEvidence(domain=incident.domain, policy_kind=incident.kind)
         if incident.domain is not None and incident.domain in self.last:
             st = self.last[incident.domain]
-            evidence.update(budget_w=st.budget_w, power_w=round(st.power_w, 1), level=st.level.name)
+            evidence.budget_w = st.budget_w
+            evidence.power_w = round(st.power_w, 1)
+            evidence.level = st.level.name
         await self._incidents.open_or_bump(
             IncidentSpec(
                 kind=kind[:32],
@@ -290,7 +292,7 @@ class PowerLoop:
                 gpu_index=incident.gpu_index,
                 evidence=evidence,
             ),
-            events=[{"time_unix_s": time.time(), "message": incident.message}],
+            events=[EvidenceEvent(time_unix_s=time.time(), message=incident.message)],
         )
 
     async def _resolve_recovered(self, statuses: dict[str, DomainStatus]) -> None:

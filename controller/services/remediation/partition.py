@@ -30,6 +30,7 @@ from controller.actuators.k8s.partition import (
     classify,
     quarantine_limit,
 )
+from controller.logic.detection.incident_evidence import QuarantineBudgetEvidence
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.settings import ControllerSettings
 from controller.state import ClusterState, IncidentState
@@ -111,7 +112,7 @@ async def judge_silence(
 
 def quarantine_refusal(
     state: ClusterState, node: str, settings: PartitionSettings, *, now: float
-) -> tuple[str, dict[str, float | int | str]] | None:
+) -> tuple[str, QuarantineBudgetEvidence] | None:
     """Why quarantining ``node`` would overspend the budget (and the evidence for the
     human's incident), or ``None``."""
     fleet = max(len(state.nodes), 1)
@@ -128,18 +129,18 @@ def quarantine_refusal(
         f"nodes quarantined within {settings.window_s:.0f} s (limit {limit}, "
         f"{settings.max_quarantine_share:.0%} of the fleet); a human decides on more"
     )
-    evidence: dict[str, float | int | str] = {
-        "refused_node": node,
-        "quarantined_in_window": recent,
-        "limit": limit,
-        "fleet": fleet,
-        "window_s": settings.window_s,
-    }
+    evidence = QuarantineBudgetEvidence(
+        refused_node=node,
+        quarantined_in_window=recent,
+        limit=limit,
+        fleet=fleet,
+        window_s=settings.window_s,
+    )
     return message, evidence
 
 
 async def raise_budget_incident(
-    incidents: IncidentService, message: str, evidence: dict[str, float | int | str]
+    incidents: IncidentService, message: str, evidence: QuarantineBudgetEvidence
 ) -> None:
     """One open ``quarantine_budget`` incident (bumped while it stays open) for a human."""
     await incidents.open_or_bump(
@@ -150,7 +151,7 @@ async def raise_budget_incident(
             dedupe_key="quarantine_budget",
             node=None,
             job=None,
-            evidence=dict(evidence),
+            evidence=evidence,
         )
     )
 

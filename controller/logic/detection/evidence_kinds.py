@@ -1,0 +1,118 @@
+"""Incident kind -> its evidence model, and the tolerant parse of a stored row (issue 13).
+
+One table for every reader: the API schema builds its per-kind incident shapes from it
+(``controller.schemas``), the CLI and the detectors parse a stored ``evidence`` with
+:func:`parse_evidence`. A kind not in the table (another service's, a newer release's)
+keeps plain-object evidence; a row that does not fit its kind's model (hand-edited, or
+a release that broke its shape) is returned as the dict it is, with a warning, never an
+error: an incident is never hidden because its evidence is odd.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+from pydantic import Field, TypeAdapter, ValidationError
+
+from controller.logic.detection.incident_evidence import (
+    DegradedEvidence,
+    GpuFaultEvidence,
+    GpuWatchEvidence,
+    HwEvidence,
+    IncidentEvidence,
+    NodeLostEvidence,
+    PowerEvidence,
+    QuarantineBudgetEvidence,
+    XidEvidence,
+)
+from controller.logic.detection.job_evidence import (
+    CommFailureEvidence,
+    CommSlowEvidence,
+    HangEvidence,
+    LegacyStragglerEvidence,
+    NonfiniteEvidence,
+    RankCrashEvidence,
+    SlowLinkEvidence,
+    StragglerIncidentEvidence,
+)
+
+log = logging.getLogger(__name__)
+
+#: A straggler row of today's shape, else of the shape written before peer groups.
+StragglerAnyEvidence = Annotated[
+    StragglerIncidentEvidence | LegacyStragglerEvidence, Field(union_mode="left_to_right")
+]
+
+#: Evidence model -> the incident kinds whose evidence it is (a model is one API shape).
+KINDS_BY_EVIDENCE: dict[Any, tuple[str, ...]] = {
+    GpuFaultEvidence: ("gpu_fault",),
+    GpuWatchEvidence: ("gpu_watch_failed",),
+    NodeLostEvidence: ("node_lost",),
+    XidEvidence: ("application_xid", "gpu_xid"),
+    HwEvidence: ("hw_degraded", "nic_errors"),
+    DegradedEvidence: ("gpu_degraded",),
+    PowerEvidence: (
+        "power_brake",
+        "power_telemetry_stale",
+        "power_clock_command_failed",
+        "power_limit_command_failed",
+    ),
+    QuarantineBudgetEvidence: ("quarantine_budget",),
+    HangEvidence: ("hang", "comm_hang"),
+    RankCrashEvidence: ("rank_crash",),
+    CommFailureEvidence: ("comm_failure",),
+    NonfiniteEvidence: ("nonfinite",),
+    CommSlowEvidence: ("comm_slow",),
+    SlowLinkEvidence: ("slow_link",),
+    StragglerAnyEvidence: ("straggler",),
+}
+
+#: Incident kind -> its evidence type (a model, or the straggler's union of two shapes).
+EVIDENCE_BY_KIND: dict[str, Any] = {
+    kind: model for model, kinds in KINDS_BY_EVIDENCE.items() for kind in kinds
+}
+
+_ADAPTERS: dict[str, TypeAdapter[IncidentEvidence]] = {
+    kind: TypeAdapter(model) for kind, model in EVIDENCE_BY_KIND.items()
+}
+
+
+def evidence_error(kind: str, data: object) -> str | None:
+    """Why ``data`` does not fit ``kind``'s model, in one line (``None``: it fits, or the
+    kind has no model)."""
+    adapter = _ADAPTERS.get(kind)
+    if adapter is None:
+        return None
+    try:
+        adapter.validate_python(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "evidence"
+        return f"{where}: {first['msg']}"
+    return None
+
+
+def parse_evidence(kind: str, data: dict[str, Any]) -> IncidentEvidence | dict[str, Any]:
+    """``data`` as ``kind``'s model; a kind without one, or a row that does not fit it (an
+    older or damaged row), stays the dict it is (logged, never raised)."""
+    adapter = _ADAPTERS.get(kind)
+    if adapter is None:
+        return data
+    try:
+        return adapter.validate_python(data)
+    except ValidationError as exc:
+        log.warning(
+            "incident evidence does not fit its kind's model; shown as stored",
+            extra={"fields": {"kind": kind, "error": str(exc).splitlines()[0]}},
+        )
+        return data
+
+
+__all__ = [
+    "EVIDENCE_BY_KIND",
+    "KINDS_BY_EVIDENCE",
+    "StragglerAnyEvidence",
+    "evidence_error",
+    "parse_evidence",
+]
