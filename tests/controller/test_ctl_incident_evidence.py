@@ -70,8 +70,10 @@ def test_typed_fields_and_unknown_keys() -> None:
     # A damaged row stays the dict it is; kinds without a model too.
     damaged = {"codes": "not a map"}
     assert parse_evidence("gpu_xid", damaged) is damaged
-    straggler = {"rank": 3}
+    straggler = {"rank": 3}  # fits neither straggler shape
     assert parse_evidence("straggler", straggler) is straggler
+    untyped = {"anything": 1}
+    assert parse_evidence("power_future", untyped) is untyped
     assert isinstance(parse_evidence("nic_errors", OLD_ROWS["nic_errors"]), HwEvidence)
 
 
@@ -128,6 +130,21 @@ def test_detectors_store_typed_evidence_and_old_rows_are_served(
             engine.dispose()
         r = client.get("/api/v1/incidents?state=resolved", headers=live.headers())
         assert r.status_code == 200, r.text
-        served = {i["kind"]: i["evidence"] for i in r.json()["data"] if i["node"] == "e1"}
-        assert served["gpu_degraded"] == OLD_ROWS["gpu_degraded"]
-        assert served["gpu_xid"] == {"codes": "not a map"}
+        served = {i["kind"]: i for i in r.json()["data"] if i["node"] == "e1"}
+        assert served["gpu_degraded"]["evidence"] == OLD_ROWS["gpu_degraded"]
+        assert "evidence_error" not in served["gpu_degraded"]  # typed: no error field
+        # The damaged row is served, untyped, with the reason (an incident is never hidden).
+        assert served["gpu_xid"]["evidence"] == {"codes": "not a map"}
+        assert served["gpu_xid"]["evidence_error"].startswith("codes")
+
+        # The published schema types the evidence per kind (what clients generate from).
+        schemas = client.get("/openapi.json").json()["components"]["schemas"]
+        shapes = {
+            ref["$ref"].rsplit("/", 1)[-1]
+            for ref in schemas["IncidentsPublic"]["properties"]["data"]["items"]["oneOf"]
+        }
+        assert {"GpuFaultIncidentPublic", "StragglerIncidentPublic", "HangIncidentPublic"} <= shapes
+        assert "OtherIncidentPublic" in shapes
+        fault = schemas["GpuFaultIncidentPublic"]["properties"]
+        assert fault["kind"].get("const", fault["kind"].get("enum")) in ("gpu_fault", ["gpu_fault"])
+        assert fault["evidence"]["$ref"].endswith("/GpuFaultEvidence")
