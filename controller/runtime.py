@@ -38,7 +38,7 @@ from controller.services.container import Services
 from controller.services.dashboard import DashboardFeed
 from controller.services.detection.degraded import DegradedGpuDetector
 from controller.services.detection.health import HealthDetector
-from controller.services.detection.jobs import JobDetector
+from controller.services.detection.jobs import JobDetector, JobFindingsCollector
 from controller.services.events import EventBus, IncidentOpened, JobRecordsReported, NodeReported
 from controller.services.flight_evidence import FlightEvidence
 from controller.services.incidents import IncidentService, IncidentWritesCollector
@@ -158,6 +158,7 @@ def compose(
     metrics.registry.register(RemediationCollector(remediation))
     metrics.registry.register(EventBusCollector(events))
     metrics.registry.register(IncidentWritesCollector(incidents))
+    metrics.registry.register(JobFindingsCollector(jobs))
     ingest = IngestService(state, writer, metrics, events)
     dashboard = DashboardFeed(
         state,

@@ -284,4 +284,49 @@ def test_traffic_plan_and_link_writes_that_fail_change_nothing(
         assert _stored(db_url, "SELECT link FROM traffic_links") == "tor-a--spine-0"
 
 
+def test_job_finding_whose_incident_write_fails_is_recorded_at_a_later_tick(
+    live_controller, db_url, ctl_db_outage, ctl_metric
+) -> None:
+    """A rank's crash is reported once and found once by the C4D trackers: the incident
+    write that fails holds the finding, and a later tick records it, with no new report."""
+    live = live_controller
+    (jobs,) = [t for t in live.controller.tickers if type(t).__name__ == "JobDetector"]
+    crash = {
+        "job": "llm", "rank": 6, "kind": "exited", "exit_code": 1,
+        "time_unix_s": time.time(), "world_size": 8,
+    }  # fmt: skip
+    body = {
+        "node": {"name": "w6", "gpus": [{"index": 0, "uuid": "w6-g0"}]},
+        "agent_instance": "i1", "seq": 0, "sent_unix_s": time.time(), "samples": [],
+        "job": {"rank_events": [crash]},
+    }  # fmt: skip
+    with httpx.Client(base_url=live.url, timeout=20) as client:
+
+        def crashes() -> list[dict[str, Any]]:
+            r = client.get("/api/v1/incidents?kind=rank_crash", headers=live.headers())
+            assert r.status_code == 200, r.text
+            return list(r.json()["data"])
+
+        def stored() -> int:
+            return int(_stored(db_url, "SELECT count(*) FROM incidents WHERE kind = 'rank_crash'"))
+
+        ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
+        assert _post(client, live, "/api/v1/reports", body, "agent").status_code == 200
+        _wait(lambda: jobs.held_counts["held"] >= 1)
+        _wait(lambda: live.controller.incidents.write_failures["open"] >= 2)  # tried again
+        assert crashes() == [] and stored() == 0
+        scraped = client.get("/metrics").text
+        assert ctl_metric(scraped, "trainguard_job_findings_waiting") == 1
+        ctl_db_outage.disarm()
+
+        # No new report: the held finding is recorded by a later tick, once.
+        _wait(lambda: bool(crashes()))
+        (incident,) = crashes()
+        assert incident["job"] == "llm" and incident["ranks"] == [6] and stored() == 1
+        scraped = client.get("/metrics").text
+        assert ctl_metric(scraped, 'trainguard_job_findings_held_total{outcome="recorded"}') == 1
+        assert ctl_metric(scraped, "trainguard_job_findings_waiting") == 0
+        assert jobs.held == {} and jobs.held_counts["dropped"] == 0
+
+
 # The operator's isolation and its action row: test_ctl_isolation_writes.py (one transaction).

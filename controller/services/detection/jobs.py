@@ -14,6 +14,12 @@ restart the remediation policy orders, or an operator's): once the restarted job
 stepped on every rank, the round probes the ring of its ranks, so a link that is still
 slow, or slow from the first step (which the ``comm_slow`` detector, comparing against the
 job's own past, cannot see), is named.
+
+A finding is emitted by the trackers once (a crash is never seen again), so one whose
+incident write fails is not lost: it is held and tried again at later ticks, with backoff,
+in the order its condition's readings came (a later reading of a held condition waits
+behind it), for at most ``HELD_FINDING_TTL_S`` and ``MAX_HELD_FINDINGS`` findings; counted
+in ``trainguard_job_findings_held_total{outcome}`` (issue 14).
 """
 
 from __future__ import annotations
@@ -21,9 +27,14 @@ from __future__ import annotations
 import logging
 import math
 import uuid
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from controller.errors import ControllerError
 from controller.logic.detection.c4d import C4DConfig, Finding, FindingKind, JobTrackers
 from controller.logic.detection.c4d.hang import ring_pairs
 from controller.logic.detection.cause import straggler_cause
@@ -36,6 +47,7 @@ from controller.logic.detection.nic_evidence import (
 )
 from controller.services.commands import CommandService
 from controller.services.incidents import IncidentService, IncidentSpec
+from controller.services.metrics import SafeCollector
 from controller.state import ClusterState
 from trainguard import wire
 
@@ -51,6 +63,23 @@ MIN_LEAD_STEPS = 5
 PROBE_DEADLINE_S = 60.0
 #: A communication hang's deferred probe is dropped if the job has not run again by then.
 DEFERRED_PROBE_TTL_S = 6 * 3600.0
+#: A finding whose incident write failed is tried again for this long after it failed first
+#: (then dropped and logged: the database has been away for minutes, an alert of its own) ...
+HELD_FINDING_TTL_S = 600.0
+#: ... with at most this many held at once (more are dropped at once, and counted) ...
+MAX_HELD_FINDINGS = 256
+#: ... each waiting twice as long as before between tries, up to this.
+HELD_FINDING_MAX_BACKOFF_S = 30.0
+
+
+@dataclass(slots=True)
+class HeldFinding:
+    """A finding whose incident write failed, waiting for its next try."""
+
+    finding: Finding
+    first_failed_unix_s: float
+    attempts: int = 0
+    next_try_unix_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -102,6 +131,10 @@ class JobDetector:
         self._round_of_command: dict[str, str] = {}
         #: Each job node's RDMA ports as its agent last described them (GPU-to-NIC affinity).
         self.nic_inventory: dict[str, list[wire.NicInfo]] = {}
+        #: Findings not recorded yet, by finding key, oldest reading first.
+        self.held: dict[str, deque[HeldFinding]] = {}
+        #: Findings held (a write failed), recorded at a later try, dropped (given up).
+        self.held_counts: dict[str, int] = {"held": 0, "recorded": 0, "dropped": 0}
 
     async def on_report(self, report: wire.Report, received_unix_s: float) -> None:
         if report.node.nics:  # kept by reference: the identity is rebuilt only when it changes
@@ -121,14 +154,78 @@ class JobDetector:
         self.trackers.observe(report.node.name, records, received_unix_s)
 
     async def tick(self, now_unix_s: float) -> None:
+        await self._retry_held(now_unix_s)
         for finding in self.trackers.evaluate(now_unix_s):
-            await self._apply(finding, now_unix_s)
+            await self._record(finding, now_unix_s)
         for probe_round in list(self.rounds.values()):
             done = probe_round.seen_pairs >= set(probe_round.pairs)
             if done or now_unix_s > probe_round.deadline_unix_s:
                 await self._finish_round(probe_round, now_unix_s)
         for deferred in list(self.deferred.values()):
             await self._maybe_start_deferred(deferred, now_unix_s)
+
+    # ------------------------------------------------------------------ findings held back
+
+    async def _record(self, finding: Finding, now_unix_s: float) -> None:
+        """Turn ``finding`` into its incident; hold it for a later tick if the write fails."""
+        held = HeldFinding(finding, first_failed_unix_s=now_unix_s)
+        queue = self.held.get(finding.key)
+        if not queue:  # else an earlier reading of the condition waits: keep the order
+            if await self._try(held, now_unix_s):
+                return
+            queue = self.held.setdefault(finding.key, deque())
+        if self._room():
+            queue.append(held)
+            self.held_counts["held"] += 1
+            fields = {"finding": finding.key, "attempts": held.attempts}
+            log.warning("job finding held: incident not recorded", extra={"fields": fields})
+        elif not queue:
+            del self.held[finding.key]
+
+    async def _retry_held(self, now_unix_s: float) -> None:
+        for key in list(self.held):
+            queue = self.held[key]
+            # Each stays in its queue (and is counted waiting) until recorded or dropped.
+            while queue and queue[0].next_try_unix_s <= now_unix_s:
+                if not await self._try(queue[0], now_unix_s, retry=True):
+                    break  # the rest waits behind it
+                queue.popleft()
+            if not queue:
+                del self.held[key]
+
+    async def _try(self, held: HeldFinding, now_unix_s: float, *, retry: bool = False) -> bool:
+        """One try at ``held``'s incident: ``True`` when done with it (recorded, or given up
+        after ``HELD_FINDING_TTL_S``), ``False`` when it is to wait for its next try."""
+        finding = held.finding
+        try:
+            await self._apply(finding, now_unix_s)
+        except Exception as exc:
+            held.attempts += 1
+            fields = {"finding": finding.key, "attempts": held.attempts, "error": str(exc)[:300]}
+            if not isinstance(exc, ControllerError):  # a bug, not the database: say so
+                log.exception("job finding not recorded", extra={"fields": fields})
+            if now_unix_s - held.first_failed_unix_s > HELD_FINDING_TTL_S:
+                self.held_counts["dropped"] += 1
+                log.error("job finding dropped: not recorded in time", extra={"fields": fields})
+                return True
+            backoff = min(
+                self.tick_interval_s * 2 ** (held.attempts - 1), HELD_FINDING_MAX_BACKOFF_S
+            )
+            held.next_try_unix_s = now_unix_s + backoff
+            return False
+        if retry:
+            self.held_counts["recorded"] += 1
+        return True
+
+    def _room(self) -> bool:
+        """Whether one more finding may be held; counts and logs the drop when not."""
+        if sum(len(q) for q in self.held.values()) < MAX_HELD_FINDINGS:
+            return True
+        self.held_counts["dropped"] += 1
+        log.error(
+            "job finding dropped: too many held", extra={"fields": {"held": MAX_HELD_FINDINGS}}
+        )
+        return False
 
     async def _apply(self, finding: Finding, now_unix_s: float) -> None:
         if finding.resolved:
@@ -359,10 +456,37 @@ class JobDetector:
                 evidence={**finding.evidence, "after_incident": probe_round.after},
             )
         if finding is not None:
-            await self._apply(finding, now_unix_s)
+            await self._record(finding, now_unix_s)
         elif probe_round.after is not None:
             log.warning(
                 "the probe after the communication hang found every link healthy; the hang "
                 "was transient or is outside the probed paths",
                 extra={"fields": {"job": probe_round.job, "incident": probe_round.after}},
             )
+
+
+class JobFindingsCollector(SafeCollector):
+    """``trainguard_job_findings_held_total{outcome}``: job findings not recorded at once
+    (``held``: their incident write failed, or an earlier reading of their condition was
+    still held), recorded at a later tick (``recorded``) or given up (``dropped``);
+    ``trainguard_job_findings_waiting``: held now. ``dropped`` above zero is a lost
+    finding: alert on it."""
+
+    def __init__(self, detector: JobDetector) -> None:
+        self._detector = detector
+
+    def _collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "trainguard_job_findings_held",
+            "Job findings whose incident write failed, by what became of them",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(self._detector.held_counts.items()):
+            family.add_metric([outcome], count)
+        yield family
+        waiting = sum(len(q) for q in self._detector.held.values())
+        yield GaugeMetricFamily(
+            "trainguard_job_findings_waiting",
+            "Job findings held for a later try of their incident write",
+            value=waiting,
+        )
