@@ -161,8 +161,11 @@ def test_incidents_filters_and_formats(cli: Cli, cli_server: CliServer) -> None:
     assert cli("incidents", "--node", "node-a").err == "No incidents found.\n"
     assert cli("incidents", "--job", "no-such-job").err == "No incidents found.\n"
     assert json.loads(_ok(cli("incidents", "--state", "resolved", "-o", "json"))) == []
-    headers, _ = _rows(_ok(cli("incidents", "-o", "wide")))
-    assert headers[-3:] == ["RANKS", "RESOLVED", "SUMMARY"]
+    headers, rows = _rows(_ok(cli("incidents", "-o", "wide")))
+    assert headers[-4:] == ["RANKS", "RESOLVED", "EVIDENCE", "SUMMARY"]
+    # The evidence read through the controller's model of the kind (its BRIEF fields).
+    (fault,) = [dict(zip(headers, r, strict=True)) for r in rows if r[1] == "gpu_fault"]
+    assert fault["EVIDENCE"].startswith("reasons=XID 79"), fault
 
 
 # ------------------------------------------------------------------ jobs, actions, status

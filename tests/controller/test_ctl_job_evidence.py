@@ -344,3 +344,33 @@ def test_a_row_that_fits_no_model_is_served_untyped_with_the_reason() -> None:
     # Without the reason a typed kind must fit its model: the schema's shapes stay exclusive.
     with pytest.raises(ValueError, match="reasons"):
         INCIDENT_ADAPTER.validate_python(_incident("gpu_fault", damaged))
+
+
+def test_the_cli_reads_evidence_through_the_same_models() -> None:
+    from trainguard.cli.views import incident_evidence_cell
+
+    row, _ = OLD_ROWS["straggler"]
+    cell = incident_evidence_cell({"kind": "straggler", "evidence": row})
+    assert cell == "slowdown_pct=25.0,step_cost_pct=18.2,confidence=0.9"
+    hang, _ = OLD_ROWS["comm_hang"]
+    cell = incident_evidence_cell({"kind": "comm_hang", "evidence": hang})
+    assert cell == "op=all_reduce,seq=17,group=world,confidence=0.5"
+    # Flagged by the API, or of a kind without a model: shown as it came.
+    damaged = {"kind": "gpu_fault", "evidence": {"reasons": 3}, "evidence_error": "reasons: …"}
+    assert incident_evidence_cell(damaged) == "reasons=3"
+    assert incident_evidence_cell({"kind": "power_future", "evidence": {"x": 1}}) == "x=1"
+
+
+def test_straggler_gpu_cause_facts_fit_their_model() -> None:
+    """``gpu`` of a straggler's evidence: what ``straggler_cause`` returns, key for key."""
+    from controller.logic.detection.cause import straggler_cause
+    from controller.logic.detection.job_evidence import GpuCauseFacts
+    from trainguard.wire import GpuSample
+
+    hot = GpuSample(index=0, sm_clock_mhz=1200, temperature_c=91.0, ecc_corrected_total=5000,
+                    throttle_reasons=["hw_thermal_slowdown"])  # fmt: skip
+    causes, facts = straggler_cause(hot, [GpuSample(index=1, sm_clock_mhz=1980)] * 2)
+    assert causes
+    parsed = GpuCauseFacts.model_validate(facts)
+    assert not parsed.model_extra and parsed.model_dump(mode="json") == facts
+    assert parsed.peer_sm_clock_mhz == 1980 and parsed.ecc_corrected_total == 5000

@@ -105,6 +105,7 @@ INCIDENTS = ResourceView(
         Column("AGE", age_of("opened_unix_s")),
         Column("RANKS", field("ranks"), wide=True),
         Column("RESOLVED", age_of("resolved_unix_s"), wide=True),
+        Column("EVIDENCE", lambda item, _now: incident_evidence_cell(item), wide=True),
         Column("SUMMARY", field("summary")),
     ),
 )
@@ -148,6 +149,22 @@ def action_params_cell(item: JsonObject) -> str:
         return cell(typed)
     own = {k: v for k, v in typed.to_params().items() if k not in _TRIGGER_FIELDS}
     return cell(own)
+
+
+def incident_evidence_cell(item: JsonObject) -> str:
+    """An incident's telling evidence fields, read through the controller's model of its
+    kind (the one the API schema publishes; ``BRIEF`` names the fields). Evidence the API
+    flagged (``evidence_error``) or of a kind without a model is shown as it came."""
+    from controller.logic.detection.evidence_kinds import parse_evidence
+    from controller.logic.detection.incident_evidence import IncidentEvidence
+
+    raw = item.get("evidence")
+    if not isinstance(raw, dict) or item.get("evidence_error"):
+        return cell(raw)
+    typed = parse_evidence(str(item.get("kind", "")), raw)
+    if not isinstance(typed, IncidentEvidence):
+        return cell(raw)
+    return ",".join(f"{k}={cell(v)}" for k, v in typed.brief().items()) or EMPTY
 
 
 def _duration(value: Any) -> str:

@@ -16,7 +16,7 @@ row holds (:class:`~controller.logic.given.OnlyGiven`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -60,13 +60,23 @@ class IncidentEvidence(OnlyGiven):
     #: Why it was resolved (set by the incident service on resolution).
     resolution: str | None = None
 
+    #: The fields a one-line view shows (the CLI's EVIDENCE column), most telling first.
+    BRIEF: ClassVar[tuple[str, ...]] = ()
+
     def as_json(self) -> dict[str, Any]:
         """The stored JSON: only the fields that were set, as before the models existed."""
         return self.model_dump(mode="json")
 
+    def brief(self) -> dict[str, Any]:
+        """The :attr:`BRIEF` fields this evidence holds (not empty), in that order."""
+        data = self.as_json()
+        return {k: data[k] for k in self.BRIEF if data.get(k) not in (None, "", [], {})}
+
 
 class GpuFaultEvidence(IncidentEvidence):
     """``gpu_fault``: the reasons of the fault that opened it (fatal XID, ECC growth, lost)."""
+
+    BRIEF = ("reasons",)
 
     reasons: list[str]
 
@@ -74,11 +84,15 @@ class GpuFaultEvidence(IncidentEvidence):
 class GpuWatchEvidence(IncidentEvidence):
     """``gpu_watch_failed``: NVML's error on a node with NVIDIA devices."""
 
+    BRIEF = ("gpu_error",)
+
     gpu_error: str
 
 
 class NodeLostEvidence(IncidentEvidence):
     """``node_lost``: when the agent last reported (controller clock)."""
+
+    BRIEF = ("last_report_unix_s",)
 
     last_report_unix_s: float | None
 
@@ -86,11 +100,15 @@ class NodeLostEvidence(IncidentEvidence):
 class XidEvidence(IncidentEvidence):
     """``application_xid`` / ``gpu_xid``: how often each code was seen (codes as strings)."""
 
+    BRIEF = ("codes",)
+
     codes: dict[str, int]
 
 
 class HwEvidence(IncidentEvidence):
     """``hw_degraded`` / ``nic_errors``: the hardware rule's signal and the device."""
+
+    BRIEF = ("signal", "device")
 
     signal: str
     device: str | None = None
@@ -125,6 +143,8 @@ class ThrottleCause(BaseModel):
 class DegradedEvidence(IncidentEvidence):
     """``gpu_degraded``: each active cause's numbers, and when the first one began."""
 
+    BRIEF = ("causes",)
+
     causes: list[str]
     since_unix_s: float | None = None
     ecc: EccCause | None = None
@@ -135,6 +155,8 @@ class PowerEvidence(IncidentEvidence):
     """``power_*``: the power domain, the policy's incident kind and the domain's numbers
     when the loop had a reading (budget, draw, level)."""
 
+    BRIEF = ("domain", "policy_kind", "power_w", "budget_w")
+
     domain: str | None
     policy_kind: str
     budget_w: float | None = None
@@ -144,6 +166,8 @@ class PowerEvidence(IncidentEvidence):
 
 class QuarantineBudgetEvidence(IncidentEvidence):
     """``quarantine_budget``: the isolation refused, and the budget that refused it."""
+
+    BRIEF = ("refused_node", "quarantined_in_window", "limit")
 
     refused_node: str
     quarantined_in_window: int

@@ -89,6 +89,8 @@ class HangEvidence(JobEvidence, StuckCall):
     """``hang`` / ``comm_hang``: the longest-stuck call, every stuck call when there are
     several, and the Flight Recorder's reading once the ranks' dumps arrived."""
 
+    BRIEF = ("op", "seq", "group", "absent", "confidence")
+
     stuck_calls: list[StuckCall] | None = None
     #: ``comm_hang``: why the link probe waits.
     probe: str | None = None
@@ -97,6 +99,8 @@ class HangEvidence(JobEvidence, StuckCall):
 
 class RankCrashEvidence(JobEvidence):
     """``rank_crash``: how the rank died, and the ranks that died after it because of it."""
+
+    BRIEF = ("exit_code", "signal", "error", "collateral_ranks", "confidence")
 
     exit_code: int | None
     signal: int | None
@@ -110,11 +114,15 @@ class RankCrashEvidence(JobEvidence):
 class CommFailureEvidence(JobEvidence):
     """``comm_failure``: each rank's error (rank as a string) from inside a collective."""
 
+    BRIEF = ("errors", "confidence")
+
     errors: dict[str, str | None]
 
 
 class NonfiniteEvidence(JobEvidence):
     """``nonfinite``: the first collective whose input held NaN/Inf, and whose input it was."""
+
+    BRIEF = ("step", "op", "origin_ranks", "bad_steps", "confidence")
 
     step: int
     op: str | None
@@ -133,6 +141,8 @@ class NonfiniteEvidence(JobEvidence):
 class CommSlowEvidence(JobEvidence):
     """``comm_slow``: collective wait per step before and now, with compute balanced."""
 
+    BRIEF = ("reference_wait_s", "wait_s", "confidence")
+
     reference_wait_s: float
     wait_s: float
     step_s: float
@@ -141,6 +151,8 @@ class CommSlowEvidence(JobEvidence):
 
 class SlowLinkEvidence(JobEvidence):
     """``slow_link``: what the link probe round found (``scope``: rank, node, link, failed)."""
+
+    BRIEF = ("scope", "median_gbps", "slow_pairs", "confidence")
 
     scope: str
     median_gbps: float
@@ -166,6 +178,8 @@ class GpuCauseFacts(OnlyGiven):
 
 
 class _StragglerAdded(JobEvidence):
+    BRIEF = ("rank", "slowdown_pct", "step_cost_pct", "confidence", "causes")
+
     #: The GPU readings behind ``causes``.
     gpu: GpuCauseFacts | None = None
     #: Likely causes in words (thermal throttling, a locked clock, ECC errors).
