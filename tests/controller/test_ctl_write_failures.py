@@ -62,6 +62,14 @@ def _wait(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def _wait_value(check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+    return value
+
+
 def _agrees(client: httpx.Client, live: Any, db_url: str, node: str) -> dict[str, Any]:
     """Assert the API's node and GPU 0 health and open incidents equal the database's."""
     shown = _node(client, live, node)
@@ -327,6 +335,56 @@ def test_job_finding_whose_incident_write_fails_is_recorded_at_a_later_tick(
         assert ctl_metric(scraped, 'trainguard_job_findings_held_total{outcome="recorded"}') == 1
         assert ctl_metric(scraped, "trainguard_job_findings_waiting") == 0
         assert jobs.held == {} and jobs.held_counts["dropped"] == 0
+
+
+def test_degraded_gpu_open_and_held_bump_that_fail_change_nothing(
+    controller_factory, db_url, ctl_report, ctl_db_outage
+) -> None:
+    """A correctable-ECC burst whose open fails is not shown and opens with the burst's
+    next sample; a held-back bump whose write fails is kept and written by a later tick,
+    with no new report, to the count the reports added up to."""
+    live = controller_factory(degraded_ecc_rise=50, degraded_ecc_window_s=60.0)
+    failures = live.controller.incidents.write_failures
+    clock = [time.time() - 3600.0]
+    seq = [0]
+
+    def post(values: list[int]) -> None:
+        body = ctl_report("w7", seq[0], gpus=2, samples=len(values), t0=clock[0])
+        for sample, value in zip(body["samples"], values, strict=True):
+            sample["gpus"][1]["ecc_corrected_total"] = value
+        seq[0] += 1
+        clock[0] += len(values)
+        assert _post(client, live, "/api/v1/reports", body, "agent").status_code == 200
+
+    def degraded() -> list[dict[str, Any]]:
+        r = client.get("/api/v1/incidents?kind=gpu_degraded", headers=live.headers())
+        assert r.status_code == 200, r.text
+        return list(r.json()["data"])
+
+    def stored_count() -> Any:
+        return _stored(db_url, "SELECT max(count) FROM incidents WHERE kind = 'gpu_degraded'")
+
+    with httpx.Client(base_url=live.url, timeout=20) as client:
+        post([1000, 1000])  # the baseline
+        ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
+        post([1030, 1060])
+        _wait(lambda: failures["open"] >= 1)
+        assert degraded() == [] and stored_count() is None
+        ctl_db_outage.disarm()
+        post([1080])  # still a burst: the open is tried again
+        (opened,) = _wait_value(degraded)
+        assert opened["count"] == stored_count() == 1
+
+        ctl_db_outage.arm(r"^\s*UPDATE incidents")
+        for value in (1200, 1300, 1400):
+            post([value])
+        _wait(lambda: failures["bump"] >= 1)
+        (shown,) = degraded()
+        assert shown["count"] == stored_count()  # as stored: the failed bump is not shown
+        ctl_db_outage.disarm()
+        # No new report: a tick writes what was held, all three readings of it.
+        _wait(lambda: degraded()[0]["count"] == 4, timeout_s=20.0)
+        assert stored_count() == 4
 
 
 # The operator's isolation and its action row: test_ctl_isolation_writes.py (one transaction).
