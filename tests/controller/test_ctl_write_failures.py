@@ -30,6 +30,15 @@ def _stored(db_url: str, sql: str, **params: Any) -> Any:
         engine.dispose()
 
 
+def _rows(db_url: str, sql: str) -> list[tuple[Any, ...]]:
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return [tuple(row) for row in conn.execute(text(sql))]
+    finally:
+        engine.dispose()
+
+
 def _post(client: httpx.Client, live: Any, path: str, body: Any, role: str = "operator") -> Any:
     return client.post(path, json=body, headers=live.headers(role))
 
@@ -385,6 +394,51 @@ def test_degraded_gpu_open_and_held_bump_that_fail_change_nothing(
         # No new report: a tick writes what was held, all three readings of it.
         _wait(lambda: degraded()[0]["count"] == 4, timeout_s=20.0)
         assert stored_count() == 4
+
+
+def test_agent_token_rotation_that_fails_changes_nothing(
+    controller_factory, db_url, ctl_report, ctl_db_outage
+) -> None:
+    """A rotation the database refuses hands out no token, starts no grace period for the
+    node's current one (listed and stored as unexpiring), and the next rotation works."""
+    live = controller_factory(allow_shared_agent_tokens=False, agent_token_grace_s=3600)
+    path = "/api/v1/agent-credentials/w8"
+    with httpx.Client(base_url=live.url, timeout=20, headers=live.headers()) as client:
+
+        def report(token: str, seq: int) -> int:
+            auth = {"Authorization": f"Bearer {token}"}
+            r = client.post("/api/v1/reports", json=ctl_report("w8", seq), headers=auth)
+            return r.status_code
+
+        def agrees() -> list[float | None]:
+            listed = sorted(
+                (c["created_unix_s"], c["expires_unix_s"]) for c in client.get(path).json()["data"]
+            )
+            stored = _rows(
+                db_url,
+                "SELECT created_unix_s, expires_unix_s FROM agent_credentials"
+                " WHERE node_name = 'w8' ORDER BY created_unix_s",
+            )
+            assert listed == stored
+            return [expires for _, expires in listed]
+
+        first = client.post(path)
+        assert first.status_code == 201, first.text
+        token = first.json()["token"]
+        assert report(token, 0) == 200
+        for table in ("INSERT INTO agent_credentials", "UPDATE agent_credentials"):
+            ctl_db_outage.arm(rf"^\s*{table}")
+            r = client.post(path)
+            assert r.status_code == 503, r.text
+            assert "token" not in r.json()
+            ctl_db_outage.disarm()
+            assert agrees() == [None]
+        assert report(token, 1) == 200
+        second = client.post(path)
+        assert second.status_code == 201, second.text
+        expires = agrees()
+        assert expires[0] is not None and expires[1] is None  # the first one in its grace
+        assert report(second.json()["token"], 2) == 200 and report(token, 3) == 200
 
 
 # The operator's isolation and its action row: test_ctl_isolation_writes.py (one transaction).
