@@ -46,6 +46,7 @@ from checkpoint.manifest import (
     Manifest,
     RankManifest,
     RankRecord,
+    rank_data_name,
     rank_manifest_name,
     step_dir_name,
     to_json_bytes,
@@ -147,19 +148,7 @@ def commit(
             part = parse_rank_manifest(path, data)
             if run_id and part.run_id != run_id:
                 continue  # an earlier run's part of this step: wait for this run's
-            if part.step != step or part.world_size != world_size:
-                raise CheckpointWriteError(
-                    f"{path}: belongs to step {part.step} world {part.world_size}, "
-                    f"expected step {step} world {world_size}"
-                )
-            records[rank] = RankRecord(
-                rank=rank,
-                manifest=path.name,
-                manifest_sha256=hashlib.sha256(data).hexdigest(),
-                data_file=part.data_file.name,
-                size_bytes=part.data_file.size_bytes,
-                sha256=part.data_file.sha256,
-            )
+            records[rank] = rank_record(path, data, part, rank, step=step, world_size=world_size)
         if len(records) < world_size:
             # A newer run that claimed the root will never supply this run's missing
             # parts: stop now, not at the timeout (a surviving writer would otherwise hold
@@ -172,7 +161,40 @@ def commit(
                     "checkpoint left uncommitted"
                 )
             time.sleep(poll_s)
-    manifest = Manifest(
+    manifest = build_manifest(step, world_size, layout, records)
+    check_fence(root, run_id, f"{step_dir}: not committed")
+    write_atomic(step_dir / MANIFEST_NAME, to_json_bytes(manifest))
+    check_fence(root, run_id, f"{step_dir}: committed, latest not moved")
+    write_latest(root, step)
+    return manifest
+
+
+def rank_record(
+    where: Path | str, data: bytes, part: RankManifest, rank: int, *, step: int, world_size: int
+) -> RankRecord:
+    """``MANIFEST.json``'s entry for one rank's part (``data``: its manifest's bytes,
+    ``part``: parsed); a part of another step or world size is refused."""
+    if part.step != step or part.world_size != world_size:
+        raise CheckpointWriteError(
+            f"{where}: belongs to step {part.step} world {part.world_size}, "
+            f"expected step {step} world {world_size}"
+        )
+    return RankRecord(
+        rank=rank,
+        manifest=rank_manifest_name(rank),
+        manifest_sha256=hashlib.sha256(data).hexdigest(),
+        data_file=part.data_file.name,
+        size_bytes=part.data_file.size_bytes,
+        sha256=part.data_file.sha256,
+    )
+
+
+def build_manifest(
+    step: int, world_size: int, layout: dict[str, int], records: dict[int, RankRecord]
+) -> Manifest:
+    """The commit record of ``step`` from every rank's :func:`rank_record`; shared by the
+    local commit and the object store's commit of node-local roots (``checkpoint._tier``)."""
+    return Manifest(
         step=step,
         world_size=world_size,
         layout=dict(layout),
@@ -180,11 +202,6 @@ def commit(
         total_bytes=sum(r.size_bytes for r in records.values()),
         created_unix_s=time.time(),
     )
-    check_fence(root, run_id, f"{step_dir}: not committed")
-    write_atomic(step_dir / MANIFEST_NAME, to_json_bytes(manifest))
-    check_fence(root, run_id, f"{step_dir}: committed, latest not moved")
-    write_latest(root, step)
-    return manifest
 
 
 def committed_steps(root: Path) -> list[int]:
@@ -226,6 +243,36 @@ def apply_retention(root: Path, *, keep_last: int, newest_committed: int) -> lis
         with contextlib.suppress(FileNotFoundError):
             (path / MANIFEST_NAME).unlink()
         shutil.rmtree(path, ignore_errors=True)
+        deleted.append(step)
+    if deleted:
+        fsync_dir(root)
+    return deleted
+
+
+def apply_part_retention(root: Path, rank: int, *, keep_last: int, newest: int) -> list[int]:
+    """Node-local roots (no local commit): delete ``rank``'s own files of the steps older
+    than its ``keep_last`` newest durable parts (``newest`` among them). Only its own
+    files: the other ranks of the node may still be writing their parts of an older step
+    into the same directory. A directory left empty is removed; one restored whole from
+    the object store loses its ``MANIFEST.json`` first (it is no longer complete).
+    Returns the steps whose files were deleted."""
+    keep_last = max(1, keep_last)
+    mine = rank_manifest_name(rank)
+    durable = [s for s, path in step_dirs(root) if s <= newest and (path / mine).is_file()]
+    keep = set(durable[-keep_last:]) | {newest}
+    deleted = []
+    for step, path in step_dirs(root):
+        if step in keep or step > newest:
+            continue
+        own = [path / mine, path / rank_data_name(rank)]
+        if not any(p.exists() for p in own):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            (path / MANIFEST_NAME).unlink()
+        for p in own:
+            p.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # other ranks' files still there: keep it
+            path.rmdir()
         deleted.append(step)
     if deleted:
         fsync_dir(root)

@@ -37,7 +37,7 @@ from checkpoint._backends import ProcessWriter, ThreadWriter
 from checkpoint._dedup import Shared, plan_writers
 from checkpoint._load import Restored, load_state
 from checkpoint._persist import PersistJob
-from checkpoint._snapshot import CapturedTensor, ShardingHook, capture, storage_ptr
+from checkpoint._snapshot import CapturedTensor, ShardingHook, capture, optimizer_storages
 from checkpoint._stage import (
     Copier,
     HostBuffer,
@@ -75,19 +75,6 @@ def _identity_map(name: str, tensor: torch.Tensor) -> GlobalMap:
         strides[d] = strides[d + 1] * shape[d + 1]
     piece = Piece(offsets=[0] * len(shape), shape=shape, base=0, strides=strides)
     return GlobalMap(name=name, shape=shape, placement="shard", pieces=[piece])
-
-
-def _storage_ptrs(opt: torch.optim.Optimizer) -> set[int]:
-    """Storages an optimizer's ``step()`` writes: its parameters and its state tensors."""
-    ptrs: set[int] = set()
-    for group in opt.param_groups:
-        for param in group["params"]:
-            ptrs.add(storage_ptr(param))
-    for per_param in opt.state.values():
-        for value in per_param.values():
-            if isinstance(value, torch.Tensor):
-                ptrs.add(storage_ptr(value))
-    return ptrs
 
 
 class Checkpointer:
@@ -153,15 +140,16 @@ class Checkpointer:
         if self._shared:
             reap_stale_buffers()
         self._writer = self._new_writer()
-        #: The object-storage tier's uploader (rank 0 only; see ``checkpoint._tier``).
+        #: The object-storage tier's uploader: every rank sends its own files (``_tier``).
         self.uploader: TierUploader | None = None
-        if config.object_store is not None:  # every rank sends its own files
+        if config.object_store is not None:
             self.uploader = TierUploader(
                 self.root,
                 config.object_store,
                 rank=rank,
                 world_size=world_size,
                 on_state=self._on_upload_state,
+                local_commit=config.shared_root,
             )
         atexit.register(self._at_exit)
 
@@ -322,7 +310,7 @@ class Checkpointer:
         )
         if lazy:
             snap.guards = guard_positions(
-                lazy, {id(opt): _storage_ptrs(opt) for opt in cap.optimizers}
+                lazy, {id(opt): optimizer_storages(opt) for opt in cap.optimizers}
             )
             record_source_events(snap)
         job = self._job(snap, entries)
@@ -377,6 +365,7 @@ class Checkpointer:
             hash_threads=cfg.hash_threads,
             direct_io=cfg.direct_io,
             run_id=self.run_id,
+            local_commit=cfg.shared_root,
         )
 
     def _submit(self, snap: Snapshot, job: PersistJob, *, start_copy: bool = False) -> None:
@@ -477,7 +466,8 @@ class Checkpointer:
     def on_durable(self, snap: Snapshot, size_bytes: int) -> None:
         snap.durable_s = time.monotonic() - snap.t0
         self.emit("durable", snap.step, size_bytes=size_bytes, duration_s=snap.durable_s)
-        if self.uploader is not None and self.rank != 0:  # rank 0 queues at its commit
+        # Rank 0 of a shared root queues at its commit; with node-local roots, no rank commits.
+        if self.uploader is not None and (self.rank != 0 or not self.config.shared_root):
             self._queue_upload(snap.step, snap.t0)
 
     def on_committed(self, snap: Snapshot) -> None:
@@ -487,13 +477,14 @@ class Checkpointer:
 
     def _on_upload_state(self, step: int, state: str, error: str) -> None:
         """The object-store tier's progress as ``CheckpointEvent`` s (``tier=object_store``);
-        ``uploaded`` carries the time from ``save`` to the step being in the bucket."""
+        ``uploaded`` carries the time from ``save`` to the step being in the bucket, and so
+        does ``committed`` (node-local roots: rank 0's remote commit, just before)."""
         with self.cond:
             t0 = self._upload_t0.get(step)
             if state in ("uploaded", "upload_failed"):
                 self._upload_t0.pop(step, None)
         since = None if t0 is None else time.monotonic() - t0
-        duration = since if state == "uploaded" else None
+        duration = since if state in ("uploaded", "committed") else None
         self.emit(state, step, tier="object_store", duration_s=duration, error=error[:1000])
 
     def _queue_upload(self, step: int, t0: float | None = None) -> None:

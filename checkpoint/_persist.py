@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint._commit import (
+    apply_part_retention,
     apply_retention,
     check_fence,
     commit,
@@ -73,6 +74,10 @@ class PersistJob:
     run_id: str = ""
     #: Entries another rank writes (``stored_by``): listed in the manifest, not written.
     replicas: list[Entry] = field(default_factory=list)
+    #: Rank 0 commits in ``root`` (a root all ranks share). False for node-local roots
+    #: (``CheckpointConfig.shared_root``): the object store commits; each rank prunes only
+    #: its own files of older steps here.
+    local_commit: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form for the writer process (see :func:`checkpoint.manifest.plain`)."""
@@ -138,7 +143,11 @@ def persist_part(
     result = PersistResult(bytes_written=info.size_bytes, durable_s=time.monotonic() - t0)
     if on_durable is not None:
         on_durable(result)
-    if job.rank == 0:
+    if not job.local_commit:
+        result.deleted_steps = apply_part_retention(
+            root, job.rank, keep_last=job.keep_last, newest=job.step
+        )
+    elif job.rank == 0:
         t1 = time.monotonic()
         commit(
             root,

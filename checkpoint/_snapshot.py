@@ -69,6 +69,19 @@ def storage_ptr(tensor: torch.Tensor) -> int:
     return int(local.untyped_storage().data_ptr())
 
 
+def optimizer_storages(opt: torch.optim.Optimizer) -> set[int]:
+    """Storages an optimizer's ``step()`` writes: its parameters and its state tensors."""
+    ptrs: set[int] = set()
+    for group in opt.param_groups:
+        for param in group["params"]:
+            ptrs.add(storage_ptr(param))
+    for per_param in opt.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                ptrs.add(storage_ptr(value))
+    return ptrs
+
+
 def _is_stateful(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)

@@ -48,6 +48,7 @@ from checkpoint._tier_bucket import (
     _error_code,
     _key,
     list_step_prefixes,
+    remote_manifest,
     remote_steps,
 )
 from checkpoint._write import write_atomic
@@ -189,9 +190,13 @@ class TierUploader:
         rank: int = 0,
         world_size: int = 1,
         on_state: Callable[[int, str, str], None] | None = None,
+        local_commit: bool = True,
     ) -> None:
         """``rank``/``world_size``: this uploader sends rank ``rank``'s files; rank 0 also
         ``MANIFEST.json`` and the commit record, after the other ranks' records.
+        ``local_commit=False`` (node-local roots): there is no local ``MANIFEST.json``;
+        rank 0 builds it from the ranks' manifests in the bucket and reports
+        ``committed`` once ``TIER.json`` is up.
         ``on_state(step, state, error)``: each change of a step's upload state
         (``upload_pending``, ``uploading``, ``uploaded``, ``upload_failed``), for the
         engine's ``CheckpointEvent``; called on the caller's or the uploader's thread."""
@@ -200,6 +205,7 @@ class TierUploader:
         self.root = Path(root)
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
+        self.local_commit = local_commit
         self.client = client if client is not None else make_client(cfg)
         self.stats = UploadStats()
         # Ranks sharing a root keep their staging and journals apart; rank 0's stay where
@@ -222,7 +228,7 @@ class TierUploader:
     def own_files(self) -> set[str]:
         """The files of a step this rank uploads."""
         own = {rank_data_name(self.rank), rank_manifest_name(self.rank)}
-        return own | {MANIFEST_NAME} if self.rank == 0 else own
+        return own | {MANIFEST_NAME} if self.rank == 0 and self.local_commit else own
 
     def submit(self, step: int) -> None:
         """Queue ``step`` for upload (rank 0: committed; others: this rank's part durable);
@@ -341,6 +347,10 @@ class TierUploader:
             if self.rank == 0:  # the commit point only once every rank's files are there
                 for peer in range(1, self.world_size):
                     record["files"].update(self._peer_files(step, peer))
+                if not self.local_commit:
+                    body = remote_manifest(self.client, self.cfg, step, staging, record["files"])
+                    write_atomic(staging / MANIFEST_NAME, body)
+                    names = sorted({*names, MANIFEST_NAME})  # once, also on a resume
                 for name in names:
                     if name == MANIFEST_NAME:
                         record["files"][name] = self._upload_file(
@@ -356,6 +366,8 @@ class TierUploader:
             raise
         journal.data["state"] = "uploaded"
         journal.save()
+        if self.rank == 0 and not self.local_commit:
+            self._report(step, "committed")  # the bucket is the only place it is complete
         self._report(step, "uploaded")
         shutil.rmtree(staging, ignore_errors=True)
         self.stats.steps_uploaded.append(step)

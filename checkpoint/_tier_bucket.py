@@ -5,10 +5,15 @@ No torch here."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+from pathlib import Path
 from typing import Any
 
+from checkpoint._commit import build_manifest, rank_record
+from checkpoint._validate import parse_rank_manifest
 from checkpoint.config import ObjectStoreConfig
-from checkpoint.manifest import step_dir_name
+from checkpoint.errors import CheckpointCorruptError, CheckpointWriteError
+from checkpoint.manifest import rank_manifest_name, step_dir_name, to_json_bytes
 
 #: The remote commit record of one step, uploaded after every other object of the step.
 TIER_RECORD = "TIER.json"
@@ -67,3 +72,31 @@ def remote_steps(client: Any, cfg: ObjectStoreConfig) -> list[int]:
             raise
         out.append(step)
     return out
+
+
+def remote_manifest(
+    client: Any, cfg: ObjectStoreConfig, step: int, staging: Path, files: dict[str, Any]
+) -> bytes:
+    """Rank 0 with node-local roots: ``MANIFEST.json`` of ``step`` from its own staged rank
+    manifest and the other ranks' manifests in the bucket (each checked against the
+    SHA-256 its rank recorded in ``files``), as the local commit would have written it.
+    The parts must be of one run, one step and one world size."""
+    own_path = staging / rank_manifest_name(0)
+    own_bytes = own_path.read_bytes()
+    own = parse_rank_manifest(own_path, own_bytes)
+    records = {0: rank_record(own_path, own_bytes, own, 0, step=step, world_size=own.world_size)}
+    for peer in range(1, own.world_size):
+        name = rank_manifest_name(peer)
+        key = _key(cfg, step, name)
+        where = f"s3://{cfg.bucket}/{key}"
+        data = client.get_object(Bucket=cfg.bucket, Key=key)["Body"].read()
+        if hashlib.sha256(data).hexdigest() != files.get(name, {}).get("sha256"):
+            raise CheckpointCorruptError(f"{where}: SHA-256 differs from rank {peer}'s record")
+        part = parse_rank_manifest(Path(where), data)
+        if part.run_id != own.run_id or part.layout != own.layout:
+            raise CheckpointWriteError(
+                f"{where}: run {part.run_id!r} layout {part.layout}, rank 0 has run "
+                f"{own.run_id!r} layout {own.layout}: not one save"
+            )
+        records[peer] = rank_record(where, data, part, peer, step=step, world_size=own.world_size)
+    return to_json_bytes(build_manifest(step, own.world_size, own.layout, records))

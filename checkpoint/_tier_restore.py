@@ -62,12 +62,49 @@ def _read_record(client: Any, cfg: ObjectStoreConfig, step: int) -> dict[str, An
     return record
 
 
+def _reuse_local(local: Path, path: Path, info: dict[str, Any]) -> bool:
+    """Hard-link (or copy) ``local`` to ``path`` if it is the file ``info`` describes (size
+    and SHA-256): a node-local root already holds its own ranks' parts of the step."""
+    try:
+        if local.stat().st_size != int(info["size"]) or _file_sha256(local) != info["sha256"]:
+            return False
+    except OSError:
+        return False
+    try:
+        os.link(local, path)
+    except OSError:
+        shutil.copyfile(local, path)
+    return True
+
+
+def _complete_copy(dest: Path, record: dict[str, Any]) -> bool:
+    """``dest`` holds every file ``record`` lists, with its size and SHA-256 (another rank
+    of this node restored the step first). Reads the files: only on a restore."""
+    if not (dest / MANIFEST_NAME).is_file():
+        return False
+    for name, info in sorted(record["files"].items()):
+        try:
+            if (dest / name).stat().st_size != int(info["size"]):
+                return False
+            if _file_sha256(dest / name) != info["sha256"]:
+                return False
+        except OSError:
+            return False
+    return True
+
+
 def download_step(client: Any, cfg: ObjectStoreConfig, step: int, root: Path) -> Path:
     """Fetch complete remote ``step`` into ``root/step-<n>`` (replacing a local copy),
     verifying every file's size and SHA-256 against ``TIER.json`` before it is moved in.
-    Parts are fetched in parallel (``Range`` reads of ``part_bytes``)."""
+    Parts are fetched in parallel (``Range`` reads of ``part_bytes``). A file the local
+    step directory already holds with the recorded size and SHA-256 (a node-local root's
+    own parts) is linked, not fetched. Ranks of one node may restore at once: each fetches
+    into a directory of its own, and the first complete copy moved in is the one kept."""
     record = _read_record(client, cfg, step)
-    tmp = root / TIER_DIR / "restore" / step_dir_name(step)
+    dest = root / step_dir_name(step)
+    if _complete_copy(dest, record):
+        return dest
+    tmp = root / TIER_DIR / "restore" / f"{step_dir_name(step)}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="ckpt-fetch") as pool:
@@ -77,6 +114,8 @@ def download_step(client: Any, cfg: ObjectStoreConfig, step: int, root: Path) ->
             size = int(info["size"])
             part = int(info.get("part_bytes") or cfg.part_bytes)
             path = tmp / name
+            if name != MANIFEST_NAME and _reuse_local(dest / name, path, info):
+                continue
             with open(path, "wb") as f:
                 f.truncate(size)
 
@@ -105,12 +144,21 @@ def download_step(client: Any, cfg: ObjectStoreConfig, step: int, root: Path) ->
                 raise CheckpointCorruptError(f"{where}: SHA-256 differs from TIER.json")
             with open(path, "rb+") as synced:
                 os.fsync(synced.fileno())
-    dest = root / step_dir_name(step)
-    if dest.exists():
+    if _complete_copy(dest, record):  # a rank of this node was faster
+        shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+    if (dest / MANIFEST_NAME).exists():  # a damaged complete copy: kept for forensics
         aside = root / TIER_DIR / "damaged" / f"{step_dir_name(step)}-{time.time_ns()}"
         aside.parent.mkdir(parents=True, exist_ok=True)
         dest.rename(aside)
-    tmp.rename(dest)
+    else:  # a node-local root's own parts (linked into tmp above) or a torn save
+        shutil.rmtree(dest, ignore_errors=True)
+    try:
+        tmp.rename(dest)
+    except OSError:  # another rank moved its copy in between the check and the rename
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _complete_copy(dest, record):
+            raise
     fsync_dir(root)
     return dest
 

@@ -72,6 +72,16 @@ class CheckpointConfig:
     """Directory holding ``step-*`` checkpoints and the ``latest`` pointer; shared by all
     ranks (every rank writes its own files, rank 0 commits)."""
 
+    shared_root: bool = True
+    """Whether every rank sees the same ``root`` (one node, or a shared file system): then
+    rank 0 commits the step there. ``False``: node-local roots (each node's own disk, one
+    root per node or per rank); no rank sees all parts, so there is no local commit. Each
+    rank's part is durable on its node, every rank uploads its own files, and the commit
+    point is the object store's (rank 0 builds ``MANIFEST.json`` from the ranks' manifests
+    in the bucket, then ``TIER.json``; its ``committed`` event says ``tier=object_store``).
+    Needs ``object_store``. Local retention keeps each rank's own files of its
+    ``keep_last`` newest durable steps; a restore fetches what the node lacks."""
+
     mirror_root: str | Path | None = None
     """Optional second tier (a persistent/shared path): after each local commit, every rank
     copies its files there and rank 0 commits there too, with the same retention. ``root``
@@ -191,3 +201,8 @@ class CheckpointConfig:
             raise CheckpointConfigError("chunk_bytes must be >= 4096")
         if self.object_store is not None:
             self.object_store.validate()
+        elif not self.shared_root:
+            raise CheckpointConfigError(
+                "shared_root=False (node-local roots) needs object_store: the bucket is "
+                "where the ranks' parts meet and the step is committed"
+            )

@@ -5,6 +5,7 @@ complete for both ranks, bit for bit."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +48,35 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 os.environ[key] = value
 
 
+def _run_ranks(
+    tmp_path: Path, fields: dict[str, object], roots: list[Path], *extra: str
+) -> dict[int, dict[str, Any]]:
+    """Run ``tier_rank_worker`` as ``len(roots)`` gloo ranks, rank r on ``roots[r]``;
+    each rank's last stdout line, by rank."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    init = f"file://{tmp_path / 'rendezvous'}"
+    worker = [sys.executable, "-m", "tests.checkpoint.tier_rank_worker"]
+    world = str(len(roots))
+    procs = [
+        subprocess.Popen(
+            [*worker, str(r), world, init, str(root), json.dumps(fields), *extra],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r, root in enumerate(roots)
+    ]
+    reports = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        line = json.loads(out.strip().splitlines()[-1])
+        reports[line["rank"]] = line
+    return reports
+
+
 def test_every_rank_uploads_its_files_and_the_commit_goes_last(
     tmp_path: Path, endpoint: str
 ) -> None:
@@ -62,26 +93,7 @@ def test_every_rank_uploads_its_files_and_the_commit_goes_last(
     client = make_client(store)
     client.create_bucket(Bucket=store.bucket)
     root = tmp_path / "shared"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    init = f"file://{tmp_path / 'rendezvous'}"
-    worker = [sys.executable, "-m", "tests.checkpoint.tier_rank_worker"]
-    procs = [
-        subprocess.Popen(
-            [*worker, str(r), "2", init, str(root), json.dumps(fields)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    reports = {}
-    for proc in procs:
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err[-3000:]
-        line = json.loads(out.strip().splitlines()[-1])
-        reports[line["rank"]] = line
+    reports = _run_ranks(tmp_path, fields, [root, root])
 
     assert remote_steps(client, store) == [1, 2]
     for step in (1, 2):
@@ -147,3 +159,83 @@ def test_upload_state_reaches_the_checkpoint_events(tmp_path: Path, endpoint: st
             assert last.duration_s >= durable.duration_s and not last.error
         else:
             assert "NoSuchBucket" in last.error and last.duration_s is None
+
+
+def test_node_local_roots_commit_in_the_bucket_and_restore_where_nothing_is_local(
+    tmp_path: Path, endpoint: str
+) -> None:
+    """Multi-node with node-local disks (``shared_root=False``): rank 0 alone on node A,
+    ranks 1 and 2 sharing node B's root. No root sees every part, so nothing commits
+    locally; each rank uploads its own files, and rank 0 commits in the bucket once every
+    part is there (``MANIFEST.json``, built from the ranks' manifests in the bucket, then
+    ``TIER.json``). With node A's disk gone, rank 0 restores from the bucket alone; on node
+    B, rank 1 restores fetching only what the node lacks (its own part is reused, not
+    downloaded again), and rank 2 then loads that copy locally."""
+    fields = {
+        "bucket": f"nodes-{uuid.uuid4().hex[:12]}",
+        "prefix": "jobs/nodes",
+        "endpoint_url": endpoint,
+        "region": "us-east-1",
+        "part_bytes": 256 << 10,
+        "keep_last": 2,
+        "peer_timeout_s": 60.0,
+    }
+    store = ObjectStoreConfig(**fields)  # type: ignore[arg-type]
+    client = make_client(store)
+    client.create_bucket(Bucket=store.bucket)
+    node_a, node_b = tmp_path / "node-a", tmp_path / "node-b"
+    reports = _run_ranks(tmp_path, fields, [node_a, node_b, node_b], "node-local")
+
+    assert remote_steps(client, store) == [1, 2]
+    last = step_dir_name(2)
+    # No local commit anywhere; local retention (keep_last=1) pruned each rank's step 1.
+    for node, ranks in ((node_a, [0]), (node_b, [1, 2])):
+        assert not list(node.glob("step-*/MANIFEST.json"))
+        assert sorted(p.name for p in node.glob("step-*")) == [last]
+        names = {p.name for p in (node / last).iterdir()}
+        assert names == {f(r) for r in ranks for f in (rank_data_name, rank_manifest_name)}
+    for step in (1, 2):
+        prefix = f"{store.prefix}/{step_dir_name(step)}/"
+        for r in (1, 2):
+            sent = [k for k in reports[r]["keys"] if k.startswith(prefix)]
+            assert sorted(sent) == sorted(
+                prefix + n
+                for n in (rank_data_name(r), rank_manifest_name(r), RANK_RECORD.format(r))
+            )
+        rank0 = [k for k in reports[0]["keys"] if k.startswith(prefix)]
+        assert not any("rank-00001" in k or "rank-00002" in k for k in rank0)
+        assert rank0[-2:] == [prefix + MANIFEST_NAME, prefix + TIER_RECORD]
+        manifest = json.loads(
+            client.get_object(Bucket=store.bucket, Key=prefix + MANIFEST_NAME)["Body"].read()
+        )
+        assert [r["rank"] for r in manifest["ranks"]] == [0, 1, 2]
+        for r in range(3):
+            body = client.get_object(Bucket=store.bucket, Key=prefix + rank_manifest_name(r))
+            digest = hashlib.sha256(body["Body"].read()).hexdigest()
+            assert manifest["ranks"][r]["manifest_sha256"] == digest
+    # Rank 0's commit is the bucket's, and says so; the other ranks never commit.
+    commits = {r: [e for e in reports[r]["events"] if e[1] == "committed"] for r in range(3)}
+    assert commits == {0: [[1, "committed", "object_store"], [2, "committed", "object_store"]],
+                       1: [], 2: []}  # fmt: skip
+
+    shutil.rmtree(node_a)  # node A's disk is lost (or the rank moved to a fresh node)
+    restored = checkpoint.load(node_a, {"shard": None}, rank=0, object_store=store)
+    assert (restored.step, restored.source) == (2, "object_store")
+    assert torch.equal(restored.values["shard"], shard(0, 2))
+    own = (node_b / last / rank_data_name(1)).stat().st_ino
+    restored = checkpoint.load(node_b, {"shard": None}, rank=1, object_store=store)
+    assert (restored.step, restored.source) == (2, "object_store")
+    assert torch.equal(restored.values["shard"], shard(1, 2))
+    assert (node_b / last / rank_data_name(1)).stat().st_ino == own  # linked, not fetched
+    assert (node_b / last / rank_data_name(0)).stat().st_ino != own
+    restored = checkpoint.load(node_b, {"shard": None}, rank=2, object_store=store)
+    assert (restored.step, restored.source) == (2, "local")
+    assert torch.equal(restored.values["shard"], shard(2, 2))
+
+
+def test_node_local_roots_need_the_object_store() -> None:
+    from checkpoint import CheckpointConfig
+    from checkpoint.errors import CheckpointConfigError
+
+    with pytest.raises(CheckpointConfigError, match=r"shared_root=False .* needs object_store"):
+        CheckpointConfig(root="/tmp/x", shared_root=False).validate()

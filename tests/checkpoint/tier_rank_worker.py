@@ -1,5 +1,7 @@
-"""One rank of a 2-rank gloo job saving with the object-store tier (run by
-``test_tier_ranks.py``): every rank uploads its own files; prints what it uploaded."""
+"""One rank of a gloo job saving with the object-store tier (run by
+``test_tier_ranks.py``): every rank uploads its own files; prints what it uploaded and the
+checkpoint events it reported. ``root`` is this rank's root; a sixth argument
+``node-local`` says the ranks' roots are not shared (``shared_root=False``)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.distributed as dist
 
 from checkpoint import CheckpointConfig, Checkpointer
 from checkpoint.config import ObjectStoreConfig
+from trainguard.wire import CheckpointEvent
 
 
 def shard(rank: int, step: int) -> torch.Tensor:
@@ -22,13 +25,21 @@ def shard(rank: int, step: int) -> torch.Tensor:
 
 def main() -> None:
     rank, world, init, root, store_json = sys.argv[1:6]
+    node_local = sys.argv[6:] == ["node-local"]
     r, w = int(rank), int(world)
     dist.init_process_group(
         "gloo", init_method=init, rank=r, world_size=w, timeout=timedelta(seconds=120)
     )
     store = ObjectStoreConfig(**json.loads(store_json))
-    cfg = CheckpointConfig(root=Path(root), writer="thread", object_store=store, keep_last=1)
-    engine = Checkpointer(cfg, rank=r, world_size=w, job="tier-ranks")
+    cfg = CheckpointConfig(
+        root=Path(root),
+        writer="thread",
+        object_store=store,
+        keep_last=1,
+        shared_root=not node_local,
+    )
+    events: list[CheckpointEvent] = []
+    engine = Checkpointer(cfg, rank=r, world_size=w, job="tier-ranks", event_sink=events.append)
     for step in (1, 2):
         engine.save({"shard": shard(r, step)}, step=step)
         engine.wait()
@@ -36,7 +47,10 @@ def main() -> None:
     engine.close()  # waits for this rank's uploads
     assert engine.uploader is not None
     stats = engine.uploader.stats
-    print(json.dumps({"rank": r, "keys": stats.keys, "steps": stats.steps_uploaded}))
+    seen = [(e.step, e.kind, e.tier) for e in events]
+    print(
+        json.dumps({"rank": r, "keys": stats.keys, "steps": stats.steps_uploaded, "events": seen})
+    )
     dist.barrier()
     dist.destroy_process_group()
 
