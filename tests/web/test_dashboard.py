@@ -594,6 +594,7 @@ def test_a_hangs_flight_recorder_divergence_is_drawn_per_rank(cluster, dash_brow
     a live hang with Flight Recorder dumps needs a real stuck torch job (tests/collectives)."""
     from playwright.sync_api import expect
 
+    from controller.schemas import INCIDENT_ADAPTER
     from controller.services.flight_evidence import flight_evidence
     from controller.state import IncidentState
     from trainguard import wire
@@ -623,16 +624,35 @@ def test_a_hangs_flight_recorder_divergence_is_drawn_per_rank(cluster, dash_brow
     evidence = flight_evidence(
         {0: dump(0, 5), 1: dump(1, 5), 2: dump(2, 5), 3: dump(3, 4)}, {0, 1, 2, 3}, hang
     )
-    assert evidence["divergences"], evidence
-    body = {
+    assert evidence.divergences, evidence
+    # The reply as the API serializes it: the hang's typed evidence (its stuck call, as the
+    # detector wrote it) with the Flight Recorder's reading merged in, through the schema.
+    stuck = {
+        "group": "0",
+        "seq": 5,
+        "op": "all_reduce",
+        "elapsed_s": 30.0,
+        "entered": [0, 1, 2],
+        "passed": [],
+        "absent": [3],
+        "confidence": 1.0,
+    }
+    fields = {
         "id": 9999, "kind": "hang", "severity": "critical", "state": "open",
         "summary": "rank 3 never entered", "node": None, "gpu_index": None,
-        "job": "llm-pretrain", "ranks": [3], "evidence": {"flight_recorder": evidence},
+        "job": "llm-pretrain", "ranks": [3],
+        "evidence": {**stuck, "flight_recorder": evidence.as_json()},
         "count": 1, "opened_unix_s": time.time(), "updated_unix_s": time.time(),
         "resolved_unix_s": None,
     }  # fmt: skip
+    body = INCIDENT_ADAPTER.dump_python(INCIDENT_ADAPTER.validate_python(fields), mode="json")
+    assert "evidence_error" not in body  # the typed hang shape, not the untyped one
+    # A stored row whose evidence fits no model: served untyped with the reason.
+    damaged = {**fields, "id": 9998, "evidence": {"seq": "x"}, "evidence_error": "seq: bad"}
+    odd = INCIDENT_ADAPTER.dump_python(INCIDENT_ADAPTER.validate_python(damaged), mode="json")
     page = dash_browser.new_page()
     page.route("**/api/v1/incidents/9999", lambda route: route.fulfill(json=body))
+    page.route("**/api/v1/incidents/9998", lambda route: route.fulfill(json=odd))
     page.goto(f"{cluster.live.url}/ui/#/incident/9999")
     page.fill("#token", cluster.live.viewer_token)
     page.click("#login button[type=submit]")
@@ -643,4 +663,8 @@ def test_a_hangs_flight_recorder_divergence_is_drawn_per_rank(cluster, dash_brow
     expect(figure.locator(".fr-ranks li.fr-out")).to_have_attribute(
         "title", "rank 3: never entered"
     )
+    expect(page.locator(".page.incident .evidence-error")).to_have_count(0)
+    page.goto(f"{cluster.live.url}/ui/#/incident/9998")
+    expect(page.locator(".page.incident .evidence-error")).to_contain_text("seq: bad")
+    expect(page.locator(".page.incident")).to_contain_text("Evidence")
     page.close()

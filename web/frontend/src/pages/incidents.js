@@ -155,6 +155,9 @@ export async function incidentPage(ctx) {
       el("h2", null, link("#/incidents", "Incidents"), " / ", `#${inc.id} ${inc.kind} `, badge(inc.severity), " ", badge(inc.state)),
       bar,
       el("p", "summary", inc.summary),
+      // Set only on a stored row whose evidence does not fit its kind's model (the API
+      // serves it untyped, as stored, rather than hide the incident).
+      inc.evidence_error ? el("p", "marked evidence-error", `Evidence does not fit the ${inc.kind} model (${inc.evidence_error}); shown as stored.`) : null,
       el(
         "dl",
         "facts",

@@ -107,7 +107,9 @@ export async function nodePage(ctx) {
     const xids = [];
     for (const inc of incidents.data) {
       const ev = inc.evidence || {};
-      if (ev.xid !== undefined || /xid/i.test(inc.summary)) xids.push(inc);
+      // XidEvidence.codes (application_xid, gpu_xid); a gpu_fault's fatal XID is in its events.
+      const xidEvent = Array.isArray(ev.events) && ev.events.some((e) => e && e.xid != null);
+      if (ev.codes !== undefined || xidEvent || /xid/i.test(inc.summary)) xids.push(inc);
     }
     const gpus = hist.gpus || [];
     const chartBox = el("div", "charts");
