@@ -2,9 +2,10 @@
 
 Threads::
 
-    main        sample every sample_interval_s; every report_interval_s (or at once after
-                an XID, a lost GPU, a rank exit or an in-flight collective) seal the batch
-                into a spooled report
+    main        sample every sample_interval_s; every report_interval_s (sooner once a
+                local rank has job_flush_steps new step summaries, at once after an XID,
+                a lost GPU, a rank exit or an in-flight collective) seal the batch into a
+                spooled report
     reporter    send spooled reports oldest first; run the reply's commands
     xid-watcher block in nvmlEventSetWait_v2 for critical XIDs
     nvml-gpuN   one per GPU: that GPU's NVML reads, so a hung call costs only that GPU
@@ -30,6 +31,7 @@ from types import FrameType
 
 import trainguard
 from agents.batch import Batch
+from agents.cadence import ReportCadence
 from agents.commands import CommandExecutor
 from agents.errors import AgentConfigError, GpuWatchError
 from agents.gpu.backend import GpuBackend, next_retry_delay_s, open_backend, retry_nvml
@@ -115,6 +117,12 @@ class Agent:
     def _build(self, settings: AgentSettings) -> None:
         self.spool = Spool(settings.resolved_spool_dir, max_bytes=settings.spool_max_bytes)
         self.batch = Batch(self.spool.journal_dir, next_seq=self.spool.next_seq)
+        self.cadence = ReportCadence(
+            report_interval_s=settings.report_interval_s,
+            job_flush_steps=settings.job_flush_steps,
+            job_flush_min_interval_s=settings.job_flush_min_interval_s,
+            last_report_s=time.monotonic(),
+        )
         self.peer_groups = PeerGroupCache()
         self.endpoint: LocalEndpoint | None = None
         if settings.socket_path or settings.job_listen:
@@ -306,6 +314,7 @@ class Agent:
 
             seq = self.spool.append(build)
             self.batch.reset(self.spool.next_seq)
+            self.cadence.sealed()
         self.reporter.wake()
         return seq
 
@@ -313,7 +322,7 @@ class Agent:
         """The main loop; returns when ``stop`` is set."""
         s = self.settings
         next_sample = time.monotonic()
-        next_report = next_sample + s.report_interval_s
+        self.cadence.last_report_s = next_sample
 
         def wake_on_stop() -> None:
             stop.wait()
@@ -329,14 +338,14 @@ class Agent:
             if now >= next_sample or urgent:
                 self._guarded("sample", self.sample)
                 next_sample = max(next_sample + s.sample_interval_s, now + s.sample_interval_s / 2)
-            if now >= next_report or urgent:
+            if now >= self.cadence.due_s() or urgent:
                 if urgent:
                     self._urgent.clear()
                     self._last_urgent = now
                 self._guarded("report", self.flush)
-                next_report = now + s.report_interval_s
+                self.cadence.last_report_s = now  # restarted even if sealing failed
             self._wake.clear()
-            timeout = min(next_sample, next_report) - time.monotonic()
+            timeout = min(next_sample, self.cadence.due_s()) - time.monotonic()
             if self._urgent.is_set():
                 timeout = min(timeout, self._last_urgent + MIN_URGENT_GAP_S - time.monotonic())
             if timeout > 0:
@@ -423,7 +432,14 @@ class Agent:
 
     def _on_records(self, session: Session, records: JobRecords, size_bytes: int) -> None:
         self.peer_groups.remember(records)
-        full = self.batch.add_records(records, size_bytes)
+        with self.batch.lock:  # the batch and its pending-step counts change together
+            full = self.batch.add_records(records, size_bytes)
+            before = self.cadence.most_pending_steps
+            self.cadence.add(records)
+            after = self.cadence.most_pending_steps
+        flush_steps = self.settings.job_flush_steps
+        if flush_steps and before < flush_steps <= after:
+            self._wake.set()  # the early flush for step summaries may be due
         exited = [e for e in records.rank_events if e.kind == "exited"]
         if exited:
             self.request_report(f"rank {exited[0].rank} of job {exited[0].job} exited")

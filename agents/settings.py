@@ -95,6 +95,22 @@ class AgentSettings(BaseSettings):
     )
     sample_interval_s: float = Field(default=1.0, gt=0, le=60)
     report_interval_s: float = Field(default=5.0, gt=0, le=300)
+    job_flush_steps: int = Field(
+        default=8,
+        ge=0,
+        le=10_000,
+        description=(
+            "Report early once a local rank has this many new step summaries (0: only on "
+            "the report timer); see agents.cadence"
+        ),
+    )
+    job_flush_min_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=300,
+        description="The early report for step summaries comes at least this long after the "
+        "previous report",
+    )
     report_timeout_s: float = Field(default=10.0, gt=0, le=120)
     backoff_max_s: float = Field(default=30.0, gt=0, le=600)
     spool_dir: Path | None = None

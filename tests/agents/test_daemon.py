@@ -16,7 +16,7 @@ from agents.daemon import Agent
 from agents.errors import AgentConfigError, ListenError, SpoolError
 from agents.settings import AgentSettings, load_settings
 from tests.agents.agents_testkit import TOKEN, FakeController, LocalClient
-from trainguard.wire import InflightCollective, JobRecords, Report
+from trainguard.wire import InflightCollective, JobRecords, Report, StepSummary
 
 
 @pytest.fixture
@@ -140,6 +140,59 @@ def test_inflight_record_from_a_rank_triggers_an_urgent_report(
             )
         finally:
             client.close()
+
+
+def _steps(rank: int, first: int, n: int) -> JobRecords:
+    return JobRecords(
+        steps=[
+            StepSummary(
+                job="train-a",
+                rank=rank,
+                world_size=2,
+                step=first + i,
+                step_time_s=0.07,
+                compute_time_s=0.05,
+                collective_wait_s=0.02,
+            )
+            for i in range(n)
+        ]
+    )
+
+
+def test_step_summaries_go_out_early_once_a_rank_has_job_flush_steps_of_them(
+    tmp_path: Path, sock_dir: Path, agents_controller: FakeController
+) -> None:
+    """The report timer is 30 s; step summaries of a job still reach the controller
+    within the early-flush rule: fewer than ``job_flush_steps`` of one rank wait for the
+    timer, that many go out (not before ``job_flush_min_interval_s`` after the last)."""
+    agent = Agent(
+        settings(
+            tmp_path,
+            sock_dir,
+            agents_controller.url,
+            report_interval_s=30.0,
+            job_flush_steps=8,
+            job_flush_min_interval_s=0.5,
+        )
+    )
+
+    def delivered() -> list[int]:
+        return [s.step for r in agents_controller.state.ordered() for s in r.job.steps]
+
+    with Running(agent):
+        ranks = [LocalClient(str(sock_dir / "agent.sock")) for _ in range(2)]
+        try:
+            assert all(c.hello("train-a", rank=r).ok for r, c in enumerate(ranks))
+            # Seven steps of each of two ranks: 14 summaries, but no rank has 8.
+            assert all(c.records(_steps(r, 0, 7)).ok for r, c in enumerate(ranks))
+            threading.Event().wait(2.0)
+            assert delivered() == []
+            assert ranks[0].records(_steps(0, 7, 1)).ok  # rank 0's eighth
+            agents_controller.wait_for(lambda: len(delivered()) == 15, 10)
+            assert sorted(delivered()) == sorted([*range(8), *range(7)])
+        finally:
+            for c in ranks:
+                c.close()
 
 
 def test_commands_from_the_reply_are_executed_and_acked_in_a_later_report(
