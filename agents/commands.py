@@ -6,6 +6,11 @@ allowed range in the reason). Job commands cannot be executed here: they are que
 the job's ranks connected to the local socket and acknowledged ``relayed``, or ``failed``
 when no rank of that job is on this node. Each command id is acted on once; a repeated id
 (the controller resends when an ack has not reached it yet) gets the first ack again.
+
+A preflight may take a while (its ``clocks_load`` check loads the GPUs for seconds), and
+commands run on the reporter thread, whose heartbeat must not stop: the preflight callable
+is handed a ``finish`` function and acks when it calls it, at once or later from its own
+thread. Until then a resent id is neither acked nor started again.
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ log = logging.getLogger(__name__)
 REMEMBERED_COMMANDS = 4096
 
 JobRelay = Callable[[JobCommand], int]
-#: Runs the node's preflight: (all passed, one-line summary).
-Preflight = Callable[[RunPreflight], tuple[bool, str]]
+#: Starts the node's preflight; it calls ``finish(all passed, one-line summary)`` once, inline
+#: or later from another thread (that call acks the command).
+Finish = Callable[[bool, str], None]
+Preflight = Callable[[RunPreflight, Finish], None]
 
 
 class CommandRefused(Exception):
@@ -76,6 +83,8 @@ class CommandExecutor:
         self._clock = clock
         self._lock = threading.Lock()
         self._done: OrderedDict[str, CommandAck] = OrderedDict()
+        #: Preflights started and not finished yet (their ack comes from ``finish``).
+        self._running: set[str] = set()
         self._locked_max_mhz: dict[int, int] = {}
 
     def locked_clock_mhz(self, gpu_index: int) -> int | None:
@@ -96,17 +105,41 @@ class CommandExecutor:
         return ack
 
     def handle(self, commands: Sequence[Command]) -> list[CommandAck]:
-        acks = [self.execute(cmd) for cmd in commands]
+        """Carry out a reply's commands; returns (and acks) those finished now. Never waits
+        for a preflight: it acks itself when done."""
+        acks = [ack for ack in map(self.submit, commands) if ack is not None]
         for ack in acks:
             self._on_ack(ack)
         return acks
 
     def execute(self, cmd: Command) -> CommandAck:
+        """Carry out one command and return its ack, waiting for a preflight to finish
+        (for callers that may block; the reporter thread uses :meth:`handle`)."""
+        ack = self.submit(cmd)
+        while ack is None:
+            time.sleep(0.01)
+            with self._lock:
+                ack = self._done.get(cmd.id)
+        return ack
+
+    def submit(self, cmd: Command) -> CommandAck | None:
+        """The command's ack, or None for a preflight still running (it acks itself)."""
         with self._lock:
             previous = self._done.get(cmd.id)
             if previous is not None:
                 log.info("command %s already handled (%s); acking again", cmd.id, previous.status)
                 return previous
+            if cmd.id in self._running:
+                log.info("preflight %s still running; it acks when done", cmd.id)
+                return None
+            deferred = isinstance(cmd, RunPreflight) and self._preflight is not None
+            if deferred:
+                self._running.add(cmd.id)
+        if deferred:
+            assert isinstance(cmd, RunPreflight) and self._preflight is not None
+            self._start_preflight(cmd, self._preflight)
+            return None
+        with self._lock:
             try:
                 status, reason = self._dispatch(cmd)
             except CommandRefused as exc:
@@ -114,18 +147,45 @@ class CommandExecutor:
             except Exception as exc:  # a bug must cost one command, not the reporter thread
                 log.exception("command %s (%s) crashed", cmd.id, cmd.kind)
                 status, reason = CommandStatus.FAILED, f"agent error: {type(exc).__name__}: {exc}"
-            ack = CommandAck(
-                command_id=cmd.id,
-                status=status,
-                reason=reason[:1024],
-                finished_unix_s=self._clock(),
-            )
-            self._done[cmd.id] = ack
-            while len(self._done) > REMEMBERED_COMMANDS:
-                self._done.popitem(last=False)
+            ack = self._remember(cmd.id, status, reason)
         level = logging.INFO if status != CommandStatus.FAILED else logging.WARNING
         log.log(level, "command %s %s: %s: %s", cmd.id, cmd.kind, status.value, reason)
         return ack
+
+    def _remember(self, command_id: str, status: CommandStatus, reason: str) -> CommandAck:
+        """Build and keep the ack (caller holds the lock)."""
+        ack = CommandAck(
+            command_id=command_id,
+            status=status,
+            reason=reason[:1024],
+            finished_unix_s=self._clock(),
+        )
+        self._done[command_id] = ack
+        while len(self._done) > REMEMBERED_COMMANDS:
+            self._done.popitem(last=False)
+        return ack
+
+    def _start_preflight(self, cmd: RunPreflight, preflight: Preflight) -> None:
+        finished = threading.Event()
+
+        def finish(passed: bool, reason: str) -> None:
+            if finished.is_set():
+                log.error("preflight %s finished twice; the second verdict is ignored", cmd.id)
+                return
+            finished.set()
+            status = CommandStatus.SUCCEEDED if passed else CommandStatus.FAILED
+            with self._lock:
+                self._running.discard(cmd.id)
+                ack = self._remember(cmd.id, status, reason)
+            level = logging.INFO if passed else logging.WARNING
+            log.log(level, "command %s run_preflight: %s: %s", cmd.id, status.value, reason)
+            self._on_ack(ack)
+
+        try:
+            preflight(cmd, finish)
+        except Exception as exc:  # a bug must cost one command, not the reporter thread
+            log.exception("command %s (%s) crashed", cmd.id, cmd.kind)
+            finish(False, f"agent error: {type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ dispatch
 
@@ -135,11 +195,8 @@ class CommandExecutor:
             if clients <= 0:
                 return CommandStatus.FAILED, f"no rank of job {cmd.job} on this node"
             return CommandStatus.RELAYED, f"queued for {clients} local client(s) of job {cmd.job}"
-        if isinstance(cmd, RunPreflight):
-            if self._preflight is None:
-                raise CommandRefused("this agent cannot run a preflight")
-            passed, reason = self._preflight(cmd)
-            return (CommandStatus.SUCCEEDED if passed else CommandStatus.FAILED), reason
+        if isinstance(cmd, RunPreflight):  # with a preflight callable, execute() started it
+            raise CommandRefused("this agent cannot run a preflight")
         if isinstance(cmd, SetPowerLimit):
             return CommandStatus.SUCCEEDED, self._set_power(cmd.gpu_index, cmd.limit_w)
         if isinstance(cmd, ResetPowerLimit):
@@ -239,4 +296,4 @@ class CommandExecutor:
         return f"GPU {gpu_index} SM clock unlocked"
 
 
-__all__ = ["CommandExecutor", "JobRelay"]
+__all__ = ["CommandExecutor", "Finish", "JobRelay", "Preflight"]

@@ -7,6 +7,8 @@ Threads::
                 a lost GPU, a rank exit or an in-flight collective) seal the batch into a
                 spooled report
     reporter    send spooled reports oldest first; run the reply's commands
+    preflight-load  a preflight's clocks_load check: GPU load processes and their NVML
+                reads, acked when done (the reporter's heartbeat goes on meanwhile)
     xid-watcher block in nvmlEventSetWait_v2 for critical XIDs
     nvml-gpuN   one per GPU: that GPU's NVML reads, so a hung call costs only that GPU
     local-*     one per job-side client on the Unix socket
@@ -32,7 +34,16 @@ from types import FrameType
 import trainguard
 from agents.batch import Batch
 from agents.cadence import ReportCadence
-from agents.commands import CommandExecutor
+from agents.clocks_load import (
+    ClocksLoadRunner,
+    LoadSettings,
+    default_load_command,
+    load_targets,
+    merge,
+    run_clocks_load,
+    skipped,
+)
+from agents.commands import CommandExecutor, Finish
 from agents.errors import AgentConfigError, GpuWatchError
 from agents.gpu.backend import GpuBackend, next_retry_delay_s, open_backend, retry_nvml
 from agents.gpu.fault_file import FaultFile
@@ -42,7 +53,7 @@ from agents.metrics import MetricsServer, MetricsSource
 from agents.nics import NicMonitor
 from agents.node_power import NodePowerSampler, RaplReader
 from agents.peer_groups import PeerGroupCache
-from agents.preflight import evaluate, summary
+from agents.preflight import Check, evaluate, summary
 from agents.reporter import BackoffPolicy, Reporter
 from agents.sampler import GpuSampler
 from agents.settings import AgentSettings
@@ -145,6 +156,7 @@ class Agent:
         inventory = self.sampler.open()
         self._inventory_version = self.sampler.inventory_version
         self.nics = NicMonitor(settings.sysfs_root)
+        self.clocks_load = ClocksLoadRunner()
         self.executor = CommandExecutor(
             api,
             self.sampler.handles,
@@ -222,6 +234,7 @@ class Agent:
     def stop(self) -> None:
         """Seal what is pending into the spool, give the reporter a moment, release all."""
         self._stopping.set()
+        self.clocks_load.stop()  # kills a running load; its preflight acks before the flush
         if self.endpoint is not None:
             self.endpoint.stop()
         if self.xids is not None:
@@ -453,19 +466,65 @@ class Agent:
             return 0
         return sum(1 for s in self.endpoint.sessions() if s.disconnected_unix_s is None)
 
-    def _preflight(self, cmd: RunPreflight) -> tuple[bool, str]:
-        """The controller asked for a preflight: check the latest sample and the NICs now."""
+    def _preflight(self, cmd: RunPreflight, finish: Finish) -> None:
+        """The controller asked for a preflight: check the latest sample and the NICs now,
+        then load the GPUs (``clocks_load``) on the ``preflight-load`` thread where the agent
+        can; ``finish`` acks, at once or when the load is over."""
         latest = self.metrics_source.latest
         if latest is None and self.identity.gpus:
-            return False, "preflight: no GPU sample taken yet; ask again in a second"
+            finish(False, "preflight: no GPU sample taken yet; ask again in a second")
+            return
+        gpus = latest.gpus if latest is not None else []
         checks = evaluate(
             self.backend,
-            latest.gpus if latest is not None else [],
+            gpus,
             self.nics.read_all(),
             nvlinks_down_at_start=self.sampler.nvlinks_down_at_start,
             expected_nic_rate_gbps=cmd.expected_nic_rate_gbps,
         )
-        return all(c.status != "fail" for c in checks), summary(checks)
+        executor = self.executor
+        targets = load_targets(
+            gpus,
+            self.sampler.inventory,
+            self.sampler.handles,
+            executor.locked_clock_mhz if executor is not None else lambda _i: None,
+        )
+
+        def verdict(final: list[Check]) -> None:
+            finish(all(c.status != "fail" for c in final), summary(final))
+
+        load, why_not = self._load_settings()
+        if load is None or not targets:
+            verdict(merge(checks, skipped([t.index for t in targets], why_not)))
+            return
+        api = self.backend.api
+        self.clocks_load.start(
+            lambda cancel: run_clocks_load(api, targets, load, cancel=cancel),
+            lambda results: verdict(merge(checks, results)),
+        )
+
+    def _load_settings(self) -> tuple[LoadSettings | None, str]:
+        """How to load the GPUs, or why no load can be generated here (``clocks_load``
+        is then skipped with that reason, never passed)."""
+        s = self.settings
+        if not s.preflight_load:
+            return None, "no load generated: disabled (preflight_load=false)"
+        ranks = self._local_clients()
+        if ranks:
+            return None, f"no load generated: {ranks} job rank(s) connected to this agent"
+        if s.preflight_load_command:
+            command = list(s.preflight_load_command)
+        elif isinstance(self.backend.api, SimNvml):
+            command = self.backend.api.sim_load_command()
+        else:
+            found = default_load_command()
+            if found is None:
+                return None, "no load generated: torch is not importable by the agent's python"
+            command = found
+        load = LoadSettings(
+            command=tuple(command), seconds=s.preflight_load_s, grace_s=s.preflight_load_grace_s
+        )
+        return load, ""
 
     def _nic_inventory(self) -> list[NicInfo]:
         gpus = {g.index: g.pci_bus_id for g in self.sampler.inventory if g.pci_bus_id}

@@ -3,7 +3,8 @@
 Run before a node is given to a job (``trainguard preflight --local`` on the node, or the
 controller's ``run_preflight`` command through the agent). Each check reads what the agent
 already reads, fresh: one sample of every GPU through the same sampler (so a hung GPU is a
-failed check, not a hung preflight) and one read of every RDMA port.
+failed check, not a hung preflight) and one read of every RDMA port. Only ``clocks_load``
+generates work (a load process per GPU): the daemon runs it on a thread of its own.
 
 =================  ==========================================================================
 check              fails when
@@ -16,8 +17,9 @@ check              fails when
                    pages are retired
 ``nvlink``         some NVLinks of the GPU are down while others are up
 ``pcie``           the PCIe link runs at fewer lanes than the board supports
-``clocks_load``    never: skipped, a clock check under load needs a CUDA load generator the
-                   agent does not have
+``clocks_load``    under a short matmul load, a hardware slowdown reason is set or the median
+                   SM clock stays below 60 % of the max (rule and skips in
+                   :mod:`agents.clocks_load`); here a placeholder the load's result replaces
 ``nic_port``       an RDMA port is not ACTIVE/LinkUp, or slower than expected (the given rate,
                    else the fastest port of the same link layer on the node)
 =================  ==========================================================================
@@ -38,6 +40,8 @@ from trainguard.wire import GpuSample, NicPortSample
 RETIRED_PAGES_LIMIT = 60
 
 Status = Literal["pass", "fail", "skip"]
+#: ``clocks_load`` until a load ran (the caller asked for none).
+NO_LOAD_REQUESTED = "no load requested (the agent's preflight runs one; see docs/agent.md)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +107,7 @@ def _gpu_checks(sample: GpuSample, down_at_start: Sequence[int]) -> list[Check]:
         out.append(check("pcie", "fail", f"PCIe link x{width} of x{width_max}"))
     else:
         out.append(check("pcie", "pass", f"x{width} Gen{sample.pcie_link_gen}"))
-    out.append(check("clocks_load", "skip", "needs a CUDA load generator; not part of the agent"))
+    out.append(check("clocks_load", "skip", NO_LOAD_REQUESTED))
     return out
 
 
@@ -176,7 +180,8 @@ def run_preflight(
     *,
     expected_nic_rate_gbps: float | None = None,
 ) -> list[Check]:
-    """Sample now and check; ``sampler`` must be open (its workers bound hung calls)."""
+    """Sample now and check; ``sampler`` must be open (its workers bound hung calls).
+    ``clocks_load`` stays a placeholder: :mod:`agents.clocks_load` runs the load."""
     return evaluate(
         backend,
         sampler.sample(),
@@ -196,4 +201,11 @@ def summary(checks: Sequence[Check]) -> str:
     return f"preflight failed {len(failed)}/{ran} checks: {parts}"[:1024]
 
 
-__all__ = ["RETIRED_PAGES_LIMIT", "Check", "evaluate", "run_preflight", "summary"]
+__all__ = [
+    "NO_LOAD_REQUESTED",
+    "RETIRED_PAGES_LIMIT",
+    "Check",
+    "evaluate",
+    "run_preflight",
+    "summary",
+]

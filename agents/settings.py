@@ -82,6 +82,30 @@ class AgentSettings(BaseSettings):
     sysfs_root: Path = Field(
         default=Path("/sys"), description="Root of sysfs (RDMA ports, bonds, PCIe topology)"
     )
+    preflight_load: bool = Field(
+        default=True,
+        description=(
+            "A preflight loads each GPU (clocks_load check) where it can: a CUDA load "
+            "generator needs torch and access to the GPUs' device files"
+        ),
+    )
+    preflight_load_s: float = Field(
+        default=10.0, gt=0, le=300, description="How long the preflight loads each GPU"
+    )
+    preflight_load_grace_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=600,
+        description="Start-up allowed on top of preflight_load_s (python, torch, a CUDA "
+        "context) before the load command is killed",
+    )
+    preflight_load_command: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Load command template ({gpu}, {uuid}, {index}, {seconds}); empty: "
+            "collectives/gpu_load.py with this python (sim GPUs: the simulated stand-in)"
+        ),
+    )
     sim_faults: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Fault specs for sim GPUs"
     )

@@ -19,6 +19,9 @@ A spec is ``key=value`` pairs joined by commas; ``kind`` and ``gpu`` are always 
                                         page retirement (boards before Ampere)
     kind=fabric,gpu=0,state=2,status=0  NVSwitch fabric state (1 not started, 2 in progress,
                                         3 completed) and registration status (nvmlReturn_t)
+    kind=slowdown,gpu=1,mhz=700,hw=1,brake=0
+                                        the busy SM clock is capped at mhz (0: no cap); hw=1
+                                        sets HW_SLOWDOWN, brake=1 HW_POWER_BRAKE_SLOWDOWN
 
 Several specs may be given as a list or joined with ``;``. Parsing is strict: an unknown
 key, a missing key or a bad number is an :class:`~agents.errors.AgentConfigError` naming
@@ -36,12 +39,12 @@ from agents.errors import AgentConfigError
 
 FaultKind = Literal[
     "xid", "ecc", "thermal", "lost", "hang", "nvml_error", "nvlink", "pcie", "remap", "retire",
-    "fabric",
+    "fabric", "slowdown",
 ]  # fmt: skip
 
 _KINDS: tuple[FaultKind, ...] = (
     "xid", "ecc", "thermal", "lost", "hang", "nvml_error", "nvlink", "pcie", "remap", "retire",
-    "fabric",
+    "fabric", "slowdown",
 )  # fmt: skip
 _COMMON = {"kind", "gpu", "at"}
 #: Integer parameters of the kinds that carry them in ``FaultSpec.values`` (key -> default).
@@ -52,6 +55,7 @@ _VALUES: dict[str, dict[str, int]] = {
     "remap": {"correctable": 0, "uncorrectable": 0, "pending": 0, "failed": 0},
     "retire": {"sbe": 0, "dbe": 0, "pending": 0},
     "fabric": {"state": 3, "status": 0},
+    "slowdown": {"mhz": 0, "hw": 0, "brake": 0},
 }
 _ALLOWED: dict[str, set[str]] = {
     "xid": _COMMON | {"code"},

@@ -14,18 +14,28 @@ the first ``nvmlInit``. Without faults the load follows :func:`sim_model.utiliza
 Every ``nvmlDevice*`` call on a GPU with a due ``hang`` fault blocks (outside the driver
 lock, so the other GPUs keep answering) until the hang's duration passes or the driver is
 shut down; a due ``nvml_error`` fault makes every call on that GPU raise its code.
+
+A load generator can drive a simulated GPU as a CUDA kernel drives a real one: while
+``<load_dir>/gpu<N>.pid`` names a live process (the stand-in :mod:`agents.gpu.sim_load`
+writes it), GPU N runs at 100 % utilization and reports the clocks and clock-event reasons
+the model gives a fully busy board (a ``slowdown`` or ``thermal`` fault shows up there).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import random
+import shutil
+import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pynvml
@@ -47,6 +57,10 @@ from agents.gpu.sim_model import GpuState, SimGpuModel, gpu_state, utilization_p
 XID_DOUBLE_BIT_ECC = 48
 #: Energy integration step (s): fine enough that Δenergy/Δt matches the reported power.
 _ENERGY_STEP_S = 0.05
+#: How long one look at a load marker stands (s): the energy integration asks many times.
+_LOAD_LOOK_S = 0.02
+#: The stand-in load generator (run as a file: it needs only the standard library).
+SIM_LOAD_SCRIPT = Path(__file__).with_name("sim_load.py")
 #: ``NVML_MEMORY_LOCATION_*`` value of each location name a fault may use.
 _LOCATIONS = {
     "l1_cache": pynvml.NVML_MEMORY_LOCATION_L1_CACHE,
@@ -75,7 +89,8 @@ class SimNvml(SimEventsMixin):
     unprivileged agent sees on a real node; ``unsupported`` names functions that raise
     NOT_SUPPORTED (a PCIe card has no NVLink, say); ``missing`` names functions that raise
     FUNCTION_NOT_FOUND (an older driver); ``utilization_pct`` pins the load; ``identity``
-    (the node name) keeps UUIDs and load distinct between simulated nodes.
+    (the node name) keeps UUIDs and load distinct between simulated nodes; ``load_dir``
+    is where load markers are looked for (see the module docstring).
     """
 
     def __init__(
@@ -91,8 +106,12 @@ class SimNvml(SimEventsMixin):
         missing: Iterable[str] = (),
         utilization_pct: int | None = None,
         model: SimGpuModel | None = None,
+        load_dir: Path | None = None,
     ) -> None:
         self.model = model or SimGpuModel()
+        self.load_dir = load_dir
+        self._own_load_dir = False
+        self._load_seen: dict[int, tuple[float, bool]] = {}
         self.seed = seed
         # Mixing the node's identity in keeps GPU UUIDs and load traces distinct between
         # simulated nodes that share a seed (the controller keys GPUs by UUID).
@@ -201,11 +220,54 @@ class SimNvml(SimEventsMixin):
                 return t_s - f.at_s
         return None
 
+    def _loaded(self, index: int) -> bool:
+        """Whether a live load generator names GPU ``index`` in ``load_dir`` now."""
+        if self.load_dir is None:
+            return False
+        now = time.monotonic()
+        seen = self._load_seen.get(index)
+        if seen is not None and now - seen[0] < _LOAD_LOOK_S:
+            return seen[1]
+        try:
+            pid = int((self.load_dir / f"gpu{index}.pid").read_text().strip() or 0)
+            loaded = pid > 0
+            if loaded:
+                os.kill(pid, 0)
+        except (OSError, ValueError):
+            loaded = False
+        self._load_seen[index] = (now, loaded)
+        return loaded
+
+    def sim_load_command(self) -> list[str]:
+        """The stand-in load generator's command for this driver (``{index}`` and
+        ``{seconds}`` are filled per GPU); makes ``load_dir`` if there is none yet."""
+        if self.load_dir is None:
+            self.load_dir = Path(tempfile.mkdtemp(prefix="trainguard-sim-load-"))
+            self._own_load_dir = True
+        return [
+            sys.executable, str(SIM_LOAD_SCRIPT), "--dir", str(self.load_dir),
+            "--gpu", "{index}", "--seconds", "{seconds}",
+        ]  # fmt: skip
+
+    def _slowdown(self, index: int, t_s: float) -> tuple[int | None, int]:
+        """The clock cap and reason bits of the due ``slowdown`` faults."""
+        caps = [f.value("mhz") for f in self._due("slowdown", index, t_s) if f.value("mhz") > 0]
+        mask = 0
+        for f in self._due("slowdown", index, t_s):
+            if f.value("hw"):
+                mask |= pynvml.nvmlClocksEventReasonHwSlowdown
+            if f.value("brake"):
+                mask |= pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown
+        return (min(caps) if caps else None), mask
+
     def _state(self, gpu: _Gpu, t_s: float) -> GpuState:
         util = self.fixed_utilization_pct
-        if util is None:
+        if self._loaded(gpu.index):
+            util = 100
+        elif util is None:
             util = utilization_pct(self.model, seed=self._key, gpu=gpu.index, t_s=t_s)
         locked = gpu.locked_clocks_mhz[1] if gpu.locked_clocks_mhz else None
+        slowdown_mhz, slowdown_reasons = self._slowdown(gpu.index, t_s)
         return gpu_state(
             self.model,
             utilization=util,
@@ -215,6 +277,8 @@ class SimNvml(SimEventsMixin):
             seed=self._key,
             gpu=gpu.index,
             t_s=t_s,
+            slowdown_mhz=slowdown_mhz,
+            slowdown_reasons=slowdown_reasons,
         )
 
     def _advance_energy(self, gpu: _Gpu, t_s: float) -> None:
@@ -251,6 +315,9 @@ class SimNvml(SimEventsMixin):
             self._refcount -= 1
             if self._refcount == 0:
                 self.release_hangs()
+                if self._own_load_dir and self.load_dir is not None:
+                    shutil.rmtree(self.load_dir, ignore_errors=True)
+                    self.load_dir, self._own_load_dir = None, False
 
     def nvmlSystemGetDriverVersion(self) -> str:
         self._check("nvmlSystemGetDriverVersion")
@@ -548,6 +615,7 @@ def sim_nvml_function_names() -> list[str]:
 
 
 __all__ = [
+    "SIM_LOAD_SCRIPT",
     "XID_DOUBLE_BIT_ECC",
     "SimEventData",
     "SimEventSet",

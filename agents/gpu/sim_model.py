@@ -98,10 +98,15 @@ def gpu_state(
     seed: int | str,
     gpu: int,
     t_s: float,
+    slowdown_mhz: int | None = None,
+    slowdown_reasons: int = 0,
 ) -> GpuState:
     """Solve clocks, power and temperature for one GPU at ``t_s``.
 
     ``thermal_elapsed_s`` is the time since a thermal fault began (None when none is active).
+    ``slowdown_mhz`` caps the SM clock of a busy GPU (a board stuck slow: a stuck slowdown
+    signal, a broken power stage) and ``slowdown_reasons`` are the clock-event reason bits
+    that come with it (none: slow without saying why, which happens too).
     """
     u = utilization / 100.0
     mask = 0
@@ -122,6 +127,9 @@ def gpu_state(
             pynvml.nvmlClocksEventReasonSwThermalSlowdown
             | pynvml.nvmlClocksEventReasonHwThermalSlowdown
         )
+    if u > 0 and slowdown_mhz is not None and slowdown_mhz < clock:
+        clock = float(slowdown_mhz)
+    mask |= slowdown_reasons
     dynamic_peak = model.peak_power_w - model.idle_power_w
     power = model.idle_power_w + dynamic_peak * u * (clock / f_max) ** _POWER_CLOCK_EXPONENT
     if power > power_limit_w and u > 0:

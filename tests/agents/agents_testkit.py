@@ -45,6 +45,9 @@ class ControllerState:
     fail_next: deque[tuple[int, dict[str, str]]] = field(default_factory=deque)
     stall_s: float = 0.0
     commands: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    #: When each command id was first handed out, and when its first ack arrived (monotonic).
+    delivered_at: dict[str, float] = field(default_factory=dict)
+    acked_at: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def ordered(self) -> list[Report]:
@@ -80,6 +83,11 @@ def make_app(state: ControllerState) -> FastAPI:
             else:
                 state.reports[key] = report
             commands = state.commands.pop(report.node.name, [])
+            now = time.monotonic()
+            for command in commands:
+                state.delivered_at.setdefault(str(command.get("id")), now)
+            for ack in report.command_acks:
+                state.acked_at.setdefault(ack.command_id, now)
         if stall:  # stored, but the answer comes too late: the agent's ack is "lost"
             await asyncio.sleep(stall)
         reply = ReportReply(seq=report.seq, duplicate=duplicate, server_unix_s=time.time())

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pynvml
 import pytest
 from pydantic import TypeAdapter
 
-from agents.commands import CommandExecutor
+from agents.commands import CommandExecutor, Finish
 from agents.gpu.sim import SimNvml
-from trainguard.wire import Command, CommandAck, CommandStatus
+from trainguard.wire import Command, CommandAck, CommandStatus, RunPreflight
 
 COMMAND = TypeAdapter(Command)
 
@@ -114,3 +117,29 @@ def test_a_repeated_command_id_is_not_executed_twice() -> None:
     job = cmd(id="j", kind="job_link_probe", job="t", at_step=5, pairs=[[0, 1]])
     ex.handle([job, job])
     assert len(relayed) == 1
+
+
+def test_a_preflight_acks_when_it_finishes_and_a_resend_does_not_start_it_again() -> None:
+    api = SimNvml(gpu_count=1)
+    api.nvmlInit()
+    acks: list[CommandAck] = []
+    started: list[tuple[str, Finish]] = []
+
+    def preflight(command: RunPreflight, finish: Finish) -> None:
+        started.append((command.id, finish))  # finishes later, as a GPU load does
+
+    ex = CommandExecutor(api, [], relay=lambda _c: 0, on_ack=acks.append, preflight=preflight)
+    pf = cmd(id="pf", kind="run_preflight")
+    assert ex.handle([pf]) == [] and acks == []
+    assert ex.handle([pf]) == [] and len(started) == 1  # the controller resent it meanwhile
+    threading.Thread(target=started[0][1], args=(False, "gpu0 clocks_load: hw_slowdown")).start()
+    deadline = time.monotonic() + 10
+    while not acks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(a.command_id, a.status, a.reason) for a in acks] == [
+        ("pf", CommandStatus.FAILED, "gpu0 clocks_load: hw_slowdown")
+    ]
+    again = ex.handle([pf])  # resent after the ack was lost: the same verdict, no new run
+    assert again == acks[:1] and len(started) == 1
+    started[0][1](True, "late second verdict")  # ignored
+    assert len(acks) == 2 and acks[1] == acks[0]

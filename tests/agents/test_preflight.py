@@ -107,7 +107,7 @@ def test_the_controller_asks_through_the_command_channel(
     )
     s = load_settings(
         controller_url=agents_controller.url, token=TOKEN, node_name="pf-node", gpus="sim:2",
-        sim_faults=["kind=remap,gpu=1,pending=1"], sample_interval_s=0.05,
+        sim_faults=["kind=remap,gpu=1,pending=1"], sample_interval_s=0.05, preflight_load_s=0.5,
         report_interval_s=0.3, spool_dir=tmp_path / "spool", socket_path="", metrics_port=-1,
         powercap_dir=tmp_path / "no-powercap", sysfs_root=tree.root, dev_dir=tmp_path / "no-dev",
     )  # fmt: skip
@@ -121,7 +121,7 @@ def test_the_controller_asks_through_the_command_channel(
         return [a for r in agents_controller.state.ordered() for a in r.command_acks]
 
     try:
-        agents_controller.wait_for(lambda: len(acks()) == 1, timeout_s=10)
+        agents_controller.wait_for(lambda: len(acks()) == 1, timeout_s=60)
     finally:
         stop.set()
         thread.join(timeout=10)
@@ -129,5 +129,5 @@ def test_the_controller_asks_through_the_command_channel(
     (ack,) = acks()
     assert ack.command_id == "pf-1" and ack.status == "failed"
     assert ack.reason == (
-        "preflight failed 1/13 checks: gpu1 memory_repair: row remap pending: reset the GPU first"
+        "preflight failed 1/15 checks: gpu1 memory_repair: row remap pending: reset the GPU first"
     )
