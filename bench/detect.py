@@ -24,11 +24,13 @@ measured in the same runs (``baselines``). These are simulated; beside them, ``g
 the same figures from real 8-rank gloo runs (``bench.detect_gloo``: a DeviceMesh pipeline,
 MoE experts with uneven all-to-all, TP groups of two sizes, a slowed middle-stage rank),
 whose measured step summaries are replayed to the detectors on simulated report timers
-(skipped with --no-gloo). With the gloo runs, the top-level ``pp_false_positives``,
-``moe_false_positives`` and ``role_straggler_detect_steps_p50`` pool both (the generator's
-alone under ``sim``). The real-process
-path is covered by tests/e2e/test_detection_e2e.py; the wrapper's overhead next to plain
-torch.distributed comes from bench.collectives in the same run (skipped with --no-overhead).
+(skipped with --no-gloo). With the gloo runs, the top-level ``pp_false_positives`` and
+``moe_false_positives`` pool both, and ``role_straggler_detect_steps_p50`` is the gloo runs'
+own: the job's steps from the fault until the incident opened, with the agents' report
+cadence and the controller's tick at their defaults (the generator's figures under
+``sim``). The real-process path is covered by tests/e2e/test_detection_e2e.py; the
+wrapper's overhead next to plain torch.distributed comes from bench.collectives in the
+same run (skipped with --no-overhead).
 
     python -m bench.detect [--quick] [--json] [--no-overhead] [--no-gloo]
 """
@@ -538,23 +540,29 @@ def main() -> None:
 
 
 def pool_gloo(fleet: dict[str, Any], gloo: dict[str, Any]) -> None:
-    """The issue-16 figures from the real gloo runs and the generator's development set
-    together: false positives add up, the role straggler's p50 is over both sets of runs
-    (steps of data the verdict took). The generator-only figures stay under ``sim``."""
+    """The issue-16 figures with the real gloo runs: false positives add up over the
+    generator's development set and the gloo runs; the role straggler's figure is the gloo
+    runs' own (the job's steps from the fault until the incident opened, agents and
+    controller at their defaults), the generator's staying under ``sim``."""
     fleet["sim"] = {
         key: fleet[key]
         for key in (
             "pp_false_positives",
             "moe_false_positives",
             "role_straggler_detect_steps_p50",
+            "role_straggler_data_steps_p50",
             "role_straggler_detected",
         )
     }
     for key in ("pp_false_positives", "moe_false_positives"):
         fleet[key] += gloo[key]
-    steps = fleet["role_straggler_detect_steps"] + gloo["role_straggler_detect_steps"]
-    fleet["role_straggler_detect_steps"] = steps
-    fleet["role_straggler_detect_steps_p50"] = round(statistics.median(steps), 1) if steps else None
+    for key in (
+        "role_straggler_detect_steps",
+        "role_straggler_detect_steps_p50",
+        "role_straggler_data_steps_p50",
+        "role_straggler_detected",
+    ):
+        fleet[key] = gloo[key]
     fleet["tp_mixed_false_positives"] = gloo["tp_mixed_false_positives"]
 
 

@@ -229,12 +229,12 @@ def measure(fleet: FleetSet, seeds: list[int]) -> dict[str, Any]:
             if theirs:
                 base_found += 1
                 base_delays.append(theirs[0] - sc.fault_step)
-    # Steps of data the verdict took (the baseline, fed every step complete and in order,
-    # is measured the same way); the job's steps until the incident opened, delivery on
-    # the agents' report timers included, beside it.
-    tg["role_straggler_detect_steps_p50"] = _p50(delays)
-    tg["role_straggler_detect_steps"] = delays
-    tg["role_straggler_named_after_steps_p50"] = _p50(named_after)
+    # The job's steps from the fault until the incident opened, delivery on the agents'
+    # report timers included (the issue's figure); the steps of data the verdict took
+    # beside it (the baseline, fed every step complete and in order, has no delivery).
+    tg["role_straggler_detect_steps_p50"] = _p50(named_after)
+    tg["role_straggler_detect_steps"] = named_after
+    tg["role_straggler_data_steps_p50"] = _p50(delays)
     tg["role_straggler_detected"] = round(found / total, 3)
     base["role_straggler_detect_steps_p50"] = _p50(base_delays)
     base["role_straggler_detected"] = round(base_found / total, 3)

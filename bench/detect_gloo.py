@@ -16,12 +16,14 @@ larger shard and compute 35% longer), no role declared: the peer groups come fro
 process groups' sizes; the pipeline with one middle-stage rank slowed 15% (the
 ``slowdown`` fault) from step 60 (ranks 3 and 4, stages 1 and 2; 3 only with ``quick``).
 
-Each recorded run is replayed on 5 phasings of the agents' report timers, at the default
-5 s report interval and at 1 s. Detection is told three ways: the steps of data the
-verdict took (the step that completed it, from the evidence's ``at_step``, minus the fault
-step: the detector's own latency, which counts in steps), and the job's steps and
-seconds until the incident opened (that plus the summaries' delivery: with 5 s report
-timers and ~70 ms steps, a node's summaries wait up to ~70 steps before they are sent).
+Each recorded run is replayed as deployed: every summary reached its node's agent at the
+time recorded, each agent seals reports by its own rule (``agents.cadence``, the code the
+daemon runs) on its own phase, the controller observes a report on arrival and evaluates
+on its own 1 s tick; 5 phasings per run, with the agents' default settings and, for
+comparison, the 5 s timer alone (before the early flush for step summaries) and a 1 s
+timer. The figure is the job's steps from the fault until the incident opened (and its
+seconds); the steps of data the verdict took (the step that completed it, from the
+evidence's ``at_step``, minus the fault step) are reported beside it.
 """
 
 from __future__ import annotations
@@ -34,10 +36,17 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.detect_sim import Delivery, SimOutcome, replay
+from bench.detect_sim import (
+    AgentCadence,
+    SimOutcome,
+    ThresholdBaseline,
+    agent_sends,
+    replay_deployed,
+)
 from controller.logic.detection.c4d import FindingKind
 from trainguard.framing import FrameError, encode_frame, read_frame
 from trainguard.wire import LocalRecords, LocalReply, StepSummary
@@ -52,6 +61,9 @@ class RecordingAgent:
     def __init__(self, path: str) -> None:
         self.path = path
         self.steps: list[StepSummary] = []
+        #: Monotonic time each summary reached this node's agent (the ranks ship every
+        #: ~0.15 s): when a deployed agent could first have sent it.
+        self.arrived_s: list[float] = []
         self._lock = threading.Lock()
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(path)
@@ -74,8 +86,10 @@ class RecordingAgent:
                 conn.sendall(reply)
                 while True:
                     batch = LocalRecords.model_validate_json(read_frame(conn))
+                    now = time.monotonic()
                     with self._lock:
                         self.steps.extend(batch.records.steps)
+                        self.arrived_s.extend(now for _ in batch.records.steps)
                     conn.sendall(reply)
             except (OSError, FrameError):
                 return
@@ -146,9 +160,23 @@ def _rank(rank: int, store: str, sockets: list[str], sc: dict[str, Any]) -> None
     dist.destroy_process_group()
 
 
+@dataclass
+class GlooRun:
+    """One recorded run: its step summaries grouped by step, and when each summary reached
+    its node's agent (monotonic seconds from the first arrival)."""
+
+    steps: list[list[StepSummary]]
+    arrived_s: dict[tuple[int, int], float] = field(default_factory=dict)
+
+
 def run_gloo(sc: dict[str, Any]) -> list[list[StepSummary]]:
     """Run one scenario on real gloo ranks (``sc["world"]``, 8 by default, two per node);
     its step summaries, grouped by step."""
+    return record_gloo(sc).steps
+
+
+def record_gloo(sc: dict[str, Any]) -> GlooRun:
+    """Run one scenario on real gloo ranks; its summaries and their arrival times."""
     from torch.multiprocessing.spawn import spawn
 
     with tempfile.TemporaryDirectory(prefix="tgdetect") as tmp:
@@ -162,17 +190,31 @@ def run_gloo(sc: dict[str, Any]) -> list[list[StepSummary]]:
             for agent in agents:
                 agent.close()
     by_step: dict[int, list[StepSummary]] = {}
+    arrived: dict[tuple[int, int], float] = {}
     for agent in agents:
-        for s in agent.steps:
+        for s, t in zip(agent.steps, agent.arrived_s, strict=True):
             by_step.setdefault(s.step, []).append(s)
-    return [sorted(rows, key=lambda s: s.rank) for _, rows in sorted(by_step.items())]
+            arrived[(s.step, s.rank)] = t
+    t0 = min(arrived.values(), default=0.0)
+    return GlooRun(
+        [sorted(rows, key=lambda s: s.rank) for _, rows in sorted(by_step.items())],
+        {key: t - t0 for key, t in arrived.items()},
+    )
 
 
-#: Delivery phasings replayed per recorded run (each seed draws the agents' report phases).
+#: Delivery phasings replayed per recorded run (each seed draws the agents' report phases
+#: and the controller's tick phase).
 REPLAY_SEEDS = (1, 2, 3, 4, 5)
-#: The agents' report interval: the default (5 s), and 1 s (``--report-interval-s 1``).
-REPORT_INTERVALS_S = (5.0, 1.0)
 FAULT_STEP = 60
+#: The agents' report settings each recorded run is replayed with: the shipped defaults
+#: (5 s timer, and a report once a rank has 8 new step summaries, at most one a second:
+#: ``agents.cadence``), and for comparison the timer alone at 5 s (the behaviour before
+#: the early flush) and at 1 s.
+CADENCES: dict[str, AgentCadence] = {
+    "default": AgentCadence.defaults(),
+    "timer_5s": AgentCadence(report_interval_s=5.0, job_flush_steps=0),
+    "timer_1s": AgentCadence(report_interval_s=1.0, job_flush_steps=0),
+}
 #: TP groups of two sizes: ranks 0-5 in two groups of 3, ranks 6-7 in a group of 2 whose
 #: ranks hold a larger shard (35% more compute per step, as in bench.detect_sim): compared
 #: job-wide, the two would be stragglers.
@@ -207,26 +249,50 @@ def _p50(values: list[float]) -> float | None:
     return round(statistics.median(values), 1) if values else None
 
 
-def replays(steps: list[list[StepSummary]]) -> dict[float, list[SimOutcome]]:
-    """The recorded run delivered by agents on each report interval, each phasing seed."""
+def replays(run: GlooRun) -> dict[str, list[SimOutcome]]:
+    """The recorded run delivered by agents with each cadence, each phasing seed."""
     return {
-        iv: [replay(steps, PER_NODE, Delivery(interval_s=iv), seed=s) for s in REPLAY_SEEDS]
-        for iv in REPORT_INTERVALS_S
+        name: [
+            replay_deployed(run.steps, run.arrived_s, PER_NODE, cadence, seed=s)
+            for s in REPLAY_SEEDS
+        ]
+        for name, cadence in CADENCES.items()
     }
 
 
-def straggler_figures(sc: dict[str, Any], runs: dict[float, list[SimOutcome]]) -> dict[str, Any]:
-    """Per replay: steps of data the verdict took (the step that completed it, from the
-    evidence, minus the fault step), and the job's steps and seconds until it opened."""
+def reports_per_node_s(run: GlooRun, cadence: AgentCadence) -> float:
+    """Reports per second one node's agent seals while the job runs, with ``cadence``
+    (the ingest load the setting costs; the timer's empty reports included)."""
+    arrivals: dict[str, list[tuple[float, StepSummary]]] = {}
+    for rows in run.steps:
+        for s in rows:
+            key = f"node-{s.rank // PER_NODE}"
+            arrivals.setdefault(key, []).append((run.arrived_s[(s.step, s.rank)], s))
+    rates = []
+    for i, (_, items) in enumerate(sorted(arrivals.items())):
+        items.sort(key=lambda a: a[0])
+        first, last = items[0][0], items[-1][0]
+        sealed: list[float] = []
+        agent_sends(items, cadence, random.Random(i).uniform(0, cadence.report_interval_s), sealed)
+        if last > first:
+            rates.append(sum(1 for t in sealed if first <= t <= last) / (last - first))
+    return round(statistics.mean(rates), 3) if rates else 0.0
+
+
+def straggler_figures(sc: dict[str, Any], runs: dict[str, list[SimOutcome]]) -> dict[str, Any]:
+    """Per replay: the job's steps from the fault until the incident opened (the job's
+    step then, minus the fault step), its seconds, and the steps of data the verdict took
+    (the step that completed it, from the evidence's ``at_step``, minus the fault step)."""
     culprit, fault = sc["culprit"], sc["fault_step"]
     out: dict[str, Any] = {
-        "detect_steps": [],
+        "named_after_steps": [],
+        "data_steps": [],
         "other_incidents": 0,
         "other_stragglers": 0,
         "named": 0,
         "other_kinds": [],
     }
-    for iv, outcomes in runs.items():
+    for name, outcomes in runs.items():
         named_after: list[float] = []
         seconds: list[float] = []
         for res in outcomes:
@@ -246,11 +312,12 @@ def straggler_figures(sc: dict[str, Any], runs: dict[float, list[SimOutcome]]) -
             step, data, t = mine[0]
             named_after.append(step - fault)
             seconds.append(round(t - res.step_end_s[fault - 1], 1))
-            if iv == REPORT_INTERVALS_S[0]:
+            if name == "default":
                 out["named"] += 1
-                out["detect_steps"].append(data - fault)
-        out[f"named_after_steps_{iv:g}s_reports"] = named_after
-        out[f"detect_s_{iv:g}s_reports"] = seconds
+                out["named_after_steps"].append(step - fault)
+                out["data_steps"].append(data - fault)
+        out[f"named_after_steps_{name}"] = named_after
+        out[f"detect_s_{name}"] = seconds
     return out
 
 
@@ -260,47 +327,52 @@ def gloo_results(quick: bool) -> dict[str, Any]:
         "ranks": WORLD,
         "nodes": WORLD // PER_NODE,
         "replays_per_run": len(REPLAY_SEEDS),
-        "report_intervals_s": list(REPORT_INTERVALS_S),
+        "cadences": {name: asdict(c) for name, c in CADENCES.items()},
     }
     base: dict[str, Any] = {"role_straggler_detect_steps": [], "role_straggler_other_incidents": 0}
-    pooled: dict[str, Any] = {"detect_steps": [], "other_incidents": 0, "named": 0, "runs": 0}
+    pooled: dict[str, Any] = {"named_after_steps": [], "other_incidents": 0, "named": 0, "runs": 0}
     step_s: list[float] = []
+    rates: dict[str, list[float]] = {name: [] for name in CADENCES}
     for sc in gloo_scenarios(quick):
-        steps = run_gloo(sc)
+        run = record_gloo(sc)
+        steps = run.steps
         step_s += [max(x.step_time_s for x in rows) for rows in steps]
-        runs = replays(steps)
-        default = runs[REPORT_INTERVALS_S[0]]
+        for name, cadence in CADENCES.items():
+            rates[name].append(reports_per_node_s(run, cadence))
+        runs = replays(run)
         key = {"gloo-pp": "pp", "gloo-moe": "moe", "gloo-tp-mixed": "tp_mixed"}.get(sc["name"])
         if key:
-            # Straggler incidents over every replay of the run, each report interval and
-            # phasing (the issue's criterion: no straggler incident). Other findings are
-            # counted beside them: on this shared 2-core machine the loopback transfers
-            # themselves slow down under load, which the slow-communication check reports.
+            # Straggler incidents over every replay of the run, each cadence and phasing
+            # (the issue's criterion: no straggler incident). Other findings are counted
+            # beside them: on this shared 2-core machine the loopback transfers themselves
+            # slow down under load, which the slow-communication check reports.
             found = [f for o in runs_all(runs) for _, f in o.opened]
             stragglers = [f for f in found if f.kind is FindingKind.STRAGGLER]
             out[f"{key}_false_positives"] = len(stragglers)
             out[f"{key}_other_findings"] = sorted(
                 f.kind.value for f in found if f.kind is not FindingKind.STRAGGLER
             )
-            base[f"{key}_false_positives"] = len(default[0].baseline_opened)
+            base[f"{key}_false_positives"] = len(_baseline(steps))
             out[f"{key}_steps"] = len(steps)
             continue
         fig = straggler_figures(sc, runs)
-        pooled["runs"] += len(default)
+        pooled["runs"] += len(runs["default"])
         for name, value in fig.items():
             if isinstance(value, list):
                 pooled.setdefault(name, []).extend(value)
             else:
                 pooled[name] = pooled.get(name, 0) + value
         culprit, fault = sc["culprit"], sc["fault_step"]
-        theirs = [s for s, r in default[0].baseline_opened if r == culprit and s >= fault]
+        opened = _baseline(steps)
+        theirs = [s for s, r in opened if r == culprit and s >= fault]
         base["role_straggler_detect_steps"].append(theirs[0] - fault if theirs else None)
-        base["role_straggler_other_incidents"] += sum(
-            1 for _, r in default[0].baseline_opened if r != culprit
-        )
+        base["role_straggler_other_incidents"] += sum(1 for _, r in opened if r != culprit)
     out["step_s_p50"] = round(statistics.median(step_s), 4) if step_s else None
-    out["role_straggler_detect_steps"] = pooled["detect_steps"]
-    out["role_straggler_detect_steps_p50"] = _p50(pooled["detect_steps"])
+    # The issue's figure: the job's steps from the fault until the straggler incident
+    # opened, agents and controller at their defaults (delivery and tick included).
+    out["role_straggler_detect_steps"] = pooled["named_after_steps"]
+    out["role_straggler_detect_steps_p50"] = _p50(pooled["named_after_steps"])
+    out["role_straggler_data_steps_p50"] = _p50(pooled.get("data_steps", []))
     out["role_straggler_detected"] = (
         round(pooled["named"] / pooled["runs"], 3) if pooled["runs"] else None
     )
@@ -310,18 +382,27 @@ def gloo_results(quick: bool) -> dict[str, Any]:
     out["role_straggler_other_incidents"] = pooled["other_incidents"]
     out["role_straggler_other_stragglers"] = pooled["other_stragglers"]
     out["role_straggler_other_kinds"] = sorted(set(pooled.get("other_kinds", [])))
-    for iv in REPORT_INTERVALS_S:
-        out[f"role_straggler_named_after_steps_p50_{iv:g}s_reports"] = _p50(
-            pooled.get(f"named_after_steps_{iv:g}s_reports", [])
+    for name in CADENCES:
+        out[f"role_straggler_named_after_steps_p50_{name}"] = _p50(
+            pooled.get(f"named_after_steps_{name}", [])
         )
-        out[f"role_straggler_detect_s_p50_{iv:g}s_reports"] = _p50(
-            pooled.get(f"detect_s_{iv:g}s_reports", [])
-        )
+        out[f"role_straggler_detect_s_p50_{name}"] = _p50(pooled.get(f"detect_s_{name}", []))
+        out[f"reports_per_node_s_{name}"] = round(statistics.mean(rates[name]), 3)
     out["baseline"] = base
     return out
 
 
-def runs_all(runs: dict[float, list[SimOutcome]]) -> list[SimOutcome]:
+def _baseline(steps: list[list[StepSummary]]) -> list[tuple[int, int]]:
+    """The threshold baseline fed the same steps complete and in order: (step, rank)."""
+    baseline = ThresholdBaseline()
+    return [
+        (rows[0].step, r)
+        for rows in steps
+        for r in baseline.add({s.rank: s.compute_time_s for s in rows})
+    ]
+
+
+def runs_all(runs: dict[str, list[SimOutcome]]) -> list[SimOutcome]:
     return [o for outcomes in runs.values() for o in outcomes]
 
 

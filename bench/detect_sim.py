@@ -394,3 +394,133 @@ def replay(
     return SimOutcome(
         opened, updates, base_opened, len(steps), compared, opened_s, step_end_s, data_step
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentCadence:
+    """The agents' report settings a deployed replay runs with (their defaults unless
+    told otherwise; ``agents.settings``), and the controller's tick."""
+
+    report_interval_s: float = 5.0
+    job_flush_steps: int = 8
+    job_flush_min_interval_s: float = 1.0
+    latency_s: float = 0.05
+    tick_s: float = 1.0
+
+    @classmethod
+    def defaults(cls) -> AgentCadence:
+        """The agent's and controller's shipped defaults, read from their settings."""
+        from agents.settings import AgentSettings
+
+        fields = AgentSettings.model_fields
+        return cls(
+            report_interval_s=float(fields["report_interval_s"].default),
+            job_flush_steps=int(fields["job_flush_steps"].default),
+            job_flush_min_interval_s=float(fields["job_flush_min_interval_s"].default),
+        )
+
+
+def agent_sends(
+    arrivals: list[tuple[float, StepSummary]],
+    cadence: AgentCadence,
+    phase_s: float,
+    sealed: list[float] | None = None,
+) -> list[tuple[float, list[StepSummary]]]:
+    """When one node's agent seals its reports, and what each carries: the agent's own
+    rule (``agents.cadence.ReportCadence``, the code its main loop runs) applied to the
+    times the summaries reached it. The agent started ``phase_s`` into its first interval,
+    so nodes' timers have independent phases as deployed ones do. ``sealed`` receives the
+    time of every report sealed, those without step summaries (samples only) too."""
+    from agents.cadence import ReportCadence
+
+    rule = ReportCadence(
+        report_interval_s=cadence.report_interval_s,
+        job_flush_steps=cadence.job_flush_steps,
+        job_flush_min_interval_s=cadence.job_flush_min_interval_s,
+        last_report_s=phase_s - cadence.report_interval_s,
+    )
+    sends: list[tuple[float, list[StepSummary]]] = []
+    pending: list[StepSummary] = []
+    now, i = 0.0, 0
+    while i < len(arrivals) or pending:
+        due = max(rule.due_s(), now)  # the loop notices a due report no sooner than now
+        if i < len(arrivals) and arrivals[i][0] < due:
+            now, s = arrivals[i]
+            pending.append(s)
+            rule.add(JobRecords(steps=[s]))
+            i += 1
+            continue
+        now = due
+        if pending:
+            sends.append((now, pending))
+            pending = []
+        if sealed is not None:
+            sealed.append(now)
+        rule.reported(now)
+    return sends
+
+
+#: The ranks ship their summaries to the agent every 0.15 s (collectives' default), so a
+#: step ended at most this long before its summary's recorded arrival.
+SHIP_INTERVAL_S = 0.15
+
+
+def replay_deployed(
+    steps: list[list[StepSummary]],
+    arrived_s: dict[tuple[int, int], float],
+    per_node: int,
+    cadence: AgentCadence,
+    seed: int,
+    cfg: C4DConfig | None = None,
+) -> SimOutcome:
+    """A recorded real run delivered as deployed agents and controller would: each
+    summary leaves its node's agent in the report the agent's cadence rule seals after the
+    summary reached it (measured arrival times), each agent on its own phase; the
+    controller observes a report on arrival and evaluates on its own 1 s tick.
+
+    ``opened`` carries the job's step when each incident opened: the newest step any of
+    whose summaries had reached an agent by then plus ``SHIP_INTERVAL_S`` (so it never
+    understates how far the job had got)."""
+    rng = random.Random(seed)
+    trackers = JobTrackers(cfg or C4DConfig())
+    nodes: dict[str, list[tuple[float, StepSummary]]] = {}
+    for rows in steps:
+        for s in rows:
+            nodes.setdefault(_node(s.rank, per_node), []).append((arrived_s[(s.step, s.rank)], s))
+    events: list[tuple[float, int, list[StepSummary], str]] = []
+    for name in sorted(nodes):
+        arrivals = sorted(nodes[name], key=lambda a: a[0])
+        phase = rng.uniform(0, cadence.report_interval_s)
+        events += [
+            (t + cadence.latency_s, 0, batch, name)
+            for t, batch in agent_sends(arrivals, cadence, phase)
+        ]
+    end = max(t for t, *_ in events) if events else 0.0
+    tick = rng.uniform(0, cadence.tick_s)
+    while tick <= end + 3 * cadence.tick_s:
+        events.append((tick, 1, [], ""))
+        tick += cadence.tick_s
+    events.sort(key=lambda e: (e[0], e[1]))
+    first_seen = sorted(
+        (min(arrived_s[(rows[0].step, s.rank)] for s in rows), rows[0].step) for rows in steps
+    )
+    opened: list[tuple[int, Finding]] = []
+    opened_s: list[float] = []
+    data_step: list[int] = []
+    updates: list[Finding] = []
+    for t, kind, batch, name in events:
+        if kind == 0:
+            trackers.observe(name, JobRecords(steps=batch), t)
+            continue
+        for f in trackers.evaluate(t):
+            if f.kind is FindingKind.STRAGGLER and not f.resolved:
+                updates.append(f)
+            if not (f.resolved or f.refresh):
+                reached = [st for seen, st in first_seen if seen <= t + SHIP_INTERVAL_S]
+                opened.append((max(reached, default=-1), f))
+                opened_s.append(t)
+                data_step.append(_data_step(f, trackers))
+    step_end_s = {st: seen for seen, st in first_seen}
+    tracker = trackers.jobs.get(steps[0][0].job) if steps and steps[0] else None
+    compared = tracker.stragglers.steps_seen if tracker else 0
+    return SimOutcome(opened, updates, [], len(steps), compared, opened_s, step_end_s, data_step)

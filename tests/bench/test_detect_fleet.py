@@ -37,6 +37,9 @@ def test_fleet_figures_carry_the_issue_keys_for_trainguard_and_the_baseline() ->
     assert tg["flapping_incidents_per_flapping_node"] == 1
     assert tg["multi_culprit_accuracy"] == 1.0
     assert tg["role_straggler_detect_steps_p50"] <= 50
+    # Counted from the fault to the incident: the data that completed the verdict, then
+    # its delivery on the agents' report timers.
+    assert tg["role_straggler_detect_steps_p50"] >= tg["role_straggler_data_steps_p50"]
     assert tg["hang_quiet_agent_correct"] is True
     # Measured on the same runs: the threshold detector blames the busy expert and the
     # last stage, and opens one incident per slow phase of the flapping node.
@@ -45,6 +48,8 @@ def test_fleet_figures_carry_the_issue_keys_for_trainguard_and_the_baseline() ->
 
 
 def test_gloo_figures_are_pooled_with_the_generator_and_the_generator_kept_apart() -> None:
+    """False positives add up; the role straggler's figure is the real gloo runs' own (the
+    job's steps until the incident opened, as deployed), the generator's kept under sim."""
     from bench.detect import pool_gloo
 
     fleet = {
@@ -52,6 +57,7 @@ def test_gloo_figures_are_pooled_with_the_generator_and_the_generator_kept_apart
         "moe_false_positives": 1,
         "role_straggler_detect_steps": [10, 12, 14],
         "role_straggler_detect_steps_p50": 12,
+        "role_straggler_data_steps_p50": 9,
         "role_straggler_detected": 1.0,
     }
     gloo = {
@@ -59,9 +65,14 @@ def test_gloo_figures_are_pooled_with_the_generator_and_the_generator_kept_apart
         "moe_false_positives": 0,
         "tp_mixed_false_positives": 0,
         "role_straggler_detect_steps": [30, 40],
+        "role_straggler_detect_steps_p50": 35.0,
+        "role_straggler_data_steps_p50": 20.0,
+        "role_straggler_detected": 0.5,
     }
     pool_gloo(fleet, gloo)
     assert (fleet["pp_false_positives"], fleet["moe_false_positives"]) == (2, 1)
-    assert fleet["role_straggler_detect_steps_p50"] == 14  # over [10, 12, 14, 30, 40]
+    assert fleet["role_straggler_detect_steps_p50"] == 35.0
+    assert fleet["role_straggler_data_steps_p50"] == 20.0
+    assert fleet["role_straggler_detected"] == 0.5
     assert fleet["sim"]["role_straggler_detect_steps_p50"] == 12
     assert fleet["sim"]["pp_false_positives"] == 0 and fleet["tp_mixed_false_positives"] == 0
