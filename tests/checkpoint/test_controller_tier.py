@@ -61,8 +61,9 @@ def test_tier_goes_from_the_report_to_the_api(live_controller) -> None:  # type:
 
 def test_rows_from_before_the_column_read_as_local(db_url: str) -> None:
     """A row stored at revision 0004, and one inserted by the previous controller (which
-    does not name the column) on the new schema, read as ``local``; the rollback's "newest
-    committed below" counts only local commits, as it counted every commit before."""
+    does not name the column) on the new schema, read as ``local``. The rollback's "newest
+    committed below" counts the commits of both tiers (node-local roots commit only in the
+    object store) and nothing that is not a commit (``uploaded``)."""
     old_insert = (
         "INSERT INTO checkpoints (job_name, rank, node_name, step, kind, path, error,"
         " time_unix_s) VALUES ('gpt', 0, 'n0', {step}, 'committed', '', '', 1.0)"
@@ -81,14 +82,18 @@ def test_rows_from_before_the_column_read_as_local(db_url: str) -> None:
             conn.exec_driver_sql(old_insert.format(step=20))
             row = {"job_name": "gpt", "rank": 0, "node_name": "n0", "step": 30,
                    "kind": "committed", "tier": "object_store", "time_unix_s": 3.0}  # fmt: skip
-            conn.execute(insert(Checkpoint.__table__), [row])  # type: ignore[arg-type]
+            uploaded = {**row, "step": 40, "kind": "uploaded"}
+            conn.execute(insert(Checkpoint.__table__), [row, uploaded])  # type: ignore[arg-type]
         with engine.connect() as conn:
             tiers = conn.execute(
                 select(Checkpoint.step, Checkpoint.tier).order_by(Checkpoint.step)
             ).all()
-        assert [tuple(t) for t in tiers] == [(10, "local"), (20, "local"), (30, "object_store")]
+        assert [tuple(t) for t in tiers] == [
+            (10, "local"), (20, "local"), (30, "object_store"), (40, "object_store")
+        ]  # fmt: skip
         with Session(engine) as session:
-            assert newest_committed_before(session, "gpt", 40) == 20
+            assert newest_committed_before(session, "gpt", 50) == 30
+            assert newest_committed_before(session, "gpt", 30) == 20
             assert newest_committed_before(session, "gpt", 20) == 10
     finally:
         engine.dispose()

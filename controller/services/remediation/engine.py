@@ -176,7 +176,7 @@ class RemediationEngine:
         """Committed checkpoints and rank 0's steps: for goodput and the resume wait."""
         records, received_unix_s = event.records, event.received_unix_s
         for ckpt in records.checkpoints:
-            if ckpt.kind == "committed" and ckpt.tier == "local":
+            if ckpt.kind == "committed":  # either tier: complete where a restart loads
                 book = self.book(ckpt.job)
                 if book.checkpoint is None or ckpt.step >= book.checkpoint[0]:
                     book.checkpoint = (ckpt.step, received_unix_s)

@@ -160,14 +160,12 @@ def newest_committed_before(session: Session, job: str, step: int) -> int | None
     that the damaged step started from, which may already carry the cause (an overflowing
     update shows up as NaN only in the next step's gradients).
 
-    Only the local tier's commits count: that is the copy a restarted rank finds first
-    (the object store's ``uploaded`` comes later, or never), and the only tier that reports
-    ``committed``; naming it keeps that so if the object store ever reports one too."""
+    A commit of either tier counts: ``committed`` means complete somewhere a restart loads
+    from (the job's shared root, ``tier=local``; or, for node-local roots, the object
+    store, ``tier=object_store``), and the restarted ranks take the nearest complete copy.
+    An ``uploaded`` (one rank's files in the bucket) is not a commit."""
     query = select(func.max(Checkpoint.step)).where(
-        Checkpoint.job_name == job,
-        Checkpoint.kind == "committed",
-        Checkpoint.tier == "local",
-        Checkpoint.step < step,
+        Checkpoint.job_name == job, Checkpoint.kind == "committed", Checkpoint.step < step
     )
     found = session.execute(query).scalar()
     return int(found) if found is not None else None

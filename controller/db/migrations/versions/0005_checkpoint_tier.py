@@ -5,7 +5,9 @@ server default ``'local'``, nothing altered or dropped. Existing rows were all w
 before the object-store tier reported events other than through their kind, and get
 ``local``; a controller of the previous release keeps running on this schema during a
 rolling upgrade: it never reads the column, and its inserts, which do not name it, get the
-default (its object-store events still say so in their kind, ``upload_*``/``uploaded``).
+default: its object-store upload events still say so in their kind (``upload_*``,
+``uploaded``), and a node-local root's ``committed`` (tier ``object_store``) stored as
+``local`` still counts as the commit it is (the rollback reads commits of both tiers).
 
 Revision ID: 0005
 Revises: 0004
