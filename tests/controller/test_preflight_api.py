@@ -2,8 +2,9 @@
 the command channel, the agent runs its checks and the verdict comes back.
 
 A real controller (uvicorn), a real in-process agent on simulated GPUs with a scripted
-pending row remap, and ``trainguard preflight`` run in-process; ``--local`` runs the same
-checks on this machine without a controller.
+pending row remap (its ``clocks_load`` check loads the simulated GPUs with the stand-in
+for 0.5 s), and ``trainguard preflight`` run in-process; ``--local`` runs the same checks on
+this machine without a controller.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def agent_on(live_controller: Any, tmp_path: Path) -> Iterator[Agent]:
         controller_url=live_controller.url, token=live_controller.agent_token,
         node_name="pf-node", gpus="sim:2", sim_faults=["kind=remap,gpu=1,pending=1"],
         sample_interval_s=0.1, report_interval_s=0.3, spool_dir=tmp_path / "spool",
+        preflight_load_s=0.5,
         socket_path="", metrics_port=-1, powercap_dir=tmp_path / "no-powercap",
         sysfs_root=tree.root, dev_dir=tmp_path / "no-dev",
     )  # fmt: skip
@@ -69,7 +71,7 @@ def test_preflight_through_the_controller_names_the_failure(
     (row,) = json.loads(out)
     assert (row["node"], row["result"]) == ("pf-node", "fail")
     assert row["reason"] == (
-        "preflight failed 1/13 checks: gpu1 memory_repair: row remap pending: reset the GPU first"
+        "preflight failed 1/15 checks: gpu1 memory_repair: row remap pending: reset the GPU first"
     )
     # The same verdict is readable by id (for the Kubernetes actuator or a scheduler hook).
     got = httpx.get(
