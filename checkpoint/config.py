@@ -70,7 +70,8 @@ class ObjectStoreConfig:
 class CheckpointConfig:
     root: str | Path
     """Directory holding ``step-*`` checkpoints and the ``latest`` pointer; shared by all
-    ranks (every rank writes its own files, rank 0 commits)."""
+    ranks (every rank writes its own files, rank 0 commits), unless ``shared_root`` is
+    False (each node's own disk)."""
 
     shared_root: bool = True
     """Whether every rank sees the same ``root`` (one node, or a shared file system): then
