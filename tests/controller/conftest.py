@@ -106,17 +106,23 @@ class DatabaseOutage:
 
     def __init__(self) -> None:
         self._pattern: re.Pattern[str] | None = None
+        self._values: tuple[str, ...] = ()
         self.hits = 0
 
-    def arm(self, pattern: str) -> None:
+    def arm(self, pattern: str, *, values: tuple[str, ...] = ()) -> None:
+        """Fail statements matching ``pattern`` (and, with ``values``, only those whose
+        parameters show every one of them: one row's write among same-shaped others)."""
         self._pattern = re.compile(pattern, re.IGNORECASE)
+        self._values = values
 
     def disarm(self) -> None:
         self._pattern = None
 
     def hook(
-        self, conn: Any, _cursor: Any, statement: str, _params: Any, _ctx: Any, _many: bool
+        self, conn: Any, _cursor: Any, statement: str, params: Any, _ctx: Any, _many: bool
     ) -> None:
+        if self._values and not all(v in repr(params) for v in self._values):
+            return
         if self._pattern is not None and self._pattern.search(statement):
             self.hits += 1
             raise conn.dialect.loaded_dbapi.OperationalError(

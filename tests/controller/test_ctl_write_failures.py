@@ -208,6 +208,33 @@ def test_node_lost_and_back_that_fail_change_nothing(
         _agrees(client, live, db_url, "w3")
 
 
+def test_node_back_without_an_open_incident_that_fails_changes_nothing(
+    controller_factory, db_url, ctl_report, ctl_db_outage
+) -> None:
+    """A lost node whose ``node_lost`` an operator resolved while it was still silent comes
+    back with no incident to write with: its node row alone is written, then shown."""
+    live = controller_factory(node_lost_after_s=3.0, ingest_flush_interval_s=0.0)
+    with httpx.Client(base_url=live.url, timeout=20) as client:
+        assert _post(client, live, "/api/v1/reports", ctl_report("w9", 0), "agent").is_success
+        _wait(lambda: _node(client, live, "w9")["health"] == "lost")
+        (lost,) = _open(client, live, "w9")
+        r = _post(client, live, f"/api/v1/incidents/{lost['id']}/resolve", None)
+        assert r.status_code == 200, r.text
+        assert _agrees(client, live, db_url, "w9")["health"] == "lost"
+
+        # The report is stored (its node row says "lost"); the detector's row saying
+        # "healthy" is refused: the node stays lost in both places.
+        ctl_db_outage.arm(r"^\s*INSERT INTO nodes", values=("'w9'", "'healthy'"))
+        assert _post(client, live, "/api/v1/reports", ctl_report("w9", 1), "agent").is_success
+        _wait(lambda: ctl_db_outage.hits >= 1)
+        time.sleep(0.2)  # let the detector's failure settle; nothing may change after it
+        assert _agrees(client, live, db_url, "w9")["health"] == "lost"
+        ctl_db_outage.disarm()
+        assert _post(client, live, "/api/v1/reports", ctl_report("w9", 2), "agent").is_success
+        _wait(lambda: _node(client, live, "w9")["health"] == "healthy")
+        assert _agrees(client, live, db_url, "w9")["health"] == "healthy"
+
+
 def test_command_expiry_that_fails_changes_nothing(
     controller_factory, db_url, ctl_report, ctl_db_outage
 ) -> None:

@@ -56,13 +56,14 @@ silent node) detects the same condition again and retries.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import Table
 
 from controller.db.keys import GpuKey, NodeKey, RowKey
+from controller.db.repositories import write_batch
 from controller.db.repositories.nodes import gpu_row, node_row
 from controller.logic.detection.hw_rules import HwFinding, HwRules
 from controller.logic.detection.incident_evidence import (
@@ -280,8 +281,7 @@ class HealthDetector:
                 incident, note="NVML works again", rows=staged.rows(), on_written=publish
             )
         else:
-            publish()
-            self._writer.mark_dirty({NodeKey(node.name)})
+            await self._store(staged, publish)
 
     async def _hw_finding(self, node: NodeState, f: HwFinding) -> None:
         event = EvidenceEvent(time_unix_s=f.time_unix_s, signal=f.signal, detail=f.reason)
@@ -484,9 +484,15 @@ class HealthDetector:
             await self._incidents.resolve(
                 incident, note="agent reported again", rows=staged.rows(), on_written=publish
             )
-        else:
-            publish()
-            self._writer.mark_dirty({NodeKey(node.name)})
+        else:  # its incident was resolved by hand while the node was still silent
+            await self._store(staged, publish)
+
+    async def _store(self, staged: _Staged, publish: Callable[[], None]) -> None:
+        """A health change with no incident to go with: its rows alone, then published.
+        Not stored, it raises with memory unchanged, and the node's next report tries again."""
+        rows = staged.rows()
+        await self._writer.run(lambda conn: write_batch(conn, rows))
+        publish()
 
     # ------------------------------------------------------------------ resolution
 
