@@ -275,10 +275,27 @@ def test_rbac_in_job_namespace_and_optional_kinds(helm_bin: Path, tmp_path: Path
     rbac = _rbac(docs)
     jobs = rbac[f"Role/train/{FULLNAME}-jobs"]["rules"]
     assert rbac[f"RoleBinding/train/{FULLNAME}-jobs"]["subjects"][0]["namespace"] == NAMESPACE
-    expected = [dict(r) for r in RBAC_RULES if "jobsets" not in r["resources"]]
+    assert VALUE_SETS["existing-secrets"]["rbac"] == {"jobsets": False, "trainjobs": False}
+    dropped = ("jobsets", "trainjobs")
+    expected = [dict(r) for r in RBAC_RULES if not set(dropped) & set(r["resources"])]
     assert rbac[f"ClusterRole//{FULLNAME}-nodes"]["rules"] + jobs == expected
     env = _env(_container(_one(docs, "Deployment"), "controller"))
     assert env["TRAINGUARD_KUBE_NAMESPACE"]["value"] == "train"
+
+
+@pytest.mark.parametrize("kind", ["jobsets", "pytorchjobs", "trainjobs"])
+def test_rbac_toggle_drops_exactly_its_kind(helm_bin: Path, tmp_path: Path, kind: str) -> None:
+    """Each ``rbac.<kind>: false`` removes that workload's rule and nothing else (a TrainJob
+    runs as a JobSet, so dropping JobSets drops TrainJobs with them)."""
+    off = {"jobsets": ("jobsets", "trainjobs")}.get(kind, (kind,))
+    docs = _render(helm_bin, tmp_path, _merge(TOKENS, {"rbac": dict.fromkeys(off, False)}))
+    rbac = _rbac(docs)
+    granted = (
+        rbac[f"ClusterRole//{FULLNAME}-nodes"]["rules"]
+        + rbac[f"Role/{NAMESPACE}/{FULLNAME}-jobs"]["rules"]
+    )
+    assert granted == [dict(r) for r in RBAC_RULES if not set(off) & set(r["resources"])]
+    assert len(granted) == len(RBAC_RULES) - len(off)
 
 
 def test_job_namespace_default_needs_one_role(helm_bin: Path, tmp_path: Path) -> None:
@@ -653,6 +670,10 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
     "short job token": (
         _merge(TOKENS, {"agent": {"jobEndpoint": {"token": "short"}}}),
         "/agent/jobEndpoint/token",
+    ),
+    "trainjobs without jobsets": (
+        _merge(TOKENS, {"rbac": {"jobsets": False}}),
+        "rbac.trainjobs needs rbac.jobsets",
     ),
     "bad job namespace": (
         _merge(TOKENS, {"agent": {"jobEndpoint": {"jobNamespaces": ["Team_A"]}}}),
