@@ -374,9 +374,13 @@ def load_targets(
 
 
 def merge(checks: Sequence[Check], results: Sequence[Check]) -> list[Check]:
-    """``checks`` with each GPU's ``clocks_load`` placeholder replaced by its result."""
+    """``checks`` with each GPU's ``clocks_load`` placeholder replaced by its result; a
+    result for no placeholder (the node-wide failure of a crashed check) is added at the end,
+    so that it fails the preflight instead of vanishing."""
     by_target = {c.target: c for c in results}
-    return [by_target.get(c.target, c) if c.name == "clocks_load" else c for c in checks]
+    placed = {c.target for c in checks if c.name == "clocks_load"}
+    merged = [by_target.get(c.target, c) if c.name == "clocks_load" else c for c in checks]
+    return merged + [c for c in results if c.target not in placed]
 
 
 class ClocksLoadRunner:

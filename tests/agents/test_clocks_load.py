@@ -25,15 +25,17 @@ import pytest
 from agents.clocks_load import (
     EXIT_NO_CUDA,
     EXIT_NO_TORCH,
+    ClocksLoadRunner,
     LoadSettings,
     default_load_command,
     load_targets,
+    merge,
     run_clocks_load,
 )
 from agents.daemon import Agent
 from agents.gpu.faults import parse_fault_specs
 from agents.gpu.sim import SimNvml
-from agents.preflight import Check
+from agents.preflight import NO_LOAD_REQUESTED, Check, summary
 from agents.sampler import GpuSampler
 from agents.settings import load_settings
 from tests.agents.agents_testkit import TOKEN, FakeController, LocalClient
@@ -312,3 +314,19 @@ def test_no_load_over_a_running_job_or_when_disabled(
         assert off._load_settings() == (None, "no load generated: disabled (preflight_load=false)")
     finally:
         off.stop()
+
+
+def test_a_crashed_check_fails_the_preflight_instead_of_vanishing() -> None:
+    runner = ClocksLoadRunner()
+    got: list[list[Check]] = []
+
+    def broken(_cancel: threading.Event) -> list[Check]:
+        raise RuntimeError("bug")
+
+    runner.start(broken, got.append).join(timeout=10)
+    placeholder = [Check("clocks_load", "gpu0", "skip", NO_LOAD_REQUESTED)]
+    (results,) = got
+    merged = merge(placeholder, results)
+    assert [(c.target, c.status) for c in merged] == [("gpu0", "skip"), ("node", "fail")]
+    assert merged[1].reason == "agent error: RuntimeError"
+    assert summary(merged).startswith("preflight failed 1/1 checks: node clocks_load: agent error")
