@@ -17,7 +17,14 @@ def test_examples_from_the_docs_parse() -> None:
     assert thermal.duration_s == math.inf
     assert parse_fault_spec("kind=lost,gpu=0,at=30").kind == "lost"
     assert parse_fault_spec("kind=ecc,gpu=0").ecc_corrected == 1  # bare ecc = one corrected
-    for spec in ("kind=xid,gpu=3,at=20,code=79", "kind=thermal,gpu=1,at=2.5,duration=3"):
+    slow = parse_fault_spec("kind=slowdown,gpu=1,mhz=700,hw=1")
+    assert (slow.value("mhz"), slow.value("hw"), slow.value("brake")) == (700, 1, 0)
+    specs = (
+        "kind=xid,gpu=3,at=20,code=79",
+        "kind=thermal,gpu=1,at=2.5,duration=3",
+        "kind=slowdown,gpu=0,at=1,mhz=900,brake=1",
+    )
+    for spec in specs:
         parsed = parse_fault_spec(spec)
         assert parse_fault_spec(parsed.to_spec()) == parsed
 
