@@ -25,7 +25,8 @@ utilization ≥ :data:`LOADED_UTILIZATION_PCT`):
   (a load that reached no GPU proves nothing);
 * **skip**, with the reason, where no load can be generated: the check is disabled, torch is
   not importable (status 3, or no ``torch`` for the agent's own interpreter), no CUDA device
-  (status 4), or a job's ranks are connected to this agent (a load would slow them);
+  (status 4), a job's ranks are connected to this agent (a load would slow them), or the
+  agent stopped during the load;
 * **pass** otherwise. There is no pass without a load that NVML saw.
 """
 
@@ -214,8 +215,8 @@ def run_clocks_load(
     env: dict[str, str] | None = None,
 ) -> list[Check]:
     """Load every target GPU at once for ``settings.seconds`` and judge each; blocks for
-    about that long (call it off the reporter thread). ``cancel`` ends it early (the loads
-    are killed and every GPU fails with that reason)."""
+    about that long (call it off the reporter thread). ``cancel`` ends it early: the loads
+    are killed and their checks are skipped (a load that did not finish proves nothing)."""
     if not targets:
         return []
     runs = [_Run(t) for t in targets]
