@@ -330,3 +330,31 @@ def test_a_crashed_check_fails_the_preflight_instead_of_vanishing() -> None:
     assert [(c.target, c.status) for c in merged] == [("gpu0", "skip"), ("node", "fail")]
     assert merged[1].reason == "agent error: RuntimeError"
     assert summary(merged).startswith("preflight failed 1/1 checks: node clocks_load: agent error")
+
+
+def test_stopping_the_agent_kills_the_load_and_skips_the_check(node: SimNode) -> None:
+    cancel = threading.Event()
+    targets = load_targets(node.sampler.sample(), node.sampler.inventory, node.sampler.handles)
+    settings = LoadSettings(command=tuple(stand_in(node)), seconds=300)
+    out: list[list[Check]] = []
+    worker = threading.Thread(
+        target=lambda: out.append(run_clocks_load(node.api, targets, settings, cancel=cancel))
+    )
+    worker.start()
+    load_dir = node.api.load_dir
+    assert load_dir is not None
+    deadline = time.monotonic() + 60
+    while len(list(load_dir.glob("gpu*.pid"))) < 2:  # both stand-ins are loading
+        assert time.monotonic() < deadline, "the stand-in loads never started"
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in load_dir.glob("gpu*.pid")]
+    cancel.set()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    (checks,) = out
+    assert {(c.status, c.reason) for c in checks} == {
+        ("skip", "cancelled: the agent stopped during the load")
+    }
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
