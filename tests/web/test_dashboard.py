@@ -281,7 +281,15 @@ def test_a_fault_on_an_agent_reaches_the_fleet_cell_and_the_job_heatmap_live(
         expect(page.locator(".hm-summary")).to_contain_text(
             re.compile(r"Slowest ranks \(worst step / median\): rank 3 "), timeout=20_000
         )
-        expect(page.locator(".hm-ranks li.marked")).to_contain_text("r3", timeout=40_000)
+        try:
+            expect(page.locator(".hm-ranks li.marked")).to_contain_text("r3", timeout=40_000)
+        except AssertionError as exc:
+            # What the server holds at that moment, so a failure says which side lags.
+            held = [
+                (i["id"], i["kind"], i["state"], i.get("ranks"))
+                for i in api(cluster, "/incidents?job=llm-pretrain&limit=100")["data"]
+            ]
+            raise AssertionError(f"rank 3 not marked; the job's incidents: {held}") from exc
     finally:
         cluster.slow.clear()
     shot(page, "job-straggler")
