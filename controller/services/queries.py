@@ -166,7 +166,6 @@ def incident_public(row: Incident) -> IncidentPublic:
     """A stored incident, its evidence typed by its kind. A row whose evidence does not fit
     its kind's model (hand-edited, or a release that broke its shape) is still shown, with
     its evidence as stored and ``evidence_error`` saying why: an incident is never hidden."""
-    error = evidence_error(row.kind, row.evidence)
     fields: dict[str, object] = {
         "id": row.id,
         "kind": row.kind,
@@ -183,16 +182,18 @@ def incident_public(row: Incident) -> IncidentPublic:
         "updated_unix_s": row.updated_unix_s,
         "resolved_unix_s": row.resolved_unix_s,
     }
-    if error is not None or row.kind not in EVIDENCE_BY_KIND:
-        if error is not None:
-            log.warning(
-                "incident %s (%s): evidence does not fit its kind's model: %s",
-                row.id,
-                row.kind,
-                error,
-            )
-        fields["evidence_error"] = error
-    return INCIDENT_ADAPTER.validate_python(fields)
+    if row.kind not in EVIDENCE_BY_KIND:
+        fields["evidence_error"] = None  # untyped: a kind without a model
+    try:
+        return INCIDENT_ADAPTER.validate_python(fields)
+    except ValidationError:
+        error = evidence_error(row.kind, row.evidence)
+        if error is None:
+            raise  # not the evidence: a broken row the database should never hold
+        log.warning(
+            "incident %s (%s): evidence does not fit its kind's model: %s", row.id, row.kind, error
+        )
+        return INCIDENT_ADAPTER.validate_python({**fields, "evidence_error": error})
 
 
 def list_incidents(
