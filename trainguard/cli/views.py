@@ -155,14 +155,11 @@ def incident_evidence_cell(item: JsonObject) -> str:
     """An incident's telling evidence fields, read through the controller's model of its
     kind (the one the API schema publishes; ``BRIEF`` names the fields). Evidence the API
     flagged (``evidence_error``) or of a kind without a model is shown as it came."""
-    from controller.logic.detection.evidence_kinds import parse_evidence
-    from controller.logic.detection.incident_evidence import IncidentEvidence
+    from controller.logic.detection.evidence_kinds import typed_evidence
 
     raw = item.get("evidence")
-    if not isinstance(raw, dict) or item.get("evidence_error"):
-        return cell(raw)
-    typed = parse_evidence(str(item.get("kind", "")), raw)
-    if not isinstance(typed, IncidentEvidence):
+    typed = None if item.get("evidence_error") else typed_evidence(str(item.get("kind")), raw)
+    if typed is None:
         return cell(raw)
     return ",".join(f"{k}={cell(v)}" for k, v in typed.brief().items()) or EMPTY
 

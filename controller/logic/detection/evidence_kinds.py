@@ -93,6 +93,18 @@ def evidence_error(kind: str, data: object) -> str | None:
     return None
 
 
+def typed_evidence(kind: str, data: object) -> IncidentEvidence | None:
+    """``data`` as ``kind``'s model, or ``None`` (no model, or it does not fit), silently:
+    for a reader that shows the raw object instead (the CLI)."""
+    adapter = _ADAPTERS.get(kind)
+    if adapter is None:
+        return None
+    try:
+        return adapter.validate_python(data)
+    except ValidationError:
+        return None
+
+
 def parse_evidence(kind: str, data: dict[str, Any]) -> IncidentEvidence | dict[str, Any]:
     """``data`` as ``kind``'s model; a kind without one, or a row that does not fit it (an
     older or damaged row), stays the dict it is (logged, never raised)."""
@@ -115,4 +127,5 @@ __all__ = [
     "StragglerAnyEvidence",
     "evidence_error",
     "parse_evidence",
+    "typed_evidence",
 ]
