@@ -286,3 +286,23 @@ def test_limits_of_a_fixed_nnodes_forbid_any_shrink(cluster: FakeCluster) -> Non
     run(act.candidate_nodes("tj"))
     limits = act.limits("tj")
     assert limits is not None and limits.min_dp == 4  # --nnodes=2, 2 ranks per pod
+
+
+def test_pytorchjob_policy_max_restarts_counts_trainguards_restarts(cluster: FakeCluster) -> None:
+    """A PyTorchJob has no restart counter of its own: its trainguard.io/policy
+    ``max_restarts`` caps the restarts trainguard recorded (trainguard.io/generation)."""
+    elastic_pytorchjob(cluster)
+    pj = cluster.get("kubeflow.org", "pytorchjobs", NS, "pt")
+    assert pj is not None
+    pj["metadata"]["annotations"] = {"trainguard.io/policy": '{"max_restarts": 1}'}
+    cluster.put("kubeflow.org", "pytorchjobs", pj)
+    act = actuator(cluster)
+    report_ranks(act, cluster, "pt")
+    first = Placement(job="pt", nodes=NODES, ranks_per_node=2, generation=1)
+    assert run(act.restart_job(first, reason="hang")).details["mode"] == "delete-pods"
+    cluster.reconcile_pytorchjob(NS, "pt")
+    writes = len([s for s in cluster.served if s[2] in ("patch", "delete", "create")])
+    second = Placement(job="pt", nodes=NODES, ranks_per_node=2, generation=2)
+    with pytest.raises(ActuatorError, match=r"restarted it 1 time\(s\), the 1 its trainguard"):
+        run(act.restart_job(second, reason="hang again"))
+    assert len([s for s in cluster.served if s[2] in ("patch", "delete", "create")]) == writes

@@ -115,6 +115,16 @@ def gang_plan(w: Workload, *, same_size: bool) -> GangPlan:
     if w.suspended:
         return GangPlan("suspend-resume", 0, False, "the workload is suspended: resumed")
     policy = job_policy(w.obj)
+    if policy.max_restarts is not None and w.kind not in (JOBSET, TRAINJOB):
+        # No restart counter of its own (JobSet's status.restarts): count trainguard's, the
+        # generation it last recorded on the workload (0 before its first restart).
+        done = w.annotations.get(ANN_GENERATION, "")
+        used = int(done) if done.isdigit() else 0
+        if used >= policy.max_restarts:
+            raise ActuatorError(
+                f"restart {w.label}: trainguard has restarted it {used} time(s), the "
+                f"{policy.max_restarts} its trainguard.io/policy allows"
+            )
     if w.kind in (JOBSET, TRAINJOB) and same_size:
         plan = plan_gang_restart(
             w.kind.kind, w.obj, current_nodes=1, healthy_nodes=1, jobset=w.runtime, policy=policy
