@@ -51,18 +51,22 @@ class C4DConfig:
     should not start a probe round however short the steps. Stragglers do not use it: their
     persistence is counted in steps (``straggler_confirm_steps``, and the window median,
     which needs the rank slow in half of ``window_steps``), because summaries reach the
-    controller in batches of one agent report interval (5 s, ~70 steps of a 70 ms job),
-    so a rule in seconds measured the report timers, not the rank."""
+    controller in batches (an agent's report: 8 steps, or 1 s of a job with shorter steps,
+    or its 5 s timer: ``agents.cadence``), so a rule in seconds measured the report timers,
+    not the rank."""
 
     min_step_coverage: float = 0.9
     """Share of the job's ranks that must have reported a step before it is compared."""
 
     step_wait_s: float = 12.0
     """How long (controller clock, from a step's first summary) an incomplete step waits for
-    its missing ranks' summaries. Agents report on their own 5 s timers with independent
-    phases, so one node's summaries of a step can arrive ~5 s after another's; two report
-    intervals plus delivery margin keep such steps whole. A step is compared sooner once
-    every missing rank has reported a later step (it will not report this one)."""
+    its missing ranks' summaries. Agents report on their own timers with independent
+    phases (5 s, sooner for step summaries of short steps), so one node's summaries of a
+    step can arrive ~5 s after another's; two report intervals plus delivery margin keep
+    such steps whole. A step is compared as soon as every rank reported it, so this wait
+    costs nothing while all nodes report; it only bounds how long a silent node holds
+    the comparison up (a rank having reported a later step does not end the wait: a
+    retried batch from a spool can arrive after a newer one)."""
 
     max_pending_steps: int = 512
     """Bound on steps held waiting for late summaries (memory per job); the oldest is
