@@ -347,6 +347,56 @@ def _verdict(target: LoadTarget, loaded: Sequence[_Sample], settings: LoadSettin
     )
 
 
+def load_command(api: Any, configured: Sequence[str] = ()) -> tuple[list[str] | None, str]:
+    """The command that loads this node's GPUs: the configured one, the simulator's stand-in
+    on a simulated backend, else ``collectives/gpu_load.py``; or None and why not (the check
+    is then skipped with that reason, never passed)."""
+    if configured:
+        return list(configured), ""
+    from agents.gpu.sim import SimNvml  # the simulator only where it is in use
+
+    if isinstance(api, SimNvml):
+        return api.sim_load_command(), ""
+    found = default_load_command()
+    if found is None:
+        return None, "no load generated: torch is not importable by the agent's python"
+    return found, ""
+
+
+def run_preflight_with_load(
+    backend: Any,
+    sampler: Any,
+    nics: Any,
+    *,
+    load_s: float,
+    expected_nic_rate_gbps: float | None = None,
+    command: Sequence[str] = (),
+) -> list[Check]:
+    """``trainguard preflight --local``: every check of the agent's preflight, ``clocks_load``
+    included (``load_s`` seconds of load on all GPUs at once; 0 skips it and says so).
+    Blocks for the load; the CLI has no heartbeat to keep."""
+    from agents.preflight import evaluate
+
+    gpus = sampler.sample()
+    checks = evaluate(
+        backend,
+        gpus,
+        nics.read_all(),
+        nvlinks_down_at_start=sampler.nvlinks_down_at_start,
+        expected_nic_rate_gbps=expected_nic_rate_gbps,
+    )
+    targets = load_targets(gpus, sampler.inventory, sampler.handles)
+    if not targets:
+        return checks
+    if load_s <= 0:
+        return merge(checks, skipped([t.index for t in targets], "no load generated: --load-s 0"))
+    argv, why_not = load_command(backend.api, command)
+    if argv is None:
+        return merge(checks, skipped([t.index for t in targets], why_not))
+    load = LoadSettings(command=tuple(argv), seconds=load_s)
+    return merge(checks, run_clocks_load(backend.api, targets, load))
+
+
 def load_targets(
     gpus: Sequence[GpuSample],
     inventory: Sequence[GpuInfo],
@@ -434,8 +484,10 @@ __all__ = [
     "LoadSettings",
     "LoadTarget",
     "default_load_command",
+    "load_command",
     "load_targets",
     "merge",
     "run_clocks_load",
+    "run_preflight_with_load",
     "skipped",
 ]

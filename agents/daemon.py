@@ -37,7 +37,7 @@ from agents.cadence import ReportCadence
 from agents.clocks_load import (
     ClocksLoadRunner,
     LoadSettings,
-    default_load_command,
+    load_command,
     load_targets,
     merge,
     run_clocks_load,
@@ -512,15 +512,9 @@ class Agent:
         ranks = self._local_clients()
         if ranks:
             return None, f"no load generated: {ranks} job rank(s) connected to this agent"
-        if s.preflight_load_command:
-            command = list(s.preflight_load_command)
-        elif isinstance(self.backend.api, SimNvml):
-            command = self.backend.api.sim_load_command()
-        else:
-            found = default_load_command()
-            if found is None:
-                return None, "no load generated: torch is not importable by the agent's python"
-            command = found
+        command, why_not = load_command(self.backend.api, s.preflight_load_command or ())
+        if command is None:
+            return None, why_not
         load = LoadSettings(
             command=tuple(command), seconds=s.preflight_load_s, grace_s=s.preflight_load_grace_s
         )

@@ -54,7 +54,7 @@ EXPECTED = {
     "policy": CLIENT,
     "preflight": [
         "NODES", "--local", "--expected-nic-rate-gbps", "--wait", "--gpus", "--dev-dir",
-        "--sysfs-root", "--nvml-timeout", *CLIENT,
+        "--sysfs-root", "--nvml-timeout", "--load-s", *CLIENT,
     ],
     "release": ["NODE", "--reason", "--server", "--token"],
     "remediation": CLIENT,

@@ -98,12 +98,22 @@ def test_local_preflight_and_usage_errors(
 ) -> None:
     tree = SysfsTree(tmp_path / "sys").build()
     local = ["preflight", "--local", "--gpus", "sim:2", "--sysfs-root", str(tree.root)]
-    code, out, err = _cli(capsys, *local)
+    code, out, err = _cli(capsys, *local, "--load-s", "0.5")
     assert code == 0, err
     header, *rows = out.splitlines()
     assert header.split() == ["NODE", "CHECK", "TARGET", "RESULT", "REASON"]
     assert any("simulated GPUs (sim): not real hardware" in r for r in rows)
-    code, out, _ = _cli(capsys, *local, "--expected-nic-rate-gbps", "800", "-o", "json")
+    # --local loads the GPUs too (the simulator's stand-in load here), and says when it did not.
+    loaded = [r.split() for r in rows if " clocks_load " in r]
+    assert [(r[2], r[3]) for r in loaded] == [("gpu0", "pass"), ("gpu1", "pass")], rows
+    code, out, _ = _cli(capsys, *local, "--load-s", "0", "-o", "json")
+    skipped = [c for c in json.loads(out) if c["name"] == "clocks_load"]
+    assert code == 0 and [(c["status"], c["reason"]) for c in skipped] == [
+        ("skip", "no load generated: --load-s 0")
+    ] * 2
+    code, out, _ = _cli(
+        capsys, *local, "--load-s", "0", "--expected-nic-rate-gbps", "800", "-o", "json"
+    )
     failed = [c for c in json.loads(out) if c["status"] == "fail"]
     assert code == 1 and {c["target"] for c in failed} == {"mlx5_0/1", "mlx5_1/1"}
     code, _, err = _cli(capsys, "preflight")

@@ -1,7 +1,8 @@
 """``trainguard preflight``: a node's hardware checks, on this machine or through the controller.
 
 ``--local`` runs the agent's check runner here (NVML through the same sampler, RDMA ports from
-sysfs) and prints one row per check. ``trainguard preflight NODE...`` asks each node's agent
+sysfs, ``clocks_load`` with ``--load-s`` seconds of GPU load) and prints one row per check.
+``trainguard preflight NODE...`` asks each node's agent
 through the controller (``POST /nodes/{name}/preflight``, the command channel) and waits
 for the verdicts. Exit status 0 when everything passed, 1 when a check failed or an agent
 did not answer in time, 2 for usage errors.
@@ -55,12 +56,17 @@ def _print(items: list[dict[str, Any]], columns: tuple[Column, ...], fmt: Output
 
 
 def _local(
-    gpus: str, dev_dir: Path | None, sysfs_root: Path | None, timeout_s: float, rate: float | None
+    gpus: str,
+    dev_dir: Path | None,
+    sysfs_root: Path | None,
+    timeout_s: float,
+    rate: float | None,
+    load_s: float,
 ) -> list[dict[str, Any]]:
+    from agents.clocks_load import run_preflight_with_load
     from agents.errors import AgentError
     from agents.gpu.backend import DEFAULT_DEV_DIR, open_backend
     from agents.nics import NicMonitor
-    from agents.preflight import run_preflight
     from agents.sampler import GpuSampler
     from agents.settings import default_node_name
 
@@ -71,8 +77,12 @@ def _local(
     sampler = GpuSampler(backend.api, timeout_s=timeout_s)
     try:
         sampler.open()
-        checks = run_preflight(
-            backend, sampler, NicMonitor(sysfs_root or Path("/sys")), expected_nic_rate_gbps=rate
+        checks = run_preflight_with_load(
+            backend,
+            sampler,
+            NicMonitor(sysfs_root or Path("/sys")),
+            load_s=load_s,
+            expected_nic_rate_gbps=rate,
         )
     finally:
         sampler.close()
@@ -158,6 +168,15 @@ def preflight(
     nvml_timeout: Annotated[
         float, typer.Option("--nvml-timeout", min=0.01, help="With --local: NVML wait, seconds.")
     ] = 2.0,
+    load_s: Annotated[
+        float,
+        typer.Option(
+            "--load-s",
+            min=0,
+            max=600,
+            help="With --local: seconds of GPU load for clocks_load (0: skip that check).",
+        ),
+    ] = 10.0,
     server: Server = None,
     token: Token = None,
     output: Output = DEFAULT_OUTPUT,
@@ -168,7 +187,7 @@ def preflight(
     if not local and not nodes:
         raise BadInput("name at least one NODE, or use --local to check this machine")
     if local:
-        items = _local(gpus, dev_dir, sysfs_root, nvml_timeout, expected_nic_rate_gbps)
+        items = _local(gpus, dev_dir, sysfs_root, nvml_timeout, expected_nic_rate_gbps, load_s)
         _print(items, LOCAL_COLUMNS, output)
         failed = any(i["status"] == "fail" for i in items)
     else:
