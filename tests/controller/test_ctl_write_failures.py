@@ -10,11 +10,13 @@ again the next report or tick records the same condition.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 from sqlalchemy import text
 
 from controller.db.session import make_engine
@@ -233,6 +235,46 @@ def test_node_back_without_an_open_incident_that_fails_changes_nothing(
         assert _post(client, live, "/api/v1/reports", ctl_report("w9", 2), "agent").is_success
         _wait(lambda: _node(client, live, "w9")["health"] == "healthy")
         assert _agrees(client, live, db_url, "w9")["health"] == "healthy"
+
+
+def test_ecc_counter_reset_that_fails_changes_nothing(
+    live_controller, db_url, ctl_report, ctl_db_outage
+) -> None:
+    """An uncorrectable-ECC counter reset (no fault) is the baseline the next fault is
+    judged against, also after a restart: written, then kept in memory, so a write that
+    fails leaves the old baseline in both."""
+    live = live_controller
+    gpu = live.controller.state.nodes
+
+    def post(seq: int, value: int) -> None:
+        body = ctl_report("w10", seq, gpus=2, gpu_overrides={0: {"ecc_uncorrected_total": value}})
+        assert _post(client, live, "/api/v1/reports", body, "agent").is_success
+
+    def stored() -> Any:
+        return _stored(
+            db_url,
+            "SELECT ecc_uncorrected_total FROM gpus WHERE node_name = 'w10' AND \"index\" = 0",
+        )
+
+    def baseline() -> int:
+        value = stored()
+        assert gpu["w10"].gpus[0].ecc_uncorrected_total == value
+        return int(value)
+
+    with httpx.Client(base_url=live.url, timeout=20) as client:
+        post(0, 7)  # the first value: queued with the next group commit
+        _wait(lambda: gpu["w10"].gpus[0].ecc_uncorrected_total == 7 and stored() == 7)
+        assert baseline() == 7
+        ctl_db_outage.arm(r"^\s*INSERT INTO gpus", values=("'w10'",))
+        post(1, 2)  # a driver reload reset the counter: no fault
+        _wait(lambda: ctl_db_outage.hits >= 1)
+        time.sleep(0.2)
+        assert baseline() == 7
+        ctl_db_outage.disarm()
+        post(2, 2)
+        _wait(lambda: gpu["w10"].gpus[0].ecc_uncorrected_total == 2)
+        assert baseline() == 2
+        assert _open(client, live, "w10") == []  # neither value was a fault
 
 
 def test_command_expiry_that_fails_changes_nothing(
@@ -466,6 +508,66 @@ def test_agent_token_rotation_that_fails_changes_nothing(
         expires = agrees()
         assert expires[0] is not None and expires[1] is None  # the first one in its grace
         assert report(second.json()["token"], 2) == 200 and report(token, 3) == 200
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_held_job_findings_are_bounded_in_number_and_time(db_url, ctl_db_outage) -> None:
+    """The detector alone, on a real store: at most ``MAX_HELD_FINDINGS`` are held (more
+    are dropped and counted), retried with backoff, and dropped after ``HELD_FINDING_TTL_S``."""
+    from controller.db.migrate import upgrade
+    from controller.services.commands import CommandService
+    from controller.services.detection import jobs as detection_jobs
+    from controller.services.incidents import IncidentService
+    from controller.state import ClusterState
+    from controller.store import Store
+    from controller.writer import GroupCommitWriter
+    from trainguard.wire import JobRecords, RankEvent
+
+    upgrade(db_url)
+    store = Store(make_engine(db_url))
+    state = ClusterState()
+    incidents = IncidentService(state, store)
+    writer = GroupCommitWriter(store, state.row_for, flush_interval_s=0.0, max_rows=100)
+    detector = detection_jobs.JobDetector(
+        state, incidents, CommandService(state, writer, expire_after_s=60.0)
+    )
+    limit = detection_jobs.MAX_HELD_FINDINGS
+    for j in range(limit + 4):  # one crash in each of that many jobs: one finding each
+        crash = RankEvent(job=f"j{j}", rank=0, kind="exited", exit_code=1, time_unix_s=1.0)
+        detector.trackers.observe("n1", JobRecords(rank_events=[crash]), 0.0)
+
+    async def scenario() -> None:
+        ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
+        await detector.tick(0.0)
+        assert detector.held_counts == {"held": limit, "recorded": 0, "dropped": 4}
+        tried = incidents.write_failures["open"]
+        await detector.tick(0.5)  # before the first backoff (1 s) ends: nothing is tried
+        assert incidents.write_failures["open"] == tried
+        await detector.tick(1.0)  # every held one tried once more
+        assert incidents.write_failures["open"] == tried + limit
+        await detector.tick(2.0)  # the next try waits 2 s
+        assert incidents.write_failures["open"] == tried + limit
+        ctl_db_outage.disarm()
+        await detector.tick(3.0)
+        assert detector.held == {} and detector.held_counts["recorded"] == limit
+        assert len(state.incidents) == limit
+
+        # Given up once it has failed for longer than the TTL.
+        crash = RankEvent(job="late", rank=0, kind="exited", exit_code=1, time_unix_s=1.0)
+        detector.trackers.observe("n1", JobRecords(rank_events=[crash]), 10.0)
+        ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
+        await detector.tick(10.0)
+        assert sum(len(q) for q in detector.held.values()) == 1
+        await detector.tick(11.0 + detection_jobs.HELD_FINDING_TTL_S)
+        ctl_db_outage.disarm()
+        assert detector.held == {} and detector.held_counts["dropped"] == 5
+        await detector.tick(12.0 + detection_jobs.HELD_FINDING_TTL_S)
+        assert len(state.incidents) == limit  # dropped is dropped
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
 
 
 # The operator's isolation and its action row: test_ctl_isolation_writes.py (one transaction).

@@ -234,16 +234,39 @@ class HealthDetector:
                 steps.append(self._record_xids(node, index, kind, count, events))
         steps.append(self._gpu_watch(node, report.node.gpu_error))
         steps.extend(self._hw_finding(node, f) for f in self._hw.findings(report))
-        # Counter values with no fault are report data, committed like the report itself.
-        dirty: set[RowKey] = set()
+        # Counter values with no fault: the baseline the next fault is judged against, also
+        # by a restarted controller. A GPU's first value is report data, queued with the
+        # next group commit (one transaction for many nodes' first reports); a reset of a
+        # known baseline (rare: a driver reload) is stored, then shown.
+        first: set[RowKey] = set()
+        resets: dict[int, int] = {}
         for index, value in ecc.items():
             gpu = gpus.get(index)
-            if gpu is not None and gpu.ecc_uncorrected_total != value:
+            if gpu is None or gpu.ecc_uncorrected_total == value:
+                continue
+            if gpu.ecc_uncorrected_total is None:
                 gpu.ecc_uncorrected_total = value
-                dirty.add(GpuKey(node.name, index))
-        if dirty:
-            self._writer.mark_dirty(dirty)
+                first.add(GpuKey(node.name, index))
+            else:
+                resets[index] = value
+        if first:
+            self._writer.mark_dirty(first)
+        if resets:
+            steps.append(self._store_counters(node, resets))
         await _each(steps)
+
+    async def _store_counters(self, node: NodeState, counters: dict[int, int]) -> None:
+        """Write the GPUs' reset uncorrectable-ECC counters, then show them; not stored,
+        they stay as they were and the next report carrying them tries again."""
+        rows = [
+            gpu_row(node.name, replace(node.gpus[i], ecc_uncorrected_total=v))
+            for i, v in sorted(counters.items())
+        ]
+        await self._writer.run(lambda conn: write_batch(conn, {GpuKey.table: rows}))
+        for index, value in counters.items():
+            gpu = node.gpus.get(index)
+            if gpu is not None:
+                gpu.ecc_uncorrected_total = value
 
     async def _gpu_watch(self, node: NodeState, error: str) -> None:
         """A node whose NVML is broken is unhealthy until its agent reports without error."""
