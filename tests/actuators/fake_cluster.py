@@ -34,7 +34,10 @@ client would get wrong:
   podFailurePolicy ignores ``DisruptionTarget``); :meth:`FakeCluster.reconcile_jobset`
   creates the child Jobs and their pods on schedulable, untainted nodes and, when a child
   Job failed, recreates them all (``status.restarts`` + 1) until
-  ``failurePolicy.maxRestarts``, then fails the JobSet.
+  ``failurePolicy.maxRestarts``, then fails the JobSet; and it acts as the Kubeflow Training
+  Operator would: :meth:`FakeCluster.reconcile_pytorchjob` recreates a PyTorchJob's deleted
+  pods (and Failed ones its ``restartPolicy: ExitCode`` retries) from the current spec,
+  with the operator's labels, torchrun environment (``PET_*``) and pod ``restartPolicy``.
 """
 
 from __future__ import annotations

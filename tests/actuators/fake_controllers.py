@@ -1,7 +1,9 @@
 """The fake cluster's Job, JobSet and PyTorchJob (training operator) controllers and its
 scheduler (a mixin of :class:`tests.actuators.fake_cluster.FakeCluster`), enough for gang
-restarts: :meth:`WorkloadControllers.reconcile_pytorchjob` recreates a PyTorchJob's missing
-pods from its current spec; a deleted or
+restarts: :meth:`WorkloadControllers.reconcile_pytorchjob` acts as the Kubeflow Training
+Operator (kubeflow.org/v1) would: it recreates a PyTorchJob's deleted pods, and its Failed
+pods that ``restartPolicy: ExitCode`` says to retry, from the current spec, with the
+environment the operator injects for torchrun; a deleted or
 evicted pod fails its Job when ``backoffLimit`` is 0 (an eviction not, when the Job's
 podFailurePolicy ignores ``DisruptionTarget``); :meth:`WorkloadControllers.reconcile_jobset`
 creates the child Jobs and their pods on schedulable, untainted nodes and, when a child Job
@@ -183,9 +185,13 @@ class WorkloadControllers:
                     self.put("", "pods", pod)
 
     def reconcile_pytorchjob(self, ns: str, name: str) -> list[str]:
-        """One reconcile of the training operator: create every replica's missing pod
-        (``<job>-<type>-<index>``, scheduled) from the current spec, delete pods past the
-        replica counts; nothing while ``runPolicy.suspend``. Returns the pods created."""
+        """One reconcile of the Training Operator: delete the Failed pods of replicas whose
+        ``restartPolicy: ExitCode`` retries their exit code (128 and above: a signal, as the
+        operator counts it), create every replica's missing pod (``<job>-<type>-<index>``,
+        scheduled) from the current spec, delete pods past the replica counts; nothing while
+        ``runPolicy.suspend``. ``OnFailure``/``Always`` restart the container in place,
+        which is the kubelet's part (the pod's ``restartPolicy``, set from the replica's).
+        Returns the pods created."""
         with self.lock:
             pj = self.objects[("kubeflow.org", "pytorchjobs", ns, name)]
             if (pj["spec"].get("runPolicy") or {}).get("suspend"):
@@ -199,32 +205,109 @@ class WorkloadControllers:
                 "blockOwnerDeletion": True,
             }
             ours = {
-                k[3]
+                k[3]: p
                 for k, p in self.objects.items()
                 if k[:3] == ("", "pods", ns) and any(r.get("uid") == ref["uid"] for r in _refs(p))
             }
+            specs = pj["spec"]["pytorchReplicaSpecs"]
+            for pod_name, pod in sorted(ours.items()):
+                rtype = (pod["metadata"].get("labels") or {}).get(
+                    "training.kubeflow.org/replica-type", ""
+                )
+                policy = next(
+                    (s.get("restartPolicy") for t, s in specs.items() if t.lower() == rtype), None
+                )
+                if policy == "ExitCode" and _retryable_failure(pod):
+                    self._delete(("", "pods", ns, pod_name), {}, None)
+                    del ours[pod_name]
             wanted: set[str] = set()
             created: list[str] = []
-            for rtype, rspec in sorted(pj["spec"]["pytorchReplicaSpecs"].items()):
-                template = rspec.get("template") or {}
+            for rtype, rspec in sorted(specs.items()):
                 for index in range(int(rspec.get("replicas", 1))):
                     pod_name = f"{name}-{rtype.lower()}-{index}"
                     wanted.add(pod_name)
                     if pod_name in ours:
                         continue
-                    meta = copy.deepcopy(template.get("metadata") or {})
-                    meta["labels"] = {
-                        **(meta.get("labels") or {}),
-                        "training.kubeflow.org/job-name": name,
-                        "training.kubeflow.org/replica-type": rtype.lower(),
-                        "training.kubeflow.org/replica-index": str(index),
-                    }
-                    meta.update(name=pod_name, namespace=ns, ownerReferences=[ref])
-                    pod = {"metadata": meta, "spec": copy.deepcopy(template.get("spec") or {})}
+                    pod = _operator_pod(pj, rtype, index, ref)
                     pod["spec"]["nodeName"] = self.schedule(pod)
                     pod["status"] = {"phase": "Running" if pod["spec"]["nodeName"] else "Pending"}
                     self.put("", "pods", pod)
                     created.append(pod_name)
-            for extra in sorted(ours - wanted):
+            for extra in sorted(set(ours) - wanted):
                 self._delete(("", "pods", ns, extra), {}, None)
             return created
+
+
+def _retryable_failure(pod: dict[str, Any]) -> bool:
+    """A Failed pod whose container ended with an exit code ``ExitCode`` retries (>= 128)."""
+    if (pod.get("status") or {}).get("phase") != "Failed":
+        return False
+    codes = [
+        ((s.get("state") or {}).get("terminated") or {}).get("exitCode", 0)
+        for s in pod["status"].get("containerStatuses") or []
+    ]
+    return any(int(code) >= 128 for code in codes)
+
+
+#: The operator's default rendezvous port (a container port named ``pytorchjob-port``
+#: overrides it).
+PYTORCHJOB_PORT = 23456
+
+
+def _operator_pod(
+    pj: dict[str, Any], rtype: str, index: int, ref: dict[str, Any]
+) -> dict[str, Any]:
+    """Pod ``index`` of replica type ``rtype`` as the Training Operator makes it: its
+    labels, the pod ``restartPolicy`` from the replica's (``ExitCode``: ``Never``, the
+    operator decides), and in every container the variables the operator injects: with a
+    Master, ``MASTER_ADDR`` (the master's Service) / ``MASTER_PORT``, ``WORLD_SIZE``,
+    ``RANK`` (the pod's node rank: workers count from 1) and their ``PET_*`` twins that
+    torchrun reads for ``--master-addr``/``--master-port``/``--node-rank``/
+    ``--nproc-per-node``; ``PET_NNODES`` (the replicas) without an ``elasticPolicy``."""
+    name, ns = pj["metadata"]["name"], pj["metadata"]["namespace"]
+    specs = pj["spec"]["pytorchReplicaSpecs"]
+    rspec = specs[rtype]
+    template = rspec.get("template") or {}
+    meta = copy.deepcopy(template.get("metadata") or {})
+    meta["labels"] = {
+        **(meta.get("labels") or {}),
+        "training.kubeflow.org/operator-name": "pytorchjob-controller",
+        "training.kubeflow.org/job-name": name,
+        "training.kubeflow.org/replica-type": rtype.lower(),
+        "training.kubeflow.org/replica-index": str(index),
+        **({"training.kubeflow.org/job-role": "master"} if rtype == "Master" else {}),
+    }
+    meta.update(name=f"{name}-{rtype.lower()}-{index}", namespace=ns, ownerReferences=[ref])
+    spec = copy.deepcopy(template.get("spec") or {})
+    policy = rspec.get("restartPolicy", "Never")
+    spec["restartPolicy"] = "Never" if policy == "ExitCode" else policy
+    replicas = sum(int(s.get("replicas", 1)) for s in specs.values())
+    nproc = str(pj["spec"].get("nprocPerNode") or "1")
+    env = [{"name": "PYTHONUNBUFFERED", "value": "0"}]
+    if "Master" in specs:
+        port = next(
+            (
+                p["containerPort"]
+                for c in (specs["Master"].get("template") or {}).get("spec", {})["containers"]
+                for p in c.get("ports") or []
+                if p.get("name") == "pytorchjob-port"
+            ),
+            PYTORCHJOB_PORT,
+        )
+        rank = index + 1 if rtype == "Worker" else index
+        world = replicas * (int(nproc) if nproc.isdigit() else 1)
+        env += [
+            {"name": "MASTER_PORT", "value": str(port)},
+            {"name": "PET_MASTER_PORT", "value": str(port)},
+            {"name": "MASTER_ADDR", "value": f"{name}-master-0"},
+            {"name": "PET_MASTER_ADDR", "value": f"{name}-master-0"},
+            {"name": "WORLD_SIZE", "value": str(world)},
+            {"name": "RANK", "value": str(rank)},
+            {"name": "PET_NPROC_PER_NODE", "value": nproc},
+            {"name": "PET_NODE_RANK", "value": str(rank)},
+        ]
+    if not pj["spec"].get("elasticPolicy"):
+        env.append({"name": "PET_NNODES", "value": str(replicas)})
+    for container in spec.get("containers") or []:
+        container["env"] = [*(container.get("env") or []), *env]
+    return {"metadata": meta, "spec": spec}
