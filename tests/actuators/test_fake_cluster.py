@@ -221,3 +221,40 @@ def test_every_write_is_checked_against_the_schema(cluster: FakeCluster) -> None
     assert err.value.status == 422 and "unknown to the model" in (err.value.body or "")
     assert len(cluster.invalid_writes) == 2
     cluster.invalid_writes.clear()  # seen; the fixture fails a test that leaves any
+
+
+def _ptj_pods(c: FakeCluster) -> dict[str, dict[str, Any]]:
+    return {p["metadata"]["name"]: p for p in c.items("", "pods", NS)}
+
+
+def test_training_operator_pods_env_and_exit_code_retries(cluster: FakeCluster) -> None:
+    """The fake Training Operator: pods with the operator's torchrun variables and pod
+    restartPolicy; a Failed pod is recreated when ``ExitCode`` retries its code (>= 128),
+    left Failed when not (1..127)."""
+    for n in ("gpu-a", "gpu-b", "gpu-c"):
+        node(cluster, n)
+    rank = {"spec": {"containers": [{"name": "pytorch", "image": "t"}]}}
+    specs = {
+        "Master": {"replicas": 1, "restartPolicy": "ExitCode", "template": rank},
+        "Worker": {"replicas": 2, "restartPolicy": "ExitCode", "template": rank},
+    }
+    doc = {"metadata": {"name": "pt", "namespace": NS}, "spec": {"nprocPerNode": "2",
+           "runPolicy": {}, "pytorchReplicaSpecs": specs}}  # fmt: skip
+    cluster.put("kubeflow.org", "pytorchjobs", doc)
+    assert cluster.reconcile_pytorchjob(NS, "pt") == ["pt-master-0", "pt-worker-0", "pt-worker-1"]
+    pods = _ptj_pods(cluster)
+    env = {e["name"]: e["value"] for e in pods["pt-worker-1"]["spec"]["containers"][0]["env"]}
+    assert env["PET_NODE_RANK"] == env["RANK"] == "2"  # workers count from 1 after the master
+    assert env["PET_NNODES"] == "3" and env["PET_NPROC_PER_NODE"] == "2"
+    assert env["WORLD_SIZE"] == "6" and env["PET_MASTER_ADDR"] == "pt-master-0"
+    assert env["PET_MASTER_PORT"] == "23456"
+    assert pods["pt-worker-1"]["spec"]["restartPolicy"] == "Never"  # ExitCode: the operator's
+    for name, code in (("pt-worker-0", 137), ("pt-worker-1", 1)):
+        failed = pods[name]
+        failed["status"] = {"phase": "Failed", "containerStatuses": [
+            {"name": "pytorch", "state": {"terminated": {"exitCode": code}}}]}  # fmt: skip
+        cluster.put("", "pods", failed)
+    assert cluster.reconcile_pytorchjob(NS, "pt") == ["pt-worker-0"]  # 137: retried
+    after = _ptj_pods(cluster)
+    assert after["pt-worker-0"]["metadata"]["uid"] != pods["pt-worker-0"]["metadata"]["uid"]
+    assert after["pt-worker-1"]["status"]["phase"] == "Failed"  # 1: permanent, left alone
