@@ -23,6 +23,7 @@ imports that module, and the acyclic-siblings contract forbids the way back.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 import weakref
@@ -33,7 +34,7 @@ from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Action
-from controller.errors import Conflict, NotFound, TemporaryError
+from controller.errors import Conflict, ControllerError, NotFound, TemporaryError
 from controller.services.actions import ActionService
 from controller.services.remediation.approval import APPROVAL_KIND, ApprovalError
 from controller.services.remediation.engine import RECENT_REMEDIATIONS, RemediationEngine
@@ -45,6 +46,8 @@ from controller.store import Store
 #: Dry-run kinds an operator may approve (what carrying each out means is below).
 APPROVABLE = frozenset({RESTART_KIND, "isolate_node"})
 APPROVE_KIND = "approve_action"
+
+log = logging.getLogger(__name__)
 
 
 async def restart_job(
@@ -156,7 +159,8 @@ class Approvals:
                 select(Action.id).where(
                     Action.kind == APPROVE_KIND,
                     Action.target == f"action:{action_id}",
-                    Action.status == "succeeded",
+                    # A pending approval claimed the dry run; its end may not be stored.
+                    Action.status.in_(("succeeded", "pending")),
                 )
             ).first()
             return row, approved is not None, plan
@@ -183,16 +187,8 @@ class Approvals:
                 )
             reason = f"approved dry run #{action_id} by {actor}"
             if row.kind == RESTART_KIND:
-                job = row.params.get("job") or row.target
-                try:
-                    done = await restart_job(self._engine, self._actions, str(job), actor, reason)
-                except Conflict as exc:
-                    await self._record(action_id, row.kind, actor, None, "failed", exc.message)
-                    raise
-                carried, outcome = done["action"], done["outcome"]
-                approval = await self._record(
-                    action_id, row.kind, actor, carried, "succeeded", f"{reason}: {outcome}"
-                )
+                job = str(row.params.get("job") or row.target)
+                carried, outcome, approval = await self._restart(action_id, job, actor, reason)
             else:
                 carried, outcome, approval = await self._isolate(
                     action_id, row.target, actor, reason
@@ -220,6 +216,43 @@ class Approvals:
             "remediation": started,
             "outcome": f"approved by {actor}: running {', '.join(started.get('steps', []))}",
         }
+
+    async def _restart(
+        self, action_id: int, job: str, actor: str, reason: str
+    ) -> tuple[int | None, str, int]:
+        """Restart ``job`` for dry run ``action_id``. A restart cannot share a transaction
+        with its record (the actuator acts in between), so the approval row claims the dry
+        run first (``pending``): a database that fails then refuses the approval before
+        anything happens, and a row whose end could not be stored keeps the dry run from
+        being approved, and the job restarted, twice."""
+        approval = await self._record(action_id, RESTART_KIND, actor, None, "pending", reason)
+        try:
+            done = await restart_job(self._engine, self._actions, job, actor, reason)
+        except Exception as exc:
+            message = exc.message if isinstance(exc, ControllerError) else f"{type(exc).__name__}"
+            await self._end(action_id, approval, None, "failed", message)
+            raise
+        carried, outcome = done["action"], done["outcome"]
+        await self._end(action_id, approval, carried, "succeeded", f"{reason}: {outcome}")
+        return carried, outcome, approval
+
+    async def _end(
+        self, action_id: int, approval: int, carried: int | None, status: str, outcome: str
+    ) -> None:
+        """Finish a restart's approval row; not stored, it stays ``pending`` (logged)."""
+        try:
+            await self._actions.update(
+                approval,
+                params={"action": action_id, "kind": RESTART_KIND, "carried_out": carried},
+                status=status,
+                outcome=outcome[:2000],
+                finished_unix_s=time.time(),
+            )
+        except ControllerError as exc:
+            log.warning(
+                "approval row left pending",
+                extra={"fields": {"approval": approval, "error": exc.message}},
+            )
 
     async def _isolate(
         self, action_id: int, node: str, actor: str, reason: str

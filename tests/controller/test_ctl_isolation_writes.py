@@ -11,6 +11,7 @@ works and is recorded once.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -163,6 +164,56 @@ def test_approved_dry_run_isolation_is_stored_with_its_records_or_not_at_all(
         assert _actions(db_url, f"action:{dry_id}") == [("approve_action", "succeeded")]
         again = client.post(f"/api/v1/actions/{dry_id}/approve")
         assert again.status_code == 409 and "approved already" in again.json()["detail"]
+
+
+def test_approved_dry_run_restart_is_claimed_before_the_job_restarts(
+    controller_factory: Any, db_url: str, ctl_db_outage: Any
+) -> None:
+    """A restart cannot share a transaction with its record (the actuator acts in between):
+    its approval row is written first, so a database that refuses it refuses the approval
+    before the job is touched, and the dry run stays approvable, once."""
+    live, actuator = _start(controller_factory, policy_dry_run=True)
+    actuator.placements["gpt"] = Placement(job="gpt", nodes=("n0", "n1"), ranks_per_node=1)
+    actuator.pools["gpt"] = ["n0", "n1", "n2", "n3"]
+    with httpx.Client(base_url=live.url, timeout=20, headers=live.headers()) as client:
+        for i in range(4):
+            _report(client, live, f"n{i}", 0)
+        step = {
+            "job": "gpt", "rank": 0, "world_size": 2, "step": 1, "step_time_s": 1.0,
+            "compute_time_s": 0.9, "collective_wait_s": 0.1, "end_unix_s": time.time(),
+        }  # fmt: skip
+        body = {
+            "node": {"name": "n0", "gpus": [{"index": 0, "uuid": "n0-g0"}]},
+            "agent_instance": "i1", "seq": 1, "sent_unix_s": time.time(),
+            "samples": [], "job": {"steps": [step]},
+        }  # fmt: skip
+        assert client.post("/api/v1/reports", json=body, headers=live.headers("agent")).is_success
+        wait_for(lambda: "gpt" in live.controller.state.jobs)
+        _report(client, live, "n0", 2, xid=79)
+        ((dry_id,),) = wait_for(
+            lambda: _stored(
+                db_url, "SELECT id FROM actions WHERE kind = 'restart_job' AND status = 'dry_run'"
+            )
+        )
+        ctl_db_outage.arm(ACTION_INSERT, values=("approve_action",))  # the approval row only
+        r = client.post(f"/api/v1/actions/{dry_id}/approve")
+        assert r.status_code == 503, r.text
+        ctl_db_outage.disarm()
+        assert ctl_db_outage.hits == 1 and actuator.restarts() == []
+        assert _actions(db_url, f"action:{dry_id}") == []
+
+        r = client.post(f"/api/v1/actions/{dry_id}/approve")
+        assert r.status_code == 200, r.text
+        assert len(actuator.restarts()) == 1
+        assert _actions(db_url, f"action:{dry_id}") == [("approve_action", "succeeded")]
+        ((params,),) = _stored(
+            db_url, "SELECT params FROM actions WHERE target = :t", t=f"action:{dry_id}"
+        )
+        carried = (params if isinstance(params, dict) else json.loads(params))["carried_out"]
+        assert carried == r.json()["carried_out"] is not None
+        again = client.post(f"/api/v1/actions/{dry_id}/approve")
+        assert again.status_code == 409 and "approved already" in again.json()["detail"]
+        assert len(actuator.restarts()) == 1
 
 
 def test_policy_isolation_the_database_refuses_is_undone_and_recorded_failed(
