@@ -23,7 +23,9 @@ FAULT = 60
 
 def recorded(steps: int = 300) -> tuple[list[list[StepSummary]], dict[tuple[int, int], float]]:
     rng = random.Random(3)
-    rows_by_step, arrived, t = [], {}, 0.0
+    rows_by_step: list[list[StepSummary]] = []
+    arrived: dict[tuple[int, int], float] = {}
+    t = 0.0
     for step in range(steps):
         compute = {r: 0.05 * (1 + rng.uniform(-0.05, 0.05)) for r in range(8)}
         if step >= FAULT:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from bench.detect_fleet import BASELINE_NAME, FleetSet, dev_set, measure
 
@@ -52,7 +53,7 @@ def test_gloo_figures_are_pooled_with_the_generator_and_the_generator_kept_apart
     job's steps until the incident opened, as deployed), the generator's kept under sim."""
     from bench.detect import pool_gloo
 
-    fleet = {
+    fleet: dict[str, Any] = {
         "pp_false_positives": 0,
         "moe_false_positives": 1,
         "role_straggler_detect_steps": [10, 12, 14],
@@ -60,7 +61,7 @@ def test_gloo_figures_are_pooled_with_the_generator_and_the_generator_kept_apart
         "role_straggler_data_steps_p50": 9,
         "role_straggler_detected": 1.0,
     }
-    gloo = {
+    gloo: dict[str, Any] = {
         "pp_false_positives": 2,
         "moe_false_positives": 0,
         "tp_mixed_false_positives": 0,
