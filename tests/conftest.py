@@ -149,6 +149,18 @@ def schema_templates(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Schem
     templates.close()
 
 
+@pytest.fixture(scope="session")
+def torch_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One torch-preloaded parent per pytest process that forks the multi-process tests'
+    ranks (tests/torch_zygote.py: each rank saves the ~3 s of CPU of importing torch)."""
+    from tests.torch_zygote import TorchZygote
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "TG_"))}
+    zygote = TorchZygote(tmp_path_factory.mktemp("torch-zygote"), env)
+    yield zygote
+    zygote.close()
+
+
 @dataclass
 class LiveController:
     """A controller served by uvicorn in a thread. ``restart`` keeps the URL (same port)."""

@@ -8,12 +8,12 @@ agent will exercise it; it records what arrived and hands out commands on reques
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tests.torch_zygote import TorchZygote, ZygoteProcess
 from trainguard.framing import FrameError, encode_frame, read_frame
 from trainguard.wire import (
     Command,
@@ -170,7 +171,7 @@ def collectives_agent(short_dir: Path) -> Iterator[FakeAgent]:
 
 @dataclass
 class Ranks:
-    procs: list[subprocess.Popen[str]]
+    procs: list[ZygoteProcess]
     out_dir: Path
 
     def wait(self, timeout_s: float) -> list[int | None]:
@@ -195,6 +196,7 @@ class Ranks:
 
 
 def launch_ranks(
+    zygote: TorchZygote,
     scenario: str,
     world_size: int,
     out_dir: Path,
@@ -204,7 +206,8 @@ def launch_ranks(
     rank_env: dict[int, dict[str, str]] | None = None,
     worker: Path = WORKER,
 ) -> Ranks:
-    """Start ``world_size`` rank processes (torchrun-like env, file store, gloo on loopback)."""
+    """Start ``world_size`` rank processes (torchrun-like env, file store, gloo on loopback),
+    each ``python worker scenario out_dir`` forked from the session's torch zygote."""
     out_dir.mkdir(parents=True, exist_ok=True)
     store = out_dir / "store"
     procs = []
@@ -223,24 +226,19 @@ def launch_ranks(
             **(env or {}),
             **((rank_env or {}).get(rank, {})),
         }
-        stderr = open(out_dir / f"stderr{rank}.txt", "w")  # noqa: SIM115 - handed to the child
+        stderr = out_dir / f"stderr{rank}.txt"
+        stderr.write_text("")
         procs.append(
-            subprocess.Popen(
-                [sys.executable, str(worker), scenario, str(out_dir)],
-                env=child_env,
-                stdout=stderr,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=ROOT,
+            zygote.spawn(
+                [str(worker), scenario, str(out_dir)], env=child_env, stdout=stderr, cwd=ROOT
             )
         )
-        stderr.close()
     return Ranks(procs, out_dir)
 
 
 @pytest.fixture
-def rank_launcher() -> Callable[..., Ranks]:
-    return launch_ranks
+def rank_launcher(torch_zygote: TorchZygote) -> Callable[..., Ranks]:
+    return functools.partial(launch_ranks, torch_zygote)
 
 
 @pytest.fixture

@@ -4,15 +4,14 @@ setting aside what it stepped over."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from checkpoint import CheckpointStore
 from demojob.config import JobConfigError, config_from_env
-from tests.demojob.launch import ROOT, free_port, job_env, launch
+from tests.demojob.launch import free_port, job_env, launch, start_rank
+from tests.torch_zygote import TorchZygote
 
 GOOD = {
     "RANK": "1",
@@ -80,30 +79,26 @@ def test_bad_settings_are_named(change: dict[str, str | None], message: str | No
     ids=["batch", "resume-step"],
 )
 def test_bad_environment_exits_2_with_one_line(
-    tmp_path: Path, change: dict[str, str], line: str
+    tmp_path: Path, torch_zygote: TorchZygote, change: dict[str, str], line: str
 ) -> None:
     env = job_env(0, 2, free_port(), tmp_path, TG_TP=1, TG_STEPS=4, **change)
     env["TG_CKPT_DIR"] = str(tmp_path / "ckpt")
-    proc = subprocess.run(
-        [sys.executable, "-m", "demojob.train"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [f"demojob: bad environment: {line}"]
+    rank = start_rank(torch_zygote, env, tmp_path)
+    _out, err = rank.communicate(timeout=60)
+    assert rank.proc.returncode == 2
+    assert err.splitlines() == [f"demojob: bad environment: {line}"]
 
 
 @pytest.mark.slow
-def test_ranks_with_different_resume_steps_exit_2(tmp_path: Path) -> None:
+def test_ranks_with_different_resume_steps_exit_2(
+    tmp_path: Path, torch_zygote: TorchZygote
+) -> None:
     """Ranks walking different candidate lists could resume from different checkpoints."""
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "demojob.train"],
-            env=job_env(
+    ranks = [
+        start_rank(
+            torch_zygote,
+            job_env(
                 rank,
                 2,
                 port,
@@ -113,15 +108,12 @@ def test_ranks_with_different_resume_steps_exit_2(tmp_path: Path) -> None:
                 TG_CKPT_DIR=tmp_path / "ckpt",
                 TRAINGUARD_RESUME_STEP=bound,
             ),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            tmp_path,
         )
         for rank, bound in enumerate(("8", ""))
     ]
-    errs = [proc.communicate(timeout=60)[1] for proc in procs]
-    assert [proc.returncode for proc in procs] == [2, 2], errs
+    errs = [rank.communicate(timeout=60)[1] for rank in ranks]
+    assert [rank.proc.returncode for rank in ranks] == [2, 2], errs
     for err in errs:
         assert err.splitlines()[-1] == (
             "demojob: bad environment: TRAINGUARD_RESUME_STEP differs between ranks (-1..8)"
@@ -135,19 +127,21 @@ def _flip_byte(path: Path, at: int) -> None:
 
 
 @pytest.mark.slow
-def test_damaged_checkpoints_fall_back_then_exit_3(tmp_path: Path) -> None:
+def test_damaged_checkpoints_fall_back_then_exit_3(
+    tmp_path: Path, torch_zygote: TorchZygote
+) -> None:
     root, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     job = {"TG_TP": 1, "TG_CKPT_DIR": root, "TG_CKPT_EVERY": 2, "log": log}
     (root / "step-000000000003").mkdir(parents=True)  # a crash mid-save, before any commit
     (root / "step-000000000003" / "rank-00000.json").write_text("{}")
-    first = launch(1, tmp_path, TG_STEPS=4, **job)
+    first = launch(torch_zygote, 1, tmp_path, TG_STEPS=4, **job)
     assert first.codes == [0], first.explain()
     assert "started fresh at step 0" in first.stdout[0]
     assert "set aside checkpoint steps 3 (before a fresh start)" in first.stderr[0]
     newest, older = root / "step-000000000004", root / "step-000000000002"
     _flip_byte(newest / "rank-00000.bin", (newest / "rank-00000.bin").stat().st_size // 2)
 
-    again = launch(1, tmp_path, TG_STEPS=5, **job)
+    again = launch(torch_zygote, 1, tmp_path, TG_STEPS=5, **job)
     assert again.codes == [0], again.explain()
     assert "resumed from step 2 (tp=1 dp=1 -> tp=1 dp=1)" in again.stdout[0]
     assert "skipping checkpoint step 4: " in again.stderr[0]
@@ -158,7 +152,7 @@ def test_damaged_checkpoints_fall_back_then_exit_3(tmp_path: Path) -> None:
 
     for step_dir in (root / "step-000000000005", newest, older):
         _flip_byte(step_dir / "rank-00000.bin", (step_dir / "rank-00000.bin").stat().st_size // 2)
-    last = launch(1, tmp_path, TG_STEPS=6, **job)
+    last = launch(torch_zygote, 1, tmp_path, TG_STEPS=6, **job)
     assert last.codes == [3], last.explain()
     final = last.stderr[0].splitlines()[-1]
     assert final.startswith(f"demojob: rank 0: cannot resume from {root}: ")

@@ -28,6 +28,7 @@ from demojob.model import build_model
 from demojob.parallel import Groups
 from demojob.resume import committed_steps
 from tests.demojob.launch import Run, launch
+from tests.torch_zygote import TorchZygote
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +52,10 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp: Path) -> dict[int, float]:
-    run = launch(4, tmp, TG_TP=2, TG_CKPT_DIR=tmp / "ckpt-baseline", **_job(tmp, "baseline"))
+def baseline(tmp: Path, torch_zygote: TorchZygote) -> dict[int, float]:
+    run = launch(
+        torch_zygote, 4, tmp, TG_TP=2, TG_CKPT_DIR=tmp / "ckpt-baseline", **_job(tmp, "baseline")
+    )
     assert run.codes == [0] * 4, run.explain()
     assert "started fresh at step 0 (tp=2 dp=2)" in run.stdout[0]
     assert [r["step"] for r in run.log] == list(range(STEPS))
@@ -60,27 +63,34 @@ def baseline(tmp: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def crashed(tmp: Path) -> Path:
+def crashed(tmp: Path, torch_zygote: TorchZygote) -> Path:
     """The checkpoint root the crashed run left (kept pristine; tests copy it)."""
     root = tmp / "ckpt-crashed"
     run = launch(
-        4, tmp, TG_TP=2, TG_CKPT_DIR=root, TRAINGUARD_FAULTS=CRASH_ALL, **_job(tmp, "crashed")
+        torch_zygote,
+        4,
+        tmp,
+        TG_TP=2,
+        TG_CKPT_DIR=root,
+        TRAINGUARD_FAULTS=CRASH_ALL,
+        **_job(tmp, "crashed"),
     )
     assert run.codes == [17] * 4, run.explain()
     assert [r["step"] for r in run.log] == list(range(CRASH_AT))
     return root
 
 
-def _relaunch(tmp: Path, crashed: Path, name: str, world: int) -> Run:
+def _relaunch(zygote: TorchZygote, tmp: Path, crashed: Path, name: str, world: int) -> Run:
     root = tmp / f"ckpt-{name}"
     shutil.copytree(crashed, root)
-    return launch(world, tmp, TG_TP=2, TG_CKPT_DIR=root, TRAINGUARD_GENERATION=1, **_job(tmp, name))
+    job = _job(tmp, name)
+    return launch(zygote, world, tmp, TG_TP=2, TG_CKPT_DIR=root, TRAINGUARD_GENERATION=1, **job)
 
 
 def test_resumed_run_continues_bit_for_bit(
-    tmp: Path, baseline: dict[int, float], crashed: Path
+    tmp: Path, baseline: dict[int, float], crashed: Path, torch_zygote: TorchZygote
 ) -> None:
-    run = _relaunch(tmp, crashed, "same-layout", 4)
+    run = _relaunch(torch_zygote, tmp, crashed, "same-layout", 4)
     assert run.codes == [0] * 4, run.explain()
     assert "generation 1 resumed from step 8 (tp=2 dp=2 -> tp=2 dp=2)" in run.stdout[0]
     assert [r["step"] for r in run.log] == list(range(RESUME_AT, STEPS))
@@ -98,9 +108,9 @@ def _fresh_loss(step: int) -> float:
 
 
 def test_shrunk_run_resumes_from_resharded_checkpoint(
-    tmp: Path, baseline: dict[int, float], crashed: Path
+    tmp: Path, baseline: dict[int, float], crashed: Path, torch_zygote: TorchZygote
 ) -> None:
-    run = _relaunch(tmp, crashed, "shrunk", 2)
+    run = _relaunch(torch_zygote, tmp, crashed, "shrunk", 2)
     assert run.codes == [0] * 2, run.explain()
     assert "generation 1 resumed from step 8 (tp=2 dp=2 -> tp=2 dp=1)" in run.stdout[0]
     assert [(r["step"], r["world_size"], r["dp"]) for r in run.log] == [
@@ -122,7 +132,7 @@ def test_shrunk_run_resumes_from_resharded_checkpoint(
 
 
 def test_rollback_resumes_at_the_bound_and_sets_newer_steps_aside(
-    tmp: Path, baseline: dict[int, float]
+    tmp: Path, baseline: dict[int, float], torch_zygote: TorchZygote
 ) -> None:
     root = tmp / "ckpt-rollback"
     shutil.copytree(tmp / "ckpt-baseline", root)
@@ -130,7 +140,9 @@ def test_rollback_resumes_at_the_bound_and_sets_newer_steps_aside(
     job = {**_job(tmp, "rollback"), "TG_TP": 2, "TG_CKPT_DIR": root}
     # two ranks, not four: half the start-up time on a small machine, at the price of a
     # resharded resume (losses close to the baseline's, not equal)
-    run = launch(2, tmp, TRAINGUARD_GENERATION=1, TRAINGUARD_RESUME_STEP=RESUME_AT, **job)
+    run = launch(
+        torch_zygote, 2, tmp, TRAINGUARD_GENERATION=1, TRAINGUARD_RESUME_STEP=RESUME_AT, **job
+    )
     assert run.codes == [0] * 2, run.explain()
     assert (
         "generation 1 resumed from step 8 (tp=2 dp=2 -> tp=2 dp=1), TRAINGUARD_RESUME_STEP=8"
@@ -159,7 +171,9 @@ def test_rollback_resumes_at_the_bound_and_sets_newer_steps_aside(
 
     # a rollback point before every committed checkpoint: refuse, touch nothing
     short = {**job, "TG_TP": 1, "log": tmp / "rollback-too-far.jsonl"}
-    refused = launch(1, tmp, TRAINGUARD_GENERATION=2, TRAINGUARD_RESUME_STEP=3, **short)
+    refused = launch(
+        torch_zygote, 1, tmp, TRAINGUARD_GENERATION=2, TRAINGUARD_RESUME_STEP=3, **short
+    )
     assert refused.codes == [3], refused.explain()
     assert refused.stderr[0].splitlines()[-1] == (
         f"demojob: rank 0: cannot resume from {root}: no committed checkpoint at or before "

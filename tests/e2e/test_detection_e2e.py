@@ -5,18 +5,15 @@ each) whose ranks talk to their node's agent over its Unix socket; the agents re
 controller process. One fault per job; the test asserts the incident names the true
 culprit and that nothing else opened for that job. Margins are wide (fault sizes, time
 limits) so the suite holds on a loaded 2-core machine. The ranks are forked from a process
-that imported torch once (tests/e2e/rank_zygote.py), each then a process of its own.
+that imported torch once (tests/torch_zygote.py), each then a process of its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,12 +23,12 @@ import httpx
 import pytest
 
 from tests.e2e.e2e_cluster import E2ECluster, _clean_env
+from tests.torch_zygote import TorchZygote
 from trainguard.cli.procs import Child, cli_argv, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("train_worker.py")
-ZYGOTE = Path(__file__).with_name("rank_zygote.py")
 NODES = ("det-node-0", "det-node-1")
 WORLD = 4
 
@@ -40,107 +37,17 @@ def node_of(rank: int) -> str:
     return NODES[rank * len(NODES) // WORLD]
 
 
-class ZygotePopen:
-    """What ``Child`` and the tests use of ``subprocess.Popen``, for a rank forked by the
-    zygote (its parent, which reaps it and reports the exit code)."""
-
-    def __init__(self, pid: int, zygote: RankZygote) -> None:
-        self.pid = pid
-        self.args = [f"rank pid {pid}"]
-        self._zygote = zygote
-
-    @property
-    def returncode(self) -> int | None:
-        return self.poll()
-
-    def poll(self) -> int | None:
-        return self._zygote.exit_code(self.pid)
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            time.sleep(0.02)
-        return code
-
-
-class RankZygote:
-    """tests/e2e/rank_zygote.py: forks ranks with torch already imported (see there why)."""
-
-    def __init__(self, log_dir: Path) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir = log_dir
-        with (log_dir / "zygote.log").open("ab") as log:
-            self.popen = subprocess.Popen(
-                [sys.executable, str(ZYGOTE)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=_clean_env({"OMP_NUM_THREADS": "1"}),
-                start_new_session=True,
-            )
-        self._codes: dict[int, int] = {}
-        self._pids: queue.Queue[int] = queue.Queue()
-        self._lock = threading.Lock()
-        threading.Thread(target=self._read, name="rank-zygote", daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            message = json.loads(line)
-            if "pid" in message:
-                self._pids.put(message["pid"])
-            else:
-                with self._lock:
-                    self._codes[message["exit"]] = message["code"]
-        self._pids.put(-1)  # the zygote is gone
-
-    def exit_code(self, pid: int) -> int | None:
-        with self._lock:
-            if pid in self._codes:
-                return self._codes[pid]
-        if self.popen.poll() is None:
-            return None
-        try:  # the zygote is gone (test teardown): its orphans are reaped by init
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return -int(signal.SIGKILL)
-        return None
-
-    def start(self, name: str, env: dict[str, str]) -> Child:
-        log_path = self.log_dir / f"{name}.log"
-        assert self.popen.stdin is not None
-        self.popen.stdin.write(json.dumps({"env": env, "log": str(log_path)}).encode() + b"\n")
-        self.popen.stdin.flush()
-        pid = self._pids.get(timeout=60)
-        if pid < 0:
-            raise AssertionError(f"rank zygote died: {(self.log_dir / 'zygote.log').read_text()}")
-        popen: Any = ZygotePopen(pid, self)
-        return Child(name=name, argv=[str(WORKER)], log_path=log_path, popen=popen)
-
-    def close(self) -> None:
-        if self.popen.stdin is not None:
-            self.popen.stdin.close()
-        try:
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-
-
 class DetectionCluster:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, zygote: TorchZygote) -> None:
         self.base = E2ECluster(workdir, f"sqlite:///{workdir / 'tg.db'}")
         self.workdir = workdir
         self.sockets = {n: str(workdir / f"{n}.sock") for n in NODES}
-        self.zygote = RankZygote(workdir / "logs")
+        self.zygote = zygote
         self.ranks: list[Child] = []
 
     def close(self) -> None:
         for child in self.ranks:
             stop(child, timeout_s=5)
-        self.zygote.close()
         self.base.close()
 
     def start(self) -> None:
@@ -188,7 +95,11 @@ class DetectionCluster:
                     **(extra_env or {}),
                 }
             )
-            child = self.zygote.start(f"{job}-r{rank}", env)
+            name = f"{job}-r{rank}"
+            log = self.base.procs.log_dir / f"{name}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            popen: Any = self.zygote.spawn([str(WORKER)], env=env, stdout=log)
+            child = Child(name=name, argv=[str(WORKER)], log_path=log, popen=popen)
             self.base.procs.children[child.name] = child  # for the logs of a failure
             ranks.append(child)
         self.ranks += ranks
@@ -231,8 +142,10 @@ def stop(child: Child, *, timeout_s: float) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DetectionCluster]:
-    c = DetectionCluster(tmp_path_factory.mktemp("detect"))
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, torch_zygote: TorchZygote
+) -> Iterator[DetectionCluster]:
+    c = DetectionCluster(tmp_path_factory.mktemp("detect"), torch_zygote)
     try:
         c.start()
         yield c
