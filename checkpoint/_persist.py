@@ -213,6 +213,7 @@ def _write_from_buffer(
         sha256=job.sha256,
         hash_threads=job.hash_threads,
         direct=job.direct_io,
+        size_hint=max((e.offset + e.nbytes for e in job.entries), default=0),
     )
     try:
         end = 0

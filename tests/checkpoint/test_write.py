@@ -63,6 +63,32 @@ def test_file_and_crcs_equal_the_buffer_prefix(tmp_path: Path, direct: bool, siz
     view.release()
 
 
+@pytest.mark.parametrize("hint_extra", [0, 3 * CHUNK + 7])
+@pytest.mark.parametrize("size", [10 * CHUNK + 12345, 20 * CHUNK])
+def test_preallocated_file_is_the_same_file(tmp_path: Path, size: int, hint_extra: int) -> None:
+    """Issue 19's durable bandwidth: with the size known, the temp file is preallocated
+    (``fallocate``) so the O_DIRECT writes overwrite rather than extend it; the file, its
+    size and its CRCs are what they are without, and a hint larger than what was written
+    is cut back to the size ``finish`` is given."""
+    if not _direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT on this file system: no preallocation either")
+    mm = _buffer(size + hint_extra + 8192)
+    view = memoryview(mm)
+    writer = BufferFileWriter(
+        tmp_path / "d.bin", view, chunk_bytes=CHUNK, sha256=False, size_hint=size + hint_extra
+    )
+    assert writer.preallocated  # ext4, xfs, btrfs, tmpfs all have fallocate
+    assert os.stat(next(tmp_path.glob(".d.bin.tmp-*"))).st_size == size + hint_extra
+    for ready in (CHUNK, size // 3, size):
+        writer.advance(ready)
+    info = writer.finish(size)
+    data = (tmp_path / "d.bin").read_bytes()
+    assert data == mm[:size] and info.size_bytes == size
+    assert info.chunk_crc32 == [zlib.crc32(data[i : i + CHUNK]) for i in range(0, size, CHUNK)]
+    assert writer.direct_bytes >= size // 4096 * 4096 - 4096
+    view.release()
+
+
 def test_unaligned_memory_falls_back_to_buffered_writes(tmp_path: Path) -> None:
     """O_DIRECT refuses a buffer that is not page-aligned; the writer must not fail."""
     blob = bytearray(os.urandom(5 * CHUNK + 1))
