@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -54,6 +55,10 @@ MAX_ROLE_LEN = 128
 PG_SIZES_PREFIX = "pg_sizes="
 #: At most this many distinct group sizes go into the role (it must stay short).
 MAX_PG_SIZES = 8
+
+
+#: The module of the pipeline-stage class, watched once the job has imported it.
+_STAGE_MODULE = "torch.distributed.pipelining.stage"
 
 
 def _is_dp(name: str) -> bool:
@@ -89,6 +94,8 @@ class RoleTracker:
         self._pg_role: str | None = None
         self._fields: dict[str, Any] = {}
         self._patched: list[tuple[Any, str, Any]] = []
+        #: Whether the pipeline-stage constructor is wrapped (``watch``).
+        self._stages_watched = True
         if role is not None:
             self.declare(role=role)
         else:
@@ -171,7 +178,9 @@ class RoleTracker:
     @property
     def fields(self) -> dict[str, Any]:
         """This rank's role fields for the next step summary (read once per step: a length
-        check, then the cached dict)."""
+        check, a dict lookup, then the cached dict)."""
+        if not self._stages_watched and self._patched:
+            self._watch_stages()
         self._see_groups()
         return self._fields
 
@@ -202,22 +211,35 @@ class RoleTracker:
     # ------------------------------------------------------------------ auto-derivation
 
     def watch(self) -> None:
-        """Wrap the DeviceMesh and pipeline-stage constructors; look at those built already."""
+        """Wrap the DeviceMesh and pipeline-stage constructors; look at those built already.
+
+        The stages are watched only once the job has imported ``torch.distributed.pipelining``
+        (importing it costs each rank ~1.6 s of CPU: DTensor, dynamo, sympy): a job that has
+        not cannot have built a stage, and :attr:`fields` looks again at every step, so a
+        stage built after a later import is seen by the next step's summary all the same."""
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.pipelining.stage import _PipelineStageBase
 
         self._wrap_init(DeviceMesh, self.see_mesh)
-        self._wrap_init(_PipelineStageBase, self.see_stage)
-        for obj in _live((DeviceMesh, _PipelineStageBase)):
-            if isinstance(obj, DeviceMesh):
-                self.see_mesh(obj)
-            else:
-                self.see_stage(obj)
+        self._stages_watched = False
+        for obj in _live((DeviceMesh,)):
+            self.see_mesh(obj)
+        self._watch_stages()
+
+    def _watch_stages(self) -> None:
+        module = sys.modules.get(_STAGE_MODULE)
+        if module is None:
+            return
+        self._stages_watched = True
+        stage_base = module._PipelineStageBase
+        self._wrap_init(stage_base, self.see_stage)
+        for obj in _live((stage_base,)):
+            self.see_stage(obj)
 
     def unwatch(self) -> None:
         for cls, name, original in reversed(self._patched):
             setattr(cls, name, original)
         self._patched.clear()
+        self._stages_watched = True
 
     def _wrap_init(self, cls: Any, see: Callable[[Any], None]) -> None:
         original = cls.__init__

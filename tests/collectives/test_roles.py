@@ -181,3 +181,44 @@ def test_the_scan_for_live_meshes_skips_dead_weak_proxies() -> None:
         isinstance(m, DeviceMesh) for m in _live((DeviceMesh,))
     )
     assert holder  # the dead proxy was in gc's objects during the scan
+
+
+_LAZY_STAGES = """
+import sys, tempfile, torch, torch.distributed as dist, collectives
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+session = collectives.instrument("unit", agent_socket="/nonexistent/tg.sock")
+assert "torch.distributed.pipelining" not in sys.modules, "instrument() imported pipelining"
+def step(i):
+    with collectives.step(i):
+        dist.all_reduce(torch.ones(4))
+    return list(session.outbox.steps.items)[-1]
+assert step(0).role is None
+from torch.distributed.pipelining import PipelineStage
+built_before_the_next_step = PipelineStage(torch.nn.Linear(2, 2), 0, 1, torch.device("cpu"))
+summary = step(1)
+assert (summary.role, summary.pp_stage, summary.group_ranks) == ("pp_stage=0", 0, [0]), summary
+collectives.uninstrument()
+from torch.distributed.pipelining.stage import _PipelineStageBase
+assert not hasattr(_PipelineStageBase.__init__, "__wrapped__")
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_instrument_leaves_pipelining_unimported_and_still_sees_a_later_stage() -> None:
+    """In a fresh interpreter (this one has imported pipelining long ago): instrument()
+    does not pay for ``torch.distributed.pipelining`` (1.6 s of CPU per rank); a job that
+    imports it later and builds a stage still gets the stage's role in its next summary."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    done = subprocess.run(
+        [sys.executable, "-c", _LAZY_STAGES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env | {"OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
