@@ -351,7 +351,9 @@ def durable_large(tmp: Path, size_mb: int, repeats: int) -> dict[str, Any]:
     medians of ``repeats``. Only these two at this size: the other methods would need a
     second and third copy of the state in memory. Issue 19's setting, as in
     :func:`every_step_side_by_side`: the training step that runs while the copy and the
-    writes proceed is pinned to one core, the writer to the others."""
+    writes proceed is pinned to one core, the writer to the others. The load average
+    (1, 5, 15 min) at the start and end of the measurement goes with the figures: on a
+    shared machine the save needs a core's worth of CPU and the probe almost none."""
     model, opt = make_state(size_mb)
     nbytes = state_bytes(model, opt)
     train_cores, writer_cores = cpu_split()
@@ -362,10 +364,12 @@ def durable_large(tmp: Path, size_mb: int, repeats: int) -> dict[str, Any]:
     torch.set_num_threads(len(train_cores))
     try:
         ours(tmp, model, opt)  # warm-up: the host buffer, the writer's mapping
+        load_start = os.getloadavg()
         disk_s, ours_s = [], []
         for _ in range(repeats):
             disk_s.append(probe(tmp, model, opt)[1])
             ours_s.append(ours(tmp, model, opt)[1])
+        load_end = os.getloadavg()
     finally:
         ours.close()
         torch.set_num_threads(threads)
@@ -374,7 +378,8 @@ def durable_large(tmp: Path, size_mb: int, repeats: int) -> dict[str, Any]:
     ours_gbps = nbytes / statistics.median(ours_s) / 1e9
     print(
         f"{nbytes >> 20:>8} MB: disk O_DIRECT {disk_gbps:.2f} GB/s, ours ({DEFAULT_WRITER}) "
-        f"{ours_gbps:.2f} GB/s to durable, fraction {ours_gbps / disk_gbps:.2f}"
+        f"{ours_gbps:.2f} GB/s to durable, fraction {ours_gbps / disk_gbps:.2f} "
+        f"(load average {load_start[0]:.1f} -> {load_end[0]:.1f})"
     )
     return {
         "size_bytes": nbytes,
@@ -386,6 +391,8 @@ def durable_large(tmp: Path, size_mb: int, repeats: int) -> dict[str, Any]:
         "writer_cores": writer_cores,
         "disk_direct_s": disk_s,
         "durable_s": ours_s,
+        "load_avg_start": list(load_start),
+        "load_avg_end": list(load_end),
     }
 
 
