@@ -239,3 +239,37 @@ def test_node_local_roots_need_the_object_store() -> None:
 
     with pytest.raises(CheckpointConfigError, match=r"shared_root=False .* needs object_store"):
         CheckpointConfig(root="/tmp/x", shared_root=False).validate()
+
+
+def test_node_local_root_with_the_writer_process(tmp_path: Path, endpoint: str) -> None:
+    """The default writer (a separate process) on a node-local root: its part is durable
+    and pruned locally, never committed there; the commit is the bucket's (``committed``,
+    ``tier=object_store``, after ``uploading`` and before ``uploaded``), and a fresh root
+    restores from it."""
+    from checkpoint import CheckpointConfig, Checkpointer
+    from trainguard.wire import CheckpointEvent
+
+    store = ObjectStoreConfig(
+        bucket=f"proc-{uuid.uuid4().hex[:12]}", endpoint_url=endpoint, region="us-east-1"
+    )
+    make_client(store).create_bucket(Bucket=store.bucket)
+    events: list[CheckpointEvent] = []
+    root = tmp_path / "node"
+    cfg = CheckpointConfig(root=root, object_store=store, shared_root=False, keep_last=1)
+    with Checkpointer(cfg, event_sink=events.append) as engine:
+        for step in (1, 2):
+            engine.save({"shard": shard(0, step)}, step=step)
+            engine.wait()
+    assert not list(root.glob("step-*/MANIFEST.json"))
+    assert sorted(p.name for p in root.glob("step-*")) == [step_dir_name(2)]
+    seen = [(e.kind, e.tier) for e in events if e.step == 2]
+    assert seen[-4:] == [
+        ("upload_pending", "object_store"),
+        ("uploading", "object_store"),
+        ("committed", "object_store"),
+        ("uploaded", "object_store"),
+    ]
+    assert ("committed", "local") not in seen
+    restored = checkpoint.load(tmp_path / "fresh", {"shard": None}, object_store=store)
+    assert (restored.step, restored.source) == (2, "object_store")
+    assert torch.equal(restored.values["shard"], shard(0, 2))
