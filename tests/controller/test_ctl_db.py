@@ -117,7 +117,7 @@ def test_replica_accepts_schema_at_or_past_its_head(db_url: str) -> None:
     _stamp(db_url, head_revision())
     command.downgrade(alembic_config(db_url), "0003")
     if db_url.startswith("postgresql"):
-        with pytest.raises(NotMigrated, match=r"not at revision 0004.*trainguard db upgrade"):
+        with pytest.raises(NotMigrated, match=r"not at revision 0005.*trainguard db upgrade"):
             prepare_database(settings)
     else:
         prepare_database(settings)
