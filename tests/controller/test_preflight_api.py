@@ -108,9 +108,11 @@ def test_local_preflight_and_usage_errors(
     assert [(r[2], r[3]) for r in loaded] == [("gpu0", "pass"), ("gpu1", "pass")], rows
     code, out, _ = _cli(capsys, *local, "--load-s", "0", "-o", "json")
     skipped = [c for c in json.loads(out) if c["name"] == "clocks_load"]
-    assert code == 0 and [(c["status"], c["reason"]) for c in skipped] == [
-        ("skip", "no load generated: --load-s 0")
-    ] * 2
+    assert (
+        code == 0
+        and [(c["status"], c["reason"]) for c in skipped]
+        == [("skip", "no load generated: --load-s 0")] * 2
+    )
     code, out, _ = _cli(
         capsys, *local, "--load-s", "0", "--expected-nic-rate-gbps", "800", "-o", "json"
     )
