@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller.logic.detection.c4d import C4DConfig, Finding, FindingKind, JobTrackers
+from controller.logic.detection.c4d.job_evidence import StragglerIncidentEvidence
 from trainguard.wire import InflightCollective, JobRecords, StepSummary
 
 JOB = "sim"
@@ -286,9 +287,9 @@ def _data_step(f: Finding, trackers: JobTrackers) -> int:
     """The step whose data completed the finding: a straggler's evidence says (``at_step``;
     one evaluation may compare a whole report's worth of steps); otherwise the newest step
     the detectors compared so far (-1: none)."""
-    at = f.evidence.get("at_step") if f.kind is FindingKind.STRAGGLER else None
-    if isinstance(at, int):
-        return at
+    ev = f.evidence
+    if isinstance(ev, StragglerIncidentEvidence) and ev.at_step is not None:
+        return ev.at_step
     return max((t.last_compared_step for t in trackers.jobs.values()), default=-1)
 
 

@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from controller.logic.detection.job_evidence import (
+from controller.logic.detection.c4d.job_evidence import (
     FlightDivergence,
     FlightRecorderEvidence,
     FlightRecorderUpdate,

@@ -17,13 +17,7 @@ from pydantic import BaseModel
 
 from controller.logic.detection.c4d import FindingKind, JobTrackers
 from controller.logic.detection.c4d.findings import Finding
-from controller.logic.detection.evidence_kinds import (
-    EVIDENCE_BY_KIND,
-    evidence_error,
-    parse_evidence,
-)
-from controller.logic.detection.incident_evidence import PowerEvidence, QuarantineBudgetEvidence
-from controller.logic.detection.job_evidence import (
+from controller.logic.detection.c4d.job_evidence import (
     CommFailureEvidence,
     CommSlowEvidence,
     HangEvidence,
@@ -33,6 +27,12 @@ from controller.logic.detection.job_evidence import (
     SlowLinkEvidence,
     StragglerIncidentEvidence,
 )
+from controller.logic.detection.evidence_kinds import (
+    EVIDENCE_BY_KIND,
+    evidence_error,
+    parse_evidence,
+)
+from controller.logic.detection.incident_evidence import PowerEvidence, QuarantineBudgetEvidence
 from controller.schemas import INCIDENT_ADAPTER, OtherIncidentPublic
 from trainguard.wire import (
     InflightCollective,
@@ -203,7 +203,7 @@ def test_detector_evidence_fits_its_model_key_for_key() -> None:
     assert set(found) == set(FindingKind), f"no finding of {set(FindingKind) - set(found)}"
     for kind, finding in found.items():
         # What the job detection service stores: the finding's evidence and its nodes.
-        stored = {**finding.evidence, "nodes": list(finding.nodes)}
+        stored = {**finding.evidence.as_json(), "nodes": list(finding.nodes)}
         assert evidence_error(str(kind), stored) is None, (kind, stored)
         parsed = parse_evidence(str(kind), stored)
         assert isinstance(parsed, MODELS[kind]), (kind, parsed)
@@ -365,8 +365,8 @@ def test_the_cli_reads_evidence_through_the_same_models() -> None:
 
 def test_straggler_gpu_cause_facts_fit_their_model() -> None:
     """``gpu`` of a straggler's evidence: what ``straggler_cause`` returns, key for key."""
+    from controller.logic.detection.c4d.job_evidence import GpuCauseFacts
     from controller.logic.detection.cause import straggler_cause
-    from controller.logic.detection.job_evidence import GpuCauseFacts
     from trainguard.wire import GpuSample
 
     hot = GpuSample(index=0, sm_clock_mhz=1200, temperature_c=91.0, ecc_corrected_total=5000,

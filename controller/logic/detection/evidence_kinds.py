@@ -15,6 +15,16 @@ from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
 
+from controller.logic.detection.c4d.job_evidence import (
+    CommFailureEvidence,
+    CommSlowEvidence,
+    HangEvidence,
+    LegacyStragglerEvidence,
+    NonfiniteEvidence,
+    RankCrashEvidence,
+    SlowLinkEvidence,
+    StragglerIncidentEvidence,
+)
 from controller.logic.detection.incident_evidence import (
     DegradedEvidence,
     GpuFaultEvidence,
@@ -25,16 +35,6 @@ from controller.logic.detection.incident_evidence import (
     PowerEvidence,
     QuarantineBudgetEvidence,
     XidEvidence,
-)
-from controller.logic.detection.job_evidence import (
-    CommFailureEvidence,
-    CommSlowEvidence,
-    HangEvidence,
-    LegacyStragglerEvidence,
-    NonfiniteEvidence,
-    RankCrashEvidence,
-    SlowLinkEvidence,
-    StragglerIncidentEvidence,
 )
 
 log = logging.getLogger(__name__)

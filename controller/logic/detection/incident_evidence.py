@@ -3,7 +3,7 @@
 Every incident's ``evidence`` JSON has a model, one per kind: node health and degraded GPUs
 (here), power and the quarantine budget (here too: they are incidents like the others, and
 one module of evidence is easier to find than one per service), and the job detectors'
-kinds (:mod:`controller.logic.detection.job_evidence`). The producers build these models and
+kinds (:mod:`controller.logic.detection.c4d.job_evidence`). The producers build these models and
 store ``as_json()``; the API schema (``controller.schemas.IncidentPublic``), the CLI and the
 dashboard read the same fields; :mod:`controller.logic.detection.evidence_kinds` maps each
 kind to its model and parses a stored row.

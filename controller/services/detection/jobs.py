@@ -37,6 +37,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from controller.errors import ControllerError
 from controller.logic.detection.c4d import C4DConfig, Finding, FindingKind, JobTrackers
 from controller.logic.detection.c4d.hang import ring_pairs
+from controller.logic.detection.c4d.job_evidence import (
+    CommSlowEvidence,
+    GpuCauseFacts,
+    NonfiniteEvidence,
+    SlowLinkEvidence,
+    StragglerIncidentEvidence,
+)
 from controller.logic.detection.cause import straggler_cause
 from controller.logic.detection.nic_evidence import (
     InvolvedRank,
@@ -233,25 +240,33 @@ class JobDetector:
             if incident is not None:
                 await self._incidents.resolve(incident, note=finding.summary)
             return
-        summary, evidence = finding.summary, {**finding.evidence, "nodes": list(finding.nodes)}
-        if finding.kind is FindingKind.STRAGGLER:
+        summary = finding.summary
+        evidence = finding.evidence.model_copy(update={"nodes": list(finding.nodes)})
+        if isinstance(evidence, StragglerIncidentEvidence):
             causes, facts = self._gpu_cause(finding)
-            evidence["gpu"] = facts
-            evidence["causes"] = causes
+            evidence.gpu = GpuCauseFacts.model_validate(facts)
+            evidence.causes = causes
             if causes:
                 summary += "; likely cause: " + ", ".join(causes)
-        if finding.kind in (FindingKind.COMM_SLOW, FindingKind.SLOW_LINK):
+        if isinstance(evidence, CommSlowEvidence | SlowLinkEvidence):
             nic = self.nic_evidence(finding, now_unix_s)
-            evidence["nic"] = nic.as_json()
+            evidence.nic = nic
             if nic.suspects:
                 summary += "; " + nic.headline()
+        # The kinds whose evidence names one GPU (a single-rank finding's own).
+        gpu_index = (
+            evidence.gpu_index
+            if isinstance(evidence, NonfiniteEvidence | StragglerIncidentEvidence)
+            and len(finding.ranks) == 1
+            else None
+        )
         spec = IncidentSpec(
             kind=str(finding.kind),
             severity=finding.severity,
             summary=summary,
             dedupe_key=finding.key,
             node=finding.nodes[0] if len(finding.nodes) == 1 else None,
-            gpu_index=evidence.get("gpu_index") if len(finding.ranks) == 1 else None,
+            gpu_index=gpu_index,
             job=finding.job,
             ranks=list(finding.ranks),
             evidence=evidence,
@@ -309,8 +324,8 @@ class JobDetector:
         rank = finding.ranks[0]
         # The GPUs of the ranks it was compared with (its peer group); all of the job's
         # when the evidence has none (a finding from before the peer groups).
-        group = finding.evidence.get("peer_group")
-        members = group.get("ranks") if isinstance(group, dict) else None
+        ev = finding.evidence
+        members = ev.peer_group.ranks if isinstance(ev, StragglerIncidentEvidence) else None
         compared = [r for r in (members or tracker.rank_node) if r in tracker.rank_node]
         peers = [
             sample
@@ -453,7 +468,7 @@ class JobDetector:
             finding = replace(
                 finding,
                 summary=f"{finding.summary} (probed after the communication hang)",
-                evidence={**finding.evidence, "after_incident": probe_round.after},
+                evidence=finding.evidence.model_copy(update={"after_incident": probe_round.after}),
             )
         if finding is not None:
             await self._record(finding, now_unix_s)

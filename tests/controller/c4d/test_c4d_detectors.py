@@ -77,8 +77,8 @@ def test_persistent_straggler_is_named_with_its_slowdown_and_then_clears() -> No
     found = run_steps(trackers, 0, 30, world=8, compute={5: 1.2}, jitter=0.05)
     stragglers = [f for f in found if f.kind is FindingKind.STRAGGLER]
     assert [(f.ranks, f.nodes, f.resolved) for f in stragglers] == [((5,), ("node-1",), False)]
-    assert 15 <= stragglers[0].evidence["slowdown_pct"] <= 25
-    assert stragglers[0].evidence["gpu_index"] == 1
+    assert 15 <= stragglers[0].evidence.as_json()["slowdown_pct"] <= 25
+    assert stragglers[0].evidence.as_json()["gpu_index"] == 1
     # Fixed: as the window rolls over the open incident's reading falls, then it resolves,
     # once, after three whole windows (60 steps) of calm (hysteresis against flapping).
     later = run_steps(trackers, 30, 60, world=8, jitter=0.05)
@@ -86,7 +86,7 @@ def test_persistent_straggler_is_named_with_its_slowdown_and_then_clears() -> No
     later += run_steps(trackers, 60, 110, world=8, jitter=0.05)
     news = [(f.kind, f.ranks, f.resolved) for f in later if not f.refresh]
     assert news == [(FindingKind.STRAGGLER, (5,), True)]
-    readings = [f.evidence["slowdown_pct"] for f in later if f.refresh]
+    readings = [f.evidence.as_json()["slowdown_pct"] for f in later if f.refresh]
     assert readings == sorted(readings, reverse=True) and readings[-1] < 15
 
 
@@ -199,7 +199,10 @@ def test_ranks_that_never_entered_the_stuck_collective_are_the_culprits() -> Non
     hangs = [f for f in found if f.kind is FindingKind.HANG]
     assert len(hangs) == 1
     assert hangs[0].ranks == (2,) and hangs[0].nodes == ("node-0",)
-    assert hangs[0].evidence["seq"] == 17 and hangs[0].evidence["op"] == "all_reduce"
+    assert (
+        hangs[0].evidence.as_json()["seq"] == 17
+        and hangs[0].evidence.as_json()["op"] == "all_reduce"
+    )
     # Re-reported while still stuck: the same hang is not reported twice.
     for r in (0, 1):
         trackers.observe(node_of(r), JobRecords(inflight=[inflight(r, elapsed=20.0)]), 105.0)
@@ -227,7 +230,7 @@ def test_subgroup_hang_uses_membership_and_progress_in_other_groups() -> None:
     # fault, one incident, naming the origin (stuck nowhere), with the chain as evidence.
     (found,) = trackers.evaluate(50.0)
     assert found.kind is FindingKind.HANG and found.ranks == (3,)
-    assert found.evidence["group"] == "dp"
+    assert found.evidence.as_json()["group"] == "dp"
 
 
 def test_a_rank_hung_before_its_tp_all_reduce_is_named_not_its_waiting_peers() -> None:
@@ -255,7 +258,7 @@ def test_all_members_inside_means_a_communication_hang_with_probe_pairs() -> Non
     (finding,) = trackers.evaluate(10.0)
     assert finding.kind is FindingKind.COMM_HANG
     assert finding.probe_pairs == ((0, 1), (1, 2), (2, 3), (3, 0))
-    assert finding.evidence["probe"].startswith("deferred")  # the operator is told when
+    assert finding.evidence.as_json()["probe"].startswith("deferred")  # the operator is told when
 
 
 def test_short_stalls_are_not_hangs_and_cleared_hangs_resolve() -> None:
@@ -396,8 +399,8 @@ def test_a_crash_cascade_blames_the_rank_that_started_it() -> None:
     trackers.observe("node-1", JobRecords(rank_events=[exited(5, collateral=True)]), 3.0)
     found = trackers.evaluate(3.0) + trackers.evaluate(60.0)
     assert [(f.kind, f.ranks) for f in found] == [(FindingKind.RANK_CRASH, (6,))]
-    assert found[0].evidence["collateral_ranks"] == [0, 2]
-    assert found[0].evidence["exit_code"] == 7
+    assert found[0].evidence.as_json()["collateral_ranks"] == [0, 2]
+    assert found[0].evidence.as_json()["exit_code"] == 7
 
 
 def test_collective_failures_without_a_primary_crash_are_a_communication_failure() -> None:
@@ -419,8 +422,8 @@ def test_a_hung_rank_stuck_in_two_groups_is_one_incident() -> None:
     trackers.observe("node-0", JobRecords(inflight=recs), 5.0)
     (finding,) = trackers.evaluate(5.0)
     assert finding.kind is FindingKind.HANG and finding.ranks == (2,)
-    assert len(finding.evidence["stuck_calls"]) == 2
-    assert finding.evidence["confidence"] == 1.0
+    assert len(finding.evidence.as_json()["stuck_calls"]) == 2
+    assert finding.evidence.as_json()["confidence"] == 1.0
 
 
 def test_a_hang_explained_by_a_crash_is_not_a_second_incident() -> None:
@@ -431,7 +434,7 @@ def test_a_hang_explained_by_a_crash_is_not_a_second_incident() -> None:
     trackers.observe("node-0", JobRecords(inflight=recs), 20.0)
     found = trackers.evaluate(20.0)
     assert [(f.kind, f.ranks) for f in found] == [(FindingKind.RANK_CRASH, (1,))]
-    assert found[0].evidence["confidence"] == 1.0
+    assert found[0].evidence.as_json()["confidence"] == 1.0
 
 
 def started(rank: int, world: int) -> RankEvent:
@@ -464,11 +467,13 @@ def test_a_growing_straggler_refreshes_its_open_incident() -> None:
     trackers = JobTrackers()
     found = run_steps(trackers, 0, 30, world=8, compute={5: 1.12}, jitter=0.02)
     (opened,) = [f for f in found if f.kind is FindingKind.STRAGGLER]
-    assert not opened.refresh and 8 <= opened.evidence["slowdown_pct"] <= 16
+    assert not opened.refresh and 8 <= opened.evidence.as_json()["slowdown_pct"] <= 16
     later = run_steps(trackers, 30, 60, world=8, compute={5: 1.45}, jitter=0.02)
     assert later and all(f.refresh and f.key == opened.key for f in later), later
-    assert 40 <= later[-1].evidence["slowdown_pct"] <= 50
-    assert f"computes {later[-1].evidence['slowdown_pct']:.0f}% longer" in later[-1].summary
+    assert 40 <= later[-1].evidence.as_json()["slowdown_pct"] <= 50
+    assert (
+        f"computes {later[-1].evidence.as_json()['slowdown_pct']:.0f}% longer" in later[-1].summary
+    )
     # Steady now: nothing more until a minute has passed on the controller's clock.
     assert run_steps(trackers, 60, 80, world=8, compute={5: 1.45}, jitter=0.02) == []
     again = run_steps(trackers, 80, 150, world=8, compute={5: 1.45}, jitter=0.02)

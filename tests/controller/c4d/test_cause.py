@@ -44,6 +44,9 @@ def test_the_gpu_is_compared_with_its_peer_groups_gpus_not_the_whole_jobs() -> N
     """Stage 1 (ranks 4-7) runs every GPU at 1500 MHz; stage 0 at 1980 MHz. Rank 5's clock
     is what its peers run at, so a low clock is not its cause."""
     from controller.logic.detection.c4d import Finding, FindingKind
+    from controller.logic.detection.c4d.evidence import PeerGroupEvidence
+    from controller.logic.detection.c4d.job_evidence import JobEvidence, StragglerIncidentEvidence
+    from controller.logic.detection.c4d.peers import PeerBasis
     from controller.services.detection.jobs import JobDetector
     from controller.state import ClusterState, GpuState, NodeState
 
@@ -58,7 +61,7 @@ def test_the_gpu_is_compared_with_its_peer_groups_gpus_not_the_whole_jobs() -> N
         tracker.rank_node[rank] = f"n{rank // 4}"
         tracker.rank_gpu[rank] = rank % 4
 
-    def finding(evidence: dict[str, object]) -> Finding:
+    def finding(evidence: JobEvidence) -> Finding:
         return Finding(
             kind=FindingKind.STRAGGLER,
             job="j",
@@ -69,7 +72,11 @@ def test_the_gpu_is_compared_with_its_peer_groups_gpus_not_the_whole_jobs() -> N
             evidence=evidence,
         )
 
-    causes, facts = detector._gpu_cause(finding({"peer_group": {"ranks": [4, 5, 6, 7]}}))
+    # Only the peer group matters here: a partial straggler evidence (built unvalidated).
+    group = PeerGroupEvidence(label="g", basis=PeerBasis.JOB, role=None, ranks=[4, 5, 6, 7], why="")
+    causes, facts = detector._gpu_cause(
+        finding(StragglerIncidentEvidence.model_construct(peer_group=group))
+    )
     assert causes == [] and facts["peer_sm_clock_mhz"] == 1500
-    causes, _ = detector._gpu_cause(finding({}))  # no peer group known: the whole job
+    causes, _ = detector._gpu_cause(finding(JobEvidence()))  # no peer group known: the whole job
     assert causes == ["SM clock 1500 MHz vs 1980 MHz on peers"]

@@ -57,13 +57,13 @@ def test_the_rank_whose_input_was_nan_first_is_named_not_the_ranks_it_spread_to(
     (finding,) = [f for f in found if not f.refresh]
     # Every later step still carries NaN (the weights are NaN now): counted, refreshed.
     refreshes = [f for f in found if f.refresh]
-    assert [f.evidence["bad_steps"] for f in refreshes] == [2, 3, 4, 5]
-    assert all(f.key == finding.key and f.evidence["step"] == 10 for f in refreshes)
+    assert [f.evidence.as_json()["bad_steps"] for f in refreshes] == [2, 3, 4, 5]
+    assert all(f.key == finding.key and f.evidence.as_json()["step"] == 10 for f in refreshes)
     assert refreshes[-1].summary.endswith("NaN/Inf in 5 steps so far")
     assert finding.kind is FindingKind.NONFINITE and not finding.resolved
-    assert finding.evidence["bad_steps"] == 1
+    assert finding.evidence.as_json()["bad_steps"] == 1
     assert finding.ranks == (2,) and finding.nodes == ("node-1",)
-    ev = finding.evidence
+    ev = finding.evidence.as_json()
     assert (ev["step"], ev["op"], ev["group"], ev["seq"]) == (10, "all_reduce", "w0", 41)
     assert ev["nonfinite_ranks"] == [0, 1, 2, 3] and ev["origin_ranks"] == [2]
     assert ev["first_seq_by_rank"] == {"0": 42, "1": 42, "2": 41, "3": 42}
@@ -82,7 +82,7 @@ def test_a_poisoned_rank_among_clean_peers_is_named_and_the_incident_clears() ->
         (FindingKind.NONFINITE, (3,), False),
         (FindingKind.NONFINITE, (), True),
     ]
-    assert found[0].evidence["clean_ranks"] == 3
+    assert found[0].evidence.as_json()["clean_ranks"] == 3
 
 
 def test_nan_on_every_rank_at_once_names_them_all_with_low_confidence() -> None:
@@ -90,7 +90,7 @@ def test_nan_on_every_rank_at_once_names_them_all_with_low_confidence() -> None:
     assert origins(rows) == (0, 1, 2, 3)
     trackers = JobTrackers()
     (finding,) = feed(trackers, list(rows.values()), 0.0)
-    assert finding.ranks == (0, 1, 2, 3) and finding.evidence["confidence"] == 0.5
+    assert finding.ranks == (0, 1, 2, 3) and finding.evidence.as_json()["confidence"] == 0.5
     assert "every rank" in finding.summary
 
 
@@ -124,7 +124,7 @@ def test_a_rank_killed_from_outside_is_the_crash_and_its_survivors_collateral() 
     assert [(f.kind, f.ranks, f.nodes) for f in found] == [
         (FindingKind.RANK_CRASH, (2,), ("node-1",))
     ]
-    ev = found[0].evidence
+    ev = found[0].evidence.as_json()
     assert ev["disconnected"] is True and ev["collateral_ranks"] == [0, 1, 3]
     assert ev["exit_code"] is None and ev["signal"] is None
     assert "vanished" in found[0].summary
@@ -172,7 +172,7 @@ def test_a_later_step_arriving_first_does_not_hide_the_origin() -> None:
     rows = [summary(r, 10, first_seq=42 if r == 1 else None) for r in range(WORLD)]
     found += feed(trackers, rows, 13.0)
     (finding,) = found
-    assert finding.ranks == (1,) and finding.evidence["step"] == 10
+    assert finding.ranks == (1,) and finding.evidence.as_json()["step"] == 10
 
 
 def test_a_step_that_never_completes_is_judged_after_the_grace() -> None:
@@ -185,7 +185,7 @@ def test_a_step_that_never_completes_is_judged_after_the_grace() -> None:
         == []
     )
     (finding,) = trackers.evaluate(3.0 + 10.0)
-    assert finding.ranks == (0,) and finding.evidence["clean_ranks"] == 2
+    assert finding.ranks == (0,) and finding.evidence.as_json()["clean_ranks"] == 2
 
 
 def test_every_rank_vanishing_together_is_a_stop_from_outside_not_a_crash() -> None:
@@ -205,4 +205,4 @@ def test_a_lone_vanished_rank_whose_peers_hang_is_still_a_crash() -> None:
     assert trackers.evaluate(5.0) == []  # the job may be stopping as a whole: wait
     (finding,) = trackers.evaluate(11.5)
     assert finding.kind is FindingKind.RANK_CRASH and finding.ranks == (3,)
-    assert finding.evidence["collateral_ranks"] == []
+    assert finding.evidence.as_json()["collateral_ranks"] == []

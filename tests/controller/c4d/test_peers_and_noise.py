@@ -249,8 +249,8 @@ def test_a_hang_stays_one_incident_on_the_same_culprit_when_a_waiting_node_goes_
 def test_straggler_evidence_shows_times_against_peers_and_why_they_are_peers() -> None:
     sc = SimScenario(name="ev", layout=Layout(world=16), slow={2: 0.3}, steps=120)
     first = run_sim(sc, seed=30).straggler_updates[0]
-    ev = StragglerEvidence.model_validate(first.evidence)
-    assert ev.model_dump(mode="json") == first.evidence  # typed, and what the JSON holds
+    ev = StragglerEvidence.model_validate(first.evidence.as_json())
+    assert ev.model_dump(mode="json") == first.evidence.as_json()  # typed, and the JSON holds
     assert (ev.rank, ev.node, ev.gpu_index) == (2, "node-0", 2)
     assert ev.peer_group.basis is PeerBasis.JOB and ev.peer_group.ranks == list(range(16))
     assert "data parallel" in ev.peer_group.why

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from controller.logic.detection.c4d.findings import Finding, FindingKind
+from controller.logic.detection.c4d.job_evidence import CommFailureEvidence, RankCrashEvidence
 from trainguard.wire import RankEvent
 
 #: How long a collateral exit waits for the primary crash to be reported (seconds on the
@@ -94,16 +95,16 @@ class CrashState:
             key=f"rank_crash:{self.job}:{ev.rank}",
             ranks=(ev.rank,),
             nodes=(node,),
-            evidence={
-                "exit_code": ev.exit_code,
-                "signal": ev.signal,
-                "pid": ev.pid,
-                "error": ev.error,
-                "disconnected": ev.disconnected,
-                "collateral_ranks": followers,
+            evidence=RankCrashEvidence(
+                exit_code=ev.exit_code,
+                signal=ev.signal,
+                pid=ev.pid,
+                error=ev.error,
+                disconnected=ev.disconnected,
+                collateral_ranks=followers,
                 # The agent saw the process vanish; why it died is unknown.
-                "confidence": 0.9 if ev.disconnected else 1.0,
-            },
+                confidence=0.9 if ev.disconnected else 1.0,
+            ),
         )
 
     def _vanished_crash(self, now_s: float) -> list[Finding]:
@@ -142,11 +143,11 @@ class CrashState:
                 key=f"comm_failure:{self.job}",
                 ranks=ranks,
                 nodes=nodes,
-                evidence={
-                    "errors": {str(e.event.rank): e.event.error for e in exits},
+                evidence=CommFailureEvidence(
+                    errors={str(e.event.rank): e.event.error for e in exits},
                     # Ranks failing inside collectives with nobody crashing first points at
                     # the network, but a crash report lost on the way would look the same.
-                    "confidence": 0.6,
-                },
+                    confidence=0.6,
+                ),
             )
         ]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Literal
+
+from controller.logic.detection.c4d.job_evidence import JobEvidence
 
 
 class FindingKind(StrEnum):
@@ -42,7 +44,10 @@ class Finding:
     key: str
     ranks: tuple[int, ...] = ()
     nodes: tuple[str, ...] = ()
-    evidence: dict[str, Any] = field(default_factory=dict)
+    #: The kind's evidence model (:mod:`.job_evidence`), the one the API schema serves: the
+    #: job detection service adds what it knows (``nodes``, GPU cause, NIC suspects) and
+    #: stores ``as_json()``. Empty on a resolution.
+    evidence: JobEvidence = field(default_factory=JobEvidence)
     #: Rank pairs a link probe should time to localize the fault (empty: none needed).
     probe_pairs: tuple[tuple[int, int], ...] = ()
     #: True when the condition has cleared and an open incident with ``key`` may resolve.

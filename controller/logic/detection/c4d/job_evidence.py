@@ -103,7 +103,8 @@ class RankCrashEvidence(JobEvidence):
     BRIEF = ("exit_code", "signal", "error", "collateral_ranks", "confidence")
 
     exit_code: int | None
-    signal: int | None
+    #: The signal's name (``SIGKILL``), as the agent reports it (``wire.RankEvent.signal``).
+    signal: str | None
     pid: int | None
     error: str | None
     #: The agent saw the process vanish without an exit record.

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from controller.logic.detection.c4d.findings import Finding, FindingKind
+from controller.logic.detection.c4d.job_evidence import NonfiniteEvidence
 from trainguard.wire import StepSummary
 
 
@@ -130,9 +131,9 @@ class NonfiniteState:
     def _still_bad(self, rows: dict[int, StepSummary]) -> Finding | None:
         """A step after the opening one still carries NaN/Inf: count it, refresh the incident."""
         opened = self.opened
-        if opened is None or not rows:
+        if opened is None or not rows or not isinstance(opened.evidence, NonfiniteEvidence):
             return None
-        if next(iter(rows.values())).step <= int(opened.evidence["step"]):
+        if next(iter(rows.values())).step <= opened.evidence.step:
             return None  # the opening step (or an earlier one) compared late: already counted
         self.bad_steps += 1
         n = self.bad_steps
@@ -141,7 +142,7 @@ class NonfiniteState:
         return replace(
             opened,
             summary=f"{opened.summary}; NaN/Inf in {n} steps so far",
-            evidence={**opened.evidence, "bad_steps": n},
+            evidence=opened.evidence.model_copy(update={"bad_steps": n}),
             refresh=True,
         )
 
@@ -174,19 +175,19 @@ class NonfiniteState:
             key=self.key,
             ranks=culprits,
             nodes=nodes,
-            evidence={
-                "step": step,
-                "op": first.nonfinite_first_op,
-                "group": first.nonfinite_first_group,
-                "seq": first.nonfinite_first_seq,
-                "origin_ranks": list(culprits),
-                "nonfinite_ranks": bad,
-                "first_seq_by_rank": {str(r): rows[r].nonfinite_first_seq for r in bad},
-                "nonfinite_calls_by_rank": {str(r): rows[r].nonfinite_inputs for r in bad},
-                "clean_ranks": reported - len(bad),
-                "gpu_index": first.gpu_index if len(culprits) == 1 else None,
+            evidence=NonfiniteEvidence(
+                step=step,
+                op=first.nonfinite_first_op,
+                group=first.nonfinite_first_group,
+                seq=first.nonfinite_first_seq,
+                origin_ranks=list(culprits),
+                nonfinite_ranks=bad,
+                first_seq_by_rank={str(r): rows[r].nonfinite_first_seq for r in bad},
+                nonfinite_calls_by_rank={str(r): rows[r].nonfinite_inputs for r in bad},
+                clean_ranks=reported - len(bad),
+                gpu_index=first.gpu_index if len(culprits) == 1 else None,
                 # A single origin among clean peers is unambiguous; all ranks at once is not.
-                "confidence": 0.5 if everyone else 1.0,
-                "bad_steps": 1,
-            },
+                confidence=0.5 if everyone else 1.0,
+                bad_steps=1,
+            ),
         )

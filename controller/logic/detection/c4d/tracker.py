@@ -16,6 +16,13 @@ from controller.logic.detection.c4d.config import C4DConfig
 from controller.logic.detection.c4d.crash import CrashState
 from controller.logic.detection.c4d.findings import Finding, FindingKind
 from controller.logic.detection.c4d.hang import StuckCall, classify, ring_pairs
+from controller.logic.detection.c4d.job_evidence import (
+    CommSlowEvidence,
+    HangEvidence,
+    SlowLinkEvidence,
+    StragglerIncidentEvidence,
+)
+from controller.logic.detection.c4d.job_evidence import StuckCall as StuckCallEvidence
 from controller.logic.detection.c4d.nonfinite import NonfiniteState
 from controller.logic.detection.c4d.probe import localize
 from controller.logic.detection.c4d.straggler import StragglerState
@@ -184,14 +191,14 @@ class JobTracker:
             key=f"slow_link:{self.job}:{probe_id}",
             ranks=verdict.culprit_ranks,
             nodes=verdict.culprit_nodes,
-            evidence={
-                "scope": verdict.scope,
+            evidence=SlowLinkEvidence(
+                scope=verdict.scope,
                 # A rank common to every slow pair is the sharpest answer a probe gives.
-                "confidence": {"rank": 0.9, "node": 0.8, "link": 0.7, "failed": 0.5}[verdict.scope],
-                "median_gbps": round(verdict.median_gbps, 3),
-                "slow_pairs": [list(p) for p in verdict.slow_pairs],
-                "pair_gbps": {f"{a}-{b}": round(g, 3) for (a, b), g in verdict.pair_gbps.items()},
-            },
+                confidence={"rank": 0.9, "node": 0.8, "link": 0.7, "failed": 0.5}[verdict.scope],
+                median_gbps=round(verdict.median_gbps, 3),
+                slow_pairs=[list(p) for p in verdict.slow_pairs],
+                pair_gbps={f"{a}-{b}": round(g, 3) for (a, b), g in verdict.pair_gbps.items()},
+            ),
         )
 
     def _ready_steps(self, now_s: float) -> list[int]:
@@ -287,7 +294,7 @@ class JobTracker:
             key=f"straggler:{self.job}:{rank}",
             ranks=(rank,),
             nodes=(node,),
-            evidence=ev.as_json(),
+            evidence=StragglerIncidentEvidence(**dict(ev)),
             resolved=resolved,
         )
 
@@ -326,12 +333,9 @@ class JobTracker:
                 ranks=ranks,
                 nodes=tuple(sorted(set(self.rank_node.values()))),
                 # Which link is slow is unknown until the probe round answers.
-                evidence={
-                    "reference_wait_s": ref,
-                    "wait_s": rec,
-                    "step_s": step_s,
-                    "confidence": 0.5,
-                },
+                evidence=CommSlowEvidence(
+                    reference_wait_s=ref, wait_s=rec, step_s=step_s, confidence=0.5
+                ),
                 probe_pairs=ring_pairs(ranks),
             )
         ]
@@ -416,15 +420,15 @@ class JobTracker:
     def _hang_finding(self, calls: list[StuckCall], key: str) -> Finding:
         call = max(calls, key=lambda c: c.elapsed_s)
         what = f"{call.op} #{call.seq} in group {call.group}"
-        evidence = _call_evidence(call)
+        evidence = HangEvidence(**dict(_call_evidence(call)))
         if len(calls) > 1:
-            evidence["stuck_calls"] = [_call_evidence(c) for c in calls]
+            evidence.stuck_calls = [_call_evidence(c) for c in calls]
         if call.communication:
             nodes = tuple(sorted({self.rank_node.get(r, "?") for r in call.members}))
             # Every member is inside the call: the path between them is at fault, but which
             # link is unknown until a probe runs, and none can run while all are blocked.
-            evidence["confidence"] = 0.5
-            evidence["probe"] = "deferred: the link probe runs once the job steps again"
+            evidence.confidence = 0.5
+            evidence.probe = "deferred: the link probe runs once the job steps again"
             return Finding(
                 kind=FindingKind.COMM_HANG,
                 job=self.job,
@@ -444,7 +448,7 @@ class JobTracker:
         # An absentee that is itself stuck in another collective may be a victim of a chain;
         # one stuck nowhere is the origin.
         inflight_ranks = {rank for rank, _ in self.inflight}
-        evidence["confidence"] = 0.8 if set(call.absent) & inflight_ranks else 1.0
+        evidence.confidence = 0.8 if set(call.absent) & inflight_ranks else 1.0
         return Finding(
             kind=FindingKind.HANG,
             job=self.job,
@@ -460,16 +464,16 @@ class JobTracker:
         )
 
 
-def _call_evidence(call: StuckCall) -> dict[str, object]:
-    return {
-        "group": call.group,
-        "seq": call.seq,
-        "op": call.op,
-        "elapsed_s": round(call.elapsed_s, 3),
-        "entered": list(call.entered),
-        "passed": list(call.passed),
-        "absent": list(call.absent),
-    }
+def _call_evidence(call: StuckCall) -> StuckCallEvidence:
+    return StuckCallEvidence(
+        group=call.group,
+        seq=call.seq,
+        op=call.op,
+        elapsed_s=round(call.elapsed_s, 3),
+        entered=list(call.entered),
+        passed=list(call.passed),
+        absent=list(call.absent),
+    )
 
 
 class JobTrackers:
