@@ -1,10 +1,10 @@
 """Typed evidence of the job incidents (issue 13): what the C4D detectors write fits the
 models the API schema publishes, key for key, and rows of older releases still load.
 
-The detectors state their evidence as JSON objects; these tests run them on synthetic
-record streams (as ``tests/controller/c4d`` does) and read every finding's evidence, with
-the keys the job detection service adds, through ``evidence_kinds``: a key renamed on either
-side fails here (``model_extra`` holds what the model does not know).
+The detectors build their kind's model (``Finding.evidence``); these tests run them on
+synthetic record streams (as ``tests/controller/c4d`` does) and read the JSON every finding
+stores, with the keys the job detection service adds, back through ``evidence_kinds``: a key
+renamed on either side fails here (``model_extra`` holds what the model does not know).
 """
 
 from __future__ import annotations
@@ -202,6 +202,7 @@ def test_detector_evidence_fits_its_model_key_for_key() -> None:
     found = _findings()
     assert set(found) == set(FindingKind), f"no finding of {set(FindingKind) - set(found)}"
     for kind, finding in found.items():
+        assert type(finding.evidence) is MODELS[kind], (kind, type(finding.evidence))
         # What the job detection service stores: the finding's evidence and its nodes.
         stored = {**finding.evidence.as_json(), "nodes": list(finding.nodes)}
         assert evidence_error(str(kind), stored) is None, (kind, stored)
