@@ -33,6 +33,10 @@ FLAGS = {
     "nvml_timeout_s": ("--nvml-timeout", "2.5", 2.5),
     "client_idle_timeout_s": ("--client-idle-timeout", "30", 30.0),
     "job_listen": ("--job-listen", "127.0.0.1:9471", "127.0.0.1:9471"),
+    "preflight_load_s": ("--preflight-load-s", "4", 4.0),
+    "preflight_load_grace_s": ("--preflight-load-grace", "90", 90.0),
+    "job_flush_steps": ("--job-flush-steps", "0", 0),
+    "job_flush_min_interval_s": ("--job-flush-min-interval", "2.5", 2.5),
 }
 
 #: Flags whose values ``test_every_flag_reaches_its_setting`` checks one by one.
@@ -50,6 +54,8 @@ OTHER_FLAGS = {
     "foreground": "--foreground",
     "sysfs_root": "--sysfs-root",
     "job_token_file": "--job-token-file",
+    "preflight_load": "--preflight-load",
+    "preflight_load_command": "--preflight-load-command",
 }
 
 
@@ -79,6 +85,7 @@ def test_every_flag_reaches_its_setting(started: list[AgentSettings], tmp_path: 
     args += ["--no-foreground", "--token-file", str(tmp_path / "token")]
     args += ["--job-token-file", str(tmp_path / "job-tokens")]
     args += ["--sim-fault", "kind=xid,code=79,gpu=1,at=5", "--token", "t" * 20]
+    args += ["--no-preflight-load", "--preflight-load-command", "burn --gpu '{uuid}' -t {seconds}"]
     assert _agent(tmp_path, *args) == 0
     (settings,) = started
     for field, (_flag, _value, expected) in FLAGS.items():
@@ -94,6 +101,8 @@ def test_every_flag_reaches_its_setting(started: list[AgentSettings], tmp_path: 
     assert settings.token_file == tmp_path / "token"
     assert settings.job_token_file == tmp_path / "job-tokens"
     assert settings.resolved_spool_dir == tmp_path / "spool"
+    assert settings.preflight_load is False
+    assert settings.preflight_load_command == ["burn", "--gpu", "{uuid}", "-t", "{seconds}"]
 
 
 def test_every_settings_field_has_a_flag() -> None:
@@ -132,6 +141,8 @@ def test_flags_left_out_keep_environment_and_defaults(
         (["--log-level", "loud"], "log_level: must be one of debug, info, warning, error"),
         (["--spool-max-bytes", "1024"], "spool_max_bytes: Input should be greater than"),
         (["--node-base-power-w", "-5"], "node_base_power_w: Input should be greater than"),
+        (["--preflight-load-command", "burn '{gpu}"], "--preflight-load-command: No closing"),
+        (["--preflight-load-command", " "], "--preflight-load-command: empty command"),
     ],
 )
 def test_bad_values_are_one_line_exit_2(

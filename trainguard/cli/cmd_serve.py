@@ -9,6 +9,7 @@ all land in one validated place. The service packages are imported inside each c
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -206,6 +207,44 @@ def agent(
     sysfs_root: Annotated[
         Path | None, typer.Option("--sysfs-root", help="Root of sysfs (RDMA ports, bonds).")
     ] = None,
+    preflight_load: Annotated[
+        bool | None,
+        typer.Option(
+            "--preflight-load/--no-preflight-load",
+            help="A preflight loads the GPUs (clocks_load) where it can (default: on).",
+            show_default=False,
+        ),
+    ] = None,
+    preflight_load_s: Annotated[
+        float | None,
+        typer.Option("--preflight-load-s", help="Seconds a preflight loads each GPU."),
+    ] = None,
+    preflight_load_grace: Annotated[
+        float | None,
+        typer.Option(
+            "--preflight-load-grace", help="Start-up allowed on top of the load, seconds."
+        ),
+    ] = None,
+    preflight_load_command: Annotated[
+        str | None,
+        typer.Option(
+            "--preflight-load-command",
+            help="Load command template, split like a shell line ({gpu} {uuid} {index} "
+            "{seconds}); default collectives/gpu_load.py.",
+        ),
+    ] = None,
+    job_flush_steps: Annotated[
+        int | None,
+        typer.Option(
+            "--job-flush-steps", help="Report early after this many new step summaries (0: off)."
+        ),
+    ] = None,
+    job_flush_min_interval: Annotated[
+        float | None,
+        typer.Option(
+            "--job-flush-min-interval", help="Seconds between an early report and the last one."
+        ),
+    ] = None,
 ) -> None:
     """Run the node agent (GPU sampler, spool, reporter) until SIGINT/SIGTERM."""
     from agents.daemon import run
@@ -242,6 +281,12 @@ def agent(
         foreground=foreground,
         nvml_timeout_s=nvml_timeout,
         sysfs_root=sysfs_root,
+        preflight_load=preflight_load,
+        preflight_load_s=preflight_load_s,
+        preflight_load_grace_s=preflight_load_grace,
+        preflight_load_command=_split_command(preflight_load_command),
+        job_flush_steps=job_flush_steps,
+        job_flush_min_interval_s=job_flush_min_interval,
     )
     try:
         settings = AgentSettings(**values)
@@ -251,6 +296,19 @@ def agent(
         run(settings)
     except AgentError as exc:
         raise service_error(exc, getattr(exc, "exit_code", 1)) from exc
+
+
+def _split_command(line: str | None) -> list[str] | None:
+    """``--preflight-load-command`` as argv (shell quoting rules, no shell runs it)."""
+    if line is None:
+        return None
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise BadInput(f"--preflight-load-command: {exc}") from exc
+    if not argv:
+        raise BadInput("--preflight-load-command: empty command")
+    return argv
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:
