@@ -232,7 +232,27 @@ class IngestService:
                     gpu = node.gpus[sample.index] = GpuState(index=sample.index, uuid=sample.uuid)
                     upserts.add(GpuKey(node.name, sample.index))
                 gpu.latest = sample
+            self._first_ecc_baselines(report, node, upserts)
         return node
+
+    @staticmethod
+    def _first_ecc_baselines(report: wire.Report, node: NodeState, upserts: set[RowKey]) -> None:
+        """A GPU's first uncorrectable-ECC value is its baseline (the health detector judges
+        the next value against it, also after a restart). Set with the report's own data, it
+        is written in the report's group commit and undone with it if that fails, so the
+        baseline shown is always a stored one and many first reports still share one
+        transaction; later changes are the detector's (a fault, or a reset: written, then
+        shown)."""
+        missing = {i: g for i, g in node.gpus.items() if g.ecc_uncorrected_total is None}
+        for sample in report.samples:
+            if not missing:
+                return  # the common case: every baseline known, one pass over the GPUs
+            for g in sample.gpus:
+                gpu = missing.get(g.index)
+                if gpu is not None and g.ecc_uncorrected_total is not None:
+                    gpu.ecc_uncorrected_total = g.ecc_uncorrected_total
+                    upserts.add(GpuKey(node.name, g.index))
+                    del missing[g.index]
 
     def _apply_jobs(
         self,

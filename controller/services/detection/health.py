@@ -235,22 +235,15 @@ class HealthDetector:
         steps.append(self._gpu_watch(node, report.node.gpu_error))
         steps.extend(self._hw_finding(node, f) for f in self._hw.findings(report))
         # Counter values with no fault: the baseline the next fault is judged against, also
-        # by a restarted controller. A GPU's first value is report data, queued with the
-        # next group commit (one transaction for many nodes' first reports); a reset of a
-        # known baseline (rare: a driver reload) is stored, then shown.
-        first: set[RowKey] = set()
+        # by a restarted controller. A GPU's first value came with the report's own commit
+        # (``IngestService._first_ecc_baselines``: many nodes' first reports share one
+        # transaction); a change of a known baseline (rare: a driver reload) is stored, then
+        # shown, as is a first value the ingest did not set (none is expected).
         resets: dict[int, int] = {}
         for index, value in ecc.items():
             gpu = gpus.get(index)
-            if gpu is None or gpu.ecc_uncorrected_total == value:
-                continue
-            if gpu.ecc_uncorrected_total is None:
-                gpu.ecc_uncorrected_total = value
-                first.add(GpuKey(node.name, index))
-            else:
+            if gpu is not None and gpu.ecc_uncorrected_total != value:
                 resets[index] = value
-        if first:
-            self._writer.mark_dirty(first)
         if resets:
             steps.append(self._store_counters(node, resets))
         await _each(steps)
