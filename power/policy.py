@@ -109,6 +109,21 @@ class PowerPolicy:
         self._attention: set[tuple[str, int]] = set()
 
     # ------------------------------------------------------------------ public
+    def withdraw(self, command_id: str) -> None:
+        """Forget a command the caller could not send (its record was not stored): not a
+        failure of the knob, so the next tick decides again and sends a new one."""
+        entry = self._pending.pop(command_id, None)
+        if entry is None:
+            return
+        key, knob = entry
+        gpu = self._gpus.get(key)
+        if gpu is None:
+            return
+        pending = gpu.inflight.get(knob)
+        if pending is not None and pending.command_id == command_id:
+            del gpu.inflight[knob]
+        self._attention.add(key)
+
     def level(self, domain: str) -> Level:
         return self._domains[domain].level
 

@@ -12,9 +12,11 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import TypeAdapter
+from sqlalchemy import Connection
 
 from controller.db.keys import CommandKey
 from controller.db.repositories import commands as repo_commands
@@ -37,6 +39,8 @@ _COMMAND = TypeAdapter(wire.Command)
 KEEP_FINISHED_S = 300.0
 
 FINAL = frozenset({"succeeded", "failed", "relayed", "expired"})
+
+T = TypeVar("T")
 
 
 def to_wire(command: CommandState) -> wire.Command:
@@ -79,6 +83,20 @@ class CommandService:
         return dict(self._preflight)
 
     async def create(self, node_name: str, request: wire.CommandBase, *, by: str) -> CommandState:
+        command, _ = await self.create_with(node_name, request, by=by, also=None)
+        return command
+
+    async def create_with(
+        self,
+        node_name: str,
+        request: wire.CommandBase,
+        *,
+        by: str,
+        also: Callable[[CommandState], Callable[[Connection], T]] | None,
+    ) -> tuple[CommandState, T | None]:
+        """Create a command and write ``also(command)``'s step (an audit row that names the
+        command) in the same transaction: a command is never queued without its record,
+        nor the record stored for a command that was never queued."""
         node = self._state.nodes.get(node_name)
         if node is None:
             raise NotFound(f"node {node_name!r} not found; it appears after its first report")
@@ -105,7 +123,13 @@ class CommandService:
         to_wire(command)  # proves the agent will be able to parse it
         # Write, then publish: a command the database refused was never handed to an agent.
         row = repo_commands.command_row(command)
-        await self._writer.run(lambda conn: repo_commands.upsert_commands(conn, [row]))
+        step = None if also is None else also(command)
+
+        def write(conn: Connection) -> T | None:
+            repo_commands.upsert_commands(conn, [row])
+            return None if step is None else step(conn)
+
+        result = await self._writer.run(write)
         self._state.commands[command.id] = command
         log.info(
             "command queued",
@@ -113,7 +137,7 @@ class CommandService:
                 "fields": {"command": command.id, "node": node_name, "kind": command.kind, "by": by}
             },
         )
-        return command
+        return command, result
 
     async def tick(self, now_unix_s: float) -> None:
         """Expire unacknowledged commands and forget finished ones."""

@@ -74,3 +74,56 @@ def test_first_ecc_baseline_is_stored_with_its_report(
         assert shown() == 7 and stored() == 7
         incidents = client.get("/api/v1/incidents", headers=live.headers()).json()["data"]
         assert [i for i in incidents if i["node"] == "w11"] == []  # a baseline, not a fault
+
+
+def test_power_cap_and_its_action_are_stored_together_or_not_at_all(
+    controller_factory, db_url, ctl_report, ctl_db_outage
+) -> None:
+    """A cap the power policy decides is one transaction: its command and its
+    ``power_cap`` action row. The action row refused, no command is queued, stored or
+    delivered and the loop tracks no target; the next tick decides again and, once the
+    database answers, stores both and the agent's next reply carries the command."""
+    live = controller_factory(power_tick_interval_s=0.1, ingest_flush_interval_s=0.0)
+    loop = live.controller.power.loop
+    state = live.controller.state
+    tree = {
+        "name": "row-a",
+        "kind": "row",
+        "budget_w": 250,  # one GPU at ~300 W: past the brake, every GPU is capped
+        "children": [{"name": "p1", "kind": "server", "budget_w": 10_000}],
+    }
+
+    def report(client: httpx.Client, seq: int) -> httpx.Response:
+        body = ctl_report("p1", seq, gpus=1, samples=1, t0=time.time())
+        r = client.post("/api/v1/reports", json=body, headers=live.headers("agent"))
+        assert r.status_code == 200, r.text
+        return r
+
+    def stored(sql: str) -> int:
+        return int(_stored(db_url, sql))
+
+    commands_sql = "SELECT count(*) FROM commands WHERE node_name = 'p1'"
+    actions_sql = "SELECT count(*) FROM actions WHERE kind = 'power_cap'"
+    with httpx.Client(base_url=live.url, timeout=20) as client:
+        report(client, 0)
+        ctl_db_outage.arm(r"^\s*INSERT INTO actions")
+        r = client.put("/api/v1/power/domains", json=tree, headers=live.headers())
+        assert r.status_code == 200, r.text
+        report(client, 1)
+        _wait(lambda: ctl_db_outage.hits >= 1)
+        time.sleep(0.5)  # several ticks
+        assert [c for c in state.commands.values() if c.node == "p1"] == []
+        assert stored(commands_sql) == 0 and stored(actions_sql) == 0
+        _wait(lambda: ctl_db_outage.hits >= 3)  # decided again at later ticks, refused
+        assert loop.tracker.open == [] and loop.tracker._targets == {}
+        assert report(client, 2).json()["commands"] == []  # nothing delivered
+
+        ctl_db_outage.disarm()
+        _wait(lambda: stored(actions_sql) == 1)
+        (command,) = [c for c in state.commands.values() if c.node == "p1"]
+        assert stored(commands_sql) == 1
+        params = _stored(db_url, "SELECT params FROM actions WHERE kind = 'power_cap'")
+        assert command.id in str(params)
+        assert [e.command_id for e in loop.tracker.open] == [command.id]
+        assert list(loop.tracker._targets) == [("p1", 0, "clocks")]
+        assert [c["id"] for c in report(client, 3).json()["commands"]] == [command.id]

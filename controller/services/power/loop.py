@@ -27,7 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from controller.errors import ControllerError
+from controller.errors import ControllerError, TemporaryError
 from controller.logic.detection.incident_evidence import EvidenceEvent, PowerEvidence
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
@@ -35,6 +35,7 @@ from controller.services.incidents import IncidentService, IncidentSpec
 from controller.services.power.tracking import ActionTracker
 from controller.state import ClusterState
 from power import (
+    Decision,
     DomainStatus,
     DomainTree,
     GpuStatus,
@@ -215,30 +216,57 @@ class PowerLoop:
         self.last_tick_unix_s = now
         for decision in result.decisions:
             dom = result.domains.get(decision.domain) if decision.domain is not None else None
-            try:
-                command = await self._commands.create(
-                    decision.node, decision.command, by="power-policy"
-                )
-            except ControllerError as exc:
-                # Unknown to the controller (never reported): the policy hears "failed".
-                self._unsent.append(
-                    wire.CommandAck(
-                        command_id=decision.command.id,
-                        status=wire.CommandStatus.FAILED,
-                        reason=str(exc)[:1024],
-                        finished_unix_s=now,
-                    )
-                )
-                await self.tracker.record(decision, None, dom, now, failed=str(exc))
-                continue
-            self._policy_ids[command.id] = decision.command.id
-            await self.tracker.record(decision, command.id, dom, now)
+            await self._send(policy, decision, dom, now)
         for incident in result.incidents:
             await self._open_incident(incident)
         await self._resolve_recovered(result.domains)
-        await self.tracker.on_effects(result.effects, policy.tree)
-        await self.tracker.on_statuses(result.domains, now)
-        await self.tracker.on_commands(self._state.commands, now)
+        try:
+            await self.tracker.on_effects(result.effects, policy.tree)
+            await self.tracker.on_statuses(result.domains, now)
+            await self.tracker.on_commands(self._state.commands, now)
+        except TemporaryError as exc:
+            # Nothing was marked done that is not stored: a later tick writes it.
+            log.warning("power action update not stored; tried again next tick: %s", exc)
+
+    async def _send(
+        self, policy: PowerPolicy, decision: Decision, dom: DomainStatus | None, now: float
+    ) -> None:
+        """Queue a decision's command with its action row (one transaction), then track it.
+
+        The database away: nothing is queued, stored or tracked, and the policy forgets the
+        command, so the next tick decides again. A command that can never be created (a
+        node the controller does not know): the policy hears "failed" and a ``failed``
+        action records it."""
+        planned = self.tracker.plan(decision, dom, now)
+        try:
+            command, action_id = await self._commands.create_with(
+                decision.node, decision.command, by="power-policy", also=planned.inserting
+            )
+        except TemporaryError as exc:
+            policy.withdraw(decision.command.id)
+            log.warning(
+                "power command and its action not stored; decided again next tick",
+                extra={"fields": {"node": decision.node, "gpu": decision.gpu_index}},
+            )
+            log.debug("power command not stored: %s", exc)
+            return
+        except ControllerError as exc:
+            self._unsent.append(
+                wire.CommandAck(
+                    command_id=decision.command.id,
+                    status=wire.CommandStatus.FAILED,
+                    reason=str(exc)[:1024],
+                    finished_unix_s=now,
+                )
+            )
+            try:
+                await self.tracker.record_failed(planned, str(exc))
+            except TemporaryError:
+                log.warning("failed power action not recorded (database unavailable)")
+            return
+        assert action_id is not None
+        self._policy_ids[command.id] = decision.command.id
+        self.tracker.publish(planned, action_id, command.id)
 
     def _acks(self, now: float) -> list[wire.CommandAck]:
         """Final statuses of our commands, as the acks the policy understands."""

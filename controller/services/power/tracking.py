@@ -14,9 +14,11 @@ of a domain above caused it, that change's effect as the policy measured it
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from sqlalchemy import Connection
 
 from controller.services.actions import ActionService
 from controller.state import CommandState
@@ -70,55 +72,94 @@ def decision_params(decision: Decision, power_before_w: float | None) -> dict[st
     return params
 
 
+@dataclass(slots=True)
+class Planned:
+    """A decision's action as it will be written: nothing in memory changes until its row
+    (and its command's) is stored (:meth:`ActionTracker.publish`)."""
+
+    decision: Decision
+    params: dict[str, Any]
+    key: tuple[str, int, str]
+    target: float | None
+    up: bool
+    domain: str | None
+    budget_w: float | None
+    power_before_w: float | None
+    now: float
+
+    def row(self, command_id: str | None, failed: str | None = None) -> dict[str, Any]:
+        """The action row's fields (:meth:`ActionService.create`'s arguments)."""
+        decision = self.decision
+        return {
+            "kind": action_kind(decision),
+            "target": f"{decision.node}:gpu{decision.gpu_index}",
+            "trigger": f"power:{decision.domain or '-'}:{decision.level.name.lower()}",
+            "params": {**self.params, "command_id": command_id},
+            "status": "failed" if failed else "pending",
+            "outcome": failed or "",
+            "created_unix_s": self.now,
+        }
+
+    def inserting(self, command: CommandState) -> Callable[[Connection], int]:
+        """The action row's insert, as a step of its command's transaction."""
+        return ActionService.inserting(**self.row(command.id))
+
+
+#: Level changes whose effect could not be written yet, kept for later ticks (oldest dropped).
+MAX_UNWRITTEN_EFFECTS = 64
+
+
 class ActionTracker:
+    """Write, then publish: each action's row, and each update of it, is stored before the
+    tracker's memory (targets sent, what is done) changes, so a write that fails is tried
+    again by a later tick and nothing is marked done that the database does not hold."""
+
     def __init__(self, actions: ActionService) -> None:
         self._actions = actions
         self.open: list[_Open] = []
         #: Last target sent per (node, GPU, knob); None = uncapped.
         self._targets: dict[tuple[str, int, str], float | None] = {}
+        #: Level changes not yet written onto every action they cover.
+        self._effects: list[tuple[ActuationEffect, DomainTree]] = []
 
-    async def record(
-        self,
-        decision: Decision,
-        command_id: str | None,
-        domain: DomainStatus | None,
-        now: float,
-        *,
-        failed: str | None = None,
-    ) -> None:
+    def plan(self, decision: Decision, domain: DomainStatus | None, now: float) -> Planned:
+        """The action of ``decision``; memory is not changed."""
         power_before_w = None if domain is None else domain.power_w
-        params = decision_params(decision, power_before_w)
         target = _target(decision)
         key = (decision.node, decision.gpu_index, decision.knob.value)
         previous = self._targets.get(key)
-        up = target is None or (previous is not None and target > previous)
-        if failed is None:
-            self._targets[key] = target
-        params["command_id"] = command_id
-        level = decision.level.name.lower()
-        action_id = await self._actions.create(
-            kind=action_kind(decision),
-            target=f"{decision.node}:gpu{decision.gpu_index}",
-            trigger=f"power:{decision.domain or '-'}:{level}",
-            params=params,
-            status="failed" if failed else "pending",
-            outcome=failed or "",
-            created_unix_s=now,
+        return Planned(
+            decision=decision,
+            params=decision_params(decision, power_before_w),
+            key=key,
+            target=target,
+            up=target is None or (previous is not None and target > previous),
+            domain=decision.domain,
+            budget_w=None if domain is None else domain.budget_w,
+            power_before_w=power_before_w,
+            now=now,
         )
-        if failed is None:
-            self.open.append(
-                _Open(
-                    action_id,
-                    decision.node,
-                    now,
-                    params,
-                    command_id,
-                    decision.domain,
-                    None if domain is None else domain.budget_w,
-                    power_before_w,
-                    up,
-                )
+
+    def publish(self, planned: Planned, action_id: int, command_id: str) -> None:
+        """The command and its action row are stored: track the action."""
+        self._targets[planned.key] = planned.target
+        self.open.append(
+            _Open(
+                action_id,
+                planned.decision.node,
+                planned.now,
+                {**planned.params, "command_id": command_id},
+                command_id,
+                planned.domain,
+                planned.budget_w,
+                planned.power_before_w,
+                planned.up,
             )
+        )
+
+    async def record_failed(self, planned: Planned, failed: str) -> None:
+        """A decision whose command could never be created: its ``failed`` row only."""
+        await self._actions.create(**planned.row(None, failed))
 
     async def on_statuses(self, statuses: Mapping[str, DomainStatus], now: float) -> None:
         """Power after: the first complete reading of the action's domain that moved."""
@@ -134,14 +175,15 @@ class ActionTracker:
             timed_out = now - entry.created_unix_s >= EFFECT_TIMEOUT_S
             if not ((st.complete and moved) or timed_out):
                 continue
-            entry.effect_done = True
             observed = st.complete and moved
-            entry.params.update(
-                power_after_w=round(st.power_w, 1),
-                effect_observed=observed,
-                reflected_after_s=round(now - entry.created_unix_s, 3) if observed else None,
-            )
-            await self._actions.update(entry.action_id, params=dict(entry.params))
+            params = {
+                **entry.params,
+                "power_after_w": round(st.power_w, 1),
+                "effect_observed": observed,
+                "reflected_after_s": round(now - entry.created_unix_s, 3) if observed else None,
+            }
+            await self._actions.update(entry.action_id, params=params)
+            entry.params, entry.effect_done = params, True
 
     async def on_commands(self, commands: Mapping[str, CommandState], now: float) -> None:
         """Finish actions whose command reached a final status."""
@@ -157,37 +199,53 @@ class ActionTracker:
                 status = "succeeded" if command.status == "succeeded" else "failed"
                 outcome = command.reason or command.status
                 done = command.finished_unix_s or now
-            entry.command_done = True
-            entry.params["command_status"] = command.status if command else "forgotten"
-            entry.params["command_latency_s"] = round(max(0.0, done - entry.created_unix_s), 3)
+            params = {
+                **entry.params,
+                "command_status": command.status if command else "forgotten",
+                "command_latency_s": round(max(0.0, done - entry.created_unix_s), 3),
+            }
             await self._actions.update(
                 entry.action_id,
-                params=dict(entry.params),
+                params=params,
                 status=status,
                 outcome=outcome[:2000],
                 finished_unix_s=done,
             )
+            entry.params, entry.command_done = params, True
         await self._forget(now)
 
     async def on_effects(self, effects: list[ActuationEffect], tree: DomainTree) -> None:
-        """Write each level change's effect onto the actions issued since it."""
-        for effect in effects:
+        """Write each level change's effect onto the actions issued since it; the policy
+        reports an effect once, so one not yet written everywhere is kept for later ticks."""
+        self._effects.extend((effect, tree) for effect in effects)
+        if len(self._effects) > MAX_UNWRITTEN_EFFECTS:
+            dropped = len(self._effects) - MAX_UNWRITTEN_EFFECTS
+            log.error(
+                "power level-change effects not written, dropped", extra={"fields": {"n": dropped}}
+            )
+            del self._effects[:dropped]
+        while self._effects:
+            effect, at = self._effects[0]
             for entry in self.open:
                 if entry.level_done or entry.created_unix_s < effect.started_s - 1e-6:
                     continue
-                if not _covers(tree, effect.domain, entry.node):
+                if not _covers(at, effect.domain, entry.node):
                     continue
-                entry.level_done = True
-                entry.params["level_change"] = {
-                    "domain": effect.domain,
-                    "from": effect.from_level.name,
-                    "to": effect.to_level.name,
-                    "power_before_w": round(effect.power_before_w, 1),
-                    "power_after_w": round(effect.power_after_w, 1),
-                    "observed": effect.observed,
-                    "latency_s": round(effect.latency_s, 3) if effect.observed else None,
+                params = {
+                    **entry.params,
+                    "level_change": {
+                        "domain": effect.domain,
+                        "from": effect.from_level.name,
+                        "to": effect.to_level.name,
+                        "power_before_w": round(effect.power_before_w, 1),
+                        "power_after_w": round(effect.power_after_w, 1),
+                        "observed": effect.observed,
+                        "latency_s": round(effect.latency_s, 3) if effect.observed else None,
+                    },
                 }
-                await self._actions.update(entry.action_id, params=dict(entry.params))
+                await self._actions.update(entry.action_id, params=params)
+                entry.params, entry.level_done = params, True
+            self._effects.pop(0)
 
     async def _forget(self, now: float) -> None:
         keep = []
@@ -219,4 +277,4 @@ def _covers(tree: DomainTree, domain: str, node: str) -> bool:
     return dom in server.ancestors() or dom.parent is server
 
 
-__all__ = ["ActionTracker", "action_kind", "decision_params"]
+__all__ = ["ActionTracker", "Planned", "action_kind", "decision_params"]
