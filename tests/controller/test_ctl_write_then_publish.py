@@ -19,6 +19,7 @@ import httpx
 from sqlalchemy import text
 
 from controller.db.session import make_engine
+from tests.traffic.fabrics import lab_fabric_file
 
 
 def _stored(db_url: str, sql: str, **params: Any) -> Any:
@@ -127,3 +128,75 @@ def test_power_cap_and_its_action_are_stored_together_or_not_at_all(
         assert [e.command_id for e in loop.tracker.open] == [command.id]
         assert list(loop.tracker._targets) == [("p1", 0, "clocks")]
         assert [c["id"] for c in report(client, 3).json()["commands"]] == [command.id]
+
+
+def test_slow_link_replan_and_its_action_are_stored_together_or_not_at_all(
+    controller_factory, db_url, ctl_db_outage, tmp_path
+) -> None:
+    """A NIC's port-down incident re-plans around the NIC's links; the new plan version,
+    the link states and the ``traffic_replan`` action are one transaction. The action row
+    refused, nothing of the re-plan is stored or shown (version, link states and the
+    fabric's health as before); the next change works."""
+    live = controller_factory(
+        topology_file=lab_fabric_file(tmp_path, "tf"), ingest_flush_interval_s=0.0
+    )
+    traffic = live.controller.traffic
+    nics = [{"device": "mlx5_0", "port": 1, "pci_bus_id": "0000:1a:00.0"}]
+
+    def report(client: httpx.Client, k: int, seq: int, events: list[Any] | None = None) -> None:
+        ranks = [2 * k, 2 * k + 1]
+        steps = [
+            {"job": "llm", "rank": r, "world_size": 8, "step": seq, "compute_time_s": 1.0,
+             "collective_wait_s": 0.05, "step_time_s": 1.05, "gpu_index": i}
+            for i, r in enumerate(ranks)
+        ]  # fmt: skip
+        now = time.time()
+        gpus = [{"index": i, "uuid": f"tf-{k}-g{i}"} for i in (0, 1)]
+        body = {
+            "node": {"name": f"tf-{k}", "gpus": gpus, "nics": nics},
+            "agent_instance": "i1", "seq": seq, "sent_unix_s": now,
+            "job": {"steps": steps},
+            "samples": [{"time_unix_s": now, "gpus": [], "events": events or []}],
+        }  # fmt: skip
+        r = client.post("/api/v1/reports", json=body, headers=live.headers("agent"))
+        assert r.status_code == 200, r.text
+
+    def stored(sql: str) -> int:
+        return int(_stored(db_url, sql))
+
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        for k in range(4):
+            report(client, k, 0)
+        r = client.post(
+            "/api/v1/plans", json={"job": "llm", "layout": {"tp": 1}}, headers=live.headers()
+        )
+        assert r.status_code == 201, r.text
+        plan_id = r.json()["plan_id"]
+
+        def version_shown() -> int:
+            got = client.get(f"/api/v1/plans/{plan_id}", headers=live.headers())
+            return int(got.json()["version"])
+
+        versions_sql = f"SELECT max(version) FROM traffic_plans WHERE plan_id = '{plan_id}'"
+        actions_sql = "SELECT count(*) FROM actions WHERE kind = 'traffic_replan'"
+        health = traffic.topology.health.copy()
+        ctl_db_outage.arm(r"^\s*INSERT INTO actions")
+        port_down = {"kind": "nic_port_down", "time_unix_s": time.time(), "device": "mlx5_0",
+                     "port": 1, "detail": "link_downed +3"}  # fmt: skip
+        report(client, 3, 1, events=[port_down])
+        _wait(lambda: ctl_db_outage.hits >= 2)  # the re-plan, then its "failed" record
+        time.sleep(0.2)
+        assert version_shown() == stored(versions_sql) == 1
+        assert stored("SELECT count(*) FROM traffic_links") == 0 and stored(actions_sql) == 0
+        assert traffic.link_factors == {} and (traffic.topology.health == health).all()
+        incidents = client.get("/api/v1/incidents?kind=hw_degraded", headers=live.headers())
+        assert [i["node"] for i in incidents.json()["data"]] == ["tf-3"]  # found, not acted on
+
+        ctl_db_outage.disarm()
+        r = client.post(
+            "/api/v1/topology/links/tf-3/nic0/p0->tor-b/state",
+            json={"state": "slow", "capacity_factor": 0.25},
+            headers=live.headers(),
+        )
+        assert r.status_code == 200, r.text
+        assert version_shown() == stored(versions_sql) == 2

@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,8 +209,18 @@ class TrafficService:
             self.plans[plan.plan_id] = live
             return plan.plan_id
 
-    async def set_links(self, changes: list[tuple[str, float]], *, reason: str) -> dict[str, Any]:
-        """Mark links (factor 0 down, 1 up, between slow); re-plan the plans that use them."""
+    async def set_links(
+        self,
+        changes: list[tuple[str, float]],
+        *,
+        reason: str,
+        audit: Callable[[dict[str, Any]], Callable[[Connection], object]] | None = None,
+    ) -> dict[str, Any]:
+        """Mark links (factor 0 down, 1 up, between slow); re-plan the plans that use them.
+
+        ``audit`` makes, from the result, a step (an action row) written in the same
+        transaction as the new versions and link states: a re-plan is never shown, nor
+        stored, without its record."""
         await self.refresh_fabric()
         topo = self.need_topology()
         resolved: list[tuple[str, list[int]]] = []
@@ -226,7 +237,9 @@ class TrafficService:
                     self._replan_all, changes, [i for _, ids in resolved for i in ids]
                 )
                 replan_ms = (time.perf_counter() - t0) * 1e3
-                await self._commit_versions(new, changes, reason)
+                result = _links_result(changes, new, replan_ms)
+                also = None if audit is None else audit(result)
+                await self._commit_versions(new, changes, reason, also)
             except BaseException as exc:
                 # Nothing was stored: the fabric goes back to what the plans were made for.
                 for factor in np.unique(before):
@@ -247,24 +260,17 @@ class TrafficService:
                 }
             },
         )
-        return {
-            "links": [{"link": link, "capacity_factor": f} for link, f in changes],
-            "replan_ms": replan_ms,
-            "plans": [
-                {
-                    "plan_id": p.plan_id,
-                    "job": p.job.name,
-                    "version": p.version,
-                    "moved_flows": p.moved_flows,
-                }
-                for _, p, _, _ in new
-            ],
-        }
+        return result
 
     async def _commit_versions(
-        self, new: list[_Replanned], changes: list[tuple[str, float]], reason: str
+        self,
+        new: list[_Replanned],
+        changes: list[tuple[str, float]],
+        reason: str,
+        also: Callable[[Connection], object] | None = None,
     ) -> None:
-        """Store every new version and the link states in one transaction, then show them."""
+        """Store every new version, the link states (and ``also``'s row) in one transaction,
+        then show them."""
         now = time.time()
         docs = [
             records.to_document(
@@ -280,6 +286,8 @@ class TrafficService:
         def write(conn: Connection) -> None:
             _insert_versions(conn, docs)
             repo.upsert_links(conn, link_rows)
+            if also is not None:
+                also(conn)
 
         await self._store.write(write)
         for (live, plan, sports, _), doc in zip(new, docs, strict=True):
@@ -406,6 +414,25 @@ def _read_all(session: Session) -> tuple[list[tuple[str, float, str]], list[dict
     ]
     docs = [row.document for row in session.scalars(select(TrafficPlanVersion))]
     return links, docs
+
+
+def _links_result(
+    changes: list[tuple[str, float]], new: list[_Replanned], replan_ms: float
+) -> dict[str, Any]:
+    """What a link change answers (and its audit row records)."""
+    return {
+        "links": [{"link": link, "capacity_factor": f} for link, f in changes],
+        "replan_ms": replan_ms,
+        "plans": [
+            {
+                "plan_id": p.plan_id,
+                "job": p.job.name,
+                "version": p.version,
+                "moved_flows": p.moved_flows,
+            }
+            for _, p, _, _ in new
+        ],
+    }
 
 
 __all__ = ["Layout", "LivePlan", "TrafficService", "build_traffic", "load_fabric"]

@@ -5,7 +5,7 @@ of :class:`~controller.services.events.IncidentOpened` maps the pairs to links
 (:func:`.placement.slow_link_suspects`), marks them slow at the measured bandwidth ratio and
 re-plans through the service, off the detector's path (in its own event-bus task). Each
 outcome, good or bad, is recorded as a ``traffic_replan`` action so an operator can see what
-was done and why.
+was done and why; a re-plan's action row is written in the re-plan's own transaction.
 
 NIC evidence counts too: a ``slow_link`` or ``comm_slow`` incident whose evidence names NICs
 with recent errors or flaps (``evidence["nic"]``, from
@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from sqlalchemy import Connection
 
 from controller.logic.detection.nic_evidence import NicPort, device_order
 from controller.logic.traffic.nic_links import (
@@ -120,20 +122,32 @@ class SlowLinkReaction:
                     extra={"fields": {"incident": incident.id, "job": incident.job}},
                 )
                 return
-            result = await self._service.set_links(changes, reason=trigger)
+            parts = (
+                [f"marked {len(links)} link(s) slow at {factor:.2f} of capacity"] if links else []
+            )
+            if nic_links:
+                parts.append(f"{len(nic_links)} link(s) of suspect NICs degraded")
+
+            def audit(result: dict[str, Any]) -> Callable[[Connection], int]:
+                # Written with the new versions and link states: one transaction.
+                moved = sum(p["moved_flows"] for p in result["plans"])
+                return self._actions.inserting(
+                    kind="traffic_replan",
+                    target=f"job:{incident.job}",
+                    trigger=trigger,
+                    params=result,
+                    status="succeeded",
+                    outcome=(
+                        f"{' and '.join(parts)}; re-planned {len(result['plans'])} plan(s), "
+                        f"{moved} flow(s) moved in {result['replan_ms']:.1f} ms"
+                    ),
+                )
+
+            await self._service.set_links(changes, reason=trigger, audit=audit)
         except Exception as exc:
+            # Nothing of the re-plan was stored or shown (a database failure included).
             log.exception("slow-link re-plan failed", extra={"fields": {"incident": incident.id}})
             await self._record(incident, trigger, {}, "failed", f"{type(exc).__name__}: {exc}")
-            return
-        moved = sum(p["moved_flows"] for p in result["plans"])
-        parts = [f"marked {len(links)} link(s) slow at {factor:.2f} of capacity"] if links else []
-        if nic_links:
-            parts.append(f"{len(nic_links)} link(s) of suspect NICs degraded")
-        outcome = (
-            f"{' and '.join(parts)}; re-planned {len(result['plans'])} plan(s), "
-            f"{moved} flow(s) moved in {result['replan_ms']:.1f} ms"
-        )
-        await self._record(incident, trigger, result, "succeeded", outcome)
 
     async def _record(
         self,
