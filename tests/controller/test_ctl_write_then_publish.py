@@ -121,6 +121,7 @@ def test_power_cap_and_its_action_are_stored_together_or_not_at_all(
 
         ctl_db_outage.disarm()
         _wait(lambda: stored(actions_sql) == 1)
+        _wait(lambda: any(c.node == "p1" for c in state.commands.values()))
         (command,) = [c for c in state.commands.values() if c.node == "p1"]
         assert stored(commands_sql) == 1
         params = _stored(db_url, "SELECT params FROM actions WHERE kind = 'power_cap'")
@@ -128,6 +129,56 @@ def test_power_cap_and_its_action_are_stored_together_or_not_at_all(
         assert [e.command_id for e in loop.tracker.open] == [command.id]
         assert list(loop.tracker._targets) == [("p1", 0, "clocks")]
         assert [c["id"] for c in report(client, 3).json()["commands"]] == [command.id]
+
+
+def test_power_action_update_that_fails_is_written_at_a_later_tick(
+    controller_factory, db_url, ctl_report, ctl_db_outage
+) -> None:
+    """The cap's ack finishes its action: the update refused, the loop does not mark the
+    action finished (the row still says ``pending``), and a later tick writes it, with no
+    new report."""
+    live = controller_factory(power_tick_interval_s=0.1, ingest_flush_interval_s=0.0)
+    loop = live.controller.power.loop
+    state = live.controller.state
+    tree = {
+        "name": "row-a",
+        "kind": "row",
+        "budget_w": 250,
+        "children": [{"name": "p2", "kind": "server", "budget_w": 10_000}],
+    }
+
+    def report(client: httpx.Client, seq: int, **extra: Any) -> httpx.Response:
+        body = ctl_report("p2", seq, gpus=1, samples=1, t0=time.time(), **extra)
+        r = client.post("/api/v1/reports", json=body, headers=live.headers("agent"))
+        assert r.status_code == 200, r.text
+        return r
+
+    def status() -> Any:
+        return _stored(db_url, "SELECT status FROM actions WHERE kind = 'power_cap'")
+
+    with httpx.Client(base_url=live.url, timeout=20) as client:
+        report(client, 0)
+        r = client.put("/api/v1/power/domains", json=tree, headers=live.headers())
+        assert r.status_code == 200, r.text
+        report(client, 1)
+        _wait(lambda: status() == "pending")
+        _wait(lambda: any(e.node == "p2" for e in loop.tracker.open))
+        (entry,) = loop.tracker.open
+        command = state.commands[str(entry.command_id)]
+
+        ctl_db_outage.arm(r"^\s*UPDATE actions")
+        ack = {"command_id": command.id, "status": "succeeded", "finished_unix_s": time.time()}
+        report(client, 3, command_acks=[ack])
+        _wait(lambda: ctl_db_outage.hits >= 1)
+        time.sleep(0.3)  # several ticks
+        assert state.commands[command.id].status == "succeeded"
+        assert status() == "pending" and not entry.command_done
+        _wait(lambda: ctl_db_outage.hits >= 2)  # tried again
+        ctl_db_outage.disarm()
+        _wait(lambda: status() == "succeeded")  # a later tick; no new report
+        _wait(lambda: entry.command_done)
+        params = _stored(db_url, "SELECT params FROM actions WHERE kind = 'power_cap'")
+        assert "command_latency_s" in str(params)
 
 
 def test_slow_link_replan_and_its_action_are_stored_together_or_not_at_all(
