@@ -11,6 +11,7 @@ database, and once the database answers again the next report or tick stores the
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,20 @@ def _stored(db_url: str, sql: str, **params: Any) -> Any:
             return conn.execute(text(sql), params).scalar()
     finally:
         engine.dispose()
+
+
+def _rows(db_url: str, sql: str) -> list[Any]:
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return [row[0] for row in conn.execute(text(sql))]
+    finally:
+        engine.dispose()
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    """A JSON column as read back (a dict on PostgreSQL, text on SQLite)."""
+    return dict(json.loads(value) if isinstance(value, str) else value)
 
 
 def _wait(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
@@ -83,19 +98,21 @@ def test_power_cap_and_its_action_are_stored_together_or_not_at_all(
     """A cap the power policy decides is one transaction: its command and its
     ``power_cap`` action row. The action row refused, no command is queued, stored or
     delivered and the loop tracks no target; the next tick decides again and, once the
-    database answers, stores both and the agent's next reply carries the command."""
+    database answers, stores both and the agent's next reply carries the commands. Two
+    GPUs to cap: the second, not tried once the first found the database away, is
+    withdrawn from the policy too and sent later."""
     live = controller_factory(power_tick_interval_s=0.1, ingest_flush_interval_s=0.0)
     loop = live.controller.power.loop
     state = live.controller.state
     tree = {
         "name": "row-a",
         "kind": "row",
-        "budget_w": 250,  # one GPU at ~300 W: past the brake, every GPU is capped
+        "budget_w": 500,  # two GPUs at ~300 W: past the brake, every GPU is capped
         "children": [{"name": "p1", "kind": "server", "budget_w": 10_000}],
     }
 
     def report(client: httpx.Client, seq: int) -> httpx.Response:
-        body = ctl_report("p1", seq, gpus=1, samples=1, t0=time.time())
+        body = ctl_report("p1", seq, gpus=2, samples=1, t0=time.time())
         r = client.post("/api/v1/reports", json=body, headers=live.headers("agent"))
         assert r.status_code == 200, r.text
         return r
@@ -120,15 +137,15 @@ def test_power_cap_and_its_action_are_stored_together_or_not_at_all(
         assert report(client, 2).json()["commands"] == []  # nothing delivered
 
         ctl_db_outage.disarm()
-        _wait(lambda: stored(actions_sql) == 1)
-        _wait(lambda: any(c.node == "p1" for c in state.commands.values()))
-        (command,) = [c for c in state.commands.values() if c.node == "p1"]
-        assert stored(commands_sql) == 1
-        params = _stored(db_url, "SELECT params FROM actions WHERE kind = 'power_cap'")
-        assert command.id in str(params)
-        assert [e.command_id for e in loop.tracker.open] == [command.id]
-        assert list(loop.tracker._targets) == [("p1", 0, "clocks")]
-        assert [c["id"] for c in report(client, 3).json()["commands"]] == [command.id]
+        _wait(lambda: stored(actions_sql) == 2)
+        _wait(lambda: len([c for c in state.commands.values() if c.node == "p1"]) == 2)
+        ids = {c.id for c in state.commands.values() if c.node == "p1"}
+        assert stored(commands_sql) == 2
+        params = _rows(db_url, "SELECT params FROM actions WHERE kind = 'power_cap'")
+        assert {_as_dict(p)["command_id"] for p in params} == ids
+        assert {e.command_id for e in loop.tracker.open} == ids
+        assert sorted(loop.tracker._targets) == [("p1", 0, "clocks"), ("p1", 1, "clocks")]
+        assert {c["id"] for c in report(client, 3).json()["commands"]} == ids
 
 
 def test_power_action_update_that_fails_is_written_at_a_later_tick(

@@ -214,9 +214,17 @@ class PowerLoop:
         result = policy.tick(now, readings, gpus, acks)
         self.last = result.domains
         self.last_tick_unix_s = now
-        for decision in result.decisions:
+        for i, decision in enumerate(result.decisions):
             dom = result.domains.get(decision.domain) if decision.domain is not None else None
-            await self._send(policy, decision, dom, now)
+            if not await self._send(policy, decision, dom, now):
+                # The database is away: don't try each of the others in turn this tick.
+                for later in result.decisions[i + 1 :]:
+                    policy.withdraw(later.command.id)
+                log.warning(
+                    "power commands not stored (database unavailable); decided again next tick",
+                    extra={"fields": {"commands": len(result.decisions) - i}},
+                )
+                break
         for incident in result.incidents:
             await self._open_incident(incident)
         await self._resolve_recovered(result.domains)
@@ -230,8 +238,9 @@ class PowerLoop:
 
     async def _send(
         self, policy: PowerPolicy, decision: Decision, dom: DomainStatus | None, now: float
-    ) -> None:
-        """Queue a decision's command with its action row (one transaction), then track it.
+    ) -> bool:
+        """Queue a decision's command with its action row (one transaction), then track it;
+        False when the database is away.
 
         The database away: nothing is queued, stored or tracked, and the policy forgets the
         command, so the next tick decides again. A command that can never be created (a
@@ -244,12 +253,8 @@ class PowerLoop:
             )
         except TemporaryError as exc:
             policy.withdraw(decision.command.id)
-            log.warning(
-                "power command and its action not stored; decided again next tick",
-                extra={"fields": {"node": decision.node, "gpu": decision.gpu_index}},
-            )
             log.debug("power command not stored: %s", exc)
-            return
+            return False
         except ControllerError as exc:
             self._unsent.append(
                 wire.CommandAck(
@@ -263,10 +268,11 @@ class PowerLoop:
                 await self.tracker.record_failed(planned, str(exc))
             except TemporaryError:
                 log.warning("failed power action not recorded (database unavailable)")
-            return
+            return True
         assert action_id is not None
         self._policy_ids[command.id] = decision.command.id
         self.tracker.publish(planned, action_id, command.id)
+        return True
 
     def _acks(self, now: float) -> list[wire.CommandAck]:
         """Final statuses of our commands, as the acks the policy understands."""
