@@ -369,7 +369,7 @@ def test_a_poisoned_gradient_is_traced_to_the_rank_that_produced_it(
     assert [(f.kind, f.ranks, f.nodes) for f in found] == [
         (FindingKind.NONFINITE, (2,), ("node-1",))
     ]
-    assert found[0].evidence["step"] == 5 and found[0].evidence["nonfinite_ranks"] == [2]
+    assert found[0].evidence.step == 5 and found[0].evidence.nonfinite_ranks == [2]
 
 
 def test_a_rank_killed_from_outside_is_named_not_its_survivors(
@@ -436,4 +436,4 @@ def test_a_rank_killed_from_outside_is_named_not_its_survivors(
     # after that is folded in silently (the finding is not re-issued), so the evidence
     # lists exactly the survivors whose failures had arrived by then: at least one.
     assert failed_before and set(failed_before) <= {0, 2}
-    assert found[0].evidence["collateral_ranks"] == sorted(set(failed_before))
+    assert found[0].evidence.collateral_ranks == sorted(set(failed_before))

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import re
 import secrets
+import threading
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from controller.actuators.base import Placement
+from controller.actuators.base import ActuatorError, Placement
 from controller.services.incidents import IncidentSpec
 from tests.remediation.recording import RecordingActuator
 from tests.waiting import wait_for
@@ -561,3 +562,63 @@ def test_checkpoint_freshness_is_exported_for_the_not_durable_alert(controller_f
         "trainguard_job_checkpoint_interval_seconds": 240.0,
         "trainguard_job_last_step_timestamp_seconds": t0 + 250.0,
     }
+
+
+def shown_state(live: Any, incident: int) -> str:
+    resp = httpx.get(
+        f"{live.url}/api/v1/incidents/{incident}", headers=live.headers("viewer"), timeout=10
+    )
+    return str(resp.json()["state"])
+
+
+class GatedActuator(RecordingActuator):
+    """A restart that waits for the test (the remediation stays busy) and then succeeds or
+    fails (an API server refusing it)."""
+
+    def __init__(self, *args: Any, succeed: bool, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gate = threading.Event()
+        self.succeed = succeed
+
+    async def restart_job(self, placement: Placement, *, reason: str) -> Any:
+        await asyncio.to_thread(self.gate.wait, 30)
+        if not self.succeed:
+            raise ActuatorError("the API server refused the restart")
+        return await super().restart_job(placement, reason=reason)
+
+
+@pytest.mark.parametrize("restarted", [True, False], ids=["restarted", "restart-failed"])
+def test_an_incident_raised_during_a_remediation_is_absorbed_only_by_a_real_restart(  # type: ignore[no-untyped-def]
+    controller_factory, tmp_path, restarted
+) -> None:
+    """A straggler that opens while another remediation of its job runs is that remediation's
+    consequence only if the job was restarted; after a restart that failed, the job runs on
+    as it was and the straggler (which its detector will not raise twice) is acted on."""
+    policy = "rules:\n  - {kind: hang, steps: [restart]}\n  - {kind: '*', steps: [alert]}\n"
+    live = controller_factory(policy_file=policy_file(tmp_path, policy))
+    agents = Agents(live)
+    for i in range(3):
+        agents.report(f"n{i}")
+    actuator = GatedActuator(
+        placements={"gpt": Placement(job="gpt", nodes=("n0", "n1"), ranks_per_node=2)},
+        pools={"gpt": ["n0", "n1", "n2"]},
+        succeed=restarted,
+    )
+    live.controller.remediation.actuator = actuator
+    hang = open_incident(live, "hang", severity="critical")
+    wait_for(lambda: any(a["kind"] == "restart_job" for a in of(live, hang)))
+    straggler = open_incident(live, "straggler", node="n1", evidence={"slowdown_pct": 25.0})
+    time.sleep(1.5)  # engine ticks while the restart is held: nothing decided for it yet
+    assert of(live, straggler) == []
+    assert shown_state(live, straggler) == "open"
+    actuator.gate.set()
+    if restarted:
+        wait_for(lambda: shown_state(live, straggler) == "resolved")
+        assert live.controller.remediation.decided[straggler] == "absorbed"
+        assert of(live, straggler) == []
+    else:
+        alert = wait_for(lambda: of(live, straggler))
+        assert [(a["kind"], a["status"]) for a in alert] == [("alert", "succeeded")]
+        assert shown_state(live, straggler) == "open"
+        restart = [a for a in of(live, hang) if a["kind"] == "restart_job"]
+        assert restart[0]["status"] == "failed"

@@ -303,18 +303,28 @@ class RemediationEngine:
             confirmed = True  # a second signal just agreed: fresh evidence
         jobs = self._jobs_of(incident)
         # A job's own incidents raised while trainguard restarts it (ranks stopped, peers
-        # timing out) are consequences of that restart; hardware faults never are.
+        # timing out) are consequences of that restart; hardware faults never are. Only a
+        # restart that happened absorbs: a remediation that checkpointed and then could not
+        # restart left the job running as it was, so what opened meanwhile (a straggler the
+        # detector will not raise twice) is looked at on its own once that remediation ends.
         absorbable = incident.job is not None and incident.kind not in HARDWARE_KINDS
         for job in jobs:
             book = self.book(job)
             busy = book.running or book.awaiting_resume
             if busy is not None:
-                if absorbable and incident.opened_unix_s >= busy.started_unix_s:
+                restarted = busy.restarted_unix_s is not None
+                if absorbable and restarted and incident.opened_unix_s >= busy.started_unix_s:
                     await self._absorb(incident, busy)
                 return  # wait until the job's current remediation is over
             since = book.last_remediation_unix_s
+            restarted = (
+                since is not None
+                and book.last_restart_unix_s is not None
+                and book.last_restart_unix_s >= since
+            )
             settled = (book.resumed_unix_s or since or 0.0) + policy.guards.settle_s
-            if absorbable and since is not None and since <= incident.opened_unix_s < settled:
+            opened_then = since is not None and since <= incident.opened_unix_s < settled
+            if absorbable and restarted and opened_then:
                 await self._absorb(incident, None)
                 return
         reason = None if confirmed else guards.stale(incident.updated_unix_s, now, policy.guards)
