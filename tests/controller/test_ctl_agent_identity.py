@@ -11,25 +11,15 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import text
 
-from controller.db.session import make_engine
 from controller.settings import ControllerSettings
+from tests.controller.db_reads import stored as _stored
 
 REPORTS = "/api/v1/reports"
 
 
 def _bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
-
-
-def _stored(db_url: str, sql: str, **params: Any) -> Any:
-    engine = make_engine(db_url)
-    try:
-        with engine.connect() as conn:
-            return conn.execute(text(sql), params).scalar()
-    finally:
-        engine.dispose()
 
 
 def _revocations(client: httpx.Client, live: Any) -> list[dict[str, Any]]:

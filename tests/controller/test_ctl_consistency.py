@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import text
 
 from controller.db.session import make_engine
+from tests.controller.db_reads import stored as _stored
 
 
 def _refuse(db_url: str, table: str, column: str, value: str) -> None:
@@ -40,15 +41,6 @@ def _refuse(db_url: str, table: str, column: str, value: str) -> None:
                         f"(strpos(coalesce({column}, ''), '{value}') = 0) NOT VALID"
                     )
                 )
-    finally:
-        engine.dispose()
-
-
-def _stored(db_url: str, sql: str, **params: Any) -> Any:
-    engine = make_engine(db_url)
-    try:
-        with engine.connect() as conn:
-            return conn.execute(text(sql), params).scalar()
     finally:
         engine.dispose()
 

@@ -16,24 +16,14 @@ import time
 from typing import Any
 
 import httpx
-from sqlalchemy import text
 
 from controller.actuators.base import Placement
-from controller.db.session import make_engine
+from tests.controller.db_reads import stored_rows as _stored
 from tests.remediation.recording import RecordingActuator
 from tests.waiting import wait_for
 
 NODE_WRITE = r"^\s*UPDATE nodes SET isolated_reason"
 ACTION_INSERT = r"^\s*INSERT INTO actions"
-
-
-def _stored(db_url: str, sql: str, **params: Any) -> Any:
-    engine = make_engine(db_url)
-    try:
-        with engine.connect() as conn:
-            return conn.execute(text(sql), params).all()
-    finally:
-        engine.dispose()
 
 
 def _report(client: httpx.Client, live: Any, node: str, seq: int, xid: int | None = None) -> None:

@@ -17,28 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import text
 
 from controller.db.session import make_engine
+from tests.controller.db_reads import stored as _stored
+from tests.controller.db_reads import stored_rows as _rows
 from tests.traffic.fabrics import lab_fabric_file
-
-
-def _stored(db_url: str, sql: str, **params: Any) -> Any:
-    engine = make_engine(db_url)
-    try:
-        with engine.connect() as conn:
-            return conn.execute(text(sql), params).scalar()
-    finally:
-        engine.dispose()
-
-
-def _rows(db_url: str, sql: str) -> list[tuple[Any, ...]]:
-    engine = make_engine(db_url)
-    try:
-        with engine.connect() as conn:
-            return [tuple(row) for row in conn.execute(text(sql))]
-    finally:
-        engine.dispose()
 
 
 def _post(client: httpx.Client, live: Any, path: str, body: Any, role: str = "operator") -> Any:

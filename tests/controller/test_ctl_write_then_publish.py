@@ -17,28 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-from sqlalchemy import text
 
-from controller.db.session import make_engine
+from tests.controller.db_reads import stored as _stored
+from tests.controller.db_reads import stored_column as _rows
 from tests.traffic.fabrics import lab_fabric_file
-
-
-def _stored(db_url: str, sql: str, **params: Any) -> Any:
-    engine = make_engine(db_url)
-    try:
-        with engine.connect() as conn:
-            return conn.execute(text(sql), params).scalar()
-    finally:
-        engine.dispose()
-
-
-def _rows(db_url: str, sql: str) -> list[Any]:
-    engine = make_engine(db_url)
-    try:
-        with engine.connect() as conn:
-            return [row[0] for row in conn.execute(text(sql))]
-    finally:
-        engine.dispose()
 
 
 def _as_dict(value: Any) -> dict[str, Any]:
