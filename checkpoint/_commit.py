@@ -258,10 +258,11 @@ def apply_part_retention(root: Path, rank: int, *, keep_last: int, newest: int) 
     Returns the steps whose files were deleted."""
     keep_last = max(1, keep_last)
     mine = rank_manifest_name(rank)
-    durable = [s for s, path in step_dirs(root) if s <= newest and (path / mine).is_file()]
+    dirs = step_dirs(root)
+    durable = [s for s, path in dirs if s <= newest and (path / mine).is_file()]
     keep = set(durable[-keep_last:]) | {newest}
     deleted = []
-    for step, path in step_dirs(root):
+    for step, path in dirs:
         if step in keep or step > newest:
             continue
         own = [path / mine, path / rank_data_name(rank)]

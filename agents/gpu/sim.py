@@ -251,9 +251,10 @@ class SimNvml(SimEventsMixin):
 
     def _slowdown(self, index: int, t_s: float) -> tuple[int | None, int]:
         """The clock cap and reason bits of the due ``slowdown`` faults."""
-        caps = [f.value("mhz") for f in self._due("slowdown", index, t_s) if f.value("mhz") > 0]
+        due = self._due("slowdown", index, t_s)
+        caps = [f.value("mhz") for f in due if f.value("mhz") > 0]
         mask = 0
-        for f in self._due("slowdown", index, t_s):
+        for f in due:
             if f.value("hw"):
                 mask |= pynvml.nvmlClocksEventReasonHwSlowdown
             if f.value("brake"):
