@@ -478,3 +478,20 @@ def test_a_growing_straggler_refreshes_its_open_incident() -> None:
     assert run_steps(trackers, 60, 80, world=8, compute={5: 1.45}, jitter=0.02) == []
     again = run_steps(trackers, 80, 150, world=8, compute={5: 1.45}, jitter=0.02)
     assert again and all(f.refresh for f in again)
+
+
+def test_an_open_straggler_explains_a_job_wide_wait_rise() -> None:
+    """Where ranks are coupled beyond one collective (pipeline stages), a straggler's delay
+    reaches every rank's wait, its own included: it stops looking like a candidate (it no
+    longer waits less than its peers) while still slow. The rise is its doing, not a slow
+    link, so no ``comm_slow`` opens while it stays open."""
+    trackers = JobTrackers()
+    found = run_steps(trackers, 0, 50, world=8, jitter=0.05)
+    found += run_steps(trackers, 50, 80, world=8, compute={5: 1.4}, jitter=0.05)
+    assert [(f.kind, f.ranks) for f in found if not f.refresh] == [(FindingKind.STRAGGLER, (5,))]
+    for step in range(80, 110):
+        rows = step_records(step, 8, compute={5: 1.4}, jitter=0.05)
+        wait = 0.1 + max(r.compute_time_s for r in rows) - rows[5].compute_time_s + 0.3
+        feed(trackers, [r.model_copy(update={"collective_wait_s": wait}) for r in rows])
+        found += trackers.evaluate(float(step))
+    assert [f.kind for f in found if not f.refresh] == [FindingKind.STRAGGLER]

@@ -8,7 +8,8 @@ unmoved by compute jitter, heavy-tailed spikes or several stragglers on other ra
 The detector keeps a reference window of that time from healthy steps and a short recent
 window. It calls the job slow when the recent median exceeds the reference by
 ``comm_slow_factor`` *and* by ``straggler_z`` standard errors of the reference noise (so
-jittery jobs need a bigger rise), with no straggler candidate to explain the rise, for
+jittery jobs need a bigger rise), with no straggler (a candidate this step or one still
+open) to explain the rise, for
 ``straggler_confirm_steps`` steps in a row. Recovery needs the recent median back within
 half the factor for as many steps.
 """

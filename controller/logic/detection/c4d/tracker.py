@@ -250,7 +250,12 @@ class JobTracker:
             self._straggler_reported.pop(rank, None)
         out.extend(self._straggler_refreshes(now_s))
         out.extend(
-            self._comm_slow(verdict.flagged, verdict.comm_wait_s, verdict.median_step_s, now_s)
+            self._comm_slow(
+                verdict.flagged | self.stragglers.open_ranks,
+                verdict.comm_wait_s,
+                verdict.median_step_s,
+                now_s,
+            )
         )
         recovered = self.nonfinite.compared(rows)
         if recovered is not None:
@@ -301,6 +306,9 @@ class JobTracker:
     def _comm_slow(
         self, flagged: set[int], wait_s: float, step_s: float, now_s: float
     ) -> list[Finding]:
+        # An open straggler explains a rise as well as a candidate does: where ranks are
+        # coupled beyond one collective (pipeline stages), its delay reaches every rank's
+        # wait, its own included, so it can drop out of the candidates while still slow.
         change = self.comm.add(wait_s, step_s, straggler_candidates=bool(flagged), now_s=now_s)
         key = f"comm_slow:{self.job}"
         if change == "resolved":
