@@ -50,6 +50,7 @@ from typing import IO, Any
 import pynvml
 
 from agents.preflight import Check
+from agents.sampler import ClockEventReasons
 from trainguard.wire import GpuInfo, GpuSample, decode_throttle_reasons
 
 log = logging.getLogger(__name__)
@@ -177,14 +178,7 @@ class _Sampler(threading.Thread):
         self._runs = runs
         self._interval_s = interval_s
         self.stop = threading.Event()
-
-    def _reasons(self, handle: Any) -> int:
-        try:
-            return int(self._api.nvmlDeviceGetCurrentClocksEventReasons(handle))
-        except pynvml.NVMLError as exc:
-            if exc.value != pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
-                raise
-            return int(self._api.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
+        self._reasons = ClockEventReasons(api)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -195,7 +189,7 @@ class _Sampler(threading.Thread):
                 try:
                     sample = _Sample(
                         sm_clock_mhz=int(self._api.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
-                        reasons=self._reasons(h),
+                        reasons=int(self._reasons.read(h)),
                         utilization_pct=int(self._api.nvmlDeviceGetUtilizationRates(h).gpu),
                     )
                 except pynvml.NVMLError as exc:

@@ -143,7 +143,7 @@ class GpuSampler:
         self._on_lost = on_lost
         self._gpus: list[_Gpu] = []
         self._warned: set[tuple[int, str, int]] = set()
-        self._use_throttle_name = False
+        self._reasons = ClockEventReasons(api)
         self.lost: set[int] = set()
 
     # ------------------------------------------------------------------ discovery
@@ -375,7 +375,7 @@ class GpuSampler:
         mem = ask(gpu, "memory clock", api.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM)
         util = ask(gpu, "utilization", api.nvmlDeviceGetUtilizationRates, h)
         memory = ask(gpu, "memory", api.nvmlDeviceGetMemoryInfo, h)
-        mask = self._throttle_mask(gpu)
+        mask = ask(gpu, "throttle reasons", self._reasons.read, h)
         mask = int(mask or 0) & 0xFFFF_FFFF_FFFF_FFFF
         ecc = {
             kind: ask(
@@ -430,20 +430,26 @@ class GpuSampler:
             error=gpu.error,
         )
 
-    def _throttle_mask(self, gpu: _Gpu) -> Any:
-        """Clock-event reasons; drivers before r535 only have the older "throttle" name."""
-        if not self._use_throttle_name:
+
+class ClockEventReasons:
+    """Reads a GPU's clock-event reasons mask (``nvmlDeviceGetCurrentClocksEventReasons``);
+    drivers before r535 only have the older "throttle" name, which is asked instead from the
+    first time the new one is missing. Any other NVML error is the caller's."""
+
+    def __init__(self, api: Any) -> None:
+        self._api = api
+        #: The driver has no ``...ClocksEventReasons``: only ``...ThrottleReasons`` is asked.
+        self.uses_throttle_name = False
+
+    def read(self, handle: Any) -> Any:
+        if not self.uses_throttle_name:
             try:
-                return self._api.nvmlDeviceGetCurrentClocksEventReasons(gpu.handle)
+                return self._api.nvmlDeviceGetCurrentClocksEventReasons(handle)
             except pynvml.NVMLError as exc:
                 if exc.value != pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
-                    if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
-                        raise GpuLostError from None
-                    return self._ask(gpu, "throttle reasons", _raise, exc)
-                self._use_throttle_name = True
-        return self._ask(
-            gpu, "throttle reasons", self._api.nvmlDeviceGetCurrentClocksThrottleReasons, gpu.handle
-        )
+                    raise
+                self.uses_throttle_name = True
+        return self._api.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
 
 
 def _describe(exc: BaseException) -> str:
@@ -451,12 +457,8 @@ def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, pynvml.NVMLError) else repr(exc)
 
 
-def _raise(exc: Exception) -> None:
-    raise exc
-
-
 def _int_or_none(value: Any) -> int | None:
     return int(value) if value is not None else None
 
 
-__all__ = ["GpuLostError", "GpuSampler"]
+__all__ = ["ClockEventReasons", "GpuLostError", "GpuSampler"]

@@ -114,6 +114,18 @@ def test_slowdown_reasons_and_low_clocks_fail_with_what_nvml_said(tmp_path: Path
     assert "SM clock 1980 MHz" in got["gpu2"].reason
 
 
+def test_a_driver_before_r535_is_read_through_the_throttle_name(tmp_path: Path) -> None:
+    node = SimNode(tmp_path, "kind=thermal,gpu=0")
+    node.api.missing = frozenset({"nvmlDeviceGetCurrentClocksEventReasons"})
+    try:
+        got = node.load(stand_in(node))
+    finally:
+        node.close()
+    assert got["gpu0"].status == "fail"
+    assert got["gpu0"].reason.startswith("sw_thermal_slowdown, hw_thermal_slowdown in ")
+    assert got["gpu1"].status == "pass", got["gpu1"].reason
+
+
 def test_a_clock_lock_counts_against_the_lock_this_agent_set(node: SimNode) -> None:
     for handle in node.sampler.handles:
         node.api.nvmlDeviceSetGpuLockedClocks(handle, 500, 1000)

@@ -158,7 +158,7 @@ def test_older_drivers_without_clock_event_reasons_use_the_throttle_name() -> No
     for _ in range(2):
         sample = sampler.sample()[0]
         assert ThrottleReason.SW_THERMAL_SLOWDOWN in sample.throttle_reasons
-    assert sampler._use_throttle_name
+    assert sampler._reasons.uses_throttle_name
 
 
 def test_simulated_nodes_sharing_a_seed_have_distinct_gpus() -> None:
