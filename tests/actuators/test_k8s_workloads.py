@@ -178,6 +178,41 @@ def test_per_job_policy_annotation() -> None:
     assert plan.mode == "suspend-resume" and "maxRestarts is 0" in plan.note
 
 
+def test_policy_max_restarts_without_a_restart_counter_caps_trainguards_restarts() -> None:
+    """A PyTorchJob or Job keeps no restart count (a JobSet's status.restarts): the policy's
+    max_restarts caps the restarts trainguard recorded, refused in the plan like a JobSet's."""
+    ptj = {
+        "kind": "PyTorchJob",
+        "metadata": {"name": "pt"},
+        "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 2, "restartPolicy": "OnFailure"}}},
+    }
+    job = {"kind": "Job", "metadata": {"name": "j"}, "spec": {"template": {}}}
+    cap = JobPolicy(max_restarts=2)
+    for kind, doc, mode in [("PyTorchJob", ptj, "delete-pods"), ("Job", job, "suspend-resume")]:
+        under = plan_gang_restart(
+            kind, doc, current_nodes=2, healthy_nodes=2, policy=cap, recorded_restarts=1
+        )
+        assert under.mode == mode
+        at = plan_gang_restart(
+            kind, doc, current_nodes=2, healthy_nodes=2, policy=cap, recorded_restarts=2
+        )
+        assert at.mode == "refuse"
+        assert (
+            at.note
+            == "trainguard has restarted it 2 time(s), the 2 its trainguard.io/policy allows"
+        )
+        unbounded = plan_gang_restart(
+            kind, doc, current_nodes=2, healthy_nodes=2, recorded_restarts=9
+        )
+        assert unbounded.mode == mode
+    # A JobSet counts its own restarts: trainguard's record does not stand in for them.
+    js = jobset_doc("js", replicas=2, max_restarts=5)
+    plan = plan_gang_restart(
+        "JobSet", js, current_nodes=2, healthy_nodes=2, policy=cap, recorded_restarts=2
+    )
+    assert plan.mode == "fail-child-jobs"
+
+
 def test_docs_show_the_tested_jobset() -> None:
     import yaml
 

@@ -110,39 +110,37 @@ def job_limits(w: Workload, ranks_per_pod: int, tp: int) -> JobLimits | None:
     return JobLimits(min_dp=max(1, pods * ranks_per_pod // max(1, tp)))
 
 
-def gang_plan(w: Workload, *, same_size: bool) -> GangPlan:
-    """How to restart ``w``'s gang; raises when the workload must not be failed again."""
+def gang_plan(w: Workload, *, same_size: bool, recorded_restarts: int) -> GangPlan:
+    """How to restart ``w``'s gang; raises when the workload must not be failed again.
+
+    ``recorded_restarts``: the generation trainguard last recorded on ``w`` (0 before its
+    first restart), what its policy's ``max_restarts`` caps where ``w`` has no JobSet
+    counting restarts (``status.restarts``)."""
     if w.suspended:
         return GangPlan("suspend-resume", 0, False, "the workload is suspended: resumed")
-    policy = job_policy(w.obj)
-    if policy.max_restarts is not None and w.kind not in (JOBSET, TRAINJOB):
-        # No restart counter of its own (JobSet's status.restarts): count trainguard's, the
-        # generation it last recorded on the workload (0 before its first restart).
-        done = w.annotations.get(ANN_GENERATION, "")
-        used = int(done) if done.isdigit() else 0
-        if used >= policy.max_restarts:
-            raise ActuatorError(
-                f"restart {w.label}: trainguard has restarted it {used} time(s), the "
-                f"{policy.max_restarts} its trainguard.io/policy allows"
-            )
-    if w.kind in (JOBSET, TRAINJOB) and same_size:
-        plan = plan_gang_restart(
-            w.kind.kind, w.obj, current_nodes=1, healthy_nodes=1, jobset=w.runtime, policy=policy
-        )
-        if plan.mode == "refuse":
-            raise ActuatorError(f"restart {w.label}: {plan.note}")
-        return plan
-    if w.kind is PYTORCHJOB:
-        return plan_gang_restart("PyTorchJob", w.obj, current_nodes=1, healthy_nodes=1)
-    return GangPlan("suspend-resume", 0, False, "every pod deleted and recreated")
+    policy = job_policy(w.obj)  # a bad annotation is an error, a resize's included
+    if w.kind in (JOBSET, TRAINJOB) and not same_size:
+        return GangPlan("suspend-resume", 0, False, "every pod deleted and recreated")
+    plan = plan_gang_restart(
+        w.kind.kind,
+        w.obj,
+        current_nodes=1,
+        healthy_nodes=1,
+        jobset=w.runtime,
+        policy=policy,
+        recorded_restarts=recorded_restarts,
+    )
+    if plan.mode == "refuse":
+        raise ActuatorError(f"restart {w.label}: {plan.note}")
+    return plan
 
 
 async def restart_job(act: KubernetesActuator, placement: Placement, reason: str) -> ActuatorResult:
     job, gen = placement.job, placement.generation
     pods = await act._job_pods(job)
     w = await act._resolve(job, pods)
-    done = w.annotations.get(ANN_GENERATION, "")
-    if done.isdigit() and int(done) >= gen:
+    done = ko.pod_generation(w.obj)  # the generation annotation, a pod's or a workload's
+    if done is not None and done >= gen:
         return ActuatorResult(
             outcome=f"job {job} generation {done} already started; nothing to do",
             details={"already": True, "workload": w.label},
@@ -157,7 +155,7 @@ async def restart_job(act: KubernetesActuator, placement: Placement, reason: str
     size = placement.world_size // per_pod
     _, old_size = ko.restart_patch(w, size, annotations)
     resize = resize_note(*_size_source(w), old_size, size, masters=_masters(w))
-    plan = gang_plan(w, same_size=old_size == size)
+    plan = gang_plan(w, same_size=old_size == size, recorded_restarts=done or 0)
     details: dict[str, Any] = {
         "workload": w.label,
         "generation": gen,

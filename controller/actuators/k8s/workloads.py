@@ -167,10 +167,13 @@ def plan_gang_restart(
     healthy_nodes: int,
     jobset: dict[str, Any] | None = None,
     policy: JobPolicy | None = None,
+    recorded_restarts: int = 0,
 ) -> GangPlan:
     """How to restart ``obj``'s gang given how many healthy nodes can take it.
 
-    ``jobset``: for a TrainJob, the JobSet it runs as (for JobSets, ``obj`` itself)."""
+    ``jobset``: for a TrainJob, the JobSet it runs as (for JobSets, ``obj`` itself).
+    ``recorded_restarts``: the restarts trainguard recorded on a workload without a restart
+    counter of its own (no JobSet's ``status.restarts``), which ``policy.max_restarts`` caps."""
     target, shrunk, note = current_nodes, False, ""
     if healthy_nodes < current_nodes:
         bounds = elastic_bounds(kind, obj)
@@ -193,6 +196,14 @@ def plan_gang_restart(
             target,
             shrunk,
             f"{js['metadata']['name']} has used {used} of {cap} restarts "
+            "its trainguard.io/policy allows",
+        )
+    if js is None and cap is not None and recorded_restarts >= cap:
+        return GangPlan(
+            "refuse",
+            target,
+            shrunk,
+            f"trainguard has restarted it {recorded_restarts} time(s), the {cap} "
             "its trainguard.io/policy allows",
         )
     if js is not None and allowed > 0 and used >= allowed:
