@@ -62,35 +62,28 @@ def _read_record(client: Any, cfg: ObjectStoreConfig, step: int) -> dict[str, An
     return record
 
 
-def _reuse_local(local: Path, path: Path, info: dict[str, Any]) -> bool:
-    """Hard-link (or copy) ``local`` to ``path`` if it is the file ``info`` describes (size
-    and SHA-256): a node-local root already holds its own ranks' parts of the step."""
+def _matches(path: Path, info: dict[str, Any], hashed: dict[tuple[int, ...], str]) -> bool:
+    """``path`` is the file ``info`` describes (size, then SHA-256). ``hashed`` holds the
+    digests already taken in this restore, by device, inode, size and mtime: a file checked
+    again (a hard link of it included) is not read again, one replaced or rewritten is."""
     try:
-        if local.stat().st_size != int(info["size"]) or _file_sha256(local) != info["sha256"]:
+        st = path.stat()
+        if st.st_size != int(info["size"]):
             return False
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if ident not in hashed:
+            hashed[ident] = _file_sha256(path)
     except OSError:
         return False
-    try:
-        os.link(local, path)
-    except OSError:
-        shutil.copyfile(local, path)
-    return True
+    return hashed[ident] == str(info["sha256"])
 
 
-def _complete_copy(dest: Path, record: dict[str, Any]) -> bool:
+def _complete_copy(dest: Path, record: dict[str, Any], hashed: dict[tuple[int, ...], str]) -> bool:
     """``dest`` holds every file ``record`` lists, with its size and SHA-256 (another rank
     of this node restored the step first). Reads the files: only on a restore."""
-    if not (dest / MANIFEST_NAME).is_file():
-        return False
-    for name, info in sorted(record["files"].items()):
-        try:
-            if (dest / name).stat().st_size != int(info["size"]):
-                return False
-            if _file_sha256(dest / name) != info["sha256"]:
-                return False
-        except OSError:
-            return False
-    return True
+    return (dest / MANIFEST_NAME).is_file() and all(
+        _matches(dest / name, info, hashed) for name, info in sorted(record["files"].items())
+    )
 
 
 def download_step(client: Any, cfg: ObjectStoreConfig, step: int, root: Path) -> Path:
@@ -102,7 +95,8 @@ def download_step(client: Any, cfg: ObjectStoreConfig, step: int, root: Path) ->
     into a directory of its own, and the first complete copy moved in is the one kept."""
     record = _read_record(client, cfg, step)
     dest = root / step_dir_name(step)
-    if _complete_copy(dest, record):
+    hashed: dict[tuple[int, ...], str] = {}  # each file is read for its SHA-256 once
+    if _complete_copy(dest, record, hashed):
         return dest
     tmp = root / TIER_DIR / "restore" / f"{step_dir_name(step)}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -114,7 +108,12 @@ def download_step(client: Any, cfg: ObjectStoreConfig, step: int, root: Path) ->
             size = int(info["size"])
             part = int(info.get("part_bytes") or cfg.part_bytes)
             path = tmp / name
-            if name != MANIFEST_NAME and _reuse_local(dest / name, path, info):
+            local = dest / name  # a node-local root already holds its own ranks' parts
+            if name != MANIFEST_NAME and _matches(local, info, hashed):
+                try:
+                    os.link(local, path)
+                except OSError:
+                    shutil.copyfile(local, path)
                 continue
             with open(path, "wb") as f:
                 f.truncate(size)
@@ -140,11 +139,11 @@ def download_step(client: Any, cfg: ObjectStoreConfig, step: int, root: Path) ->
                 raise CheckpointCorruptError(
                     f"{where}: {head['ContentLength']} bytes, TIER.json says {size}"
                 )
-            if _file_sha256(path) != info["sha256"]:
+            if not _matches(path, info, hashed):
                 raise CheckpointCorruptError(f"{where}: SHA-256 differs from TIER.json")
             with open(path, "rb+") as synced:
                 os.fsync(synced.fileno())
-    if _complete_copy(dest, record):  # a rank of this node was faster
+    if _complete_copy(dest, record, hashed):  # a rank of this node was faster
         shutil.rmtree(tmp, ignore_errors=True)
         return dest
     if (dest / MANIFEST_NAME).exists():  # a damaged complete copy: kept for forensics
@@ -157,7 +156,7 @@ def download_step(client: Any, cfg: ObjectStoreConfig, step: int, root: Path) ->
         tmp.rename(dest)
     except OSError:  # another rank moved its copy in between the check and the rename
         shutil.rmtree(tmp, ignore_errors=True)
-        if not _complete_copy(dest, record):
+        if not _complete_copy(dest, record, hashed):
             raise
     fsync_dir(root)
     return dest

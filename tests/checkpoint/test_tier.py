@@ -22,12 +22,13 @@ import pytest
 import torch
 
 import checkpoint
+import checkpoint._tier_restore as tier_restore
 from checkpoint import CheckpointConfig, Checkpointer, CheckpointStore
 from checkpoint._commit import committed_steps
 from checkpoint._load import load_state
-from checkpoint._tier import TIER_DIR, TierUploader, make_client, read_tier_state
+from checkpoint._tier import TIER_DIR, TierUploader, _file_sha256, make_client, read_tier_state
 from checkpoint._tier_bucket import list_step_prefixes, remote_steps
-from checkpoint._tier_restore import load_nearest
+from checkpoint._tier_restore import download_step, load_nearest
 from checkpoint.config import ObjectStoreConfig
 from checkpoint.manifest import rank_data_name, step_dir_name
 from tests.checkpoint.s3_server import moto_server
@@ -205,6 +206,37 @@ def test_damaged_local_copy_is_replaced_by_the_remote_copy_of_the_same_step(
     assert (choice.step, choice.source) == (5, "object_store")
     _same(target, state)
     # The damaged local copy is kept aside for forensics, not loaded again.
+    assert any((tmp_path / TIER_DIR / "damaged").iterdir())
+
+
+def test_a_restore_reads_each_file_once_for_its_checksum(
+    tmp_path: Path, store: ObjectStoreConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A damaged local copy is checked whole, its good files reused, the bad one fetched and
+    the copies compared again: every file (a hard link of it included) is hashed once."""
+    with Checkpointer(_config(tmp_path, store)) as ckpt:
+        assert ckpt.save(_state(4), step=6)
+        ckpt.wait()
+        assert ckpt.uploader is not None and ckpt.uploader.wait(timeout=30)
+    local = tmp_path / step_dir_name(6) / rank_data_name(0)
+    raw = bytearray(local.read_bytes())
+    raw[-10] ^= 0x80
+    local.write_bytes(bytes(raw))
+    hashed: list[tuple[int, int]] = []
+    real = _file_sha256
+
+    def counting(path: Path) -> str:
+        st = path.stat()
+        hashed.append((st.st_dev, st.st_ino))
+        return real(path)
+
+    monkeypatch.setattr(tier_restore, "_file_sha256", counting)
+    dest = download_step(make_client(store), store, 6, tmp_path)
+    files = sorted(p.name for p in dest.iterdir())
+    assert len(files) >= 3  # the manifest, the rank's manifest and its data
+    # The local copy's files, then the two fetched (the manifest and the damaged data).
+    assert len(hashed) == len(files) + 2, hashed
+    assert len(set(hashed)) == len(hashed), hashed
     assert any((tmp_path / TIER_DIR / "damaged").iterdir())
 
 
