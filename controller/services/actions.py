@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 from sqlalchemy import Connection
 
@@ -22,100 +22,73 @@ from controller.store import Store
 FINAL_STATUSES = frozenset({"succeeded", "failed", "dry_run", "skipped"})
 
 
+class ActionRow(TypedDict, total=False):
+    """A new action row's fields, as :meth:`ActionService.create` takes them."""
+
+    kind: Required[str]
+    target: Required[str]
+    trigger: Required[str]
+    params: Required[dict[str, Any]]
+    status: str  # "pending" unless given
+    outcome: str
+    created_unix_s: float | None  # now unless given
+
+
+class ActionChange(TypedDict, total=False):
+    """The fields :meth:`ActionService.update` changes (``None``: left as it is;
+    ``params`` replaces the whole dict)."""
+
+    params: dict[str, Any] | None
+    status: str | None
+    outcome: str | None
+    finished_unix_s: float | None
+
+
 class ActionService:
     def __init__(self, store: Store) -> None:
         self._store = store
 
     @staticmethod
-    def inserting(
-        *,
-        kind: str,
-        target: str,
-        trigger: str,
-        params: dict[str, Any],
-        status: str = "pending",
-        outcome: str = "",
-        created_unix_s: float | None = None,
-    ) -> Callable[[Connection], int]:
+    def inserting(**row: Unpack[ActionRow]) -> Callable[[Connection], int]:
         """The insert of one action row as a step of a caller's transaction (returns the
         row's id): a change and its audit row committed together, never one alone."""
-        row = {
-            "kind": kind[:64],
-            "target": target[:512],
-            "trigger": trigger[:128],
-            "params": params,
+        status = row.get("status", "pending")
+        created = row.get("created_unix_s")
+        values = {
+            "kind": row["kind"][:64],
+            "target": row["target"][:512],
+            "trigger": row["trigger"][:128],
+            "params": row["params"],
             "status": status,
-            "outcome": outcome,
-            "created_unix_s": time.time() if created_unix_s is None else created_unix_s,
+            "outcome": row.get("outcome", ""),
+            "created_unix_s": time.time() if created is None else created,
             "finished_unix_s": None if status not in FINAL_STATUSES else time.time(),
         }
-        return lambda conn: repo.insert_action(conn, row)
+        return lambda conn: repo.insert_action(conn, values)
 
-    async def create(
-        self,
-        *,
-        kind: str,
-        target: str,
-        trigger: str,
-        params: dict[str, Any],
-        status: str = "pending",
-        outcome: str = "",
-        created_unix_s: float | None = None,
-    ) -> int:
+    async def create(self, **row: Unpack[ActionRow]) -> int:
         """Insert one action row and return its durable id."""
-        insert = self.inserting(
-            kind=kind,
-            target=target,
-            trigger=trigger,
-            params=params,
-            status=status,
-            outcome=outcome,
-            created_unix_s=created_unix_s,
-        )
-        return await self._store.write(insert)
+        return await self._store.write(self.inserting(**row))
 
     @staticmethod
-    def updating(
-        action_id: int,
-        *,
-        params: dict[str, Any] | None = None,
-        status: str | None = None,
-        outcome: str | None = None,
-        finished_unix_s: float | None = None,
-    ) -> Callable[[Connection], None]:
+    def _changing(action_id: int, change: ActionChange) -> Callable[[Connection], None] | None:
+        """The update of the fields ``change`` gives; ``None`` when it gives none."""
+        values = {name: value for name, value in change.items() if value is not None}
+        if not values:
+            return None
+        return lambda conn: repo.update_action(conn, action_id, values)
+
+    @staticmethod
+    def updating(action_id: int, **change: Unpack[ActionChange]) -> Callable[[Connection], None]:
         """The update of an action's given fields as a step of a caller's transaction."""
-        values: dict[str, Any] = {}
-        if params is not None:
-            values["params"] = params
-        if status is not None:
-            values["status"] = status
-        if outcome is not None:
-            values["outcome"] = outcome
-        if finished_unix_s is not None:
-            values["finished_unix_s"] = finished_unix_s
-        return lambda conn: repo.update_action(conn, action_id, values) if values else None
+        step = ActionService._changing(action_id, change)
+        return step if step is not None else lambda _conn: None
 
-    async def update(
-        self,
-        action_id: int,
-        *,
-        params: dict[str, Any] | None = None,
-        status: str | None = None,
-        outcome: str | None = None,
-        finished_unix_s: float | None = None,
-    ) -> None:
-        """Change the given fields of an action (``params`` replaces the whole dict)."""
-        if params is None and status is None and outcome is None and finished_unix_s is None:
-            return
-        await self._store.write(
-            self.updating(
-                action_id,
-                params=params,
-                status=status,
-                outcome=outcome,
-                finished_unix_s=finished_unix_s,
-            )
-        )
+    async def update(self, action_id: int, **change: Unpack[ActionChange]) -> None:
+        """Change the given fields of an action (no write when none is given)."""
+        step = self._changing(action_id, change)
+        if step is not None:
+            await self._store.write(step)
 
 
-__all__ = ["FINAL_STATUSES", "ActionService"]
+__all__ = ["FINAL_STATUSES", "ActionChange", "ActionRow", "ActionService"]
