@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, Path
 from pydantic import BaseModel, Field
-from sqlalchemy import Connection
 
 from controller.api.deps import (
     AUTH_ERRORS,
@@ -21,6 +18,7 @@ from controller.auth import Principal
 from controller.errors import Conflict, NotFound
 from controller.logic.remediation.rules import Policy
 from controller.services.container import Services
+from controller.services.operator_actions import isolation_audit
 from trainguard.limits import NO_NUL
 
 router = APIRouter(tags=["remediation"])
@@ -73,28 +71,12 @@ async def _node_action(
         state = "isolated" if isolate else "not isolated"
         raise Conflict(f"node {name!r} is already {state}")
     engine = services.remediation
-    kind = "isolate_node" if isolate else "release_node"
-    started = time.time()
-
-    def audit(ok: bool, outcome: str) -> Callable[[Connection], int]:
-        # Written in the isolation's own transaction: no isolation without its record.
-        return services.actions.inserting(
-            kind=kind,
-            target=name,
-            trigger=f"operator:{principal.name}",
-            params={
-                "reason": reason,
-                "actuator": engine.actuator.name if engine.actuator else None,
-            },
-            status="succeeded" if ok else "failed",
-            outcome=outcome,
-            created_unix_s=started,
-        )
-
+    audit = isolation_audit(services.actions, engine, name, principal.name, reason, isolate=isolate)
     ok, outcome, action = await engine.apply_isolation(
         name, isolate=isolate, reason=reason, audit=audit
     )
     if not ok:
+        kind = "isolate_node" if isolate else "release_node"
         raise Conflict(f"{kind} {name}: {outcome} (action {action})")
     return {"node": name, "isolated": isolate, "action": action, "outcome": outcome}
 

@@ -50,6 +50,35 @@ APPROVE_KIND = "approve_action"
 log = logging.getLogger(__name__)
 
 
+def isolation_audit(
+    actions: ActionService,
+    engine: RemediationEngine,
+    node: str,
+    actor: str,
+    reason: str,
+    *,
+    isolate: bool = True,
+) -> Callable[[bool, str], Callable[[Connection], int]]:
+    """The ``isolate_node`` (``release_node``) row of an isolation (release) by hand, for
+    ``apply_isolation``'s ``audit``: built once the result is known, as a step of the
+    isolation's own transaction (no isolation without its record), dated when asked."""
+    started = time.time()
+
+    def audit(ok: bool, outcome: str) -> Callable[[Connection], int]:
+        actuator = engine.actuator
+        return actions.inserting(
+            kind="isolate_node" if isolate else "release_node",
+            target=node,
+            trigger=f"operator:{actor}",
+            params={"reason": reason, "actuator": actuator.name if actuator else None},
+            status="succeeded" if ok else "failed",
+            outcome=outcome,
+            created_unix_s=started,
+        )
+
+    return audit
+
+
 async def restart_job(
     engine: RemediationEngine, actions: ActionService, job: str, actor: str, reason: str
 ) -> dict[str, Any]:
@@ -267,19 +296,10 @@ class Approvals:
             raise NotFound(f"node {node!r} of the dry run is not known (any more)")
         if state.isolated_reason is not None:
             raise Conflict(f"node {node!r} is already isolated")
-        started = time.time()
-        actuator = engine.actuator
+        row = isolation_audit(self._actions, engine, node, actor, reason)
 
         def audit(ok: bool, outcome: str) -> Callable[[Connection], tuple[int, int | None]]:
-            isolated = self._actions.inserting(
-                kind="isolate_node",
-                target=node,
-                trigger=f"operator:{actor}",
-                params={"reason": reason, "actuator": actuator.name if actuator else None},
-                status="succeeded" if ok else "failed",
-                outcome=outcome,
-                created_unix_s=started,
-            )
+            isolated = row(ok, outcome)
 
             def write(conn: Connection) -> tuple[int, int | None]:
                 carried = isolated(conn)
@@ -331,4 +351,11 @@ def approvals(store: Store, actions: ActionService, engine: RemediationEngine) -
     return found
 
 
-__all__ = ["APPROVABLE", "APPROVE_KIND", "Approvals", "approvals", "restart_job"]
+__all__ = [
+    "APPROVABLE",
+    "APPROVE_KIND",
+    "Approvals",
+    "approvals",
+    "isolation_audit",
+    "restart_job",
+]

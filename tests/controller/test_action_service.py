@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -12,6 +15,7 @@ from controller.db.migrate import upgrade
 from controller.db.models import Action
 from controller.db.session import make_engine
 from controller.services.actions import ActionService
+from controller.services.operator_actions import isolation_audit
 from controller.store import Store
 
 
@@ -54,3 +58,35 @@ def test_create_update_and_a_change_of_nothing_writes_nothing(tmp_path: Path) ->
     first, second = _rows(store)
     assert first == ("isolate_node", "succeeded", "ok", {}, 5.0)
     assert second[:4] == ("k" * 64, "skipped", "", {"b": 2})
+
+
+def test_an_isolation_by_hand_is_recorded_as_the_operator_asked_it(tmp_path: Path) -> None:
+    """One row builder for the isolate/release API and an approved dry-run isolation: the
+    row names who asked and why, the actuator that acted, and is dated when asked."""
+    store = _store(tmp_path)
+    actions = ActionService(store)
+    engine: Any = SimpleNamespace(actuator=SimpleNamespace(name="kubernetes"))
+    asked = time.time()
+    isolate = isolation_audit(actions, engine, "n3", "alice", "suspect")
+    release = isolation_audit(actions, engine, "n3", "bob", "repaired", isolate=False)
+    answered = time.time()
+
+    async def write() -> None:
+        await asyncio.sleep(0.05)  # the isolation itself
+        await store.write(isolate(True, "isolated n3"))
+        engine.actuator = None
+        await store.write(release(False, "uncordon refused"))
+
+    asyncio.run(write())
+    with Session(store.engine) as s:
+        rows = [
+            (a.kind, a.target, a.trigger, dict(a.params), a.status, a.outcome, a.created_unix_s)
+            for a in s.scalars(select(Action).order_by(Action.id))
+        ]
+    assert [r[:6] for r in rows] == [
+        ("isolate_node", "n3", "operator:alice", {"reason": "suspect", "actuator": "kubernetes"},
+         "succeeded", "isolated n3"),
+        ("release_node", "n3", "operator:bob", {"reason": "repaired", "actuator": None},
+         "failed", "uncordon refused"),
+    ]  # fmt: skip
+    assert all(asked <= r[6] <= answered for r in rows)
