@@ -347,15 +347,14 @@ class TierUploader:
             if self.rank == 0:  # the commit point only once every rank's files are there
                 for peer in range(1, self.world_size):
                     record["files"].update(self._peer_files(step, peer))
-                if not self.local_commit:
+                manifest = staging / MANIFEST_NAME
+                if not self.local_commit:  # built from the ranks' manifests in the bucket
                     body = remote_manifest(self.client, self.cfg, step, staging, record["files"])
-                    write_atomic(staging / MANIFEST_NAME, body)
-                    names = sorted({*names, MANIFEST_NAME})  # once, also on a resume
-                for name in names:
-                    if name == MANIFEST_NAME:
-                        record["files"][name] = self._upload_file(
-                            staging / name, step, name, journal
-                        )
+                    write_atomic(manifest, body)
+                if not self.local_commit or MANIFEST_NAME in names:  # last: it publishes
+                    record["files"][MANIFEST_NAME] = self._upload_file(
+                        manifest, step, MANIFEST_NAME, journal
+                    )
             record["uploaded_unix_s"] = time.time()
             self._put_record(step, record)
         except Exception as exc:
