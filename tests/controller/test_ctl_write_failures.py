@@ -22,6 +22,7 @@ from controller.db.session import make_engine
 from tests.controller.db_reads import stored as _stored
 from tests.controller.db_reads import stored_rows as _rows
 from tests.traffic.fabrics import lab_fabric_file
+from tests.waiting import wait_for
 
 
 def _post(client: httpx.Client, live: Any, path: str, body: Any, role: str = "operator") -> Any:
@@ -47,21 +48,6 @@ def _fatal(ctl_report: Callable[..., dict[str, Any]], node: str, seq: int) -> di
         for event in sample["gpus"][0].get("xid_events", []):
             event["time_unix_s"] = sample["time_unix_s"]
     return body
-
-
-def _wait(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
-def _wait_value(check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := check()):
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-    return value
 
 
 def _agrees(client: httpx.Client, live: Any, db_url: str, node: str) -> dict[str, Any]:
@@ -98,7 +84,7 @@ def test_incident_open_and_bump_that_fail_change_nothing(
         ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
         r = _post(client, live, "/api/v1/reports", _fatal(ctl_report, "w1", 1), "agent")
         assert r.status_code == 200, r.text
-        _wait(lambda: incidents.write_failures["open"] >= 1)
+        wait_for(lambda: incidents.write_failures["open"] >= 1)
         shown = _agrees(client, live, db_url, "w1")
         assert shown["health"] == "healthy" and _open(client, live, "w1") == []
         # Counted where an operator sees it.
@@ -109,7 +95,7 @@ def test_incident_open_and_bump_that_fail_change_nothing(
         # The next report carrying the fault records it, with its node and GPU.
         r = _post(client, live, "/api/v1/reports", _fatal(ctl_report, "w1", 2), "agent")
         assert r.status_code == 200, r.text
-        _wait(lambda: bool(_open(client, live, "w1")))
+        wait_for(lambda: bool(_open(client, live, "w1")))
         shown = _agrees(client, live, db_url, "w1")
         assert shown["health"] == "unhealthy"
         (fault,) = _open(client, live, "w1")
@@ -120,13 +106,13 @@ def test_incident_open_and_bump_that_fail_change_nothing(
         ctl_db_outage.arm(r"^\s*UPDATE incidents")
         r = _post(client, live, "/api/v1/reports", _fatal(ctl_report, "w1", 3), "agent")
         assert r.status_code == 200, r.text
-        _wait(lambda: incidents.write_failures["bump"] >= 1)
+        wait_for(lambda: incidents.write_failures["bump"] >= 1)
         _agrees(client, live, db_url, "w1")
         assert _open(client, live, "w1")[0]["count"] == count
         ctl_db_outage.disarm()
         r = _post(client, live, "/api/v1/reports", _fatal(ctl_report, "w1", 4), "agent")
         assert r.status_code == 200, r.text
-        _wait(lambda: _open(client, live, "w1")[0]["count"] > count)
+        wait_for(lambda: _open(client, live, "w1")[0]["count"] > count)
         _agrees(client, live, db_url, "w1")
 
 
@@ -139,24 +125,24 @@ def test_gpu_watch_failure_that_is_not_stored_is_tried_again(
         broken["node"]["gpu_error"] = "NVML_ERROR_DRIVER_NOT_LOADED"
         ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
         assert _post(client, live, "/api/v1/reports", broken, "agent").status_code == 200
-        _wait(lambda: live.controller.incidents.write_failures["open"] >= 1)
+        wait_for(lambda: live.controller.incidents.write_failures["open"] >= 1)
         assert _agrees(client, live, db_url, "w2")["health"] == "healthy"
         ctl_db_outage.disarm()
         broken = ctl_report("w2", 1)
         broken["node"]["gpu_error"] = "NVML_ERROR_DRIVER_NOT_LOADED"
         assert _post(client, live, "/api/v1/reports", broken, "agent").status_code == 200
-        _wait(lambda: _node(client, live, "w2")["health"] == "unhealthy")
+        wait_for(lambda: _node(client, live, "w2")["health"] == "unhealthy")
         assert [i["kind"] for i in _open(client, live, "w2")] == ["gpu_watch_failed"]
         _agrees(client, live, db_url, "w2")
 
         # Resolving it (NVML works again) fails: still unhealthy, still open, both places.
         ctl_db_outage.arm(r"^\s*UPDATE incidents")
         assert _post(client, live, "/api/v1/reports", ctl_report("w2", 2), "agent").is_success
-        _wait(lambda: live.controller.incidents.write_failures["resolve"] >= 1)
+        wait_for(lambda: live.controller.incidents.write_failures["resolve"] >= 1)
         assert _agrees(client, live, db_url, "w2")["health"] == "unhealthy"
         ctl_db_outage.disarm()
         assert _post(client, live, "/api/v1/reports", ctl_report("w2", 3), "agent").is_success
-        _wait(lambda: _node(client, live, "w2")["health"] == "healthy")
+        wait_for(lambda: _node(client, live, "w2")["health"] == "healthy")
         assert _open(client, live, "w2") == []
         _agrees(client, live, db_url, "w2")
 
@@ -173,22 +159,22 @@ def test_node_lost_and_back_that_fail_change_nothing(
         assert _post(client, live, "/api/v1/reports", ctl_report("w3", 0), "agent").is_success
         # Silent while the database cannot take the incident: every tick fails, the node
         # stays as stored (healthy), never "lost" in the API alone.
-        _wait(lambda: failures["open"] >= 2)
+        wait_for(lambda: failures["open"] >= 2)
         assert _agrees(client, live, db_url, "w3")["health"] == "healthy"
         ctl_db_outage.disarm()
-        _wait(lambda: _node(client, live, "w3")["health"] == "lost")
+        wait_for(lambda: _node(client, live, "w3")["health"] == "lost")
         assert [i["kind"] for i in _open(client, live, "w3")] == ["node_lost"]
         _agrees(client, live, db_url, "w3")
 
         # Back: the resolution fails, so the node is still lost in both places ...
         ctl_db_outage.arm(r"^\s*UPDATE incidents")
         assert _post(client, live, "/api/v1/reports", ctl_report("w3", 1), "agent").is_success
-        _wait(lambda: failures["resolve"] >= 1)
+        wait_for(lambda: failures["resolve"] >= 1)
         assert _agrees(client, live, db_url, "w3")["health"] == "lost"
         ctl_db_outage.disarm()
         # ... and its next report brings it back.
         assert _post(client, live, "/api/v1/reports", ctl_report("w3", 2), "agent").is_success
-        _wait(lambda: _node(client, live, "w3")["health"] == "healthy")
+        wait_for(lambda: _node(client, live, "w3")["health"] == "healthy")
         assert _open(client, live, "w3") == []
         _agrees(client, live, db_url, "w3")
 
@@ -201,7 +187,7 @@ def test_node_back_without_an_open_incident_that_fails_changes_nothing(
     live = controller_factory(node_lost_after_s=3.0, ingest_flush_interval_s=0.0)
     with httpx.Client(base_url=live.url, timeout=20) as client:
         assert _post(client, live, "/api/v1/reports", ctl_report("w9", 0), "agent").is_success
-        _wait(lambda: _node(client, live, "w9")["health"] == "lost")
+        wait_for(lambda: _node(client, live, "w9")["health"] == "lost")
         (lost,) = _open(client, live, "w9")
         r = _post(client, live, f"/api/v1/incidents/{lost['id']}/resolve", None)
         assert r.status_code == 200, r.text
@@ -211,12 +197,12 @@ def test_node_back_without_an_open_incident_that_fails_changes_nothing(
         # "healthy" is refused: the node stays lost in both places.
         ctl_db_outage.arm(r"^\s*INSERT INTO nodes", values=("'w9'", "'healthy'"))
         assert _post(client, live, "/api/v1/reports", ctl_report("w9", 1), "agent").is_success
-        _wait(lambda: ctl_db_outage.hits >= 1)
+        wait_for(lambda: ctl_db_outage.hits >= 1)
         time.sleep(0.2)  # let the detector's failure settle; nothing may change after it
         assert _agrees(client, live, db_url, "w9")["health"] == "lost"
         ctl_db_outage.disarm()
         assert _post(client, live, "/api/v1/reports", ctl_report("w9", 2), "agent").is_success
-        _wait(lambda: _node(client, live, "w9")["health"] == "healthy")
+        wait_for(lambda: _node(client, live, "w9")["health"] == "healthy")
         assert _agrees(client, live, db_url, "w9")["health"] == "healthy"
 
 
@@ -246,16 +232,16 @@ def test_ecc_counter_reset_that_fails_changes_nothing(
 
     with httpx.Client(base_url=live.url, timeout=20) as client:
         post(0, 7)  # the first value: queued with the next group commit
-        _wait(lambda: gpu["w10"].gpus[0].ecc_uncorrected_total == 7 and stored() == 7)
+        wait_for(lambda: gpu["w10"].gpus[0].ecc_uncorrected_total == 7 and stored() == 7)
         assert baseline() == 7
         ctl_db_outage.arm(r"^\s*INSERT INTO gpus", values=("'w10'",))
         post(1, 2)  # a driver reload reset the counter: no fault
-        _wait(lambda: ctl_db_outage.hits >= 1)
+        wait_for(lambda: ctl_db_outage.hits >= 1)
         time.sleep(0.2)
         assert baseline() == 7
         ctl_db_outage.disarm()
         post(2, 2)
-        _wait(lambda: gpu["w10"].gpus[0].ecc_uncorrected_total == 2)
+        wait_for(lambda: gpu["w10"].gpus[0].ecc_uncorrected_total == 2)
         assert baseline() == 2
         assert _open(client, live, "w10") == []  # neither value was a fault
 
@@ -280,8 +266,8 @@ def test_command_expiry_that_fails_changes_nothing(
         assert ctl_db_outage.hits >= 1
         assert state.commands[command_id].status == stored() == "pending"
         ctl_db_outage.disarm()
-        _wait(lambda: stored() == "expired")
-        _wait(lambda: state.commands[command_id].status == "expired")
+        wait_for(lambda: stored() == "expired")
+        wait_for(lambda: state.commands[command_id].status == "expired")
         listed = client.get("/api/v1/commands?node=w4", headers=live.headers()).json()
         assert [c["status"] for c in listed["data"]] == ["expired"]
         # An expired command is never handed to the agent; its reports still store.
@@ -381,15 +367,15 @@ def test_job_finding_whose_incident_write_fails_is_recorded_at_a_later_tick(
 
         ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
         assert _post(client, live, "/api/v1/reports", body, "agent").status_code == 200
-        _wait(lambda: jobs.held_counts["held"] >= 1)
-        _wait(lambda: live.controller.incidents.write_failures["open"] >= 2)  # tried again
+        wait_for(lambda: jobs.held_counts["held"] >= 1)
+        wait_for(lambda: live.controller.incidents.write_failures["open"] >= 2)  # tried again
         assert crashes() == [] and stored() == 0
         scraped = client.get("/metrics").text
         assert ctl_metric(scraped, "trainguard_job_findings_waiting") == 1
         ctl_db_outage.disarm()
 
         # No new report: the held finding is recorded by a later tick, once.
-        _wait(lambda: bool(crashes()))
+        wait_for(lambda: bool(crashes()))
         (incident,) = crashes()
         assert incident["job"] == "llm" and incident["ranks"] == [6] and stored() == 1
         scraped = client.get("/metrics").text
@@ -429,22 +415,22 @@ def test_degraded_gpu_open_and_held_bump_that_fail_change_nothing(
         post([1000, 1000])  # the baseline
         ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
         post([1030, 1060])
-        _wait(lambda: failures["open"] >= 1)
+        wait_for(lambda: failures["open"] >= 1)
         assert degraded() == [] and stored_count() is None
         ctl_db_outage.disarm()
         post([1080])  # still a burst: the open is tried again
-        (opened,) = _wait_value(degraded)
+        (opened,) = wait_for(degraded)
         assert opened["count"] == stored_count() == 1
 
         ctl_db_outage.arm(r"^\s*UPDATE incidents")
         for value in (1200, 1300, 1400):
             post([value])
-        _wait(lambda: failures["bump"] >= 1)
+        wait_for(lambda: failures["bump"] >= 1)
         (shown,) = degraded()
         assert shown["count"] == stored_count()  # as stored: the failed bump is not shown
         ctl_db_outage.disarm()
         # No new report: a tick writes what was held, all three readings of it.
-        _wait(lambda: degraded()[0]["count"] == 4, timeout_s=20.0)
+        wait_for(lambda: degraded()[0]["count"] == 4, timeout_s=20.0)
         assert stored_count() == 4
 
 

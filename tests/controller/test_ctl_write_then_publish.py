@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -21,18 +20,12 @@ import httpx
 from tests.controller.db_reads import stored as _stored
 from tests.controller.db_reads import stored_column as _rows
 from tests.traffic.fabrics import lab_fabric_file
+from tests.waiting import wait_for
 
 
 def _as_dict(value: Any) -> dict[str, Any]:
     """A JSON column as read back (a dict on PostgreSQL, text on SQLite)."""
     return dict(json.loads(value) if isinstance(value, str) else value)
-
-
-def _wait(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_first_ecc_baseline_is_stored_with_its_report(
@@ -110,17 +103,17 @@ def test_power_cap_and_its_action_are_stored_together_or_not_at_all(
         r = client.put("/api/v1/power/domains", json=tree, headers=live.headers())
         assert r.status_code == 200, r.text
         report(client, 1)
-        _wait(lambda: ctl_db_outage.hits >= 1)
+        wait_for(lambda: ctl_db_outage.hits >= 1)
         time.sleep(0.5)  # several ticks
         assert [c for c in state.commands.values() if c.node == "p1"] == []
         assert stored(commands_sql) == 0 and stored(actions_sql) == 0
-        _wait(lambda: ctl_db_outage.hits >= 3)  # decided again at later ticks, refused
+        wait_for(lambda: ctl_db_outage.hits >= 3)  # decided again at later ticks, refused
         assert loop.tracker.open == [] and loop.tracker._targets == {}
         assert report(client, 2).json()["commands"] == []  # nothing delivered
 
         ctl_db_outage.disarm()
-        _wait(lambda: stored(actions_sql) == 2)
-        _wait(lambda: len([c for c in state.commands.values() if c.node == "p1"]) == 2)
+        wait_for(lambda: stored(actions_sql) == 2)
+        wait_for(lambda: len([c for c in state.commands.values() if c.node == "p1"]) == 2)
         ids = {c.id for c in state.commands.values() if c.node == "p1"}
         assert stored(commands_sql) == 2
         params = _rows(db_url, "SELECT params FROM actions WHERE kind = 'power_cap'")
@@ -160,22 +153,22 @@ def test_power_action_update_that_fails_is_written_at_a_later_tick(
         r = client.put("/api/v1/power/domains", json=tree, headers=live.headers())
         assert r.status_code == 200, r.text
         report(client, 1)
-        _wait(lambda: status() == "pending")
-        _wait(lambda: any(e.node == "p2" for e in loop.tracker.open))
+        wait_for(lambda: status() == "pending")
+        wait_for(lambda: any(e.node == "p2" for e in loop.tracker.open))
         (entry,) = loop.tracker.open
         command = state.commands[str(entry.command_id)]
 
         ctl_db_outage.arm(r"^\s*UPDATE actions")
         ack = {"command_id": command.id, "status": "succeeded", "finished_unix_s": time.time()}
         report(client, 3, command_acks=[ack])
-        _wait(lambda: ctl_db_outage.hits >= 1)
+        wait_for(lambda: ctl_db_outage.hits >= 1)
         time.sleep(0.3)  # several ticks
         assert state.commands[command.id].status == "succeeded"
         assert status() == "pending" and not entry.command_done
-        _wait(lambda: ctl_db_outage.hits >= 2)  # tried again
+        wait_for(lambda: ctl_db_outage.hits >= 2)  # tried again
         ctl_db_outage.disarm()
-        _wait(lambda: status() == "succeeded")  # a later tick; no new report
-        _wait(lambda: entry.command_done)
+        wait_for(lambda: status() == "succeeded")  # a later tick; no new report
+        wait_for(lambda: entry.command_done)
         params = _stored(db_url, "SELECT params FROM actions WHERE kind = 'power_cap'")
         assert "command_latency_s" in str(params)
 
@@ -234,7 +227,7 @@ def test_slow_link_replan_and_its_action_are_stored_together_or_not_at_all(
         port_down = {"kind": "nic_port_down", "time_unix_s": time.time(), "device": "mlx5_0",
                      "port": 1, "detail": "link_downed +3"}  # fmt: skip
         report(client, 3, 1, events=[port_down])
-        _wait(lambda: ctl_db_outage.hits >= 2)  # the re-plan, then its "failed" record
+        wait_for(lambda: ctl_db_outage.hits >= 2)  # the re-plan, then its "failed" record
         time.sleep(0.2)
         assert version_shown() == stored(versions_sql) == 1
         assert stored("SELECT count(*) FROM traffic_links") == 0 and stored(actions_sql) == 0
