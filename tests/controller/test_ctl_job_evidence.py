@@ -9,7 +9,6 @@ renamed on either side fails here (``model_extra`` holds what the model does not
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
@@ -34,6 +33,7 @@ from controller.logic.detection.evidence_kinds import (
 )
 from controller.logic.detection.incident_evidence import PowerEvidence, QuarantineBudgetEvidence
 from controller.schemas import INCIDENT_ADAPTER, OtherIncidentPublic
+from tests.controller.c4d.steps import JOB, node_of, step_records
 from trainguard.wire import (
     InflightCollective,
     JobRecords,
@@ -41,12 +41,6 @@ from trainguard.wire import (
     RankEvent,
     StepSummary,
 )
-
-JOB = "llm"
-
-
-def _node(rank: int) -> str:
-    return f"node-{rank // 4}"
 
 
 def _step(
@@ -57,40 +51,30 @@ def _step(
     comm_s: float = 0.1,
     nan: dict[int, int] | None = None,
 ) -> list[StepSummary]:
-    rng = random.Random(step)
-    compute = {r: (slow or {}).get(r, 1.0) * (1 + rng.uniform(-0.05, 0.05)) for r in range(world)}
-    slowest = max(compute.values())
-    rows = []
-    for r, c in compute.items():
-        extra: dict[str, Any] = {}
-        if nan and r in nan:
-            extra = {
+    """A step of the shared synthetic stream; ranks in ``nan`` saw a non-finite input at
+    that sequence number of their first collective."""
+    rows = step_records(step, world, compute=slow, comm_s=comm_s, jitter=0.05)
+    return [
+        StepSummary.model_validate(
+            row.model_dump()
+            | {
                 "nonfinite_inputs": 1,
                 "nonfinite_first_op": "all_reduce",
                 "nonfinite_first_group": "w0",
-                "nonfinite_first_seq": nan[r],
+                "nonfinite_first_seq": nan[row.rank],
             }
-        rows.append(
-            StepSummary(
-                job=JOB,
-                rank=r,
-                world_size=world,
-                step=step,
-                compute_time_s=c,
-                collective_wait_s=slowest - c + comm_s,
-                step_time_s=slowest + comm_s,
-                gpu_index=r % 4,
-                **extra,
-            )
         )
-    return rows
+        if nan and row.rank in nan
+        else row
+        for row in rows
+    ]
 
 
 def _run(trackers: JobTrackers, steps: range, **kw: Any) -> list[Finding]:
     found: list[Finding] = []
     for step in steps:
         for row in _step(step, **kw):
-            trackers.observe(_node(row.rank), JobRecords(steps=[row]), float(step))
+            trackers.observe(node_of(row.rank), JobRecords(steps=[row]), float(step))
         found += trackers.evaluate(float(step))
     return found
 
@@ -143,12 +127,12 @@ def _findings() -> dict[FindingKind, Finding]:
     trackers = JobTrackers()
     _run(trackers, range(1), world=8)
     for r in (0, 1, 3, 4, 5, 6, 7):
-        trackers.observe(_node(r), JobRecords(inflight=[_inflight(r, [])]), 100.0)
+        trackers.observe(node_of(r), JobRecords(inflight=[_inflight(r, [])]), 100.0)
     keep(trackers.evaluate(100.0))
     trackers = JobTrackers()
     _run(trackers, range(1), world=4)
     for r in range(4):
-        trackers.observe(_node(r), JobRecords(inflight=[_inflight(r, [])]), 10.0)
+        trackers.observe(node_of(r), JobRecords(inflight=[_inflight(r, [])]), 10.0)
     keep(trackers.evaluate(10.0))
     # A probe round with one slow rank.
     trackers = JobTrackers()
