@@ -14,6 +14,7 @@ of a domain above caused it, that change's effect as the policy measured it
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -120,7 +121,9 @@ class ActionTracker:
         #: Last target sent per (node, GPU, knob); None = uncapped.
         self._targets: dict[tuple[str, int, str], float | None] = {}
         #: Level changes not yet written onto every action they cover.
-        self._effects: list[tuple[ActuationEffect, DomainTree]] = []
+        self._effects: deque[tuple[ActuationEffect, DomainTree]] = deque(
+            maxlen=MAX_UNWRITTEN_EFFECTS
+        )
 
     def plan(self, decision: Decision, domain: DomainStatus | None, now: float) -> Planned:
         """The action of ``decision``; memory is not changed."""
@@ -217,13 +220,12 @@ class ActionTracker:
     async def on_effects(self, effects: list[ActuationEffect], tree: DomainTree) -> None:
         """Write each level change's effect onto the actions issued since it; the policy
         reports an effect once, so one not yet written everywhere is kept for later ticks."""
-        self._effects.extend((effect, tree) for effect in effects)
-        if len(self._effects) > MAX_UNWRITTEN_EFFECTS:
-            dropped = len(self._effects) - MAX_UNWRITTEN_EFFECTS
+        dropped = len(self._effects) + len(effects) - MAX_UNWRITTEN_EFFECTS
+        if dropped > 0:  # the deque keeps the newest
             log.error(
                 "power level-change effects not written, dropped", extra={"fields": {"n": dropped}}
             )
-            del self._effects[:dropped]
+        self._effects.extend((effect, tree) for effect in effects)
         while self._effects:
             effect, at = self._effects[0]
             for entry in self.open:
@@ -245,7 +247,7 @@ class ActionTracker:
                 }
                 await self._actions.update(entry.action_id, params=params)
                 entry.params, entry.level_done = params, True
-            self._effects.pop(0)
+            self._effects.popleft()  # written everywhere it applies (a failure keeps it)
 
     async def _forget(self, now: float) -> None:
         keep = []
