@@ -49,8 +49,10 @@ from typing import IO, Any
 
 import pynvml
 
-from agents.preflight import Check
-from agents.sampler import ClockEventReasons
+from agents.gpu.backend import GpuBackend
+from agents.nics import NicMonitor
+from agents.preflight import Check, evaluate
+from agents.sampler import ClockEventReasons, GpuSampler
 from trainguard.wire import GpuInfo, GpuSample, decode_throttle_reasons
 
 log = logging.getLogger(__name__)
@@ -357,21 +359,37 @@ def load_command(api: Any, configured: Sequence[str] = ()) -> tuple[list[str] | 
     return found, ""
 
 
-def run_preflight_with_load(
-    backend: Any,
-    sampler: Any,
-    nics: Any,
-    *,
-    load_s: float,
-    expected_nic_rate_gbps: float | None = None,
-    command: Sequence[str] = (),
-) -> list[Check]:
-    """``trainguard preflight --local``: every check of the agent's preflight, ``clocks_load``
-    included (``load_s`` seconds of load on all GPUs at once; 0 skips it and says so).
-    Blocks for the load; the CLI has no heartbeat to keep."""
-    from agents.preflight import evaluate
+#: Runs ``work(cancel)``, then ``done`` with its results: on the caller's thread
+#: (:func:`run_inline`, the CLI) or on a thread of its own (:meth:`ClocksLoadRunner.start`).
+LoadStarter = Callable[
+    [Callable[[threading.Event], list[Check]], Callable[[list[Check]], None]], object
+]
 
-    gpus = sampler.sample()
+
+def run_inline(
+    work: Callable[[threading.Event], list[Check]], done: Callable[[list[Check]], None]
+) -> None:
+    """A :data:`LoadStarter` that blocks for the load (nothing can cancel it)."""
+    done(work(threading.Event()))
+
+
+def run_preflight(
+    backend: GpuBackend,
+    sampler: GpuSampler,
+    nics: NicMonitor,
+    gpus: Sequence[GpuSample],
+    *,
+    load: LoadSettings | None,
+    why_not: str = "",
+    done: Callable[[list[Check]], None],
+    start: LoadStarter = run_inline,
+    expected_nic_rate_gbps: float | None = None,
+    locked_max_mhz: Callable[[int], int | None] = lambda _i: None,
+) -> None:
+    """Every check of the preflight, for the agent and the CLI alike: the idle checks over
+    ``gpus`` (a sample of ``sampler``) and a fresh read of the NICs, then ``clocks_load``
+    with ``load`` on every GPU that answered, through ``start``; with no ``load`` each of
+    them is skipped, saying ``why_not``. ``done`` gets the final checks, once."""
     checks = evaluate(
         backend,
         gpus,
@@ -379,16 +397,47 @@ def run_preflight_with_load(
         nvlinks_down_at_start=sampler.nvlinks_down_at_start,
         expected_nic_rate_gbps=expected_nic_rate_gbps,
     )
-    targets = load_targets(gpus, sampler.inventory, sampler.handles)
-    if not targets:
-        return checks
-    if load_s <= 0:
-        return merge(checks, skipped([t.index for t in targets], "no load generated: --load-s 0"))
-    argv, why_not = load_command(backend.api, command)
-    if argv is None:
-        return merge(checks, skipped([t.index for t in targets], why_not))
-    load = LoadSettings(command=tuple(argv), seconds=load_s)
-    return merge(checks, run_clocks_load(backend.api, targets, load))
+    targets = load_targets(gpus, sampler.inventory, sampler.handles, locked_max_mhz)
+    if load is None or not targets:
+        done(merge(checks, skipped([t.index for t in targets], why_not)))
+        return
+    api = backend.api
+    start(
+        lambda cancel: run_clocks_load(api, targets, load, cancel=cancel),
+        lambda results: done(merge(checks, results)),
+    )
+
+
+def run_preflight_with_load(
+    backend: GpuBackend,
+    sampler: GpuSampler,
+    nics: NicMonitor,
+    *,
+    load_s: float,
+    expected_nic_rate_gbps: float | None = None,
+    command: Sequence[str] = (),
+) -> list[Check]:
+    """``trainguard preflight --local``: :func:`run_preflight` over a fresh sample,
+    ``clocks_load`` included (``load_s`` seconds of load on all GPUs at once; 0 skips it and
+    says so). Blocks for the load; the CLI has no heartbeat to keep."""
+    load: LoadSettings | None = None
+    why_not = "no load generated: --load-s 0"
+    if load_s > 0:
+        argv, why_not = load_command(backend.api, command)
+        if argv is not None:
+            load = LoadSettings(command=tuple(argv), seconds=load_s)
+    out: list[Check] = []
+    run_preflight(
+        backend,
+        sampler,
+        nics,
+        sampler.sample(),
+        load=load,
+        why_not=why_not,
+        done=out.extend,
+        expected_nic_rate_gbps=expected_nic_rate_gbps,
+    )
+    return out
 
 
 def load_targets(
@@ -476,12 +525,15 @@ __all__ = [
     "SLOWDOWN_REASONS",
     "ClocksLoadRunner",
     "LoadSettings",
+    "LoadStarter",
     "LoadTarget",
     "default_load_command",
     "load_command",
     "load_targets",
     "merge",
     "run_clocks_load",
+    "run_inline",
+    "run_preflight",
     "run_preflight_with_load",
     "skipped",
 ]

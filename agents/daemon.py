@@ -34,15 +34,7 @@ from types import FrameType
 import trainguard
 from agents.batch import Batch
 from agents.cadence import ReportCadence
-from agents.clocks_load import (
-    ClocksLoadRunner,
-    LoadSettings,
-    load_command,
-    load_targets,
-    merge,
-    run_clocks_load,
-    skipped,
-)
+from agents.clocks_load import ClocksLoadRunner, LoadSettings, load_command, run_preflight
 from agents.commands import CommandExecutor, Finish
 from agents.errors import AgentConfigError, GpuWatchError
 from agents.gpu.backend import GpuBackend, next_retry_delay_s, open_backend, retry_nvml
@@ -53,7 +45,7 @@ from agents.metrics import MetricsServer, MetricsSource
 from agents.nics import NicMonitor
 from agents.node_power import NodePowerSampler, RaplReader
 from agents.peer_groups import PeerGroupCache
-from agents.preflight import Check, evaluate, summary
+from agents.preflight import Check, summary
 from agents.reporter import BackoffPolicy, Reporter
 from agents.sampler import GpuSampler
 from agents.settings import AgentSettings
@@ -474,33 +466,23 @@ class Agent:
         if latest is None and self.identity.gpus:
             finish(False, "preflight: no GPU sample taken yet; ask again in a second")
             return
-        gpus = latest.gpus if latest is not None else []
-        checks = evaluate(
-            self.backend,
-            gpus,
-            self.nics.read_all(),
-            nvlinks_down_at_start=self.sampler.nvlinks_down_at_start,
-            expected_nic_rate_gbps=cmd.expected_nic_rate_gbps,
-        )
         executor = self.executor
-        targets = load_targets(
-            gpus,
-            self.sampler.inventory,
-            self.sampler.handles,
-            executor.locked_clock_mhz if executor is not None else lambda _i: None,
-        )
+        load, why_not = self._load_settings()
 
         def verdict(final: list[Check]) -> None:
             finish(all(c.status != "fail" for c in final), summary(final))
 
-        load, why_not = self._load_settings()
-        if load is None or not targets:
-            verdict(merge(checks, skipped([t.index for t in targets], why_not)))
-            return
-        api = self.backend.api
-        self.clocks_load.start(
-            lambda cancel: run_clocks_load(api, targets, load, cancel=cancel),
-            lambda results: verdict(merge(checks, results)),
+        run_preflight(
+            self.backend,
+            self.sampler,
+            self.nics,
+            latest.gpus if latest is not None else [],
+            load=load,
+            why_not=why_not,
+            done=verdict,
+            start=self.clocks_load.start,
+            expected_nic_rate_gbps=cmd.expected_nic_rate_gbps,
+            locked_max_mhz=executor.locked_clock_mhz if executor is not None else lambda _i: None,
         )
 
     def _load_settings(self) -> tuple[LoadSettings | None, str]:

@@ -4,7 +4,8 @@ Run before a node is given to a job (``trainguard preflight --local`` on the nod
 controller's ``run_preflight`` command through the agent). Each check reads what the agent
 already reads, fresh: one sample of every GPU through the same sampler (so a hung GPU is a
 failed check, not a hung preflight) and one read of every RDMA port. Only ``clocks_load``
-generates work (a load process per GPU): the daemon runs it on a thread of its own.
+generates work (a load process per GPU). :func:`agents.clocks_load.run_preflight` runs them
+all, for the daemon (the load on a thread of its own) and for the CLI alike.
 
 =================  ==========================================================================
 check              fails when
@@ -32,8 +33,6 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from agents.gpu.backend import GpuBackend
-from agents.nics import NicMonitor
-from agents.sampler import GpuSampler
 from trainguard.wire import GpuSample, NicPortSample
 
 #: Retired pages at which DCGM fails a board (the controller's rule uses the same number).
@@ -173,24 +172,6 @@ def evaluate(
     return checks
 
 
-def run_preflight(
-    backend: GpuBackend,
-    sampler: GpuSampler,
-    nics: NicMonitor,
-    *,
-    expected_nic_rate_gbps: float | None = None,
-) -> list[Check]:
-    """Sample now and check; ``sampler`` must be open (its workers bound hung calls).
-    ``clocks_load`` stays a placeholder: :mod:`agents.clocks_load` runs the load."""
-    return evaluate(
-        backend,
-        sampler.sample(),
-        nics.read_all(),
-        nvlinks_down_at_start=sampler.nvlinks_down_at_start,
-        expected_nic_rate_gbps=expected_nic_rate_gbps,
-    )
-
-
 def summary(checks: Sequence[Check]) -> str:
     """One line for an ack: the verdict and every failed check (truncated to 1,024 chars)."""
     failed = [c for c in checks if c.status == "fail"]
@@ -206,6 +187,5 @@ __all__ = [
     "RETIRED_PAGES_LIMIT",
     "Check",
     "evaluate",
-    "run_preflight",
     "summary",
 ]

@@ -8,12 +8,13 @@ from typing import Any
 
 import pytest
 
+from agents.clocks_load import run_preflight_with_load
 from agents.daemon import Agent
 from agents.gpu.backend import GpuBackend, NoGpus, open_backend
 from agents.gpu.faults import parse_fault_specs
 from agents.gpu.sim import SimNvml
 from agents.nics import NicMonitor
-from agents.preflight import run_preflight, summary
+from agents.preflight import summary
 from agents.sampler import GpuSampler
 from agents.settings import load_settings
 from tests.agents.agents_testkit import TOKEN, FakeController
@@ -26,15 +27,26 @@ def tree(tmp_path: Path) -> SysfsTree:
 
 
 def _run(
-    faults: str, tree: SysfsTree, timeout_s: float = 2.0, **kw: object
+    faults: str,
+    tree: SysfsTree,
+    timeout_s: float = 2.0,
+    expected_nic_rate_gbps: float | None = None,
+    load_s: float = 0,
+    load_dir: Path | None = None,
 ) -> dict[tuple[str, str], tuple[str, str]]:
-    api = SimNvml(gpu_count=4, faults=parse_fault_specs(faults))
+    api = SimNvml(gpu_count=4, faults=parse_fault_specs(faults), load_dir=load_dir)
     api.nvmlInit()
     backend = GpuBackend(api=api, kind="sim", driver_version="sim")
     sampler = GpuSampler(api, timeout_s=timeout_s)
     sampler.open()
     try:
-        checks = run_preflight(backend, sampler, NicMonitor(tree.root), **kw)  # type: ignore[arg-type]
+        checks = run_preflight_with_load(
+            backend,
+            sampler,
+            NicMonitor(tree.root),
+            load_s=load_s,
+            expected_nic_rate_gbps=expected_nic_rate_gbps,
+        )
     finally:
         sampler.close()
         api.nvmlShutdown()  # also ends a simulated hang
@@ -48,8 +60,20 @@ def test_a_healthy_simulated_node_passes_and_says_it_is_simulated(tree: SysfsTre
     assert got[("gpu0", "nvlink")] == ("pass", "18 links up")
     assert got[("gpu2", "pcie")] == ("pass", "x16 Gen5")
     assert got[("gpu1", "memory_repair")] == ("pass", "0 rows remapped, none pending")
-    assert got[("gpu0", "clocks_load")][0] == "skip"
+    assert got[("gpu0", "clocks_load")] == ("skip", "no load generated: --load-s 0")
     assert got[("mlx5_0/1", "nic_port")] == ("pass", "ACTIVE 400 Gb/s")
+
+
+def test_the_local_preflight_loads_the_gpus_and_judges_them(
+    tree: SysfsTree, tmp_path: Path
+) -> None:
+    got = _run("kind=slowdown,gpu=1,mhz=700", tree, load_s=0.5, load_dir=tmp_path)
+    loaded = {t: v for (t, name), v in got.items() if name == "clocks_load"}
+    assert {t: status for t, (status, _) in loaded.items()} == {
+        "gpu0": "pass", "gpu1": "fail", "gpu2": "pass", "gpu3": "pass"
+    }  # fmt: skip
+    assert loaded["gpu1"][1].startswith("SM clock 700 MHz under load (")
+    assert got[("gpu1", "nvml_sanity")][0] == "pass"  # the idle checks ran as well
 
 
 def test_each_failure_is_named_with_its_reason(tree: SysfsTree) -> None:
@@ -90,7 +114,7 @@ def test_a_node_with_broken_nvml_fails_and_the_summary_lists_failures(tree: Sysf
     backend = GpuBackend(api=NoGpus(), kind="nvml", error="NVML failed (Driver Not Loaded)")
     sampler = GpuSampler(backend.api)
     sampler.open()
-    checks = run_preflight(backend, sampler, NicMonitor(tree.root))
+    checks = run_preflight_with_load(backend, sampler, NicMonitor(tree.root), load_s=0)
     assert (checks[0].target, checks[0].name, checks[0].status) == ("node", "nvml", "fail")
     assert summary(checks) == (
         "preflight failed 1/3 checks: node nvml: NVML failed (Driver Not Loaded)"
