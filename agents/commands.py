@@ -82,6 +82,8 @@ class CommandExecutor:
         self._on_ack = on_ack
         self._clock = clock
         self._lock = threading.Lock()
+        #: Notified (under ``_lock``) each time an ack is kept: :meth:`execute` waits on it.
+        self._acked = threading.Condition(self._lock)
         self._done: OrderedDict[str, CommandAck] = OrderedDict()
         #: Preflights started and not finished yet (their ack comes from ``finish``).
         self._running: set[str] = set()
@@ -116,11 +118,12 @@ class CommandExecutor:
         """Carry out one command and return its ack, waiting for a preflight to finish
         (for callers that may block; the reporter thread uses :meth:`handle`)."""
         ack = self.submit(cmd)
-        while ack is None:
-            time.sleep(0.01)
-            with self._lock:
-                ack = self._done.get(cmd.id)
-        return ack
+        if ack is not None:
+            return ack
+        with self._acked:
+            done = self._acked.wait_for(lambda: self._done.get(cmd.id))
+        assert done is not None  # no timeout: the wait ends on the ack
+        return done
 
     def submit(self, cmd: Command) -> CommandAck | None:
         """The command's ack, or None for a preflight still running (it acks itself)."""
@@ -163,6 +166,7 @@ class CommandExecutor:
         self._done[command_id] = ack
         while len(self._done) > REMEMBERED_COMMANDS:
             self._done.popitem(last=False)
+        self._acked.notify_all()
         return ack
 
     def _start_preflight(self, cmd: RunPreflight, preflight: Preflight) -> None:

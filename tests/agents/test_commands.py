@@ -143,3 +143,39 @@ def test_a_preflight_acks_when_it_finishes_and_a_resend_does_not_start_it_again(
     assert again == acks[:1] and len(started) == 1
     started[0][1](True, "late second verdict")  # ignored
     assert len(acks) == 2 and acks[1] == acks[0]
+
+
+def test_execute_waits_for_a_preflight_that_finishes_on_another_thread() -> None:
+    api = SimNvml(gpu_count=1)
+    api.nvmlInit()
+    started, go = threading.Event(), threading.Event()
+
+    def preflight(command: RunPreflight, finish: Finish) -> None:
+        def load() -> None:
+            go.wait(10)
+            finish(True, f"{command.id} passed")
+
+        threading.Thread(target=load, daemon=True).start()
+        started.set()
+
+    ex = CommandExecutor(api, [], relay=lambda _c: 0, on_ack=lambda _a: None, preflight=preflight)
+    got: list[CommandAck] = []
+    caller = threading.Thread(
+        target=lambda: got.append(ex.execute(cmd(id="pf", kind="run_preflight")))
+    )
+    caller.start()
+    assert started.wait(10)
+    caller.join(0.2)
+    assert caller.is_alive() and got == []  # no ack before the preflight finished
+    go.set()
+    caller.join(10)
+    assert not caller.is_alive()
+    assert [(a.command_id, a.status, a.reason) for a in got] == [
+        ("pf", CommandStatus.SUCCEEDED, "pf passed")
+    ]
+    # Finished inline, before execute() could wait: the ack is there at once.
+    inline = CommandExecutor(
+        api, [], relay=lambda _c: 0, on_ack=lambda _a: None,
+        preflight=lambda c, finish: finish(False, "no sample"),
+    )  # fmt: skip
+    assert inline.execute(cmd(id="pf2", kind="run_preflight")).reason == "no sample"
