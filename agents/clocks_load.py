@@ -51,7 +51,7 @@ import pynvml
 
 from agents.gpu.backend import GpuBackend
 from agents.nics import NicMonitor
-from agents.preflight import Check, evaluate
+from agents.preflight import Check, Status, evaluate
 from agents.sampler import ClockEventReasons, GpuSampler
 from trainguard.wire import GpuInfo, GpuSample, decode_throttle_reasons
 
@@ -131,12 +131,16 @@ class _Run:
     proc: subprocess.Popen[bytes] | None = None
     out: IO[bytes] | None = None
     err: IO[bytes] | None = None
-    returncode: int | None = None
     timed_out: bool = False
     cancelled: bool = False
     start_error: str = ""
     samples: list[_Sample] = field(default_factory=list)
     nvml_errors: list[str] = field(default_factory=list)
+
+    @property
+    def returncode(self) -> int | None:
+        """The load's exit status once it was reaped (every load is, before judging)."""
+        return self.proc.returncode if self.proc is not None else None
 
 
 def skipped(targets: Sequence[int], reason: str) -> list[Check]:
@@ -258,8 +262,6 @@ def run_clocks_load(
             for run in runs:
                 if run.proc is not None and run.proc.poll() is None:
                     _kill(run.proc)
-                if run.proc is not None:
-                    run.returncode = run.proc.returncode
             sampler.stop.set()
             sampler.join(SAMPLER_JOIN_S)
             checks = [_judge(run, settings, sampler_hung=sampler.is_alive()) for run in runs]
@@ -271,32 +273,31 @@ def run_clocks_load(
 
 
 def _judge(run: _Run, settings: LoadSettings, *, sampler_hung: bool) -> Check:
-    target = f"gpu{run.target.index}"
+    return Check("clocks_load", f"gpu{run.target.index}", *_status(run, settings, sampler_hung))
 
-    def check(status: str, reason: str) -> Check:
-        return Check("clocks_load", target, status, reason)  # type: ignore[arg-type]
 
+def _status(run: _Run, settings: LoadSettings, sampler_hung: bool) -> tuple[Status, str]:
     if run.start_error:
-        return check("fail", f"load command did not run: {run.start_error}")
+        return "fail", f"load command did not run: {run.start_error}"
     if run.cancelled:  # no verdict either way: the load did not finish
-        return check("skip", "cancelled: the agent stopped during the load")
+        return "skip", "cancelled: the agent stopped during the load"
     why = _tail(run.err) or _tail(run.out)
     if run.timed_out:
         limit = settings.seconds + settings.grace_s
-        return check("fail", f"load command ran past {limit:g} s and was killed")
+        return "fail", f"load command ran past {limit:g} s and was killed"
     if run.returncode == EXIT_NO_TORCH:
-        return check("skip", f"no load generated: torch is not importable ({why})")
+        return "skip", f"no load generated: torch is not importable ({why})"
     if run.returncode == EXIT_NO_CUDA:
-        return check("skip", f"no load generated: no usable CUDA device ({why})")
+        return "skip", f"no load generated: no usable CUDA device ({why})"
     if run.returncode != 0:
-        return check("fail", f"load command exited with status {run.returncode}: {why}")
+        return "fail", f"load command exited with status {run.returncode}: {why}"
     loaded = [s for s in run.samples if s.utilization_pct >= LOADED_UTILIZATION_PCT]
     if not loaded:
         if sampler_hung or (run.nvml_errors and not run.samples):
             last = run.nvml_errors[-1] if run.nvml_errors else "a call hung"
-            return check("fail", f"NVML did not answer during the load ({last})")
+            return "fail", f"NVML did not answer during the load ({last})"
         busiest = max((s.utilization_pct for s in run.samples), default=0)
-        return check(
+        return (
             "fail",
             f"the load ran but NVML never saw the GPU busy ({len(run.samples)} samples, "
             f"at most {busiest}% utilization)",
@@ -304,8 +305,9 @@ def _judge(run: _Run, settings: LoadSettings, *, sampler_hung: bool) -> Check:
     return _verdict(run.target, loaded, settings)
 
 
-def _verdict(target: LoadTarget, loaded: Sequence[_Sample], settings: LoadSettings) -> Check:
-    name = f"gpu{target.index}"
+def _verdict(
+    target: LoadTarget, loaded: Sequence[_Sample], settings: LoadSettings
+) -> tuple[Status, str]:
     clock = int(statistics.median(s.sm_clock_mhz for s in loaded))
     reasons = 0
     flagged = 0
@@ -321,26 +323,17 @@ def _verdict(target: LoadTarget, loaded: Sequence[_Sample], settings: LoadSettin
     what = f"SM clock {clock} MHz under load ({len(loaded)} samples)"
     if flagged:
         slow = ", ".join(r.value for r in decode_throttle_reasons(reasons & SLOWDOWN_REASONS))
-        return Check(
-            "clocks_load", name, "fail", f"{slow} in {flagged}/{len(loaded)} samples; {what}"
-        )
+        return "fail", f"{slow} in {flagged}/{len(loaded)} samples; {what}"
     if not reference:
-        return Check("clocks_load", name, "fail", f"{what}; the max SM clock is not reported")
+        return "fail", f"{what}; the max SM clock is not reported"
     fraction = clock / reference
     if fraction < settings.min_clock_fraction:
-        return Check(
-            "clocks_load",
-            name,
+        return (
             "fail",
             f"{what} is {fraction:.0%} of {of} (needs {settings.min_clock_fraction:.0%}); "
             f"clock-event reasons: {shown}",
         )
-    return Check(
-        "clocks_load",
-        name,
-        "pass",
-        f"{what}, {fraction:.0%} of {of}; clock-event reasons: {shown}",
-    )
+    return "pass", f"{what}, {fraction:.0%} of {of}; clock-event reasons: {shown}"
 
 
 def load_command(api: Any, configured: Sequence[str] = ()) -> tuple[list[str] | None, str]:
