@@ -45,6 +45,7 @@ from bench.detect_sim import (
     SimOutcome,
     ThresholdBaseline,
     agent_sends,
+    node_arrivals,
     replay_deployed,
 )
 from controller.logic.detection.c4d import FindingKind
@@ -263,14 +264,8 @@ def replays(run: GlooRun) -> dict[str, list[SimOutcome]]:
 def reports_per_node_s(run: GlooRun, cadence: AgentCadence) -> float:
     """Reports per second one node's agent seals while the job runs, with ``cadence``
     (the ingest load the setting costs; the timer's empty reports included)."""
-    arrivals: dict[str, list[tuple[float, StepSummary]]] = {}
-    for rows in run.steps:
-        for s in rows:
-            key = f"node-{s.rank // PER_NODE}"
-            arrivals.setdefault(key, []).append((run.arrived_s[(s.step, s.rank)], s))
     rates = []
-    for i, (_, items) in enumerate(sorted(arrivals.items())):
-        items.sort(key=lambda a: a[0])
+    for i, items in enumerate(node_arrivals(run.steps, run.arrived_s, PER_NODE).values()):
         first, last = items[0][0], items[-1][0]
         sealed: list[float] = []
         agent_sends(items, cadence, random.Random(i).uniform(0, cadence.report_interval_s), sealed)
@@ -285,7 +280,6 @@ def straggler_figures(sc: dict[str, Any], runs: dict[str, list[SimOutcome]]) -> 
     (the step that completed it, from the evidence's ``at_step``, minus the fault step)."""
     culprit, fault = sc["culprit"], sc["fault_step"]
     out: dict[str, Any] = {
-        "named_after_steps": [],
         "data_steps": [],
         "other_incidents": 0,
         "other_stragglers": 0,
@@ -314,7 +308,6 @@ def straggler_figures(sc: dict[str, Any], runs: dict[str, list[SimOutcome]]) -> 
             seconds.append(round(t - res.step_end_s[fault - 1], 1))
             if name == "default":
                 out["named"] += 1
-                out["named_after_steps"].append(step - fault)
                 out["data_steps"].append(data - fault)
         out[f"named_after_steps_{name}"] = named_after
         out[f"detect_s_{name}"] = seconds
@@ -330,7 +323,7 @@ def gloo_results(quick: bool) -> dict[str, Any]:
         "cadences": {name: asdict(c) for name, c in CADENCES.items()},
     }
     base: dict[str, Any] = {"role_straggler_detect_steps": [], "role_straggler_other_incidents": 0}
-    pooled: dict[str, Any] = {"named_after_steps": [], "other_incidents": 0, "named": 0, "runs": 0}
+    pooled: dict[str, Any] = {"other_incidents": 0, "named": 0, "runs": 0}
     step_s: list[float] = []
     rates: dict[str, list[float]] = {name: [] for name in CADENCES}
     for sc in gloo_scenarios(quick):
@@ -370,8 +363,9 @@ def gloo_results(quick: bool) -> dict[str, Any]:
     out["step_s_p50"] = round(statistics.median(step_s), 4) if step_s else None
     # The issue's figure: the job's steps from the fault until the straggler incident
     # opened, agents and controller at their defaults (delivery and tick included).
-    out["role_straggler_detect_steps"] = pooled["named_after_steps"]
-    out["role_straggler_detect_steps_p50"] = _p50(pooled["named_after_steps"])
+    detect_steps = pooled.get("named_after_steps_default", [])
+    out["role_straggler_detect_steps"] = detect_steps
+    out["role_straggler_detect_steps_p50"] = _p50(detect_steps)
     out["role_straggler_data_steps_p50"] = _p50(pooled.get("data_steps", []))
     out["role_straggler_detected"] = (
         round(pooled["named"] / pooled["runs"], 3) if pooled["runs"] else None

@@ -466,6 +466,18 @@ def agent_sends(
 SHIP_INTERVAL_S = 0.15
 
 
+def node_arrivals(
+    steps: list[list[StepSummary]], arrived_s: dict[tuple[int, int], float], per_node: int
+) -> dict[str, list[tuple[float, StepSummary]]]:
+    """A recorded run's summaries per node's agent (``per_node`` ranks to a node), by name,
+    each node's with its recorded arrival time, in order of arrival."""
+    nodes: dict[str, list[tuple[float, StepSummary]]] = {}
+    for rows in steps:
+        for s in rows:
+            nodes.setdefault(_node(s.rank, per_node), []).append((arrived_s[(s.step, s.rank)], s))
+    return {name: sorted(nodes[name], key=lambda a: a[0]) for name in sorted(nodes)}
+
+
 def replay_deployed(
     steps: list[list[StepSummary]],
     arrived_s: dict[tuple[int, int], float],
@@ -484,13 +496,8 @@ def replay_deployed(
     understates how far the job had got)."""
     rng = random.Random(seed)
     trackers = JobTrackers(cfg or C4DConfig())
-    nodes: dict[str, list[tuple[float, StepSummary]]] = {}
-    for rows in steps:
-        for s in rows:
-            nodes.setdefault(_node(s.rank, per_node), []).append((arrived_s[(s.step, s.rank)], s))
     events: list[tuple[float, int, list[StepSummary], str]] = []
-    for name in sorted(nodes):
-        arrivals = sorted(nodes[name], key=lambda a: a[0])
+    for name, arrivals in node_arrivals(steps, arrived_s, per_node).items():
         phase = rng.uniform(0, cadence.report_interval_s)
         events += [
             (t + cadence.latency_s, 0, batch, name)

@@ -13,7 +13,16 @@ import itertools
 import random
 import statistics
 
-from bench.detect_sim import AgentCadence, agent_sends, replay_deployed
+from bench.detect_gloo import (
+    CADENCES,
+    PER_NODE,
+    REPLAY_SEEDS,
+    GlooRun,
+    replays,
+    reports_per_node_s,
+    straggler_figures,
+)
+from bench.detect_sim import AgentCadence, agent_sends, node_arrivals, replay_deployed
 from controller.logic.detection.c4d import FindingKind
 from trainguard.wire import StepSummary
 
@@ -78,3 +87,28 @@ def test_the_deployed_replay_names_the_straggler_sooner_with_the_early_flush() -
             after[name].append(step - FAULT)
     assert statistics.median(after["default"]) < statistics.median(after["timer_5s"])
     assert statistics.median(after["default"]) <= 50
+
+
+def test_gloo_figures_of_a_recorded_run_group_its_ranks_by_node() -> None:
+    """bench.detect_gloo's figures of one recorded run: its summaries per node's agent (two
+    ranks a node, in order of arrival), reports a node's agent seals per second by the
+    cadence rule, and the straggler named under every cadence, the default's the figure."""
+    steps, arrived = recorded()
+    nodes = node_arrivals(steps, arrived, PER_NODE)
+    assert list(nodes) == ["node-0", "node-1", "node-2", "node-3"]
+    for name, items in nodes.items():
+        assert {s.rank // PER_NODE for _, s in items} == {int(name[5:])}
+        assert len(items) == PER_NODE * len(steps)
+        assert [t for t, _ in items] == sorted(t for t, _ in items)
+    run = GlooRun(steps, arrived)
+    rates = {name: reports_per_node_s(run, cadence) for name, cadence in CADENCES.items()}
+    assert abs(rates["timer_5s"] - 0.2) < 0.02 and abs(rates["timer_1s"] - 1.0) < 0.05
+    assert rates["timer_5s"] < rates["default"] <= 1.05  # the early flush: at most 1/s
+    fig = straggler_figures({"culprit": 3, "fault_step": FAULT}, replays(run))
+    assert fig["named"] == len(fig["named_after_steps_default"]) == len(REPLAY_SEEDS)
+    for name in CADENCES:
+        assert all(0 < n <= 200 for n in fig[f"named_after_steps_{name}"]), name
+    assert len(fig["data_steps"]) == len(REPLAY_SEEDS)
+    assert all(
+        d <= n for d, n in zip(fig["data_steps"], fig["named_after_steps_default"], strict=True)
+    )
