@@ -1,4 +1,5 @@
-"""Test helpers for the agent: a small real controller stand-in and a local-socket client.
+"""Test helpers for the agent: a small real controller stand-in, a local-socket client, and
+an agent running on a thread of its own (:class:`Running`).
 
 ``FakeController`` is a FastAPI app served by uvicorn on an ephemeral 127.0.0.1 port. It
 checks the bearer token, validates reports with the real wire models, de-duplicates by
@@ -22,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from agents.daemon import Agent
 from trainguard.framing import encode_frame, read_frame
 from trainguard.wire import (
     API_PREFIX,
@@ -91,9 +93,9 @@ def make_app(state: ControllerState) -> FastAPI:
         if stall:  # stored, but the answer comes too late: the agent's ack is "lost"
             await asyncio.sleep(stall)
         reply = ReportReply(seq=report.seq, duplicate=duplicate, server_unix_s=time.time())
-        body = reply.model_dump(mode="json")
-        body["commands"] = commands
-        return JSONResponse(body)
+        answer = reply.model_dump(mode="json")
+        answer["commands"] = commands
+        return JSONResponse(answer)
 
     return app
 
@@ -184,3 +186,22 @@ class LocalClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class Running:
+    """``with Running(agent):`` the agent started, its loop on a thread; stopped on exit."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=agent.run_until, args=(self.stop,), daemon=True)
+
+    def __enter__(self) -> Agent:
+        self.agent.start()
+        self.thread.start()
+        return self.agent
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+        self.agent.stop()

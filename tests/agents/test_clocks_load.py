@@ -38,7 +38,7 @@ from agents.gpu.sim import SimNvml
 from agents.preflight import NO_LOAD_REQUESTED, Check, summary
 from agents.sampler import GpuSampler
 from agents.settings import load_settings
-from tests.agents.agents_testkit import TOKEN, FakeController, LocalClient
+from tests.agents.agents_testkit import TOKEN, FakeController, LocalClient, Running
 from tests.agents.sysfs_tree import SysfsTree
 
 PY = sys.executable
@@ -256,23 +256,6 @@ def _agent(tmp_path: Path, url: str, tree: SysfsTree, sock: str = "", **kw: Any)
     return Agent(s)
 
 
-class _Running:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=agent.run_until, args=(self.stop,), daemon=True)
-
-    def __enter__(self) -> Agent:
-        self.agent.start()
-        self.thread.start()
-        return self.agent
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=10)
-        self.agent.stop()
-
-
 def _acks(controller: FakeController, command_id: str) -> list[Any]:
     reports = controller.state.ordered()
     return [a for r in reports for a in r.command_acks if a.command_id == command_id]
@@ -283,7 +266,7 @@ def test_the_heartbeat_goes_on_while_the_agent_loads_its_gpus(
 ) -> None:
     tree = SysfsTree(tmp_path / "sys").build()
     agent = _agent(tmp_path, agents_controller.url, tree, preflight_load_s=2.0)
-    with _Running(agent):
+    with Running(agent):
         agents_controller.queue_command("load-node", {"id": "pf-load", "kind": "run_preflight"})
         agents_controller.wait_for(lambda: "pf-load" in agents_controller.state.delivered_at)
         # The controller resends while the load runs: no second load, no early ack.
@@ -309,7 +292,7 @@ def test_no_load_over_a_running_job_or_when_disabled(
     with tempfile.TemporaryDirectory(prefix="tgl-") as short:
         sock = str(Path(short) / "agent.sock")
         agent = _agent(tmp_path, agents_controller.url, tree, sock=sock, preflight_load_s=0.5)
-        with _Running(agent):
+        with Running(agent):
             client = LocalClient(sock)
             assert client.hello("train-a", rank=0).ok
             agents_controller.wait_for(lambda: agent._local_clients() == 1)

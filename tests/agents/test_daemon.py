@@ -15,7 +15,7 @@ import pytest
 from agents.daemon import Agent
 from agents.errors import AgentConfigError, ListenError, SpoolError
 from agents.settings import AgentSettings, load_settings
-from tests.agents.agents_testkit import TOKEN, FakeController, LocalClient
+from tests.agents.agents_testkit import TOKEN, FakeController, LocalClient, Running
 from trainguard.wire import InflightCollective, JobRecords, Report, StepSummary
 
 
@@ -43,23 +43,6 @@ def settings(tmp_path: Path, sock_dir: Path, url: str, **kw: Any) -> AgentSettin
     }
     base.update(kw)
     return load_settings(**base)
-
-
-class Running:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=agent.run_until, args=(self.stop,), daemon=True)
-
-    def __enter__(self) -> Agent:
-        self.agent.start()
-        self.thread.start()
-        return self.agent
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=10)
-        self.agent.stop()
 
 
 def all_samples(reports: list[Report]) -> list[float]:
@@ -311,9 +294,9 @@ def test_an_uncorrectable_ecc_event_asks_for_a_report_at_once(
     reasons: list[str] = []
     real = agent.request_report
 
-    def spy(reason: str) -> None:
-        reasons.append(reason)
-        real(reason)
+    def spy(why: str) -> None:
+        reasons.append(why)
+        real(why)
 
     agent.request_report = spy  # type: ignore[method-assign]
     with Running(agent):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from agents.nics import NicMonitor
 from agents.preflight import summary
 from agents.sampler import GpuSampler
 from agents.settings import load_settings
-from tests.agents.agents_testkit import TOKEN, FakeController
+from tests.agents.agents_testkit import TOKEN, FakeController, Running
 from tests.agents.sysfs_tree import SysfsTree
 
 
@@ -135,21 +134,12 @@ def test_the_controller_asks_through_the_command_channel(
         report_interval_s=0.3, spool_dir=tmp_path / "spool", socket_path="", metrics_port=-1,
         powercap_dir=tmp_path / "no-powercap", sysfs_root=tree.root, dev_dir=tmp_path / "no-dev",
     )  # fmt: skip
-    agent = Agent(s)
-    stop = threading.Event()
-    agent.start()
-    thread = threading.Thread(target=agent.run_until, args=(stop,), daemon=True)
-    thread.start()
 
     def acks() -> list[Any]:
         return [a for r in agents_controller.state.ordered() for a in r.command_acks]
 
-    try:
+    with Running(Agent(s)):
         agents_controller.wait_for(lambda: len(acks()) == 1, timeout_s=60)
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-        agent.stop()
     (ack,) = acks()
     assert ack.command_id == "pf-1" and ack.status == "failed"
     assert ack.reason == (
