@@ -266,13 +266,22 @@ def test_the_heartbeat_goes_on_while_the_agent_loads_its_gpus(
 ) -> None:
     tree = SysfsTree(tmp_path / "sys").build()
     agent = _agent(tmp_path, agents_controller.url, tree, preflight_load_s=2.0)
+    loads: set[threading.Thread] = set()
+
+    def load_acked() -> bool:
+        loads.update(t for t in threading.enumerate() if t.name == "preflight-load")
+        return bool(_acks(agents_controller, "pf-load"))
+
     with Running(agent):
         agents_controller.queue_command("load-node", {"id": "pf-load", "kind": "run_preflight"})
         agents_controller.wait_for(lambda: "pf-load" in agents_controller.state.delivered_at)
         # The controller resends while the load runs: no second load, no early ack.
         agents_controller.queue_command("load-node", {"id": "pf-load", "kind": "run_preflight"})
-        agents_controller.wait_for(lambda: _acks(agents_controller, "pf-load"), timeout_s=60)
-        loads = [t for t in threading.enumerate() if t.name == "preflight-load"]
+        agents_controller.wait_for(load_acked, timeout_s=60)
+        # The load thread acks as its last act: wait for it to end, the agent still running.
+        for thread in loads:
+            thread.join(timeout=10)
+        assert len(loads) == 1 and not any(t.is_alive() for t in loads)
     state = agents_controller.state
     delivered, acked = state.delivered_at["pf-load"], state.acked_at["pf-load"]
     during = [t for t in state.post_times if delivered < t < acked]
@@ -282,7 +291,6 @@ def test_the_heartbeat_goes_on_while_the_agent_loads_its_gpus(
     (ack,) = _acks(agents_controller, "pf-load")
     assert ack.status == "succeeded", ack.reason
     assert ack.reason == "preflight passed: 15 checks (0 skipped)"
-    assert loads == []  # the load thread is gone once it acked
 
 
 def test_no_load_over_a_running_job_or_when_disabled(
