@@ -11,6 +11,7 @@ import time
 from sqlalchemy.orm import Session
 
 from controller.db.repositories import commands, incidents, jobs, nodes
+from controller.logic.detection.evidence_kinds import parse_evidence
 from controller.logic.remediation.preflight import PREFLIGHT_KIND
 from controller.state import (
     ClusterState,
@@ -46,7 +47,10 @@ def load_state(session: Session, state: ClusterState) -> None:
         if job is not None:
             job.ranks[r.rank] = RankState(**jobs.RANK.fields(r, RankState))
     for i in incidents.load_open(session):
-        state.add_incident(IncidentState(**incidents.INCIDENT.fields(i, IncidentState)))
+        found = incidents.INCIDENT.fields(i, IncidentState)
+        # Typed once, here (an untyped kind or an odd row is kept as stored, never dropped).
+        found["evidence"] = parse_evidence(i.kind, i.evidence)
+        state.add_incident(IncidentState(**found))
     for cmd in commands.load_unfinished(session):
         state.commands[cmd.id] = CommandState(**commands.COMMAND.fields(cmd, CommandState))
     # The last preflight verdict of each node (placement and quarantine read them from the

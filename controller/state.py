@@ -22,6 +22,7 @@ from controller.db.keys import CommandKey, CursorKey, GpuKey, JobKey, NodeKey, R
 from controller.db.repositories import commands as repo_commands
 from controller.db.repositories import jobs as repo_jobs
 from controller.db.repositories import nodes as repo_nodes
+from controller.logic.detection.incident_evidence import IncidentEvidence
 from trainguard import wire
 
 NODE_HEALTH = ("healthy", "unhealthy", "lost", "unknown")
@@ -109,7 +110,10 @@ class IncidentState:
     gpu_index: int | None = None
     job: str | None = None
     ranks: list[int] = field(default_factory=list)
-    evidence: dict[str, Any] = field(default_factory=dict)
+    #: Typed by kind, parsed once where it enters memory (the loader, the incident
+    #: service: ``evidence_kinds.parse_evidence``); an untyped kind or a row that does not
+    #: fit its model is an ``UntypedEvidence``. The row stores ``evidence.as_json()``.
+    evidence: IncidentEvidence = field(default_factory=IncidentEvidence)
     count: int = 1
     resolved_unix_s: float | None = None
 

@@ -27,6 +27,7 @@ from sqlalchemy import Connection, Table
 from controller.db.keys import RowKey
 from controller.db.repositories import incidents as repo
 from controller.db.repositories import write_batch
+from controller.logic.detection.evidence_kinds import parse_evidence
 from controller.logic.detection.incident_evidence import EvidenceEvent, IncidentEvidence
 from controller.services.events import EventBus, IncidentOpened
 from controller.services.metrics import SafeCollector
@@ -42,8 +43,8 @@ MAX_EVIDENCE_EVENTS = 50
 @dataclass(kw_only=True, slots=True)
 class IncidentSpec:
     """What a detector found. ``evidence`` is the kind's model
-    (``controller.logic.detection.evidence_kinds``); a plain JSON object only for a kind
-    that has none (and for test fixtures that store partial evidence on purpose)."""
+    (``controller.logic.detection.evidence_kinds``); ``UntypedEvidence`` for a kind that
+    has none."""
 
     kind: str
     severity: str
@@ -53,14 +54,12 @@ class IncidentSpec:
     gpu_index: int | None = None
     job: str | None = None
     ranks: list[int] | None = None
-    evidence: IncidentEvidence | dict[str, Any] | None = None
+    evidence: IncidentEvidence | None = None
 
 
-def _stored(evidence: IncidentEvidence | dict[str, Any] | None) -> dict[str, Any]:
+def _stored(evidence: IncidentEvidence | None) -> dict[str, Any]:
     """The JSON an incident row stores for ``evidence`` (a new dict, never the caller's)."""
-    if evidence is None:
-        return {}
-    return evidence.as_json() if isinstance(evidence, IncidentEvidence) else dict(evidence)
+    return {} if evidence is None else evidence.as_json()
 
 
 class IncidentService:
@@ -105,7 +104,8 @@ class IncidentService:
         rows = _merge(self._rows(also_write), rows)
         new_events = [e.model_dump(mode="json") for e in events or ()]
         if existing is not None:
-            evidence = dict(existing.evidence)
+            # Merged as the stored JSON (what the row gets), then typed once for memory.
+            evidence = existing.evidence.as_json()
             if refresh:
                 evidence.update(_stored(spec.evidence))
             evidence.update(_stored(evidence_update))
@@ -119,6 +119,7 @@ class IncidentService:
                 "evidence": evidence,
                 **({"summary": summary} if refresh else {}),
             }
+            typed = parse_evidence(existing.kind, evidence)
             incident_id = existing.id
 
             def bump(conn: Connection) -> None:
@@ -132,7 +133,7 @@ class IncidentService:
             existing.count += count
             existing.updated_unix_s = now
             existing.summary = summary
-            existing.evidence = evidence
+            existing.evidence = typed
             return existing, False
 
         evidence = {**_stored(spec.evidence), **_stored(evidence_update)}
@@ -152,10 +153,10 @@ class IncidentService:
             gpu_index=spec.gpu_index,
             job=spec.job,
             ranks=list(spec.ranks or []),
-            evidence=evidence,
+            evidence=parse_evidence(spec.kind, evidence),
             count=count,
         )
-        row = repo.incident_row(incident)
+        row = repo.incident_row(incident, evidence)
 
         def insert(conn: Connection) -> int:
             write_batch(conn, rows)
@@ -194,7 +195,8 @@ class IncidentService:
     ) -> None:
         """Resolve ``incident``; ``rows``/``on_written`` as in :meth:`open_or_bump`."""
         now = time.time()
-        evidence = {**incident.evidence, "resolution": note}
+        evidence = {**incident.evidence.as_json(), "resolution": note}
+        typed = parse_evidence(incident.kind, evidence)
         # Hooks change the incident's node in memory (a GPU trusted again); put it back if
         # the database does not take the resolution.
         saved = self._state.save_node(incident.node)
@@ -225,7 +227,7 @@ class IncidentService:
         incident.state = "resolved"
         incident.resolved_unix_s = now
         incident.updated_unix_s = now
-        incident.evidence = evidence
+        incident.evidence = typed
         log.info(
             "incident resolved",
             extra={"fields": {"incident": incident.id, "kind": incident.kind, "note": note}},

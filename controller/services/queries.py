@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Action, Command, GpuHistory, Incident
-from controller.logic.detection.evidence_kinds import EVIDENCE_BY_KIND, evidence_error
+from controller.logic.detection.evidence_kinds import read_evidence
 from controller.schemas import (
     ACTION_ADAPTER,
     INCIDENT_ADAPTER,
@@ -182,18 +182,20 @@ def incident_public(row: Incident) -> IncidentPublic:
         "updated_unix_s": row.updated_unix_s,
         "resolved_unix_s": row.resolved_unix_s,
     }
-    if row.kind not in EVIDENCE_BY_KIND:
-        fields["evidence_error"] = None  # untyped: a kind without a model
-    try:
-        return INCIDENT_ADAPTER.validate_python(fields)
-    except ValidationError:
-        error = evidence_error(row.kind, row.evidence)
-        if error is None:
-            raise  # not the evidence: a broken row the database should never hold
-        log.warning(
-            "incident %s (%s): evidence does not fit its kind's model: %s", row.id, row.kind, error
-        )
-        return INCIDENT_ADAPTER.validate_python({**fields, "evidence_error": error})
+    typed, error = read_evidence(row.kind, row.evidence)
+    if typed is not None:
+        fields["evidence"] = typed  # validated once, here: the schema takes the model as is
+    else:
+        # Untyped: a kind without a model (no error), or a row that does not fit its own.
+        fields["evidence_error"] = error
+        if error is not None:
+            log.warning(
+                "incident %s (%s): evidence does not fit its kind's model: %s",
+                row.id,
+                row.kind,
+                error,
+            )
+    return INCIDENT_ADAPTER.validate_python(fields)
 
 
 def list_incidents(

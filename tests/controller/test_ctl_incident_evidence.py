@@ -3,23 +3,35 @@ and rows stored before the models existed (or damaged ones) still load."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
+from controller.db.migrate import upgrade
 from controller.db.session import make_engine
+from controller.loader import load_state
 from controller.logic.detection.evidence_kinds import EVIDENCE_BY_KIND, parse_evidence
 from controller.logic.detection.incident_evidence import (
     DegradedEvidence,
+    EvidenceEvent,
     GpuFaultEvidence,
     HwEvidence,
+    IncidentEvidence,
     NodeLostEvidence,
+    UntypedEvidence,
     XidEvidence,
 )
+from controller.services.incidents import IncidentService, IncidentSpec
+from controller.state import ClusterState
+from controller.store import Store
+from tests.controller.db_reads import stored
 
 #: Evidence exactly as the detectors wrote it before the models (dict literals), per kind.
 OLD_ROWS: dict[str, dict[str, Any]] = {
@@ -67,13 +79,20 @@ def test_typed_fields_and_unknown_keys() -> None:
     newer = parse_evidence("node_lost", {"last_report_unix_s": 5.0, "agent_version": "9.9"})
     assert isinstance(newer, NodeLostEvidence)
     assert newer.as_json() == {"last_report_unix_s": 5.0, "agent_version": "9.9"}
-    # A damaged row stays the dict it is; kinds without a model too.
-    damaged = {"codes": "not a map"}
-    assert parse_evidence("gpu_xid", damaged) is damaged
+    # A damaged row is kept as stored (untyped: none of its kind's fields is trusted);
+    # kinds without a model too. Its JSON is the stored object, a copy of it.
+    damaged = {"codes": "not a map", "events": "not a list"}
     straggler = {"rank": 3}  # fits neither straggler shape
-    assert parse_evidence("straggler", straggler) is straggler
-    untyped = {"anything": 1}
-    assert parse_evidence("power_future", untyped) is untyped
+    untyped = {"anything": 1, "nested": {"a": [1, 2]}}
+    for kind, row in (("gpu_xid", damaged), ("straggler", straggler), ("power_future", untyped)):
+        kept = parse_evidence(kind, row)
+        assert type(kept) is UntypedEvidence, (kind, kept)
+        assert kept.as_json() == kept.model_dump() == row and kept.as_json() is not row
+        assert kept.events is None and kept.brief() == {}
+    kept = parse_evidence("power_future", untyped)
+    kept.as_json()["nested"]["a"].append(3)  # a reader's copy: the kept object is unchanged
+    assert kept.as_json() == untyped == {"anything": 1, "nested": {"a": [1, 2]}}
+    assert kept == parse_evidence("power_future", untyped) != parse_evidence("x", straggler)
     assert isinstance(parse_evidence("nic_errors", OLD_ROWS["nic_errors"]), HwEvidence)
 
 
@@ -148,3 +167,79 @@ def test_detectors_store_typed_evidence_and_old_rows_are_served(
         fault = schemas["GpuFaultIncidentPublic"]["properties"]
         assert fault["kind"].get("const", fault["kind"].get("enum")) in ("gpu_fault", ["gpu_fault"])
         assert fault["evidence"]["$ref"].endswith("/GpuFaultEvidence")
+
+
+def test_memory_holds_evidence_typed_and_the_row_its_json(tmp_path: Path) -> None:
+    """Evidence is typed once where it enters memory: the incident service on open, bump and
+    resolution, the loader at start. The row stores the same JSON memory's model gives, and
+    an odd row (or a kind without a model) is kept as stored, the incident still loaded."""
+    url = f"sqlite:///{tmp_path / 'ev.db'}"
+    upgrade(url)
+    store = Store(make_engine(url))
+    state = ClusterState()
+    incidents = IncidentService(state, store)
+
+    def row(incident_id: int) -> dict[str, Any]:
+        value = stored(url, "SELECT evidence FROM incidents WHERE id = :i", i=incident_id)
+        return json.loads(value) if isinstance(value, str) else dict(value)
+
+    def spec(kind: str, evidence: IncidentEvidence) -> IncidentSpec:
+        return IncidentSpec(
+            kind=kind, severity="warning", summary=kind, dedupe_key=f"{kind}:n1:0", node="n1",
+            gpu_index=0, evidence=evidence,
+        )  # fmt: skip
+
+    old = parse_evidence("gpu_degraded", OLD_ROWS["gpu_degraded"])
+    newer = DegradedEvidence(causes=["throttled"], since_unix_s=20.0)
+    other = UntypedEvidence.of({"anything": [1, {"a": 2}]})
+
+    async def scenario() -> None:
+        degraded, _ = await incidents.open_or_bump(spec("gpu_degraded", old))
+        assert type(degraded.evidence) is DegradedEvidence and degraded.evidence is not old
+        assert row(degraded.id) == degraded.evidence.as_json() == OLD_ROWS["gpu_degraded"]
+        event = EvidenceEvent(time_unix_s=30.0, cause="throttle")
+        await incidents.open_or_bump(
+            spec("gpu_degraded", old), events=[event], evidence_update=newer
+        )
+        merged = degraded.evidence
+        assert isinstance(merged, DegradedEvidence) and merged.causes == ["throttled"]
+        assert merged.ecc is not None and merged.ecc.rise == 120  # kept from the first
+        assert merged.events is not None and [e.time_unix_s for e in merged.events] == [11, 30]
+        assert row(degraded.id) == merged.as_json()
+        untyped, _ = await incidents.open_or_bump(spec("power_future", other))
+        assert type(untyped.evidence) is UntypedEvidence
+        assert row(untyped.id) == untyped.evidence.as_json() == {"anything": [1, {"a": 2}]}
+        await incidents.resolve(degraded, note="cooled down")
+        assert isinstance(degraded.evidence, DegradedEvidence)
+        assert degraded.evidence.resolution == "cooled down"
+        assert row(degraded.id) == degraded.evidence.as_json()
+
+    try:
+        asyncio.run(scenario())
+        # Rows the loader reads back: a typed one, one that fits no model, an untyped kind.
+        with store.engine.begin() as conn:
+            for key, (kind, evidence) in {
+                "a": ("application_xid", OLD_ROWS["application_xid"]),
+                "b": ("gpu_xid", {"codes": "not a map"}),
+            }.items():
+                conn.execute(
+                    text(
+                        "INSERT INTO incidents (kind, severity, state, summary, node_name,"
+                        " ranks, evidence, dedupe_key, count, opened_unix_s,"
+                        " updated_unix_s) VALUES (:k, 'warning', 'open', 'old', 'n1',"
+                        " '[]', :e, :d, 1, 1.0, 1.0)"
+                    ),
+                    {"k": kind, "e": json.dumps(evidence), "d": key},
+                )
+        loaded = ClusterState()
+        with Session(store.engine) as session:
+            load_state(session, loaded)
+    finally:
+        store.close()
+    by_key = loaded.incidents_by_key
+    assert set(by_key) == {"a", "b", "power_future:n1:0"}  # the resolved one is not loaded
+    assert isinstance(by_key["a"].evidence, XidEvidence)
+    assert by_key["a"].evidence.codes == {"45": 3, "13": 1}
+    assert type(by_key["b"].evidence) is UntypedEvidence  # odd: kept, never hidden
+    assert by_key["b"].evidence.as_json() == {"codes": "not a map"}
+    assert by_key["power_future:n1:0"].evidence == other

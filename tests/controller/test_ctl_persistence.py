@@ -19,6 +19,7 @@ import pytest
 from controller.db import repositories
 from controller.db.keys import CommandKey, CursorKey, GpuKey, JobKey, NodeKey, RankKey
 from controller.db.models import Base
+from controller.logic.detection.incident_evidence import EvidenceEvent, GpuFaultEvidence
 from controller.state import (
     ClusterState,
     CommandState,
@@ -165,7 +166,10 @@ def _sample_state() -> ClusterState:
         IncidentState(
             id=1, kind="gpu_fault", severity="critical", state="open", summary="s",
             dedupe_key="gpu_fault:n1:3", opened_unix_s=3.0, updated_unix_s=4.0, node="n1",
-            gpu_index=3, job="j1", ranks=[1], evidence={"xid": 79}, count=2,
+            gpu_index=3, job="j1", ranks=[1], count=2,
+            evidence=GpuFaultEvidence(
+                reasons=["XID 79"], events=[EvidenceEvent(time_unix_s=2.5, xid=79)]
+            ),
         )
     )  # fmt: skip
     return state
@@ -200,7 +204,7 @@ def test_rows_round_trip_through_the_database(tmp_path: Path) -> None:
             incident = before.incidents[1]
             assert (
                 repositories.incidents.insert_incident(
-                    conn, repositories.incidents.incident_row(incident)
+                    conn, repositories.incidents.incident_row(incident, incident.evidence.as_json())
                 )
                 == 1
             )
@@ -225,6 +229,7 @@ def test_rows_round_trip_through_the_database(tmp_path: Path) -> None:
     assert plain(after.jobs["j1"].ranks[1]) == plain(before.jobs["j1"].ranks[1])
     assert plain(after.commands["c1"]) == plain(before.commands["c1"])
     assert plain(after.incidents[1]) == plain(before.incidents[1])
+    assert type(after.incidents[1].evidence) is GpuFaultEvidence  # typed once, by the loader
 
 
 def test_node_upsert_from_memory_never_undoes_a_stored_isolation(tmp_path: Path) -> None:

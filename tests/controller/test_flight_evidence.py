@@ -22,6 +22,7 @@ from controller.db.keys import NodeKey
 from controller.db.migrate import upgrade
 from controller.db.repositories import write_batch
 from controller.db.session import make_engine
+from controller.logic.detection.c4d.job_evidence import FlightRecorderEvidence, HangEvidence
 from controller.services.commands import CommandService
 from controller.services.flight_evidence import FlightEvidence
 from controller.services.incidents import IncidentService, IncidentSpec
@@ -95,7 +96,16 @@ async def _scenario(store: Store, culprits: list[int]) -> tuple[Any, list[Any]]:
             dedupe_key=f"hang:llm:{culprits}",
             job="llm",
             ranks=culprits,
-            evidence={"seq": 6},
+            evidence=HangEvidence(
+                group="0",
+                seq=6,
+                op="all_reduce",
+                elapsed_s=30.0,
+                entered=[r for r in NODES if r not in culprits],
+                passed=[],
+                absent=culprits,
+                confidence=1.0,
+            ),
         )
     )
     await evidence.on_incident_opened(incident)
@@ -114,10 +124,17 @@ async def _scenario(store: Store, culprits: list[int]) -> tuple[Any, list[Any]]:
 
     # ranks 0 and 1 entered seq 6 (stuck in it); rank 2 never got past seq 5
     await evidence.on_report(_report("fr-node-a", [dump(0, 6)]), now)
-    partial = dict(incident.evidence)
+    partial = incident.evidence.as_json()
     await evidence.on_report(_report("fr-node-a", [dump(1, 6)]), now)
     await evidence.on_report(_report("fr-node-b", [dump(2, 5)]), now)
     return incident, [asked, partial]
+
+
+def _flight_recorder(incident: Any) -> FlightRecorderEvidence:
+    """The reading merged into the hang's evidence (typed, as memory holds it)."""
+    assert isinstance(incident.evidence, HangEvidence), incident.evidence
+    assert incident.evidence.flight_recorder is not None
+    return incident.evidence.flight_recorder
 
 
 def test_dumps_are_asked_for_and_their_verdict_attached(store: Store) -> None:
@@ -127,18 +144,18 @@ def test_dumps_are_asked_for_and_their_verdict_attached(store: Store) -> None:
         wire.JobDumpTrace.model_validate({**c.params, "id": c.id}).job == "llm" for c in asked
     )
     assert "flight_recorder" not in partial  # not before every rank answered
-    fr = incident.evidence["flight_recorder"]
-    (div,) = fr["divergences"]
-    assert (div["seq"], div["entered"], div["missing"]) == (6, [0, 1], [2])
-    assert fr["agrees_with_trainguard"] is True and fr["dumps_missing"] == []
-    assert incident.evidence["seq"] == 6  # the detector's evidence stays
+    fr = _flight_recorder(incident)
+    (div,) = fr.divergences
+    assert (div.seq, div.entered, div.missing) == (6, [0, 1], [2])
+    assert fr.agrees_with_trainguard is True and fr.dumps_missing == []
+    assert incident.evidence.seq == 6 and incident.evidence.absent == [2]  # the detector's stays
     assert "disagrees" not in incident.summary
 
 
 def test_a_disagreement_is_said_in_the_summary(store: Store) -> None:
     incident, _ = asyncio.run(_scenario(store, [1]))
-    fr = incident.evidence["flight_recorder"]
-    assert fr["agrees_with_trainguard"] is False
+    fr = _flight_recorder(incident)
+    assert fr.agrees_with_trainguard is False
     assert (
         "Flight Recorder disagrees" in incident.summary and "[2] never entered" in incident.summary
     )

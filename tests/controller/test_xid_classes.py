@@ -21,6 +21,7 @@ from controller.db.keys import GpuKey, NodeKey, RowKey
 from controller.db.migrate import upgrade
 from controller.db.repositories import write_batch
 from controller.db.session import make_engine
+from controller.logic.detection.incident_evidence import XidEvidence
 from controller.services.detection.health import (
     APPLICATION_XIDS,
     FATAL_XIDS,
@@ -154,7 +155,8 @@ def test_application_xid_is_recorded_and_never_quarantines(
     (incident,) = cluster.incidents()
     assert (incident.kind, incident.severity) == ("application_xid", "info")
     assert incident.gpu_index == BAD_GPU
-    assert incident.evidence["codes"] == {str(code): 1}
+    assert isinstance(incident.evidence, XidEvidence)
+    assert incident.evidence.codes == {str(code): 1}
     assert f"application XID {code} ({APPLICATION_XIDS[code]})" in incident.summary
 
 

@@ -25,6 +25,18 @@ import httpx
 import pytest
 
 from controller.actuators.base import ActuatorError, Placement
+from controller.logic.detection.c4d.evidence import (
+    Comparison,
+    Normalization,
+    PeerGroupEvidence,
+    TimeStats,
+)
+from controller.logic.detection.c4d.job_evidence import (
+    NonfiniteEvidence,
+    StragglerIncidentEvidence,
+)
+from controller.logic.detection.c4d.peers import PeerBasis
+from controller.logic.detection.incident_evidence import IncidentEvidence
 from controller.services.incidents import IncidentSpec
 from tests.remediation.recording import RecordingActuator
 from tests.waiting import wait_for
@@ -190,7 +202,7 @@ def open_incident(
     job: str | None = "gpt",
     node: str | None = None,
     severity: str = "warning",
-    evidence: dict[str, Any] | None = None,
+    evidence: IncidentEvidence | None = None,
 ) -> int:
     spec = IncidentSpec(
         kind=kind,
@@ -217,7 +229,7 @@ def recording(live: Any, *, nodes: tuple[str, ...], pool: list[str]) -> Recordin
 
 
 def refresh_incident(
-    live: Any, incident: int, summary: str, evidence: dict[str, Any]
+    live: Any, incident: int, summary: str, evidence: IncidentEvidence
 ) -> IncidentSpec:
     """What a detector's refresh does: a newer reading of the open incident, same key."""
     state = live.controller.state.incidents[incident]
@@ -232,6 +244,39 @@ def refresh_incident(
     )
     on_loop(live, live.controller.incidents.open_or_bump(spec, count=0, refresh=True))
     return spec
+
+
+def straggler_evidence(slowdown_pct: float) -> StragglerIncidentEvidence:
+    """A straggler's evidence as the job detection service stores it: rank 1 on n1 computes
+    ``slowdown_pct`` longer than its three peers (the number the cost guard reads)."""
+    peers = TimeStats(median=0.100, spread=0.002, steps=60)
+    slow = TimeStats(median=0.100 * (1 + slowdown_pct / 100), spread=0.002, steps=20)
+    wait = TimeStats(median=0.010, spread=0.001, steps=20)
+    return StragglerIncidentEvidence(
+        rank=1,
+        node="n1",
+        gpu_index=1,
+        slowdown_pct=slowdown_pct,
+        step_cost_pct=slowdown_pct * 0.8,
+        score=1 + slowdown_pct / 100,
+        z=12.0,
+        confidence=0.9,
+        window_steps=20,
+        peer_group=PeerGroupEvidence(
+            label="job", basis=PeerBasis.JOB, role=None, ranks=[0, 1, 2, 3], why="no roles"
+        ),
+        normalization=Normalization.PEER_MEDIAN,
+        compute_s=Comparison(culprit=slow, peers=peers),
+        collective_wait_s=Comparison(culprit=wait, peers=wait),
+        step_time_s=Comparison(culprit=slow, peers=slow),
+        bytes_moved=None,
+        flagged_steps=20,
+        of_steps=20,
+        flaps=0,
+        verdict=f"rank 1 computes {slowdown_pct:.0f}% longer than its peers",
+        nodes=["n1"],
+        causes=[],
+    )
 
 
 def of(live: Any, incident: int) -> list[dict[str, Any]]:
@@ -260,7 +305,7 @@ def test_a_straggler_is_alerted_at_once_and_escalated_after_its_window(  # type:
     for i in range(4):
         agents.report(f"n{i}")
     actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1", "n2"])
-    incident = open_incident(live, "straggler", node="n1", evidence={"slowdown_pct": 25.0})
+    incident = open_incident(live, "straggler", node="n1", evidence=straggler_evidence(25.0))
     alert = wait_for(lambda: of(live, incident))
     assert [(a["kind"], a["status"]) for a in alert] == [("alert", "succeeded")]
     assert "then checkpoint, isolate, restart if it persists 3 s" in alert[0]["outcome"]
@@ -291,7 +336,7 @@ def test_a_cheap_straggler_is_only_alerted(controller_factory, tmp_path) -> None
     for i in range(4):
         agents.report(f"n{i}")
     actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1", "n2"])
-    incident = open_incident(live, "straggler", node="n1", evidence={"slowdown_pct": 4.0})
+    incident = open_incident(live, "straggler", node="n1", evidence=straggler_evidence(4.0))
     wait_for(lambda: of(live, incident))
     time.sleep(5)  # well past after_s: it persists, but costs less than min_cost_pct
     assert [(a["kind"], a["status"]) for a in of(live, incident)] == [("alert", "succeeded")]
@@ -299,7 +344,7 @@ def test_a_cheap_straggler_is_only_alerted(controller_factory, tmp_path) -> None
     assert live.controller.remediation.decided.get(incident) is None  # still watched
     # The detector's refresh says it grew past the threshold: now it escalates.
     spec = refresh_incident(
-        live, incident, "rank 1 computes 30% longer than its peers", {"slowdown_pct": 30.0}
+        live, incident, "rank 1 computes 30% longer than its peers", straggler_evidence(30.0)
     )
     wait_for(lambda: any(a["kind"] == "restart_job" for a in of(live, incident)))
     assert [a["kind"] for a in of(live, incident)] == [
@@ -453,13 +498,22 @@ def committed(
     agents.report(node, job={"checkpoints": events})
 
 
-NAN_EVIDENCE = {
-    "step": 30,
-    "op": "all_reduce",
-    "origin_ranks": [2],
-    "confidence": 1.0,
-    "bad_steps": 3,
-}
+#: What the NaN/Inf detector stores: rank 2's all_reduce input first held NaN at step 30,
+#: seen in 3 steps so far.
+NAN_EVIDENCE = NonfiniteEvidence(
+    step=30,
+    op="all_reduce",
+    group="0",
+    seq=41,
+    origin_ranks=[2],
+    nonfinite_ranks=[0, 1, 2, 3],
+    first_seq_by_rank={"0": 41, "1": 41, "2": 41, "3": 41},
+    nonfinite_calls_by_rank={"0": 1, "1": 1, "2": 1, "3": 1},
+    clean_ranks=0,
+    gpu_index=2,
+    confidence=1.0,
+    bad_steps=3,
+)
 
 
 def test_nonfinite_rolls_back_to_the_newest_checkpoint_before_the_bad_step(  # type: ignore[no-untyped-def]
@@ -478,7 +532,11 @@ def test_nonfinite_rolls_back_to_the_newest_checkpoint_before_the_bad_step(  # t
     actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1", "n2"])
     # One bad step may be an fp16 overflow that the loss scaler skips: alerted only.
     incident = open_incident(
-        live, "nonfinite", node="n1", severity="critical", evidence=NAN_EVIDENCE | {"bad_steps": 1}
+        live,
+        "nonfinite",
+        node="n1",
+        severity="critical",
+        evidence=NAN_EVIDENCE.model_copy(update={"bad_steps": 1}),
     )
     alert = wait_for(lambda: of(live, incident))
     assert [a["kind"] for a in alert] == ["alert"]
@@ -518,7 +576,7 @@ def test_nonfinite_without_a_clean_checkpoint_is_left_to_a_human(controller_fact
     agents.steps("n0", "gpt", [(5, time.time())])
     committed(agents, "n0", "gpt", [5])
     actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1"])
-    evidence = dict(NAN_EVIDENCE, step=5)
+    evidence = NAN_EVIDENCE.model_copy(update={"step": 5})
     incident = open_incident(live, "nonfinite", severity="critical", evidence=evidence)
     rows = wait_for(lambda: [a for a in of(live, incident) if a["kind"] == "restart_job"])
     assert rows[0]["status"] == "skipped"
@@ -607,7 +665,7 @@ def test_an_incident_raised_during_a_remediation_is_absorbed_only_by_a_real_rest
     live.controller.remediation.actuator = actuator
     hang = open_incident(live, "hang", severity="critical")
     wait_for(lambda: any(a["kind"] == "restart_job" for a in of(live, hang)))
-    straggler = open_incident(live, "straggler", node="n1", evidence={"slowdown_pct": 25.0})
+    straggler = open_incident(live, "straggler", node="n1", evidence=straggler_evidence(25.0))
     time.sleep(1.5)  # engine ticks while the restart is held: nothing decided for it yet
     assert of(live, straggler) == []
     assert shown_state(live, straggler) == "open"

@@ -20,6 +20,7 @@ from kubernetes import client
 
 from controller.actuators.base import NodeView, Placement
 from controller.actuators.kubernetes import KubernetesActuator
+from controller.logic.detection.incident_evidence import QuarantineBudgetEvidence
 from tests.actuators.fake_cluster import FakeCluster
 from tests.actuators.k8s_testkit import NS, cluster, node, pod
 from tests.remediation.recording import RecordingActuator
@@ -180,7 +181,9 @@ def test_quarantine_budget_refuses_and_raises_an_incident(fleet_factory: Any) ->
         ]
     )
     assert len(budget) == 1 and budget[0].severity == "critical"
-    assert budget[0].evidence["refused_node"] == "n6" and first != second
+    evidence = budget[0].evidence
+    assert isinstance(evidence, QuarantineBudgetEvidence)
+    assert evidence.refused_node == "n6" and first != second
 
 
 def test_kubernetes_node_view_from_the_node_and_its_pods(cluster: FakeCluster) -> None:

@@ -11,12 +11,16 @@ from sqlalchemy.orm import Session
 from controller.db.models import Incident
 from controller.db.repositories._rows import RowMapper
 
-#: A new incident's row leaves ``id`` out: it is the database's to give.
-INCIDENT = RowMapper(Incident, aliases={"node_name": "node", "job_name": "job"}, exclude=("id",))
+#: A new incident's row leaves ``id`` out: it is the database's to give; ``evidence`` is
+#: given as its stored JSON (memory holds it typed).
+INCIDENT = RowMapper(
+    Incident, aliases={"node_name": "node", "job_name": "job"}, exclude=("id", "evidence")
+)
 
 
-def incident_row(incident: object) -> dict[str, Any]:
-    return INCIDENT.row(incident)
+def incident_row(incident: object, evidence: dict[str, Any]) -> dict[str, Any]:
+    """The row of a new ``incident`` whose evidence stores as ``evidence``."""
+    return {**INCIDENT.row(incident), "evidence": evidence}
 
 
 def insert_incident(conn: Connection, row: dict[str, Any]) -> int:

@@ -1,16 +1,19 @@
 """Incident kind -> its evidence model, and the tolerant parse of a stored row (issue 13).
 
 One table for every reader: the API schema builds its per-kind incident shapes from it
-(``controller.schemas``), the CLI and the detectors parse a stored ``evidence`` with
-:func:`parse_evidence`. A kind not in the table (another service's, a newer release's)
-keeps plain-object evidence; a row that does not fit its kind's model (hand-edited, or
-a release that broke its shape) is returned as the dict it is, with a warning, never an
-error: an incident is never hidden because its evidence is odd.
+(``controller.schemas``); the loader and the incident service parse a stored ``evidence``
+with :func:`parse_evidence` (memory holds every incident's evidence typed), the API and
+the CLI read a row with :func:`read_evidence`, which validates it once. A kind not in the
+table (another service's, a newer release's) keeps its evidence as stored
+(:class:`UntypedEvidence`); so does a row that does not fit its kind's model (hand-edited,
+or a release that broke its shape), with a warning, never an error: an incident is never
+hidden because its evidence is odd.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
@@ -34,6 +37,7 @@ from controller.logic.detection.incident_evidence import (
     NodeLostEvidence,
     PowerEvidence,
     QuarantineBudgetEvidence,
+    UntypedEvidence,
     XidEvidence,
 )
 
@@ -78,47 +82,46 @@ _ADAPTERS: dict[str, TypeAdapter[IncidentEvidence]] = {
 }
 
 
-def evidence_error(kind: str, data: object) -> str | None:
-    """Why ``data`` does not fit ``kind``'s model, in one line (``None``: it fits, or the
-    kind has no model)."""
+def read_evidence(kind: str, data: object) -> tuple[IncidentEvidence | None, str | None]:
+    """``data`` through ``kind``'s model, validated once: ``(evidence, None)`` when it fits,
+    ``(None, why)`` in one line when it does not, ``(None, None)`` for a kind without a
+    model. The one validation every reader below goes through."""
     adapter = _ADAPTERS.get(kind)
     if adapter is None:
-        return None
+        return None, None
     try:
-        adapter.validate_python(data)
+        return adapter.validate_python(data), None
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(map(str, first["loc"])) or "evidence"
-        return f"{where}: {first['msg']}"
-    return None
+        return None, f"{where}: {first['msg']}"
+
+
+def evidence_error(kind: str, data: object) -> str | None:
+    """Why ``data`` does not fit ``kind``'s model, in one line (``None``: it fits, or the
+    kind has no model)."""
+    return read_evidence(kind, data)[1]
 
 
 def typed_evidence(kind: str, data: object) -> IncidentEvidence | None:
     """``data`` as ``kind``'s model, or ``None`` (no model, or it does not fit), silently:
     for a reader that shows the raw object instead (the CLI)."""
-    adapter = _ADAPTERS.get(kind)
-    if adapter is None:
-        return None
-    try:
-        return adapter.validate_python(data)
-    except ValidationError:
-        return None
+    return read_evidence(kind, data)[0]
 
 
-def parse_evidence(kind: str, data: dict[str, Any]) -> IncidentEvidence | dict[str, Any]:
+def parse_evidence(kind: str, data: Mapping[str, Any]) -> IncidentEvidence:
     """``data`` as ``kind``'s model; a kind without one, or a row that does not fit it (an
-    older or damaged row), stays the dict it is (logged, never raised)."""
-    adapter = _ADAPTERS.get(kind)
-    if adapter is None:
-        return data
-    try:
-        return adapter.validate_python(data)
-    except ValidationError as exc:
+    older or damaged row), is kept as stored in :class:`UntypedEvidence` (a misfit is
+    logged, never raised): memory reads every incident's evidence typed."""
+    evidence, error = read_evidence(kind, data)
+    if evidence is not None:
+        return evidence
+    if error is not None:
         log.warning(
-            "incident evidence does not fit its kind's model; shown as stored",
-            extra={"fields": {"kind": kind, "error": str(exc).splitlines()[0]}},
+            "incident evidence does not fit its kind's model; kept as stored",
+            extra={"fields": {"kind": kind, "error": error}},
         )
-        return data
+    return UntypedEvidence.of(data)
 
 
 __all__ = [
@@ -127,5 +130,6 @@ __all__ = [
     "StragglerAnyEvidence",
     "evidence_error",
     "parse_evidence",
+    "read_evidence",
     "typed_evidence",
 ]

@@ -16,9 +16,11 @@ row holds (:class:`~controller.logic.given.OnlyGiven`).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import copy
+from collections.abc import Mapping
+from typing import Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr, model_serializer
 
 from controller.logic.given import OnlyGiven
 
@@ -71,6 +73,31 @@ class IncidentEvidence(OnlyGiven):
         """The :attr:`BRIEF` fields this evidence holds (not empty), in that order."""
         data = self.as_json()
         return {k: data[k] for k in self.BRIEF if data.get(k) not in (None, "", [], {})}
+
+
+class UntypedEvidence(IncidentEvidence):
+    """Evidence without a model to read it through: a kind this release does not type
+    (another service's, a newer release's), or a stored row that does not fit its kind's
+    model (hand-edited, or a release that broke its shape). It keeps the object as stored
+    and gives it back unchanged; its typed fields stay unset (nothing in it is trusted), so
+    a reader that looks for a kind's fields finds none, and the incident is still shown and
+    acted on by kind."""
+
+    _stored: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any]) -> Self:
+        """``data`` kept as it is (a copy: never the caller's object)."""
+        untyped = cls()
+        untyped._stored = copy.deepcopy(dict(data))
+        return untyped
+
+    @model_serializer(mode="plain")
+    def _as_stored(self) -> dict[str, Any]:
+        return copy.deepcopy(self._stored)
+
+    def __repr_args__(self) -> list[tuple[str | None, Any]]:
+        return [("stored", self._stored)]
 
 
 class GpuFaultEvidence(IncidentEvidence):
@@ -188,5 +215,6 @@ __all__ = [
     "PowerEvidence",
     "QuarantineBudgetEvidence",
     "ThrottleCause",
+    "UntypedEvidence",
     "XidEvidence",
 ]

@@ -44,6 +44,7 @@ from controller.logic.detection.incident_evidence import (
     DegradedEvidence,
     EccCause,
     EvidenceEvent,
+    IncidentEvidence,
     ThrottleCause,
 )
 from controller.services.incidents import IncidentService, IncidentSpec
@@ -278,9 +279,10 @@ class DegradedGpuDetector:
         watch.causes.update(e.cause for e in events if e.cause)
         evidence = self._evidence(watch, events)
         if existing is not None:
-            since = existing.evidence.get("since_unix_s")
+            old = existing.evidence
+            since = old.since_unix_s if isinstance(old, DegradedEvidence) else None
             newer = evidence.since_unix_s
-            if isinstance(since, int | float) and newer is not None and since < newer:
+            if since is not None and newer is not None and since < newer:
                 evidence.since_unix_s = since  # the fault began when it first began
             # Held with the pending bump; the incident takes it once the bump is stored.
             watch.pending_evidence = evidence
@@ -387,8 +389,7 @@ class DegradedGpuDetector:
             if watch is None:
                 # Opened before this controller started: recovery is timed from now on.
                 watch = self._watches[(incident.node, incident.gpu_index)] = _Watch(
-                    last_active_unix_s=now_unix_s,
-                    causes={c for c in ("ecc", "throttle") if c in incident.evidence},
+                    last_active_unix_s=now_unix_s, causes=_active_causes(incident.evidence)
                 )
             if watch.pending and now_unix_s - watch.last_write_unix_s >= BUMP_INTERVAL_S:
                 await self._flush(incident, watch, now_unix_s)
@@ -415,6 +416,14 @@ class DegradedGpuDetector:
             incident, note=f"no ECC burst or hardware throttling for {quiet_s:.0f} s"
         )
         watch.causes.clear()  # once resolved: a failed resolution is tried again as it was
+
+
+def _active_causes(evidence: IncidentEvidence) -> set[str]:
+    """The causes an open incident's evidence holds numbers for (``ecc``, ``throttle``)."""
+    if not isinstance(evidence, DegradedEvidence):
+        return set()
+    found = {"ecc": evidence.ecc, "throttle": evidence.throttle}
+    return {cause for cause, numbers in found.items() if numbers is not None}
 
 
 def _union(masks: Iterable[int]) -> int:

@@ -435,9 +435,8 @@ class HealthDetector:
         )
         existing = self._incidents.find_open(spec.dedupe_key)
         # A new dict, never the open incident's own: counted once the bump is stored.
-        by_code: dict[str, int] = dict(
-            existing.evidence.get("codes", {}) if existing is not None else {}
-        )
+        seen = existing.evidence if existing is not None else None
+        by_code: dict[str, int] = dict(seen.codes if isinstance(seen, XidEvidence) else {})
         for event in events:
             by_code[str(event.xid)] = by_code.get(str(event.xid), 0) + 1
         await self._incidents.open_or_bump(

@@ -45,6 +45,7 @@ from controller.logic.detection.c4d.job_evidence import (
     StragglerIncidentEvidence,
 )
 from controller.logic.detection.cause import straggler_cause
+from controller.logic.detection.incident_evidence import HwEvidence
 from controller.logic.detection.nic_evidence import (
     InvolvedRank,
     NicEvidence,
@@ -354,8 +355,8 @@ class JobDetector:
         issues = [
             NicIssue(
                 node=inc.node,
-                device=str(inc.evidence.get("device") or ""),
-                signal=str(inc.evidence.get("signal") or ""),
+                device=ev.device,
+                signal=ev.signal,
                 count=inc.count,
                 last_unix_s=inc.updated_unix_s,
                 detail=inc.summary,
@@ -363,7 +364,8 @@ class JobDetector:
             for inc in self._state.incidents.values()
             if inc.kind in ("hw_degraded", "nic_errors")
             and inc.node is not None
-            and inc.evidence.get("device")
+            and isinstance(ev := inc.evidence, HwEvidence)
+            and ev.device
         ]
         nodes = {i.node for i in involved}
         inventory = {node: self.nic_ports(node) for node in self.nic_inventory if node in nodes}

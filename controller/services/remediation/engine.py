@@ -39,6 +39,11 @@ from sqlalchemy.orm import Session
 
 from controller.actuators.base import Actuator, NodeView
 from controller.actuators.k8s.partition import PartitionSettings
+from controller.logic.detection.c4d.job_evidence import (
+    LegacyStragglerEvidence,
+    NonfiniteEvidence,
+    StragglerIncidentEvidence,
+)
 from controller.logic.remediation import guards
 from controller.logic.remediation.params import AlertParams, Severity
 from controller.logic.remediation.rules import Policy, Rule, Step
@@ -340,13 +345,18 @@ class RemediationEngine:
             return
         if now - incident.opened_unix_s < rule.after_s:
             return  # not persisted long enough yet
+        evidence = incident.evidence
         if rule.min_cost_pct > 0:
-            cost = incident.evidence.get("slowdown_pct")
-            if not isinstance(cost, int | float) or cost < rule.min_cost_pct:
+            cost = (
+                evidence.slowdown_pct
+                if isinstance(evidence, StragglerIncidentEvidence | LegacyStragglerEvidence)
+                else None
+            )
+            if cost is None or cost < rule.min_cost_pct:
                 return  # cheap so far; it may grow while the incident stays open
         if rule.min_bad_steps > 0:
-            bad = incident.evidence.get("bad_steps")
-            if not isinstance(bad, int) or bad < rule.min_bad_steps:
+            bad = evidence.bad_steps if isinstance(evidence, NonfiniteEvidence) else None
+            if bad is None or bad < rule.min_bad_steps:
                 return  # possibly a skipped overflow; a diverged job adds one per step
         self.decided[incident.id] = "acted"
         targets: list[str | None] = list(jobs) or [None]

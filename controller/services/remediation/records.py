@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.logic.detection.c4d.job_evidence import HangEvidence, JobEvidence
+from controller.logic.detection.incident_evidence import DegradedEvidence, NodeLostEvidence
 from controller.logic.remediation.goodput import GoodputLedger
 from controller.logic.remediation.params import RestartParams
 from controller.state import IncidentState
@@ -110,9 +112,9 @@ def culprit_node(incident: IncidentState) -> str | None:
     """The one node an incident names (itself, or a single node in its evidence)."""
     if incident.node is not None:
         return incident.node
-    nodes = incident.evidence.get("nodes")
-    if isinstance(nodes, list) and len(nodes) == 1 and isinstance(nodes[0], str):
-        return nodes[0]
+    evidence = incident.evidence
+    if isinstance(evidence, JobEvidence) and evidence.nodes and len(evidence.nodes) == 1:
+        return evidence.nodes[0]
     return None
 
 
@@ -122,19 +124,14 @@ def fault_time(incident: IncidentState) -> float:
     evidence = incident.evidence
     opened = incident.opened_unix_s
     candidates: list[float] = []
-    for key in ("since_unix_s", "first_event_unix_s", "start_unix_s", "last_report_unix_s"):
-        value = evidence.get(key)
-        if isinstance(value, int | float):
-            candidates.append(float(value))
-    events = evidence.get("events")
-    if isinstance(events, list):  # e.g. the XIDs of a gpu_fault
-        candidates += [
-            float(e["time_unix_s"])
-            for e in events
-            if isinstance(e, dict) and isinstance(e.get("time_unix_s"), int | float)
-        ]
-    elapsed = evidence.get("elapsed_s")
-    if isinstance(elapsed, int | float):  # a hang: time the peers have been waiting
-        candidates.append(opened - float(elapsed))
+    match evidence:
+        case DegradedEvidence(since_unix_s=float() as since):  # the first cause's onset
+            candidates.append(since)
+        case NodeLostEvidence(last_report_unix_s=float() as last):
+            candidates.append(last)
+        case HangEvidence(elapsed_s=elapsed):  # time the peers have been waiting
+            candidates.append(opened - elapsed)
+    # The occurrences folded in (e.g. the XIDs of a gpu_fault).
+    candidates += [e.time_unix_s for e in evidence.events or ()]
     valid = [t for t in candidates if 0 < t <= opened]
     return min(valid) if valid else opened

@@ -14,9 +14,9 @@ complete yet, 422 naming ``body.layout`` when the layout does not fit the placem
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from controller.errors import Conflict, InvalidInput
+from controller.logic.detection.c4d.job_evidence import SlowLinkEvidence
 from controller.logic.traffic.jobs import JobSpec
 from controller.logic.traffic.localize import suspect_links
 from controller.logic.traffic.planner import Plan
@@ -91,25 +91,25 @@ def plan_ranks(plan: Plan, job: JobState) -> dict[int, int]:
 
 
 def slow_link_suspects(
-    plan: Plan, job: JobState, evidence: dict[str, Any]
+    plan: Plan, job: JobState, evidence: SlowLinkEvidence
 ) -> tuple[list[str], float]:
     """Fabric links behind a ``slow_link`` incident, and the bandwidth ratio to mark them at.
 
     Probe pairs that all failed (scope ``failed``) say a rank is gone, not that a link is
     slow, so they mark nothing.
     """
-    if evidence.get("scope") == "failed":
+    if evidence.scope == "failed":
         return [], 1.0
     gbps: dict[tuple[int, int], float] = {}
-    for key, value in (evidence.get("pair_gbps") or {}).items():
-        a, _, b = str(key).partition("-")
-        gbps[(int(a), int(b))] = float(value)
-    slow = [(int(a), int(b)) for a, b in evidence.get("slow_pairs") or []]
+    for key, value in evidence.pair_gbps.items():
+        a, _, b = key.partition("-")
+        gbps[(int(a), int(b))] = value
+    slow = [(a, b) for a, b in evidence.slow_pairs]
     ok = [p for p in gbps if p not in set(slow)]
     to_plan = plan_ranks(plan, job)
     slow_p = [(to_plan[a], to_plan[b]) for a, b in slow if a in to_plan and b in to_plan]
     ok_p = [(to_plan[a], to_plan[b]) for a, b in ok if a in to_plan and b in to_plan]
-    median = float(evidence.get("median_gbps") or 0.0)
+    median = evidence.median_gbps
     rates = [gbps[p] for p in slow if p in gbps]
     factor = min(rates) / median if rates and median > 0 else DEFAULT_SLOW_FACTOR
     factor = min(MAX_SLOW_FACTOR, max(MIN_SLOW_FACTOR, factor))

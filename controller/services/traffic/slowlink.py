@@ -27,6 +27,8 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from controller.logic.detection.c4d.job_evidence import CommSlowEvidence, SlowLinkEvidence
+from controller.logic.detection.incident_evidence import HwEvidence
 from controller.logic.detection.nic_evidence import NicPort, device_order
 from controller.logic.traffic.nic_links import (
     NIC_SIGNAL_FACTOR,
@@ -72,11 +74,11 @@ class SlowLinkReaction:
     def _nic_suspect(self, incident: IncidentState) -> tuple[str, int, str] | None:
         """(node, nic index, signal) of a NIC's own incident; ``None`` for other incidents,
         signals that are not about a NIC, or a device the node never reported."""
-        signal = str(incident.evidence.get("signal") or "")
-        device = str(incident.evidence.get("device") or "")
-        if incident.kind not in NIC_INCIDENT_KINDS or signal not in NIC_SIGNAL_FACTOR:
+        evidence = incident.evidence
+        if incident.kind not in NIC_INCIDENT_KINDS or not isinstance(evidence, HwEvidence):
             return None
-        if incident.node is None or not device:
+        signal, device = evidence.signal, evidence.device
+        if signal not in NIC_SIGNAL_FACTOR or incident.node is None or not device:
             return None
         order = device_order(list(self._nic_ports(incident.node)))
         if device not in order:
@@ -86,9 +88,12 @@ class SlowLinkReaction:
     def suspects(self, incident: IncidentState) -> tuple[list[str], float]:
         live = self._service.plan_of(incident.job or "")
         job = self._state.jobs.get(incident.job or "")
+        evidence = incident.evidence
         if live is None or job is None or incident.kind != "slow_link":
             return [], 1.0
-        return placement.slow_link_suspects(live.plan, job, incident.evidence)
+        if not isinstance(evidence, SlowLinkEvidence):
+            return [], 1.0  # a row that does not fit its kind's model names no pairs
+        return placement.slow_link_suspects(live.plan, job, evidence)
 
     def nic_changes(self, incident: IncidentState) -> list[tuple[str, float]]:
         """(link, factor) for the links of the NICs the incident's NIC evidence suspects."""
@@ -98,13 +103,12 @@ class SlowLinkReaction:
         own = self._nic_suspect(incident)
         if own is not None:
             return nic_link_factors(topo, [own])
-        nic = incident.evidence.get("nic")
-        if not isinstance(nic, dict):
+        evidence = incident.evidence
+        nic = evidence.nic if isinstance(evidence, CommSlowEvidence | SlowLinkEvidence) else None
+        if nic is None:
             return []
         suspects = [
-            (str(s["node"]), int(s["nic_index"]), str(s["signal"]))
-            for s in nic.get("suspects") or []
-            if isinstance(s, dict) and s.get("nic_index") is not None
+            (s.node, s.nic_index, s.signal) for s in nic.suspects if s.nic_index is not None
         ]
         return nic_link_factors(topo, suspects)
 

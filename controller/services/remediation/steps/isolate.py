@@ -20,6 +20,11 @@ from sqlalchemy import Connection
 
 from controller.actuators.base import ActuatorError
 from controller.errors import ControllerError
+from controller.logic.detection.c4d.job_evidence import (
+    LegacyStragglerEvidence,
+    StragglerIncidentEvidence,
+)
+from controller.logic.detection.incident_evidence import DegradedEvidence
 from controller.logic.remediation import guards
 from controller.logic.remediation.params import IsolateParams
 from controller.logic.remediation.rules import IsolateWhen, Rule, Step
@@ -92,8 +97,16 @@ async def _undo(
 def hardware_evidence(ctx: StepContext, incident: IncidentState, node: str) -> bool:
     if incident.kind in HARDWARE_KINDS:
         return True
-    if incident.evidence.get("causes"):
-        return True  # the straggler's GPU is throttled, hot, or reports ECC errors
+    evidence = incident.evidence
+    causes = (
+        evidence.causes
+        if isinstance(
+            evidence, StragglerIncidentEvidence | LegacyStragglerEvidence | DegradedEvidence
+        )
+        else None
+    )
+    if causes:
+        return True  # the GPU is throttled, hot, or reports ECC errors
     state = ctx.state.nodes.get(node)
     return state is not None and (state.health != "healthy" or state.gpus_unhealthy > 0)
 

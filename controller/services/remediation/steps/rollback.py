@@ -7,6 +7,7 @@ from memory, so a leader that took over after the NaN still finds them.
 
 from __future__ import annotations
 
+from controller.logic.detection.c4d.job_evidence import NonfiniteEvidence
 from controller.logic.remediation.params import RestartParams, RollbackFacts
 from controller.logic.remediation.rules import Rule, Step
 from controller.services.remediation import history
@@ -27,8 +28,9 @@ class Rollback:
         job = rem.job
         if job is None:
             return True, "no job to roll back"
-        bad = incident.evidence.get("step") if incident is not None else None
-        if not isinstance(bad, int) or isinstance(bad, bool):
+        evidence = incident.evidence if incident is not None else None
+        bad = evidence.step if isinstance(evidence, NonfiniteEvidence) else None
+        if bad is None:
             outcome = (
                 "the incident names no step where the damage began: nothing to roll back "
                 "to; restart the job by hand from a checkpoint you trust"

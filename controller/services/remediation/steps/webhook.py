@@ -52,7 +52,7 @@ class WebhookStep:
                 "node": incident.node,
                 "job": incident.job,
                 "opened_unix_s": incident.opened_unix_s,
-                "evidence": incident.evidence,
+                "evidence": incident.evidence.as_json(),
             },
             "remediation": {
                 "id": rem.id,
