@@ -130,15 +130,20 @@ class _Staged:
     copy: NodeState
     #: GPUs whose rows the change touches.
     gpus: set[int] = field(default_factory=set)
+    #: ``False``: only the GPUs' counters change (a reset baseline): the node's row is not
+    #: written and no health is published, so a health change made meanwhile stays.
+    health: bool = True
 
     @classmethod
-    def of(cls, node: NodeState) -> _Staged:
+    def of(cls, node: NodeState, *, health: bool = True) -> _Staged:
         gpus = {i: replace(g) for i, g in node.gpus.items()}
-        return cls(node, replace(node, gpus=gpus))
+        return cls(node, replace(node, gpus=gpus), health=health)
 
     def rows(self) -> dict[Table, list[dict[str, Any]]]:
         name = self.copy.name
-        rows: dict[Table, list[dict[str, Any]]] = {NodeKey.table: [node_row(self.copy)]}
+        rows: dict[Table, list[dict[str, Any]]] = {}
+        if self.health:
+            rows[NodeKey.table] = [node_row(self.copy)]
         if self.gpus:
             rows[GpuKey.table] = [gpu_row(name, self.copy.gpus[i]) for i in sorted(self.gpus)]
         return rows
@@ -147,13 +152,15 @@ class _Staged:
         """Publish the change to memory (the database has it)."""
         node, copy = self.live, self.copy
         before = node.health
-        node.health, node.health_reason = copy.health, copy.health_reason
+        if self.health:
+            node.health, node.health_reason = copy.health, copy.health_reason
         for index in self.gpus:
             staged, gpu = copy.gpus[index], node.gpus.get(index)
             if gpu is None:
                 node.gpus[index] = staged
                 continue
-            gpu.health, gpu.health_reason = staged.health, staged.health_reason
+            if self.health:
+                gpu.health, gpu.health_reason = staged.health, staged.health_reason
             gpu.ecc_uncorrected_total = staged.ecc_uncorrected_total
         if node.health != before:
             log.warning(
@@ -251,15 +258,13 @@ class HealthDetector:
     async def _store_counters(self, node: NodeState, counters: dict[int, int]) -> None:
         """Write the GPUs' reset uncorrectable-ECC counters, then show them; not stored,
         they stay as they were and the next report carrying them tries again."""
-        rows = [
-            gpu_row(node.name, replace(node.gpus[i], ecc_uncorrected_total=v))
-            for i, v in sorted(counters.items())
-        ]
-        await self._writer.run(lambda conn: write_batch(conn, {GpuKey.table: rows}))
+        staged = _Staged.of(node, health=False)
         for index, value in counters.items():
-            gpu = node.gpus.get(index)
+            gpu = staged.copy.gpus.get(index)
             if gpu is not None:
                 gpu.ecc_uncorrected_total = value
+                staged.gpus.add(index)
+        await self._store(staged, staged.apply)
 
     async def _gpu_watch(self, node: NodeState, error: str) -> None:
         """A node whose NVML is broken is unhealthy until its agent reports without error."""
@@ -503,7 +508,8 @@ class HealthDetector:
             await self._store(staged, publish)
 
     async def _store(self, staged: _Staged, publish: Callable[[], None]) -> None:
-        """A health change with no incident to go with: its rows alone, then published.
+        """A change with no incident to go with (health, or counters): its rows alone, then
+        published.
         Not stored, it raises with memory unchanged, and the node's next report tries again."""
         rows = staged.rows()
         await self._writer.run(lambda conn: write_batch(conn, rows))
