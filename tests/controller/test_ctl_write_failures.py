@@ -509,6 +509,7 @@ def test_held_job_findings_are_bounded_in_number_and_time(db_url, ctl_db_outage)
         ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
         await detector.tick(0.0)
         assert detector.held_counts == {"held": limit, "recorded": 0, "dropped": 4}
+        assert detector.waiting == sum(len(q) for q in detector.held.values()) == limit
         tried = incidents.write_failures["open"]
         await detector.tick(0.5)  # before the first backoff (1 s) ends: nothing is tried
         assert incidents.write_failures["open"] == tried
@@ -519,6 +520,7 @@ def test_held_job_findings_are_bounded_in_number_and_time(db_url, ctl_db_outage)
         ctl_db_outage.disarm()
         await detector.tick(3.0)
         assert detector.held == {} and detector.held_counts["recorded"] == limit
+        assert detector.waiting == 0
         assert len(state.incidents) == limit
 
         # Given up once it has failed for longer than the TTL.
@@ -526,10 +528,11 @@ def test_held_job_findings_are_bounded_in_number_and_time(db_url, ctl_db_outage)
         detector.trackers.observe("n1", JobRecords(rank_events=[crash]), 10.0)
         ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
         await detector.tick(10.0)
-        assert sum(len(q) for q in detector.held.values()) == 1
+        assert detector.waiting == sum(len(q) for q in detector.held.values()) == 1
         await detector.tick(11.0 + detection_jobs.HELD_FINDING_TTL_S)
         ctl_db_outage.disarm()
         assert detector.held == {} and detector.held_counts["dropped"] == 5
+        assert detector.waiting == 0
         await detector.tick(12.0 + detection_jobs.HELD_FINDING_TTL_S)
         assert len(state.incidents) == limit  # dropped is dropped
 

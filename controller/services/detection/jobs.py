@@ -143,6 +143,8 @@ class JobDetector:
         self.held: dict[str, deque[HeldFinding]] = {}
         #: Findings held (a write failed), recorded at a later try, dropped (given up).
         self.held_counts: dict[str, int] = {"held": 0, "recorded": 0, "dropped": 0}
+        #: Findings held now: every queue of ``held`` together, kept as they change.
+        self.waiting = 0
 
     async def on_report(self, report: wire.Report, received_unix_s: float) -> None:
         if report.node.nics:  # kept by reference: the identity is rebuilt only when it changes
@@ -184,6 +186,7 @@ class JobDetector:
             queue = self.held.setdefault(finding.key, deque())
         if self._room():
             queue.append(held)
+            self.waiting += 1
             self.held_counts["held"] += 1
             fields = {"finding": finding.key, "attempts": held.attempts}
             log.warning("job finding held: incident not recorded", extra={"fields": fields})
@@ -198,6 +201,7 @@ class JobDetector:
                 if not await self._try(queue[0], now_unix_s, retry=True):
                     break  # the rest waits behind it
                 queue.popleft()
+                self.waiting -= 1
             if not queue:
                 del self.held[key]
 
@@ -227,7 +231,7 @@ class JobDetector:
 
     def _room(self) -> bool:
         """Whether one more finding may be held; counts and logs the drop when not."""
-        if sum(len(q) for q in self.held.values()) < MAX_HELD_FINDINGS:
+        if self.waiting < MAX_HELD_FINDINGS:
             return True
         self.held_counts["dropped"] += 1
         log.error(
@@ -501,9 +505,8 @@ class JobFindingsCollector(SafeCollector):
         for outcome, count in sorted(self._detector.held_counts.items()):
             family.add_metric([outcome], count)
         yield family
-        waiting = sum(len(q) for q in self._detector.held.values())
         yield GaugeMetricFamily(
             "trainguard_job_findings_waiting",
             "Job findings held for a later try of their incident write",
-            value=waiting,
+            value=self._detector.waiting,
         )
