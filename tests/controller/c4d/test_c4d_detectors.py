@@ -423,6 +423,28 @@ def test_a_restarted_job_is_judged_afresh_on_its_new_layout() -> None:
     assert trackers.jobs[JOB].world_size == 6
 
 
+def test_a_restart_whose_started_events_never_arrived_is_seen_in_the_world_size() -> None:
+    """The job restarts on 8 of its 16 ranks and its ``started`` events are lost (an agent
+    restarted with them unsent): the summaries' new world size starts a new run, so its
+    steps are compared (not dropped for lacking ranks that are gone), the old run's late
+    summaries do not restart it again, and a hang blames none of the departed ranks."""
+    trackers = JobTrackers()
+    found = run_steps(trackers, 0, 40, world=16, jitter=0.05)
+    for step in range(40, 120):
+        rows = step_records(step, 8, compute={2: 1.3}, jitter=0.05)
+        if step == 45:  # a node's backlog from the old run, a few seconds late
+            rows += step_records(39, 16)[12:]
+        feed(trackers, rows, float(step))
+        found += trackers.evaluate(float(step))
+    assert [(f.kind, f.ranks) for f in found if not f.refresh] == [(FindingKind.STRAGGLER, (2,))]
+    tracker = trackers.jobs[JOB]
+    assert (tracker.world_size, tracker.incarnation, tracker.last_compared_step) == (8, 1, 119)
+    for r in range(8):
+        trackers.observe(node_of(r), JobRecords(inflight=[inflight(r, seq=50)]), 130.0)
+    hangs = [f for f in trackers.evaluate(130.0) if f.kind is not FindingKind.STRAGGLER]
+    assert [(f.kind, f.ranks) for f in hangs] == [(FindingKind.COMM_HANG, tuple(range(8)))]
+
+
 def test_a_growing_straggler_refreshes_its_open_incident() -> None:
     """Opened at ~12%, the rank slows to ~45%: the incident's reading follows (the policy's
     cost threshold and the operator read it), as a refresh of the same key, not a new one."""

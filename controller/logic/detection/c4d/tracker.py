@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 STRAGGLER_REFRESH_MIN_CHANGE = 0.05
 STRAGGLER_REFRESH_REL_CHANGE = 0.25
 STRAGGLER_REFRESH_S = 60.0
+#: For this long after a restart, summaries with the previous run's world size are that
+#: run's backlog, not another restart (agents flush on their own timers, and a spooled
+#: backlog follows an agent's reconnect).
+LATE_RUN_SUMMARY_S = 120.0
 
 
 @dataclass(slots=True)
@@ -72,6 +76,8 @@ class JobTracker:
     #: of that report); its keys are the open stragglers.
     _straggler_reported: dict[int, tuple[float, int, float]] = field(default_factory=dict)
     _findings: list[Finding] = field(default_factory=list)
+    #: (world size, controller time it ended) of the run before the last restart
+    _previous_run: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.stragglers = StragglerState(self.cfg)
@@ -84,6 +90,14 @@ class JobTracker:
     # ------------------------------------------------------------------ intake
 
     def observe_step(self, node: str, s: StepSummary, now_s: float = 0.0) -> None:
+        if self.world_size and s.world_size != self.world_size:
+            if self._late(s, now_s):
+                return  # the previous run's backlog: that run is gone
+            # A job changes its world size only by restarting: a new run, even when its
+            # ranks' ``started`` events never reached the controller (an agent restarted
+            # with them unsent). Judged on the old layout, every step of the new run
+            # would lack ranks that no longer exist, and a hang would blame them.
+            self._new_incarnation(now_s)
         self.world_size = max(self.world_size, s.world_size)
         self.rank_node[s.rank] = node
         self.rank_gpu[s.rank] = s.gpu_index
@@ -112,13 +126,23 @@ class JobTracker:
 
     def observe_rank_event(self, node: str, ev: RankEvent, now_s: float) -> None:
         if ev.kind == "started" and ev.rank in self.last_step_of_rank:
-            self._new_incarnation()
+            self._new_incarnation(now_s)
         self.rank_node[ev.rank] = node
         if ev.world_size:
             self.world_size = max(self.world_size, ev.world_size)
         self._findings.extend(self.crashes.observe(node, ev, now_s))
 
-    def _new_incarnation(self) -> None:
+    def _late(self, s: StepSummary, now_s: float) -> bool:
+        """A summary of the run before the last restart, arriving late (an agent's
+        backlog): it carries that run's world size and comes soon after the restart."""
+        previous = self._previous_run
+        return (
+            previous is not None
+            and s.world_size == previous[0]
+            and now_s - previous[1] < LATE_RUN_SUMMARY_S
+        )
+
+    def _new_incarnation(self, now_s: float) -> None:
         """The job restarted (a rank that already stepped starts again): begin afresh.
 
         A job resumed from a checkpoint repeats step numbers already compared, may run on
@@ -137,6 +161,7 @@ class JobTracker:
             self._findings.append(self._resolved(kind, key))
         fresh = JobTracker(job=self.job, cfg=self.cfg, incarnation=self.incarnation + 1)
         fresh._findings = self._findings
+        fresh._previous_run = (self.world_size, now_s)
         for name in JobTracker.__dataclass_fields__:
             setattr(self, name, getattr(fresh, name))
 
