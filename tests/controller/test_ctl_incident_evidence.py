@@ -93,6 +93,8 @@ def test_typed_fields_and_unknown_keys() -> None:
     kept.as_json()["nested"]["a"].append(3)  # a reader's copy: the kept object is unchanged
     assert kept.as_json() == untyped == {"anything": 1, "nested": {"a": [1, 2]}}
     assert kept == parse_evidence("power_future", untyped) != parse_evidence("x", straggler)
+    # A hand-edited row that is not even an object: kept too (the loader must not fail).
+    assert parse_evidence("gpu_xid", [1, "x"]).as_json() == [1, "x"]
     assert isinstance(parse_evidence("nic_errors", OLD_ROWS["nic_errors"]), HwEvidence)
 
 
@@ -221,6 +223,7 @@ def test_memory_holds_evidence_typed_and_the_row_its_json(tmp_path: Path) -> Non
             for key, (kind, evidence) in {
                 "a": ("application_xid", OLD_ROWS["application_xid"]),
                 "b": ("gpu_xid", {"codes": "not a map"}),
+                "c": ("gpu_fault", ["not", "an", "object"]),
             }.items():
                 conn.execute(
                     text(
@@ -237,9 +240,10 @@ def test_memory_holds_evidence_typed_and_the_row_its_json(tmp_path: Path) -> Non
     finally:
         store.close()
     by_key = loaded.incidents_by_key
-    assert set(by_key) == {"a", "b", "power_future:n1:0"}  # the resolved one is not loaded
+    assert set(by_key) == {"a", "b", "c", "power_future:n1:0"}  # not the resolved one
     assert isinstance(by_key["a"].evidence, XidEvidence)
     assert by_key["a"].evidence.codes == {"45": 3, "13": 1}
     assert type(by_key["b"].evidence) is UntypedEvidence  # odd: kept, never hidden
     assert by_key["b"].evidence.as_json() == {"codes": "not a map"}
+    assert by_key["c"].evidence.as_json() == ["not", "an", "object"]
     assert by_key["power_future:n1:0"].evidence == other

@@ -13,7 +13,6 @@ hidden because its evidence is odd.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
@@ -109,7 +108,7 @@ def typed_evidence(kind: str, data: object) -> IncidentEvidence | None:
     return read_evidence(kind, data)[0]
 
 
-def parse_evidence(kind: str, data: Mapping[str, Any]) -> IncidentEvidence:
+def parse_evidence(kind: str, data: object) -> IncidentEvidence:
     """``data`` as ``kind``'s model; a kind without one, or a row that does not fit it (an
     older or damaged row), is kept as stored in :class:`UntypedEvidence` (a misfit is
     logged, never raised): memory reads every incident's evidence typed."""

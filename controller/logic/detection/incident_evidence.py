@@ -17,7 +17,6 @@ row holds (:class:`~controller.logic.given.OnlyGiven`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, model_serializer
@@ -83,17 +82,18 @@ class UntypedEvidence(IncidentEvidence):
     a reader that looks for a kind's fields finds none, and the incident is still shown and
     acted on by kind."""
 
-    _stored: dict[str, Any] = PrivateAttr(default_factory=dict)
+    #: The stored JSON: an object, but a hand-edited row may hold anything, kept as well.
+    _stored: Any = PrivateAttr(default_factory=dict)
 
     @classmethod
-    def of(cls, data: Mapping[str, Any]) -> Self:
+    def of(cls, data: object) -> Self:
         """``data`` kept as it is (a copy: never the caller's object)."""
         untyped = cls()
-        untyped._stored = copy.deepcopy(dict(data))
+        untyped._stored = copy.deepcopy(data)
         return untyped
 
     @model_serializer(mode="plain")
-    def _as_stored(self) -> dict[str, Any]:
+    def _as_stored(self) -> Any:
         return copy.deepcopy(self._stored)
 
     def __repr_args__(self) -> list[tuple[str | None, Any]]:
