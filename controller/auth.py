@@ -32,6 +32,7 @@ class Principal:
 
 
 ANONYMOUS = Principal(name="anonymous", role=None)
+MISSING_TOKEN = "missing bearer token (Authorization: Bearer <token>)"
 
 
 class Authenticator:
@@ -46,8 +47,16 @@ class Authenticator:
 
     def identify(self, authorization: str | None) -> Principal | None:
         """The principal for an ``Authorization`` header; ``None`` when there is none."""
-        if not authorization:
+        if authorization is None:
             return None
+        return self.principal(authorization)
+
+    def principal(self, authorization: str) -> Principal:
+        """The principal for a present ``Authorization`` header; raises ``Unauthenticated``
+        for anything else, an empty header included (present but carrying no token: it
+        is not the absent header that anonymous reads allow)."""
+        if not authorization.strip():
+            raise Unauthenticated(MISSING_TOKEN)
         scheme, _, credential = authorization.partition(" ")
         if scheme.lower() != "bearer" or not credential.strip():
             raise Unauthenticated("Authorization header must be 'Bearer <token>'")
@@ -70,7 +79,7 @@ class Authenticator:
         if principal is None:
             if read and self.allow_anonymous_read:
                 return ANONYMOUS
-            raise Unauthenticated("missing bearer token (Authorization: Bearer <token>)")
+            raise Unauthenticated(MISSING_TOKEN)
         if principal.role not in allowed:
             raise Forbidden(
                 f"token {principal.name!r} has role {principal.role!r}; "

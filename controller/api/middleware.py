@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controller.api.deps import PROXIED_TOKEN_HEADER, Replica
 from controller.api.handlers import payload_too_large
+from controller.auth import MISSING_TOKEN
 from controller.errors import ControllerError, InvalidInput, MalformedBody, Unauthenticated
 from controller.services.agent_identity import IdentityResolver
 from controller.validation import json_body_problem
@@ -55,7 +56,7 @@ class AuthGate:
             if authorization is None:
                 anonymous_ok = self.services.auth.allow_anonymous_read
                 if not (anonymous_ok and scope["method"] in READ_METHODS):
-                    raise Unauthenticated("missing bearer token (Authorization: Bearer <token>)")
+                    raise Unauthenticated(MISSING_TOKEN)
             else:
                 # Resolves Kubernetes service-account tokens (TokenReview, cached) so the
                 # routes' synchronous role checks find them; raises for unknown tokens.

@@ -239,7 +239,7 @@ class IdentityResolver:
 
     async def resolve(self, authorization: str) -> Principal:
         try:
-            principal = self._auth.identify(authorization)
+            return self._auth.principal(authorization)
         except Unauthenticated:
             if self._reviewer is None:
                 raise
@@ -249,8 +249,7 @@ class IdentityResolver:
             principal = await self._review(token)
             if principal is None:
                 raise
-        assert principal is not None
-        return principal
+            return principal
 
     async def _review(self, token: str) -> Principal | None:
         assert self._reviewer is not None

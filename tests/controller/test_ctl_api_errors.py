@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+from typing import Any
 
 import httpx
 import pytest
@@ -81,6 +83,38 @@ def test_authentication_and_roles(live_controller, client, ctl_report) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json()["status"] == "ready"
     assert client.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("authorization", "detail"),
+    [
+        ("", "missing bearer token (Authorization: Bearer <token>)"),
+        ("Bearer", "Authorization header must be 'Bearer <token>'"),
+        ("Basic Zm9vOmJhcg==", "Authorization header must be 'Bearer <token>'"),
+        ("Token abcdefghijklmnopq", "Authorization header must be 'Bearer <token>'"),
+    ],
+)
+@pytest.mark.parametrize("anonymous", [False, True])
+def test_a_present_header_without_a_bearer_token_is_401(
+    controller_factory: Any, authorization: str, detail: str, anonymous: bool
+) -> None:
+    # An empty header is a header: 401 even where anonymous reads are allowed (which are
+    # for requests without one), never the 500 it once was.
+    live = controller_factory(allow_anonymous_read=anonymous)
+    with httpx.Client(base_url=live.url, timeout=10) as c:
+        for method, path in (("GET", "/api/v1/nodes"), ("POST", "/api/v1/reports")):
+            r = c.request(method, path, headers={"Authorization": authorization})
+            assert r.status_code == 401, (method, r.text)
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert r.json() == {"detail": detail}
+    # Trailing blanks (which httpx will not send) are the server's to strip: no token either.
+    raw = f"{authorization} ".encode()
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as sock:
+        sock.sendall(
+            b"GET /api/v1/nodes HTTP/1.1\r\nHost: x\r\nAuthorization: " + raw + b"\r\n\r\n"
+        )
+        head = sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 401 "), head
 
 
 def test_anonymous_read_when_allowed(controller_factory) -> None:
