@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 from sqlalchemy import text
@@ -230,6 +231,19 @@ def compose(
     )
 
 
+@dataclass(slots=True)
+class TickCount:
+    """How far one periodic task has got. Ticks run one after another, so tick number
+    ``started`` is over once ``finished + failed`` reaches it."""
+
+    #: Ticks begun.
+    started: int = 0
+    #: Ticks that returned.
+    finished: int = 0
+    #: Ticks that raised (logged; the loop goes on).
+    failed: int = 0
+
+
 class Controller:
     """One replica's lifecycle: lead (load state, start the periodic tasks) or stand by."""
 
@@ -251,6 +265,12 @@ class Controller:
         self.traffic, self.power, self.remediation = s.traffic, s.power, s.remediation
         self.ingest, self.tickers = s.ingest, s.tickers
         self._tasks: list[asyncio.Task[None]] = []
+        #: Each periodic task's ticks so far, by its name in ``_spawn`` (a ticker's class
+        #: name, ``history-retention``, ``wal-checkpoint``). Read by tests: "nothing more
+        #: happened" means something only once the task that would have done it has run,
+        #: so they wait for its ticks rather than sleep; and when debugging, whether a task
+        #: ticks at all and whether its ticks raise.
+        self.ticks: dict[str, TickCount] = {}
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "not started")
 
     async def start(self) -> None:
@@ -314,13 +334,19 @@ class Controller:
         return self._acting and self.leader.is_leader
 
     def _spawn(self, fn: Callable[[float], Awaitable[None]], interval_s: float, name: str) -> None:
+        ticks = self.ticks.setdefault(name, TickCount())
+
         async def loop() -> None:
             while True:
                 await asyncio.sleep(interval_s)
+                ticks.started += 1
                 try:
                     await fn(time.time())
                 except Exception:  # a bad tick must not end the loop
+                    ticks.failed += 1
                     log.exception("periodic task failed", extra={"fields": {"task": name}})
+                else:
+                    ticks.finished += 1
 
         self._tasks.append(asyncio.create_task(loop(), name=f"tg-{name}"))
 

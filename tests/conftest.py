@@ -184,6 +184,26 @@ class LiveController:
         """The in-process ``controller.runtime.Controller`` (for introspection in tests)."""
         return self.app.state.controller
 
+    def wait_ticks(self, task: str, count: int = 1, timeout_s: float = 30.0) -> None:
+        """Wait until the periodic ``task`` (its name in ``Controller.ticks``: a ticker's
+        class name such as ``RemediationEngine``) has run ``count`` whole ticks begun after
+        this call; fail if one of them raised.
+
+        A test's "nothing more happened" holds only once the code that would have done it
+        has run: a fixed sleep is longer than needed on an idle machine and no guarantee on
+        a loaded one. Waiting for ticks says the task ran, whatever the load."""
+        deadline = time.monotonic() + timeout_s
+        while (ticks := self.controller.ticks.get(task)) is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no periodic task {task!r} was started")
+            time.sleep(0.01)
+        target, failed = ticks.started + count, ticks.failed
+        while ticks.finished + ticks.failed < target:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{task} ran {ticks} of {target} ticks in {timeout_s} s")
+            time.sleep(0.01)
+        assert ticks.failed == failed, f"a tick of {task} raised (see the log): {ticks}"
+
     def headers(self, role: str = "operator") -> dict[str, str]:
         token = {"agent": self.agent_token, "viewer": self.viewer_token}.get(
             role, self.operator_token
