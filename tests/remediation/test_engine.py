@@ -38,10 +38,15 @@ from controller.logic.detection.c4d.job_evidence import (
 from controller.logic.detection.c4d.peers import PeerBasis
 from controller.logic.detection.incident_evidence import IncidentEvidence
 from controller.services.incidents import IncidentSpec
+from controller.services.remediation import grow as grow_back
 from tests.remediation.recording import RecordingActuator
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+#: The engine's periodic task (``Controller.ticks``): "nothing more happened" is asserted
+#: after ticks of it, not after a sleep.
+ENGINE = "RemediationEngine"
 
 
 class Agents:
@@ -126,7 +131,7 @@ def test_fatal_xid_isolates_the_node_and_the_circuit_breaker_holds(controller_fa
     # Decisions survive a restart of the controller: nothing is acted on twice.
     before = len(actions(live))
     live.restart()
-    time.sleep(3)
+    live.wait_ticks(ENGINE, 2)  # the new engine loaded what was decided and looked again
     assert len(actions(live)) == before
     assert nodes(live)["n1"]["isolated_reason"]
 
@@ -141,7 +146,9 @@ def test_dry_run_records_what_it_would_do_and_changes_nothing(controller_factory
         lambda: [a for a in actions(live) if a["kind"] == "isolate_node" and a["target"] == "n3"]
     )
     assert rows[0]["status"] == "dry_run" and rows[0]["outcome"] == "would isolate n3"
-    time.sleep(1.5)
+    # Every step of the remediation has run (in a dry run), and the engine ticked since.
+    remediation_over(live, int(rows[0]["trigger"].removeprefix("incident:")))
+    live.wait_ticks(ENGINE)
     assert nodes(live)["n3"]["isolated_reason"] is None
 
 
@@ -279,6 +286,18 @@ def straggler_evidence(slowdown_pct: float) -> StragglerIncidentEvidence:
     )
 
 
+def remediation_over(live: Any, incident: int) -> None:
+    """Wait until the engine acted on ``incident`` and every remediation of it has ended
+    (each of its steps has run, or it stopped): nothing more of it can happen."""
+
+    def over() -> bool:
+        engine = live.controller.remediation
+        states = [r.state for r in engine.remediations if r.incident_id == incident]
+        return bool(states) and "running" not in states
+
+    wait_for(over)
+
+
 def of(live: Any, incident: int) -> list[dict[str, Any]]:
     return [a for a in actions(live) if a["trigger"] == f"incident:{incident}"]
 
@@ -309,9 +328,10 @@ def test_a_straggler_is_alerted_at_once_and_escalated_after_its_window(  # type:
     alert = wait_for(lambda: of(live, incident))
     assert [(a["kind"], a["status"]) for a in alert] == [("alert", "succeeded")]
     assert "then checkpoint, isolate, restart if it persists 3 s" in alert[0]["outcome"]
-    # Inside the persistence window: alerted, nothing else.
-    time.sleep(1.5)
+    # Inside the persistence window: alerted, nothing else (the engine looked again).
+    live.wait_ticks(ENGINE)
     assert [a["kind"] for a in of(live, incident)] == ["alert"]
+    assert live.controller.remediation.decided.get(incident) is None
     assert actuator.restarts() == []
     # Past the window, and it costs more than the threshold: checkpoint, isolate, restart.
     wait_for(lambda: any(a["kind"] == "restart_job" for a in of(live, incident)))
@@ -338,7 +358,9 @@ def test_a_cheap_straggler_is_only_alerted(controller_factory, tmp_path) -> None
     actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1", "n2"])
     incident = open_incident(live, "straggler", node="n1", evidence=straggler_evidence(4.0))
     wait_for(lambda: of(live, incident))
-    time.sleep(5)  # well past after_s: it persists, but costs less than min_cost_pct
+    # Past after_s, and the engine looked again: it persists, but costs less than min_cost_pct.
+    time.sleep(max(0.0, incident_opened_at(live, incident) + 3.0 - time.time()))
+    live.wait_ticks(ENGINE)
     assert [(a["kind"], a["status"]) for a in of(live, incident)] == [("alert", "succeeded")]
     assert actuator.acts() == []
     assert live.controller.remediation.decided.get(incident) is None  # still watched
@@ -400,7 +422,9 @@ def test_no_action_on_stale_evidence(controller_factory, tmp_path) -> None:  # t
     live = controller_factory(policy_file=policy_file(tmp_path, "enabled: false\n" + rules))
     actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1"])
     incident = open_incident(live, "comm_failure")
-    time.sleep(2)  # the engine is off while the incident's evidence ages
+    # The engine is off while the incident's evidence ages past stale_after_s.
+    updated = live.controller.state.incidents[incident].updated_unix_s
+    time.sleep(max(0.0, updated + 1.0 - time.time()) + 0.1)
     op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
     body = {
         "rules": [{"kind": "comm_failure", "steps": ["restart"]}],
@@ -410,11 +434,41 @@ def test_no_action_on_stale_evidence(controller_factory, tmp_path) -> None:  # t
     rows = wait_for(lambda: of(live, incident))
     assert [(a["kind"], a["status"]) for a in rows] == [("skip", "skipped")]
     assert rows[0]["outcome"].startswith("stale evidence: the incident was last updated")
-    time.sleep(1.5)
+    live.wait_ticks(ENGINE)
     assert len(of(live, incident)) == 1 and actuator.acts() == []
 
 
-def test_a_shrunk_job_grows_back_when_its_node_is_released(controller_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+class PlacementReads(RecordingActuator):
+    """Counts the reads of where a job runs: while none of its remediations is under way,
+    only the engine's grow-back check asks (every ``GROW_CHECK_INTERVAL_S``)."""
+
+    reads = 0
+
+    async def current_placement(self, job: str) -> Placement | None:
+        self.reads += 1
+        return await super().current_placement(job)
+
+
+def grow_check_passed(live: Any, actuator: PlacementReads) -> None:
+    """Wait for a grow-back check that found nothing in its way (the job's remediation and
+    its resume wait over) and read where job ``gpt`` runs, and for its tick to end."""
+    book = live.controller.remediation.jobs["gpt"]
+    wait_for(lambda: book.running is None and book.awaiting_resume is None)
+    seen = actuator.reads
+    wait_for(lambda: actuator.reads > seen)
+    live.wait_ticks(ENGINE)
+
+
+def grow_backs(live: Any) -> list[Any]:
+    return [r for r in live.controller.remediation.remediations if r.grow]
+
+
+def test_a_shrunk_job_grows_back_when_its_node_is_released(  # type: ignore[no-untyped-def]
+    controller_factory, tmp_path, monkeypatch
+) -> None:
+    # The grow-back check every engine tick instead of every 5 s: the test waits for three
+    # of them (no capacity, capacity back, full size), and what each finds is the point.
+    monkeypatch.setattr(grow_back, "GROW_CHECK_INTERVAL_S", 1.0)
     path = policy_file(
         tmp_path,
         "rules: [{kind: gpu_fault, severity: critical, steps: [isolate, restart]}]\n"
@@ -425,7 +479,11 @@ def test_a_shrunk_job_grows_back_when_its_node_is_released(controller_factory, t
     agents = Agents(live)
     for i in range(4):
         agents.report(f"n{i}")
-    actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1"])
+    actuator = PlacementReads(
+        placements={"gpt": Placement(job="gpt", nodes=("n0", "n1"), ranks_per_node=2)},
+        pools={"gpt": ["n0", "n1"]},
+    )
+    live.controller.remediation.actuator = actuator
     incident = open_incident(live, "gpu_fault", node="n1", severity="critical")
     wait_for(lambda: actuator.restarts())
     shrunk = actuator.restarts()[0]
@@ -433,8 +491,8 @@ def test_a_shrunk_job_grows_back_when_its_node_is_released(controller_factory, t
     rows = wait_for(lambda: [a for a in of(live, incident) if a["kind"] == "restart_job"])
     assert rows[0]["params"]["plan"] == "shrink" and rows[0]["params"]["original_nodes"] == 2
     # n1 is isolated: no capacity to grow into, whatever the grow-back check finds.
-    time.sleep(6)
-    assert len(actuator.restarts()) == 1
+    grow_check_passed(live, actuator)
+    assert len(actuator.restarts()) == 1 and grow_backs(live) == []
     op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
     assert op.post("/api/v1/nodes/n1/release").status_code == 200
     wait_for(lambda: len(actuator.restarts()) == 2, timeout_s=20)
@@ -457,8 +515,8 @@ def test_a_shrunk_job_grows_back_when_its_node_is_released(controller_factory, t
     ).json()
     grow = [r for r in remediation["remediations"] if r["trigger"] == "grow:gpt"]
     assert grow and grow[0]["incident"] is None and grow[0]["generation"] == 2
-    time.sleep(6)  # back at full size: nothing more to do
-    assert len(actuator.restarts()) == 2
+    grow_check_passed(live, actuator)  # back at full size: nothing more to do
+    assert len(actuator.restarts()) == 2 and len(grow_backs(live)) == 1
 
 
 def test_goodput_is_rebuilt_from_the_restart_rows_by_a_new_leader(  # type: ignore[no-untyped-def]
@@ -541,8 +599,9 @@ def test_nonfinite_rolls_back_to_the_newest_checkpoint_before_the_bad_step(  # t
     alert = wait_for(lambda: of(live, incident))
     assert [a["kind"] for a in alert] == ["alert"]
     assert "rollback if it lasts 3 steps" in alert[0]["outcome"]
-    time.sleep(2)
+    live.wait_ticks(ENGINE)  # the engine looked at it again
     assert [a["kind"] for a in of(live, incident)] == ["alert"] and actuator.acts() == []
+    assert live.controller.remediation.decided.get(incident) is None
     # The detector's refresh: the NaN is still there two steps later (a diverged model).
     refresh_incident(
         live, incident, "job gpt step 30: NaN; NaN/Inf in 3 steps so far", NAN_EVIDENCE
@@ -666,8 +725,8 @@ def test_an_incident_raised_during_a_remediation_is_absorbed_only_by_a_real_rest
     hang = open_incident(live, "hang", severity="critical")
     wait_for(lambda: any(a["kind"] == "restart_job" for a in of(live, hang)))
     straggler = open_incident(live, "straggler", node="n1", evidence=straggler_evidence(25.0))
-    time.sleep(1.5)  # engine ticks while the restart is held: nothing decided for it yet
-    assert of(live, straggler) == []
+    live.wait_ticks(ENGINE)  # the engine ticks while the restart is held: nothing decided yet
+    assert of(live, straggler) == [] and straggler not in live.controller.remediation.decided
     assert shown_state(live, straggler) == "open"
     actuator.gate.set()
     if restarted:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -21,7 +20,14 @@ import pytest
 from controller.actuators.base import ActuatorError, JobPolicy
 from controller.services.remediation.approval import ApprovalError
 from controller.services.webhook import verify
-from tests.remediation.test_engine import Agents, actions, on_loop, open_incident, recording
+from tests.remediation.test_engine import (
+    Agents,
+    actions,
+    on_loop,
+    open_incident,
+    recording,
+    remediation_over,
+)
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -57,7 +63,7 @@ def test_job_steps_replace_the_rules_steps(controller_factory: Any) -> None:
     actuator.policies["gpt"] = JobPolicy(steps=("isolate",))
     incident = fault_on_n1(live)
     wait_for(lambda: ("isolate_node", "succeeded") in rows(live, incident))
-    time.sleep(1.0)
+    remediation_over(live, incident)
     # The rule for a fatal GPU fault checkpoints, isolates and restarts; this job said isolate.
     assert rows(live, incident) == [("isolate_node", "succeeded")]
     assert acted(actuator) == ["isolate_node"]
@@ -79,7 +85,7 @@ def test_bad_job_policy_acts_on_nothing_and_says_why(
     skip = wait_for(lambda: [a for a in actions(live) if a["kind"] == "skip"])[0]
     assert skip["status"] == "skipped" and says in skip["outcome"]
     assert "not acting on it until that is fixed" in skip["outcome"]
-    time.sleep(0.5)
+    remediation_over(live, incident)
     assert rows(live, incident) == [("skip", "skipped")]
     assert acted(actuator) == []
 
@@ -212,7 +218,7 @@ def test_restart_when_the_placement_cannot_be_read_fails_with_the_reason(
     async def unreadable(job: str) -> Any:
         raise ActuatorError("pod llm-0 of job 'gpt' has no trainguard.io/rank=<n> label")
 
-    actuator.current_placement = unreadable  # type: ignore[method-assign]
+    actuator.current_placement = unreadable
     incident = fault_on_n1(live)
     row = wait_for(lambda: [a for a in actions(live) if a["kind"] == "restart_job"])[0]
     assert row["status"] == "failed" and row["trigger"] == f"incident:{incident}"

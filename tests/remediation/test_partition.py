@@ -24,7 +24,7 @@ from controller.logic.detection.incident_evidence import QuarantineBudgetEvidenc
 from tests.actuators.fake_cluster import FakeCluster
 from tests.actuators.k8s_testkit import NS, cluster, node, pod
 from tests.remediation.recording import RecordingActuator
-from tests.remediation.test_engine import Agents, actions, open_incident
+from tests.remediation.test_engine import ENGINE, Agents, actions, open_incident
 from tests.waiting import wait_for
 
 __all__ = ["cluster"]
@@ -108,9 +108,14 @@ def test_unreachable_node_waits_for_a_second_signal(fleet_factory: Any) -> None:
     held = wait_for(lambda: [a for a in actions(live) if a["trigger"] == f"incident:{incident}"])
     assert held[0]["kind"] == "alert" and held[0]["outcome"].startswith("held, not acted on")
     assert "unreachable (silent, Node Ready, pods running" in held[0]["outcome"]
-    time.sleep(2.0)  # two more ticks, each asking the platform again
+
+    def asked() -> int:
+        return sum(1 for m, a in actuator.calls if m == "node_view" and a == "n1")
+
+    before = asked()
+    live.wait_ticks(ENGINE, 2)  # two more ticks, each asking the platform again
     assert acted(actuator) == []
-    assert sum(1 for m, a in actuator.calls if m == "node_view" and a == "n1") >= 2
+    assert asked() >= before + 2
     assert str(incident) in live.controller.remediation.snapshot()["held"]
     # The second signal: the Node itself goes NotReady. Now it is lost, and acted on.
     actuator.views["n1"] = NodeView(ready=False, pods_running=True)
@@ -152,7 +157,7 @@ def test_mass_silence_acts_on_nobody_and_says_so(fleet_factory: Any) -> None:
 
     rows = wait_for(lambda: len(held()) == 3 and held())
     assert all("agents silent at once" in r["outcome"] for r in rows), rows
-    time.sleep(1.5)
+    live.wait_ticks(ENGINE)
     assert acted(actuator) == []
     assert not [c for c in actuator.calls if c[0] == "node_view"]  # not even asked
 
