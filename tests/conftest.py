@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -212,11 +211,9 @@ class LiveController:
 
     def start(self) -> None:
         from controller.api.app import create_app
-        from controller.server import uvicorn_config
+        from controller.server import bind_socket, uvicorn_config
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
+        sock = bind_socket("127.0.0.1", self.port)  # the server's own (Nagle off)
         self.port = sock.getsockname()[1]
         self.app = create_app(self.settings)
         server = uvicorn.Server(uvicorn_config(self.app, self.settings))
