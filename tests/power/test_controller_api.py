@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +81,8 @@ def test_put_get_persist_and_priority(
 
         def row_power() -> float | None:
             data = viewer.get("/api/v1/power/domains").json()["data"]
-            return {d["name"]: d for d in data}["row-a"]["power_w"]
+            power: float | None = {d["name"]: d for d in data}["row-a"]["power_w"]
+            return power
 
         from trainguard.cli.procs import wait_until
 
@@ -190,7 +190,8 @@ def _job_report(node: str, seq: int, power_w: float, *, start_job: bool = False)
 def test_job_priority_overrides_the_node_on_its_gpus(controller_factory: Any) -> None:
     from trainguard.cli.procs import wait_until
 
-    live = controller_factory()
+    # The timer ticks 5 times a second: the wait for one after the last report is short.
+    live = controller_factory(power_tick_interval_s=0.2)
     op = httpx.Client(base_url=live.url, headers=live.headers("operator"))
     viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"))
     agent = httpx.Client(base_url=live.url, headers=live.headers("agent"))
@@ -233,7 +234,10 @@ def test_job_priority_overrides_the_node_on_its_gpus(controller_factory: Any) ->
         level = {d["name"]: d for d in viewer.get("/api/v1/power/domains").json()["data"]}
         assert level["row-a"]["level"] == "T1"
         assert agent.post("/api/v1/reports", json=_job_report("node-1", 2, 420.0)).status_code
-        time.sleep(1.5)  # at least one more timer tick: still nothing for GPU 0
+        # The power loop has that report, and a timer tick since: still nothing for GPU 0.
+        loop = live.controller.power.loop
+        assert wait_until(lambda: loop.nodes["node-1"].sample.time_unix_s == 3.0, timeout_s=10)
+        live.wait_ticks("PowerLoop")
         assert locks() == {1}
 
         # Persisted with the tree; null removes it (the node's class applies again).
