@@ -267,6 +267,28 @@ def annotate(template: dict[str, Any], annotations: dict[str, Any]) -> None:
             current[key] = value
 
 
+def workload_size(w: Workload) -> int:
+    """How many pods the workload's spec asks for now (its gang's size)."""
+    spec = w.obj["spec"]
+    if w.kind is JOB:
+        return int(spec.get("parallelism") or 1)
+    if w.kind is TRAINJOB:
+        trainer = spec.get("trainer") or {}
+        nodes: int = int(trainer.get("numNodes") or 0)
+        if not nodes and w.runtime is not None:
+            _, rj = replicated_job(Workload(JOBSET, w.runtime["metadata"]["name"], w.runtime))
+            per = int((rj["template"].get("spec") or {}).get("parallelism") or 1)
+            nodes = int(rj.get("replicas", 1)) * per
+        return nodes or 1
+    if w.kind is PYTORCHJOB:
+        specs = spec["pytorchReplicaSpecs"]
+        masters = int(specs["Master"].get("replicas", 1)) if "Master" in specs else 0
+        workers = int(specs["Worker"].get("replicas", 1)) if "Worker" in specs else 0
+        return masters + workers
+    _, rj = replicated_job(w)
+    return int(rj.get("replicas", 1)) * int(rj["template"]["spec"].get("parallelism") or 1)
+
+
 def restart_patch(
     w: Workload, world: int, annotations: dict[str, Any]
 ) -> tuple[dict[str, Any], int]:
@@ -274,8 +296,8 @@ def restart_patch(
     and the workload's current world size."""
     spec = w.obj["spec"]
     meta = {"metadata": {"annotations": annotations}}
+    old = workload_size(w)
     if w.kind is JOB:
-        old = int(spec.get("parallelism") or 1)
         if world != old and spec.get("completionMode") != "Indexed":
             raise ActuatorError(
                 f"{w.label} is not an Indexed Job; only Indexed Jobs can change their size"
@@ -284,17 +306,10 @@ def restart_patch(
     if w.kind is TRAINJOB:
         # Its pods come from the runtime's JobSet, which the TrainJob controller owns: size
         # it through ``trainer.numNodes``; pod annotations cannot be set from a TrainJob.
-        trainer = spec.get("trainer") or {}
-        nodes: int = int(trainer.get("numNodes") or 0)
-        if not nodes and w.runtime is not None:
-            _, rj = replicated_job(Workload(JOBSET, w.runtime["metadata"]["name"], w.runtime))
-            per = int((rj["template"].get("spec") or {}).get("parallelism") or 1)
-            nodes = int(rj.get("replicas", 1)) * per
-        return {"spec": {"trainer": {"numNodes": world}}}, nodes or 1
+        return {"spec": {"trainer": {"numNodes": world}}}, old
     if w.kind is PYTORCHJOB:
         specs = spec["pytorchReplicaSpecs"]
         masters = int(specs["Master"].get("replicas", 1)) if "Master" in specs else 0
-        workers = int(specs["Worker"].get("replicas", 1)) if "Worker" in specs else 0
         if ("Worker" not in specs and world != masters) or (world <= masters and "Worker" in specs):
             raise ActuatorError(
                 f"{w.label}: cannot run {world} ranks with {masters} Master and "
@@ -303,24 +318,23 @@ def restart_patch(
         replica_specs: dict[str, Any] = {role: {"template": meta} for role in specs}
         if "Worker" in specs:
             replica_specs["Worker"]["replicas"] = world - masters
-        return {"spec": {"pytorchReplicaSpecs": replica_specs}}, masters + workers
+        return {"spec": {"pytorchReplicaSpecs": replica_specs}}, old
     # JobSet: replicatedJobs is a list, which a merge patch replaces whole.
     rjobs = json.loads(json.dumps(spec["replicatedJobs"]))
     index, _ = replicated_job(w)
     rj = rjobs[index]
-    replicas = int(rj.get("replicas", 1))
     job_spec = rj["template"]["spec"]
     per_job = int(job_spec.get("parallelism") or 1)
     if world % per_job == 0:
         rj["replicas"] = world // per_job
-    elif replicas == 1:
+    elif int(rj.get("replicas", 1)) == 1:
         job_spec["parallelism"] = job_spec["completions"] = world
     else:
         raise ActuatorError(
             f"{w.label}: {world} ranks do not fill whole child Jobs of {per_job} pods"
         )
     annotate(job_spec["template"], annotations)
-    return {"spec": {"replicatedJobs": rjobs}}, replicas * per_job
+    return {"spec": {"replicatedJobs": rjobs}}, old
 
 
 def placement_of(job: str, job_pods: list[dict[str, Any]]) -> Placement | None:

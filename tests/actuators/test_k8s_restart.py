@@ -306,3 +306,56 @@ def test_pytorchjob_policy_max_restarts_counts_trainguards_restarts(cluster: Fak
     with pytest.raises(ActuatorError, match=r"restarted it 1 time\(s\), the 1 its trainguard"):
         run(act.restart_job(second, reason="hang again"))
     assert len([s for s in cluster.served if s[2] in ("patch", "delete", "create")]) == writes
+
+
+def _jobset_of_two_pods(c: FakeCluster) -> None:
+    for n in ("gpu-a", "gpu-b", "gpu-c"):
+        node(c, n)
+    doc = jobset_doc("llm", replicas=2, max_restarts=0, nnodes="1:8")
+    doc["metadata"]["labels"] = {"trainguard.io/job": "llm"}
+    pod_meta = {"labels": {"trainguard.io/job": "llm"}}
+    doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"] = pod_meta
+    c.put("jobset.x-k8s.io", "jobsets", doc)
+    c.reconcile_jobset(NS, "llm")
+
+
+def _report_partly(act: KubernetesActuator, c: FakeCluster) -> None:
+    """Two pods of 8 torchrun ranks; the first pod's ranks 3-7 have not reported yet."""
+    pods = sorted(c.items("", "pods", NS), key=lambda p: p["metadata"]["name"])
+    for i, pod in enumerate(pods):
+        for local in range(8 if i else 3):
+            ev = RankEvent(job="llm", rank=8 * i + local, kind="started", time_unix_s=1.0,
+                           local_rank=local, world_size=16, pod=pod["metadata"]["name"],
+                           namespace=NS)  # fmt: skip
+            act.observe_ranks(pod["spec"]["nodeName"], [ev])
+
+
+def replicas(c: FakeCluster) -> int:
+    (jobset,) = c.items("jobset.x-k8s.io", "jobsets", NS)
+    return int(jobset["spec"]["replicatedJobs"][0]["replicas"])
+
+
+def test_a_restart_at_the_same_size_keeps_the_pod_count_whatever_ranks_reported(
+    cluster: FakeCluster,
+) -> None:
+    """Counted from the first pod's 3 reported ranks, 16 ranks would make 5 pods: the gang
+    came back 40 ranks strong. The same world size keeps the workload's pod count."""
+    _jobset_of_two_pods(cluster)
+    act = actuator(cluster)
+    _report_partly(act, cluster)
+    same = Placement(job="llm", nodes=("gpu-b", "gpu-c"), ranks_per_node=8, generation=1)
+    result = run(act.restart_job(same, reason="gpu_fault"))
+    assert result.details["ranks_per_pod"] == 8 and "resize" not in result.details
+    assert replicas(cluster) == 2
+
+
+def test_a_resize_from_a_partial_layout_is_refused_and_changes_nothing(
+    cluster: FakeCluster,
+) -> None:
+    _jobset_of_two_pods(cluster)
+    act = actuator(cluster)
+    _report_partly(act, cluster)
+    smaller = Placement(job="llm", nodes=("gpu-b",), ranks_per_node=8, generation=1)
+    with pytest.raises(ActuatorError, match=r"ranks \[3, 4, 5, 6, 7\] have not reported"):
+        run(act.restart_job(smaller, reason="gpu_fault"))
+    assert replicas(cluster) == 2

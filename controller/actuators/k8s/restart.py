@@ -36,7 +36,7 @@ from controller.actuators import kube_objects as ko
 from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
 from controller.actuators.k8s.api import Kube
 from controller.actuators.k8s.nodes import NodeGuard
-from controller.actuators.k8s.placement import PlacementBook
+from controller.actuators.k8s.placement import JobLayout, PlacementBook
 from controller.actuators.k8s.workloads import (
     GangPlan,
     delete_gang_pods,
@@ -135,6 +135,33 @@ def gang_plan(w: Workload, *, same_size: bool, recorded_restarts: int) -> GangPl
     return plan
 
 
+def ranks_per_pod(layout: JobLayout | None, world_size: int, pods_now: int) -> int:
+    """Ranks each pod of the gang runs, from the ranks' own reports.
+
+    A restart at the job's present world size keeps the workload's present pod count
+    whatever the reports say (they may be partial: a job failing while it starts). A
+    resize needs every rank's pod and the same number of ranks in each: sized from a
+    partial or uneven layout, a gang of 2 pods x 8 ranks could come back as 5 pods.
+    """
+    if layout is None:
+        return 1
+    if world_size == layout.world_size and world_size % pods_now == 0:
+        return world_size // pods_now
+    counts = sorted({len(ranks) for ranks in layout.pods().values()})
+    if not layout.complete:
+        missing = sorted(set(range(layout.world_size)) - set(layout.seats))
+        raise ActuatorError(
+            f"job {layout.job!r}: ranks {missing[:8]} have not reported their pod yet, "
+            f"so a gang of {world_size} ranks cannot be sized in pods"
+        )
+    if len(counts) != 1 or world_size % counts[0]:
+        raise ActuatorError(
+            f"job {layout.job!r}: its pods run {counts} ranks each; {world_size} ranks "
+            "do not make a whole number of equal pods"
+        )
+    return counts[0]
+
+
 async def restart_job(act: KubernetesActuator, placement: Placement, reason: str) -> ActuatorResult:
     job, gen = placement.job, placement.generation
     pods = await act._job_pods(job)
@@ -150,8 +177,7 @@ async def restart_job(act: KubernetesActuator, placement: Placement, reason: str
         ANN_RESUME_STEP: None if placement.resume_step is None else str(placement.resume_step),
     }
     # Pods, not ranks: torchrun runs several ranks per pod (as the ranks reported).
-    layout = act.book.layout(job)
-    per_pod = len(next(iter(layout.pods().values()))) if layout is not None else 1
+    per_pod = ranks_per_pod(act.book.layout(job), placement.world_size, ko.workload_size(w))
     size = placement.world_size // per_pod
     _, old_size = ko.restart_patch(w, size, annotations)
     resize = resize_note(*_size_source(w), old_size, size, masters=_masters(w))
