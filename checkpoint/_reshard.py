@@ -51,10 +51,31 @@ class FragmentIndex:
             for entry in reader.entries(rank):
                 # A replica written once lives in its holder's file under the same map.
                 if entry.global_map is not None and entry.stored_by is None:
-                    self.by_name[entry.global_map.name].append(
-                        Fragment(rank, entry, entry.global_map)
-                    )
+                    frag = Fragment(rank, entry, entry.global_map)
+                    found = self.by_name[entry.global_map.name]
+                    if found:
+                        self._check_same(found[0], frag)
+                    found.append(frag)
         self.bytes_read = 0
+
+    def _check_same(self, first: Fragment, frag: Fragment) -> None:
+        """Fragments of one global tensor must agree on what that tensor is: the reader
+        takes its shape, placement and reduction from the first and converts every
+        fragment's bytes to the first one's dtype, so a rank manifest that disagrees
+        would be read quietly as the other ranks describe it."""
+        a, b = first.global_map, frag.global_map
+        for field_, want, got in (
+            ("global_map.shape", a.shape, b.shape),
+            ("global_map.placement", a.placement, b.placement),
+            ("global_map.reduce", a.reduce, b.reduce),
+            ("dtype", first.entry.dtype, frag.entry.dtype),
+        ):
+            if got != want:
+                path = self.reader.path / self.reader.manifest.ranks[frag.rank].manifest
+                raise CheckpointCorruptError(
+                    f"{path}: entry {frag.entry.name!r} field {field_}: {got!r:.80}, but rank "
+                    f"{first.rank}'s fragment of global tensor {b.name!r} says {want!r:.80}"
+                )
 
     def names(self) -> list[str]:
         return sorted(self.by_name)

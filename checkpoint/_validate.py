@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from checkpoint.errors import CheckpointCorruptError
+from checkpoint.geometry import row_major_strides, unravel
 from checkpoint.manifest import (
     READABLE_VERSIONS,
     DataFileInfo,
@@ -208,7 +209,10 @@ def _entry(f: _Fields, *, rank: int, world_size: int, file_size: int) -> Entry:
             f.fail("stored_by", f"rank {stored_by} (offset {offset}) cannot hold a replica here")
     elif offset + nbytes > file_size:
         f.fail("offset", f"bytes {offset}..{offset + nbytes} past the data file's {file_size}")
-    gmap = f.raw.get("global_map")
+    raw_map = f.raw.get("global_map")
+    gmap = None if raw_map is None else _global_map(f.sub("global_map", raw_map), numel)
+    if gmap is not None:
+        _check_map(f, shape, gmap)
     return Entry(
         name=name,
         dtype=dtype,
@@ -216,8 +220,49 @@ def _entry(f: _Fields, *, rank: int, world_size: int, file_size: int) -> Entry:
         offset=offset,
         nbytes=nbytes,
         stored_by=stored_by,
-        global_map=None if gmap is None else _global_map(f.sub("global_map", gmap), numel),
+        global_map=gmap,
     )
+
+
+def _check_map(f: _Fields, shape: list[int], gmap: GlobalMap) -> None:
+    """The entry's own (local) shape must be the tensor its global map's pieces address.
+
+    A same-layout load uses the entry's shape and a resharding one the map, so a mismatch
+    (``shape`` [8, 4] with pieces laid out row-major over [4, 8]: same bytes, another
+    tensor) would load differently depending on the reader. Every writer of this format
+    lays pieces out row-major over the entry's shape, and a replicated copy is the whole
+    global tensor (a partial one may also be sharded along another mesh dimension). The
+    one exception is a ZeRO flat partition: a 1-D entry whose pieces are row-major over
+    the (TP-local) parameter shape it was cut from, for which the byte-range checks in
+    :func:`_piece` are all that can be said here.
+    """
+    if gmap.placement == "replicate" and shape != gmap.shape:
+        f.fail("shape", f"{shape}, but its global_map (replicate) has shape {gmap.shape}")
+    if len(shape) != len(gmap.shape):
+        if len(shape) != 1:  # only a flat (1-D) partition may differ in rank
+            f.fail(
+                "shape",
+                f"{shape} has {len(shape)} dimensions, its global_map shape {gmap.shape} "
+                f"{len(gmap.shape)}",
+            )
+        return
+    strides = row_major_strides(shape)
+    for i, piece in enumerate(gmap.pieces):
+        if not all(piece.shape):
+            continue  # an empty box addresses nothing
+        where = f"global_map.pieces[{i}]"
+        if piece.strides != strides:
+            f.fail(
+                "shape",
+                f"{shape} (row-major strides {strides}), but its {where} has strides "
+                f"{piece.strides}",
+            )
+        start = unravel(piece.base, shape)
+        if any(s + n > d for s, n, d in zip(start, piece.shape, shape, strict=True)):
+            f.fail(
+                f"{where}.shape",
+                f"box {piece.shape} at local {start} outside the entry's shape {shape}",
+            )
 
 
 def _data_file(f: _Fields, rank: int) -> DataFileInfo:

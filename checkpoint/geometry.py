@@ -29,6 +29,15 @@ def ravel(coord: Sequence[int], shape: Sequence[int]) -> int:
     return sum(c * s for c, s in zip(coord, row_major_strides(shape), strict=True))
 
 
+def unravel(index: int, shape: Sequence[int]) -> list[int]:
+    """The row-major coordinate of element ``index`` of ``shape`` (inverse of :func:`ravel`)."""
+    coord = [0] * len(shape)
+    for d in range(len(shape) - 1, -1, -1):
+        if shape[d]:
+            index, coord[d] = divmod(index, shape[d])
+    return coord
+
+
 def intersect(
     a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int], b_shape: Sequence[int]
 ) -> Box | None:
