@@ -30,6 +30,7 @@ import yaml
 
 from power.config import PolicyConfig, policy_with_overrides
 from power.errors import ConfigError
+from trainguard.textfile import Unreadable, read_text, yaml_problem
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _KEYS = frozenset({"name", "kind", "budget_w", "policy", "children", "gpu_index"})
@@ -149,16 +150,15 @@ def load_domains(path: str | Path, *, defaults: PolicyConfig | None = None) -> D
     """Read and validate a domain tree from a ``.yaml``/``.yml``/``.json`` file."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
+        text = read_text(p)
+    except Unreadable as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.reason}") from None
     try:
         raw = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(
-            f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {first}"
-        ) from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{p}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {yaml_problem(exc)}") from None
     return parse_domains(raw, defaults=defaults)
 
 

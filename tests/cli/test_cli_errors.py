@@ -179,3 +179,51 @@ def test_bad_policy_file_refuses_to_start_with_exit_2(
     assert result.code == 2, result.err
     last = result.err.strip().splitlines()[-1]  # a dev-mode warning may come first
     assert last.startswith("error: policy file") and "rules.0.steps.0" in last
+
+
+BINARY = b"\xff\xfe\x00\x01 not text"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["power", "domains", "{file}"], "error: {file}: cannot read: not UTF-8 text"),
+        (["plan", "show", "{file}"], "error: {file}: not UTF-8 text"),
+        (["power", "domains", "{dir}"], "error: {dir}: cannot read: Is a directory"),
+        (["plan", "show", "{dir}"], "error: {dir}: Is a directory"),
+    ],
+)
+def test_a_file_that_is_not_text_is_one_line_exit_2(
+    cli: Cli, tmp_path: Path, args: list[str], message: str
+) -> None:
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(BINARY)
+    where = {"{file}": str(binary), "{dir}": str(tmp_path)}
+
+    def fill(text: str) -> str:
+        for key, value in where.items():
+            text = text.replace(key, value)
+        return text
+
+    assert _one_line(cli(*map(fill, args)), 2) == fill(message)
+
+
+@pytest.mark.parametrize(
+    ("variable", "message"),
+    [
+        ("TRAINGUARD_POLICY_FILE", "error: cannot read policy file {file}: not UTF-8 text"),
+        ("TRAINGUARD_LOCAL_JOBS_FILE", "error: cannot read local_jobs_file {file}: not UTF-8 text"),
+    ],
+)
+def test_controller_refuses_a_file_that_is_not_text_with_exit_2(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str, message: str
+) -> None:
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(BINARY)
+    monkeypatch.setenv(variable, str(binary))
+    database = f"sqlite:///{tmp_path / 'tg.db'}"
+    result = cli("controller", "--dev", "--port", "0", "--database-url", database)
+    assert result.code == 2, result.err
+    assert "Traceback" not in result.err
+    last = result.err.strip().splitlines()[-1]  # a dev-mode warning may come first
+    assert last == message.format(file=binary)

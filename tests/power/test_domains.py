@@ -141,7 +141,14 @@ def test_bad_files_give_one_line_errors(tmp_path: Path) -> None:
     broken.write_text("name: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML") as info:
         load_domains(broken)
-    assert "\n" not in str(info.value)
+    assert str(info.value) == (
+        f"{broken}: not valid YAML: expected ',' or ']', but got '<stream end>' at line 2, column 1"
+    )
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError) as info:
+        load_domains(binary)
+    assert str(info.value) == f"{binary}: cannot read: not UTF-8 text"
 
 
 def test_aggregation_sums_children_and_prefers_a_fresh_meter(tmp_path: Path) -> None:

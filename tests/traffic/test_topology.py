@@ -138,10 +138,21 @@ def test_load_yaml_and_json_files(tmp_path: Path) -> None:
     assert load_topology(j).name == "tiny"
     bad = tmp_path / "bad.yaml"
     bad.write_text("fat_tree: [unclosed\n")
-    with pytest.raises(TopologyError, match="cannot parse"):
+    with pytest.raises(TopologyError, match="cannot parse") as info:
         load_topology(bad)
+    assert str(info.value) == (
+        f"{bad}: cannot parse: expected ',' or ']', but got '<stream end>' at line 2, column 1"
+    )
     with pytest.raises(TopologyError, match="No such file"):
         load_topology(tmp_path / "missing.yaml")
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(TopologyError) as info:
+        load_topology(binary)
+    assert str(info.value) == f"{binary}: not UTF-8 text"
+    with pytest.raises(TopologyError) as info:
+        load_topology(tmp_path)
+    assert str(info.value) == f"{tmp_path}: Is a directory"
 
 
 def test_labels_give_bonded_two_tier_fabric() -> None:

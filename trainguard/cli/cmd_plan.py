@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
+from trainguard.textfile import Unreadable, read_text
+
 if TYPE_CHECKING:
     from controller.logic.traffic.compare import Variant
     from controller.logic.traffic.jobs import JobSpec
@@ -82,9 +84,9 @@ def _job(
 
     if job_file is not None:
         try:
-            raw = parse_document(job_file.read_text(encoding="utf-8"), suffix=job_file.suffix)
-        except OSError as exc:
-            raise JobSpecError(f"{job_file}: {exc.strerror or exc}") from None
+            raw = parse_document(read_text(job_file), suffix=job_file.suffix)
+        except Unreadable as exc:
+            raise JobSpecError(f"{job_file}: {exc.reason}") from None
         try:
             doc = JobIn.model_validate(raw if raw is not None else {})
         except ValidationError as exc:
@@ -262,9 +264,9 @@ def show(
 ) -> None:
     """Print a plan's summary: id, version, stats, launcher order, NCCL settings."""
     try:
-        data = json.loads(plan_file.read_text(encoding="utf-8"))
-    except OSError as exc:
-        _fail(f"{plan_file}: {exc.strerror or exc}")
+        data = json.loads(read_text(plan_file))
+    except Unreadable as exc:
+        _fail(f"{plan_file}: {exc.reason}")
     except json.JSONDecodeError as exc:
         _fail(f"{plan_file}: not JSON ({exc.msg} at line {exc.lineno})")
     if not isinstance(data, dict) or data.get("format") != "trainguard.traffic.plan/v1":

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 # Numbers finite (``allow_inf_nan=False`` on every model) and in range, strings without NUL.
 from trainguard.limits import INT32_MAX, NO_NUL
+from trainguard.textfile import Unreadable, read_text, yaml_problem
 
 
 class Step(StrEnum):
@@ -273,14 +274,11 @@ def first_error(exc: ValidationError, prefix: str = "") -> str:
 def read_document(path: Path, what: str) -> object:
     """A YAML (or JSON) file's content, or a one-line :class:`PolicyError` saying why not."""
     try:
-        return yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise PolicyError(f"cannot read {what} {path}: {exc.strerror}") from None
+        return yaml.safe_load(read_text(path))
+    except Unreadable as exc:
+        raise PolicyError(f"cannot read {what} {path}: {exc.reason}") from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise PolicyError(f"{what} {path} is not valid YAML: {problem}{where}") from None
+        raise PolicyError(f"{what} {path} is not valid YAML: {yaml_problem(exc)}") from None
 
 
 def parse_policy(document: object) -> Policy:

@@ -34,6 +34,7 @@ from controller.logic.traffic.topology import (
     SwitchSpec,
     Topology,
 )
+from trainguard.textfile import Unreadable, read_text, yaml_problem
 
 LABEL_PREFIX = "topology.trainguard.io/"
 _NIC_LABEL = re.compile(r"^nic(\d{1,3})$")
@@ -159,17 +160,18 @@ def parse_document(text: str, *, suffix: str = "") -> Any:
         if suffix.lower() == ".json":
             return json.loads(text)
         return yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        first = " ".join(str(exc).split())
-        raise TopologyError(f"cannot parse: {first[:200]}") from None
+    except json.JSONDecodeError as exc:
+        raise TopologyError(f"cannot parse: {exc.msg} at line {exc.lineno}") from None
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"cannot parse: {yaml_problem(exc)}") from None
 
 
 def load_topology(path: str | Path) -> Topology:
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TopologyError(f"{p}: {exc.strerror or exc}") from None
+        text = read_text(p)
+    except Unreadable as exc:
+        raise TopologyError(f"{p}: {exc.reason}") from None
     try:
         return topology_from_dict(parse_document(text, suffix=p.suffix))
     except TopologyError as exc:
