@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.remediation.test_engine import ENGINE
 from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
 
 #: How long the checkpoint step waits for a checkpoint no rank will ever write.
@@ -361,8 +362,8 @@ def test_graceful_restart_inside_a_step_is_finished_once_by_the_next_start(
         return any(n["name"] == CULPRIT and n["isolated_reason"] for n in reply)
 
     assert wait_until(isolated, timeout_s=10)
-    time.sleep(2.5)  # more ticks: nothing runs twice
+    live.wait_ticks(ENGINE, 2)  # more ticks: nothing runs twice
     assert_finished_once_after_interruption(actions())
     live.restart()  # and nothing is left for a third start to resume
-    time.sleep(2.5)
+    live.wait_ticks(ENGINE, 2)  # the new engine loaded what was left and looked again
     assert_finished_once_after_interruption(actions())
