@@ -26,7 +26,6 @@ from typing import Any
 import pytest
 import yaml
 
-from collectives.config import config_from_env
 from tests.examples.pss_baseline import baseline_violations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,6 +180,10 @@ def _check_contract(template: dict[str, Any], job: str | None) -> None:
             resolved[entry["name"]] = "10.0.7.21"
         elif "value" in entry:
             resolved[entry["name"]] = _expand(entry["value"], resolved)
+    # Imported here: the collectives package imports torch (~3 s of CPU), and the fake
+    # Kubernetes API server (tests/actuators) imports this module for ``_strict`` alone.
+    from collectives.config import config_from_env
+
     cfg = config_from_env(job="demo", env={**resolved, "TRAINGUARD_JOB": "demo"})
     assert cfg.agent_addr == f"10.0.7.21:{JOB_ENDPOINT_PORT}"
     # The token file lies in a mounted volume of the job-token Secret, under its item's path.
