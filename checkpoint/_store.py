@@ -314,6 +314,13 @@ class CheckpointStore:
         garbage, is reported and ignored. Whether a step *loads* is the loader's question:
         it tries these in order.
         """
+        committed, note = self.resolve_quietly()
+        if note:
+            log.warning("%s", note)
+        return committed, note
+
+    def resolve_quietly(self) -> tuple[Sequence[int], str]:
+        """:meth:`resolve` without the warning (for callers that print the note)."""
         committed = [info.step for info in reversed(self.list()) if info.complete]
         try:
             pointer = self.latest_pointer()
@@ -332,8 +339,6 @@ class CheckpointStore:
                 )
             else:
                 note = ""
-        if note:
-            log.warning("%s", note)
         return committed, note
 
     def open_latest(self) -> CheckpointReader:

@@ -23,7 +23,9 @@ from checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointIncompleteError,
+    CheckpointNotFoundError,
 )
+from checkpoint.manifest import Manifest
 
 app = typer.Typer(
     name="checkpoint",
@@ -232,26 +234,73 @@ def _tensors(reader: CheckpointReader, output: Output) -> None:
 @app.command("verify")
 def verify_cmd(
     root: Annotated[Path, typer.Argument(help="Checkpoint directory")],
-    step: Annotated[int | None, typer.Option(help="Default: what 'latest' resolves to")] = None,
+    step: Annotated[
+        int | None,
+        typer.Option(help="Default: the step load() resumes from ('latest' is a hint)"),
+    ] = None,
     quick: Annotated[bool, typer.Option(help="Check manifests and sizes only")] = False,
 ) -> None:
-    """Re-read every byte and check it against the recorded CRCs and SHA-256."""
+    """Re-read every byte and check it against the recorded CRCs and SHA-256.
+
+    Without --step: the checkpoint a restart would resume from, found as load() finds it
+    (newest committed first, 'latest' only a hint); a damaged newer one is reported and
+    skipped, and makes the exit status 1 even when an older one verifies.
+    """
     if not root.is_dir():
         raise _fail(f"{root}: no such directory")
     store = CheckpointStore(root)
-    target = step if step is not None else store.latest_pointer()
-    if target is None:
-        raise _fail(f"{root}: no 'latest' pointer; pass --step")
+    damage: dict[int | None, str] = {}  # step (None: the pointer) -> what is wrong
     try:
-        with store.open(target) as reader:
-            reader.verify(deep=not quick)
-            m = reader.manifest
+        if step is not None:
+            with store.open(step) as reader:
+                reader.verify(deep=not quick)
+                m = reader.manifest
+        else:
+            m = _verify_resume_step(store, deep=not quick, damage=damage)
     except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
         raise _fail(str(exc), code=1) from None
     except CheckpointError as exc:
         raise _fail(str(exc)) from None
+    for problem in damage.values():
+        typer.echo(f"error: {problem}", err=True)
     what = "manifests and sizes" if quick else f"{_size(m.total_bytes)} re-read"
+    skipped = [str(s) for s in damage if s is not None]
+    if skipped:
+        what += f"; load() resumes from it, skipping damaged step(s) {', '.join(skipped)}"
     typer.echo(f"ok: step {m.step}, {m.world_size} rank(s), {what}")
+    if damage:
+        raise typer.Exit(1)
+
+
+def _verify_resume_step(
+    store: CheckpointStore, *, deep: bool, damage: dict[int | None, str]
+) -> Manifest:
+    """Verify the committed steps newest first, as load() tries them, until one is intact.
+
+    What was wrong on the way goes into ``damage``: each damaged newer step, and a
+    ``latest`` holding garbage (the writer replaces it atomically, so that is damage); a
+    pointer that lags or names a step whose save never committed (a crash mid-save) is
+    only noted on stderr.
+    """
+    steps, note = store.resolve_quietly()
+    if note:
+        try:
+            store.latest_pointer()
+        except CheckpointError:
+            damage[None] = note
+        else:
+            typer.echo(f"note: {note}", err=True)
+    if not steps:
+        raise CheckpointNotFoundError(f"{store.root}: no committed checkpoint")
+    for candidate in steps:
+        try:
+            with store.open(candidate) as reader:
+                reader.verify(deep=deep)
+                return reader.manifest
+        except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
+            damage[candidate] = f"step {candidate}: {exc}"
+    problems = "; ".join(v for k, v in damage.items() if k is not None)
+    raise CheckpointCorruptError(f"{store.root}: no checkpoint verifies ({problems})")
 
 
 @app.command("convert")

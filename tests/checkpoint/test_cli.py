@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from checkpoint import CheckpointStore, reshard
+from checkpoint import CheckpointError, CheckpointStore, reshard
 from checkpoint.cli import app
 from checkpoint.manifest import rank_data_name, step_dir_name
 from checkpoint.rules import ParallelLayout
@@ -80,6 +80,48 @@ def test_verify_ok_then_damaged(saved: tuple[Path, dict[str, torch.Tensor]]) -> 
     assert bad.exit_code == 1
     assert bad.output.count("\n") == 1 and "rank-00002.bin: CRC mismatch" in bad.output
     assert runner.invoke(app, ["verify", str(root), "--quick"]).exit_code == 0
+
+
+def test_verify_without_step_checks_what_load_resumes_from(
+    saved: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    """'latest' is a hint for verify as for load(): one naming a save that never committed
+    (step 11) is noted, and step 10 verified; garbage in it is damage (exit 1), reported in
+    the command's own one-line error, not the app's fallback for an escaped exception."""
+    root, _ = saved
+    (root / "latest").write_text(f"{step_dir_name(11)}\n")
+    lagging = runner.invoke(app, ["verify", str(root)])
+    assert lagging.exit_code == 0, lagging.output
+    assert lagging.stdout.startswith("ok: step 10, 4 rank(s), ")
+    assert lagging.stdout.endswith("iB re-read\n")
+    assert lagging.stderr == f"note: {root / 'latest'}: names step 11, which is incomplete\n"
+    (root / "latest").write_text("../../etc\n")
+    garbage = runner.invoke(app, ["verify", str(root)])
+    assert garbage.exit_code == 1 and not isinstance(garbage.exception, CheckpointError)
+    assert garbage.stderr == f"error: {root / 'latest'}: bad content '../../etc'; ignored\n"
+    assert garbage.stdout.startswith("ok: step 10, 4 rank(s)")
+
+
+def test_verify_without_step_reports_a_damaged_newest_and_verifies_the_fallback(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ckpt"
+    for step in (9, 10):
+        save_sharded(root, 2, 2, full_state(seed=step), PADDED_PER_TP, step=step)
+    path = root / step_dir_name(10) / rank_data_name(3)
+    raw = bytearray(path.read_bytes())
+    raw[0] ^= 1
+    path.write_bytes(bytes(raw))
+    result = runner.invoke(app, ["verify", str(root)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: step 10: ") and "rank-00003.bin: CRC" in result.stderr
+    assert result.stdout.startswith("ok: step 9, 4 rank(s), ")
+    assert result.stdout.endswith("; load() resumes from it, skipping damaged step(s) 10\n")
+    assert runner.invoke(app, ["verify", str(root), "--step", "9"]).exit_code == 0
+    (root / step_dir_name(9) / rank_data_name(0)).unlink()
+    none = runner.invoke(app, ["verify", str(root)])
+    assert none.exit_code == 1 and none.output.count("\n") == 1
+    assert "no checkpoint verifies (step 10: " in none.output and "; step 9: " in none.output
 
 
 @pytest.mark.parametrize(
