@@ -14,6 +14,7 @@
     ├── TemporaryError                    503  retry later (the agent's spool will)
     │   └── StoreUnavailable                   the database did not commit
     └── StartupError                           refuse to start (not an HTTP error)
+        ├── BadConfig                          a setting or file the operator wrote
         └── NotMigrated                        PostgreSQL schema missing or behind
 
 Messages are one line and say what to do next.
@@ -85,6 +86,10 @@ class StoreUnavailable(TemporaryError):
 
 class StartupError(ControllerError):
     pass
+
+
+class BadConfig(StartupError):
+    """A setting or a file it names is wrong (``trainguard controller`` exits 2 for it)."""
 
 
 class NotMigrated(StartupError):

@@ -227,3 +227,43 @@ def test_controller_refuses_a_file_that_is_not_text_with_exit_2(
     assert "Traceback" not in result.err
     last = result.err.strip().splitlines()[-1]  # a dev-mode warning may come first
     assert last == message.format(file=binary)
+
+
+def _controller_refuses(cli: Cli, tmp_path: Path, *args: str) -> str:
+    """Start ``trainguard controller`` (dev mode, its own SQLite) and return its one-line
+    refusal: exit 2, no traceback (a dev-mode warning may come first)."""
+    database = f"sqlite:///{tmp_path / 'tg.db'}"
+    result = cli("controller", "--dev", "--port", "0", "--database-url", database, *args)
+    assert result.code == 2, result.err
+    assert "Traceback" not in result.err
+    lines = result.err.strip().splitlines()
+    assert all(not line.startswith("error: ") for line in lines[:-1]), result.err
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "error: topology_file {file}: No such file or directory"),
+        (BINARY, "error: topology_file {file}: not UTF-8 text"),
+        (
+            b"nodes: [\n  x: 1\n",
+            "error: topology_file {file}: cannot parse: expected ',' or ']', but got "
+            "'<stream end>' at line 3, column 1",
+        ),
+        (
+            b"- a\n- b\n",
+            "error: topology_file {file}: topology: expected a mapping at the top level",
+        ),
+    ],
+)
+def test_controller_refuses_a_bad_topology_file_with_exit_2(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: bytes | None, message: str
+) -> None:
+    topology = tmp_path / "topology.yaml"
+    if content is not None:
+        topology.write_bytes(content)
+    monkeypatch.setenv("TRAINGUARD_TOPOLOGY_FILE", str(topology))
+    assert _controller_refuses(cli, tmp_path) == message.format(file=topology)
+    monkeypatch.setenv("TRAINGUARD_TOPOLOGY_FILE", str(tmp_path))
+    assert _controller_refuses(cli, tmp_path) == f"error: topology_file {tmp_path}: Is a directory"

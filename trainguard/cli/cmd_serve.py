@@ -65,7 +65,7 @@ def controller(
         if not config.is_file():
             raise BadInput(f'config file "{config}" does not exist')
         os.environ["TRAINGUARD_CONFIG_FILE"] = str(config)
-    from controller.errors import StartupError
+    from controller.errors import BadConfig, StartupError
     from controller.server import serve
     from controller.settings import ControllerSettings
 
@@ -81,8 +81,8 @@ def controller(
 
     try:
         serve(settings)
-    except PolicyError as exc:  # a policy or local-jobs file the operator wrote
-        raise BadInput(str(exc)) from exc
+    except (PolicyError, BadConfig) as exc:  # a file or setting the operator wrote
+        raise BadInput(" ".join(str(exc).split())) from exc
     except StartupError as exc:
         raise service_error(exc, 1) from exc
     except OSError as exc:  # e.g. the port is taken

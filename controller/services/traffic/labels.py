@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from controller.errors import StartupError
+from controller.errors import BadConfig
 from controller.logic.traffic.topofile import LABEL_PREFIX, LabelFabric, topology_from_labels
 from controller.logic.traffic.topology import Topology
 from controller.state import ClusterState
@@ -26,7 +26,7 @@ def label_fabric(raw: Mapping[str, Any] | None) -> LabelFabric | None:
     known = {"spines", "oversubscription", "port_speed_gbps", "name"}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise StartupError(f"topology_labels.{unknown[0]}: unknown key (use {sorted(known)})")
+        raise BadConfig(f"topology_labels.{unknown[0]}: unknown key (use {sorted(known)})")
     try:
         fabric = LabelFabric(
             spines=int(raw.get("spines", 8)),
@@ -35,9 +35,9 @@ def label_fabric(raw: Mapping[str, Any] | None) -> LabelFabric | None:
             name=str(raw.get("name", "labels")),
         )
     except (TypeError, ValueError) as exc:
-        raise StartupError(f"topology_labels: {exc}") from None
+        raise BadConfig(f"topology_labels: {exc}") from None
     if fabric.spines < 1 or not fabric.oversubscription > 0 or not fabric.port_speed_gbps > 0:
-        raise StartupError("topology_labels: spines >= 1, oversubscription > 0, speed > 0")
+        raise BadConfig("topology_labels: spines >= 1, oversubscription > 0, speed > 0")
     return fabric
 
 

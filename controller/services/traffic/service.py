@@ -37,7 +37,7 @@ from sqlalchemy.orm import Session
 
 from controller.db.models import TrafficLinkState, TrafficPlanVersion
 from controller.db.repositories import traffic as repo
-from controller.errors import Conflict, NotFound, StartupError
+from controller.errors import BadConfig, Conflict, NotFound
 from controller.logic.traffic import records
 from controller.logic.traffic.enforce import enforce, enforce_changed
 from controller.logic.traffic.errors import PlanError, TopologyError, TrafficError
@@ -65,7 +65,7 @@ def load_fabric(path: Path | None) -> Topology | None:
     try:
         return load_topology(path)
     except TrafficError as exc:
-        raise StartupError(f"topology_file {exc}") from None
+        raise BadConfig(f"topology_file {exc}") from None
 
 
 def build_traffic(
@@ -74,7 +74,7 @@ def build_traffic(
     """The service as the settings ask: a fabric file, node labels, or neither (planning off)."""
     fabric = label_fabric(settings.topology_labels)
     if fabric is not None and settings.topology_file is not None:
-        raise StartupError("give topology_file or topology_labels, not both")
+        raise BadConfig("give topology_file or topology_labels, not both")
     labels = LabelSource(state, fabric) if fabric is not None else None
     return TrafficService(state, store, load_fabric(settings.topology_file), labels=labels)
 
