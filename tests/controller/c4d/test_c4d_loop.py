@@ -93,14 +93,18 @@ def answer_probes(
         nodes.post(node, {"probes": results})
 
 
+def incidents(live: Any, kind: str) -> list[dict[str, Any]]:
+    with httpx.Client(base_url=live.url, headers=live.headers("viewer")) as client:
+        return client.get("/api/v1/incidents", params={"kind": kind}).json()["data"]  # type: ignore[no-any-return]
+
+
 def wait_for_incidents(live: Any, kind: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(base_url=live.url, headers=live.headers("viewer")) as client:
-        while True:
-            data = client.get("/api/v1/incidents", params={"kind": kind}).json()["data"]
-            if data or time.monotonic() > deadline:
-                return data  # type: ignore[no-any-return]
-            time.sleep(0.2)
+    while True:
+        data = incidents(live, kind)
+        if data or time.monotonic() > deadline:
+            return data
+        time.sleep(0.05)
 
 
 # Detection does not depend on the database; the controller suite covers both backends.
@@ -110,7 +114,9 @@ def test_straggler_becomes_an_incident_naming_rank_node_and_gpu(controller_facto
     nodes = Nodes(live, world=8)
     # The slow rank's GPU (node 1, GPU 2) runs hot and throttled; the agent says so.
     for node in ("c4d-node-0", "c4d-node-1"):
-        gpus = [{"index": i, "sm_clock_mhz": 1980, "temperature_c": 60.0} for i in range(4)]
+        gpus: list[dict[str, Any]] = [
+            {"index": i, "sm_clock_mhz": 1980, "temperature_c": 60.0} for i in range(4)
+        ]
         if node == "c4d-node-1":
             gpus[2] |= {
                 "sm_clock_mhz": 1200,
@@ -146,12 +152,18 @@ def test_slow_communication_triggers_a_probe_that_localizes_the_rank(controller_
     def collect(carried: list[tuple[str, dict[str, Any]]]) -> None:
         probes.update((n, c) for n, c in carried if c["kind"] == "job_link_probe")
 
-    for step in range(45, 60):
+    # Slow steps until the finding opens: it must persist for C4DConfig.confirm_min_s
+    # (5 s) on the controller's clock besides its steps.
+    step, deadline = 45, time.monotonic() + 30
+    opened: list[dict[str, Any]] = []
+    while not opened and time.monotonic() < deadline:
         collect(nodes.steps(step, compute={}, comm_s=0.4))
-        time.sleep(0.5)
-    (slow,) = wait_for_incidents(live, "comm_slow")
+        step += 1
+        time.sleep(0.1)
+        opened = incidents(live, "comm_slow")
+    (slow,) = opened
     assert slow["job"] == JOB
-    step, deadline = 60, time.monotonic() + 10
+    deadline = time.monotonic() + 10
     while len(probes) < 2 and time.monotonic() < deadline:
         collect(nodes.steps(step, compute={}, comm_s=0.4))
         step += 1
@@ -206,9 +218,9 @@ def test_a_communication_hang_is_localized_by_a_probe_in_the_next_run(controller
         assert not nodes.post(node, {"inflight": stuck})["commands"]
     (hang,) = wait_for_incidents(live, "comm_hang")
     assert hang["ranks"] == group and "communication hang" in hang["summary"]
-    # No probe while the job is hung (its ranks could never run one).
-    time.sleep(1.5)
-    carried = nodes.steps(5, compute={}, comm_s=0.05)
+    # No probe while the job is hung (its ranks could never run one): not on a tick ...
+    live.wait_ticks("JobDetector")
+    carried = nodes.steps(5, compute={}, comm_s=0.05)  # ... nor on a reply
     assert not [c for _, c in carried if c["kind"] == "job_link_probe"]
     # The job restarts (same ranks: a restart in place) and steps again.
     now = time.time()
