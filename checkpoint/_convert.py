@@ -16,6 +16,7 @@ import struct
 import tempfile
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,10 @@ from checkpoint._commit import apply_retention, commit, new_rank_manifest, write
 from checkpoint._load import dtype_of
 from checkpoint._reshard import FragmentIndex, consolidate, identity_map
 from checkpoint._snapshot import TensorRef
-from checkpoint._store import CheckpointStore
+from checkpoint._store import CheckpointReader, CheckpointStore
 from checkpoint._validate import DTYPE_BYTES
 from checkpoint._write import DataFileWriter, fsync_dir
-from checkpoint.errors import CheckpointConfigError
+from checkpoint.errors import CheckpointConfigError, CheckpointError, CheckpointNotFoundError
 from checkpoint.manifest import (
     DEFAULT_CHUNK_BYTES,
     SKELETON_ENTRY,
@@ -109,14 +110,46 @@ def write_consolidated(
     return info.size_bytes
 
 
-def _open(src: Path, step: int | None) -> Any:
+@dataclass(kw_only=True, slots=True)
+class Converted:
+    """What a conversion wrote, and from which checkpoint."""
+
+    step: int
+    size_bytes: int
+    #: Newer committed checkpoints passed over because they did not open, newest first
+    #: (``step N: reason``); empty when ``step`` was given.
+    skipped: list[str] = field(default_factory=list)
+    #: Why ``latest`` was not followed ("" when it named the newest committed step).
+    latest_note: str = ""
+
+
+def _open(src: Path, step: int | None) -> tuple[CheckpointReader, Converted]:
+    """The checkpoint to convert (``step``, or the newest committed one that opens, as
+    :meth:`CheckpointStore.open_latest` finds it) and a :class:`Converted` to fill in."""
     store = CheckpointStore(src)
-    return store.open(step) if step is not None else store.open_latest()
+    if step is not None:
+        reader = store.open(step)
+        return reader, Converted(step=reader.step, size_bytes=0)
+    steps, note = store.resolve_quietly()
+    skipped: list[str] = []
+    for candidate in steps:
+        try:
+            reader = store.open(candidate)
+        except CheckpointError as exc:
+            skipped.append(f"step {candidate}: {exc}")
+            continue
+        return reader, Converted(step=reader.step, size_bytes=0, skipped=skipped, latest_note=note)
+    detail = "; ".join(skipped) if skipped else "none found"
+    raise CheckpointNotFoundError(f"{src}: no complete checkpoint ({detail})")
 
 
-def to_universal(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> int:
-    with _open(src, step) as reader:
-        return write_consolidated(out, reader.step, consolidate(reader, check_replicas=check))
+def to_universal(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> Converted:
+    reader, done = _open(src, step)
+    with reader:
+        done.size_bytes = write_consolidated(
+            out, reader.step, consolidate(reader, check_replicas=check)
+        )
+    return done
 
 
 #: safetensors' dtype names.
@@ -139,11 +172,14 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def to_safetensors(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> int:
+def to_safetensors(
+    src: Path, out: Path, *, step: int | None = None, check: bool = True
+) -> Converted:
     """Write a safetensors file one global tensor at a time: the header (names, dtypes,
     shapes, offsets) is known from the manifests before any tensor is assembled, so peak
     memory is about one tensor, and a checkpoint larger than RAM converts."""
-    with _open(src, step) as reader:
+    reader, done = _open(src, step)
+    with reader:
         index = FragmentIndex(reader)
         header: dict[str, Any] = {}
         pos = 0
@@ -177,10 +213,11 @@ def to_safetensors(src: Path, out: Path, *, step: int | None = None, check: bool
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-    return out.stat().st_size
+    done.size_bytes = out.stat().st_size
+    return done
 
 
-def to_dcp(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> int:
+def to_dcp(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> Converted:
     """Write a PyTorch DCP checkpoint (one rank, one global tensor per name) by DCP's own
     ``save`` and ``FileSystemWriter``, streaming: the state handed to DCP holds only
     ``meta`` tensors (shape and dtype, no storage), and the planner assembles each global
@@ -190,7 +227,8 @@ def to_dcp(src: Path, out: Path, *, step: int | None = None, check: bool = True)
     from torch.distributed.checkpoint.planner import WriteItem
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    with _open(src, step) as reader:
+    reader, done = _open(src, step)
+    with reader:
         index = FragmentIndex(reader)
 
         def assemble(name: str) -> torch.Tensor:
@@ -218,7 +256,8 @@ def to_dcp(src: Path, out: Path, *, step: int | None = None, check: bool = True)
                 planner=StreamingPlanner(flatten_state_dict=False),
                 no_dist=True,
             )
-    return sum(p.stat().st_size for p in out.iterdir())
+    done.size_bytes = sum(p.stat().st_size for p in out.iterdir())
+    return done
 
 
 def _flatten(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:

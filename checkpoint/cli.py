@@ -308,7 +308,9 @@ def convert_cmd(
     src: Annotated[Path, typer.Argument(help="Checkpoint directory to read")],
     out: Annotated[Path, typer.Argument(help="Directory (universal, dcp) or file to write")],
     to: Annotated[ConvertFormat, typer.Option(help="Output form")] = ConvertFormat.universal,
-    step: Annotated[int | None, typer.Option(help="Default: newest complete")] = None,
+    step: Annotated[
+        int | None, typer.Option(help="Default: newest committed that opens (said which)")
+    ] = None,
     check: Annotated[bool, typer.Option(help="Check replicated copies are equal")] = True,
 ) -> None:
     """Consolidate a sharded checkpoint into one tensor per parameter."""
@@ -322,10 +324,13 @@ def convert_cmd(
         ConvertFormat.dcp: convert.to_dcp,
     }[to]
     try:
-        written = fn(src, out, step=step, check=check)
+        done = fn(src, out, step=step, check=check)
     except CheckpointError as exc:
         raise _fail(str(exc)) from None
-    typer.echo(f"wrote {out} ({to.value}, {_size(written)})")
+    if done.latest_note:
+        typer.echo(f"note: {done.latest_note}", err=True)
+    skipped = f"; skipped newer {'; '.join(done.skipped)}" if done.skipped else ""
+    typer.echo(f"wrote {out} ({to.value}, {_size(done.size_bytes)}) from step {done.step}{skipped}")
 
 
 @app.command("import")

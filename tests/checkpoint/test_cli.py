@@ -124,6 +124,23 @@ def test_verify_without_step_reports_a_damaged_newest_and_verifies_the_fallback(
     assert "no checkpoint verifies (step 10: " in none.output and "; step 9: " in none.output
 
 
+@pytest.mark.parametrize("to", ["universal", "safetensors", "dcp"])
+def test_convert_says_which_step_and_why_newer_ones_were_skipped(tmp_path: Path, to: str) -> None:
+    root = tmp_path / "ckpt"
+    for step in (9, 10):
+        save_sharded(root, 2, 2, full_state(seed=step), PADDED_PER_TP, step=step)
+    (root / step_dir_name(10) / "rank-00001.json").unlink()
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(root), str(out), "--to", to])
+    assert result.exit_code == 0, result.output
+    line = result.stdout.splitlines()
+    assert len(line) == 1 and line[0].startswith(f"wrote {out} ({to}, ")
+    assert f") from step 9; skipped newer step 10: {root / step_dir_name(10)}" in line[0]
+    assert line[0].endswith("rank-00001.json: rank manifest missing")
+    pinned = runner.invoke(app, ["convert", str(root), str(tmp_path / "o9"), "--step", "9"])
+    assert pinned.stdout.endswith(") from step 9\n")
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -152,6 +169,8 @@ def test_convert_universal_then_load_into_tp2(
     out = tmp_path / "universal"
     result = runner.invoke(app, ["convert", str(root), str(out)])
     assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"wrote {out} (universal, ")
+    assert result.stdout.endswith(") from step 10\n")
     layout = ParallelLayout(tp=2, tp_rank=1, dp=1)
     expected, spec = rank_state(full, layout, PADDED_PER_TP)
     targets = {k: torch.zeros_like(v) for k, v in expected.items()}
