@@ -12,10 +12,12 @@ resumes from an older checkpoint moves the newer step directories out of its way
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,12 +70,72 @@ def _check_part(path: Path, part: RankManifest, manifest: Manifest, rank: int) -
             )
 
 
-class CheckpointReader:
-    """One complete checkpoint, opened; rank manifests are parsed and checked on demand."""
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
-    def __init__(self, path: Path, manifest: Manifest) -> None:
+
+def open_nofollow(path: Path, *, dir_fd: int | None = None, directory: bool = False) -> int:
+    """Open ``path`` for reading without following a symbolic link in its last component,
+    and only if it is a regular file (a directory with ``directory``).
+
+    With ``dir_fd`` (an open step directory) only ``path.name`` is opened, relative to it,
+    so nothing between the check and the read can swap a component for a link: a step
+    directory or a file in one that is a symbolic link is a
+    :class:`CheckpointCorruptError` naming it. The writer never makes links, and a link
+    would let a read leave the checkpoint (``rank-00000.bin -> /etc/passwd``, a step
+    directory pointing at another tree). Hard links (the object-store tier's restore
+    links a node-local root's own parts) are ordinary files and open as before. The root
+    itself may be a link (a mount point named by a link): only what is under it is
+    checked. ``O_NONBLOCK`` keeps a FIFO planted in the directory from hanging the open.
+    """
+    name: str | Path = path.name if dir_fd is not None else path
+    flags = _OPEN_FLAGS | (os.O_DIRECTORY if directory else 0)
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+            with contextlib.suppress(OSError):
+                if stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode):
+                    target = os.readlink(name, dir_fd=dir_fd)
+                    raise CheckpointCorruptError(
+                        f"{path}: a symbolic link (to {target!r:.200}); checkpoint files are "
+                        "read only from inside their step directory, links are refused"
+                    ) from exc
+        raise
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISDIR(mode) if directory else stat.S_ISREG(mode)):
+        os.close(fd)
+        what = "directory" if directory else "regular file"
+        raise CheckpointCorruptError(f"{path}: not a {what}")
+    return fd
+
+
+def _read_all(dir_fd: int, path: Path, limit: int = 1 << 30) -> bytes:
+    """The whole of ``path`` (a file of the step directory ``dir_fd``), opened by
+    :func:`open_nofollow`."""
+    fd = open_nofollow(path, dir_fd=dir_fd)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CheckpointCorruptError(f"{path}: {size} bytes, more than a manifest can be")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class CheckpointReader:
+    """One complete checkpoint, opened; rank manifests are parsed and checked on demand.
+
+    The step directory is held open (``dir_fd``) and every file is opened relative to it
+    with :func:`open_nofollow`.
+    """
+
+    def __init__(self, path: Path, manifest: Manifest, *, dir_fd: int | None = None) -> None:
         self.path = path
         self.manifest = manifest
+        self._dir_fd = open_nofollow(path, directory=True) if dir_fd is None else dir_fd
         self._ranks: dict[int, RankManifest] = {}
         self._fds: dict[int, int] = {}
 
@@ -91,9 +153,11 @@ class CheckpointReader:
         record = self.manifest.ranks[rank]
         path = self.path / record.manifest
         try:
-            data = path.read_bytes()
+            data = _read_all(self._dir_fd, path)
         except FileNotFoundError as exc:
             raise CheckpointIncompleteError(f"{path}: rank manifest missing") from exc
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{path}: unreadable ({exc})") from exc
         if hashlib.sha256(data).hexdigest() != record.manifest_sha256:
             raise CheckpointCorruptError(f"{path}: SHA-256 differs from MANIFEST.json")
         part = parse_rank_manifest(path, data)
@@ -109,9 +173,11 @@ class CheckpointReader:
             part = self.rank_manifest(rank)
             path = self.path / part.data_file.name
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_nofollow(path, dir_fd=self._dir_fd)
             except FileNotFoundError as exc:
                 raise CheckpointIncompleteError(f"{path}: data file missing") from exc
+            except OSError as exc:
+                raise CheckpointCorruptError(f"{path}: unreadable ({exc})") from exc
             size = os.fstat(fd).st_size
             if size != part.data_file.size_bytes:
                 os.close(fd)
@@ -186,6 +252,9 @@ class CheckpointReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -203,8 +272,12 @@ class CheckpointStore:
     def latest_pointer(self) -> int | None:
         """The step ``latest`` names (a hint: :meth:`resolve`); ``None`` if absent."""
         path = self.root / LATEST_NAME
-        try:
-            raw = path.read_bytes()[:64]
+        try:  # not followed if a link, and never read past 64 bytes (a FIFO, /dev/zero)
+            fd = open_nofollow(path)
+            try:
+                raw = os.read(fd, 64)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -282,17 +355,28 @@ class CheckpointStore:
     def open(self, step: int) -> CheckpointReader:
         """Open checkpoint ``step``; raises if it is not committed or its manifests are bad."""
         path = self.root / step_dir_name(step)
-        if not path.is_dir():
-            raise CheckpointNotFoundError(f"{path}: no such checkpoint")
         try:
-            manifest = parse_manifest(path / MANIFEST_NAME)
+            dir_fd = open_nofollow(path, directory=True)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise CheckpointNotFoundError(f"{path}: no such checkpoint") from exc
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{path}: unreadable ({exc})") from exc
+        try:
+            manifest = parse_manifest(path / MANIFEST_NAME, _read_all(dir_fd, path / MANIFEST_NAME))
+            if manifest.step != step:
+                raise CheckpointCorruptError(f"{path / MANIFEST_NAME}: says step {manifest.step}")
         except FileNotFoundError as exc:
+            os.close(dir_fd)
             raise CheckpointIncompleteError(
                 f"{path / MANIFEST_NAME}: missing, checkpoint was never committed"
             ) from exc
-        if manifest.step != step:
-            raise CheckpointCorruptError(f"{path / MANIFEST_NAME}: says step {manifest.step}")
-        reader = CheckpointReader(path, manifest)
+        except OSError as exc:
+            os.close(dir_fd)
+            raise CheckpointCorruptError(f"{path / MANIFEST_NAME}: unreadable ({exc})") from exc
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        reader = CheckpointReader(path, manifest, dir_fd=dir_fd)
         try:
             reader.verify(deep=False)
         except CheckpointError:

@@ -311,9 +311,10 @@ def parse_rank_manifest(path: Path, data: bytes | None = None) -> RankManifest:
     )
 
 
-def parse_manifest(path: Path) -> Manifest:
-    """A ``MANIFEST.json``, every field validated (module docstring)."""
-    f = _Fields(path, _load_json(path))
+def parse_manifest(path: Path, data: bytes | None = None) -> Manifest:
+    """A ``MANIFEST.json`` (``data``, or read from ``path``), every field validated
+    (module docstring)."""
+    f = _Fields(path, _load_json(path, data))
     world_size = f.integer("world_size", 1, MAX_WORLD)
     raw_ranks = f.items("ranks", MAX_WORLD)
     if len(raw_ranks) != world_size:
