@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from controller.actuators.base import ActuatorError
+from controller.actuators.base import ActuatorError, Placement
 from controller.logic.remediation.params import GoodputFacts, RestartParams, RollbackFacts
 from controller.logic.remediation.rules import Rule, Step
 from controller.services.remediation.records import Remediation, fault_time
@@ -57,6 +57,11 @@ async def restart(
         await record(incident, rem, ACTION_KIND, job, {}, "skipped", outcome)
         return False, outcome
     book = ctx.book(job)
+    if incident is not None and rollback is None and not rem.grow:
+        done = restarted_since(book.last_restart_unix_s, incident, current)
+        if done is not None:
+            await record(incident, rem, ACTION_KIND, job, {}, "skipped", done)
+            return True, done
     plan = await plan_placement(ctx, job, current, grow_back=rem.grow, resume_step=resume_step)
     placement = plan.placement
     resume_step = placement.resume_step if placement is not None else None
@@ -129,6 +134,27 @@ async def restart(
     )
     await ctx.recorder.finish(action, "succeeded", f"{summary}; {result.outcome}")
     return True, summary
+
+
+def restarted_since(
+    restarted_unix_s: float | None, incident: IncidentState, current: Placement
+) -> str | None:
+    """Why no restart is needed: the job already restarted after ``incident`` opened, on
+    nodes without the incident's node (or, for an incident of the job itself, ending the
+    run it was about). Two faults on one job within a second open two incidents; the
+    first one's restart leaves out both nodes, and a second restart onto the same
+    placement would only cost the job another stop and resume. A rollback is never
+    skipped: the restart resumed from the newest checkpoint, which may hold the bad step.
+    """
+    if restarted_unix_s is None or restarted_unix_s < incident.opened_unix_s:
+        return None
+    if incident.node is not None and incident.node in current.nodes:
+        return None  # the restart kept the incident's node: there is still work to do
+    without = f" without {incident.node}" if incident.node is not None else ""
+    return (
+        f"job {current.job} already restarted{without} after this incident opened "
+        f"(generation {current.generation} on {', '.join(current.nodes)}): not restarted again"
+    )
 
 
 class Restart:
