@@ -42,7 +42,10 @@ from controller.services.remediation import grow as grow_back
 from tests.remediation.recording import RecordingActuator
 from tests.waiting import wait_for
 
-pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
+    pytest.mark.usefixtures("fast_remediation_engine"),
+]
 
 #: The engine's periodic task (``Controller.ticks``): "nothing more happened" is asserted
 #: after ticks of it, not after a sleep.
@@ -464,11 +467,11 @@ def grow_backs(live: Any) -> list[Any]:
 
 
 def test_a_shrunk_job_grows_back_when_its_node_is_released(  # type: ignore[no-untyped-def]
-    controller_factory, tmp_path, monkeypatch
+    controller_factory, tmp_path, monkeypatch, fast_remediation_engine
 ) -> None:
     # The grow-back check every engine tick instead of every 5 s: the test waits for three
     # of them (no capacity, capacity back, full size), and what each finds is the point.
-    monkeypatch.setattr(grow_back, "GROW_CHECK_INTERVAL_S", 1.0)
+    monkeypatch.setattr(grow_back, "GROW_CHECK_INTERVAL_S", fast_remediation_engine)
     path = policy_file(
         tmp_path,
         "rules: [{kind: gpu_fault, severity: critical, steps: [isolate, restart]}]\n"

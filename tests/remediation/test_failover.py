@@ -318,6 +318,7 @@ def test_graceful_restart_of_both_replicas_acts_on_nothing_twice(cluster: Cluste
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.usefixtures("fast_remediation_engine")
 def test_graceful_restart_inside_a_step_is_finished_once_by_the_next_start(
     controller_factory: Any, tmp_path: Path
 ) -> None:

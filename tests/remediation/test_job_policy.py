@@ -30,7 +30,10 @@ from tests.remediation.test_engine import (
 )
 from tests.waiting import wait_for
 
-pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
+    pytest.mark.usefixtures("fast_remediation_engine"),
+]
 
 SECRET = "webhook-secret-0123456789"
 

@@ -29,6 +29,8 @@ from tests.waiting import wait_for
 
 __all__ = ["cluster"]
 
+pytestmark = pytest.mark.usefixtures("fast_remediation_engine")
+
 LOST_AFTER_S = 3.0
 
 
