@@ -60,6 +60,7 @@ from controller.services.remediation.records import (
     Remediation,
     culprit_node,
     fault_time,
+    jobs_of,
 )
 from controller.services.remediation.steps import (
     STEP_ACTION_KIND,
@@ -306,7 +307,7 @@ class RemediationEngine:
                 await self._hold(incident, rule, verdict.summary)
                 return  # unreachable, or mass silence: looked at again next tick
             confirmed = True  # a second signal just agreed: fresh evidence
-        jobs = self._jobs_of(incident)
+        jobs = jobs_of(self._state, incident)
         # A job's own incidents raised while trainguard restarts it (ranks stopped, peers
         # timing out) are consequences of that restart; hardware faults never are. Only a
         # restart that happened absorbs: a remediation that checkpointed and then could not
@@ -466,17 +467,6 @@ class RemediationEngine:
         )
         if incident.job is not None and incident.kind not in HARDWARE_KINDS:
             await self._incidents.resolve(incident, note=note)
-
-    def _jobs_of(self, incident: IncidentState) -> list[str]:
-        if incident.job is not None:
-            return [incident.job]
-        if incident.node is None:
-            return []
-        return sorted(
-            job.name
-            for job in self._state.jobs.values()
-            if any(r.node == incident.node and r.state == "running" for r in job.ranks.values())
-        )
 
     # ------------------------------------------------------------------ acting
 

@@ -10,7 +10,7 @@ from controller.logic.detection.c4d.job_evidence import HangEvidence, JobEvidenc
 from controller.logic.detection.incident_evidence import DegradedEvidence, NodeLostEvidence
 from controller.logic.remediation.goodput import GoodputLedger
 from controller.logic.remediation.params import RestartParams
-from controller.state import IncidentState
+from controller.state import ClusterState, IncidentState
 
 #: Incident kinds that are hardware evidence against the node they name.
 HARDWARE_KINDS = frozenset({"gpu_fault", "node_lost"})
@@ -135,3 +135,16 @@ def fault_time(incident: IncidentState) -> float:
     candidates += [e.time_unix_s for e in evidence.events or ()]
     valid = [t for t in candidates if 0 < t <= opened]
     return min(valid) if valid else opened
+
+
+def jobs_of(state: ClusterState, incident: IncidentState) -> list[str]:
+    """The jobs an incident concerns: its own, or those running a rank on its node."""
+    if incident.job is not None:
+        return [incident.job]
+    if incident.node is None:
+        return []
+    return sorted(
+        job.name
+        for job in state.jobs.values()
+        if any(r.node == incident.node and r.state == "running" for r in job.ranks.values())
+    )
