@@ -298,9 +298,18 @@ def restart_patch(
     meta = {"metadata": {"annotations": annotations}}
     old = workload_size(w)
     if w.kind is JOB:
-        if world != old and spec.get("completionMode") != "Indexed":
+        if world == old:  # completions is immutable on a non-indexed Job: leave it be
+            return {"spec": {"template": meta}}, old
+        if spec.get("completionMode") != "Indexed":
             raise ActuatorError(
                 f"{w.label} is not an Indexed Job; only Indexed Jobs can change their size"
+            )
+        completions = int(spec.get("completions") or old)
+        if completions != old:
+            # Indexes past the new size would never run, and nothing would say so.
+            raise ActuatorError(
+                f"{w.label} runs {completions} completions {old} at a time; trainguard "
+                "resizes only a Job whose completions equal its parallelism (a pod per index)"
             )
         return {"spec": {"parallelism": world, "completions": world, "template": meta}}, old
     if w.kind is TRAINJOB:

@@ -359,3 +359,44 @@ def test_a_resize_from_a_partial_layout_is_refused_and_changes_nothing(
     with pytest.raises(ActuatorError, match=r"ranks \[3, 4, 5, 6, 7\] have not reported"):
         run(act.restart_job(smaller, reason="gpu_fault"))
     assert replicas(cluster) == 2
+
+
+def _job_running_half_its_indexes(cluster: FakeCluster, *, indexed: bool) -> None:
+    """A Job of 4 completions, 2 pods at a time (parallelism < completions)."""
+    for n in NODES:
+        node(cluster, n)
+    job = k.indexed_job(cluster, "half", 2)
+    job["spec"]["completions"] = 4
+    if not indexed:
+        del job["spec"]["completionMode"]
+    cluster.put("batch", "jobs", job)
+    k.pods(cluster, "half", job, ["gpu-a", "gpu-b"], 1)
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["indexed", "non-indexed"])
+def test_a_same_size_restart_leaves_a_jobs_completions_alone(
+    cluster: FakeCluster, indexed: bool
+) -> None:
+    """completions is immutable on a non-indexed Job: patched with the parallelism, the
+    API server refused the resume (422) and left the Job suspended for good; an Indexed one
+    silently lost its last two indexes."""
+    _job_running_half_its_indexes(cluster, indexed=indexed)
+    act = actuator(cluster)
+    same = Placement(job="half", nodes=("gpu-a", "gpu-b"), ranks_per_node=1, generation=1)
+    run(act.restart_job(same, reason="gpu_fault"))
+    obj = cluster.get("batch", "jobs", NS, "half")
+    assert obj is not None and not obj["spec"]["suspend"]
+    assert (obj["spec"]["parallelism"], obj["spec"]["completions"]) == (2, 4)
+
+
+def test_resizing_a_job_whose_completions_exceed_its_parallelism_is_refused(
+    cluster: FakeCluster,
+) -> None:
+    _job_running_half_its_indexes(cluster, indexed=True)
+    act = actuator(cluster)
+    smaller = Placement(job="half", nodes=("gpu-a",), ranks_per_node=1, generation=1)
+    with pytest.raises(ActuatorError, match="runs 4 completions 2 at a time"):
+        run(act.restart_job(smaller, reason="gpu_fault"))
+    obj = cluster.get("batch", "jobs", NS, "half")
+    assert obj is not None and not obj["spec"].get("suspend")
+    assert (obj["spec"]["parallelism"], obj["spec"]["completions"]) == (2, 4)
