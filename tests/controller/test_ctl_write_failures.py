@@ -72,6 +72,26 @@ def _agrees(client: httpx.Client, live: Any, db_url: str, node: str) -> dict[str
     return shown
 
 
+#: ``node_lost_after_s`` of the node-lost tests: a node silent this long is lost, so a test
+#: waits it out (and a tick or two: ``HealthDetector.tick_interval_s`` is a quarter of it).
+LOST_AFTER_S = 1.0
+
+
+def _back_within(limit_s: float, back: Callable[[int], None], seq: int, tries: int = 5) -> None:
+    """Run ``back(seq)`` (a report that brings a node back, then the checks that it is back)
+    until a run passes. A failed run that took ``limit_s`` or longer is run again with the
+    next ``seq``: the node may rightly have fallen silent again while a loaded machine was
+    slow to check it. A failed run that was quicker fails the test."""
+    for attempt in range(tries):
+        started = time.monotonic()
+        try:
+            back(seq + attempt)
+            return
+        except AssertionError:
+            if time.monotonic() - started < limit_s or attempt == tries - 1:
+                raise
+
+
 def test_incident_open_and_bump_that_fail_change_nothing(
     live_controller, db_url, ctl_report, ctl_db_outage, ctl_metric
 ) -> None:
@@ -150,9 +170,7 @@ def test_gpu_watch_failure_that_is_not_stored_is_tried_again(
 def test_node_lost_and_back_that_fail_change_nothing(
     controller_factory, db_url, ctl_report, ctl_db_outage
 ) -> None:
-    # Short enough to be quick, long enough that a loaded machine's slow checks after the
-    # node's last report do not race the next "lost".
-    live = controller_factory(node_lost_after_s=3.0, ingest_flush_interval_s=0.0)
+    live = controller_factory(node_lost_after_s=LOST_AFTER_S, ingest_flush_interval_s=0.0)
     failures = live.controller.incidents.write_failures
     with httpx.Client(base_url=live.url, timeout=20) as client:
         ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
@@ -172,11 +190,16 @@ def test_node_lost_and_back_that_fail_change_nothing(
         wait_for(lambda: failures["resolve"] >= 1)
         assert _agrees(client, live, db_url, "w3")["health"] == "lost"
         ctl_db_outage.disarm()
+
         # ... and its next report brings it back.
-        assert _post(client, live, "/api/v1/reports", ctl_report("w3", 2), "agent").is_success
-        wait_for(lambda: _node(client, live, "w3")["health"] == "healthy")
-        assert _open(client, live, "w3") == []
-        _agrees(client, live, db_url, "w3")
+        def back(seq: int) -> None:
+            r = _post(client, live, "/api/v1/reports", ctl_report("w3", seq), "agent")
+            assert r.is_success
+            wait_for(lambda: _node(client, live, "w3")["health"] == "healthy")
+            assert _open(client, live, "w3") == []
+            _agrees(client, live, db_url, "w3")
+
+        _back_within(LOST_AFTER_S, back, 2)
 
 
 def test_node_back_without_an_open_incident_that_fails_changes_nothing(
@@ -184,7 +207,7 @@ def test_node_back_without_an_open_incident_that_fails_changes_nothing(
 ) -> None:
     """A lost node whose ``node_lost`` an operator resolved while it was still silent comes
     back with no incident to write with: its node row alone is written, then shown."""
-    live = controller_factory(node_lost_after_s=3.0, ingest_flush_interval_s=0.0)
+    live = controller_factory(node_lost_after_s=LOST_AFTER_S, ingest_flush_interval_s=0.0)
     with httpx.Client(base_url=live.url, timeout=20) as client:
         assert _post(client, live, "/api/v1/reports", ctl_report("w9", 0), "agent").is_success
         wait_for(lambda: _node(client, live, "w9")["health"] == "lost")
@@ -201,9 +224,14 @@ def test_node_back_without_an_open_incident_that_fails_changes_nothing(
         time.sleep(0.2)  # let the detector's failure settle; nothing may change after it
         assert _agrees(client, live, db_url, "w9")["health"] == "lost"
         ctl_db_outage.disarm()
-        assert _post(client, live, "/api/v1/reports", ctl_report("w9", 2), "agent").is_success
-        wait_for(lambda: _node(client, live, "w9")["health"] == "healthy")
-        assert _agrees(client, live, db_url, "w9")["health"] == "healthy"
+
+        def back(seq: int) -> None:
+            r = _post(client, live, "/api/v1/reports", ctl_report("w9", seq), "agent")
+            assert r.is_success
+            wait_for(lambda: _node(client, live, "w9")["health"] == "healthy")
+            assert _agrees(client, live, db_url, "w9")["health"] == "healthy"
+
+        _back_within(LOST_AFTER_S, back, 2)
 
 
 def test_ecc_counter_reset_that_fails_changes_nothing(
