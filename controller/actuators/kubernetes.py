@@ -339,8 +339,9 @@ class KubernetesActuator:
                     found.append(await self._above_jobset(w) if w.kind is JOBSET else w)
             found = list({w.label: w for w in found}.values())
         if not found:
+            pods_said = f"{len(pods)} pod(s) but none owned by a workload" if pods else "no pods"
             raise ActuatorError(
-                f"job {job!r} not found in namespace {self.namespace}: no pods and no "
+                f"job {job!r} not found in namespace {self.namespace}: {pods_said}, and no "
                 f"Job/JobSet/PyTorchJob/TrainJob labelled {LABEL_JOB}={job}"
             )
         if len(found) > 1:

@@ -402,10 +402,26 @@ def test_missing_workload_is_a_clear_error(kube: FakeKube, act: KubernetesActuat
     with pytest.raises(ActuatorError) as err:
         run(act.restart_job(placement("ghost", ("n1",), 1, gen=1), reason="x"))
     assert str(err.value) == (
-        "job 'ghost' not found in namespace train: no pods and no Job/JobSet/PyTorchJob/TrainJob "
+        "job 'ghost' not found in namespace train: no pods, and no Job/JobSet/PyTorchJob/TrainJob "
         "labelled trainguard.io/job=ghost"
     )
     assert not err.value.retryable
+
+
+def test_bare_pods_of_a_job_say_so_in_the_not_found_error(
+    kube: FakeKube, act: KubernetesActuator
+) -> None:
+    kube.crd_groups.clear()
+    for rank in range(2):
+        metadata = {
+            "name": f"bare-{rank}",
+            "namespace": NS,
+            "labels": {"trainguard.io/job": "bare"},
+        }
+        pod = {"metadata": metadata, "spec": {"nodeName": "n1", "containers": []}}
+        kube.put("", "pods", pod | {"status": {"phase": "Running"}})
+    with pytest.raises(ActuatorError, match="2 pod\\(s\\) but none owned by a workload"):
+        run(act.restart_job(placement("bare", ("n1",), 2, gen=1), reason="x"))
 
 
 def test_forbidden_call_names_the_missing_permission(
