@@ -16,6 +16,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,10 @@ class SchemaTemplates:
         self._workdir = workdir
         self._sqlite: str | None = None
         self._postgres: str | None = None
+        #: The next PostgreSQL copy, made in the background while a test runs: copying
+        #: takes ~0.3 s of the server's I/O, most of a controller test's setup otherwise.
+        self._spare: Future[str] | None = None
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="schema-copy")
 
     def fill(self, db_url: str) -> bool:
         """Make the empty database at ``db_url`` a copy of the migrated one; False (and
@@ -129,15 +134,40 @@ class SchemaTemplates:
                 self._postgres = template
                 upgrade(make_url(admin).set(database=template).render_as_string(False))
             conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{self._postgres}"')
+            spare = self._take_spare()
+            if spare is None:
+                conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{self._postgres}"')
+            else:
+                conn.execute(f'ALTER DATABASE "{spare}" RENAME TO "{name}"')
+        self._spare = self._copier.submit(self._copy_postgres, admin, self._postgres)
         return True
 
+    def _take_spare(self) -> str | None:
+        """The copy made in the background, once it is done; None when none was made."""
+        spare, self._spare = self._spare, None
+        if spare is None or spare.exception() is not None:
+            return None
+        return spare.result()
+
+    @staticmethod
+    def _copy_postgres(admin: str, template: str) -> str:
+        import psycopg
+
+        spare = f"trainguard_spare_{secrets.token_hex(6)}"
+        with psycopg.connect(_psycopg_dsn(admin), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{spare}" TEMPLATE "{template}"')
+        return spare
+
     def close(self) -> None:
+        self._copier.shutdown(wait=True)
         if self._postgres is None:
             return
         import psycopg
 
+        spare = self._take_spare()
         with psycopg.connect(_psycopg_dsn(_pg_admin_url()), autocommit=True) as conn:
+            if spare is not None:
+                conn.execute(f'DROP DATABASE IF EXISTS "{spare}" WITH (FORCE)')
             conn.execute(f'DROP DATABASE IF EXISTS "{self._postgres}" WITH (FORCE)')
 
 
