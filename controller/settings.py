@@ -16,7 +16,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import platformdirs
 import yaml
@@ -27,6 +27,11 @@ from pydantic_settings import (
     SettingsConfigDict,
     YamlConfigSettingsSource,
 )
+
+from trainguard.textfile import Unreadable, read_text, yaml_problem
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 Role = Literal["agent", "viewer", "operator"]
 
@@ -227,7 +232,7 @@ class ControllerSettings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         config_file = os.environ.get("TRAINGUARD_CONFIG_FILE")
         if config_file:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
+            sources.append(_ConfigFile(settings_cls, yaml_file=config_file))
         return tuple(sources)
 
     @field_validator("log_level", mode="before")
@@ -308,11 +313,42 @@ class ControllerSettings(BaseSettings):
         return "sqlite" if self.database_url.startswith("sqlite") else "postgresql"
 
 
+class ConfigFileError(ValueError):
+    """``TRAINGUARD_CONFIG_FILE`` cannot be used; the message is one line naming it."""
+
+
+class _ConfigFile(YamlConfigSettingsSource):
+    """The YAML settings file, with one-line errors for a file that is missing or cannot be
+    read (pydantic-settings would skip it silently), is not YAML, or holds something other
+    than a mapping of settings."""
+
+    def _read_files(self, files: Any, deep_merge: bool = False) -> dict[str, Any]:
+        return self._read_file(Path(files).expanduser())
+
+    def _read_file(self, file_path: Path | Traversable) -> dict[str, Any]:
+        what = f"config file {file_path}"
+        try:
+            raw = yaml.safe_load(read_text(str(file_path)))
+        except Unreadable as exc:
+            raise ConfigFileError(f"{what}: {exc.reason}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigFileError(f"{what}: not valid YAML: {yaml_problem(exc)}") from None
+        if raw is None:
+            return {}
+        if not isinstance(raw, dict):
+            raise ConfigFileError(
+                f"{what}: expected a mapping of settings (name: value), got a {type(raw).__name__}"
+            )
+        return raw
+
+
 def load_tokens_file(path: Path) -> list[TokenConfig]:
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"tokens_file {path}: {exc}") from exc
+        raw = yaml.safe_load(read_text(path))
+    except Unreadable as exc:
+        raise ValueError(f"tokens_file {path}: {exc.reason}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"tokens_file {path}: not valid YAML: {yaml_problem(exc)}") from None
     if raw is None:
         return []
     if not isinstance(raw, list):

@@ -267,3 +267,65 @@ def test_controller_refuses_a_bad_topology_file_with_exit_2(
     assert _controller_refuses(cli, tmp_path) == message.format(file=topology)
     monkeypatch.setenv("TRAINGUARD_TOPOLOGY_FILE", str(tmp_path))
     assert _controller_refuses(cli, tmp_path) == f"error: topology_file {tmp_path}: Is a directory"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (BINARY, "error: config file {file}: not UTF-8 text"),
+        (
+            b"port: [8470\nhost: x\n",
+            "error: config file {file}: not valid YAML: expected ',' or ']', but got ':' "
+            "at line 2, column 5",
+        ),
+        (
+            b"- port: 8470\n",
+            "error: config file {file}: expected a mapping of settings (name: value), got a list",
+        ),
+    ],
+)
+@pytest.mark.parametrize("given_by", ["--config", "TRAINGUARD_CONFIG_FILE"])
+def test_controller_refuses_a_bad_config_file_with_exit_2(
+    cli: Cli,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    content: bytes,
+    message: str,
+    given_by: str,
+) -> None:
+    config = tmp_path / "controller.yaml"
+    config.write_bytes(content)
+    monkeypatch.setenv("TRAINGUARD_CONFIG_FILE", str(config))  # --config sets it: undone after
+    args = ["--config", str(config)] if given_by == "--config" else []
+    assert _controller_refuses(cli, tmp_path, *args) == message.format(file=config)
+
+
+def test_controller_refuses_a_missing_config_file_from_the_environment(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pydantic-settings skips a YAML file that is not there; a named one must be.
+    missing = tmp_path / "nope.yaml"
+    monkeypatch.setenv("TRAINGUARD_CONFIG_FILE", str(missing))
+    # Were the file skipped, this bad setting would refuse the start (not serve forever).
+    monkeypatch.setenv("TRAINGUARD_LOG_LEVEL", "loud")
+    message = _controller_refuses(cli, tmp_path)
+    assert message == f"error: config file {missing}: No such file or directory"
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (BINARY, "not UTF-8 text"),
+        (b"- {name: a, role: [x\n", "not valid YAML: expected ',' or ']', but got '<stream end>'"),
+    ],
+)
+def test_controller_refuses_a_bad_tokens_file_in_one_line(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: bytes, problem: str
+) -> None:
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_bytes(content)
+    monkeypatch.setenv("TRAINGUARD_TOKENS_FILE", str(tokens))
+    message = _controller_refuses(cli, tmp_path)
+    assert message.startswith(
+        f"error: invalid controller settings: tokens_file {tokens}: {problem}"
+    )

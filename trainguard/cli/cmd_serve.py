@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 import shlex
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import ValidationError
 
 from trainguard.cli.errors import BadInput, CliError
+
+if TYPE_CHECKING:
+    from controller.settings import ControllerSettings
 
 SERVE_PANEL = "Run"
 
@@ -36,6 +39,19 @@ def service_error(exc: Exception, exit_code: int) -> CliError:
     error = CliError(" ".join(str(exc).split()) or type(exc).__name__)
     error.exit_code = exit_code
     return error
+
+
+def controller_settings(**given: Any) -> ControllerSettings:
+    """``ControllerSettings`` from ``given``, the environment and the config file; whatever
+    the operator set wrong is one line and exit 2."""
+    from controller.settings import ConfigFileError, ControllerSettings
+
+    try:
+        return ControllerSettings(**given)
+    except ValidationError as exc:
+        raise settings_error("controller", exc) from exc
+    except ConfigFileError as exc:
+        raise BadInput(str(exc)) from exc
 
 
 def _given(**values: Any) -> dict[str, Any]:
@@ -67,16 +83,10 @@ def controller(
         os.environ["TRAINGUARD_CONFIG_FILE"] = str(config)
     from controller.errors import BadConfig, StartupError
     from controller.server import serve
-    from controller.settings import ControllerSettings
 
-    try:
-        settings = ControllerSettings(
-            **_given(
-                host=host, port=port, database_url=database_url, dev_mode=True if dev else None
-            )
-        )
-    except ValidationError as exc:
-        raise settings_error("controller", exc) from exc
+    settings = controller_settings(
+        **_given(host=host, port=port, database_url=database_url, dev_mode=True if dev else None)
+    )
     from controller.logic.remediation.rules import PolicyError
 
     try:
@@ -336,12 +346,7 @@ def db_upgrade(
     from controller.db.migrate import upgrade
 
     if database_url is None:
-        from controller.settings import ControllerSettings
-
-        try:
-            database_url = ControllerSettings().database_url
-        except ValidationError as exc:
-            raise settings_error("controller", exc) from exc
+        database_url = controller_settings().database_url
     revision = upgrade(database_url)
     typer.echo(f"database at {redact_url(database_url)} is at revision {revision}")
 
