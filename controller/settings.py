@@ -235,6 +235,11 @@ class ControllerSettings(BaseSettings):
             sources.append(_ConfigFile(settings_cls, yaml_file=config_file))
         return tuple(sources)
 
+    @field_validator("database_url")
+    @classmethod
+    def _usable_database_url(cls, value: str) -> str:
+        return check_database_url(value)
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower_level(cls, value: Any) -> Any:
@@ -311,6 +316,26 @@ class ControllerSettings(BaseSettings):
 
     def database_kind(self) -> Literal["sqlite", "postgresql"]:
         return "sqlite" if self.database_url.startswith("sqlite") else "postgresql"
+
+
+def check_database_url(value: str) -> str:
+    """SQLite or PostgreSQL, with a driver this install has: a ``ValueError`` of one line
+    here rather than SQLAlchemy's exception when the engine is made."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    usage = "use sqlite:///PATH or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB"
+    try:
+        url = make_url(value)
+    except ArgumentError:
+        raise ValueError(f"not a database URL; {usage}") from None
+    if url.get_backend_name() not in ("sqlite", "postgresql"):
+        raise ValueError(f"unsupported database {url.drivername!r}; {usage}")
+    try:
+        url.get_dialect().import_dbapi()
+    except (NoSuchModuleError, ImportError):
+        raise ValueError(f"no driver {url.drivername!r} in this install; {usage}") from None
+    return value
 
 
 class ConfigFileError(ValueError):

@@ -329,3 +329,42 @@ def test_controller_refuses_a_bad_tokens_file_in_one_line(
     assert message.startswith(
         f"error: invalid controller settings: tokens_file {tokens}: {problem}"
     )
+
+
+def test_controller_refuses_tokens_that_are_not_json_with_exit_2(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINGUARD_TOKENS", "not json")
+    assert _controller_refuses(cli, tmp_path) == (
+        "error: invalid controller settings: tokens: TRAINGUARD_TOKENS is not valid JSON "
+        "(Expecting value at line 1, column 1)"
+    )
+
+
+USAGE = "use sqlite:///PATH or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB"
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("bogus://x", f"unsupported database 'bogus'; {USAGE}"),
+        ("mysql://db/tg", f"unsupported database 'mysql'; {USAGE}"),
+        ("not a url", f"not a database URL; {USAGE}"),
+        (
+            "postgresql+nodriver://db/tg",
+            f"no driver 'postgresql+nodriver' in this install; {USAGE}",
+        ),
+    ],
+)
+def test_an_unusable_database_url_is_one_line_exit_2(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, problem: str
+) -> None:
+    expected = f"error: invalid controller settings: database_url: {problem}"
+    monkeypatch.setenv("TRAINGUARD_DATABASE_URL", url)
+    result = cli("controller", "--dev", "--port", "0")
+    assert result.code == 2 and result.err.strip().splitlines()[-1] == expected, result.err
+    monkeypatch.delenv("TRAINGUARD_DATABASE_URL")
+    assert _controller_refuses(cli, tmp_path, "--database-url", url) == expected
+    assert _one_line(cli("db", "upgrade", "--database-url", url), 2) == (
+        f"error: --database-url: {problem}"
+    )

@@ -8,7 +8,9 @@ all land in one validated place. The service packages are imported inside each c
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -44,6 +46,8 @@ def service_error(exc: Exception, exit_code: int) -> CliError:
 def controller_settings(**given: Any) -> ControllerSettings:
     """``ControllerSettings`` from ``given``, the environment and the config file; whatever
     the operator set wrong is one line and exit 2."""
+    from pydantic_settings import SettingsError
+
     from controller.settings import ConfigFileError, ControllerSettings
 
     try:
@@ -52,6 +56,21 @@ def controller_settings(**given: Any) -> ControllerSettings:
         raise settings_error("controller", exc) from exc
     except ConfigFileError as exc:
         raise BadInput(str(exc)) from exc
+    except SettingsError as exc:  # an environment value that is not the JSON it must be
+        raise BadInput(f"invalid controller settings: {_source_problem(exc)}") from exc
+
+
+def _source_problem(exc: Exception) -> str:
+    """``tokens: TRAINGUARD_TOKENS is not valid JSON (Expecting value: ...)`` for
+    pydantic-settings' 'error parsing value for field "tokens" from source ...'."""
+    match = re.search(r'field "([^"]+)"', str(exc))
+    if match is None:
+        return " ".join(str(exc).split())
+    field, cause = match.group(1), exc.__cause__
+    if isinstance(cause, json.JSONDecodeError):
+        where = f"{cause.msg} at line {cause.lineno}, column {cause.colno}"
+        return f"{field}: TRAINGUARD_{field.upper()} is not valid JSON ({where})"
+    return f"{field}: " + (" ".join(str(cause).split()) if cause else "cannot be parsed")
 
 
 def _given(**values: Any) -> dict[str, Any]:
@@ -347,6 +366,13 @@ def db_upgrade(
 
     if database_url is None:
         database_url = controller_settings().database_url
+    else:
+        from controller.settings import check_database_url
+
+        try:
+            check_database_url(database_url)
+        except ValueError as exc:
+            raise BadInput(f"--database-url: {exc}") from exc
     revision = upgrade(database_url)
     typer.echo(f"database at {redact_url(database_url)} is at revision {revision}")
 
