@@ -107,10 +107,15 @@ def wait_for_incidents(live: Any, kind: str, timeout_s: float = 10.0) -> list[di
         time.sleep(0.05)
 
 
-# Detection does not depend on the database; the controller suite covers both backends.
+#: Detection does not depend on the database (the controller suite covers both backends,
+#: and group commit's batching): each report is committed at once instead of waiting up to
+#: ``ingest_flush_interval_s`` (20 ms) for others, and these tests post a few hundred.
+DETECTION_ONLY: dict[str, Any] = {"ingest_flush_interval_s": 0.0}
+
+
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_straggler_becomes_an_incident_naming_rank_node_and_gpu(controller_factory) -> None:  # type: ignore[no-untyped-def]
-    live = controller_factory()
+    live = controller_factory(**DETECTION_ONLY)
     nodes = Nodes(live, world=8)
     # The slow rank's GPU (node 1, GPU 2) runs hot and throttled; the agent says so.
     for node in ("c4d-node-0", "c4d-node-1"):
@@ -141,7 +146,7 @@ def test_straggler_becomes_an_incident_naming_rank_node_and_gpu(controller_facto
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_slow_communication_triggers_a_probe_that_localizes_the_rank(controller_factory) -> None:  # type: ignore[no-untyped-def]
-    live = controller_factory()
+    live = controller_factory(**DETECTION_ONLY)
     nodes = Nodes(live, world=8)
     for step in range(45):
         nodes.steps(step, compute={}, comm_s=0.05)
@@ -183,7 +188,7 @@ def test_slow_communication_triggers_a_probe_that_localizes_the_rank(controller_
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_chaos_drill_waits_for_every_rank_to_report(controller_factory) -> None:  # type: ignore[no-untyped-def]
     """A drill sent while part of the job is unseen would reach only some nodes."""
-    live = controller_factory()
+    live = controller_factory(**DETECTION_ONLY)
     nodes = Nodes(live, world=8)
     row = {"job": JOB, "world_size": 8, "step": 0, "step_time_s": 1.0, "compute_time_s": 1.0}
     row |= {"collective_wait_s": 0.0}
@@ -203,7 +208,7 @@ def test_chaos_drill_waits_for_every_rank_to_report(controller_factory) -> None:
 def test_a_communication_hang_is_localized_by_a_probe_in_the_next_run(controller_factory) -> None:  # type: ignore[no-untyped-def]
     """Every rank is stuck inside the call, so no future step exists to probe at; the round
     is ordered once the restarted job steps again, over the ring of its ranks."""
-    live = controller_factory()
+    live = controller_factory(**DETECTION_ONLY)
     nodes = Nodes(live, world=8)
     for step in range(5):
         nodes.steps(step, compute={}, comm_s=0.05)
