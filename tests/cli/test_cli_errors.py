@@ -368,3 +368,47 @@ def test_an_unusable_database_url_is_one_line_exit_2(
     assert _one_line(cli("db", "upgrade", "--database-url", url), 2) == (
         f"error: --database-url: {problem}"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["node", ""], "node name must not be empty"),
+        (["node", "  "], "node name must not be empty"),
+        (["goodput", ""], "job name must not be empty"),
+        (["plan", "get", ""], "plan id must not be empty"),
+        (["isolate", "", "--reason", "drill"], "node name must not be empty"),
+        (["release", ""], "node name must not be empty"),
+        (["agent-token", "issue", ""], "node name must not be empty"),
+        (["agent-token", "revoke", ""], "node name must not be empty"),
+        (["preflight", "node-a", ""], "node name must not be empty"),
+    ],
+)
+def test_an_empty_name_is_refused_before_any_request(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch, args: list[str], message: str
+) -> None:
+    # Nothing listens here: a request would be exit 1 (unreachable), not this usage error.
+    monkeypatch.setenv("TRAINGUARD_SERVER", f"http://127.0.0.1:{free_port()}")
+    assert _one_line(cli(*args), 2) == f"error: {message}"
+
+
+@pytest.mark.parametrize("name", ["a/b", "ghost/history", ".", ".."])
+def test_a_name_is_one_path_segment(cli: Cli, name: str) -> None:
+    # Not another endpoint ("/nodes/ghost/history") nor a folded path ("/nodes/.."): the
+    # node of that name, which does not exist.
+    assert _one_line(cli("node", name), 2) == f'error: node "{name}" not found'
+
+
+def test_a_redirect_is_an_error_not_a_json_parse(cli_server: CliServer) -> None:
+    from trainguard.cli.client import ApiClient
+    from trainguard.cli.errors import ServerError
+
+    with (
+        ApiClient(cli_server.url, cli_server.viewer_token) as api,
+        pytest.raises(ServerError) as info,
+    ):
+        api._get("/api/v1/nodes/")
+    assert str(info.value) == (
+        f"controller at {cli_server.url} redirected GET /api/v1/nodes/ to "
+        f"{cli_server.url}/api/v1/nodes instead of answering; check --server"
+    )

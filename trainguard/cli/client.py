@@ -46,6 +46,17 @@ def check_server_url(server: str) -> str:
     return url
 
 
+def segment(value: str, what: str) -> str:
+    """``value`` as one path segment of a request. An empty name is a usage error, not a
+    request: ``/nodes/`` is another endpoint (the list, after a redirect) and ``/nodes/a/b``
+    would be ``a``'s sub-resource, so names are checked and quoted before any request."""
+    if not value.strip():
+        raise BadInput(f"{what} must not be empty")
+    if value in (".", ".."):  # a client would fold them into the path ("/nodes/.." = "/")
+        return value.replace(".", "%2E")
+    return quote(value, safe="")
+
+
 def _reason(exc: httpx.TransportError) -> str:
     text = str(exc) or type(exc).__name__
     lowered = text.lower()
@@ -147,6 +158,12 @@ class ApiClient:
 
     def _raise_for_status(self, response: httpx.Response) -> None:
         status = response.status_code
+        if 300 <= status < 400:  # not followed: a redirect is never an answer of the API
+            request = response.request
+            raise ServerError(
+                f"{self.where} redirected {request.method} {request.url.path} to "
+                f"{response.headers.get('location', '?')} instead of answering; check --server"
+            )
         if status < 400:
             return
         if self._proxy is not None:
@@ -228,7 +245,9 @@ class ApiClient:
 
     def node(self, name: str, history_s: float | None = None) -> JsonObject:
         try:
-            result: JsonObject = self._get(f"{API_PREFIX}/nodes/{name}", {"history_s": history_s})
+            result: JsonObject = self._get(
+                f"{API_PREFIX}/nodes/{segment(name, 'node name')}", {"history_s": history_s}
+            )
         except NotFound as exc:
             raise NotFound(f'node "{name}" not found') from exc
         return result
@@ -255,7 +274,7 @@ class ApiClient:
         return result
 
     def goodput(self, job: str) -> JsonObject:
-        result: JsonObject = self._get(f"{API_PREFIX}/jobs/{quote(job, safe='')}/goodput")
+        result: JsonObject = self._get(f"{API_PREFIX}/jobs/{segment(job, 'job name')}/goodput")
         return result
 
     def start_preflight(self, node: str, expected_nic_rate_gbps: float | None) -> JsonObject:
@@ -264,20 +283,21 @@ class ApiClient:
             {"expected_nic_rate_gbps": expected_nic_rate_gbps} if expected_nic_rate_gbps else None
         )
         result: JsonObject = self._request(
-            "POST", f"{API_PREFIX}/nodes/{quote(node, safe='')}/preflight", body=body
+            "POST", f"{API_PREFIX}/nodes/{segment(node, 'node name')}/preflight", body=body
         )
         return result
 
     def preflight(self, node: str, command_id: str) -> JsonObject:
         """``GET /nodes/{node}/preflight/{id}``: that preflight's command, status and verdict."""
-        path = f"{API_PREFIX}/nodes/{quote(node, safe='')}/preflight/{quote(command_id, safe='')}"
+        node_path = f"{API_PREFIX}/nodes/{segment(node, 'node name')}"
+        path = f"{node_path}/preflight/{segment(command_id, 'command id')}"
         result: JsonObject = self._get(path)
         return result
 
     def agent_credentials(self, node: str, *, revoke: bool = False) -> JsonObject:
         """``POST /agent-credentials/{node}`` issues (or rotates) the node's agent token and
         returns it once; ``DELETE`` (``revoke``) ends every token of the node now."""
-        path = f"{API_PREFIX}/agent-credentials/{quote(node, safe='')}"
+        path = f"{API_PREFIX}/agent-credentials/{segment(node, 'node name')}"
         result: JsonObject = self._request("DELETE" if revoke else "POST", path)
         return result
 
@@ -285,7 +305,7 @@ class ApiClient:
         verb = "isolate" if isolate else "release"
         body = {"reason": reason} if reason else None
         result: JsonObject = self._request(
-            "POST", f"{API_PREFIX}/nodes/{quote(node, safe='')}/{verb}", body=body
+            "POST", f"{API_PREFIX}/nodes/{segment(node, 'node name')}/{verb}", body=body
         )
         return result
 
@@ -293,7 +313,7 @@ class ApiClient:
         """A chaos drill: ``POST /jobs/{job}/faults`` (409 until every rank has reported)."""
         result: JsonObject = self._request(
             "POST",
-            f"{API_PREFIX}/jobs/{quote(job, safe='')}/faults",
+            f"{API_PREFIX}/jobs/{segment(job, 'job name')}/faults",
             body={"faults": faults, "reason": reason},
         )
         return result
@@ -308,7 +328,7 @@ class ApiClient:
 
     def plan(self, plan_id: str) -> JsonObject:
         try:
-            result: JsonObject = self._get(f"{API_PREFIX}/plans/{plan_id}")
+            result: JsonObject = self._get(f"{API_PREFIX}/plans/{segment(plan_id, 'plan id')}")
         except NotFound as exc:
             raise NotFound(f'plan "{plan_id}" not found') from exc
         return result

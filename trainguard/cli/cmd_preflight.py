@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
+from trainguard.cli.client import segment
 from trainguard.cli.errors import BadInput
 from trainguard.cli.options import DEFAULT_OUTPUT, Output, Server, Token, connect
 from trainguard.cli.output import (
@@ -99,6 +100,8 @@ def _remote(
     rate: float | None,
     wait_s: float,
 ) -> list[dict[str, Any]]:
+    for node in nodes:  # every name checked before the first preflight starts
+        segment(node, "node name")
     with connect(ctx, server, token) as api:
         started = {node: api.start_preflight(node, rate) for node in nodes}
         deadline = time.monotonic() + wait_s
