@@ -382,6 +382,8 @@ def test_an_unusable_database_url_is_one_line_exit_2(
         (["agent-token", "issue", ""], "node name must not be empty"),
         (["agent-token", "revoke", ""], "node name must not be empty"),
         (["preflight", "node-a", ""], "node name must not be empty"),
+        (["incidents", "--node", ""], "node name must not be empty"),
+        (["incidents", "--job", " "], "job name must not be empty"),
     ],
 )
 def test_an_empty_name_is_refused_before_any_request(

@@ -263,6 +263,9 @@ class ApiClient:
         node: str | None = None,
         job: str | None = None,
     ) -> list[JsonObject]:
+        for value, what in ((node, "node name"), (job, "job name")):
+            if value is not None and not value.strip():  # would match nothing, silently
+                raise BadInput(f"{what} must not be empty")
         params = {"state": state, "kind": kind, "node": node, "job": job}
         return self._list(f"{API_PREFIX}/incidents", params)
 
