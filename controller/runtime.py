@@ -33,6 +33,7 @@ from controller.db.repositories import history
 from controller.db.session import make_engine
 from controller.errors import NotMigrated
 from controller.loader import load_state
+from controller.logic.detection.c4d import C4DConfig
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
 from controller.services.container import Services
@@ -138,8 +139,16 @@ def compose(
         ecc_rise=settings.degraded_ecc_rise,
         ecc_window_s=settings.degraded_ecc_window_s,
         throttle_s=settings.degraded_throttle_s,
+        bump_interval_s=settings.degraded_bump_interval_s,
     )
-    jobs = JobDetector(state, incidents, commands, probe_lead_s=settings.probe_lead_s)
+    jobs = JobDetector(
+        state,
+        incidents,
+        commands,
+        config=C4DConfig(confirm_min_s=settings.c4d_confirm_min_s),
+        tick_interval_s=settings.job_tick_interval_s,
+        probe_lead_s=settings.probe_lead_s,
+    )
     flight = FlightEvidence(state, incidents, commands)
     traffic = build_traffic(settings, state, store)
     slow_links = SlowLinkReaction(traffic, state, actions, nic_ports=jobs.nic_ports)

@@ -122,6 +122,17 @@ class ControllerSettings(BaseSettings):
     #: … or when most of its samples over this many seconds show thermal, power-brake or
     #: hardware-slowdown throttling (never ``sw_power_cap``: that is our own power loop).
     degraded_throttle_s: float = Field(default=30.0, gt=0, le=3_600)
+    #: An open ``gpu_degraded`` incident is written at most this often while a storm keeps
+    #: bumping it; bumps in between are held and written together (at a later report or
+    #: tick).
+    degraded_bump_interval_s: float = Field(default=2.0, gt=0, le=600)
+    #: Seconds between two ticks of the job detector (C4D trackers, probe rounds). A job
+    #: finding whose incident write failed is tried again after one tick, then after twice
+    #: as long each time (at most 30 s).
+    job_tick_interval_s: float = Field(default=1.0, gt=0, le=60)
+    #: Seconds on the controller's clock a slow-communication condition must persist,
+    #: besides its steps, before it opens or clears (``C4DConfig.confirm_min_s``).
+    c4d_confirm_min_s: float = Field(default=5.0, ge=0, le=600)
     history_retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)
     #: Prometheus (its base URL, ``http://prometheus:9090``) that scrapes the agents: the
     #: dashboard's GPU history charts query it (``query_range``) instead of ``gpu_history``;
@@ -164,6 +175,12 @@ class ControllerSettings(BaseSettings):
     #: job specs, docs/remediation.md). Read from a file, never from the API: a job spec is
     #: a command line, and the API must not be a way to run commands on the controller.
     local_jobs_file: Path | None = None
+    #: Seconds between two ticks of the remediation engine: how soon it decides on a new
+    #: incident and notices a step's answer (policy windows are in seconds of their own).
+    remediation_tick_interval_s: float = Field(default=1.0, gt=0, le=60)
+    #: With the policy's ``restarts.grow`` on, the leader looks this often (at its next
+    #: tick) for jobs running below their first size to grow back.
+    remediation_grow_check_interval_s: float = Field(default=5.0, gt=0, le=3_600)
     #: Elect one acting replica per database (docs/controller.md, "High availability"):
     #: a PostgreSQL advisory lock, or a ``<database file>.leader`` flock on SQLite. Turn it
     #: off only where a single replica is guaranteed by other means.

@@ -72,7 +72,8 @@ DEGRADING_MASK = sum(THROTTLE_REASON_BITS[r] for r in DEGRADING)
 ECC_BUCKETS = 60
 #: At most this many samples are kept per throttling GPU (30 s at 1 Hz needs 31).
 MAX_THROTTLE_SAMPLES = 1024
-#: An open incident is written at most this often while a storm keeps bumping it.
+#: An open incident is written at most this often while a storm keeps bumping it (the
+#: default of ``bump_interval_s``, the ``degraded_bump_interval_s`` setting).
 BUMP_INTERVAL_S = 2.0
 
 
@@ -105,7 +106,7 @@ class _Watch:
     last_seen_unix_s: float = 0.0
     #: Causes seen while the current incident is open ("ecc", "throttle").
     causes: set[str] = field(default_factory=set)
-    # Bumps held back by BUMP_INTERVAL_S.
+    # Bumps held back by the detector's bump_interval_s.
     pending: int = 0
     pending_events: list[EvidenceEvent] = field(default_factory=list)
     #: The newest evidence, for the incident once the held-back bump is written.
@@ -126,11 +127,19 @@ class DegradedGpuDetector:
         throttle_s: float = 30.0,
         clear_factor: float = 2.0,
         tick_interval_s: float = 1.0,
+        bump_interval_s: float = BUMP_INTERVAL_S,
     ) -> None:
-        if ecc_rise < 1 or ecc_window_s <= 0 or throttle_s <= 0 or clear_factor <= 0:
+        if (
+            ecc_rise < 1
+            or ecc_window_s <= 0
+            or throttle_s <= 0
+            or clear_factor <= 0
+            or bump_interval_s <= 0
+        ):
             raise ValueError(
-                "ecc_rise must be >= 1 and ecc_window_s, throttle_s, clear_factor > 0; got "
-                f"{ecc_rise}, {ecc_window_s}, {throttle_s}, {clear_factor}"
+                "ecc_rise must be >= 1 and ecc_window_s, throttle_s, clear_factor, "
+                f"bump_interval_s > 0; got {ecc_rise}, {ecc_window_s}, {throttle_s}, "
+                f"{clear_factor}, {bump_interval_s}"
             )
         self._state = state
         self._incidents = incidents
@@ -141,6 +150,8 @@ class DegradedGpuDetector:
         self.throttle_s = throttle_s
         self.clear_factor = clear_factor
         self.tick_interval_s = tick_interval_s
+        #: An open incident is written at most this often while bumps keep coming.
+        self.bump_interval_s = bump_interval_s
         self._bucket_s = ecc_window_s / ECC_BUCKETS
         self._watches: dict[tuple[str, int], _Watch] = {}
         self._instances: dict[str, str] = {}
@@ -288,7 +299,7 @@ class DegradedGpuDetector:
             watch.pending_evidence = evidence
             watch.pending += len(events)
             watch.pending_events.extend(events)
-            if now - watch.last_write_unix_s >= BUMP_INTERVAL_S:
+            if now - watch.last_write_unix_s >= self.bump_interval_s:
                 await self._flush(existing, watch, now)
             return
         summary = f"{node}: GPU {index} degrading: {'; '.join(evidence.causes)}"
@@ -391,7 +402,7 @@ class DegradedGpuDetector:
                 watch = self._watches[(incident.node, incident.gpu_index)] = _Watch(
                     last_active_unix_s=now_unix_s, causes=_active_causes(incident.evidence)
                 )
-            if watch.pending and now_unix_s - watch.last_write_unix_s >= BUMP_INTERVAL_S:
+            if watch.pending and now_unix_s - watch.last_write_unix_s >= self.bump_interval_s:
                 await self._flush(incident, watch, now_unix_s)
             await self._maybe_resolve(incident, watch, now_unix_s)
         for key in [k for k in self._watches if k[0] not in self._state.nodes]:

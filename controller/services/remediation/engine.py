@@ -53,7 +53,7 @@ from controller.services.events import JobRecordsReported
 from controller.services.incidents import IncidentService
 from controller.services.nodes import NodeRecords
 from controller.services.remediation import approval, history, partition
-from controller.services.remediation.grow import GrowBack
+from controller.services.remediation.grow import GROW_CHECK_INTERVAL_S, GrowBack
 from controller.services.remediation.records import (
     HARDWARE_KINDS,
     JobBook,
@@ -103,6 +103,7 @@ class RemediationEngine:
         *,
         is_leader: Callable[[], bool] = lambda: True,
         tick_interval_s: float = 1.0,
+        grow_check_interval_s: float = GROW_CHECK_INTERVAL_S,
         webhook: Webhook | None = None,
         partition: PartitionSettings | None = None,
     ) -> None:
@@ -136,7 +137,7 @@ class RemediationEngine:
         self.held: dict[int, str] = {}
         self._loaded = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self._grow = GrowBack(self.ctx, self._start_steps)
+        self._grow = GrowBack(self.ctx, self._start_steps, check_interval_s=grow_check_interval_s)
 
     # The policy (replaced by ``PUT /api/v1/remediation/policy``) and the actuator live in
     # the steps' context, so a step always sees the current ones.

@@ -1,7 +1,8 @@
 """Growing jobs back: restart a job left below its first size once healthy spares return.
 
-With ``restarts.grow`` on, the engine's tick looks every ``GROW_CHECK_INTERVAL_S`` (each look
-asks the actuator where the job runs). A grow-back is a remediation of its own (trigger
+With ``restarts.grow`` on, the engine's tick looks every ``check_interval_s`` (the
+``remediation_grow_check_interval_s`` setting, ``GROW_CHECK_INTERVAL_S`` by default; each
+look asks the actuator where the job runs). A grow-back is a remediation of its own (trigger
 ``grow:<job>``): a protective checkpoint, then a restart on the larger placement. A refused
 (or dry-run) grow-back is recorded once per placement.
 """
@@ -22,7 +23,7 @@ from controller.services.remediation.steps.shrink import plan_placement
 
 log = logging.getLogger(__name__)
 
-#: How often the leader looks for jobs to grow back.
+#: How often the leader looks for jobs to grow back (by default).
 GROW_CHECK_INTERVAL_S = 5.0
 #: The steps of a grow-back remediation.
 GROW_STEPS = [Step.CHECKPOINT, Step.RESTART]
@@ -32,16 +33,21 @@ Launch = Callable[[Remediation, list[Step]], None]
 
 
 class GrowBack:
-    def __init__(self, ctx: StepContext, launch: Launch) -> None:
+    def __init__(
+        self, ctx: StepContext, launch: Launch, *, check_interval_s: float = GROW_CHECK_INTERVAL_S
+    ) -> None:
+        if check_interval_s <= 0:
+            raise ValueError(f"check_interval_s must be positive, got {check_interval_s}")
         self._ctx = ctx
         self._launch = launch
+        self.check_interval_s = check_interval_s
         self.checked_unix_s = 0.0
         #: Job -> the grow-back placement last recorded as refused or dry run (recorded once).
         self._noted: dict[str, str] = {}
 
     def due(self, now: float) -> bool:
-        return self._ctx.policy.restarts.grow and now - self.checked_unix_s >= (
-            GROW_CHECK_INTERVAL_S
+        return self._ctx.policy.restarts.grow and (
+            now - self.checked_unix_s >= self.check_interval_s
         )
 
     async def check(self, now: float, decided: Mapping[int, str]) -> None:

@@ -178,6 +178,8 @@ def build_remediation(
         build_actuator(settings, local_jobs, lease=lease),
         policy,
         is_leader=is_leader,
+        tick_interval_s=settings.remediation_tick_interval_s,
+        grow_check_interval_s=settings.remediation_grow_check_interval_s,
         webhook=build_webhook(settings),
         partition=partition_settings(settings),
     )
