@@ -46,7 +46,7 @@ from agents.nics import NicMonitor
 from agents.node_power import NodePowerSampler, RaplReader
 from agents.peer_groups import PeerGroupCache
 from agents.preflight import Check, summary
-from agents.reporter import BackoffPolicy, Reporter
+from agents.reporter import BackoffPolicy, Reporter, read_token_file
 from agents.sampler import GpuSampler
 from agents.settings import AgentSettings
 from agents.spool import Spool
@@ -550,10 +550,15 @@ def run(settings: AgentSettings) -> None:
     """Run the agent until SIGINT or SIGTERM; raises :class:`~agents.errors.AgentError`."""
     _configure_logging(settings.log_level)
     stop = threading.Event()
-    agent = Agent(settings)
     foreground = settings.foreground
     if foreground is None:
         foreground = sys.stdin is not None and sys.stdin.isatty()
+    if foreground and settings.token_file is not None:
+        # Started by hand: a token file that is missing, unreadable or empty is a typo to
+        # fix now, not 401s to find in the log. A DaemonSet's projected token may appear
+        # after the agent starts, so there the reporter keeps re-reading it.
+        read_token_file(settings.token_file)
+    agent = Agent(settings)
     if agent.backend.error and foreground:
         # Report the node unhealthy once (best effort), then fail loudly: a person who
         # started the agent by hand must see that its GPUs are not being watched.

@@ -33,8 +33,10 @@ from typing import Literal
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
+from agents.errors import AgentConfigError
 from agents.spool import Spool
 from agents.stats import AgentStats
+from trainguard.textfile import Unreadable, read_text
 from trainguard.wire import API_PREFIX, Command, ReportReply
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,18 @@ def parse_reply(body: bytes) -> tuple[ReportReply, list[tuple[str, str]]]:
     return reply, invalid
 
 
+def read_token_file(path: Path) -> str:
+    """The bearer token in ``path`` (surrounding whitespace stripped), or one-line
+    :class:`AgentConfigError`: missing, a directory, not UTF-8 text, or empty."""
+    try:
+        token = read_text(path).strip()
+    except Unreadable as exc:
+        raise AgentConfigError(f"token_file {path}: {exc.reason}") from None
+    if not token:
+        raise AgentConfigError(f"token_file {path}: empty; it must hold the agent's token")
+    return token
+
+
 class _FileToken(httpx.Auth):
     """The bearer token from a file, re-read when the file changes (the kubelet rotates a
     projected service-account token in place)."""
@@ -136,9 +150,12 @@ class _FileToken(httpx.Auth):
         try:
             stat = self._path.stat()
             if (stat.st_mtime_ns, stat.st_size) != self._stamp:
-                self._token = self._path.read_text().strip()
+                self._token = read_token_file(self._path)
                 self._stamp = (stat.st_mtime_ns, stat.st_size)
         except OSError as exc:  # not there yet: the controller answers 401, we retry
+            error = f"{self._path}: {exc.strerror or type(exc).__name__}"
+            log.warning("agent token file unreadable", extra={"fields": {"error": error}})
+        except AgentConfigError as exc:  # being rewritten: keep the last good token, retry
             log.warning("agent token file unreadable", extra={"fields": {"error": str(exc)}})
         if self._token:
             request.headers["Authorization"] = f"Bearer {self._token}"
@@ -287,4 +304,4 @@ class Reporter:
                 self._stop.wait(self.last_delay_s)
 
 
-__all__ = ["BackoffPolicy", "Reporter", "classify"]
+__all__ = ["BackoffPolicy", "Reporter", "classify", "read_token_file"]

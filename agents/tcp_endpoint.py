@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agents.errors import ListenError
+from trainguard.textfile import Unreadable, read_text
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,10 @@ class JobTokens:
             stamp = (st.st_mtime_ns, st.st_size)
             if stamp == self._stamp:
                 return self._tokens
-            text = self.path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ListenError(f"job token file {self.path}: cannot read it ({exc})") from None
+            text = read_text(self.path)
+        except (OSError, Unreadable) as exc:
+            why = exc.reason if isinstance(exc, Unreadable) else exc.strerror or type(exc).__name__
+            raise ListenError(f"job token file {self.path}: cannot read it ({why})") from None
         tokens = [line.strip().encode() for line in text.splitlines() if line.strip()]
         short = [t for t in tokens if len(t) < MIN_TOKEN_CHARS]
         if not tokens or short:

@@ -154,3 +154,35 @@ def test_broken_nvml_on_a_gpu_node_exits_3_in_the_foreground(
     (report,) = agents_controller.state.ordered()
     assert report.node.name == "broken-gpu" and report.node.gpus == []
     assert report.node.gpu_error.startswith("NVML failed (NVML Shared Library Not Found)")
+
+
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
+def test_bad_token_files_exit_2_with_one_line_in_the_foreground(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_AGENT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "binary").write_bytes(b"\xff\xfe" * 12 + b"\n")
+    (tmp_path / "empty").write_text("\n")
+    base = ["--gpus", "sim:1", "--controller", "http://127.0.0.1:1", "--foreground",
+            "--spool-dir", str(tmp_path / "spool")]  # fmt: skip
+    cases = [
+        (["--token-file", str(tmp_path / "missing")],
+         f"token_file {tmp_path / 'missing'}: No such file or directory"),
+        (["--token-file", str(tmp_path / "dir")], f"token_file {tmp_path / 'dir'}: Is a directory"),
+        (["--token-file", str(tmp_path / "binary")],
+         f"token_file {tmp_path / 'binary'}: not UTF-8 text"),
+        (["--token-file", str(tmp_path / "empty")],
+         f"token_file {tmp_path / 'empty'}: empty; it must hold the agent's token"),
+        (["--job-listen", "127.0.0.1:0", "--job-token-file", str(tmp_path / "binary")],
+         f"job token file {tmp_path / 'binary'}: cannot read it (not UTF-8 text)"),
+    ]  # fmt: skip
+    for args, expected in cases:
+        result = subprocess.run(
+            [sys.executable, "-m", "agents", "--metrics-port", "-1", "--socket-path", "",
+             *base, *args],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 2, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+        lines = [line for line in result.stderr.splitlines() if "error" in line]
+        assert lines == [f"python -m agents: error: {expected}"], result.stderr

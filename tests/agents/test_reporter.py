@@ -7,9 +7,18 @@ import random
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from agents.reporter import BackoffPolicy, Reporter, classify, parse_reply
+from agents.errors import AgentConfigError
+from agents.reporter import (
+    BackoffPolicy,
+    Reporter,
+    _FileToken,
+    classify,
+    parse_reply,
+    read_token_file,
+)
 from agents.spool import Spool
 from agents.stats import AgentStats
 from tests.agents.agents_testkit import TOKEN, FakeController
@@ -182,3 +191,54 @@ def test_backoff_is_full_jitter_under_an_exponential_cap() -> None:
         assert max(draws) > 0.9 * ceiling and min(draws) < 0.1 * ceiling + 0.05
     assert policy.delay_s(1, rng, retry_after_s=7) >= 7
     assert policy.delay_s(1, rng, retry_after_s=500) <= 30
+
+
+def _bad_token_files(tmp_path: Path) -> list[tuple[Path, str]]:
+    """(path, the reason it reads as) for each kind of unusable token file."""
+    (tmp_path / "binary").write_bytes(b"\xff\xfe token")
+    (tmp_path / "empty").write_text(" \n")
+    (tmp_path / "dir").mkdir()
+    return [
+        (tmp_path / "missing", "No such file or directory"),
+        (tmp_path / "dir", "Is a directory"),
+        (tmp_path / "binary", "not UTF-8 text"),
+        (tmp_path / "empty", "empty; it must hold the agent's token"),
+    ]
+
+
+def test_read_token_file_is_the_token_or_one_line_reason(tmp_path: Path) -> None:
+    good = tmp_path / "token"
+    good.write_text(f"  {TOKEN}\n")
+    assert read_token_file(good) == TOKEN
+    for path, reason in _bad_token_files(tmp_path):
+        with pytest.raises(AgentConfigError) as info:
+            read_token_file(path)
+        assert str(info.value) == f"token_file {path}: {reason}"
+
+
+def test_file_token_that_goes_bad_keeps_the_last_good_token_and_logs_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "token"
+    auth = _FileToken(path)
+
+    def header() -> str | None:
+        (request,) = auth.auth_flow(httpx.Request("POST", "http://ctl/api/v1/reports"))
+        value: str | None = request.headers.get("Authorization")
+        return value
+
+    caplog.set_level(logging.WARNING, logger="agents.reporter")
+    assert header() is None  # not there yet: sent without, the controller answers 401
+    path.write_text(TOKEN)
+    assert header() == f"Bearer {TOKEN}"
+    path.write_bytes(b"\xff\xfe rotated")  # a non-UTF-8 file is a warning, not a traceback
+    assert header() == f"Bearer {TOKEN}"
+    path.write_text("")
+    assert header() == f"Bearer {TOKEN}"
+    warnings = [getattr(r, "fields", {}).get("error") for r in caplog.records]
+    assert warnings == [
+        f"{path}: No such file or directory",
+        f"token_file {path}: not UTF-8 text",
+        f"token_file {path}: empty; it must hold the agent's token",
+    ]
+    assert TOKEN not in caplog.text

@@ -182,6 +182,20 @@ def test_no_usable_token_file_means_no_listener(tmp_path: Path) -> None:
             ep.start()
 
 
+def test_unreadable_job_token_file_is_one_line_with_the_reason(tmp_path: Path) -> None:
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "binary").write_bytes(b"\xff" * 20 + b"\n")
+    for name, reason in [
+        ("missing", "No such file or directory"),
+        ("dir", "Is a directory"),
+        ("binary", "not UTF-8 text"),
+    ]:
+        path = tmp_path / name
+        with pytest.raises(ListenError) as info:
+            JobTokens(path).load()
+        assert str(info.value) == f"job token file {path}: cannot read it ({reason})"
+
+
 def test_job_tokens_compare_every_line_and_reload_on_change(tmp_path: Path) -> None:
     path = tmp_path / "tokens"
     path.write_text("a" * 16 + "\n\n" + "b" * 20 + "\n")

@@ -414,3 +414,27 @@ def test_a_redirect_is_an_error_not_a_json_parse(cli_server: CliServer) -> None:
         f"controller at {cli_server.url} redirected GET /api/v1/nodes/ to "
         f"{cli_server.url}/api/v1/nodes instead of answering; check --server"
     )
+
+
+def test_agent_bad_token_file_is_one_line_exit_2_in_the_foreground(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import agents.daemon
+
+    def no_agent(*_args: object, **_kw: object) -> None:
+        raise AssertionError("the agent started with an unusable token file")
+
+    monkeypatch.setattr(agents.daemon, "Agent", no_agent)
+    (tmp_path / "binary").write_bytes(b"\x80 not a token\n")
+    (tmp_path / "empty").write_text("")
+    args = ["--controller", "http://127.0.0.1:9", "--gpus", "sim:1", "--foreground"]
+    args += ["--spool-dir", str(tmp_path / "spool"), "--socket-path", "", "--metrics-port", "-1"]
+    for name, reason in [
+        ("missing", "No such file or directory"),
+        ("binary", "not UTF-8 text"),
+        ("empty", "empty; it must hold the agent's token"),
+        ("", "Is a directory"),
+    ]:
+        path = tmp_path / name
+        message = _one_line(cli("agent", *args, "--token-file", str(path)), 2)
+        assert message == f"error: token_file {path}: {reason}"
