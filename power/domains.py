@@ -148,18 +148,23 @@ class DomainTree:
 
 def load_domains(path: str | Path, *, defaults: PolicyConfig | None = None) -> DomainTree:
     """Read and validate a domain tree from a ``.yaml``/``.yml``/``.json`` file."""
+    return parse_domains(read_domains_document(path), defaults=defaults)
+
+
+def read_domains_document(path: str | Path) -> Any:
+    """A ``.yaml``/``.yml``/``.json`` file's decoded document, not yet validated (see
+    :func:`parse_domains`); :class:`ConfigError` names the file and why it cannot be read."""
     p = Path(path)
     try:
         text = read_text(p)
     except Unreadable as exc:
         raise ConfigError(f"{p}: cannot read: {exc.reason}") from None
     try:
-        raw = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+        return json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{p}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {yaml_problem(exc)}") from None
-    return parse_domains(raw, defaults=defaults)
 
 
 def parse_domains(raw: Any, *, defaults: PolicyConfig | None = None) -> DomainTree:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from controller.db.models import PowerDomain
-from controller.services.power.persist import from_rows, to_rows, validate
+from controller.services.power.persist import from_rows, read_domains_file, to_rows, validate
 from power import ConfigError, Priority
+from trainguard.textfile import read_text
 
 TREE: dict[str, Any] = {
     "name": "dc1",
@@ -71,3 +74,31 @@ def test_empty_table_is_no_tree() -> None:
 def test_validate_names_the_path(doc: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         validate(doc)
+
+
+def test_domains_file_is_read_once_so_tree_and_stored_document_agree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file rewritten right after it was read: the validated tree and the raw document
+    that gets stored both come from that one read, never one from each version."""
+    path = tmp_path / "domains.json"
+    path.write_text(json.dumps(TREE))
+    reads: list[Path] = []
+
+    def read_then_rewrite(p: str | Path) -> str:
+        text = read_text(p)
+        reads.append(Path(p))
+        path.write_text(json.dumps({**TREE, "budget_w": 1}))  # an operator's next edit
+        return text
+
+    monkeypatch.setattr("power.domains.read_text", read_then_rewrite)
+    tree, raw = read_domains_file(path)
+    assert reads == [path]
+    assert tree.root.budget_w == raw["budget_w"] == 100_000
+
+
+def test_unreadable_domains_file_is_one_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "domains.yaml"
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match=r"domains.yaml: cannot read: not UTF-8 text$"):
+        read_domains_file(path)

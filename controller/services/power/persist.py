@@ -18,13 +18,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import yaml
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from controller.db.models import PowerDomain
 from controller.db.repositories import power as repo
-from power import ConfigError, DomainTree, Priority, load_domains, parse_domains
+from power import ConfigError, DomainTree, Priority, parse_domains
+from power.domains import read_domains_document
 
 Raw = dict[str, Any]
 
@@ -39,10 +39,8 @@ class Stored(NamedTuple):
 
 def read_domains_file(path: Path) -> tuple[DomainTree, Raw]:
     """The validated tree and its raw document; :class:`ConfigError` names the bad path."""
-    tree = load_domains(path)  # validates, with one-line errors naming file and path
-    text = path.read_text(encoding="utf-8")
-    raw = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    return tree, _plain(raw)
+    raw = read_domains_document(path)  # one read: the tree and the document stored agree
+    return parse_domains(raw), _plain(raw)
 
 
 def validate(raw: Any) -> tuple[DomainTree, Raw]:
