@@ -98,6 +98,8 @@ class Agent:
         self._last_urgent = 0.0
         path = settings.sim_fault_file
         self._fault_file = FaultFile(path) if path is not None else None
+        if self._fault_file is not None:
+            self._fault_file.check()
         self.backend = backend or open_backend(
             settings.gpus,
             fault_specs=settings.sim_faults,

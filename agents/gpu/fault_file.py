@@ -15,6 +15,7 @@ from pathlib import Path
 
 from agents.errors import AgentConfigError
 from agents.gpu.faults import FaultSpec, parse_fault_spec
+from trainguard.textfile import Unreadable, read_text
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,17 @@ class FaultFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._offset = 0
+        self._problem = ""
+
+    def check(self) -> None:
+        """At start: a file that is not there yet is fine (followed until it appears); one
+        that cannot be read as text (a directory, no permission, not UTF-8) is
+        :class:`AgentConfigError`, a typo to fix rather than faults that never come."""
+        try:
+            read_text(self.path)
+        except Unreadable as exc:
+            if self.path.exists():  # not there yet (or a link to nothing yet): followed
+                raise AgentConfigError(f"sim_fault_file {self.path}: {exc.reason}") from None
 
     def poll(self) -> list[FaultSpec]:
         try:
@@ -33,6 +45,13 @@ class FaultFile:
                 data = f.read()
         except FileNotFoundError:
             return []
+        except OSError as exc:  # replaced by a directory, permissions changed: say so once
+            problem = exc.strerror or type(exc).__name__
+            if problem != self._problem:
+                log.warning("cannot read sim fault file %s: %s", self.path, problem)
+            self._problem = problem
+            return []
+        self._problem = ""
         end = data.rfind(b"\n")
         if end < 0:
             return []  # a line still being written

@@ -157,7 +157,7 @@ def test_broken_nvml_on_a_gpu_node_exits_3_in_the_foreground(
 
 
 @pytest.mark.slow  # spawns the CLI in a fresh interpreter
-def test_bad_token_files_exit_2_with_one_line_in_the_foreground(tmp_path: Path) -> None:
+def test_bad_token_and_fault_files_exit_2_with_one_line_in_the_foreground(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_AGENT_")}
     env["PYTHONPATH"] = str(ROOT)
     (tmp_path / "dir").mkdir()
@@ -175,6 +175,8 @@ def test_bad_token_files_exit_2_with_one_line_in_the_foreground(tmp_path: Path) 
          f"token_file {tmp_path / 'empty'}: empty; it must hold the agent's token"),
         (["--job-listen", "127.0.0.1:0", "--job-token-file", str(tmp_path / "binary")],
          f"job token file {tmp_path / 'binary'}: cannot read it (not UTF-8 text)"),
+        (["--sim-fault-file", str(tmp_path / "dir")],
+         f"sim_fault_file {tmp_path / 'dir'}: Is a directory"),
     ]  # fmt: skip
     for args, expected in cases:
         result = subprocess.run(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import logging
+from pathlib import Path
 
 import pynvml
 import pytest
@@ -231,3 +233,32 @@ def test_faults_injected_at_run_time_count_from_the_moment_they_are_read(tmp_pat
     assert api.nvmlDeviceGetTemperature(handles[3], pynvml.NVML_TEMPERATURE_GPU) >= 88
     with pytest.raises(ValueError, match="gpu 9 out of range"):
         api.inject(dataclasses.replace(fault, gpu=9))
+
+
+def test_fault_file_that_cannot_be_read_is_refused_at_start_and_logged_once_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from agents.errors import AgentConfigError
+    from agents.gpu.fault_file import FaultFile
+
+    path = tmp_path / "faults"
+    FaultFile(path).check()  # not there yet: followed until it appears
+    path.write_bytes(b"\xffkind=xid\n")
+    with pytest.raises(AgentConfigError) as info:
+        FaultFile(path).check()
+    assert str(info.value) == f"sim_fault_file {path}: not UTF-8 text"
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(AgentConfigError) as info:
+        FaultFile(path).check()
+    assert str(info.value) == f"sim_fault_file {path}: Is a directory"
+    follow = FaultFile(path)  # became a directory while running: no faults, one warning
+    caplog.set_level(logging.WARNING, logger="agents.gpu.fault_file")
+    assert follow.poll() == [] and follow.poll() == []
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cannot read sim fault file {path}: Is a directory"
+    ]
+    path.rmdir()
+    path.write_text("kind=xid,code=79,gpu=1,at=0\n")
+    (fault,) = follow.poll()
+    assert fault.xid_code == 79
