@@ -287,9 +287,10 @@ ControllerFactory = Callable[..., LiveController]
 
 @pytest.fixture
 def controller_factory(
-    db_url: str, schema_templates: SchemaTemplates
+    db_url: str, schema_templates: SchemaTemplates, controller_defaults: dict[str, Any]
 ) -> Iterator[ControllerFactory]:
-    """Start controllers on ``db_url``; keyword arguments override ``ControllerSettings``.
+    """Start controllers on ``db_url``; keyword arguments override ``ControllerSettings``
+    (and ``controller_defaults``, settings a fixture gives every controller of its test).
 
     The first controller on a still empty database finds it migrated (a copy of
     ``schema_templates``), as ``trainguard db upgrade`` or its own start would leave it."""
@@ -314,6 +315,7 @@ def controller_factory(
             # identity tests turn it off (the controller's default).
             "allow_shared_agent_tokens": True,
         }
+        values.update(controller_defaults)
         values.update(overrides)
         if not schema_templates.fill(db_url) and db_url.startswith("postgresql"):
             from controller.db.migrate import upgrade
@@ -344,20 +346,20 @@ FAST_ENGINE_TICK_S = 0.2
 
 
 @pytest.fixture
-def fast_remediation_engine(monkeypatch: pytest.MonkeyPatch) -> float:
-    """Controllers this test starts tick their remediation engine every 0.2 s instead of 1 s.
+def controller_defaults() -> dict[str, Any]:
+    """Settings every controller ``controller_factory`` starts in this test gets, unless the
+    test's own keyword arguments say otherwise; fixtures such as ``fast_remediation_engine``
+    add to it."""
+    return {}
 
-    No setting names the engine's tick (its constructor's ``tick_interval_s``), so the
-    composition's constructor is given it. Policy windows are in seconds and hold as they
-    are; only the waits for the engine's next look (after an incident opens, or before a
+
+@pytest.fixture
+def fast_remediation_engine(controller_defaults: dict[str, Any]) -> float:
+    """Controllers this test starts tick their remediation engine every 0.2 s instead of 1 s
+    (``remediation_tick_interval_s``). Policy windows are in seconds and hold as they are;
+    only the waits for the engine's next look (after an incident opens, or before a
     "nothing more happened") get shorter. Returns the interval."""
-    import functools
-
-    from controller.services.remediation import wiring
-    from controller.services.remediation.engine import RemediationEngine
-
-    engine = functools.partial(RemediationEngine, tick_interval_s=FAST_ENGINE_TICK_S)
-    monkeypatch.setattr(wiring, "RemediationEngine", engine)
+    controller_defaults["remediation_tick_interval_s"] = FAST_ENGINE_TICK_S
     return FAST_ENGINE_TICK_S
 
 

@@ -83,7 +83,11 @@ def _ecc(values: list[int], gpu: int = 1) -> list[dict[int, dict[str, Any]]]:
 def test_ecc_burst_opens_one_incident_and_a_storm_bumps_it(
     controller_factory: Factory, ctl_report: MakeReport
 ) -> None:
-    live = controller_factory(degraded_ecc_rise=50, degraded_ecc_window_s=60.0)
+    # The storm's bumps are written at most every 0.5 s (``degraded_bump_interval_s``, 2 s
+    # in production): the test waits for the held ones to be written.
+    live = controller_factory(
+        degraded_ecc_rise=50, degraded_ecc_window_s=60.0, degraded_bump_interval_s=0.5
+    )
     agent = Agent(live, ctl_report, "deg-e")
     agent.post(_ecc([1000, 1000]))  # the first value is a baseline, however large
     began = agent.clock

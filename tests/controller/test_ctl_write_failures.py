@@ -367,11 +367,13 @@ def test_traffic_plan_and_link_writes_that_fail_change_nothing(
 
 
 def test_job_finding_whose_incident_write_fails_is_recorded_at_a_later_tick(
-    live_controller, db_url, ctl_db_outage, ctl_metric
+    controller_factory, db_url, ctl_db_outage, ctl_metric
 ) -> None:
     """A rank's crash is reported once and found once by the C4D trackers: the incident
     write that fails holds the finding, and a later tick records it, with no new report."""
-    live = live_controller
+    # The held finding's retries back off from one job tick (doubling): at 0.2 s ticks the
+    # second try and the one after the outage come within a second instead of ~3 s.
+    live = controller_factory(job_tick_interval_s=0.2)
     (jobs,) = [t for t in live.controller.tickers if type(t).__name__ == "JobDetector"]
     crash = {
         "job": "llm", "rank": 6, "kind": "exited", "exit_code": 1,
@@ -417,7 +419,11 @@ def test_degraded_gpu_open_and_held_bump_that_fail_change_nothing(
     """A correctable-ECC burst whose open fails is not shown and opens with the burst's
     next sample; a held-back bump whose write fails is kept and written by a later tick,
     with no new report, to the count the reports added up to."""
-    live = controller_factory(degraded_ecc_rise=50, degraded_ecc_window_s=60.0)
+    # Bumps are held for 0.5 s instead of 2 s: the test waits for the held bump's write
+    # to fail and for a later tick to write it; how long they are held is not the point.
+    live = controller_factory(
+        degraded_ecc_rise=50, degraded_ecc_window_s=60.0, degraded_bump_interval_s=0.5
+    )
     failures = live.controller.incidents.write_failures
     clock = [time.time() - 3600.0]
     seq = [0]

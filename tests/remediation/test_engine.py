@@ -38,7 +38,6 @@ from controller.logic.detection.c4d.job_evidence import (
 from controller.logic.detection.c4d.peers import PeerBasis
 from controller.logic.detection.incident_evidence import IncidentEvidence
 from controller.services.incidents import IncidentSpec
-from controller.services.remediation import grow as grow_back
 from tests.remediation.recording import RecordingActuator
 from tests.waiting import wait_for
 
@@ -443,7 +442,7 @@ def test_no_action_on_stale_evidence(controller_factory, tmp_path) -> None:  # t
 
 class PlacementReads(RecordingActuator):
     """Counts the reads of where a job runs: while none of its remediations is under way,
-    only the engine's grow-back check asks (every ``GROW_CHECK_INTERVAL_S``)."""
+    only the engine's grow-back check asks (every ``remediation_grow_check_interval_s``)."""
 
     reads = 0
 
@@ -467,18 +466,20 @@ def grow_backs(live: Any) -> list[Any]:
 
 
 def test_a_shrunk_job_grows_back_when_its_node_is_released(  # type: ignore[no-untyped-def]
-    controller_factory, tmp_path, monkeypatch, fast_remediation_engine
+    controller_factory, tmp_path, fast_remediation_engine
 ) -> None:
     # The grow-back check every engine tick instead of every 5 s: the test waits for three
     # of them (no capacity, capacity back, full size), and what each finds is the point.
-    monkeypatch.setattr(grow_back, "GROW_CHECK_INTERVAL_S", fast_remediation_engine)
+    grow_every = {"remediation_grow_check_interval_s": fast_remediation_engine}
     path = policy_file(
         tmp_path,
         "rules: [{kind: gpu_fault, severity: critical, steps: [isolate, restart]}]\n"
         "guards: {settle_s: 0, resume_timeout_s: 1}\n"
         "restarts: {grow: true}\n",
     )
-    live = controller_factory(policy_file=path)
+    live = controller_factory(policy_file=path, **grow_every)
+    engine = live.controller.remediation
+    assert engine.tick_interval_s == engine._grow.check_interval_s == fast_remediation_engine
     agents = Agents(live)
     for i in range(4):
         agents.report(f"n{i}")

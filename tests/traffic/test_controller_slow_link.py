@@ -66,7 +66,16 @@ def test_slow_link_incident_marks_the_suspect_links_slow_and_replans(
 ) -> None:
     # Each report committed at once, not after the group commit's 20 ms wait for more: the
     # 45 steps of four sequential reports each before the slow phase took ~5 s of waiting.
-    live = controller_factory(topology_file=traffic_fabric_file, ingest_flush_interval_s=0)
+    # Slow communication is confirmed after 1 s on the controller's clock (besides its
+    # steps) instead of 5 s, and the job detector looks every 0.2 s instead of 1 s: this
+    # test is about what the slow-link incident does to the plan, not about those waits
+    # (tests/controller/c4d covers them).
+    live = controller_factory(
+        topology_file=traffic_fabric_file,
+        ingest_flush_interval_s=0,
+        c4d_confirm_min_s=1.0,
+        job_tick_interval_s=0.2,
+    )
     ranks = Ranks(live)
     for step in range(45):
         ranks.step(step, comm_s=0.05)

@@ -109,8 +109,13 @@ def wait_for_incidents(live: Any, kind: str, timeout_s: float = 10.0) -> list[di
 
 #: Detection does not depend on the database (the controller suite covers both backends,
 #: and group commit's batching): each report is committed at once instead of waiting up to
-#: ``ingest_flush_interval_s`` (20 ms) for others, and these tests post a few hundred.
-DETECTION_ONLY: dict[str, Any] = {"ingest_flush_interval_s": 0.0}
+#: ``ingest_flush_interval_s`` (20 ms) for others, and these tests post a few hundred. The
+#: job detector ticks every 0.2 s instead of 1 s: findings are evaluated (and hangs found,
+#: probe rounds ordered) at its ticks, and these tests wait for what a tick finds.
+DETECTION_ONLY: dict[str, Any] = {"ingest_flush_interval_s": 0.0, "job_tick_interval_s": 0.2}
+#: Slow communication must persist this long (``c4d_confirm_min_s``, 5 s in production) on
+#: the controller's clock besides its steps; the test checks it did.
+CONFIRM_MIN_S = 1.0
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -146,7 +151,7 @@ def test_straggler_becomes_an_incident_naming_rank_node_and_gpu(controller_facto
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_slow_communication_triggers_a_probe_that_localizes_the_rank(controller_factory) -> None:  # type: ignore[no-untyped-def]
-    live = controller_factory(**DETECTION_ONLY)
+    live = controller_factory(**DETECTION_ONLY, c4d_confirm_min_s=CONFIRM_MIN_S)
     nodes = Nodes(live, world=8)
     for step in range(45):
         nodes.steps(step, compute={}, comm_s=0.05)
@@ -157,9 +162,10 @@ def test_slow_communication_triggers_a_probe_that_localizes_the_rank(controller_
     def collect(carried: list[tuple[str, dict[str, Any]]]) -> None:
         probes.update((n, c) for n, c in carried if c["kind"] == "job_link_probe")
 
-    # Slow steps until the finding opens: it must persist for C4DConfig.confirm_min_s
-    # (5 s) on the controller's clock besides its steps.
+    # Slow steps until the finding opens: it must persist for ``c4d_confirm_min_s`` on the
+    # controller's clock besides its steps.
     step, deadline = 45, time.monotonic() + 30
+    first_slow_unix_s = time.time()
     opened: list[dict[str, Any]] = []
     while not opened and time.monotonic() < deadline:
         collect(nodes.steps(step, compute={}, comm_s=0.4))
@@ -168,6 +174,7 @@ def test_slow_communication_triggers_a_probe_that_localizes_the_rank(controller_
         opened = incidents(live, "comm_slow")
     (slow,) = opened
     assert slow["job"] == JOB
+    assert slow["opened_unix_s"] - first_slow_unix_s >= CONFIRM_MIN_S  # not before it held
     deadline = time.monotonic() + 10
     while len(probes) < 2 and time.monotonic() < deadline:
         collect(nodes.steps(step, compute={}, comm_s=0.4))
