@@ -59,7 +59,7 @@ def wait_for(fetch: Any, timeout_s: float = 15.0) -> Any:
         time.sleep(0.2)
 
 
-@pytest.mark.slow  # ~10 s: the detectors confirm slow communication over steps and seconds
+@pytest.mark.slow  # ~5 s: the detectors confirm slow communication over steps and seconds
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_slow_link_incident_marks_the_suspect_links_slow_and_replans(
     controller_factory: Any, traffic_fabric_file: Path
