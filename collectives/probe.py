@@ -4,10 +4,12 @@ Every rank walks the same pair list in the same order and takes part only in the
 hold it, so the probe cannot deadlock (the earliest unfinished pair always has both ranks
 ready). For a pair ``(a, b)``, ``a`` sends ``size_bytes`` to ``b`` and ``b`` sends them
 back: one untimed round to set up the connection, then ``repeats`` timed rounds. ``a``
-reports ``duration_s`` = median round trip / 2, a one-way transfer time; bandwidth is
-``size_bytes / duration_s``. The probe uses the original (unwrapped) send/recv, so it does
-not shift the sequence numbers detectors align on, and it runs before the step's clock
-starts, so it does not count as the step's compute.
+reports ``duration_s`` = the fastest round trip / 2, a one-way transfer time; bandwidth is
+``size_bytes / duration_s``. The fastest, not the median: a degraded link is slow in every
+round, while a busy host (a rank descheduled, another job's burst) only slows some, and
+under load a median of three let that noise hide the slow link. The probe uses the
+original (unwrapped) send/recv, so it does not shift the sequence numbers detectors align
+on, and it runs before the step's clock starts, so it does not count as the step's compute.
 
 Each transfer waits at most ``timeout_s``: a partner that never joins (it got the command
 too late) yields ``ok=False`` instead of a hang.
@@ -23,7 +25,6 @@ steps, never while a step's collectives are in flight.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -75,7 +76,7 @@ def run_probe(
                 results.append(_result(cmd, src, dst, 0.0, ok=False, error=_one_line(exc)))
             continue
         if rank == src:
-            results.append(_result(cmd, src, dst, statistics.median(rtts) / 2))
+            results.append(_result(cmd, src, dst, min(rtts) / 2))
     return results
 
 
