@@ -123,7 +123,8 @@ def measure_actuation(
                     f"/api/v1/nodes/{NODE}/commands",
                     json={"kind": "set_power_limit", "gpu_index": gpu, "limit_w": limit},
                 )
-                r.raise_for_status()
+                if r.status_code != 201:  # what refused it, for whoever reads the failure
+                    raise RuntimeError(f"set_power_limit refused: {r.status_code} {r.text}")
                 created = r.json()
                 seen = wait_until(
                     lambda g=gpu, w=limit: (_latest_limit(http, g) or -1.0) == w,  # type: ignore[misc]
