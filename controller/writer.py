@@ -111,11 +111,20 @@ class GroupCommitWriter:
         return contribution.future
 
     async def run(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn`` in a transaction of its own, ordered with the batches (same thread).
+        """Run ``fn`` in a transaction of its own, after every contribution submitted
+        before it (those still waiting for their batch are committed now, not after the
+        interval), on the store's writer thread.
 
         For a change that must be durable *before* it is shown (write, then publish): the
-        caller changes memory only once this returns.
+        caller changes memory only once this returns. The order matters because ingest
+        shows a report's rows in memory from the moment it submits them: a command queued
+        for a node whose first report still waited for its batch referenced a node row that
+        was not there yet (a foreign-key refusal, 409).
         """
+        earlier = [c.future for c in self._queue if c.future is not None]
+        if earlier:
+            self._full.set()
+            await asyncio.gather(*earlier, return_exceptions=True)
         return await self._store.write(fn)
 
     def mark_dirty(self, keys: set[RowKey]) -> None:
