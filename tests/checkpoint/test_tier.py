@@ -187,18 +187,25 @@ def test_damaged_remote_copy_fails_its_checksum_and_the_next_one_is_used(
     assert any("remote step 2" in s and "SHA-256" in s for s in restored.skipped)
 
 
+def _uploaded_then_damaged_locally(
+    root: Path, store: ObjectStoreConfig, state: dict[str, Any], *, step: int
+) -> None:
+    """Save ``state`` at ``step``, wait for its upload, then flip a byte of the local data."""
+    with Checkpointer(_config(root, store)) as ckpt:
+        assert ckpt.save(state, step=step)
+        ckpt.wait()
+        assert ckpt.uploader is not None and ckpt.uploader.wait(timeout=30)
+    local = root / step_dir_name(step) / rank_data_name(0)
+    raw = bytearray(local.read_bytes())
+    raw[-10] ^= 0x80
+    local.write_bytes(bytes(raw))
+
+
 def test_damaged_local_copy_is_replaced_by_the_remote_copy_of_the_same_step(
     tmp_path: Path, store: ObjectStoreConfig
 ) -> None:
     state = _state(3)
-    with Checkpointer(_config(tmp_path, store)) as ckpt:
-        assert ckpt.save(state, step=5)
-        ckpt.wait()
-        assert ckpt.uploader is not None and ckpt.uploader.wait(timeout=30)
-    local = tmp_path / step_dir_name(5) / rank_data_name(0)
-    raw = bytearray(local.read_bytes())
-    raw[-10] ^= 0x80
-    local.write_bytes(bytes(raw))
+    _uploaded_then_damaged_locally(tmp_path, store, state, step=5)
     target = _blank()
     _, choice = load_nearest(
         tmp_path, store, lambda s: load_state(tmp_path, target, step=s, restore_rng=False)
@@ -214,14 +221,7 @@ def test_a_restore_reads_each_file_once_for_its_checksum(
 ) -> None:
     """A damaged local copy is checked whole, its good files reused, the bad one fetched and
     the copies compared again: every file (a hard link of it included) is hashed once."""
-    with Checkpointer(_config(tmp_path, store)) as ckpt:
-        assert ckpt.save(_state(4), step=6)
-        ckpt.wait()
-        assert ckpt.uploader is not None and ckpt.uploader.wait(timeout=30)
-    local = tmp_path / step_dir_name(6) / rank_data_name(0)
-    raw = bytearray(local.read_bytes())
-    raw[-10] ^= 0x80
-    local.write_bytes(bytes(raw))
+    _uploaded_then_damaged_locally(tmp_path, store, _state(4), step=6)
     hashed: list[tuple[int, int]] = []
     real = _file_sha256
 
