@@ -58,8 +58,12 @@ class IncidentSpec:
 
 
 def _stored(evidence: IncidentEvidence | None) -> dict[str, Any]:
-    """The JSON an incident row stores for ``evidence`` (a new dict, never the caller's)."""
-    return {} if evidence is None else evidence.as_json()
+    """The JSON an incident row stores for ``evidence`` (a new dict, never the caller's),
+    as an object that a bump or a resolution merges into: a hand-edited row that is not
+    even an object is kept under ``stored`` (merging into it failed, so such an incident
+    could never be bumped or resolved)."""
+    data: Any = {} if evidence is None else evidence.as_json()
+    return data if isinstance(data, dict) else {"stored": data}
 
 
 class IncidentService:
@@ -105,7 +109,7 @@ class IncidentService:
         new_events = [e.model_dump(mode="json") for e in events or ()]
         if existing is not None:
             # Merged as the stored JSON (what the row gets), then typed once for memory.
-            evidence = existing.evidence.as_json()
+            evidence = _stored(existing.evidence)
             if refresh:
                 evidence.update(_stored(spec.evidence))
             evidence.update(_stored(evidence_update))
@@ -195,7 +199,7 @@ class IncidentService:
     ) -> None:
         """Resolve ``incident``; ``rows``/``on_written`` as in :meth:`open_or_bump`."""
         now = time.time()
-        evidence = {**incident.evidence.as_json(), "resolution": note}
+        evidence = {**_stored(incident.evidence), "resolution": note}
         typed = parse_evidence(incident.kind, evidence)
         # Hooks change the incident's node in memory (a GPU trusted again); put it back if
         # the database does not take the resolution.
@@ -292,3 +296,4 @@ def _merge(
     for table, found in b.items():
         merged.setdefault(table, []).extend(found)
     return merged
+

@@ -247,3 +247,34 @@ def test_memory_holds_evidence_typed_and_the_row_its_json(tmp_path: Path) -> Non
     assert by_key["b"].evidence.as_json() == {"codes": "not a map"}
     assert by_key["c"].evidence.as_json() == ["not", "an", "object"]
     assert by_key["power_future:n1:0"].evidence == other
+
+
+def test_an_incident_whose_stored_evidence_is_not_an_object_can_be_bumped_and_resolved(
+    tmp_path: Path,
+) -> None:
+    """A hand-edited row holding a list loads as it is; merging a bump or a resolution into
+    it failed (``list.update``), so such an incident could never be bumped or closed."""
+    url = f"sqlite:///{tmp_path / 'ev.db'}"
+    upgrade(url)
+    store = Store(make_engine(url))
+    state = ClusterState()
+    incidents = IncidentService(state, store)
+    odd = UntypedEvidence.of(["not", "an", "object"])
+    spec = IncidentSpec(
+        kind="gpu_fault", severity="warning", summary="odd", dedupe_key="odd", node="n1",
+        evidence=odd,
+    )  # fmt: skip
+
+    async def scenario() -> None:
+        incident, _ = await incidents.open_or_bump(spec)
+        incident.evidence = odd  # what the loader keeps for such a row
+        await incidents.open_or_bump(spec, evidence_update=UntypedEvidence.of({"n": 2}))
+        assert incident.evidence.as_json() == {"stored": ["not", "an", "object"], "n": 2}
+        await incidents.resolve(incident, note="fixed by hand")
+        assert incident.state == "resolved"
+        assert incident.evidence.as_json()["resolution"] == "fixed by hand"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
