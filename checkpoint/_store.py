@@ -132,10 +132,10 @@ class CheckpointReader:
     with :func:`open_nofollow`.
     """
 
-    def __init__(self, path: Path, manifest: Manifest, *, dir_fd: int | None = None) -> None:
+    def __init__(self, path: Path, manifest: Manifest, *, dir_fd: int) -> None:
         self.path = path
         self.manifest = manifest
-        self._dir_fd = open_nofollow(path, directory=True) if dir_fd is None else dir_fd
+        self._dir_fd = dir_fd
         self._ranks: dict[int, RankManifest] = {}
         self._fds: dict[int, int] = {}
 
@@ -361,18 +361,19 @@ class CheckpointStore:
             raise CheckpointNotFoundError(f"{path}: no such checkpoint") from exc
         except OSError as exc:
             raise CheckpointCorruptError(f"{path}: unreadable ({exc})") from exc
+        mpath = path / MANIFEST_NAME
         try:
-            manifest = parse_manifest(path / MANIFEST_NAME, _read_all(dir_fd, path / MANIFEST_NAME))
+            try:
+                data = _read_all(dir_fd, mpath)
+            except FileNotFoundError as exc:
+                raise CheckpointIncompleteError(
+                    f"{mpath}: missing, checkpoint was never committed"
+                ) from exc
+            except OSError as exc:
+                raise CheckpointCorruptError(f"{mpath}: unreadable ({exc})") from exc
+            manifest = parse_manifest(mpath, data)
             if manifest.step != step:
-                raise CheckpointCorruptError(f"{path / MANIFEST_NAME}: says step {manifest.step}")
-        except FileNotFoundError as exc:
-            os.close(dir_fd)
-            raise CheckpointIncompleteError(
-                f"{path / MANIFEST_NAME}: missing, checkpoint was never committed"
-            ) from exc
-        except OSError as exc:
-            os.close(dir_fd)
-            raise CheckpointCorruptError(f"{path / MANIFEST_NAME}: unreadable ({exc})") from exc
+                raise CheckpointCorruptError(f"{mpath}: says step {manifest.step}")
         except BaseException:
             os.close(dir_fd)
             raise
