@@ -284,7 +284,7 @@ def workload_size(w: Workload) -> int:
         specs = spec["pytorchReplicaSpecs"]
         masters = int(specs["Master"].get("replicas", 1)) if "Master" in specs else 0
         workers = int(specs["Worker"].get("replicas", 1)) if "Worker" in specs else 0
-        return masters + workers
+        return max(1, masters + workers)
     _, rj = replicated_job(w)
     return int(rj.get("replicas", 1)) * int(rj["template"]["spec"].get("parallelism") or 1)
 

@@ -147,13 +147,13 @@ def ranks_per_pod(layout: JobLayout | None, world_size: int, pods_now: int) -> i
         return 1
     if world_size == layout.world_size and world_size % pods_now == 0:
         return world_size // pods_now
-    counts = sorted({len(ranks) for ranks in layout.pods().values()})
     if not layout.complete:
         missing = sorted(set(range(layout.world_size)) - set(layout.seats))
         raise ActuatorError(
             f"job {layout.job!r}: ranks {missing[:8]} have not reported their pod yet, "
             f"so a gang of {world_size} ranks cannot be sized in pods"
         )
+    counts = sorted({len(ranks) for ranks in layout.pods().values()})
     if len(counts) != 1 or world_size % counts[0]:
         raise ActuatorError(
             f"job {layout.job!r}: its pods run {counts} ranks each; {world_size} ranks "
