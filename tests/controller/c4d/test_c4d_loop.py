@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.waiting import wait_for
+
 JOB = "gpt-mini"
 RANKS_PER_NODE = 4
 
@@ -99,12 +101,10 @@ def incidents(live: Any, kind: str) -> list[dict[str, Any]]:
 
 
 def wait_for_incidents(live: Any, kind: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        data = incidents(live, kind)
-        if data or time.monotonic() > deadline:
-            return data
-        time.sleep(0.05)
+    found: list[dict[str, Any]] = wait_for(
+        lambda: incidents(live, kind), timeout_s=timeout_s, interval_s=0.05
+    )
+    return found
 
 
 #: Detection does not depend on the database (the controller suite covers both backends,
