@@ -143,8 +143,12 @@ class JobDetector:
         self.held: dict[str, deque[HeldFinding]] = {}
         #: Findings held (a write failed), recorded at a later try, dropped (given up).
         self.held_counts: dict[str, int] = {"held": 0, "recorded": 0, "dropped": 0}
-        #: Findings held now: every queue of ``held`` together, kept as they change.
-        self.waiting = 0
+
+    @property
+    def waiting(self) -> int:
+        """Findings held now: every queue of ``held`` together (at most
+        ``MAX_HELD_FINDINGS``, so counting them is cheap and never drifts)."""
+        return sum(len(queue) for queue in self.held.values())
 
     async def on_report(self, report: wire.Report, received_unix_s: float) -> None:
         if report.node.nics:  # kept by reference: the identity is rebuilt only when it changes
@@ -186,7 +190,6 @@ class JobDetector:
             queue = self.held.setdefault(finding.key, deque())
         if self._room():
             queue.append(held)
-            self.waiting += 1
             self.held_counts["held"] += 1
             fields = {"finding": finding.key, "attempts": held.attempts}
             log.warning("job finding held: incident not recorded", extra={"fields": fields})
@@ -201,7 +204,6 @@ class JobDetector:
                 if not await self._try(queue[0], now_unix_s, retry=True):
                     break  # the rest waits behind it
                 queue.popleft()
-                self.waiting -= 1
             if not queue:
                 del self.held[key]
 
