@@ -296,4 +296,3 @@ def _merge(
     for table, found in b.items():
         merged.setdefault(table, []).extend(found)
     return merged
-
