@@ -26,10 +26,10 @@ from checkpoint._commit import apply_retention, commit, new_rank_manifest, write
 from checkpoint._load import dtype_of
 from checkpoint._reshard import FragmentIndex, consolidate, identity_map
 from checkpoint._snapshot import TensorRef
-from checkpoint._store import CheckpointReader, CheckpointStore
+from checkpoint._store import CheckpointReader, CheckpointStore, PassedOver
 from checkpoint._validate import DTYPE_BYTES
 from checkpoint._write import DataFileWriter, fsync_dir
-from checkpoint.errors import CheckpointConfigError, CheckpointError, CheckpointNotFoundError
+from checkpoint.errors import CheckpointConfigError
 from checkpoint.manifest import (
     DEFAULT_CHUNK_BYTES,
     SKELETON_ENTRY,
@@ -130,17 +130,11 @@ def _open(src: Path, step: int | None) -> tuple[CheckpointReader, Converted]:
     if step is not None:
         reader = store.open(step)
         return reader, Converted(step=reader.step, size_bytes=0)
-    steps, note = store.resolve_quietly()
-    skipped: list[str] = []
-    for candidate in steps:
-        try:
-            reader = store.open(candidate)
-        except CheckpointError as exc:
-            skipped.append(f"step {candidate}: {exc}")
-            continue
-        return reader, Converted(step=reader.step, size_bytes=0, skipped=skipped, latest_note=note)
-    detail = "; ".join(skipped) if skipped else "none found"
-    raise CheckpointNotFoundError(f"{src}: no complete checkpoint ({detail})")
+    passed = PassedOver()
+    reader = store.open_latest(passed=passed)
+    return reader, Converted(
+        step=reader.step, size_bytes=0, skipped=passed.lines(), latest_note=passed.latest_note
+    )
 
 
 def to_universal(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> Converted:

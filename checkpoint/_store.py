@@ -12,6 +12,7 @@ resumes from an older checkpoint moves the newer step directories out of its way
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import logging
@@ -51,6 +52,25 @@ class CheckpointInfo:
     path: Path
     complete: bool
     problem: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class PassedOver:
+    """What :meth:`CheckpointStore.open_latest` passed over on its way to the step it opened.
+
+    Given to it by a caller that reports these itself (``checkpoint convert`` prints them on
+    its output line), so the store's one "newest complete step" loop serves it too instead
+    of a copy of that loop; nothing is logged then.
+    """
+
+    #: Committed steps that did not open, newest first: step -> why.
+    steps: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: Why ``latest`` was not followed ("" when it named the newest committed step).
+    latest_note: str = ""
+
+    def lines(self) -> list[str]:
+        """``step N: why`` for each step passed over, newest first."""
+        return [f"step {step}: {why}" for step, why in self.steps.items()]
 
 
 def _check_part(path: Path, part: RankManifest, manifest: Manifest, rank: int) -> None:
@@ -426,14 +446,26 @@ class CheckpointStore:
                 note = ""
         return committed, note
 
-    def open_latest(self) -> CheckpointReader:
-        """The newest checkpoint that opens cleanly, skipping broken ones with a warning."""
+    def open_latest(self, *, passed: PassedOver | None = None) -> CheckpointReader:
+        """The newest checkpoint that opens cleanly, skipping broken ones with a warning.
+
+        With ``passed`` the steps skipped and the note on ``latest`` are recorded there
+        instead of logged, for a caller that says them itself.
+        """
+        steps, note = self.resolve_quietly()
+        if passed is not None:
+            passed.latest_note = note
+        elif note:
+            log.warning("%s", note)
         problems = []
-        for step in self.candidates():
+        for step in steps:
             try:
                 return self.open(step)
             except CheckpointError as exc:
-                log.warning("skipping checkpoint step %d: %s", step, exc)
+                if passed is not None:
+                    passed.steps[step] = str(exc)
+                else:
+                    log.warning("skipping checkpoint step %d: %s", step, exc)
                 problems.append(str(exc))
         detail = "; ".join(problems) if problems else "none found"
         raise CheckpointNotFoundError(f"{self.root}: no complete checkpoint ({detail})")

@@ -17,6 +17,7 @@ from checkpoint._commit import (
     write_fence,
 )
 from checkpoint._persist import PersistJob, persist_part
+from checkpoint._store import PassedOver
 from checkpoint._write import DataFileWriter
 from checkpoint.errors import (
     CheckpointCorruptError,
@@ -169,6 +170,36 @@ def test_truncated_and_missing_shards_are_refused(tmp_path: Path) -> None:
         store.open(2)
     with store.open_latest() as reader:  # falls back to the previous complete one
         assert reader.step == 1
+
+
+def test_open_latest_records_what_it_passed_over_instead_of_logging(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A caller that says itself what was skipped (``checkpoint convert``) uses the store's
+    loop through ``passed``: the damaged newer steps, newest first, and the note on
+    ``latest``, with nothing logged."""
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    (tmp_path / step_dir_name(3) / rank_data_name(0)).unlink()
+    (tmp_path / step_dir_name(2) / "rank-00000.json").unlink()
+    (tmp_path / "latest").write_text(f"{step_dir_name(4)}\n")
+    store = CheckpointStore(tmp_path)
+    passed = PassedOver()
+    with caplog.at_level("WARNING", logger="checkpoint"), store.open_latest(passed=passed) as r:
+        assert r.step == 1
+    assert caplog.records == []
+    assert list(passed.steps) == [3, 2]
+    lines = passed.lines()
+    assert lines[0].startswith("step 3: ") and lines[0].endswith("data file missing")
+    assert lines[1].startswith("step 2: ") and "rank-00000.json" in lines[1]
+    assert passed.latest_note == f"{tmp_path / 'latest'}: names step 4, which is missing"
+    with caplog.at_level("WARNING", logger="checkpoint"), store.open_latest() as reader:
+        assert reader.step == 1  # without it: logged, as before
+    assert [r.getMessage() for r in caplog.records] == [
+        passed.latest_note,
+        f"skipping checkpoint step 3: {passed.steps[3]}",
+        f"skipping checkpoint step 2: {passed.steps[2]}",
+    ]
 
 
 def test_uncommitted_directory_is_not_a_checkpoint(tmp_path: Path) -> None:
