@@ -150,11 +150,25 @@ def reshard(
     return load_resharded(Path(root), targets, sharding=sharding, step=step)
 
 
-def verify(root: str | os.PathLike[str], *, step: int | None = None, deep: bool = True) -> int:
-    """Check checkpoint ``step`` (default: the newest complete one) and return its step:
-    manifests and sizes, and with ``deep`` every byte against its CRC (and SHA-256).
-    Raises :class:`CheckpointError` naming the first problem."""
-    return verify_checkpoint(Path(root), step=step, deep=deep)
+def verify(
+    root: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    deep: bool = True,
+    skipped: list[str] | None = None,
+) -> int:
+    """Check checkpoint ``step`` and return its step: manifests and sizes, and with ``deep``
+    every byte against its CRC (and SHA-256). Raises :class:`CheckpointError` naming the
+    first problem.
+
+    Without ``step``: the checkpoint :func:`load` would resume from, found as it and
+    ``trainguard checkpoint verify`` find it (committed steps newest first, ``latest`` only
+    a hint): a damaged newer step is passed over, logged and appended to ``skipped`` as
+    ``step N: why``, and the step returned is the older one that verified, because "will a
+    restart resume, and from where" is the question. A non-empty ``skipped`` means progress
+    since then is lost. When none verifies, :class:`CheckpointCorruptError` names them all.
+    """
+    return verify_checkpoint(Path(root), step=step, deep=deep, skipped=skipped)
 
 
 def __getattr__(name: str) -> Any:

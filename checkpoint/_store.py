@@ -446,11 +446,15 @@ class CheckpointStore:
                 note = ""
         return committed, note
 
-    def open_latest(self, *, passed: PassedOver | None = None) -> CheckpointReader:
+    def open_latest(
+        self, *, deep: bool = False, passed: PassedOver | None = None
+    ) -> CheckpointReader:
         """The newest checkpoint that opens cleanly, skipping broken ones with a warning.
 
-        With ``passed`` the steps skipped and the note on ``latest`` are recorded there
-        instead of logged, for a caller that says them itself.
+        ``deep`` also re-reads every byte against its checksums before a step is taken,
+        passing over one that fails as ``load()`` does when its read hits a bad chunk (what
+        :func:`verify_latest` needs). With ``passed`` the steps skipped and the note on
+        ``latest`` are recorded there instead of logged, for a caller that says them itself.
         """
         steps, note = self.resolve_quietly()
         if passed is not None:
@@ -460,7 +464,14 @@ class CheckpointStore:
         problems = []
         for step in steps:
             try:
-                return self.open(step)
+                reader = self.open(step)
+                if deep:
+                    try:
+                        reader.verify(deep=True)
+                    except BaseException:
+                        reader.close()
+                        raise
+                return reader
             except CheckpointError as exc:
                 if passed is not None:
                     passed.steps[step] = str(exc)
@@ -471,10 +482,44 @@ class CheckpointStore:
         raise CheckpointNotFoundError(f"{self.root}: no complete checkpoint ({detail})")
 
 
-def verify_checkpoint(root: Path, *, step: int | None = None, deep: bool = True) -> int:
-    """:func:`checkpoint.verify`: open ``step`` (or the newest complete checkpoint), check
-    it, return its step."""
+def verify_latest(store: CheckpointStore, *, deep: bool, passed: PassedOver) -> Manifest:
+    """Verify the checkpoint ``load()`` resumes from, found as it finds it: the committed
+    steps newest first (``latest`` only a hint), each damaged one passed over, until one
+    verifies; return its manifest. What was passed over goes into ``passed``.
+
+    Why not :meth:`CheckpointStore.open_latest` and then a check: the question before a
+    restart is "will it resume, and from where", and a newest step with a bad byte is one
+    ``load()`` skips, not the answer. Raises :class:`CheckpointNotFoundError` when nothing is
+    committed, :class:`CheckpointCorruptError` naming every step when none verifies.
+    """
+    try:
+        with store.open_latest(deep=deep, passed=passed) as reader:
+            return reader.manifest
+    except CheckpointNotFoundError:
+        if not passed.steps:
+            raise CheckpointNotFoundError(f"{store.root}: no committed checkpoint") from None
+        problems = "; ".join(passed.lines())
+        raise CheckpointCorruptError(f"{store.root}: no checkpoint verifies ({problems})") from None
+
+
+def verify_checkpoint(
+    root: Path, *, step: int | None = None, deep: bool = True, skipped: list[str] | None = None
+) -> int:
+    """:func:`checkpoint.verify`: check ``step``, or without it what ``load()`` resumes
+    from (:func:`verify_latest`, as ``checkpoint verify`` does), and return its step. The
+    steps passed over are logged and appended to ``skipped`` (``step N: why``)."""
     store = CheckpointStore(root)
-    with store.open(step) if step is not None else store.open_latest() as reader:
-        reader.verify(deep=deep)
-        return reader.step
+    if step is not None:
+        with store.open(step) as reader:
+            reader.verify(deep=deep)
+            return reader.step
+    passed = PassedOver()
+    try:
+        return verify_latest(store, deep=deep, passed=passed).step
+    finally:  # said even when none verifies (the error names them too)
+        if passed.latest_note:
+            log.warning("%s", passed.latest_note)
+        for line in passed.lines():
+            log.warning("skipping checkpoint %s", line)
+        if skipped is not None:
+            skipped.extend(passed.lines())

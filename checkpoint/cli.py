@@ -17,13 +17,12 @@ from typing import Annotated, Any
 
 import typer
 
-from checkpoint._store import CheckpointReader, CheckpointStore
+from checkpoint._store import CheckpointReader, CheckpointStore, PassedOver, verify_latest
 from checkpoint._tier_restore import tier_rows
 from checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointIncompleteError,
-    CheckpointNotFoundError,
 )
 from checkpoint.manifest import Manifest
 
@@ -249,58 +248,52 @@ def verify_cmd(
     if not root.is_dir():
         raise _fail(f"{root}: no such directory")
     store = CheckpointStore(root)
-    damage: dict[int | None, str] = {}  # step (None: the pointer) -> what is wrong
+    passed = PassedOver()
     try:
         if step is not None:
             with store.open(step) as reader:
                 reader.verify(deep=not quick)
                 m = reader.manifest
         else:
-            m = _verify_resume_step(store, deep=not quick, damage=damage)
+            m = _verify_resume_step(store, deep=not quick, passed=passed)
     except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
         raise _fail(str(exc), code=1) from None
     except CheckpointError as exc:
         raise _fail(str(exc)) from None
-    for problem in damage.values():
+    damage = passed.lines()
+    if passed.latest_note and _latest_damaged(store):
+        damage.insert(0, passed.latest_note)
+    for problem in damage:
         typer.echo(f"error: {problem}", err=True)
     what = "manifests and sizes" if quick else f"{_size(m.total_bytes)} re-read"
-    skipped = [str(s) for s in damage if s is not None]
-    if skipped:
-        what += f"; load() resumes from it, skipping damaged step(s) {', '.join(skipped)}"
+    if passed.steps:
+        skipped = ", ".join(map(str, passed.steps))
+        what += f"; load() resumes from it, skipping damaged step(s) {skipped}"
     typer.echo(f"ok: step {m.step}, {m.world_size} rank(s), {what}")
     if damage:
         raise typer.Exit(1)
 
 
-def _verify_resume_step(
-    store: CheckpointStore, *, deep: bool, damage: dict[int | None, str]
-) -> Manifest:
-    """Verify the committed steps newest first, as load() tries them, until one is intact.
+def _latest_damaged(store: CheckpointStore) -> bool:
+    try:
+        store.latest_pointer()
+    except CheckpointError:
+        return True
+    return False
 
-    What was wrong on the way goes into ``damage``: each damaged newer step, and a
-    ``latest`` holding garbage (the writer replaces it atomically, so that is damage); a
-    pointer that lags or names a step whose save never committed (a crash mid-save) is
-    only noted on stderr.
+
+def _verify_resume_step(store: CheckpointStore, *, deep: bool, passed: PassedOver) -> Manifest:
+    """:func:`verify_latest`, saying first on stderr a note on ``latest`` that is not damage.
+
+    Each damaged newer step is damage, and so is a ``latest`` holding garbage (the writer
+    replaces it atomically); a pointer that lags or names a step whose save never committed
+    (a crash mid-save) is only noted, even when nothing verifies.
     """
-    steps, note = store.resolve_quietly()
-    if note:
-        try:
-            store.latest_pointer()
-        except CheckpointError:
-            damage[None] = note
-        else:
-            typer.echo(f"note: {note}", err=True)
-    if not steps:
-        raise CheckpointNotFoundError(f"{store.root}: no committed checkpoint")
-    for candidate in steps:
-        try:
-            with store.open(candidate) as reader:
-                reader.verify(deep=deep)
-                return reader.manifest
-        except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
-            damage[candidate] = f"step {candidate}: {exc}"
-    problems = "; ".join(v for k, v in damage.items() if k is not None)
-    raise CheckpointCorruptError(f"{store.root}: no checkpoint verifies ({problems})")
+    try:
+        return verify_latest(store, deep=deep, passed=passed)
+    finally:
+        if passed.latest_note and not _latest_damaged(store):
+            typer.echo(f"note: {passed.latest_note}", err=True)
 
 
 @app.command("convert")

@@ -35,7 +35,7 @@ from checkpoint import (
     load,
     verify,
 )
-from checkpoint.manifest import MANIFEST_NAME, step_dir_name
+from checkpoint.manifest import MANIFEST_NAME, rank_data_name, step_dir_name
 
 STEPS = (1, 2)
 RANKS = (0, 1)
@@ -256,6 +256,37 @@ def test_latest_is_a_hint(template: Path, tmp_path: Path, content: bytes | None,
     got = load(root, {"model": fresh, "v": None}, rank=1, restore_rng=False)
     assert got.step == 2 and says in got.latest_note
     assert torch.equal(fresh.weight, _model(2, 1).weight)
+
+
+def test_verify_without_step_checks_what_load_resumes_from(
+    template: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``verify(root)`` answers what ``load()`` would resume from, by the CLI's rule: a newest
+    step with a bad byte is passed over and said, and the older one that verifies is the
+    answer (it used to raise on step 2 although every rank resumes from step 1)."""
+    root = _copy(template, tmp_path)
+    for rank in RANKS:
+        path = root / step_dir_name(2) / rank_data_name(rank)
+        raw = bytearray(path.read_bytes())
+        raw[0] ^= 1
+        path.write_bytes(bytes(raw))
+    for rank in RANKS:
+        state = {"model": torch.nn.Linear(6, 3), "v": None}
+        assert load(root, state, rank=rank, restore_rng=False).step == 1
+    skipped: list[str] = []
+    with caplog.at_level("WARNING", logger="checkpoint"):
+        assert verify(root, skipped=skipped) == 1
+    assert len(skipped) == 1 and skipped[0].startswith(f"step 2: {root / step_dir_name(2)}")
+    assert "rank-00000.bin: CRC mismatch" in skipped[0]
+    assert f"skipping checkpoint {skipped[0]}" in caplog.messages
+    assert verify(root) == 1  # callers that pass no list get the same answer
+    assert verify(root, deep=False) == 2  # manifests and sizes only: the byte is not read
+    with pytest.raises(CheckpointCorruptError, match=r"rank-00000\.bin: CRC mismatch"):
+        verify(root, step=2)
+    (root / step_dir_name(1) / rank_data_name(1)).unlink()
+    with pytest.raises(CheckpointCorruptError, match="no checkpoint verifies") as none:
+        verify(root)
+    assert "(step 2: " in str(none.value) and "; step 1: " in str(none.value)
 
 
 def test_latest_naming_an_incomplete_step_falls_back_and_says_so(
