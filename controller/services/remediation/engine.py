@@ -324,11 +324,7 @@ class RemediationEngine:
                     await self._absorb(incident, busy)
                 return  # wait until the job's current remediation is over
             since = book.last_remediation_unix_s
-            restarted = (
-                since is not None
-                and book.last_restart_unix_s is not None
-                and book.last_restart_unix_s >= since
-            )
+            restarted = book.restarted_since(since)
             settled = (book.resumed_unix_s or since or 0.0) + policy.guards.settle_s
             opened_then = since is not None and since <= incident.opened_unix_s < settled
             if absorbable and restarted and opened_then:

@@ -99,6 +99,19 @@ class JobBook:
     #: End of the newest step rank 0 reported: a job is running while this keeps moving.
     last_step_unix_s: float | None = None
 
+    def restarted_since(self, t: float | None) -> bool:
+        """Whether a restart of this job began at or after ``t`` (``None``: no such time).
+
+        The one reading of "a restart already covered this": the engine absorbs a job's
+        incident opened after a remediation began only if that remediation went on to
+        restart the job (``t`` = when it began), and the restart step skips an incident the
+        job was restarted after anyway (``t`` = when the incident opened). Both ask it of
+        this book so that they cannot drift apart (a ``>`` in one and ``>=`` in the other).
+        """
+        return (
+            t is not None and self.last_restart_unix_s is not None and self.last_restart_unix_s >= t
+        )
+
     def committed(self, t: float) -> None:
         """Record a commit at job time ``t`` (events may arrive late or out of order)."""
         if self.committed_unix_s is not None:

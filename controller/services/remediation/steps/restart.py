@@ -13,7 +13,7 @@ from typing import Any
 from controller.actuators.base import ActuatorError, Placement
 from controller.logic.remediation.params import GoodputFacts, RestartParams, RollbackFacts
 from controller.logic.remediation.rules import Rule, Step
-from controller.services.remediation.records import Remediation, fault_time
+from controller.services.remediation.records import JobBook, Remediation, fault_time
 from controller.services.remediation.steps.base import StepContext, StepResult
 from controller.services.remediation.steps.shrink import plan_placement
 from controller.state import IncidentState
@@ -58,7 +58,7 @@ async def restart(
         return False, outcome
     book = ctx.book(job)
     if incident is not None and rollback is None and not rem.grow:
-        done = restarted_since(book.last_restart_unix_s, incident, current)
+        done = restarted_since(book, incident, current)
         if done is not None:
             await record(incident, rem, ACTION_KIND, job, {}, "skipped", done)
             return True, done
@@ -136,9 +136,7 @@ async def restart(
     return True, summary
 
 
-def restarted_since(
-    restarted_unix_s: float | None, incident: IncidentState, current: Placement
-) -> str | None:
+def restarted_since(book: JobBook, incident: IncidentState, current: Placement) -> str | None:
     """Why no restart is needed: the job already restarted after ``incident`` opened, on
     nodes without the incident's node (or, for an incident of the job itself, ending the
     run it was about). Two faults on one job within a second open two incidents; the
@@ -146,7 +144,7 @@ def restarted_since(
     placement would only cost the job another stop and resume. A rollback is never
     skipped: the restart resumed from the newest checkpoint, which may hold the bad step.
     """
-    if restarted_unix_s is None or restarted_unix_s < incident.opened_unix_s:
+    if not book.restarted_since(incident.opened_unix_s):
         return None
     if incident.node is not None and incident.node in current.nodes:
         return None  # the restart kept the incident's node: there is still work to do
