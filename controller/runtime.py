@@ -140,6 +140,7 @@ def compose(
         ecc_window_s=settings.degraded_ecc_window_s,
         throttle_s=settings.degraded_throttle_s,
         bump_interval_s=settings.degraded_bump_interval_s,
+        tick_interval_s=settings.degraded_tick_interval_s,
     )
     jobs = JobDetector(
         state,

@@ -126,6 +126,9 @@ class ControllerSettings(BaseSettings):
     #: bumping it; bumps in between are held and written together (at a later report or
     #: tick).
     degraded_bump_interval_s: float = Field(default=2.0, gt=0, le=600)
+    #: Seconds between two ticks of the degraded-GPU detector: how soon a held-back bump is
+    #: written and a recovered GPU's incident resolved when no report arrives to do it.
+    degraded_tick_interval_s: float = Field(default=1.0, gt=0, le=60)
     #: Seconds between two ticks of the job detector (C4D trackers, probe rounds). A job
     #: finding whose incident write failed is tried again after one tick, then after twice
     #: as long each time (at most 30 s).

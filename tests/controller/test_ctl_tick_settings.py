@@ -22,6 +22,7 @@ TICK_SETTINGS = (
     "remediation_grow_check_interval_s",
     "job_tick_interval_s",
     "degraded_bump_interval_s",
+    "degraded_tick_interval_s",
 )
 
 
@@ -35,6 +36,8 @@ def test_defaults_are_the_components_own() -> None:
     assert s.remediation_grow_check_interval_s == grow.GROW_CHECK_INTERVAL_S == 5.0
     assert s.job_tick_interval_s == _default(JobDetector, "tick_interval_s") == 1.0
     assert s.degraded_bump_interval_s == degraded_detection.BUMP_INTERVAL_S == 2.0
+    detector = degraded_detection.DegradedGpuDetector
+    assert s.degraded_tick_interval_s == _default(detector, "tick_interval_s") == 1.0
     assert s.c4d_confirm_min_s == C4DConfig().confirm_min_s == 5.0
 
 
@@ -75,3 +78,18 @@ def test_settings_reach_the_components(controller_factory: Any) -> None:
     assert jobs.tick_interval_s == 0.4 and jobs.trackers.cfg.confirm_min_s == 1.5
     assert jobs.trackers.cfg.hang_timeout_s == C4DConfig().hang_timeout_s  # the rest as before
     assert tickers["DegradedGpuDetector"].bump_interval_s == 0.6
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_degraded_tick_setting_paces_its_loop(controller_factory: Any) -> None:
+    # 20 ticks at 0.05 s come well within 10 s; at the 1 s default they could not.
+    live = controller_factory(degraded_tick_interval_s=0.05)
+    detector = {type(t).__name__: t for t in live.controller.tickers}["DegradedGpuDetector"]
+    assert detector.tick_interval_s == 0.05
+    live.wait_ticks("DegradedGpuDetector", 20, timeout_s=10.0)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_degraded_detector_refuses_a_tick_that_would_spin(value: float) -> None:
+    with pytest.raises(ValueError, match="tick_interval_s"):
+        degraded_detection.DegradedGpuDetector(None, None, tick_interval_s=value)  # type: ignore[arg-type]

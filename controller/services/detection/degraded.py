@@ -135,11 +135,12 @@ class DegradedGpuDetector:
             or throttle_s <= 0
             or clear_factor <= 0
             or bump_interval_s <= 0
+            or tick_interval_s <= 0
         ):
             raise ValueError(
                 "ecc_rise must be >= 1 and ecc_window_s, throttle_s, clear_factor, "
-                f"bump_interval_s > 0; got {ecc_rise}, {ecc_window_s}, {throttle_s}, "
-                f"{clear_factor}, {bump_interval_s}"
+                f"bump_interval_s, tick_interval_s > 0; got {ecc_rise}, {ecc_window_s}, "
+                f"{throttle_s}, {clear_factor}, {bump_interval_s}, {tick_interval_s}"
             )
         self._state = state
         self._incidents = incidents
@@ -149,6 +150,8 @@ class DegradedGpuDetector:
         #: Seconds of mostly-throttled samples that make a GPU degrading.
         self.throttle_s = throttle_s
         self.clear_factor = clear_factor
+        #: Seconds between two ticks (held-back bumps written, recovered GPUs resolved);
+        #: the ``degraded_tick_interval_s`` setting. A zero would make the loop spin.
         self.tick_interval_s = tick_interval_s
         #: An open incident is written at most this often while bumps keep coming.
         self.bump_interval_s = bump_interval_s
