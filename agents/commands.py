@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 
 #: Command ids remembered for idempotency (a few hours of power-policy traffic).
 REMEMBERED_COMMANDS = 4096
+#: How long :meth:`CommandExecutor.execute` waits for a preflight's ack by default: the
+#: longest preflight the agent's settings allow (``preflight_load_s`` at most 300 s plus
+#: ``preflight_load_grace_s`` at most 600 s). An ack not there by then is not coming (a
+#: preflight that never calls ``finish``), and the caller must not hang on it.
+EXECUTE_TIMEOUT_S = 900.0
 
 JobRelay = Callable[[JobCommand], int]
 #: Starts the node's preflight; it calls ``finish(all passed, one-line summary)`` once, inline
@@ -50,6 +55,11 @@ Preflight = Callable[[RunPreflight, Finish], None]
 
 class CommandRefused(Exception):
     """Internal: the command cannot be carried out; the message is the ack's reason."""
+
+
+class CommandTimeout(TimeoutError):
+    """:meth:`CommandExecutor.execute` gave up waiting for a command's ack. The command may
+    still finish and ack itself (through ``on_ack``); this caller just stops waiting."""
 
 
 def _nvml_reason(exc: pynvml.NVMLError, what: str) -> str:
@@ -85,6 +95,12 @@ class CommandExecutor:
         #: Notified (under ``_lock``) each time an ack is kept: :meth:`execute` waits on it.
         self._acked = threading.Condition(self._lock)
         self._done: OrderedDict[str, CommandAck] = OrderedDict()
+        #: Command id -> callers of :meth:`execute` waiting for its ack, and the acks kept for
+        #: them apart from ``_done``: an ack evicted from the remembered ones (more than
+        #: ``REMEMBERED_COMMANDS`` others kept before a woken waiter got the lock back)
+        #: still reaches its waiter.
+        self._waiters: dict[str, int] = {}
+        self._for_waiters: dict[str, CommandAck] = {}
         #: Preflights started and not finished yet (their ack comes from ``finish``).
         self._running: set[str] = set()
         self._locked_max_mhz: dict[int, int] = {}
@@ -114,16 +130,37 @@ class CommandExecutor:
             self._on_ack(ack)
         return acks
 
-    def execute(self, cmd: Command) -> CommandAck:
-        """Carry out one command and return its ack, waiting for a preflight to finish
-        (for callers that may block; the reporter thread uses :meth:`handle`)."""
-        ack = self.submit(cmd)
-        if ack is not None:
-            return ack
-        with self._acked:
-            done = self._acked.wait_for(lambda: self._done.get(cmd.id))
-        assert done is not None  # no timeout: the wait ends on the ack
-        return done
+    def execute(self, cmd: Command, *, timeout_s: float = EXECUTE_TIMEOUT_S) -> CommandAck:
+        """Carry out one command and return its ack, waiting up to ``timeout_s`` for a
+        preflight to finish (for callers that may block; the reporter thread uses
+        :meth:`handle`). Raises :class:`CommandTimeout` when no ack came in time: a caller
+        must not hang on a preflight that never finishes."""
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        with self._lock:  # a waiter before submit: no ack of this id can slip past it
+            self._waiters[cmd.id] = self._waiters.get(cmd.id, 0) + 1
+        try:
+            ack = self.submit(cmd)
+            if ack is not None:
+                return ack
+            with self._acked:
+                done = self._acked.wait_for(
+                    lambda: self._for_waiters.get(cmd.id) or self._done.get(cmd.id), timeout_s
+                )
+            if done is None:
+                raise CommandTimeout(
+                    f"command {cmd.id} ({cmd.kind}) not finished within {timeout_s:g} s; "
+                    "it acks itself if it finishes later"
+                )
+            return done
+        finally:
+            with self._lock:
+                left = self._waiters[cmd.id] - 1
+                if left:
+                    self._waiters[cmd.id] = left
+                else:
+                    del self._waiters[cmd.id]
+                    self._for_waiters.pop(cmd.id, None)
 
     def submit(self, cmd: Command) -> CommandAck | None:
         """The command's ack, or None for a preflight still running (it acks itself)."""
@@ -164,6 +201,8 @@ class CommandExecutor:
             finished_unix_s=self._clock(),
         )
         self._done[command_id] = ack
+        if command_id in self._waiters:
+            self._for_waiters[command_id] = ack
         while len(self._done) > REMEMBERED_COMMANDS:
             self._done.popitem(last=False)
         self._acked.notify_all()
@@ -300,4 +339,4 @@ class CommandExecutor:
         return f"GPU {gpu_index} SM clock unlocked"
 
 
-__all__ = ["CommandExecutor", "Finish", "JobRelay", "Preflight"]
+__all__ = ["CommandExecutor", "CommandTimeout", "Finish", "JobRelay", "Preflight"]

@@ -9,7 +9,7 @@ import pynvml
 import pytest
 from pydantic import TypeAdapter
 
-from agents.commands import CommandExecutor, Finish
+from agents.commands import REMEMBERED_COMMANDS, CommandExecutor, CommandTimeout, Finish
 from agents.gpu.sim import SimNvml
 from trainguard.wire import Command, CommandAck, CommandStatus, RunPreflight
 
@@ -179,3 +179,48 @@ def test_execute_waits_for_a_preflight_that_finishes_on_another_thread() -> None
         preflight=lambda c, finish: finish(False, "no sample"),
     )  # fmt: skip
     assert inline.execute(cmd(id="pf2", kind="run_preflight")).reason == "no sample"
+
+
+def test_execute_gives_up_on_a_preflight_that_never_finishes() -> None:
+    api = SimNvml(gpu_count=1)
+    api.nvmlInit()
+    finishes: list[Finish] = []
+    acks: list[CommandAck] = []
+    ex = CommandExecutor(
+        api, [], relay=lambda _c: 0, on_ack=acks.append,
+        preflight=lambda _c, finish: finishes.append(finish),
+    )  # fmt: skip
+    with pytest.raises(CommandTimeout, match=r"command pf \(run_preflight\) not finished"):
+        ex.execute(cmd(id="pf", kind="run_preflight"), timeout_s=0.05)
+    assert acks == []
+    # The preflight still acks itself when it does finish, and a later execute sees that.
+    finishes[0](True, "late")
+    assert [a.reason for a in acks] == ["late"]
+    assert ex.execute(cmd(id="pf", kind="run_preflight"), timeout_s=0.05).reason == "late"
+    with pytest.raises(ValueError, match="timeout_s"):
+        ex.execute(cmd(id="pf3", kind="run_preflight"), timeout_s=0)
+
+
+def test_execute_gets_its_ack_even_once_it_is_no_longer_remembered() -> None:
+    # The preflight finishes and then more than REMEMBERED_COMMANDS other commands are acked
+    # before execute() waits: the ack is gone from those remembered, yet it reaches execute.
+    api = SimNvml(gpu_count=1)
+    api.nvmlInit()
+    ex: CommandExecutor
+
+    def preflight(command: RunPreflight, finish: Finish) -> None:
+        finish(True, f"{command.id} passed")
+        for i in range(REMEMBERED_COMMANDS + 1):
+            ex.submit(cmd(id=f"j{i}", kind="job_checkpoint", job="a"))
+
+    ex = CommandExecutor(api, [], relay=lambda _c: 1, on_ack=lambda _a: None, preflight=preflight)
+    got: list[CommandAck] = []
+    caller = threading.Thread(
+        target=lambda: got.append(ex.execute(cmd(id="pf", kind="run_preflight"), timeout_s=10)),
+        daemon=True,
+    )
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive()
+    assert [(a.command_id, a.reason) for a in got] == [("pf", "pf passed")]
+    assert ex._for_waiters == {} and ex._waiters == {}  # nothing kept once delivered
