@@ -91,6 +91,69 @@ def test_missing_and_wrong_token_are_explained(
     assert wrong.startswith("error: unauthorized: the controller rejected the token")
 
 
+BAD_TOKEN = (
+    "error: invalid token (--token or TRAINGUARD_TOKEN): it may hold only visible ASCII "
+    "characters, no spaces or line breaks inside it"
+)
+
+
+def test_a_token_read_from_a_secret_keeps_working_with_its_newline(
+    cli: Cli, cli_server: CliServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token = cli_server.viewer_token
+    assert cli("nodes", "-o", "name", "--token", f"{token}\n").code == 0
+    monkeypatch.setenv("TRAINGUARD_TOKEN", f" {token}\r\n")
+    assert cli("nodes", "-o", "name").code == 0
+
+
+@pytest.mark.parametrize("token", ["s3cr3t\r\nX-Evil: 1", "s3cr3t s3cr3t", "s3cr3t\x00"])
+def test_a_token_that_cannot_be_a_header_is_exit_2_and_never_printed(
+    cli: Cli, cli_server: CliServer, token: str
+) -> None:
+    # The controller listens: without the check the request would be tried, and httpx's
+    # complaint (which quotes the header, secret and all) reported as an outage.
+    assert _one_line(cli("nodes", "--token", token), 2) == BAD_TOKEN
+
+
+def test_a_blank_token_is_exit_2(cli: Cli) -> None:
+    message = _one_line(cli("nodes", "--token", " \n"), 2)
+    assert message == "error: the token (--token or TRAINGUARD_TOKEN) is blank"
+
+
+def test_the_token_is_checked_on_the_service_proxy_path_too() -> None:
+    from trainguard.cli.client import ApiClient
+    from trainguard.cli.errors import BadInput
+    from trainguard.cli.kubeproxy import TOKEN_HEADER, ProxyEndpoint
+
+    proxy = ProxyEndpoint(base_url=f"http://127.0.0.1:{free_port()}", verify=False)
+    with pytest.raises(BadInput) as info:
+        ApiClient.through(proxy, "s3cr3t\nX-Evil: 1")
+    assert "s3cr3t" not in str(info.value)
+    with ApiClient.through(proxy, "s3cr3t\n") as api:
+        assert api._http.headers[TOKEN_HEADER] == "s3cr3t"
+
+
+def test_a_header_httpx_cannot_send_is_not_an_outage_nor_printed(cli_server: CliServer) -> None:
+    """Whatever header is refused (a kubeconfig's credentials, say), its value stays out."""
+    import httpx
+
+    from trainguard.cli.client import ApiClient
+    from trainguard.cli.errors import BadInput
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.LocalProtocolError("Illegal header value b'Bearer s3cr3t\\n'", request=request)
+
+    api = ApiClient(cli_server.url)
+    api.close()
+    api._http = httpx.Client(base_url=api.server, transport=httpx.MockTransport(refuse))
+    with api, pytest.raises(BadInput) as info:
+        api.status()
+    assert str(info.value) == (
+        f"cannot send the request to controller at {cli_server.url}: a header is not valid "
+        "HTTP (check the token and your kubeconfig's credentials)"
+    )
+
+
 def test_agent_token_is_forbidden_for_reads(cli: Cli, cli_server: CliServer) -> None:
     message = _one_line(cli("nodes", "--token", cli_server.agent_token), 1)
     assert message.startswith("error: forbidden:")

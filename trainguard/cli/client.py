@@ -29,6 +29,8 @@ PAGE_SIZE = 500
 
 JsonObject = dict[str, Any]
 
+_TOKEN_SOURCE = "--token or TRAINGUARD_TOKEN"
+
 
 def check_server_url(server: str) -> str:
     """Normalise ``--server``; a URL without scheme or host is a usage error, not an outage."""
@@ -44,6 +46,27 @@ def check_server_url(server: str) -> str:
     except ValueError as exc:
         raise BadInput(f'invalid controller URL "{server}": {exc}') from exc
     return url
+
+
+def check_token(token: str | None) -> str | None:
+    """The controller token as it will be sent, or ``None`` when none was given.
+
+    Surrounding whitespace is dropped, as kubectl does for a token file: a token read from
+    a Kubernetes Secret or a file usually ends in a newline. What is left must be visible
+    ASCII, or it could not travel in an HTTP header (an inner line break would even add a
+    header of its own). The message never repeats the token: it is a secret.
+    """
+    if not token:
+        return None
+    cleaned = token.strip()
+    if not cleaned:
+        raise BadInput(f"the token ({_TOKEN_SOURCE}) is blank")
+    if not all("!" <= char <= "~" for char in cleaned):
+        raise BadInput(
+            f"invalid token ({_TOKEN_SOURCE}): it may hold only visible ASCII characters, "
+            "no spaces or line breaks inside it"
+        )
+    return cleaned
 
 
 def segment(value: str, what: str) -> str:
@@ -78,7 +101,7 @@ class ApiClient:
         timeout_s: float = 10.0,
         proxy: ProxyEndpoint | None = None,
     ) -> None:
-        self._token = token or None
+        self._token = check_token(token)
         self._proxy = proxy
         headers = {"Accept": "application/json"}
         verify: ssl.SSLContext | bool = True
@@ -145,6 +168,13 @@ class ApiClient:
             raise Unreachable(
                 f"{self.where} did not answer in time ({type(exc).__name__}); "
                 f"{self._unreachable_hint()}"
+            ) from exc
+        except httpx.LocalProtocolError as exc:
+            # The request could not be written, never an outage; httpx's message quotes
+            # the offending header value, which may be a credential: it is not shown.
+            raise BadInput(
+                f"cannot send the request to {self.where}: a header is not valid HTTP "
+                "(check the token and your kubeconfig's credentials)"
             ) from exc
         except httpx.TransportError as exc:
             raise Unreachable(
@@ -357,4 +387,4 @@ def _detail(response: httpx.Response) -> str:
     return response.reason_phrase or "no detail"
 
 
-__all__ = ["DEFAULT_SERVER", "ApiClient", "JsonObject", "check_server_url"]
+__all__ = ["DEFAULT_SERVER", "ApiClient", "JsonObject", "check_server_url", "check_token"]
