@@ -67,6 +67,9 @@ class PassedOver:
     steps: dict[int, str] = dataclasses.field(default_factory=dict)
     #: Why ``latest`` was not followed ("" when it named the newest committed step).
     latest_note: str = ""
+    #: ``latest`` itself is damaged (unreadable, or garbage: the writer replaces it
+    #: atomically), not merely behind or ahead of the commits; from the same one read.
+    latest_damaged: bool = False
 
     def lines(self) -> list[str]:
         """``step N: why`` for each step passed over, newest first."""
@@ -426,11 +429,18 @@ class CheckpointStore:
 
     def resolve_quietly(self) -> tuple[Sequence[int], str]:
         """:meth:`resolve` without the warning (for callers that print the note)."""
+        committed, note, _ = self._resolve()
+        return committed, note
+
+    def _resolve(self) -> tuple[Sequence[int], str, bool]:
+        """:meth:`resolve_quietly`, and whether ``latest`` itself is damaged (so that a
+        caller classifying the note need not read the pointer again)."""
         committed = [info.step for info in reversed(self.list()) if info.complete]
+        damaged = False
         try:
             pointer = self.latest_pointer()
         except CheckpointCorruptError as exc:
-            note = f"{exc}; ignored"
+            note, damaged = f"{exc}; ignored", True
         else:
             if pointer is None:
                 note = f"{self.root / LATEST_NAME}: missing" if committed else ""
@@ -444,7 +454,7 @@ class CheckpointStore:
                 )
             else:
                 note = ""
-        return committed, note
+        return committed, note, damaged
 
     def open_latest(
         self, *, deep: bool = False, passed: PassedOver | None = None
@@ -456,9 +466,9 @@ class CheckpointStore:
         :func:`verify_latest` needs). With ``passed`` the steps skipped and the note on
         ``latest`` are recorded there instead of logged, for a caller that says them itself.
         """
-        steps, note = self.resolve_quietly()
+        steps, note, damaged = self._resolve()
         if passed is not None:
-            passed.latest_note = note
+            passed.latest_note, passed.latest_damaged = note, damaged
         elif note:
             log.warning("%s", note)
         problems = []

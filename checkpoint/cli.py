@@ -261,7 +261,7 @@ def verify_cmd(
     except CheckpointError as exc:
         raise _fail(str(exc)) from None
     damage = passed.lines()
-    if passed.latest_note and _latest_damaged(store):
+    if passed.latest_damaged:
         damage.insert(0, passed.latest_note)
     for problem in damage:
         typer.echo(f"error: {problem}", err=True)
@@ -274,14 +274,6 @@ def verify_cmd(
         raise typer.Exit(1)
 
 
-def _latest_damaged(store: CheckpointStore) -> bool:
-    try:
-        store.latest_pointer()
-    except CheckpointError:
-        return True
-    return False
-
-
 def _verify_resume_step(store: CheckpointStore, *, deep: bool, passed: PassedOver) -> Manifest:
     """:func:`verify_latest`, saying first on stderr a note on ``latest`` that is not damage.
 
@@ -292,7 +284,7 @@ def _verify_resume_step(store: CheckpointStore, *, deep: bool, passed: PassedOve
     try:
         return verify_latest(store, deep=deep, passed=passed)
     finally:
-        if passed.latest_note and not _latest_damaged(store):
+        if passed.latest_note and not passed.latest_damaged:
             typer.echo(f"note: {passed.latest_note}", err=True)
 
 

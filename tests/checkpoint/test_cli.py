@@ -102,6 +102,29 @@ def test_verify_without_step_checks_what_load_resumes_from(
     assert garbage.stdout.startswith("ok: step 10, 4 rank(s)")
 
 
+@pytest.mark.parametrize("pointer", ["step-000000000011\n", "../../etc\n"])
+def test_verify_without_step_reads_latest_once(
+    saved: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch, pointer: str
+) -> None:
+    """The note on ``latest`` (a lag, or garbage: damage) is classified from the one read
+    that found it, not by reading the pointer again, which could find something else."""
+    root, _ = saved
+    (root / "latest").write_text(pointer)
+    reads: list[Path] = []
+    real = CheckpointStore.latest_pointer
+
+    def counted(store: CheckpointStore) -> int | None:
+        reads.append(store.root)
+        return real(store)
+
+    monkeypatch.setattr(CheckpointStore, "latest_pointer", counted)
+    result = runner.invoke(app, ["verify", str(root)])
+    assert result.stdout.startswith("ok: step 10, 4 rank(s)")
+    assert result.exit_code == (0 if pointer.startswith("step-") else 1)
+    assert result.stderr.startswith("note: " if pointer.startswith("step-") else "error: ")
+    assert reads == [root]
+
+
 def test_verify_without_step_reports_a_damaged_newest_and_verifies_the_fallback(
     tmp_path: Path,
 ) -> None:
