@@ -59,11 +59,12 @@ class PassedOver:
     """What :meth:`CheckpointStore.open_latest` passed over on its way to the step it opened.
 
     Given to it by a caller that reports these itself (``checkpoint convert`` prints them on
-    its output line), so the store's one "newest complete step" loop serves it too instead
-    of a copy of that loop; nothing is logged then.
+    its output line, ``checkpoint verify`` as errors, :func:`verify_checkpoint` logs them
+    and hands them back), so the store's one "newest complete step" loop serves them all
+    instead of a copy of that loop each; nothing is logged by the loop then.
     """
 
-    #: Committed steps that did not open, newest first: step -> why.
+    #: Committed steps that did not open (or, ``deep``, verify), newest first: step -> why.
     steps: dict[int, str] = dataclasses.field(default_factory=dict)
     #: Why ``latest`` was not followed ("" when it named the newest committed step).
     latest_note: str = ""
