@@ -16,7 +16,11 @@ out as the kernel does), each path from the kernel's own documentation:
   whose path is the PCIe tree (Documentation/ABI/testing/sysfs-bus-pci).
 
 A NIC can vanish while the agent runs (a firmware reset, a card falling off the bus): every
-read tolerates a missing file, and the device's disappearance is itself an event.
+read tolerates a missing file, and the device's disappearance is itself an event. A file
+that reads as something unusable (bytes that are not text, a u64 counter past the wire's
+signed 64-bit range) costs that one field, with one warning line per file, never the
+node's sample; a counter unknown for a tick is treated as reset, so no rise or flap is
+computed across the gap.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainguard import limits
 from trainguard.wire import (
     BondMember,
     BondSample,
@@ -81,21 +86,55 @@ ERROR_COUNTERS = (
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
 
+#: Files already warned about (one line per bad file per process, so a counter stuck at a
+#: bad value does not log every tick); bounded so a sysfs full of junk cannot grow it.
+_warned_files: set[str] = set()
+_WARNED_FILES_MAX = 256
+
+
+def _unusable(path: Path, why: str) -> None:
+    """One warning line the first time ``path`` reads as something unusable."""
+    key = str(path)
+    if key in _warned_files or len(_warned_files) >= _WARNED_FILES_MAX:
+        return
+    _warned_files.add(key)
+    log.warning("%s: %s; reporting it as unknown", path, why)
+
+
 def _read(path: Path) -> str | None:
+    """The file's text, or ``None``: a missing file is normal (a NIC can vanish), and a file
+    that is not text (bytes from a driver bug) costs only its own field, never the sample."""
     try:
-        return path.read_text().strip()
+        data = path.read_bytes()
     except OSError:
         return None
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        _unusable(path, "not UTF-8 text")
+        return None
+    if "\x00" in text:
+        _unusable(path, "contains NUL bytes")
+        return None
+    return text.strip()
 
 
-def _read_int(path: Path) -> int | None:
+def _read_int(path: Path, high: int = limits.INT64_MAX) -> int | None:
+    """An integer file up to ``high``, else ``None``. Hardware counters are unsigned 64-bit:
+    a value past 2^63-1 (one near its wrap, or 2^64-1, which drivers print for "not
+    available") does not fit the wire's signed 64-bit column, so it is unknown, not an
+    error for the whole port."""
     text = _read(path)
     if text is None:
         return None
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         return None
+    if value > high:
+        _unusable(path, f"value {value} is past {high} (a counter near its wrap, or unset)")
+        return None
+    return value
 
 
 def _state_name(text: str | None) -> str:
@@ -335,7 +374,13 @@ class NicMonitor:
         name = f"{sample.device} port {sample.port}"
         if before is not None:
             was_up, is_up = before.state == "ACTIVE", sample.state == "ACTIVE"
-            downs = sample.counters.get("link_downed", 0) - before.counters.get("link_downed", 0)
+            # Only two known readings make a delta: a counter unknown on either side (past
+            # 2^63-1, unset, unreadable) is no evidence of a flap.
+            now_downs, then_downs = (
+                sample.counters.get("link_downed"),
+                before.counters.get("link_downed"),
+            )
+            downs = 0 if now_downs is None or then_downs is None else now_downs - then_downs
             if was_up and not is_up:
                 event("nic_port_down", f"{name} {sample.state} ({sample.phys_state})")
             elif is_up and not was_up:
@@ -349,7 +394,13 @@ class NicMonitor:
                 )
         for counter in ERROR_COUNTERS:
             value = sample.counters.get(counter)
-            rose = None if value is None else self._rise(sample, counter, value, now)
+            if value is None:
+                # Unknown this tick (missing, unreadable, or a u64 past the wire's range,
+                # about to wrap): treated as a reset, so the next known value starts a new
+                # window instead of being compared across the gap (no false rise).
+                self._windows.pop((sample.device, sample.port, counter), None)
+                continue
+            rose = self._rise(sample, counter, value, now)
             if rose is not None:
                 rise, span_s = rose
                 event(
@@ -395,7 +446,7 @@ class NicMonitor:
                         name=slave[:64],
                         mii_status=mii[:16],
                         operstate=(_read(node / "operstate") or "")[:16],
-                        speed_mbps=_read_int(node / "speed"),
+                        speed_mbps=_in_int32(_read_int(node / "speed", limits.INT32_MAX)),
                         link_failure_count=_nonneg(
                             _read_int(node / "bonding_slave" / "link_failure_count")
                         ),
@@ -425,6 +476,10 @@ class NicMonitor:
 
 def _nonneg(value: int | None) -> int | None:
     return value if value is None or value >= 0 else None
+
+
+def _in_int32(value: int | None) -> int | None:
+    return value if value is None or value >= limits.INT32_MIN else None
 
 
 __all__ = [

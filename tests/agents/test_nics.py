@@ -110,6 +110,57 @@ def test_a_port_whose_files_vanish_between_listing_and_reading_is_skipped(tree: 
     assert [p.device for p in ports] == ["mlx5_1"]
 
 
+def test_one_bad_counter_file_costs_that_counter_not_the_port(
+    tree: SysfsTree, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A u64 counter past 2^63-1 (near its wrap, or 2^64-1 for "not available") and a file
+    of non-UTF-8 bytes each lose their own field, with one warning line per file."""
+    mon = NicMonitor(tree.root)
+    tree.set_counter("mlx5_0", 1, "port_xmit_data", 18446744073709551611)
+    (tree.port_dir("mlx5_1", 1) / "counters" / "port_rcv_errors").write_bytes(b"\xff\xfe\n")
+    with caplog.at_level("WARNING", logger="agents.nics"):
+        ports, events = mon.sample(0.0)
+        mon.sample(1.0)
+    assert events == [] and [p.device for p in ports] == ["mlx5_0", "mlx5_1"]
+    assert "port_xmit_data" not in ports[0].counters and ports[0].counters["symbol_error"] == 0
+    assert "port_rcv_errors" not in ports[1].counters and ports[1].counters["symbol_error"] == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
+    assert "port_xmit_data: value 18446744073709551611 is past" in lines[0]
+    assert "port_rcv_errors: not UTF-8 text" in lines[1]
+
+
+def test_a_counter_unknown_for_a_tick_is_a_reset_not_a_rise_or_a_flap(tree: SysfsTree) -> None:
+    mon = NicMonitor(tree.root, error_threshold=10, window_s=60)
+    tree.set_counter("mlx5_0", 1, "symbol_error", 5)
+    tree.set_counter("mlx5_0", 1, "link_downed", 3)
+    assert mon.sample(0.0)[1] == []
+    # Both counters read 2^64-1 ("not available") for a tick, then come back higher.
+    tree.set_counter("mlx5_0", 1, "symbol_error", 2**64 - 1)
+    tree.set_counter("mlx5_0", 1, "link_downed", 2**64 - 1)
+    assert mon.sample(1.0)[1] == []
+    tree.set_counter("mlx5_0", 1, "symbol_error", 40)
+    tree.set_counter("mlx5_0", 1, "link_downed", 9)
+    assert mon.sample(2.0)[1] == []
+    # From there on the counters are compared again.
+    tree.set_counter("mlx5_0", 1, "symbol_error", 50)
+    tree.set_counter("mlx5_0", 1, "link_downed", 10)
+    assert [(e.kind, e.counter, e.delta) for e in mon.sample(3.0)[1]] == [
+        ("nic_port_down", "link_downed", 1), ("nic_errors_rising", "symbol_error", 10),
+    ]  # fmt: skip
+
+
+def test_a_bond_member_file_of_bytes_or_out_of_range_costs_that_field(tree: SysfsTree) -> None:
+    iface = tree.root / "class" / "net" / "eno1"
+    (iface / "speed").write_text(str(2**40))
+    (iface / "bonding_slave" / "link_failure_count").write_text(str(2**64 - 1))
+    (iface / "operstate").write_bytes(b"\xffup\n")
+    bonds, _ = NicMonitor(tree.root).bonds(0.0)
+    eno1, eno2 = bonds[0].members
+    assert (eno1.speed_mbps, eno1.link_failure_count, eno1.operstate) == (None, None, "")
+    assert (eno1.mii_status, eno2.speed_mbps) == ("up", 100000)
+
+
 def test_bond_members_and_their_failures(tree: SysfsTree) -> None:
     mon = NicMonitor(tree.root)
     bonds, events = mon.bonds(0.0)
