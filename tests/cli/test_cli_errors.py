@@ -115,6 +115,12 @@ def test_a_token_that_cannot_be_a_header_is_exit_2_and_never_printed(
     assert _one_line(cli("nodes", "--token", token), 2) == BAD_TOKEN
 
 
+@pytest.mark.parametrize("token", ["é", "s3cr3t-é", "s3cr3t\u00a0s3cr3t"])
+def test_a_token_that_is_not_ascii_is_exit_2_and_never_printed(cli: Cli, token: str) -> None:
+    # httpx would fail encoding the header (UnicodeEncodeError, exit 1) or send it as Latin-1.
+    assert _one_line(cli("nodes", "--token", token), 2) == BAD_TOKEN
+
+
 def test_a_blank_token_is_exit_2(cli: Cli) -> None:
     message = _one_line(cli("nodes", "--token", " \n"), 2)
     assert message == "error: the token (--token or TRAINGUARD_TOKEN) is blank"
