@@ -71,6 +71,21 @@ def test_unreachable_controller_is_exit_1(cli: Cli) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://[zz]", "'zz' does not appear to be an IPv4 or IPv6 address"),
+        ("http://[::1]:99999", "Port out of range 0-65535"),
+        ("http://host:port", "Port could not be cast to integer value as 'port'"),
+    ],
+)
+def test_a_server_url_that_does_not_parse_is_exit_2(cli: Cli, url: str, problem: str) -> None:
+    assert _one_line(cli("nodes", "--server", url), 2) == (
+        f'error: invalid controller URL "{url}": {problem}'
+    )
+
+
 def test_kubectl_short_server_flag_is_refused_with_a_hint(cli: Cli) -> None:
     """kubectl's -s names the API server; taking it as the controller would be a trap."""
     message = _one_line(cli("nodes", "-s", "https://10.0.0.1:6443"), 2)

@@ -35,16 +35,16 @@ _TOKEN_SOURCE = "--token or TRAINGUARD_TOKEN"
 def check_server_url(server: str) -> str:
     """Normalise ``--server``; a URL without scheme or host is a usage error, not an outage."""
     url = server.strip().rstrip("/")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:  # each step may refuse: "http://[::1" (split), "[zz]" (host), ":99999" (port)
+        parts = urlsplit(url)
+        hostname, _ = parts.hostname, parts.port
+    except ValueError as exc:
+        raise BadInput(f'invalid controller URL "{server}": {exc}') from exc
+    if parts.scheme not in ("http", "https") or not hostname:
         raise BadInput(
             f'invalid controller URL "{server}" (--server or TRAINGUARD_SERVER): '
             "expected http(s)://HOST[:PORT]"
         )
-    try:
-        _ = parts.port
-    except ValueError as exc:
-        raise BadInput(f'invalid controller URL "{server}": {exc}') from exc
     return url
 
 
