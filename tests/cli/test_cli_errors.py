@@ -495,6 +495,43 @@ def test_a_redirect_is_an_error_not_a_json_parse(cli_server: CliServer) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("status", "headers", "message"),
+    [
+        (
+            400,
+            {"server": "nginx/1.25"},
+            "controller rejected the request: HTTP 400 Bad Request with no detail, "
+            "from {url} (Server: nginx/1.25)",
+        ),
+        (404, {}, "HTTP 404 Not Found with no detail, from {url}"),
+        (
+            503,
+            {},
+            "controller at {url} answered 503: HTTP 503 Service Unavailable with no detail, "
+            "from {url}",
+        ),
+    ],
+)
+def test_an_error_with_an_empty_body_names_the_status_and_who_answered(
+    status: int, headers: dict[str, str], message: str
+) -> None:
+    """An ingress or another service on the port answers errors with an empty body."""
+    import httpx
+
+    from trainguard.cli.client import ApiClient
+    from trainguard.cli.errors import CliError
+
+    url = f"http://127.0.0.1:{free_port()}"
+    api = ApiClient(url)
+    api.close()
+    answer = httpx.MockTransport(lambda _request: httpx.Response(status, headers=headers))
+    api._http = httpx.Client(base_url=api.server, transport=answer)
+    with api, pytest.raises(CliError) as info:
+        api.status()
+    assert str(info.value) == message.format(url=url)
+
+
 def test_agent_bad_token_file_is_one_line_exit_2_in_the_foreground(
     cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -375,16 +375,28 @@ def _json(response: httpx.Response) -> Any:
 
 
 def _detail(response: httpx.Response) -> str:
+    """The answer's ``detail`` (or first line of text). Without one the status and who
+    answered are all there is to go on: an empty error is most often from something in
+    front of the controller (an ingress, a load balancer, another service on the port)."""
     try:
         body = response.json()
     except ValueError:
-        return response.text.strip().splitlines()[0] if response.text.strip() else "no detail"
+        text = response.text.strip()
+        return text.splitlines()[0] if text else _no_detail(response)
     detail = body.get("detail") if isinstance(body, dict) else None
-    if isinstance(detail, str):
+    if isinstance(detail, str) and detail.strip():
         return detail
-    if detail is not None:
+    if detail is not None and not isinstance(detail, str):
         return str(detail)
-    return response.reason_phrase or "no detail"
+    return _no_detail(response)
+
+
+def _no_detail(response: httpx.Response) -> str:
+    status = f"HTTP {response.status_code} {response.reason_phrase}".strip()
+    url = response.request.url
+    text = f"{status} with no detail, from {url.scheme}://{url.netloc.decode('ascii')}"
+    server = response.headers.get("server", "").strip()
+    return f"{text} (Server: {server[:80]})" if server else text
 
 
 __all__ = ["DEFAULT_SERVER", "ApiClient", "JsonObject", "check_server_url", "check_token"]
