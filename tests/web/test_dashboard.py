@@ -240,6 +240,12 @@ def test_every_page_renders_real_data_and_a_viewer_sees_no_actions(cluster, dash
     shot(page, "network")
     page.go_back()
     expect(page.locator(".page.power")).to_be_visible()
+    # A malformed %-escape in the address is a page not found, shown as such.
+    page.goto(f"{cluster.live.url}/ui/#/node/%E0")
+    expect(page.locator("#banner")).to_have_text(
+        "No such page: #/node/%E0 has a malformed %-escape."
+    )
+    expect(page.locator("#view")).to_have_class(re.compile(r"\bstale\b"))
 
     # Dark theme on request, light by default here.
     page.click('nav a[data-nav="fleet"]')

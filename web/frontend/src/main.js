@@ -86,6 +86,17 @@ function handleError(err) {
   showBanner(err.detail, "error");
 }
 
+/** The route's captured names, decoded. A malformed %-escape (#/node/%E0) is a page that
+ *  does not exist, shown as any not-found is, not a URIError that would leave the old page
+ *  up with no word: it is thrown inside route()'s error handling for that reason. */
+function decodeArgs(match, path) {
+  try {
+    return match.slice(1).map(decodeURIComponent);
+  } catch {
+    throw new ApiError("http", 404, `No such page: #${path} has a malformed %-escape.`);
+  }
+}
+
 /** Render the page for the current hash; a newer navigation wins over a slower one. */
 async function route() {
   const { path, params } = parseHash();
@@ -105,7 +116,7 @@ async function route() {
   current = null;
   const view = $("view");
   const ctx = {
-    args: match.slice(1).map(decodeURIComponent),
+    args: [],
     params,
     operator: session.role === "operator",
     isCurrent: () => seq === renderSeq,
@@ -118,6 +129,7 @@ async function route() {
     },
   };
   try {
+    ctx.args = decodeArgs(match, path);
     const page = pageOf();
     const mounted = await page(ctx);
     if (seq !== renderSeq) {
