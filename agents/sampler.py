@@ -3,7 +3,9 @@
 The sampler asks the driver field by field, so one refusal costs one field, not the
 sample: NOT_SUPPORTED (a PCIe card has no NVLink) becomes ``None`` silently, any other
 NVML error becomes ``None`` with one log line per (GPU, field, error). GPU_IS_LOST ends the
-GPU's sample with ``lost=True``, which the daemon treats as urgent.
+GPU's sample with ``lost=True``, which the daemon treats as urgent. An answer the wire
+refuses (an ECC total of 2^64-1, a power of -1 mW) is a refusal too: that field is null,
+named in the sample's ``error`` and one warning line per (GPU, field).
 
 Counters are read in the scope that answers "did it change since driver load": volatile ECC
 totals and NVLink error counters per link (and summed) over the links found active at start;
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pynvml
+from pydantic import ValidationError
 
 from agents.gpu_health import (
     GpuTransitions,
@@ -44,6 +47,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 1.0
 #: The inventory at start may take this many sampling timeouts (it asks more questions).
 OPEN_TIMEOUT_FACTOR = 5
+#: The "error code" under which an out-of-range field's warning is remembered (not NVML's).
+_OUT_OF_RANGE = -1
 
 
 class GpuLostError(Exception):
@@ -404,7 +409,8 @@ class GpuSampler:
                 ("pcie_link_width_max", api.nvmlDeviceGetMaxPcieLinkWidth),
             )
         }
-        return GpuSample(
+        return self._build(
+            gpu,
             index=gpu.index,
             uuid=gpu.info.uuid,
             power_w=power_mw / 1000.0 if power_mw is not None else None,
@@ -427,8 +433,40 @@ class GpuSampler:
             **{k: _int_or_none(v) for k, v in pcie.items()},
             **read_memory_health(health_ask, api, h, gpu.ecc_locations),
             **read_links_and_fabric(health_ask, api, h, gpu.nvlinks),
-            error=gpu.error,
         )
+
+    def _build(self, gpu: _Gpu, **fields: Any) -> GpuSample:
+        """The sample, where a value the wire refuses costs that field only.
+
+        The driver can answer out of range (an ECC total of 2^64-1 for "not available", a
+        power of -1 mW): such a field is reported null (its default), named in the sample's
+        ``error`` when it has none yet and in one warning line per (GPU, field), like an
+        NVML refusal -- the rest of the sample stands.
+        """
+        for _ in range(3):  # a refused field is replaced by its default, which validates
+            try:
+                return GpuSample(**fields, error=gpu.error)
+            except ValidationError as exc:
+                bad = sorted(
+                    {str(e["loc"][0]) for e in exc.errors() if e["loc"]} & set(fields) - {"index"}
+                )
+                if not bad:
+                    raise
+            shown = ", ".join(f"{name}={fields[name]!r}"[:80] for name in bad)
+            if not gpu.error:
+                gpu.error = f"out of range: {shown}"[:512]
+            for name in bad:
+                key = (gpu.index, name, _OUT_OF_RANGE)
+                if key not in self._warned:
+                    self._warned.add(key)
+                    log.warning(
+                        "GPU %d: %s=%r out of range; reporting null",
+                        gpu.index,
+                        name,
+                        fields[name],
+                    )
+                fields[name] = GpuSample.model_fields[name].get_default(call_default_factory=True)
+        return GpuSample(**fields, error=gpu.error)
 
 
 class ClockEventReasons:
@@ -458,7 +496,14 @@ def _describe(exc: BaseException) -> str:
 
 
 def _int_or_none(value: Any) -> int | None:
-    return int(value) if value is not None else None
+    """An integer, or ``None`` for no answer or one that is not a number (the range is the
+    wire's to check, field by field, in ``GpuSampler._build``)."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 __all__ = ["ClockEventReasons", "GpuLostError", "GpuSampler"]

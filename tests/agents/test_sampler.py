@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pynvml
+import pytest
 
 from agents.gpu.faults import parse_fault_specs
 from agents.gpu.sim import SimNvml
@@ -75,6 +77,37 @@ def test_not_supported_fields_become_none_without_a_crash() -> None:
     assert sample.nvlink_crc_errors_total is None and sample.nvlink_replay_errors_total is None
     assert sample.throttle_reasons_mask == 0 and sample.throttle_reasons == []
     assert sample.power_w is not None and sample.temperature_c is not None
+
+
+def test_an_out_of_range_driver_value_costs_that_field_not_the_sample(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """ECC totals of 2^64-1 ("not available") and a power of -1 mW are refused by the wire:
+    each becomes null, named in ``error`` and one warning line per (GPU, field), once."""
+    api, _ = sim()
+    sampler = GpuSampler(api)
+    sampler.open()
+    api.nvmlDeviceGetTotalEccErrors = lambda h, *a: 2**64 - 1  # type: ignore[method-assign]
+    real_power = api.nvmlDeviceGetPowerUsage
+
+    def power(handle: Any) -> int:
+        return -1 if handle.index == 1 else real_power(handle)
+
+    api.nvmlDeviceGetPowerUsage = power  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="agents.sampler"):
+        samples = sampler.sample()
+        sampler.sample()
+    first, second = samples[0], samples[1]
+    assert not first.unknown and not first.lost and not second.unknown
+    assert first.ecc_corrected_total is None and first.ecc_uncorrected_total is None
+    assert first.power_w is not None and first.temperature_c is not None
+    assert first.error.startswith("out of range: ") and "ecc_corrected_total=" in first.error
+    assert second.power_w is None and "power_w=-0.001" in second.error
+    assert second.temperature_c is not None and second.energy_j is not None
+    lines = [r.getMessage() for r in caplog.records if "out of range" in r.getMessage()]
+    assert all("\n" not in line for line in lines)
+    assert "GPU 1: power_w=-0.001 out of range; reporting null" in lines
+    assert len(lines) == len(set(lines)) == 4 * 4 + 1  # 4 ECC fields on 4 GPUs, 1 power
 
 
 def test_a_lost_gpu_is_reported_lost_once_and_the_rest_keep_sampling() -> None:
