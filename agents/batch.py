@@ -83,7 +83,9 @@ class Batch:
                 try:
                     self._apply(json.loads(line))
                     replayed += 1
-                except (ValueError, KeyError, ValidationError):
+                except (ValueError, KeyError, TypeError, RecursionError, ValidationError):
+                    # A torn tail, or any line that is not one of ours (valid JSON but not an
+                    # object, nested past the parser's depth): skipped, never fatal at start.
                     log.warning("journal %s: skipped a torn line", path.name)
             if replayed:
                 log.info("journal: recovered %d item(s) from %s", replayed, path.name)
@@ -101,7 +103,9 @@ class Batch:
             if path != self._path(next_seq) or not text:
                 path.unlink(missing_ok=True)
 
-    def _apply(self, entry: dict[str, Any]) -> None:
+    def _apply(self, entry: Any) -> None:
+        if not isinstance(entry, dict):
+            raise ValueError(f"not an object: {type(entry).__name__}")
         kind, value = entry["t"], entry["v"]
         # Replay honours the same caps as live adds, so a recovered report always validates.
         if kind == "sample":

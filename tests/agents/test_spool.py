@@ -149,6 +149,19 @@ def test_journal_replays_what_a_killed_agent_had_not_reported(tmp_path: Path) ->
     assert [s.time_unix_s for s in third.peek().samples] == [1.0, 2.0, 3.0]
 
 
+def test_journal_lines_that_are_json_but_not_objects_are_skipped_like_torn_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = json.dumps({"t": "sample", "v": NodeSample(time_unix_s=1.0).model_dump(mode="json")})
+    bad = ["[1]", "5", '"x"', "null", '{"t":"sample","v":5}', "[" * 100_000 + "]" * 100_000]
+    (tmp_path / "pending-000000000003.jsonl").write_text("\n".join([*bad, good]) + "\n")
+    with caplog.at_level("WARNING", logger="agents.batch"):
+        batch = Batch(tmp_path, next_seq=3)
+    assert [s.time_unix_s for s in batch.peek().samples] == [1.0]
+    skipped = [r.getMessage() for r in caplog.records]
+    assert skipped == ["journal pending-000000000003.jsonl: skipped a torn line"] * len(bad)
+
+
 def test_journal_of_an_already_spooled_report_is_not_replayed(tmp_path: Path) -> None:
     spool = Spool(tmp_path, max_bytes=10_000_000)
     batch = Batch(spool.journal_dir, next_seq=spool.next_seq)
