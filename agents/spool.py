@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from agents.atomic import fsync_dir, write_atomic
 from agents.errors import SpoolError
+from trainguard import limits
 from trainguard.wire import Report
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,20 @@ def _encode(report: Report) -> bytes:
     ``None`` (a test checks it), so leaving them out changes nothing for the reader and
     keeps a report of 8 GPUs x 5 samples about half the size."""
     return report.model_dump_json(exclude_none=True).encode()
+
+
+#: What ``agent_instance`` may be on the wire (``Report.agent_instance``): 1-64, no NUL.
+_INSTANCE_RE = re.compile(r"^[^\x00]{1,64}$")
+
+
+def _count(raw: dict[str, object], key: str, *, required: bool = False) -> int:
+    """``raw[key]`` as a wire count (an integer 0 .. 2^63-1, not a bool or a float)."""
+    if key not in raw and not required:
+        return 0
+    value = raw[key]
+    if type(value) is not int or not 0 <= value <= limits.INT64_MAX:
+        raise ValueError(f"{key} {value!r:.40} is not an integer 0 .. {limits.INT64_MAX}")
+    return value
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,21 +111,28 @@ class Spool:
         self._save_state()
 
     def _load_state(self) -> SpoolState:
+        """The saved state, or a fresh instance when it is missing or not exactly what
+        ``_save_state`` writes: every field is checked for type and range, because a value
+        that reads but is wrong (a negative total, ``next_seq`` of ``1.5`` or ``true``) would
+        otherwise be carried into every report and fail it forever, or reuse seqs."""
         try:
             raw = json.loads(self._state_path.read_bytes())
+            if not isinstance(raw, dict):
+                raise ValueError(f"not an object: {type(raw).__name__}")
+            instance = raw.get("agent_instance")
+            if not isinstance(instance, str) or not _INSTANCE_RE.match(instance):
+                raise ValueError(f"agent_instance {instance!r:.80} is not 1-64 characters")
             state = SpoolState(
-                agent_instance=str(raw["agent_instance"]),
-                next_seq=int(raw["next_seq"]),
-                dropped_total=int(raw.get("dropped_total", 0)),
-                quarantined_total=int(raw.get("quarantined_total", 0)),
-                rejected_total=int(raw.get("rejected_total", 0)),
+                agent_instance=instance,
+                next_seq=_count(raw, "next_seq", required=True),
+                dropped_total=_count(raw, "dropped_total"),
+                quarantined_total=_count(raw, "quarantined_total"),
+                rejected_total=_count(raw, "rejected_total"),
             )
-            if not state.agent_instance or state.next_seq < 0:
-                raise ValueError("empty agent_instance or negative next_seq")
             return state
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             self._quarantine(self._state_path, f"unreadable state file ({exc})")
         # A fresh instance id tells the controller this seq space is new, not a replay.
         state = SpoolState(

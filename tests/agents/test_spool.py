@@ -112,6 +112,42 @@ def test_corrupt_state_file_gives_a_fresh_instance(tmp_path: Path) -> None:
     assert reopened.agent_instance != old and reopened.state.quarantined_total == 1
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"dropped_total": -5},
+        {"quarantined_total": -1},
+        {"rejected_total": "3"},
+        {"dropped_total": 2**63},
+        {"next_seq": 1.5},
+        {"next_seq": True},
+        {"next_seq": -1},
+        {"agent_instance": ""},
+        {"agent_instance": 7},
+        {"agent_instance": "x" * 65},
+    ],
+)
+def test_a_state_file_with_a_wrong_type_or_range_gives_a_fresh_instance(
+    tmp_path: Path, bad: dict[str, object], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A state that reads but is wrong would fail every report forever (a negative total)
+    or reuse seqs (``1.5`` read as 1): it is set aside like a garbage one, with one line."""
+    spool = Spool(tmp_path, max_bytes=10_000_000)
+    spool.append(builder(spool))
+    spool.acknowledge(0)
+    state = json.loads((tmp_path / "state.json").read_text()) | {"next_seq": 3} | bad
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    with caplog.at_level("WARNING", logger="agents.spool"):
+        reopened = Spool(tmp_path, max_bytes=10_000_000)
+    assert reopened.agent_instance != spool.agent_instance
+    assert (reopened.next_seq, reopened.state.dropped_total) == (0, 0)
+    assert reopened.state.quarantined_total == 1
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("spool: quarantined state.json: unreadable state file (")
+    reopened.append(builder(reopened))  # reports build again
+    assert reopened.pending() == [0]
+
+
 def test_reject_moves_the_report_aside_with_its_reason(tmp_path: Path) -> None:
     spool = Spool(tmp_path, max_bytes=10_000_000)
     spool.append(builder(spool))
@@ -187,12 +223,11 @@ def test_a_crash_before_the_rename_leaves_no_partial_report(
 ) -> None:
     spool = Spool(tmp_path, max_bytes=10_000_000)
     spool.append(builder(spool))
-    import agents.atomic
 
     def die(*_: object) -> None:
         raise OSError("simulated crash between fsync and rename")
 
-    monkeypatch.setattr(agents.atomic.os, "replace", die)
+    monkeypatch.setattr("agents.atomic.os.replace", die)
     with pytest.raises(OSError):
         spool.append(builder(spool))
     monkeypatch.undo()
