@@ -259,8 +259,9 @@ class Agent:
 
     def sample(self) -> NodeSample:
         if self._fault_file is not None and isinstance(self.backend.api, SimNvml):
-            for fault in self._fault_file.poll():
-                due = self.backend.api.inject(fault)
+            api = self.backend.api
+            for fault in self._fault_file.poll(gpu_count=api.gpu_count):
+                due = api.inject(fault)
                 log.warning("simulated fault injected: %s", due.to_spec())
         gpus = self.sampler.sample()
         if self.sampler.inventory_version != self._inventory_version:

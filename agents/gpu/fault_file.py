@@ -6,18 +6,31 @@ fixed when the agent started. The agent follows a plain text file: each complete
 appended to it is one fault spec (``kind=xid,code=79,gpu=3,at=0``, ``at`` counted from the
 moment the line is read). Nothing but the simulated backend reads it; a real GPU's
 faults are real.
+
+The file may also be rewritten instead of appended to (``echo spec > file``, an editor
+saving a new file): when it is shorter than what was read, another file (inode) now, or no
+longer holds the bytes last read just before the read offset, it is read again from the
+start; so is a rewrite to the very same bytes, seen as a change of modification time with
+no growth. A line naming a GPU the node does not have is refused on its own, with one
+warning line; the other lines of the same poll still apply.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
+from typing import BinaryIO
 
 from agents.errors import AgentConfigError
 from agents.gpu.faults import FaultSpec, parse_fault_spec
 from trainguard.textfile import Unreadable, read_text
 
 log = logging.getLogger(__name__)
+
+
+#: Bytes kept from just before the read offset, to tell an append from a rewrite.
+_TAIL = 256
 
 
 class FaultFile:
@@ -27,6 +40,10 @@ class FaultFile:
         self.path = path
         self._offset = 0
         self._problem = ""
+        #: (inode, modification time) when the lines up to ``_offset`` were read.
+        self._seen: tuple[int, int] | None = None
+        #: The last bytes up to ``_offset`` (at most ``_TAIL``), as they were read.
+        self._tail = b""
 
     def check(self) -> None:
         """At start: a file that is not there yet is fine (followed until it appears); one
@@ -38,11 +55,12 @@ class FaultFile:
             if self.path.exists():  # not there yet (or a link to nothing yet): followed
                 raise AgentConfigError(f"sim_fault_file {self.path}: {exc.reason}") from None
 
-    def poll(self) -> list[FaultSpec]:
+    def poll(self, gpu_count: int | None = None) -> list[FaultSpec]:
+        """New complete lines, parsed; with ``gpu_count``, a line for a GPU outside
+        ``0 .. gpu_count - 1`` is refused (one warning line) and the rest still returned."""
         try:
             with self.path.open("rb") as f:
-                f.seek(self._offset)
-                data = f.read()
+                data = self._read_new(f)
         except FileNotFoundError:
             return []
         except OSError as exc:  # replaced by a directory, permissions changed: say so once
@@ -56,13 +74,44 @@ class FaultFile:
         if end < 0:
             return []  # a line still being written
         self._offset += end + 1
+        self._tail = (self._tail + data[: end + 1])[-_TAIL:]
         faults = []
         for raw in data[: end + 1].decode("utf-8", "replace").splitlines():
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue
             try:
-                faults.append(parse_fault_spec(line))
+                fault = parse_fault_spec(line)
             except AgentConfigError as exc:
                 log.warning("ignoring bad fault line in %s: %s", self.path, exc)
+                continue
+            if gpu_count is not None and not 0 <= fault.gpu < gpu_count:
+                log.warning(
+                    "ignoring fault line in %s: gpu %d out of range (the node has %d): %s",
+                    self.path,
+                    fault.gpu,
+                    gpu_count,
+                    line[:200],
+                )
+                continue
+            faults.append(fault)
         return faults
+
+    def _read_new(self, f: BinaryIO) -> bytes:
+        """The bytes past the offset, from the start again when the file was rewritten."""
+        f.seek(max(0, self._offset - len(self._tail)))
+        data = f.read()
+        st = os.fstat(f.fileno())  # after the read: a later write is seen next time
+        seen, self._seen = self._seen, (st.st_ino, st.st_mtime_ns)
+        tail_kept = data.startswith(self._tail) and len(data) >= len(self._tail)
+        same_length_rewrite = (
+            seen is not None and seen[1] != st.st_mtime_ns and len(data) == len(self._tail)
+        )
+        if self._offset and (
+            (seen is not None and seen[0] != st.st_ino) or not tail_kept or same_length_rewrite
+        ):
+            log.info("sim fault file %s was rewritten; reading it from the start", self.path)
+            self._offset, self._tail = 0, b""
+            f.seek(0)
+            return f.read()
+        return data[len(self._tail) :]

@@ -324,6 +324,11 @@ class SimNvml(SimEventsMixin):
         self._check("nvmlSystemGetDriverVersion")
         return "sim-550.54.15"
 
+    @property
+    def gpu_count(self) -> int:
+        """How many boards the simulated node has (never fails, unlike the NVML call)."""
+        return len(self._gpus)
+
     def nvmlDeviceGetCount(self) -> int:
         self._check("nvmlDeviceGetCount")
         return len(self._gpus)

@@ -236,6 +236,33 @@ def test_a_failing_tick_does_not_stop_the_agent(
     assert calls["n"] >= 12
 
 
+def test_a_fault_line_for_a_missing_gpu_costs_that_line_not_the_tick(
+    tmp_path: Path, sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    faults = tmp_path / "faults"
+    agent = Agent(
+        settings(
+            tmp_path,
+            sock_dir,
+            "http://127.0.0.1:9",
+            socket_path="",
+            metrics_port=-1,
+            sim_fault_file=faults,
+        )
+    )
+    try:
+        faults.write_text("kind=lost,gpu=99\nkind=thermal,gpu=2,at=0,duration=60\n")
+        with caplog.at_level("WARNING"):
+            sample = agent.sample()  # no ValueError out of the tick
+        assert len(sample.gpus) == 4
+        assert [(f.kind, f.gpu) for f in agent.backend.api.faults] == [("thermal", 2)]
+        assert any("gpu 99 out of range (the node has 4)" in r.getMessage() for r in caplog.records)
+    finally:
+        agent.batch.close()
+        agent.sampler.close()
+        agent.backend.shutdown()
+
+
 def test_settings_errors_are_one_line() -> None:
     with pytest.raises(AgentConfigError) as exc:
         load_settings(gpus="tpu:4", sample_interval_s=0, node_name="Node_1", metrics_port=70000)

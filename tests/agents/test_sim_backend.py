@@ -6,7 +6,9 @@ import dataclasses
 import inspect
 import itertools
 import logging
+import os
 from pathlib import Path
+from typing import Any
 
 import pynvml
 import pytest
@@ -43,10 +45,10 @@ class FakeClock:
         return self.t
 
 
-def make(clock: FakeClock, faults: str = "", **kw: object) -> tuple[SimNvml, list[object]]:
+def make(clock: FakeClock, faults: str = "", **kw: Any) -> tuple[SimNvml, list[object]]:
     api = SimNvml(
         gpu_count=4, faults=parse_fault_specs(faults) if faults else (), clock=clock, **kw
-    )  # type: ignore[arg-type]
+    )
     api.nvmlInit()
     return api, [api.nvmlDeviceGetHandleByIndex(i) for i in range(4)]
 
@@ -233,6 +235,53 @@ def test_faults_injected_at_run_time_count_from_the_moment_they_are_read(tmp_pat
     assert api.nvmlDeviceGetTemperature(handles[3], pynvml.NVML_TEMPERATURE_GPU) >= 88
     with pytest.raises(ValueError, match="gpu 9 out of range"):
         api.inject(dataclasses.replace(fault, gpu=9))
+
+
+def test_a_fault_file_rewritten_instead_of_appended_is_read_again_from_the_start(
+    tmp_path: Path,
+) -> None:
+    from agents.gpu.fault_file import FaultFile
+
+    path = tmp_path / "faults"
+    follow = FaultFile(path)
+    path.write_text("kind=xid,code=79,gpu=3,at=0\nkind=thermal,gpu=1,at=0,duration=5\n")
+    assert len(follow.poll()) == 2
+    path.write_text("kind=lost,gpu=0\n")  # echo spec > file: shorter than what was read
+    assert [(f.kind, f.gpu) for f in follow.poll()] == [("lost", 0)]
+    assert follow.poll() == []
+    path.write_text("kind=xid,code=48,gpu=2\nkind=lost,gpu=1\n")  # longer, other bytes
+    assert [(f.kind, f.gpu) for f in follow.poll()] == [("xid", 2), ("lost", 1)]
+    # The very same bytes written again: only the modification time says so.
+    before = path.stat().st_mtime_ns
+    path.write_text("kind=xid,code=48,gpu=2\nkind=lost,gpu=1\n")
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+    assert [(f.kind, f.gpu) for f in follow.poll()] == [("xid", 2), ("lost", 1)]
+    assert follow.poll() == []
+    # Replaced by another file (an editor's save) that starts the same: all of it is new.
+    fresh = tmp_path / "faults.new"
+    fresh.write_text("kind=xid,code=48,gpu=2\nkind=lost,gpu=1\nkind=lost,gpu=3\n")
+    os.replace(fresh, path)
+    assert [f.gpu for f in follow.poll()] == [2, 1, 3]
+    with path.open("a") as f:  # appending still yields only the new line
+        f.write("kind=lost,gpu=0\n")
+    assert [f.gpu for f in follow.poll()] == [0]
+
+
+def test_a_fault_line_for_a_gpu_the_node_lacks_is_refused_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from agents.gpu.fault_file import FaultFile
+
+    path = tmp_path / "faults"
+    path.write_text("kind=lost,gpu=99\nkind=xid,code=79,gpu=1\nkind=lost,gpu=-1\n")
+    caplog.set_level(logging.WARNING, logger="agents.gpu.fault_file")
+    (fault,) = FaultFile(path).poll(gpu_count=4)
+    assert (fault.kind, fault.gpu) == ("xid", 1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == (
+        f"ignoring fault line in {path}: gpu 99 out of range (the node has 4): kind=lost,gpu=99"
+    )
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
 
 
 def test_fault_file_that_cannot_be_read_is_refused_at_start_and_logged_once_later(
