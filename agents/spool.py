@@ -14,7 +14,9 @@ sent, so after a crash (even ``kill -9`` or power loss) a report is either whole
 larger of the state file and the newest spooled report; reports are sent oldest first and
 deleted only after the controller acknowledged them. The spool is bounded by bytes: when a
 new report does not fit, the oldest are dropped and counted in ``dropped_total``, which the
-next report carries to the controller.
+next report carries to the controller; a report larger than the whole bound is not spooled
+at all (it goes to ``rejected/`` with its reason, counted in ``dropped_total``), so the bound
+holds and the older reports are kept.
 """
 
 from __future__ import annotations
@@ -196,19 +198,47 @@ class Spool:
         return self.reports_dir / f"{seq:012d}.json"
 
     def append(self, build: Callable[[int, int], Report]) -> int:
-        """Build report ``next_seq`` with ``build(seq, dropped_total)`` and make it durable."""
+        """Build report ``next_seq`` with ``build(seq, dropped_total)`` and make it durable.
+
+        The oldest reports make room for a new one. A report larger than ``max_bytes`` on
+        its own could never fit: it is not spooled (emptying the spool for it would lose
+        every older report and still break the bound) but set aside in ``rejected/`` with
+        the reason, its seq used up and counted in ``dropped_total`` (so the next report
+        tells the controller one went missing); the older reports stay queued.
+        """
         with self._lock:
             seq = self.state.next_seq
-            data = _encode(build(seq, self.state.dropped_total))
-            dropped = self._make_room(len(data))
-            if dropped:
+            while True:  # rebuilt after a drop: the new dropped_total may change its size
                 data = _encode(build(seq, self.state.dropped_total))
+                if len(data) > self.max_bytes:
+                    self._set_aside_oversized(seq, data)
+                    return seq
+                if not self._make_room(len(data)):
+                    break
             write_atomic(self.path_for(seq), data)
             self._sizes[seq] = len(data)
             self._total_bytes += len(data)
             self.state.next_seq = seq + 1
             self._save_state()
             return seq
+
+    def _set_aside_oversized(self, seq: int, data: bytes) -> None:
+        self.state.dropped_total += 1
+        self.state.next_seq = seq + 1
+        reason = f"{len(data)} bytes, larger than the whole spool ({self.max_bytes} bytes max)"
+        log.error(
+            "spool: report %d not spooled: %s; set aside in %s", seq, reason, self.rejected_dir
+        )
+        target = self.rejected_dir / self.path_for(seq).name
+        try:
+            write_atomic(target, data)
+            (self.rejected_dir / f"{target.name}.reason.txt").write_text(reason + "\n")
+        except OSError as exc:
+            log.error(
+                "spool: cannot keep oversized report %d in %s (%s)", seq, self.rejected_dir, exc
+            )
+        self._save_state()
+        self._prune_rejected()
 
     def _make_room(self, incoming: int) -> int:
         dropped = 0

@@ -85,6 +85,26 @@ def test_bound_drops_the_oldest_and_counts_it_persistently(tmp_path: Path) -> No
     assert Spool(tmp_path, max_bytes=64 * 1024).state.dropped_total == pending[0]
 
 
+def test_a_report_larger_than_the_whole_spool_is_set_aside_alone(tmp_path: Path) -> None:
+    """Emptying the spool for it would lose every older report and still break the bound:
+    it goes to rejected/ with its reason, uses up its seq and counts as dropped."""
+    spool = Spool(tmp_path, max_bytes=16 * 1024)
+    for _ in range(3):
+        spool.append(builder(spool, pad=1000))
+    assert spool.append(builder(spool, pad=20_000)) == 3
+    assert spool.pending() == [0, 1, 2] and spool.stats()[1] <= 16 * 1024
+    assert spool.state.dropped_total == 1 and spool.next_seq == 4
+    assert not spool.path_for(3).exists()
+    reason = (spool.rejected_dir / "000000000003.json.reason.txt").read_text()
+    assert "larger than the whole spool (16384 bytes max)" in reason
+    assert Report.model_validate_json((spool.rejected_dir / "000000000003.json").read_bytes())
+    spool.append(builder(spool))  # the next one tells the controller, under the next seq
+    newest = Report.model_validate_json(spool.path_for(4).read_bytes())
+    assert newest.spool_dropped_total == 1
+    reopened = Spool(tmp_path, max_bytes=16 * 1024)
+    assert reopened.pending() == [0, 1, 2, 4] and reopened.state.dropped_total == 1
+
+
 def test_torn_and_stray_files_are_quarantined_not_fatal(tmp_path: Path) -> None:
     spool = Spool(tmp_path, max_bytes=10_000_000)
     for _ in range(3):
