@@ -202,6 +202,7 @@ class LiveController:
     app: Any = None
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
     _errors: list[BaseException] = field(default_factory=list)
 
     @property
@@ -250,8 +251,12 @@ class LiveController:
         self._server = server
 
         def run() -> None:
+            async def serve() -> None:
+                self._loop = asyncio.get_running_loop()
+                await server.serve(sockets=[sock])
+
             try:
-                asyncio.run(server.serve(sockets=[sock]))
+                asyncio.run(serve())
             except BaseException as exc:  # surfaced by start()/stop()
                 self._errors.append(exc)
             finally:
@@ -273,13 +278,39 @@ class LiveController:
         self._server.should_exit = True
         self._thread.join(timeout=30)
         if self._thread.is_alive():
-            raise TimeoutError("controller did not stop within 30 s")
+            raise TimeoutError(f"controller did not stop within 30 s\n{self._stuck()}")
         self._server = None
         self._thread = None
 
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    def _stuck(self) -> str:
+        """Where a controller that does not stop is waiting: every thread's stack (the
+        server's, the store's writer, ``to_thread`` workers) and every task still pending on
+        its event loop, each with the line it waits at."""
+        import sys
+        import traceback
+
+        lines = []
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if ident != threading.get_ident():  # every other thread: the writer's, to_thread's
+                lines += [f"thread {names.get(ident, ident)}:", *traceback.format_stack(frame)]
+        loop = self._loop
+        if loop is not None:
+            try:
+                tasks = list(asyncio.all_tasks(loop))
+            except RuntimeError:  # the set changed while we read it: one more try
+                tasks = list(asyncio.all_tasks(loop))
+            for task in tasks:
+                stack = "".join(
+                    f"  {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}\n"
+                    for f in task.get_stack()
+                )
+                lines.append(f"task {task.get_name()}:\n{stack}")
+        return "\n".join(lines)
 
 
 ControllerFactory = Callable[..., LiveController]
