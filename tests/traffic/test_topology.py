@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from controller.logic.traffic.errors import TopologyError
-from controller.logic.traffic.fattree import FatTreeSpec, build_fat_tree
+from controller.logic.traffic.fattree import MAX_LINKS, MAX_SWITCHES, FatTreeSpec, build_fat_tree
 from controller.logic.traffic.topofile import (
     LabelFabric,
     load_topology,
@@ -127,6 +127,56 @@ def test_fat_tree_and_explicit_are_exclusive_and_one_is_needed() -> None:
         topology_from_dict({"name": "x"})
     with pytest.raises(TopologyError, match=re.escape("fat_tree.tiers")):
         topology_from_dict({"fat_tree": {"nodes": 2, "tiers": 4}})
+
+
+@pytest.mark.parametrize(
+    ("fat_tree", "message"),
+    [
+        # 16 / 1e-300 uplinks per leaf: the builder used to make spine names for ever.
+        (
+            {"nodes": 16, "nodes_per_leaf": 4, "oversubscription": 1e-300},
+            "fat_tree.oversubscription",
+        ),
+        ({"nodes": 16, "oversubscription": 5e-324}, "fat_tree.oversubscription"),
+        ({"nodes": 4, "nodes_per_leaf": 10**12}, "fat_tree.nodes_per_leaf"),
+        ({"nodes": 4, "tiers": 3, "leaves_per_pod": 10**9}, "fat_tree.leaves_per_pod"),
+        (
+            {"nodes": 64, "tiers": 3, "leaves_per_pod": 4, "core_oversubscription": 1e-300},
+            "fat_tree.core_oversubscription",
+        ),
+        ({"nodes": 2, "nodes_per_leaf": 199_999}, f"the limit is {MAX_SWITCHES}"),
+        ({"nodes": 500_000, "nodes_per_leaf": 64}, f"the limit is {MAX_LINKS} links"),
+        ({"nodes": 4, "oversubscription": float("nan")}, "fat_tree.oversubscription"),
+    ],
+)
+def test_fat_tree_past_the_size_limit_is_refused_at_once(
+    fat_tree: dict[str, object], message: str
+) -> None:
+    with pytest.raises(TopologyError) as err:
+        topology_from_dict({"fat_tree": fat_tree})
+    assert message in str(err.value) and "\n" not in str(err.value)
+    spec = FatTreeSpec(**{k: v for k, v in fat_tree.items()})  # type: ignore[arg-type]
+    with pytest.raises(TopologyError, match="fat_tree"):
+        build_fat_tree(spec)
+
+
+def test_fat_tree_size_limit_reaches_the_controller_and_the_cli(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from controller.errors import BadConfig
+    from controller.services.traffic.service import load_fabric
+    from trainguard.cli.cmd_plan import app
+
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("fat_tree: {nodes: 16, nodes_per_leaf: 4, oversubscription: 1.0e-300}\n")
+    with pytest.raises(BadConfig) as err:
+        load_fabric(huge)
+    assert str(err.value).startswith(f"topology_file {huge}: fat_tree.oversubscription")
+    assert "\n" not in str(err.value)
+    res = CliRunner().invoke(app, ["simulate", "-t", str(huge)])
+    assert res.exit_code == 2, res.output
+    out = res.stderr if res.stderr_bytes is not None else res.output
+    assert out.count("\n") == 1 and "fat_tree.oversubscription" in out
 
 
 def test_load_yaml_and_json_files(tmp_path: Path) -> None:

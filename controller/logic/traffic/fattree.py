@@ -50,17 +50,62 @@ class FatTreeSpec:
     name: str = "fat-tree"
 
 
+MAX_SWITCHES = 200_000
+"""Most switches a generated fat tree may have. The builder materialises every switch, cable
+and NIC port as an object, so a spec whose counts follow from a tiny oversubscription or a huge
+``nodes_per_leaf`` would otherwise spin (and fill memory) for ever instead of failing."""
+MAX_LINKS = 4_000_000
+"""Most cables plus NIC ports a generated fat tree may have (about 40 s to build at the
+limit); 131,072 eight-NIC servers at the defaults need 2.1 million."""
+
+
 def _positive(spec: FatTreeSpec) -> None:
     for key in ("nodes", "nics_per_node", "ports_per_nic", "nodes_per_leaf", "leaves_per_pod"):
         if int(getattr(spec, key)) < 1:
             raise TopologyError(f"fat_tree.{key} must be >= 1")
     for key in ("port_speed_gbps", "oversubscription", "core_oversubscription"):
-        if not float(getattr(spec, key)) > 0:
-            raise TopologyError(f"fat_tree.{key} must be > 0")
+        value = float(getattr(spec, key))
+        if not (math.isfinite(value) and value > 0):
+            raise TopologyError(f"fat_tree.{key} must be a finite number > 0")
     if spec.tiers not in (2, 3):
         raise TopologyError("fat_tree.tiers must be 2 or 3")
     if spec.ports_per_nic > 4:
         raise TopologyError("fat_tree.ports_per_nic must be 1..4")
+
+
+def _uplinks(down: int, ratio: float, key: str, down_key: str) -> int:
+    """``max(1, round(down / ratio))``, refused before it can become an absurd switch count
+    (or ``inf``, which ``round`` cannot take) and name the field to change."""
+    up = down / ratio
+    if not up <= MAX_SWITCHES:
+        field = key if ratio < 1 else down_key
+        raise TopologyError(
+            f"fat_tree.{field}: gives {up:.3g} uplinks per switch "
+            f"({down_key} / {key}); a generated fat tree may have at most {MAX_SWITCHES} switches"
+        )
+    return max(1, round(up))
+
+
+def _check_size(spec: FatTreeSpec, n_leaves: int, n_up: int, n_core: int) -> None:
+    """Count what the builder would create, in plain integers, before creating any of it."""
+    ports = spec.nodes * spec.nics_per_node * spec.ports_per_nic
+    if spec.tiers == 2:
+        switches = n_leaves + n_up
+        cables = n_leaves * n_up
+    else:
+        pods = math.ceil(n_leaves / spec.leaves_per_pod)
+        switches = n_leaves + n_up * n_core + pods * n_up
+        cables = n_leaves * n_up + pods * n_up * n_core
+    if switches > MAX_SWITCHES:
+        raise TopologyError(
+            f"fat_tree: {switches} switches (nodes, nodes_per_leaf, oversubscription"
+            f"{', leaves_per_pod' if spec.tiers == 3 else ''}); the limit is {MAX_SWITCHES}"
+        )
+    if cables + ports > MAX_LINKS:
+        raise TopologyError(
+            f"fat_tree: {cables} cables + {ports} NIC ports (nodes, nics_per_node, "
+            f"ports_per_nic, oversubscription); the limit is {MAX_LINKS} links"
+        )
 
 
 def build_fat_tree(spec: FatTreeSpec) -> Topology:
@@ -70,7 +115,16 @@ def build_fat_tree(spec: FatTreeSpec) -> Topology:
     rails = spec.nics_per_node if spec.rail_optimized else 1
     planes = spec.ports_per_nic
     down_ports = spec.nodes_per_leaf * (1 if spec.rail_optimized else spec.nics_per_node)
-    n_up = max(1, round(down_ports / spec.oversubscription))
+    n_up = _uplinks(down_ports, spec.oversubscription, "oversubscription", "nodes_per_leaf")
+    n_core = 1
+    if spec.tiers == 3:
+        n_core = _uplinks(
+            spec.leaves_per_pod,
+            spec.core_oversubscription,
+            "core_oversubscription",
+            "leaves_per_pod",
+        )
+    _check_size(spec, groups * rails * planes, n_up, n_core)
 
     def leaf_name(g: int, r: int, p: int) -> str:
         return f"leaf-g{g:03d}-r{r}-p{p}" if spec.rail_optimized else f"leaf-g{g:03d}-p{p}"
@@ -85,7 +139,6 @@ def build_fat_tree(spec: FatTreeSpec) -> Topology:
         switches += [SwitchSpec(name=s, tier=2) for s in spines]
         cables += [CableSpec(leaf, s, speed) for leaf in leaves for s in spines]
     else:
-        n_core = max(1, round(spec.leaves_per_pod / spec.core_oversubscription))
         pods = math.ceil(len(leaves) / spec.leaves_per_pod)
         cores = [[f"core-{j:03d}-{c:03d}" for c in range(n_core)] for j in range(n_up)]
         switches += [SwitchSpec(name=c, tier=3) for grp in cores for c in grp]
@@ -120,4 +173,4 @@ def build_fat_tree(spec: FatTreeSpec) -> Topology:
     )
 
 
-__all__ = ["FatTreeSpec", "build_fat_tree"]
+__all__ = ["MAX_LINKS", "MAX_SWITCHES", "FatTreeSpec", "build_fat_tree"]

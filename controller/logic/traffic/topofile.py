@@ -51,10 +51,10 @@ class FatTreeIn(_Strict):
     port_speed_gbps: float = Field(200.0, gt=0)
     nodes_per_leaf: int = Field(16, ge=1)
     rail_optimized: bool = True
-    oversubscription: float = Field(1.0, gt=0)
+    oversubscription: float = Field(1.0, gt=0, allow_inf_nan=False)
     tiers: Literal[2, 3] = 2
     leaves_per_pod: int = Field(8, ge=1)
-    core_oversubscription: float = Field(1.0, gt=0)
+    core_oversubscription: float = Field(1.0, gt=0, allow_inf_nan=False)
 
 
 class SwitchIn(_Strict):
