@@ -32,12 +32,22 @@ CONFLICT: dict[int | str, dict[str, Any]] = {
 }
 
 
+MIN_CAPACITY_FACTOR = 0.001
+"""Least share of capacity a slow link may keep. Below a thousandth the link carries nothing
+useful (say ``down``), and a denormal like ``1e-320`` turns the planner's capacities into 0 and
+its load ratios into ``inf``."""
+
+
 class LinkStateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     state: Literal["up", "down", "slow"]
     capacity_factor: float | None = Field(
-        default=None, gt=0.0, lt=1.0, description="Share of capacity left; required for slow"
+        default=None,
+        ge=MIN_CAPACITY_FACTOR,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="Share of capacity left, 0.001 to <1; required for slow",
     )
 
     @model_validator(mode="after")

@@ -138,3 +138,16 @@ def test_slow_link_incident_marks_the_suspect_links_slow_and_replans(
     assert action["trigger"] == f"incident:{incident['id']}" and action["status"] == "succeeded"
     assert action["target"] == f"job:{JOB}"
     assert f"marked {len(expected)} link(s) slow at 0.10" in action["outcome"]
+
+
+@pytest.mark.parametrize("factor", [1e-320, 0.0, 0.0009, float("nan"), float("inf"), 1.0])
+def test_slow_link_factor_outside_the_documented_range_is_refused(factor: float) -> None:
+    from pydantic import ValidationError
+
+    from controller.api.traffic import LinkStateRequest
+
+    with pytest.raises(ValidationError) as err:
+        LinkStateRequest.model_validate({"state": "slow", "capacity_factor": factor})
+    assert err.value.errors()[0]["loc"] == ("capacity_factor",)
+    ok = LinkStateRequest.model_validate({"state": "slow", "capacity_factor": 0.001})
+    assert ok.factor() == 0.001
