@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -203,6 +204,51 @@ def test_load_yaml_and_json_files(tmp_path: Path) -> None:
     with pytest.raises(TopologyError) as info:
         load_topology(tmp_path)
     assert str(info.value) == f"{tmp_path}: Is a directory"
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (["port_speed_gbps"], math.inf, "port_speed_gbps: Input should be a finite number"),
+        (["port_speed_gbps"], 1e300, "port_speed_gbps: Input should be less than or equal"),
+        (["cables", 0, "capacity_gbps"], math.inf, "cables.0.capacity_gbps: Input should be a fin"),
+        (["nodes", 0, "nics", 0, "ports", 0, "capacity_gbps"], math.nan, "ports.0.capacity_gbps"),
+    ],
+)
+def test_infinite_or_absurd_capacities_are_refused(path, value, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(TopologyError) as err:
+        topology_from_dict(_mutate(path, value))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_infinite_capacities_in_json_and_fat_tree_are_refused(tmp_path: Path) -> None:
+    j = tmp_path / "fabric.json"
+    doc = _mutate(["cables", 0, "capacity_gbps"], 1)
+    j.write_text(json.dumps(doc).replace('"capacity_gbps": 1', '"capacity_gbps": 1e309'))
+    with pytest.raises(TopologyError, match=r"cables\.0\.capacity_gbps: Input should be a finite"):
+        load_topology(j)
+    with pytest.raises(TopologyError, match=r"fat_tree\.port_speed_gbps"):
+        topology_from_dict({"fat_tree": {"nodes": 2, "port_speed_gbps": math.inf}})
+
+
+def test_label_fabric_refuses_infinite_speeds_and_absurd_spines() -> None:
+    from controller.errors import BadConfig
+    from controller.services.traffic.labels import label_fabric
+
+    p = "topology.trainguard.io/"
+    labels = {"n1": {f"{p}nic0": "tor-a", f"{p}port-speed-gbps": "inf"}}
+    with pytest.raises(TopologyError, match="port-speed-gbps must be in"):
+        topology_from_labels(labels, LabelFabric(spines=2))
+    with pytest.raises(TopologyError, match="label fabric"):
+        topology_from_labels(labels, LabelFabric(spines=10**12))
+    for raw in (
+        {"port_speed_gbps": math.inf},
+        {"oversubscription": math.inf},
+        {"spines": 10**12},
+        {"spines": math.inf},
+    ):
+        with pytest.raises(BadConfig, match=r"^topology_labels: "):
+            label_fabric(raw)
 
 
 def test_labels_give_bonded_two_tier_fabric() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +41,20 @@ LABEL_PREFIX = "topology.trainguard.io/"
 _NIC_LABEL = re.compile(r"^nic(\d{1,3})$")
 
 
+MAX_GBPS = 1_000_000.0
+"""Largest port or cable speed accepted (1 Pb/s; real ports are at most a few Tb/s). Bounded
+and finite so ``inf`` (``1e309`` in JSON) or ``1e300`` cannot reach the planner's arithmetic,
+where a link of infinite capacity makes every load ratio 0 or NaN."""
+
+
+MAX_LABEL_SPINES = 4096
+"""Most spines a label fabric may name: every leaf gets a cable to each, built as objects."""
+
+
+def _gbps(default: float | None) -> Any:
+    return Field(default, gt=0, le=MAX_GBPS, allow_inf_nan=False)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -48,7 +63,7 @@ class FatTreeIn(_Strict):
     nodes: int = Field(ge=1, le=1_000_000)
     nics_per_node: int = Field(8, ge=1, le=64)
     ports_per_nic: int = Field(1, ge=1, le=4)
-    port_speed_gbps: float = Field(200.0, gt=0)
+    port_speed_gbps: float = _gbps(200.0)
     nodes_per_leaf: int = Field(16, ge=1)
     rail_optimized: bool = True
     oversubscription: float = Field(1.0, gt=0, allow_inf_nan=False)
@@ -65,12 +80,12 @@ class SwitchIn(_Strict):
 class CableIn(_Strict):
     lower: str
     upper: str
-    capacity_gbps: float | None = Field(None, gt=0)
+    capacity_gbps: float | None = _gbps(None)
 
 
 class PortIn(_Strict):
     leaf: str
-    capacity_gbps: float | None = Field(None, gt=0)
+    capacity_gbps: float | None = _gbps(None)
 
 
 class NicIn(_Strict):
@@ -86,7 +101,7 @@ class NodeIn(_Strict):
 class TopologyIn(_Strict):
     version: Literal[1] = 1
     name: str = Field("fabric", min_length=1, max_length=128)
-    port_speed_gbps: float = Field(200.0, gt=0)
+    port_speed_gbps: float = _gbps(200.0)
     """Default capacity of ports and cables that do not give one."""
     fat_tree: FatTreeIn | None = None
     switches: list[SwitchIn] = Field(default_factory=list)
@@ -193,8 +208,15 @@ class LabelFabric:
 
 def topology_from_labels(labels: Mapping[str, Mapping[str, str]], fabric: LabelFabric) -> Topology:
     """Build a two-tier topology from node → labels; nodes without NIC labels are skipped."""
-    if fabric.spines < 1 or not fabric.oversubscription > 0 or not fabric.port_speed_gbps > 0:
-        raise TopologyError("label fabric: spines >= 1, oversubscription > 0, speed > 0")
+    if (
+        not 1 <= fabric.spines <= MAX_LABEL_SPINES
+        or not 0 < fabric.oversubscription < math.inf
+        or not 0 < fabric.port_speed_gbps <= MAX_GBPS
+    ):
+        raise TopologyError(
+            f"label fabric: spines 1..{MAX_LABEL_SPINES}, oversubscription finite > 0, "
+            f"speed in (0, {MAX_GBPS:g}]"
+        )
     nodes: list[NodeSpec] = []
     down: dict[str, float] = {}
     for node in sorted(labels):
@@ -209,8 +231,10 @@ def topology_from_labels(labels: Mapping[str, Mapping[str, str]], fabric: LabelF
                 raise TopologyError(
                     f"node {node!r}: {LABEL_PREFIX}port-speed-gbps is not a number"
                 ) from None
-            if not speed > 0:
-                raise TopologyError(f"node {node!r}: {LABEL_PREFIX}port-speed-gbps must be > 0")
+            if not 0 < speed <= MAX_GBPS:
+                raise TopologyError(
+                    f"node {node!r}: {LABEL_PREFIX}port-speed-gbps must be in (0, {MAX_GBPS:g}]"
+                )
         nics: dict[int, NicSpec] = {}
         for key, value in mine.items():
             m = _NIC_LABEL.match(key)
@@ -248,6 +272,8 @@ def topology_from_labels(labels: Mapping[str, Mapping[str, str]], fabric: LabelF
 
 __all__ = [
     "LABEL_PREFIX",
+    "MAX_GBPS",
+    "MAX_LABEL_SPINES",
     "LabelFabric",
     "load_topology",
     "parse_document",

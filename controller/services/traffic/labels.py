@@ -8,11 +8,18 @@ when the labelled nodes or their labels change; the service then re-plans every 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from controller.errors import BadConfig
-from controller.logic.traffic.topofile import LABEL_PREFIX, LabelFabric, topology_from_labels
+from controller.logic.traffic.topofile import (
+    LABEL_PREFIX,
+    MAX_GBPS,
+    MAX_LABEL_SPINES,
+    LabelFabric,
+    topology_from_labels,
+)
 from controller.logic.traffic.topology import Topology
 from controller.state import ClusterState
 
@@ -34,10 +41,17 @@ def label_fabric(raw: Mapping[str, Any] | None) -> LabelFabric | None:
             port_speed_gbps=float(raw.get("port_speed_gbps", 200.0)),
             name=str(raw.get("name", "labels")),
         )
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise BadConfig(f"topology_labels: {exc}") from None
-    if fabric.spines < 1 or not fabric.oversubscription > 0 or not fabric.port_speed_gbps > 0:
-        raise BadConfig("topology_labels: spines >= 1, oversubscription > 0, speed > 0")
+    if (
+        not 1 <= fabric.spines <= MAX_LABEL_SPINES
+        or not 0 < fabric.oversubscription < math.inf
+        or not 0 < fabric.port_speed_gbps <= MAX_GBPS
+    ):
+        raise BadConfig(
+            f"topology_labels: spines 1..{MAX_LABEL_SPINES}, oversubscription finite > 0, "
+            f"port_speed_gbps in (0, {MAX_GBPS:g}]"
+        )
     return fabric
 
 
