@@ -49,6 +49,11 @@ class Level(IntEnum):
     BRAKE = 4  # everything at the lowest clock / minimum power limit
 
 
+MAX_POLICY_S = 86_400.0
+"""Longest hold, escalation delay, staleness or command timeout a policy may give (one day).
+A cap held for ``1e308`` s would never be lifted, and ``now + 1e308`` is no longer a time;
+anything past a day is a typo, not a policy."""
+
 #: Keys accepted in ``clock_overrides_mhz[model]`` (one per capped state).
 CLOCK_CAP_KEYS = ("lp_t1", "lp_t2", "hp_t2", "brake")
 
@@ -102,8 +107,15 @@ def validate_policy(cfg: PolicyConfig, path: str) -> None:
         )
     for name in ("min_hold_s", "escalate_after_s", "stale_after_s", "command_timeout_s"):
         value = getattr(cfg, name)
-        if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-            raise ConfigError(f"{path}.{name}: must be a non-negative number, got {value!r}")
+        if not (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and 0 <= value <= MAX_POLICY_S
+        ):
+            raise ConfigError(
+                f"{path}.{name}: must be a number of seconds in [0, {MAX_POLICY_S:g}], "
+                f"got {value!r}"
+            )
     if cfg.stale_after_s <= 0:
         raise ConfigError(f"{path}.stale_after_s: must be > 0, got {cfg.stale_after_s!r}")
     if not isinstance(cfg.knob, Knob):

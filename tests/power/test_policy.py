@@ -335,6 +335,16 @@ def test_policy_config_rejects_inverted_thresholds() -> None:
         PolicyConfig(t1_frac=0.9, t2_frac=0.8)
 
 
+@pytest.mark.parametrize(
+    "field", ["min_hold_s", "escalate_after_s", "stale_after_s", "command_timeout_s"]
+)
+@pytest.mark.parametrize("value", [1e308, 86_401.0, float("inf"), True])
+def test_policy_times_past_a_day_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"^policy.{field}: must be a number of seconds in"):
+        PolicyConfig(**{field: value})  # type: ignore[arg-type]
+    assert getattr(PolicyConfig(**{field: 86_400.0}), field) == 86_400.0  # type: ignore[arg-type]
+
+
 def test_effects_report_power_before_after_and_time_to_show() -> None:
     loop = Loop(PowerPolicy(tree({"min_hold_s": 10})))
     first = loop.tick(0.0, 0.85)
