@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -205,12 +205,22 @@ def test_the_agent_reports_nics_and_a_vanished_nic_at_once(
     )
     agent = Agent(s)
     assert agent.identity.nics[0].gpu_affinity == {0: "PIX", 1: "PHB", 2: "NODE", 3: "SYS"}
+    # The card goes away once a sample has listed it (a fixed sleep was sometimes shorter
+    # than the agent's first sample on a loaded machine: then nothing was "gone").
+    sampled = threading.Event()
+    add_sample = agent.batch.add_sample
+
+    def add_and_tell(sample: Any) -> None:
+        add_sample(sample)
+        sampled.set()
+
+    agent.batch.add_sample = add_and_tell  # type: ignore[method-assign]
     stop = threading.Event()
     agent.start()
     thread = threading.Thread(target=agent.run_until, args=(stop,), daemon=True)
     thread.start()
     try:
-        time.sleep(0.2)
+        assert sampled.wait(10), "the agent took no sample in 10 s"
         tree.remove_nic("mlx5_1")
         agents_controller.wait_for(lambda: len(agents_controller.state.reports) >= 1, 10)
     finally:
