@@ -396,10 +396,11 @@ def fast_remediation_engine(controller_defaults: dict[str, Any]) -> float:
 
 # Tests that run a whole cluster (controller, agents, a multi-rank training job) and judge
 # it by how fast faults are detected and recovered. Under ``pytest -n --dist loadgroup`` (as
-# ``make test`` runs) they form two groups of about equal length (one per worker) and go
-# first: in one chain they would be the critical path (about 8 minutes here), longer than
-# the whole budget. Their margins are sized for a loaded 2-core machine. Every other test
-# module stays whole on one worker so its module-scoped fixtures start once.
+# ``make test`` runs) they form chains of about equal length (one per worker: two or
+# three, below) and go first: in one chain they would be the critical path (about 8
+# minutes here), longer than the whole budget. Their margins are sized for a loaded
+# 2-core machine. Every other test module stays whole on one worker so its module-scoped
+# fixtures start once.
 #
 # The grouping is done by the scheduler below, from the node id's path, not by xdist_group
 # marks: pytest 9 keeps node ids in ``Item._id``, and xdist 3.8 still appends the group to
@@ -411,21 +412,37 @@ _CLUSTER_TESTS = ("tests/e2e/",)
 SLOW_TEST_RERUNS = 1
 
 
-# Chain a: the demo (~1.5 min), recovery and the Kubernetes JobSet run; chain b: the
-# detection scenarios (~2 min, ranks forked from the torch zygote), the walking skeleton
-# (tests/e2e/test_e2e_loop.py, ~1.2 min) and the PyTorchJob run. Measured here in one
-# `make test` at load 3-14: chain a 400 s, chain b 448 s of wall.
-_CLUSTER_A = (
-    "tests/e2e/test_demo.py",
-    "tests/e2e/test_recovery_e2e.py",
-    "tests/e2e/test_k8s_jobset_e2e.py",
-)
+# How the cluster tests chain up: with two workers (``make test`` before), two chains (a:
+# the demo, recovery and the Kubernetes JobSet run; b: the detection scenarios, the walking
+# skeleton and the PyTorchJob run), measured here at load 3-14 at 400 s and 448 s of wall;
+# with three or more workers, three chains of about 300-370 s each (per file, at load ~8:
+# demo 172 s, recovery 162, JobSet 140, walking skeleton 214, PyTorchJob 137, detection 159).
+_CLUSTER_CHAINS = {
+    2: (
+        ("tests/e2e/test_demo.py", "tests/e2e/test_recovery_e2e.py", "tests/e2e/test_k8s_jobset"),
+        ("tests/e2e/",),
+    ),
+    3: (
+        ("tests/e2e/test_demo.py", "tests/e2e/test_k8s_jobset"),
+        ("tests/e2e/test_recovery_e2e.py", "tests/e2e/test_k8s_pytorchjob"),
+        ("tests/e2e/",),
+    ),
+}
 
 
-def _group_of(path: str) -> str:
+def _chains(config: pytest.Config) -> int:
+    """Cluster chains for this run: one per worker, two or three."""
+    workers = getattr(config.option, "numprocesses", None)
+    return 3 if isinstance(workers, int) and workers >= 3 else 2
+
+
+def _group_of(path: str, chains: int = 2) -> str:
     if not path.startswith(_CLUSTER_TESTS):
         return path
-    return "cluster-a" if path.startswith(_CLUSTER_A) else "cluster-b"
+    for name, prefixes in zip("abc", _CLUSTER_CHAINS[chains], strict=False):
+        if path.startswith(prefixes):
+            return f"cluster-{name}"
+    raise AssertionError(f"no chain for {path}")  # the last chain's prefix is tests/e2e/
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -436,8 +453,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     items.sort(key=lambda item: not path(item).startswith(_CLUSTER_TESTS))  # stable
     rerun = config.pluginmanager.hasplugin("rerunfailures")
+    chains = _chains(config)
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group_of(path(item))))
+        item.add_marker(pytest.mark.xdist_group(_group_of(path(item), chains)))
         if rerun and item.get_closest_marker("slow") and not item.get_closest_marker("flaky"):
             # Multi-process tests race real processes, sockets and timers on a shared
             # 2-core machine: one that fails runs once more, and the summary lists it as a
@@ -455,7 +473,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _group_of(nodeid.split("::", 1)[0])
+            return _group_of(nodeid.split("::", 1)[0], _chains(config))
 
         def schedule(self) -> None:
             # Keep collection order (cluster first) rather than "most tests first".
