@@ -34,6 +34,11 @@ from trainguard.textfile import Unreadable, read_text, yaml_problem
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _KEYS = frozenset({"name", "kind", "budget_w", "policy", "children", "gpu_index"})
+MAX_DOMAINS = 4096
+"""Most domains (of every kind, GPUs included) one tree may hold. The controller's views walk
+the whole tree and every tick aggregates it and plans each GPU under it; past a few thousand
+servers one PUT or one tick would hold the controller for seconds. Checked while parsing, so
+a larger document is refused before it is built."""
 
 
 class DomainKind(IntEnum):
@@ -192,6 +197,8 @@ def _parse(
         )
     if name in seen:
         raise ConfigError(f"{path}.name: duplicate domain name {name!r} (also at {seen[name]})")
+    if len(seen) >= MAX_DOMAINS:
+        raise ConfigError(f"{path}: the tree has more than {MAX_DOMAINS} domains (the limit)")
     seen[name] = path
     try:
         kind = DomainKind[str(raw["kind"]).upper()]

@@ -185,10 +185,7 @@ class PowerPolicy:
 
     def actuation_latency_s(self, quantile: float = 0.99) -> float | None:
         """A quantile of measured command latencies, for deriving T2 (None before any)."""
-        if not self.latencies_s:
-            return None
-        ordered = sorted(self.latencies_s)
-        return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+        return latency_quantile(self.latencies_s, quantile)
 
     # ------------------------------------------------------------------ domains
     def _step_domain(
@@ -478,6 +475,15 @@ class PowerPolicy:
         return f"{self._id_prefix}-{next(self._ids):010d}"
 
 
+def latency_quantile(samples: Iterable[float], quantile: float) -> float | None:
+    """A quantile of command latencies (None before any): one rule for the policy and for
+    the controller's view, which reads a snapshot rather than the policy's live deque."""
+    ordered = sorted(samples)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+
+
 def _effect(
     name: str, pending: tuple[Level, Level, float, float], power_w: float, seen: bool, now_s: float
 ) -> ActuationEffect:
@@ -508,4 +514,5 @@ __all__ = [
     "PolicyIncident",
     "PowerPolicy",
     "TickResult",
+    "latency_quantile",
 ]

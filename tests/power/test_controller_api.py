@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from controller.settings import ControllerSettings
+from power.domains import MAX_DOMAINS
 from trainguard import wire
 
 TREE: dict[str, Any] = {
@@ -65,6 +66,13 @@ def test_put_get_persist_and_priority(
         r = op.put("/api/v1/power/domains", json=bad)
         assert r.status_code == 422
         assert r.json()["detail"].startswith("body: domains.children[0].budget_w:")
+        # A tree past the domain limit is refused whole, in one line, and the controller answers.
+        huge = {**TREE, "children": [
+            {"name": f"n{i}", "kind": "server", "budget_w": 10} for i in range(20_000)
+        ]}  # fmt: skip
+        r = op.put("/api/v1/power/domains", json=huge)
+        assert r.status_code == 422 and "\n" not in r.json()["detail"]
+        assert r.json()["detail"].endswith(f"more than {MAX_DOMAINS} domains (the limit)")
         assert viewer.put("/api/v1/power/domains", json=TREE).status_code == 403
 
         r = op.put("/api/v1/power/domains", json=TREE)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from power.domains import DomainKind, Reading, load_domains, parse_domains
+from power.domains import MAX_DOMAINS, DomainKind, Reading, load_domains, parse_domains
 from power.errors import ConfigError
 
 GOOD = """
@@ -171,3 +171,22 @@ def test_aggregation_sums_children_and_prefers_a_fresh_meter(tmp_path: Path) -> 
     agg = tree.aggregate(r, now_s=109.5, stale_after_s=10.0)
     assert agg["rack-1"].power_w == 3000.0 and not agg["rack-1"].complete
     assert not agg["dc1"].complete
+
+
+def _wide(servers: int) -> dict[str, object]:
+    return {
+        "name": "row-a",
+        "kind": "row",
+        "budget_w": 1000,
+        "children": [{"name": f"n{i}", "kind": "server", "budget_w": 10} for i in range(servers)],
+    }
+
+
+def test_tree_larger_than_the_domain_limit_is_refused_with_one_line() -> None:
+    assert len(parse_domains(_wide(MAX_DOMAINS - 1)).by_name) == MAX_DOMAINS
+    with pytest.raises(ConfigError) as err:
+        parse_domains(_wide(20_000))
+    assert str(err.value) == (
+        f"domains.children[{MAX_DOMAINS - 1}]: the tree has more than {MAX_DOMAINS} domains "
+        "(the limit)"
+    )

@@ -27,6 +27,7 @@ from controller.services.power.schemas import (
 from controller.state import ClusterState
 from controller.store import Store
 from power import ConfigError, DomainTree, Level, Priority, priority_from_labels
+from power.policy import latency_quantile
 from power.reports import PRIORITY_LABEL
 
 log = logging.getLogger(__name__)
@@ -216,16 +217,15 @@ class PowerService:
                         ),
                     )
                 )
-        policy = self.loop.policy
-        latencies = sorted(policy.latencies_s) if policy is not None else []
+        latencies = self.loop.latencies_s  # a snapshot: a tick may be running in a thread
         return PowerDomainsPublic(
             enabled=self.loop.enabled,
             source=self.source,
             last_tick_unix_s=self.loop.last_tick_unix_s,
             actuation_latency=ActuationLatencyPublic(
                 samples=len(latencies),
-                p50_s=policy.actuation_latency_s(0.5) if policy is not None else None,
-                p99_s=policy.actuation_latency_s(0.99) if policy is not None else None,
+                p50_s=latency_quantile(latencies, 0.5),
+                p99_s=latency_quantile(latencies, 0.99),
             ),
             tree=self.raw,
             data=items,
