@@ -206,3 +206,20 @@ def test_a_lone_vanished_rank_whose_peers_hang_is_still_a_crash() -> None:
     (finding,) = trackers.evaluate(11.5)
     assert finding.kind is FindingKind.RANK_CRASH and finding.ranks == (3,)
     assert finding.evidence.as_json()["collateral_ranks"] == []
+
+
+def test_a_resent_summary_does_not_make_a_step_look_complete_before_the_origin_reports() -> None:
+    trackers = JobTrackers()
+    found = []
+    for step in range(10):
+        found += feed(trackers, [summary(r, step) for r in range(WORLD)], 0.0)
+    # Step 10: rank 1 fed NaN into #5, but its summary is late; ranks 0, 2, 3 report step 10
+    # clean and rank 0's summary comes twice (a spool resend): three ranks, four summaries.
+    found += feed(trackers, [summary(r, 10) for r in (0, 2, 3, 0)], 1.0)
+    # Step 11: NaN everywhere (the reduction spread it).
+    found += feed(trackers, [summary(r, 11, first_seq=9) for r in range(WORLD)], 1.5)
+    assert not [f for f in found if f.kind is FindingKind.NONFINITE]  # step 10 still incomplete
+    found += feed(trackers, [summary(1, 10, first_seq=5)], 2.0)
+    (finding,) = [f for f in found if f.kind is FindingKind.NONFINITE]
+    assert finding.ranks == (1,) and finding.evidence.as_json()["step"] == 10
+    assert finding.evidence.as_json()["confidence"] == 1.0

@@ -46,8 +46,11 @@ def origins(rows: dict[int, StepSummary]) -> tuple[int, ...]:
     )
 
 
-#: Steps whose per-rank report counts are kept (to tell when a step is complete).
+#: Steps whose reporting ranks are kept (to tell when a step is complete).
 _STEPS_KEPT = 256
+#: At most this many (step, rank) entries are kept in all; the oldest steps go first. A
+#: step whose ranks were forgotten is not "complete" and waits ``grace_s`` instead.
+_RANK_ENTRIES_KEPT = 262_144
 #: Refresh the open incident for each of its first bad steps, then every this many (enough
 #: to keep its evidence fresh for the remediation guard without a write per step).
 _REFRESH_EVERY_AFTER = 10
@@ -69,7 +72,11 @@ class NonfiniteState:
     bad_steps: int = 0
     #: The opening finding (refreshes repeat it with ``bad_steps`` updated).
     opened: Finding | None = None
-    ranks_per_step: dict[int, int] = field(default_factory=dict)
+    #: step -> ranks that reported it. Distinct ranks, not summaries: a spool resends
+    #: summaries, and a duplicate counted twice would make an incomplete step look
+    #: complete, so the detector would stop waiting for the origin's late summary.
+    ranks_per_step: dict[int, set[int]] = field(default_factory=dict)
+    _rank_entries: int = 0
     bad: dict[int, dict[int, StepSummary]] = field(default_factory=dict)
     first_seen_s: float | None = None
     lowest_step: int | None = None
@@ -77,15 +84,27 @@ class NonfiniteState:
     def observe(self, s: StepSummary, now_s: float) -> None:
         if self.lowest_step is None or s.step < self.lowest_step:
             self.lowest_step = s.step
-        counts = self.ranks_per_step
-        counts[s.step] = counts.get(s.step, 0) + 1
-        if len(counts) > 2 * _STEPS_KEPT:
-            for old in sorted(counts)[:_STEPS_KEPT]:
-                del counts[old]
+        ranks = self.ranks_per_step.setdefault(s.step, set())
+        if s.rank not in ranks:
+            ranks.add(s.rank)
+            self._rank_entries += 1
+        self._forget_old_steps()
         if s.nonfinite_inputs and not self.open:
             self.bad.setdefault(s.step, {})[s.rank] = s
             if self.first_seen_s is None:
                 self.first_seen_s = now_s
+
+    def _forget_old_steps(self) -> None:
+        """Bound the memory: at most ``2 * _STEPS_KEPT`` steps and ``_RANK_ENTRIES_KEPT``
+        ranks in all (a large job reaches the second first)."""
+        kept = self.ranks_per_step
+        if len(kept) <= 2 * _STEPS_KEPT and self._rank_entries <= _RANK_ENTRIES_KEPT:
+            return
+        for old in sorted(kept)[: max(1, len(kept) // 2)]:
+            self._rank_entries -= len(kept.pop(old))
+
+    def _reported(self, step: int) -> int:
+        return len(self.ranks_per_step.get(step, ()))
 
     def evaluate(self, now_s: float, world_size: int, rank_node: dict[int, str]) -> Finding | None:
         """Open once the first step with a NaN/Inf input can no longer be preceded by an
@@ -95,13 +114,12 @@ class NonfiniteState:
             return None
         step = min(self.bad)
         settled = all(
-            self.ranks_per_step.get(k, 0) >= world_size or k < (self.lowest_step or 0)
-            for k in (step - 1, step)
+            self._reported(k) >= world_size or k < (self.lowest_step or 0) for k in (step - 1, step)
         )
         if not settled and now_s - self.first_seen_s < self.grace_s:
             return None
         rows = self.bad[step]
-        reported = max(self.ranks_per_step.get(step, 0), len(rows))
+        reported = max(self._reported(step), len(rows))
         self.open, self.clean_streak, self.bad_steps = True, 0, 1
         self.bad.clear()
         self.first_seen_s = None
