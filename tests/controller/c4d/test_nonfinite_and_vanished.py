@@ -223,3 +223,27 @@ def test_a_resent_summary_does_not_make_a_step_look_complete_before_the_origin_r
     (finding,) = [f for f in found if f.kind is FindingKind.NONFINITE]
     assert finding.ranks == (1,) and finding.evidence.as_json()["step"] == 10
     assert finding.evidence.as_json()["confidence"] == 1.0
+
+
+def test_first_nan_calls_in_groups_that_cannot_be_ordered_lower_confidence_and_name_each() -> None:
+    # DP2 x PP2: rank 0 (stage 0) makes a NaN and sends it to rank 2 (stage 1) by a pipeline
+    # send, which is not checked; each feeds it into its own stage's data-parallel
+    # all-reduce (#50 of dp_s0 and #50 of dp_s1). Which came first cannot be told.
+    def poisoned(rank: int) -> StepSummary:
+        return summary(rank, 0, first_seq=50).model_copy(
+            update={"nonfinite_first_group": f"dp_s{rank // 2}"}
+        )
+
+    rows = [poisoned(r) if r in (0, 2) else summary(r, 0) for r in range(WORLD)]
+    (finding,) = feed(JobTrackers(), rows, 0.0)
+    assert finding.ranks == (0, 2)
+    ev = finding.evidence.as_json()
+    assert ev["confidence"] == 0.5
+    assert ev["origin_group_by_rank"] == {"0": "dp_s0", "2": "dp_s1"}
+    assert "all_reduce #50 of group dp_s0" in finding.summary
+    assert "all_reduce #50 of group dp_s1" in finding.summary
+    assert "cannot be ordered" in finding.summary
+    # One group only: its lowest call is unambiguous (and the new field is not set).
+    (single,) = feed(JobTrackers(), [summary(r, 0, 5 if r == 1 else None) for r in range(4)], 0)
+    assert single.evidence.as_json()["confidence"] == 1.0
+    assert "origin_group_by_rank" not in single.evidence.as_json()

@@ -137,6 +137,10 @@ class NonfiniteEvidence(JobEvidence):
     gpu_index: int | None
     #: Steps seen with NaN/Inf while the incident was open (added with rollback).
     bad_steps: int | None = None
+    #: Origin rank -> the process group of its first poisoned call; set only when the
+    #: origins' first calls are in different groups, whose sequence numbers cannot be
+    #: ordered against each other (confidence is then below 1).
+    origin_group_by_rank: dict[str, str] | None = None
 
 
 class CommSlowEvidence(JobEvidence):

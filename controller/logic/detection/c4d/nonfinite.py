@@ -7,7 +7,11 @@ in their step summary: how many calls, and the first one's group and per-group s
 number (``StepSummary.nonfinite_*``). Sequence numbers of one group are the same call on
 every rank, so the origin is the rank(s) whose first non-finite input came at the lowest
 sequence number of that group, in the first step where any rank saw one; ranks that only
-saw it later received it.
+saw it later received it. Sequence numbers of *different* groups cannot be ordered: when the
+lowest calls of two groups both carry NaN (a pipeline stage sent it to the next one by a
+point-to-point transfer, which is not checked, and each fed it into its own data-parallel
+reduction), either group's rank may be the origin. Both are named, each with its call and
+group, at confidence ``1 / number of groups``.
 
 One incident per job: it opens at the first such step (once no earlier step can still
 turn up) and resolves after ``window_steps`` clean steps (a job that skips bad steps, as
@@ -44,6 +48,16 @@ def origins(rows: dict[int, StepSummary]) -> tuple[int, ...]:
             or s.nonfinite_first_seq == first[s.nonfinite_first_group]
         )
     )
+
+
+def origin_groups(rows: dict[int, StepSummary], culprits: tuple[int, ...]) -> dict[str, list[int]]:
+    """Origin ranks by the group of their first poisoned call (those with a sequence number:
+    only they were ordered, within their group)."""
+    by_group: dict[str, list[int]] = {}
+    for r in culprits:
+        if rows[r].nonfinite_first_seq is not None:
+            by_group.setdefault(rows[r].nonfinite_first_group, []).append(r)
+    return by_group
 
 
 #: Steps whose reporting ranks are kept (to tell when a step is complete).
@@ -177,14 +191,53 @@ class NonfiniteState:
         what = f"{first.nonfinite_first_op} #{first.nonfinite_first_seq}"
         nodes = tuple(sorted({rank_node.get(r, "?") for r in culprits}))
         everyone = len(culprits) == reported
+        by_group = origin_groups(rows, culprits)
+        unordered = len(by_group) > 1 and not everyone
+        confidence = 0.5 if everyone else 1.0
         if everyone:
             # All at once: the data or the model itself, not one rank's hardware.
             blame = f"every rank ({reported}) fed NaN/Inf into {what} at once"
+        elif unordered:
+            # Calls of different groups have no common order: one group's rank may have
+            # received the NaN from another's outside any checked reduction (a pipeline
+            # send), so each is only possibly the origin.
+            parts = [
+                f"{ranks} on {sorted({rank_node.get(r, '?') for r in ranks})} "
+                f"{'fed NaN/Inf ' if i == 0 else ''}into {rows[ranks[0]].nonfinite_first_op} "
+                f"#{rows[ranks[0]].nonfinite_first_seq} of group {group}"
+                for i, (group, ranks) in enumerate(sorted(by_group.items(), key=lambda kv: kv[1]))
+            ]
+            blame = (
+                f"rank(s) {', rank(s) '.join(parts)} first; calls of different groups cannot "
+                "be ordered, so one of them may have received it from another outside any "
+                "checked reduction (e.g. a pipeline send)"
+            )
+            confidence = round(1 / len(by_group), 2)
         else:
             blame = (
                 f"rank(s) {list(culprits)} on {list(nodes)} fed NaN/Inf into {what} "
                 "before the reduction spread it"
             )
+        evidence = NonfiniteEvidence(
+            step=step,
+            op=first.nonfinite_first_op,
+            group=first.nonfinite_first_group,
+            seq=first.nonfinite_first_seq,
+            origin_ranks=list(culprits),
+            nonfinite_ranks=bad,
+            first_seq_by_rank={str(r): rows[r].nonfinite_first_seq for r in bad},
+            nonfinite_calls_by_rank={str(r): rows[r].nonfinite_inputs for r in bad},
+            clean_ranks=reported - len(bad),
+            gpu_index=first.gpu_index if len(culprits) == 1 else None,
+            # A single origin among clean peers is unambiguous; all ranks at once is not,
+            # nor are origins in groups that cannot be ordered.
+            confidence=confidence,
+            bad_steps=1,
+        )
+        if unordered:
+            evidence.origin_group_by_rank = {
+                str(r): g for g, ranks in by_group.items() for r in ranks
+            }
         return Finding(
             kind=FindingKind.NONFINITE,
             job=self.job,
@@ -193,19 +246,5 @@ class NonfiniteState:
             key=self.key,
             ranks=culprits,
             nodes=nodes,
-            evidence=NonfiniteEvidence(
-                step=step,
-                op=first.nonfinite_first_op,
-                group=first.nonfinite_first_group,
-                seq=first.nonfinite_first_seq,
-                origin_ranks=list(culprits),
-                nonfinite_ranks=bad,
-                first_seq_by_rank={str(r): rows[r].nonfinite_first_seq for r in bad},
-                nonfinite_calls_by_rank={str(r): rows[r].nonfinite_inputs for r in bad},
-                clean_ranks=reported - len(bad),
-                gpu_index=first.gpu_index if len(culprits) == 1 else None,
-                # A single origin among clean peers is unambiguous; all ranks at once is not.
-                confidence=0.5 if everyone else 1.0,
-                bad_steps=1,
-            ),
+            evidence=evidence,
         )
