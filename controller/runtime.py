@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from controller.auth import Authenticator
@@ -30,8 +32,8 @@ from controller.db.migrate import (
     upgrade,
 )
 from controller.db.repositories import history
-from controller.db.session import make_engine
-from controller.errors import NotMigrated
+from controller.db.session import make_engine, probe_sqlite_write, sqlite_file_problem
+from controller.errors import BadConfig, NotMigrated
 from controller.loader import load_state
 from controller.logic.detection.c4d import C4DConfig
 from controller.services.actions import ActionService
@@ -76,6 +78,10 @@ def package_version() -> str:
 def prepare_database(settings: ControllerSettings) -> None:
     """Migrate SQLite in place; refuse PostgreSQL whose schema is behind this release's head.
 
+    A SQLite file that is read-only, not a database or damaged is refused in one line
+    naming it (:class:`BadConfig`) and left untouched: no retry can fix it, so the
+    controller must not start "ready" and answer every report 503.
+
     A schema at or past head is accepted (:func:`schema_at_or_past_head`, shared with
     ``/readyz``): during a rollout the new release's migration runs before the old replicas
     restart, and its expand-only changes keep them working. SQLite written by a newer
@@ -84,6 +90,13 @@ def prepare_database(settings: ControllerSettings) -> None:
     engine = make_engine(settings.database_url, pool_size=1, max_overflow=0)
     try:
         current = current_revision(engine)
+        if engine.dialect.name == "sqlite":
+            probe_sqlite_write(engine)
+    except (DBAPIError, sqlite3.Error) as exc:
+        problem = sqlite_file_problem(settings.database_url, exc)
+        if problem is None:
+            raise
+        raise BadConfig(problem) from exc
     finally:
         engine.dispose()
     if settings.database_kind() == "sqlite":

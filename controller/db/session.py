@@ -53,3 +53,61 @@ def _sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
         cursor.execute(f"PRAGMA wal_autocheckpoint={SQLITE_WAL_AUTOCHECKPOINT_PAGES}")
     finally:
         cursor.close()
+
+
+def sqlite_file(url: str) -> str | None:
+    """The file behind a SQLite URL (``None``: not SQLite, or in memory)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return str(Path(parsed.database).expanduser())
+
+
+def sqlite_file_problem(url: str, exc: BaseException) -> str | None:
+    """One line naming the database file for a SQLite error that no retry can fix (a
+    read-only file or folder), or ``None``.
+
+    Why: SQLAlchemy's message (a class name, the statement, a link) does not say which file
+    or what to do, and a read-only file must stop the controller at start rather than
+    answer every report 503 ("retry later") forever.
+    """
+    path = sqlite_file(url)
+    inner = getattr(exc, "orig", None) or exc
+    if path is None or not isinstance(inner, sqlite3.Error):
+        return None
+    code = getattr(inner, "sqlite_errorname", "")
+    detail = str(inner).strip().splitlines()[0] if str(inner).strip() else code
+    if code.startswith("SQLITE_READONLY"):
+        return (
+            f"database file {path} is read-only for this user (SQLite: {detail}); make it and "
+            "its folder (SQLite writes its -wal and -shm files there) writable, or use "
+            "another --database-url"
+        )
+    return None
+
+
+def probe_sqlite_write(engine: Engine) -> None:
+    """Take SQLite's write lock and rewrite one header field with its own value, then roll
+    back: nothing changes, but a file this process may not write raises here.
+
+    Why: with the schema at head the controller writes nothing at start, so a read-only
+    file would go unnoticed until the first report (and ``BEGIN IMMEDIATE`` alone succeeds
+    on a read-only file in WAL mode). ``user_version`` is SQLite's spare header integer;
+    nothing here uses it, and the rollback leaves it as it was anyway.
+    """
+    with engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        assert isinstance(raw, sqlite3.Connection)
+        if raw.in_transaction:
+            raw.rollback()
+        level = raw.isolation_level
+        raw.isolation_level = None  # we issue BEGIN/ROLLBACK ourselves
+        try:
+            raw.execute("BEGIN IMMEDIATE")
+            try:
+                (value,) = raw.execute("PRAGMA user_version").fetchone()
+                raw.execute(f"PRAGMA user_version = {int(value)}")
+            finally:
+                raw.execute("ROLLBACK")
+        finally:
+            raw.isolation_level = level

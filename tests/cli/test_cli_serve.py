@@ -145,3 +145,57 @@ def test_module_entry_point_matches_console_script() -> None:
         [sys.executable, "-m", "trainguard.cli", "--version"], capture_output=True, text=True
     )
     assert proc.returncode == 0 and proc.stdout.startswith("trainguard ")
+
+
+def _as_unprivileged_user() -> list[str]:
+    """A prefix that runs a command as a user for whom mode 0444 really is read-only.
+
+    root may write any file whatever its mode, so a test run as root proves nothing about
+    a read-only database unless the controller runs as someone else (``nobody``)."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: cannot make a file read-only for the test")
+    return [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
+@pytest.mark.parametrize("read_only", ["file", "folder"])
+def test_controller_refuses_a_read_only_sqlite_database_in_one_line(read_only: str) -> None:
+    """Started on it, it would be "ready" and answer every report 503 forever."""
+    import os
+    import tempfile
+
+    prefix = _as_unprivileged_user()
+    # Not tmp_path: its parents are private to root, and the controller runs as nobody.
+    with tempfile.TemporaryDirectory(prefix="tg-readonly-") as top:
+        os.chmod(top, 0o755)
+        folder = Path(top) / "data"
+        folder.mkdir()
+        database = folder / "trainguard.db"
+        url = f"sqlite:///{database}"
+        assert _tg("db", "upgrade", "--database-url", url, env=_clean_env()).returncode == 0
+        if read_only == "file":
+            folder.chmod(0o777)
+            database.chmod(0o444)
+        else:
+            database.chmod(0o666)
+            folder.chmod(0o555)
+        before = database.read_bytes()
+        token = secrets.token_urlsafe(24)
+        tokens = json.dumps([{"name": "v", "role": "viewer", "token": token}])
+        env = _clean_env(HOME=top, TRAINGUARD_TOKENS=tokens)
+        argv = [*prefix, *cli_argv("controller", "--port", "0", "--database-url", url)]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the controller started on a read-only database ({read_only})")
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"error: database file {database} is read-only"), proc.stderr
+        assert proc.stderr.count("\n") == 1 and "sqlalche.me" not in proc.stderr
+        assert database.read_bytes() == before
+        folder.chmod(0o755)
