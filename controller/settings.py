@@ -11,6 +11,7 @@ short shared secret on a cluster network is guessable.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
@@ -364,8 +365,19 @@ class ConfigFileError(ValueError):
 
 class _ConfigFile(YamlConfigSettingsSource):
     """The YAML settings file, with one-line errors for a file that is missing or cannot be
-    read (pydantic-settings would skip it silently), is not YAML, or holds something other
-    than a mapping of settings."""
+    read (pydantic-settings would skip it silently), is not YAML, holds something other
+    than a mapping of settings, or names a setting that does not exist.
+
+    Unknown keys are refused here although ``extra="ignore"`` lets unknown ``TRAINGUARD_*``
+    environment variables pass (the agents share that prefix): a key in this file is meant
+    for the controller, and a typo (``node_lost_afer_s: 5``) ignored would silently keep the
+    default.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], yaml_file: str) -> None:
+        # Matched as pydantic-settings matches them (case-insensitively, by default).
+        self._known = sorted(name.lower() for name in settings_cls.model_fields)
+        super().__init__(settings_cls, yaml_file=yaml_file)
 
     def _read_files(self, files: Any, deep_merge: bool = False) -> dict[str, Any]:
         return self._read_file(Path(files).expanduser())
@@ -384,7 +396,15 @@ class _ConfigFile(YamlConfigSettingsSource):
             raise ConfigFileError(
                 f"{what}: expected a mapping of settings (name: value), got a {type(raw).__name__}"
             )
+        unknown = [key for key in raw if str(key).lower() not in self._known]
+        if unknown:
+            raise ConfigFileError(f"{what}: " + "; ".join(map(self._unknown, unknown)))
         return raw
+
+    def _unknown(self, key: object) -> str:
+        close = difflib.get_close_matches(str(key).lower(), self._known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"unknown setting {str(key)!r}{hint}"
 
 
 def load_tokens_file(path: Path) -> list[TokenConfig]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import yaml
@@ -29,7 +30,7 @@ def test_defaults_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ControllerSettings(node_lost_after_s=3.0).node_lost_after_s == 3.0
 
 
-def test_yaml_config_file_and_tokens_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_yaml_config_file_and_tokens_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tokens = tmp_path / "tokens.yaml"
     digest = hashlib.sha256(b"from-a-file-token").hexdigest()
     tokens.write_text(yaml.safe_dump([{"name": "viewer", "role": "viewer", "sha256": digest}]))
@@ -40,6 +41,31 @@ def test_yaml_config_file_and_tokens_file(tmp_path, monkeypatch: pytest.MonkeyPa
     assert s.port == 9000 and s.tokens[0].name == "viewer"
     auth = Authenticator(s.tokens, allow_anonymous_read=False)
     assert auth.identify("Bearer from-a-file-token").role == "viewer"  # type: ignore[union-attr]
+
+
+def test_yaml_config_file_refuses_unknown_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A typo in the file would silently keep the default; unknown environment variables
+    stay ignored (the agents share the ``TRAINGUARD_`` prefix)."""
+    from trainguard.cli.cmd_serve import controller_settings
+    from trainguard.cli.errors import BadInput
+
+    config = tmp_path / "controller.yaml"
+    config.write_text(yaml.safe_dump({"node_lost_afer_s": 5, "PORT": 9000, "tokens": GOOD}))
+    monkeypatch.setenv("TRAINGUARD_CONFIG_FILE", str(config))
+    monkeypatch.setenv("TRAINGUARD_AGENT_INTERVAL_S", "1")
+    with pytest.raises(BadInput) as refused:
+        controller_settings()
+    assert refused.value.exit_code == 2
+    assert str(refused.value) == (
+        f"config file {config}: unknown setting 'node_lost_afer_s' "
+        "(did you mean 'node_lost_after_s'?)"
+    )
+    # Keys match case-insensitively, as pydantic-settings reads them; known ones pass.
+    config.write_text(yaml.safe_dump({"node_lost_after_s": 5, "PORT": 9000, "tokens": GOOD}))
+    settings = controller_settings()
+    assert (settings.node_lost_after_s, settings.port) == (5, 9000)
 
 
 def test_refuses_unsafe_tokens() -> None:
@@ -57,7 +83,7 @@ def test_refuses_unsafe_tokens() -> None:
     assert ControllerSettings(dev_mode=True, tokens=[]).tokens == []
 
 
-def test_dev_tokens_file_is_private(tmp_path) -> None:
+def test_dev_tokens_file_is_private(tmp_path: Path) -> None:
     path = tmp_path / "dev-tokens.yaml"
     tokens = generate_dev_tokens(path)
     assert {t.role for t in tokens} == {"agent", "viewer", "operator"}
