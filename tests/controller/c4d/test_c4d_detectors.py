@@ -479,3 +479,18 @@ def test_an_open_straggler_explains_a_job_wide_wait_rise() -> None:
         feed(trackers, [r.model_copy(update={"collective_wait_s": wait}) for r in rows])
         found += trackers.evaluate(float(step))
     assert [f.kind for f in found if not f.refresh] == [FindingKind.STRAGGLER]
+
+
+def test_a_mild_straggler_does_not_hide_a_network_slowdown_larger_than_its_delay() -> None:
+    """A straggler accounts for a wait rise only up to its own extra time per step: rank 2
+    computing 7% longer (~70 ms of a 1 s step) cannot explain the job's communication time
+    going from 100 ms to 400 ms per step."""
+    trackers = JobTrackers()
+    found = run_steps(trackers, 0, 80, world=16, compute={2: 1.07}, jitter=0.02)
+    assert [(f.kind, f.ranks) for f in found if not f.refresh] == [(FindingKind.STRAGGLER, (2,))]
+    found = run_steps(trackers, 80, 120, world=16, compute={2: 1.07}, jitter=0.02, comm_s=0.4)
+    (slow,) = [f for f in found if f.kind is FindingKind.COMM_SLOW]
+    assert not slow.resolved and len(slow.ranks) == 16
+    explained = slow.evidence.as_json()["straggler_explained_s"]
+    assert 0.07 <= explained < 0.2
+    assert "straggler(s) account for" in slow.summary

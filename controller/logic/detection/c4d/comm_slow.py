@@ -8,10 +8,14 @@ unmoved by compute jitter, heavy-tailed spikes or several stragglers on other ra
 The detector keeps a reference window of that time from healthy steps and a short recent
 window. It calls the job slow when the recent median exceeds the reference by
 ``comm_slow_factor`` *and* by ``straggler_z`` standard errors of the reference noise (so
-jittery jobs need a bigger rise), with no straggler (a candidate this step or one still
-open) to explain the rise, for
-``straggler_confirm_steps`` steps in a row. Recovery needs the recent median back within
-half the factor for as many steps.
+jittery jobs need a bigger rise), for ``straggler_confirm_steps`` steps in a row. Recovery
+needs the recent median back within half the factor for as many steps.
+
+A straggler (a candidate this step or one still open) can explain part of a rise: where
+ranks are coupled beyond one collective (pipeline stages), its delay reaches every rank's
+wait, its own included. It explains at most its extra compute per step plus a noise margin
+(:meth:`StragglerState.explained_wait_s`); the thresholds above apply to the rise beyond
+that, so a 7% straggler does not hide a network that got 300 ms slower per step.
 """
 
 from __future__ import annotations
@@ -43,10 +47,10 @@ class CommSlowState:
     def __post_init__(self) -> None:
         self.recent = deque(maxlen=self.cfg.comm_slow_window_steps)
 
-    def add(
-        self, wait_s: float, step_s: float, straggler_candidates: bool, now_s: float
-    ) -> str | None:
-        """Feed one step's median wait; returns "opened", "resolved" or None."""
+    def add(self, wait_s: float, step_s: float, explained_s: float, now_s: float) -> str | None:
+        """Feed one step's communication time; returns "opened", "resolved" or None.
+
+        ``explained_s``: seconds per step of a rise that stragglers account for."""
         self.recent.append(wait_s)
         if len(self.reference) < 2 * self.cfg.window_steps:
             self.reference.append(wait_s)
@@ -57,16 +61,19 @@ class CommSlowState:
         sigma = MAD_TO_SIGMA * mad(self.reference, ref)
         stderr = 1.2533 * sigma / math.sqrt(len(self.recent))
         rise = rec - ref
+        unexplained = rise - explained_s
         high = (
-            not straggler_candidates
-            and rise > self.cfg.comm_slow_factor * ref
-            and rise > self.cfg.comm_slow_min_step_share * step_s
-            and rise > self.cfg.straggler_z * stderr
+            unexplained > self.cfg.comm_slow_factor * ref
+            and unexplained > self.cfg.comm_slow_min_step_share * step_s
+            and unexplained > self.cfg.straggler_z * stderr
         )
-        calm = rise < self.cfg.comm_slow_factor / 2 * ref
+        calm_bound = self.cfg.comm_slow_factor / 2 * ref
+        # Closing: what stragglers explain is not the network's; the reference, though,
+        # learns only from steps calm without any explanation.
+        calm = unexplained < calm_bound
         self.high_since = _streak(self.high_since, high, now_s)
         self.calm_since = _streak(self.calm_since, calm, now_s)
-        if not self.open and not high and calm:
+        if not self.open and not high and rise < calm_bound:
             self.reference.append(wait_s)
         if not self.open and self._confirmed(self.high_since, now_s):
             self.open = True

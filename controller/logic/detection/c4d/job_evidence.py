@@ -152,6 +152,9 @@ class CommSlowEvidence(JobEvidence):
     wait_s: float
     step_s: float
     nic: NicEvidence | None = None
+    #: Seconds per step of the rise that open or candidate stragglers account for (their
+    #: extra compute plus a noise margin); set only when some straggler was there.
+    straggler_explained_s: float | None = None
 
 
 class SlowLinkEvidence(JobEvidence):

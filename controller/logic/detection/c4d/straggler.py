@@ -107,6 +107,9 @@ class PeerWindows:
     z: dict[int, float] = field(default_factory=dict)
     flagged: set[int] = field(default_factory=set)
     step_cost: dict[int, float] = field(default_factory=dict)
+    #: rank -> seconds per step it may add to its peers' waits: its score's excess over 1
+    #: plus ``straggler_z`` standard errors (the noise margin), times the median compute
+    extra_s: dict[int, float] = field(default_factory=dict)
     _sigma: float = 0.0
     _noise_steps: int = 0
     #: A group of one rank (a pipeline stage without a data-parallel replica, a role one
@@ -130,6 +133,7 @@ class PeerWindows:
             self.scores,
             self.z,
             self.step_cost,
+            self.extra_s,
         ):
             store.pop(rank, None)
         self.flagged.discard(rank)
@@ -232,6 +236,8 @@ class PeerWindows:
                 self.flagged.add(rank)
             if med_step_s > 0:
                 self.step_cost[rank] = max(0.0, (score - 1) * med_compute_s / med_step_s)
+            margin = self.cfg.straggler_z * stderr
+            self.extra_s[rank] = max(0.0, score - 1 + margin) * med_compute_s
 
     def _score_stderr(self, ranks: list[int], scores: list[float]) -> float:
         """Standard error of a windowed score under the no-straggler hypothesis.
@@ -398,6 +404,25 @@ class StragglerState:
         """Share of each step the job loses waiting for this rank."""
         group = self.group_of(rank)
         return group.step_cost.get(rank, 0.0) if group else 0.0
+
+    def explained_wait_s(self, ranks: set[int]) -> float:
+        """How much of a rise in the job's communication time (its shortest wait) the
+        stragglers ``ranks`` can account for, in seconds per step.
+
+        Where ranks are coupled beyond one collective (pipeline stages), a straggler's
+        extra compute reaches every rank's wait, its own included, so the shortest wait
+        rises by up to its extra time per step. Stragglers of one peer group run side by
+        side (the slowest one sets the delay); those of different groups may sit in series
+        (pipeline stages), so their delays add up.
+        """
+        by_group: dict[PeerKey, float] = {}
+        for rank in ranks:
+            key = self.rank_group.get(rank)
+            group = self.groups.get(key) if key is not None else None
+            if key is None or group is None:
+                continue
+            by_group[key] = max(by_group.get(key, 0.0), group.extra_s.get(rank, 0.0))
+        return sum(by_group.values())
 
     def flaps(self, rank: int) -> int:
         hold = self.holds.get(rank)

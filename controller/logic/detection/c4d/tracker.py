@@ -276,7 +276,7 @@ class JobTracker:
         out.extend(self._straggler_refreshes(now_s))
         out.extend(
             self._comm_slow(
-                verdict.flagged | self.stragglers.open_ranks,
+                self.stragglers.explained_wait_s(verdict.flagged | self.stragglers.open_ranks),
                 verdict.comm_wait_s,
                 verdict.median_step_s,
                 now_s,
@@ -329,12 +329,13 @@ class JobTracker:
         )
 
     def _comm_slow(
-        self, flagged: set[int], wait_s: float, step_s: float, now_s: float
+        self, explained_s: float, wait_s: float, step_s: float, now_s: float
     ) -> list[Finding]:
         # An open straggler explains a rise as well as a candidate does: where ranks are
         # coupled beyond one collective (pipeline stages), its delay reaches every rank's
         # wait, its own included, so it can drop out of the candidates while still slow.
-        change = self.comm.add(wait_s, step_s, straggler_candidates=bool(flagged), now_s=now_s)
+        # It explains only up to its extra time per step: a larger rise is the network's.
+        change = self.comm.add(wait_s, step_s, explained_s=explained_s, now_s=now_s)
         key = f"comm_slow:{self.job}"
         if change == "resolved":
             summary = f"job {self.job}: collective wait back to normal"
@@ -352,6 +353,14 @@ class JobTracker:
             return []
         ranks = tuple(sorted(self.rank_node))
         ref, rec = self.comm.reference_wait_s, self.comm.recent_wait_s
+        balance = " with compute balanced"
+        if explained_s > 0:
+            balance = (
+                f", more than the {explained_s * 1e3:.1f} ms per step the straggler(s) account for"
+            )
+        evidence = CommSlowEvidence(reference_wait_s=ref, wait_s=rec, step_s=step_s, confidence=0.5)
+        if explained_s > 0:
+            evidence.straggler_explained_s = round(explained_s, 6)
         return [
             Finding(
                 kind=FindingKind.COMM_SLOW,
@@ -359,16 +368,13 @@ class JobTracker:
                 severity="warning",
                 summary=(
                     f"job {self.job}: collective wait rose from {ref * 1e3:.1f} ms to "
-                    f"{rec * 1e3:.1f} ms per step on every rank with compute balanced; "
-                    "probing links"
+                    f"{rec * 1e3:.1f} ms per step on every rank{balance}; probing links"
                 ),
                 key=key,
                 ranks=ranks,
                 nodes=tuple(sorted(set(self.rank_node.values()))),
                 # Which link is slow is unknown until the probe round answers.
-                evidence=CommSlowEvidence(
-                    reference_wait_s=ref, wait_s=rec, step_s=step_s, confidence=0.5
-                ),
+                evidence=evidence,
                 probe_pairs=ring_pairs(ranks),
             )
         ]
