@@ -15,14 +15,21 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, event, text
+from sqlalchemy.exc import DBAPIError
 
-from controller.db.session import make_engine
+from controller.db.session import make_engine, sqlite_file_problem
+from controller.errors import BadConfig, StartupError
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 
 #: Key of the PostgreSQL advisory lock that serializes migrations (any constant that no
 #: other user of the database picks; this is "trainguard" read as ASCII, truncated).
 MIGRATION_LOCK_KEY = 0x747261696E677561
+
+
+class SchemaTooNew(StartupError):
+    """The database was migrated by a newer release; this one cannot migrate it (alembic's
+    own message, "Can't locate revision identified by ...", does not say so)."""
 
 
 def alembic_config(database_url: str) -> Config:
@@ -70,6 +77,10 @@ def _begin_immediate(engine: Engine) -> None:
 def upgrade(database_url: str, revision: str = "head") -> str:
     """Bring the schema at ``database_url`` to ``revision``; returns the revision now in place.
 
+    Raises :class:`SchemaTooNew` for a schema a newer release wrote, and
+    :class:`~controller.errors.BadConfig` (one line naming the file, which is left as it
+    is) for a SQLite file that is read-only, not a database or damaged.
+
     Safe to run from several processes at once (two controller pods' migration init
     containers, or ``trainguard db upgrade`` beside a starting SQLite controller): one
     migrates, the others wait for it and then find nothing to do.
@@ -88,9 +99,20 @@ def upgrade(database_url: str, revision: str = "head") -> str:
                 conn.execute(
                     text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY}
                 )
+            found = revision_of(conn)
+            if found is not None and not known_revision(found):
+                raise SchemaTooNew(
+                    f"the database's schema revision {found} is newer than this release "
+                    "knows; upgrade trainguard"
+                )
             config.attributes["connection"] = conn
             command.upgrade(config, revision)
         current = current_revision(engine)
+    except DBAPIError as exc:
+        problem = sqlite_file_problem(database_url, exc)
+        if problem is None:
+            raise
+        raise BadConfig(problem) from exc
     finally:
         engine.dispose()
     assert current is not None
@@ -113,10 +135,16 @@ def schema_at_or_past_head(current: str | None) -> bool:
         return False
     if current == head_revision():
         return True
+    return not known_revision(current)
+
+
+def known_revision(revision: str) -> bool:
+    """Whether this release's migrations contain ``revision`` (one it lacks was written by
+    a newer release)."""
     from alembic.util.exc import CommandError
 
     try:
-        known = ScriptDirectory.from_config(alembic_config("sqlite://")).get_revision(current)
+        known = ScriptDirectory.from_config(alembic_config("sqlite://")).get_revision(revision)
     except CommandError:
-        return True
-    return known is None
+        return False
+    return known is not None

@@ -63,9 +63,15 @@ def sqlite_file(url: str) -> str | None:
     return str(Path(parsed.database).expanduser())
 
 
+#: SQLite's result codes (``SQLITE_READONLY*`` aside: the file or its folder, where the
+#: ``-wal`` and ``-shm`` files live, is read-only) for a file that is not a SQLite database
+#: at all, or a damaged one.
+_NOT_A_DATABASE = frozenset({"SQLITE_NOTADB", "SQLITE_CORRUPT"})
+
+
 def sqlite_file_problem(url: str, exc: BaseException) -> str | None:
     """One line naming the database file for a SQLite error that no retry can fix (a
-    read-only file or folder), or ``None``.
+    read-only or a damaged file), or ``None``.
 
     Why: SQLAlchemy's message (a class name, the statement, a link) does not say which file
     or what to do, and a read-only file must stop the controller at start rather than
@@ -77,6 +83,8 @@ def sqlite_file_problem(url: str, exc: BaseException) -> str | None:
         return None
     code = getattr(inner, "sqlite_errorname", "")
     detail = str(inner).strip().splitlines()[0] if str(inner).strip() else code
+    if code in _NOT_A_DATABASE:
+        return f"database file {path} is not a SQLite database (or is damaged): {detail}"
     if code.startswith("SQLITE_READONLY"):
         return (
             f"database file {path} is read-only for this user (SQLite: {detail}); make it and "

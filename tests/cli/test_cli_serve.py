@@ -199,3 +199,43 @@ def test_controller_refuses_a_read_only_sqlite_database_in_one_line(read_only: s
         assert proc.stderr.count("\n") == 1 and "sqlalche.me" not in proc.stderr
         assert database.read_bytes() == before
         folder.chmod(0o755)
+
+
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
+def test_a_file_that_is_not_sqlite_is_exit_2_in_one_line_and_left_alone(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"this is not sqlite" * 100)
+    url = f"sqlite:///{garbage}"
+    token = secrets.token_urlsafe(24)
+    tokens = json.dumps([{"name": "v", "role": "viewer", "token": token}])
+    env = _clean_env(TRAINGUARD_TOKENS=tokens)
+    expected = (
+        f"error: database file {garbage} is not a SQLite database (or is damaged): "
+        "file is not a database\n"
+    )
+    for args in (["db", "upgrade"], ["controller", "--port", "0"]):
+        proc = _tg(*args, "--database-url", url, env=env)
+        assert (proc.returncode, proc.stderr) == (2, expected), args
+    assert garbage.read_bytes() == b"this is not sqlite" * 100
+
+
+@pytest.mark.slow  # spawns the CLI in a fresh interpreter
+def test_db_upgrade_on_a_schema_from_a_newer_release_says_so_in_one_line(db_url: str) -> None:
+    from sqlalchemy import text
+
+    from controller.db.migrate import upgrade
+    from controller.db.session import make_engine
+
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = '9999_future'"))
+    finally:
+        engine.dispose()
+    proc = _tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        "error: the database's schema revision 9999_future is newer than this release "
+        "knows; upgrade trainguard\n"
+    )

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,10 +18,16 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from controller.db.migrate import alembic_config, current_revision, head_revision, upgrade
+from controller.db.migrate import (
+    SchemaTooNew,
+    alembic_config,
+    current_revision,
+    head_revision,
+    upgrade,
+)
 from controller.db.models import Base
 from controller.db.session import make_engine
-from controller.errors import NotMigrated
+from controller.errors import BadConfig, NotMigrated
 from controller.runtime import prepare_database
 from controller.settings import ControllerSettings
 
@@ -126,6 +133,51 @@ def test_replica_accepts_schema_at_or_past_its_head(db_url: str) -> None:
             assert current_revision(engine) == head_revision()
         finally:
             engine.dispose()
+
+
+def test_upgrade_refuses_a_schema_from_a_newer_release_plainly(db_url: str) -> None:
+    """Alembic's "Can't locate revision identified by ..." does not say what to do."""
+    upgrade(db_url)
+    _stamp(db_url, "9999_future")
+    with pytest.raises(SchemaTooNew) as refused:
+        upgrade(db_url)
+    assert str(refused.value) == (
+        "the database's schema revision 9999_future is newer than this release knows; "
+        "upgrade trainguard"
+    )
+    engine = make_engine(db_url)
+    try:
+        assert current_revision(engine) == "9999_future"
+    finally:
+        engine.dispose()
+
+
+def _damaged_sqlite_files(tmp_path: Path) -> dict[str, Path]:
+    """A file that is not SQLite at all, and a real database cut in half."""
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"this is not sqlite" * 100)
+    whole = tmp_path / "whole.db"
+    upgrade(f"sqlite:///{whole}")
+    truncated = tmp_path / "truncated.db"
+    data = whole.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    return {"file is not a database": garbage, "database disk image is malformed": truncated}
+
+
+def test_damaged_sqlite_file_is_refused_in_one_line_and_left_alone(tmp_path: Path) -> None:
+    """Neither the controller's start nor ``upgrade`` may overwrite what might be the only
+    copy of the operator's data, and SQLAlchemy's message does not name the file."""
+    for reason, path in _damaged_sqlite_files(tmp_path).items():
+        before = path.read_bytes()
+        expected = f"database file {path} is not a SQLite database (or is damaged): {reason}"
+        url = f"sqlite:///{path}"
+        with pytest.raises(BadConfig) as refused:
+            prepare_database(ControllerSettings(database_url=url, tokens=TOKENS))
+        assert str(refused.value) == expected
+        with pytest.raises(BadConfig) as refused:
+            upgrade(url)
+        assert str(refused.value) == expected
+        assert path.read_bytes() == before
 
 
 def test_failed_commit_is_503_and_retry_is_accepted(

@@ -363,6 +363,7 @@ def db_upgrade(
 ) -> None:
     """Apply every pending migration (needed once per PostgreSQL release upgrade)."""
     from controller.db.migrate import upgrade
+    from controller.errors import BadConfig, StartupError
 
     if database_url is None:
         database_url = controller_settings().database_url
@@ -373,7 +374,12 @@ def db_upgrade(
             check_database_url(database_url)
         except ValueError as exc:
             raise BadInput(f"--database-url: {exc}") from exc
-    revision = upgrade(database_url)
+    try:
+        revision = upgrade(database_url)
+    except BadConfig as exc:  # the SQLite file named is read-only, not a database, damaged
+        raise BadInput(" ".join(str(exc).split())) from exc
+    except StartupError as exc:  # a schema a newer release wrote
+        raise service_error(exc, 1) from exc
     typer.echo(f"database at {redact_url(database_url)} is at revision {revision}")
 
 
