@@ -305,12 +305,28 @@ class LiveController:
             except RuntimeError:  # the set changed while we read it: one more try
                 tasks = list(asyncio.all_tasks(loop))
             for task in tasks:
-                stack = "".join(
-                    f"  {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}\n"
-                    for f in task.get_stack()
-                )
-                lines.append(f"task {task.get_name()}:\n{stack}")
+                lines.append(f"task {task.get_name()}:\n{_awaiting(task.get_coro())}")
+        if self._server is not None:
+            state = self._server.server_state
+            lines.append(
+                f"uvicorn: {len(state.connections)} connection(s), {len(state.tasks)} task(s)"
+                f" open, started={self._server.started}"
+            )
         return "\n".join(lines)
+
+
+def _awaiting(coro: Any) -> str:
+    """A suspended coroutine's whole await chain, outermost first (``Task.get_stack`` gives
+    only the outermost frame): the line each coroutine waits at."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            lines.append(f"  awaiting {coro!r}"[:200])
+            break
+        lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "\n".join(lines)
 
 
 ControllerFactory = Callable[..., LiveController]
