@@ -25,6 +25,7 @@ from controller.logic.detection.c4d.job_evidence import (
 from controller.logic.detection.c4d.job_evidence import StuckCall as StuckCallEvidence
 from controller.logic.detection.c4d.nonfinite import NonfiniteState
 from controller.logic.detection.c4d.probe import localize
+from controller.logic.detection.c4d.restart import RunClock
 from controller.logic.detection.c4d.straggler import StragglerState
 from trainguard.wire import InflightCollective, JobRecords, ProbeResult, RankEvent, StepSummary
 
@@ -62,6 +63,8 @@ class JobTracker:
     inflight: dict[tuple[int, str], _Inflight] = field(default_factory=dict)
     last_completed: dict[int, dict[str, int]] = field(default_factory=dict)
     last_step_of_rank: dict[int, int] = field(default_factory=dict)
+    #: End times of this run's summaries (tells a restart from a spool's resend).
+    clock: RunClock = field(default_factory=RunClock)
     stragglers: StragglerState = field(init=False)
     comm: CommSlowState = field(init=False)
     crashes: CrashState = field(init=False)
@@ -98,11 +101,22 @@ class JobTracker:
             # with them unsent). Judged on the old layout, every step of the new run
             # would lack ranks that no longer exist, and a hang would blame them.
             self._new_incarnation(now_s)
+        elif self._late_same_world(s, now_s):
+            return  # the previous run's backlog
+        elif self.clock.went_back(s, self.last_step_of_rank.get(s.rank)):
+            # A new process's step, newer than its rank's highest: once most ranks say so,
+            # the job restarted with its ``started`` events lost (:mod:`.restart`); until
+            # then it belongs to neither run's windows.
+            if not self.clock.restarted(self.world_size):
+                return
+            self._new_incarnation(now_s)
         self.world_size = max(self.world_size, s.world_size)
         self.rank_node[s.rank] = node
         self.rank_gpu[s.rank] = s.gpu_index
         self.nonfinite.observe(s, now_s)
-        self.last_step_of_rank[s.rank] = max(self.last_step_of_rank.get(s.rank, -1), s.step)
+        if s.step >= self.last_step_of_rank.get(s.rank, -1):
+            self.last_step_of_rank[s.rank] = s.step
+            self.clock.record(s)
         if s.step <= self.last_compared_step:
             return  # arrived after its step was compared; too late to matter
         rows = self.pending_steps.get(s.step)
@@ -142,6 +156,16 @@ class JobTracker:
             and now_s - previous[1] < LATE_RUN_SUMMARY_S
         )
 
+    def _late_same_world(self, s: StepSummary, now_s: float) -> bool:
+        """The previous run's backlog with the same world size: soon after the restart, it
+        ended no later than that run's newest summary."""
+        previous = self._previous_run
+        return (
+            previous is not None
+            and now_s - previous[1] < LATE_RUN_SUMMARY_S
+            and self.clock.previous_runs(s)
+        )
+
     def _new_incarnation(self, now_s: float) -> None:
         """The job restarted (a rank that already stepped starts again): begin afresh.
 
@@ -162,6 +186,7 @@ class JobTracker:
         fresh = JobTracker(job=self.job, cfg=self.cfg, incarnation=self.incarnation + 1)
         fresh._findings = self._findings
         fresh._previous_run = (self.world_size, now_s)
+        fresh.clock = self.clock.next_run()
         for name in JobTracker.__dataclass_fields__:
             setattr(self, name, getattr(fresh, name))
 
