@@ -95,6 +95,9 @@ def test_a_stage_without_a_replica_is_compared_with_its_own_history() -> None:
     assert ev.compute_s.peers.steps == 60 and ev.compute_s.culprit.steps == 20
     assert ev.compute_s.culprit.median > 1.1 * ev.compute_s.peers.median
     assert ev.verdict.startswith("alone in its peer group") and 10 <= ev.slowdown_pct <= 25
+    # It has no peers: the summary says what it was compared with, as its verdict does.
+    summary = out.straggler_updates[0].summary
+    assert "longer than its own history (" in summary and "its peers" not in summary
 
 
 def test_stages_without_replicas_stay_quiet_for_2000_steps_under_heavy_tailed_noise() -> None:

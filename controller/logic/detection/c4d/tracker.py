@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from controller.logic.detection.c4d.comm_slow import CommSlowState
 from controller.logic.detection.c4d.config import C4DConfig
 from controller.logic.detection.c4d.crash import CrashState
+from controller.logic.detection.c4d.evidence import Normalization
 from controller.logic.detection.c4d.findings import Finding, FindingKind
 from controller.logic.detection.c4d.hang import StuckCall, classify, ring_pairs
 from controller.logic.detection.c4d.job_evidence import (
@@ -336,6 +337,9 @@ class JobTracker:
         ev = self.stragglers.evidence(rank, node, self.rank_gpu.get(rank))
         group = ev.peer_group
         peers = "its peers" if group.label == "job" else f"its peers ({group.label})"
+        if ev.normalization is Normalization.OWN_HISTORY:
+            # Alone in its group, it has no peer: it is compared with its own past.
+            peers = f"its own history ({group.label})"
         flaps = f"; flapped {ev.flaps}x between slow and normal" if ev.flaps else ""
         return Finding(
             kind=FindingKind.STRAGGLER,
