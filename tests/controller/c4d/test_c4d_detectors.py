@@ -494,3 +494,15 @@ def test_a_mild_straggler_does_not_hide_a_network_slowdown_larger_than_its_delay
     explained = slow.evidence.as_json()["straggler_explained_s"]
     assert 0.07 <= explained < 0.2
     assert "straggler(s) account for" in slow.summary
+
+
+def test_half_of_a_group_slow_together_is_named_with_an_understated_slowdown() -> None:
+    """What docs/detection.md ("Blind spots") says of half of a 64-rank group 30% slow
+    together: the median lies between the halves, and each slow rank is named with its
+    slowdown measured against that midpoint, understated."""
+    trackers = JobTrackers()
+    compute = {r: 1.3 for r in range(32)}
+    found = run_steps(trackers, 0, 60, world=64, compute=compute, jitter=0.05)
+    opened = [f for f in found if f.kind is FindingKind.STRAGGLER and not f.refresh]
+    assert sorted(f.ranks[0] for f in opened) == list(range(32))
+    assert all(8 <= f.evidence.as_json()["slowdown_pct"] <= 20 for f in opened)
