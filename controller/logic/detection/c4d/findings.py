@@ -17,7 +17,7 @@ class FindingKind(StrEnum):
     COMM_HANG = "comm_hang"
     #: One rank persistently computes longer while waiting less: non-communication slow.
     STRAGGLER = "straggler"
-    #: Job-wide collective wait rose with compute balanced: communication slow.
+    #: Job-wide collective wait rose beyond what compute explains: communication slow.
     COMM_SLOW = "comm_slow"
     #: A probe round named the slow link, rank or node.
     SLOW_LINK = "slow_link"

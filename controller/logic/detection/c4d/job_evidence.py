@@ -144,7 +144,8 @@ class NonfiniteEvidence(JobEvidence):
 
 
 class CommSlowEvidence(JobEvidence):
-    """``comm_slow``: collective wait per step before and now, with compute balanced."""
+    """``comm_slow``: collective wait per step before and now, risen beyond what compute
+    explains (balanced compute, or more than the stragglers account for)."""
 
     BRIEF = ("reference_wait_s", "wait_s", "confidence")
 
