@@ -60,6 +60,7 @@ from controller.services.traffic.slowlink import SlowLinkReaction
 from controller.settings import ControllerSettings
 from controller.state import ClusterState
 from controller.store import Store
+from controller.tasks import cancel_and_wait
 from controller.writer import GroupCommitWriter
 
 log = logging.getLogger(__name__)
@@ -335,9 +336,7 @@ class Controller:
             self.on_leadership_lost(reason)
 
     async def _stop_tasks(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         await self.events.stop()
 

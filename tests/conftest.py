@@ -320,12 +320,23 @@ def _awaiting(coro: Any) -> str:
     only the outermost frame): the line each coroutine waits at."""
     lines = []
     while coro is not None:
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        frame = next(
+            (f for a in ("cr_frame", "gi_frame", "ag_frame") if (f := getattr(coro, a, None))),
+            None,
+        )
         if frame is None:
             lines.append(f"  awaiting {coro!r}"[:200])
             break
         lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        awaited = next(
+            (x for a in ("cr_await", "gi_yieldfrom", "ag_await") if (x := getattr(coro, a, None))),
+            None,
+        )
+        if awaited is not None and type(awaited).__name__ == "async_generator_asend":
+            # An asynccontextmanager's __aexit__ (a lifespan's shutdown): go on in its
+            # generator, which the asend wrapper does not expose.
+            awaited = getattr(frame.f_locals.get("self"), "gen", awaited)
+        coro = awaited
     return "\n".join(lines)
 
 

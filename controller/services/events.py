@@ -30,6 +30,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from controller.tasks import cancel_and_wait
+
 if TYPE_CHECKING:
     from controller.state import IncidentState
     from trainguard import wire
@@ -211,9 +213,7 @@ class EventBus:
         :meth:`start` (this replica stopped acting)."""
         self._open = False
         tasks = [s.task for s in self._subscriptions if s.task is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         for sub in self._subscriptions:
             sub.task = None
             sub.lagging = False

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sqlalchemy.engine import make_url
 
+from controller.tasks import cancel_and_wait
+
 if TYPE_CHECKING:
     from psycopg import AsyncConnection
 
@@ -320,8 +322,7 @@ class LeaderElector:
     async def stop_campaigning(self) -> None:
         """No election and no loss callbacks from now on; the lock stays held."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
             self._task = None
 
     async def stop(self) -> None:

@@ -74,6 +74,7 @@ from controller.services.remediation.steps.isolate import Audit, apply_isolation
 from controller.services.webhook import Webhook
 from controller.state import ClusterState, IncidentState
 from controller.store import Store
+from controller.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -560,9 +561,7 @@ class RemediationEngine:
         return rem.public()
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
 
     # ------------------------------------------------------------------ views
 
