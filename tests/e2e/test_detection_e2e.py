@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -283,25 +284,28 @@ def test_communication_hang_is_localized_by_the_probe_after_restart(
     restart does), and the probe deferred to the new run names the link."""
     link = {"kind": "slow_link", "ranks": [1, 2], "from_step": 0, "delay_s": 0.03}
     stuck = {"kind": "hang", "rank": 1, "at_step": 20, "op": "all_reduce", "where": "inside"}
-    ranks = cluster.run_job("commhang", [link, stuck], steps=400)
+    # A name of its own per run of this test: the cluster is the module's, and a rerun (slow
+    # tests run once more on failure) must not find the first attempt's incidents.
+    job = f"commhang-{secrets.token_hex(3)}"
+    ranks = cluster.run_job(job, [link, stuck], steps=400)
     try:
-        hang = cluster.wait_incident("commhang", "comm_hang", timeout_s=60)
+        hang = cluster.wait_incident(job, "comm_hang", timeout_s=60)
         assert hang["ranks"] == [0, 1, 2, 3] and hang["evidence"]["op"] == "all_reduce"
         assert hang["evidence"]["probe"].startswith("deferred")
-        assert kinds(cluster.incidents("commhang")) == ["comm_hang"]
+        assert kinds(cluster.incidents(job)) == ["comm_hang"]
     finally:
         for child in ranks:  # the whole job at once, as a restart stops it
             child.send(signal.SIGTERM)
         cluster.stop_job(ranks, timeout_s=10)
-    ranks = cluster.run_job("commhang", [link], steps=3000)
+    ranks = cluster.run_job(job, [link], steps=3000)
     try:
-        found = cluster.wait_incident("commhang", "slow_link", timeout_s=120)
+        found = cluster.wait_incident(job, "slow_link", timeout_s=120)
         assert found["ranks"] == [1, 2] and found["evidence"]["scope"] == "link"
         assert found["evidence"]["slow_pairs"] == [[1, 2]]
-        assert found["evidence"]["after_incident"].startswith("comm_hang:commhang:")
+        assert found["evidence"]["after_incident"].startswith(f"comm_hang:{job}:")
     finally:
         cluster.stop_job(ranks)
-    by_kind = {i["kind"]: i for i in cluster.incidents("commhang")}
+    by_kind = {i["kind"]: i for i in cluster.incidents(job)}
     # the restart closed the hang; stopping a hung job is no crash of any rank
     assert by_kind["comm_hang"]["state"] == "resolved", by_kind["comm_hang"]
     assert "rank_crash" not in by_kind and "comm_failure" not in by_kind, by_kind
