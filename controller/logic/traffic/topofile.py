@@ -205,18 +205,24 @@ class LabelFabric:
     """NIC port speed when a node has no port-speed label."""
     name: str = "labels"
 
+    def out_of_range(self) -> str | None:
+        """What is outside the bounds a label fabric is built within, or None."""
+        if (
+            1 <= self.spines <= MAX_LABEL_SPINES
+            and 0 < self.oversubscription < math.inf
+            and 0 < self.port_speed_gbps <= MAX_GBPS
+        ):
+            return None
+        return (
+            f"spines 1..{MAX_LABEL_SPINES}, oversubscription finite > 0, "
+            f"port_speed_gbps in (0, {MAX_GBPS:g}]"
+        )
+
 
 def topology_from_labels(labels: Mapping[str, Mapping[str, str]], fabric: LabelFabric) -> Topology:
     """Build a two-tier topology from node → labels; nodes without NIC labels are skipped."""
-    if (
-        not 1 <= fabric.spines <= MAX_LABEL_SPINES
-        or not 0 < fabric.oversubscription < math.inf
-        or not 0 < fabric.port_speed_gbps <= MAX_GBPS
-    ):
-        raise TopologyError(
-            f"label fabric: spines 1..{MAX_LABEL_SPINES}, oversubscription finite > 0, "
-            f"speed in (0, {MAX_GBPS:g}]"
-        )
+    if (problem := fabric.out_of_range()) is not None:
+        raise TopologyError(f"label fabric: {problem}")
     nodes: list[NodeSpec] = []
     down: dict[str, float] = {}
     for node in sorted(labels):

@@ -8,15 +8,12 @@ when the labelled nodes or their labels change; the service then re-plans every 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from controller.errors import BadConfig
 from controller.logic.traffic.topofile import (
     LABEL_PREFIX,
-    MAX_GBPS,
-    MAX_LABEL_SPINES,
     LabelFabric,
     topology_from_labels,
 )
@@ -43,15 +40,8 @@ def label_fabric(raw: Mapping[str, Any] | None) -> LabelFabric | None:
         )
     except (TypeError, ValueError, OverflowError) as exc:
         raise BadConfig(f"topology_labels: {exc}") from None
-    if (
-        not 1 <= fabric.spines <= MAX_LABEL_SPINES
-        or not 0 < fabric.oversubscription < math.inf
-        or not 0 < fabric.port_speed_gbps <= MAX_GBPS
-    ):
-        raise BadConfig(
-            f"topology_labels: spines 1..{MAX_LABEL_SPINES}, oversubscription finite > 0, "
-            f"port_speed_gbps in (0, {MAX_GBPS:g}]"
-        )
+    if (problem := fabric.out_of_range()) is not None:
+        raise BadConfig(f"topology_labels: {problem}")
     return fabric
 
 
