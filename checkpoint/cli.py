@@ -81,11 +81,6 @@ def _table(headers: list[str], rows: list[list[str]]) -> None:
         typer.echo("   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
-def _open(root: Path, step: int | None) -> CheckpointReader:
-    store = CheckpointStore(root)
-    return store.open(step) if step is not None else store.open_latest()
-
-
 @app.command("inspect")
 def inspect_cmd(
     root: Annotated[Path, typer.Argument(help="Checkpoint directory (holds step-* folders)")],
