@@ -103,3 +103,48 @@ def test_two_candidates_racing_get_one_lease(cluster: FakeCluster) -> None:
 def test_timings_must_nest() -> None:
     with pytest.raises(ValueError, match="renew_deadline_s < lease_duration_s"):
         LeaseElector(None, NS, "x", "a", lease_duration_s=5, renew_deadline_s=10)  # type: ignore[arg-type]
+
+
+def test_release_outlasts_a_renewal_that_was_still_in_flight(cluster: FakeCluster) -> None:
+    """A renewal cancelled as the controller stopped still completes in its thread; landing
+    between release's read and write it made release's write a 409, and the Lease stayed
+    held until it expired (a standby waited a whole lease duration)."""
+    clock = Clock()
+    a, b = elector(cluster, "a", clock), elector(cluster, "b", clock)
+    assert run(a.try_acquire_or_renew())
+    renewer = elector(cluster, "a", clock)  # a's own in-flight request, another copy
+    renewer.generation, renewer._renewed_at = 0, clock.t
+    original = cluster.handle
+    landed = {"n": 0}
+
+    def racing(method: str, path: str, query: dict[str, str], body: object, ctype: str) -> object:
+        if method == "PUT" and landed["n"] == 0:
+            landed["n"] = 1
+            assert run(renewer.try_acquire_or_renew())  # holder a, a newer resourceVersion
+        return original(method, path, query, body, ctype)
+
+    cluster.handle = racing  # type: ignore[method-assign]
+    run(a.release())
+    assert landed["n"] == 1
+    lease = cluster.get("coordination.k8s.io", "leases", NS, "trainguard")
+    assert lease is not None and lease["spec"]["holderIdentity"] == ""
+    assert not a.leading
+    assert run(b.try_acquire_or_renew()) is True  # at once, no expiry to wait out
+
+
+def test_release_past_the_renew_deadline_still_clears_its_own_record(cluster: FakeCluster) -> None:
+    """A replica that could not renew for a while no longer acts; if the record still names
+    it, nobody else holds the Lease, and clearing it spares the standby the expiry."""
+    clock = Clock()
+    a, b = elector(cluster, "a", clock), elector(cluster, "b", clock)
+    assert run(a.try_acquire_or_renew())
+    assert run(b.try_acquire_or_renew()) is False
+    clock.t += 11  # past a's renew deadline, short of the lease duration
+    assert not a.leading
+    run(a.release())
+    assert run(b.try_acquire_or_renew()) is True
+    run(b.release())
+    run(a.release())  # not the holder now: leaves b's release (and any holder) alone
+    lease = cluster.get("coordination.k8s.io", "leases", NS, "trainguard")
+    assert lease is not None and lease["spec"]["holderIdentity"] == ""
+    assert lease["spec"]["leaseTransitions"] == 1

@@ -31,6 +31,10 @@ from kubernetes import client
 
 from controller.actuators.k8s.api import Fenced, Kube, KubernetesApiError
 
+#: Reads and writes a release tries before leaving the Lease to expire (each retry follows
+#: a 409: something wrote the Lease between the read and the write).
+_RELEASE_ATTEMPTS = 3
+
 
 class LeaseElector:
     def __init__(
@@ -155,37 +159,48 @@ class LeaseElector:
 
     async def release(self) -> None:
         """Give the Lease up at once (holder cleared) so a standby need not wait for it to
-        expire; stops acting first."""
-        was = self.generation if self.leading else None
+        expire; stops acting first.
+
+        Cleared whenever the record still names this replica, even past its own renew
+        deadline (it no longer acts, and nobody else holds the Lease yet). A conflict is
+        retried: a renewal this replica had in flight when it stopped campaigning (a
+        cancelled call whose request still completes in its thread) can land between the
+        read and the write here, and giving up on that 409 left the Lease held for a whole
+        ``lease_duration_s``.
+        """
         self.generation, self._renewed_at = None, None
-        if was is None:
-            return
         coord = self.kube.coordination
-        try:
-            lease = await self.kube.read(
-                f"get lease {self.name}", coord.read_namespaced_lease, self.name, self.namespace
-            )
+        for _ in range(_RELEASE_ATTEMPTS):
+            try:
+                lease = await self.kube.read(
+                    f"get lease {self.name}", coord.read_namespaced_lease, self.name, self.namespace
+                )
+            except KubernetesApiError:
+                return  # gone or unreachable: it expires on its own
             spec = lease.get("spec") or {}
             if spec.get("holderIdentity") != self.identity:
                 return
             body = self._body(
                 lease["metadata"]["resourceVersion"],
-                transitions=was,
+                transitions=int(spec.get("leaseTransitions") or 0),
                 acquired=_parse(spec.get("acquireTime")) or datetime.now(UTC),
                 renewed=datetime.now(UTC),
             )
             assert body.spec is not None
             body.spec.holder_identity = ""
             body.spec.lease_duration_seconds = 1
-            await self.kube.read(
-                f"release lease {self.name}",
-                coord.replace_namespaced_lease,
-                self.name,
-                self.namespace,
-                body,
-            )
-        except KubernetesApiError:
-            pass  # it expires on its own
+            try:
+                await self.kube.read(
+                    f"release lease {self.name}",
+                    coord.replace_namespaced_lease,
+                    self.name,
+                    self.namespace,
+                    body,
+                )
+                return
+            except KubernetesApiError as exc:
+                if exc.status != 409:
+                    return  # it expires on its own
 
     async def run(self, stop: asyncio.Event) -> None:
         """Acquire and renew until ``stop`` is set (then leave the Lease to expire)."""
