@@ -22,6 +22,8 @@ from .config import InstrumentConfig
 from .errors import CollectivesConfigError, CollectivesError, FaultSpecError, NotInstrumentedError
 from .runtime import (
     add_faults,
+    checkpoint_agreed,
+    checkpoint_vote,
     current,
     hook_optimizer,
     instrument,
@@ -41,6 +43,8 @@ __all__ = [
     "InstrumentConfig",
     "NotInstrumentedError",
     "add_faults",
+    "checkpoint_agreed",
+    "checkpoint_vote",
     "current",
     "hook_optimizer",
     "instrument",

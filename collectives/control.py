@@ -10,6 +10,14 @@ Ranks agree on a step only through the command itself: the controller must pick
 ``at_step`` ahead of the job's progress. A request without ``at_step`` fires at the next
 step boundary each rank sees, which is fine for one rank's own checkpoint but not for a
 collective one.
+
+A checkpoint request reaches the nodes as one copy per node, some steps apart. A loop that
+agrees across ranks (an all-reduce) would take one checkpoint per copy: a storm of full
+checkpoints just before a restart, and with retention the checkpoint the controller
+planned on can be pruned by them. :meth:`Control.checkpoint_vote` gives the newest request
+*number* a rank holds; the loop takes the maximum over ranks and hands it back to
+:meth:`Control.checkpoint_agreed`, after which copies of that request (and older ones)
+are answered on every rank, also those still on their way.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ CheckpointCallback = Callable[[int], None]
 class _CheckpointRequest:
     command_id: str
     at_step: int | None
+    #: The request number shared by every node's copy (``None``: this copy alone).
+    request: int | None
 
 
 class Control:
@@ -47,6 +57,8 @@ class Control:
         self._lock = threading.Lock()
         self._seen: set[str] = set()
         self._checkpoints: list[_CheckpointRequest] = []
+        #: Request numbers up to this one were answered by a checkpoint the job agreed on.
+        self._answered = 0
         self._probes: dict[str, JobLinkProbe] = {}
         self._stop_reason: str | None = None
         self._faults: list[list[dict[str, Any]]] = []
@@ -65,7 +77,14 @@ class Control:
                     continue
                 self._seen.add(cmd.id)
                 if isinstance(cmd, JobCheckpoint):
-                    self._checkpoints.append(_CheckpointRequest(cmd.id, cmd.at_step))
+                    if cmd.request is not None and cmd.request <= self._answered:
+                        log.info(
+                            "trainguard: checkpoint request %d (command %s) already answered",
+                            cmd.request,
+                            cmd.id,
+                        )
+                        continue
+                    self._checkpoints.append(_CheckpointRequest(cmd.id, cmd.at_step, cmd.request))
                 elif isinstance(cmd, JobStop):
                     self._stop_reason = cmd.reason or cmd.id
                 elif isinstance(cmd, JobInjectFaults):
@@ -83,12 +102,27 @@ class Control:
 
     def checkpoint_due(self, step: int) -> bool:
         """True (once per request) when a checkpoint request applies after ``step``."""
+        return self.checkpoint_vote(step) > 0
+
+    def checkpoint_vote(self, step: int) -> int:
+        """This rank's say in the job's agreement on a checkpoint after ``step``: 0 for
+        none, else the newest request number due (1 for a request without one). Each
+        request is voted for once."""
         with self._lock:
             due = [r for r in self._checkpoints if r.at_step is None or r.at_step <= step]
             if not due:
-                return False
+                return 0
             self._checkpoints = [r for r in self._checkpoints if r not in due]
-            return True
+            return max(r.request or 1 for r in due)
+
+    def checkpoint_agreed(self, vote: int) -> None:
+        """The job agreed on ``vote`` (the maximum over its ranks) and checkpoints for it:
+        requests numbered up to it are answered, here and when their copies arrive."""
+        with self._lock:
+            self._answered = max(self._answered, vote)
+            self._checkpoints = [
+                r for r in self._checkpoints if r.request is None or r.request > self._answered
+            ]
 
     def faults_due(self) -> list[list[dict[str, Any]]]:
         """Fault specs from chaos commands, to add on the training thread (once each)."""

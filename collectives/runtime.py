@@ -404,6 +404,24 @@ def should_checkpoint(step: int) -> bool:
     return session is not None and session.control.checkpoint_due(step)
 
 
+def checkpoint_vote(step: int) -> int:
+    """This rank's say in a checkpoint after ``step``: 0 for none, else the newest request
+    number due. A loop that agrees across ranks takes the maximum over ranks (an
+    all-reduce with ``MAX``), checkpoints when it is above 0 and passes it to
+    :func:`checkpoint_agreed`: one checkpoint per request, however many steps apart its
+    copies reach the nodes."""
+    session = _session
+    return 0 if session is None else session.control.checkpoint_vote(step)
+
+
+def checkpoint_agreed(vote: int) -> None:
+    """Every rank, with the job's agreed (maximum) :func:`checkpoint_vote`: the requests it
+    answers are dropped here and ignored when their copies still arrive."""
+    session = _session
+    if session is not None and vote > 0:
+        session.control.checkpoint_agreed(vote)
+
+
 def should_stop() -> bool:
     """True once the controller has asked this job to stop."""
     session = _session
@@ -442,6 +460,8 @@ __all__ = [
     "Session",
     "StepContext",
     "add_faults",
+    "checkpoint_agreed",
+    "checkpoint_vote",
     "current",
     "hook_optimizer",
     "instrument",

@@ -216,15 +216,23 @@ def run(cfg: JobConfig) -> int:
             time.sleep(cfg.step_sleep_s)
             # loss sum, stop and checkpoint requests, agreed by all ranks in one call:
             # ranks learn of a controller command at different steps
+            vote = collectives.checkpoint_vote(step)
             agreed = torch.stack(
                 [
                     loss,
                     torch.tensor(float(collectives.should_stop())),
-                    torch.tensor(float(collectives.should_checkpoint(step))),
+                    torch.tensor(float(vote > 0)),
                     torch.tensor(float(ckpt.busy())),
                 ]
             )
             dist.all_reduce(agreed)
+            if agreed[2].item() > 0:
+                # Which request: its copies reach the nodes steps apart, and each copy
+                # answered on its own would be another full checkpoint (every rank
+                # takes this branch, so the extra call is collective too).
+                newest = torch.tensor([float(vote)], dtype=torch.float64)
+                dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+                collectives.checkpoint_agreed(int(newest.item()))
         record: dict[str, Any] = {
             "step": step,
             "loss": agreed[0].item() / cfg.world_size,

@@ -695,6 +695,12 @@ class JobCheckpoint(CommandBase):
     kind: Literal["job_checkpoint"] = "job_checkpoint"
     job: Name
     at_step: NonNegInt | None = None
+    #: One number for every node asked at once (the controller's action id). The copies
+    #: reach the nodes some steps apart; ranks that agree on the newest number they hold
+    #: (``collectives.checkpoint_vote``/``checkpoint_agreed``) take one checkpoint for the
+    #: request, not one per copy. ``None``: each copy is a request of its own. At most
+    #: 2**53: the ranks' agreement carries it in a float64, exact up to there.
+    request: Annotated[int, Field(gt=0, le=2**53)] | None = None
 
 
 class JobLinkProbe(CommandBase):

@@ -301,6 +301,13 @@ def test_restart_jobset_shrinks_replicas_and_resumes(
     assert obj["metadata"]["annotations"][ANN_GENERATION] == "1"
     assert kube.items("", "pods") == []  # suspension removed them
     assert result.details["workload"] == "JobSet js"
+    # The next restart is no rollback: a bound left from this one would hold the ranks
+    # to a checkpoint that retention may delete meanwhile. The annotation goes.
+    run(act.restart_job(placement("js", ("n1", "n2"), 1, gen=2, step=None), reason="hang"))
+    obj = kube.get("jobset.x-k8s.io", "jobsets", NS, "js")
+    assert obj is not None
+    template = obj["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    assert template["metadata"]["annotations"] == {ANN_GENERATION: "2"}
 
 
 def test_restart_after_stop_finds_the_workload_by_its_label(

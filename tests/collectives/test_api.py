@@ -16,6 +16,8 @@ def test_public_names_are_pinned() -> None:
         "InstrumentConfig",
         "NotInstrumentedError",
         "add_faults",
+        "checkpoint_agreed",
+        "checkpoint_vote",
         "current",
         "hook_optimizer",
         "instrument",

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 import collectives
+from collectives.control import Control
 from collectives.recorder import COMPUTE_OP
 from collectives.wrap import OPS
 from trainguard.wire import InflightCollective, JobCheckpoint, JobLinkProbe, JobStop
@@ -193,6 +194,46 @@ def test_commands_reach_the_training_loop() -> None:
     odd, late = list(session.outbox.probes.items)
     assert not odd.ok and "outside the job" in odd.error and odd.dst_rank == 5
     assert not late.ok and "step 6, after at_step 2" in late.error and late.src_rank == 0
+
+
+def test_one_checkpoint_request_is_one_checkpoint_however_its_copies_arrive() -> None:
+    """Two nodes' ranks, as two Controls: node A gets the copy of request 7 at step 11, node
+    B at step 12. A loop that agreed only on a flag checkpointed twice (once per copy; one
+    per node at scale); agreeing on the number, B's late copy is already answered."""
+    a, b = Control("unit"), Control("unit")
+
+    def agree(step: int) -> int:
+        vote = max(a.checkpoint_vote(step), b.checkpoint_vote(step))  # the MAX all-reduce
+        if vote:
+            a.checkpoint_agreed(vote)
+            b.checkpoint_agreed(vote)
+        return vote
+
+    a.handle([JobCheckpoint(id="copy-a", job="unit", request=7)])
+    assert agree(11) == 7  # one checkpoint after step 11
+    b.handle([JobCheckpoint(id="copy-b", job="unit", request=7)])  # B's copy, a step late
+    b.handle([JobCheckpoint(id="older", job="unit", request=5)])  # older ones too
+    assert agree(12) == 0 and agree(13) == 0
+    # A copy already held for a later step is dropped once its number is agreed on.
+    b.handle([JobCheckpoint(id="b9", job="unit", request=9, at_step=30)])
+    a.handle([JobCheckpoint(id="a9", job="unit", request=9)])
+    assert agree(14) == 9 and agree(30) == 0
+    # The newest request wins the vote and answers the older one held elsewhere.
+    a.handle([JobCheckpoint(id="a10", job="unit", request=10)])
+    b.handle([JobCheckpoint(id="b11", job="unit", request=11)])
+    assert agree(15) == 11 and agree(16) == 0
+    # Requests without a number (an older controller) are each their own checkpoint.
+    a.handle([JobCheckpoint(id="u1", job="unit")])
+    assert agree(17) == 1
+    b.handle([JobCheckpoint(id="u2", job="unit")])
+    assert agree(18) == 1 and agree(19) == 0
+    # The public face on an instrumented rank: the same vote, consumed once.
+    session = _session()
+    session.control.handle([JobCheckpoint(id="p", job="unit", request=12)])
+    assert collectives.checkpoint_vote(20) == 12 and collectives.checkpoint_vote(21) == 0
+    collectives.checkpoint_agreed(12)
+    session.control.handle([JobCheckpoint(id="p2", job="unit", request=12)])
+    assert not collectives.should_checkpoint(22)
 
 
 def test_optimizer_hook_marks_steps() -> None:

@@ -162,9 +162,12 @@ def test_pytorchjob_gang_restarts_off_a_fatal_xid_and_resumes(pytorchjob: GangCl
     assert not any(node == BAD for _, node, gen in c.kubelet.started if gen == "1")
     # Cordoned, tainted, marked; resumed from the checkpoint; the Node's Event.
     resumed = assert_quarantined_and_resumed(c)
-    # The resume step trainguard wrote reached the ranks through the downward API.
-    step = specs["Master"]["template"]["metadata"]["annotations"]["trainguard.io/resume-step"]
-    assert resumed["resumed_from"] <= int(step), (resumed, step)
+    # No rollback: no resume bound in the spec (the job checkpointed on until its pods
+    # went, and retention may have deleted the checkpoint that was newest at the decision),
+    # so the ranks resumed from the newest one; the action recorded the one it knew of.
+    for spec in specs.values():
+        assert "trainguard.io/resume-step" not in spec["template"]["metadata"]["annotations"]
+    assert resumed["resumed_from"] >= restart["params"]["resume_step"], (resumed, restart)
     # Events tell the story: the node quarantined (above), the PyTorchJob restarted.
     assert ("PyTorchJob", JOB, "JobRestarted") in c.events(), c.events()
     report_times(c, "PyTorchJob", xid_at, began)

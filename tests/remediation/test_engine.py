@@ -632,6 +632,49 @@ def test_nonfinite_rolls_back_to_the_newest_checkpoint_before_the_bad_step(  # t
     assert [p.resume_step for p in actuator.restarts()] == [20]
 
 
+def test_a_restart_is_not_pinned_and_its_protective_checkpoint_is_one_request(  # type: ignore[no-untyped-def]
+    controller_factory,
+) -> None:
+    """A fatal XID on n1 under job gpt (ranks on n0 and n1). Every node is asked for the
+    protective checkpoint with the same request number (its action id), so the ranks take
+    one checkpoint, not one per node. The restart records the newest checkpoint at its
+    decision but does not bound the job to it: the job checkpoints on until its ranks are
+    stopped, and retention could delete that one by then (a pinned restart then had
+    nothing to resume from)."""
+    live = controller_factory()
+    agents = Agents(live)
+    for i in range(3):
+        agents.report(f"n{i}")
+    now = time.time()
+    for node, rank in (("n0", 0), ("n1", 2)):
+        step = {"job": "gpt", "rank": rank, "world_size": 4, "step": 20, "step_time_s": 1.0,
+                "compute_time_s": 0.9, "collective_wait_s": 0.1, "end_unix_s": now}  # fmt: skip
+        agents.report(node, job={"steps": [step]})
+    committed(agents, "n0", "gpt", [10, 20])
+    actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1", "n2"])
+    agents.report("n1", xid=79)
+    viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
+
+    def asked() -> list[dict[str, Any]]:
+        found = viewer.get("/api/v1/commands").json()["data"]
+        return [c for c in found if c["kind"] == "job_checkpoint"]
+
+    commands = wait_for(lambda: len(asked()) == 2 and asked())
+    checkpoint = wait_for(lambda: [a for a in actions(live) if a["kind"] == "checkpoint"])[0]
+    assert sorted(c["node"] for c in commands) == ["n0", "n1"]
+    assert {c["params"]["request"] for c in commands} == {checkpoint["id"]}
+    committed(agents, "n0", "gpt", [25])  # the protective checkpoint
+    restart = wait_for(
+        lambda: [
+            a for a in actions(live) if a["kind"] == "restart_job" and a["status"] != "pending"
+        ]
+    )[0]
+    assert restart["status"] == "succeeded", restart["outcome"]
+    assert restart["params"]["resume_step"] == 25 and "rollback" not in restart["params"]
+    assert "from the newest checkpoint (step 25 now)" in restart["outcome"], restart["outcome"]
+    assert [p.resume_step for p in actuator.restarts()] == [None]
+
+
 def test_nonfinite_without_a_clean_checkpoint_is_left_to_a_human(controller_factory) -> None:  # type: ignore[no-untyped-def]
     live = controller_factory()
     agents = Agents(live)

@@ -1,6 +1,7 @@
 """``checkpoint``: the protective checkpoint before anything is stopped.
 
-Every node running the job is asked (a ``JobCheckpoint`` command) and the step waits,
+Every node running the job is asked (a ``JobCheckpoint`` command, the same request number
+on each, so the ranks take one checkpoint for it) and the step waits,
 bounded by ``guards.checkpoint_timeout_s``, until the agents report a newer committed
 checkpoint; without one the remediation goes on from the newest complete checkpoint.
 """
@@ -51,7 +52,11 @@ class ProtectiveCheckpoint:
         action = await record(incident, rem, self.action_kind, job_name, params, "pending", "")
         asked = time.time()
         for node in nodes:
-            request = wire.JobCheckpoint(id="assigned-by-server", job=job_name, reason=rem.id)
+            # One request number for every node's copy: the ranks agree on it and take one
+            # checkpoint, not one per node as the copies arrive steps apart.
+            request = wire.JobCheckpoint(
+                id="assigned-by-server", job=job_name, reason=rem.id, request=action
+            )
             await ctx.commands.create(node, request, by="remediation")
         timeout_s = ctx.policy.guards.checkpoint_timeout_s
         deadline = asked + timeout_s

@@ -29,9 +29,16 @@ async def restart(
     resume_step: int | None = None,
     rollback: RollbackFacts | None = None,
 ) -> StepResult:
-    """Restart ``rem``'s job without excluded nodes, from ``resume_step`` (default: the
-    newest committed checkpoint); ``rollback`` (a rollback's bad step) goes into the action's
-    parameters."""
+    """Restart ``rem``'s job without excluded nodes. The ranks resume from the newest
+    committed checkpoint; only a rollback bounds it (``resume_step``, with ``rollback``,
+    its bad step, in the action's parameters).
+
+    Without a rollback no bound goes to the job: it keeps training (and checkpointing)
+    until its ranks are stopped, and with retention the checkpoint that was newest at this
+    decision can be gone by then; a bound pinned to it left the new ranks nothing to
+    resume from (exit 3, restarted again and again). The newest one at the decision is
+    still what the action records and the goodput ledger prices.
+    """
     record = ctx.recorder.record
     job = rem.job
     now = time.time()
@@ -64,7 +71,8 @@ async def restart(
             return True, done
     plan = await plan_placement(ctx, job, current, grow_back=rem.grow, resume_step=resume_step)
     placement = plan.placement
-    resume_step = placement.resume_step if placement is not None else None
+    if resume_step is None and book.checkpoint is not None:
+        resume_step = book.checkpoint[0]  # expected: the newest committed one now
     given = RestartParams() if rollback is None else RestartParams(rollback=rollback)
     params: dict[str, Any] = given.to_params() | {
         "plan": plan.kind,
@@ -88,10 +96,15 @@ async def restart(
         "dp": placement.dp,
         "generation": placement.generation,
     }
+    if placement.resume_step is not None:
+        origin = f"step {placement.resume_step}"
+    elif resume_step is not None:
+        origin = f"the newest checkpoint (step {resume_step} now)"
+    else:
+        origin = "the newest checkpoint (none yet)"
     summary = (
         f"{plan.kind}: world {current.world_size} -> {placement.world_size} on "
-        f"{', '.join(placement.nodes)}, from "
-        f"{'step ' + str(resume_step) if resume_step is not None else 'the start'}"
+        f"{', '.join(placement.nodes)}, from {origin}"
     )
     if rem.dry_run:
         await record(

@@ -57,10 +57,10 @@ async def plan_placement(
     resume_step: int | None = None,
 ) -> RestartPlan:
     """The next placement of ``job``; ``grow_back``: only healthy spares are added.
-    ``resume_step``: the checkpoint to resume from (default: the newest committed)."""
+    ``resume_step``: a rollback's bound, the newest checkpoint the ranks may resume from
+    (``None``: the newest committed one, whichever it is when they start)."""
     assert ctx.actuator is not None
     candidates = await ctx.actuator.candidate_nodes(job)
-    book = ctx.book(job)
     min_dp, divide = limits(ctx, job)
     ctx.original_nodes.setdefault(job, len(current.nodes))
     plan = plan_restart(
@@ -71,9 +71,7 @@ async def plan_placement(
         dp_must_divide=divide,
         original_nodes=ctx.original_nodes[job],
         grow=ctx.policy.restarts.grow or grow_back,
-        resume_step=resume_step
-        if resume_step is not None
-        else (book.checkpoint[0] if book.checkpoint else None),
+        resume_step=resume_step,
     )
     # Say why a node the job could have used was passed over for a failed preflight.
     failed = failed_nodes(ctx.commands.preflight_verdicts())
