@@ -6,7 +6,9 @@ Scenario (real gloo ranks, checkpoints every 4 steps, 12 steps in all):
 * ``baseline``: TP=2 x DP=2 runs steps 0..11 uninterrupted.
 * ``crashed``: the same job, but every rank dies at the start of step 10 (a ``crash``
   fault from ``TRAINGUARD_FAULTS``, as a chaos drill would inject): the newest complete
-  checkpoint is step 8, and steps 8 and 9 are lost work.
+  checkpoint is step 8 (on a loaded machine committed only after the crash, by the writer
+  processes the ranks leave behind: ``launch`` waits for them), and steps 8 and 9 are lost
+  work.
 * a relaunch then resumes from step 8, either as the same 4 ranks or as TP=2 x DP=1.
 * ``rollback``: the finished baseline relaunched with TRAINGUARD_RESUME_STEP=8 (what the
   controller's NaN rollback sets) goes back to step 8 and sets step 12 aside.
@@ -46,25 +48,33 @@ def _losses(run: Run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in run.log}
 
 
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("demojob")
+# Every directory is made new by the fixture or test that writes it: a failed test runs once
+# more (pytest-rerunfailures) on the module's fixtures, and a fixture that failed runs again.
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp: Path, torch_zygote: TorchZygote) -> dict[int, float]:
-    run = launch(
-        torch_zygote, 4, tmp, TG_TP=2, TG_CKPT_DIR=tmp / "ckpt-baseline", **_job(tmp, "baseline")
-    )
+def baseline_run(
+    tmp_path_factory: pytest.TempPathFactory, torch_zygote: TorchZygote
+) -> tuple[Path, dict[int, float]]:
+    """The uninterrupted run: its checkpoint root and its losses by step."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    root = tmp / "ckpt-baseline"
+    run = launch(torch_zygote, 4, tmp, TG_TP=2, TG_CKPT_DIR=root, **_job(tmp, "baseline"))
     assert run.codes == [0] * 4, run.explain()
     assert "started fresh at step 0 (tp=2 dp=2)" in run.stdout[0]
     assert [r["step"] for r in run.log] == list(range(STEPS))
-    return _losses(run)
+    return root, _losses(run)
 
 
 @pytest.fixture(scope="module")
-def crashed(tmp: Path, torch_zygote: TorchZygote) -> Path:
+def baseline(baseline_run: tuple[Path, dict[int, float]]) -> dict[int, float]:
+    return baseline_run[1]
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory: pytest.TempPathFactory, torch_zygote: TorchZygote) -> Path:
     """The checkpoint root the crashed run left (kept pristine; tests copy it)."""
+    tmp = tmp_path_factory.mktemp("crashed")
     root = tmp / "ckpt-crashed"
     run = launch(
         torch_zygote,
@@ -77,10 +87,13 @@ def crashed(tmp: Path, torch_zygote: TorchZygote) -> Path:
     )
     assert run.codes == [17] * 4, run.explain()
     assert [r["step"] for r in run.log] == list(range(CRASH_AT))
+    # step 8 is committed by the writer processes the crash left (launch waits for them)
+    assert CheckpointStore(root).latest_pointer() == RESUME_AT
     return root
 
 
 def _relaunch(zygote: TorchZygote, tmp: Path, crashed: Path, name: str, world: int) -> Run:
+    """Relaunch from a copy of ``crashed`` in ``tmp`` (the test's own ``tmp_path``)."""
     root = tmp / f"ckpt-{name}"
     shutil.copytree(crashed, root)
     job = _job(tmp, name)
@@ -88,9 +101,9 @@ def _relaunch(zygote: TorchZygote, tmp: Path, crashed: Path, name: str, world: i
 
 
 def test_resumed_run_continues_bit_for_bit(
-    tmp: Path, baseline: dict[int, float], crashed: Path, torch_zygote: TorchZygote
+    tmp_path: Path, baseline: dict[int, float], crashed: Path, torch_zygote: TorchZygote
 ) -> None:
-    run = _relaunch(torch_zygote, tmp, crashed, "same-layout", 4)
+    run = _relaunch(torch_zygote, tmp_path, crashed, "same-layout", 4)
     assert run.codes == [0] * 4, run.explain()
     assert "generation 1 resumed from step 8 (tp=2 dp=2 -> tp=2 dp=2)" in run.stdout[0]
     assert [r["step"] for r in run.log] == list(range(RESUME_AT, STEPS))
@@ -108,9 +121,9 @@ def _fresh_loss(step: int) -> float:
 
 
 def test_shrunk_run_resumes_from_resharded_checkpoint(
-    tmp: Path, baseline: dict[int, float], crashed: Path, torch_zygote: TorchZygote
+    tmp_path: Path, baseline: dict[int, float], crashed: Path, torch_zygote: TorchZygote
 ) -> None:
-    run = _relaunch(torch_zygote, tmp, crashed, "shrunk", 2)
+    run = _relaunch(torch_zygote, tmp_path, crashed, "shrunk", 2)
     assert run.codes == [0] * 2, run.explain()
     assert "generation 1 resumed from step 8 (tp=2 dp=2 -> tp=2 dp=1)" in run.stdout[0]
     assert [(r["step"], r["world_size"], r["dp"]) for r in run.log] == [
@@ -127,21 +140,24 @@ def test_shrunk_run_resumes_from_resharded_checkpoint(
     fresh = _fresh_loss(RESUME_AT)
     assert fresh - resumed[RESUME_AT] > 0.5, (fresh, resumed[RESUME_AT])
     # its own checkpoints now have the new layout, so the next restart needs no resharding
-    meta = json.loads((tmp / "ckpt-shrunk" / "step-000000000012" / "MANIFEST.json").read_text())
+    meta = json.loads(
+        (tmp_path / "ckpt-shrunk" / "step-000000000012" / "MANIFEST.json").read_text()
+    )
     assert (meta["world_size"], meta["layout"]) == (2, {"tp": 2, "dp": 1})
 
 
 def test_rollback_resumes_at_the_bound_and_sets_newer_steps_aside(
-    tmp: Path, baseline: dict[int, float], torch_zygote: TorchZygote
+    tmp_path: Path, baseline_run: tuple[Path, dict[int, float]], torch_zygote: TorchZygote
 ) -> None:
-    root = tmp / "ckpt-rollback"
-    shutil.copytree(tmp / "ckpt-baseline", root)
+    baseline_root, baseline = baseline_run
+    root = tmp_path / "ckpt-rollback"
+    shutil.copytree(baseline_root, root)
     assert CheckpointStore(root).latest_pointer() == STEPS
-    job = {**_job(tmp, "rollback"), "TG_TP": 2, "TG_CKPT_DIR": root}
+    job = {**_job(tmp_path, "rollback"), "TG_TP": 2, "TG_CKPT_DIR": root}
     # two ranks, not four: half the start-up time on a small machine, at the price of a
     # resharded resume (losses close to the baseline's, not equal)
     run = launch(
-        torch_zygote, 2, tmp, TRAINGUARD_GENERATION=1, TRAINGUARD_RESUME_STEP=RESUME_AT, **job
+        torch_zygote, 2, tmp_path, TRAINGUARD_GENERATION=1, TRAINGUARD_RESUME_STEP=RESUME_AT, **job
     )
     assert run.codes == [0] * 2, run.explain()
     assert (
@@ -170,9 +186,9 @@ def test_rollback_resumes_at_the_bound_and_sets_newer_steps_aside(
     assert committed_steps(root, at_most=12) == [12, 8, 4]
 
     # a rollback point before every committed checkpoint: refuse, touch nothing
-    short = {**job, "TG_TP": 1, "log": tmp / "rollback-too-far.jsonl"}
+    short = {**job, "TG_TP": 1, "log": tmp_path / "rollback-too-far.jsonl"}
     refused = launch(
-        torch_zygote, 1, tmp, TRAINGUARD_GENERATION=2, TRAINGUARD_RESUME_STEP=3, **short
+        torch_zygote, 1, tmp_path, TRAINGUARD_GENERATION=2, TRAINGUARD_RESUME_STEP=3, **short
     )
     assert refused.codes == [3], refused.explain()
     assert refused.stderr[0].splitlines()[-1] == (
