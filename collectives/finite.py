@@ -5,7 +5,7 @@ would block the training thread until the stream catches up, so instead each che
 adds a few tiny kernels to the stream *before* the reduction is launched (stream order
 guarantees they read the input before NCCL overwrites it)::
 
-    bad   = ~isfinite(x.sum())                      # NaN and Inf survive a sum
+    bad   = ~isfinite(aminmax(x)).all()             # NaN/Inf survive; no overflow
     count += bad
     first  = where(bad & first == NONE, i, first)   # index of the step's first bad call
 
@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 NONE = 1 << 40
 
 
-def _sum(tensor: torch.Tensor) -> torch.Tensor:
-    wide = torch.float32 if tensor.element_size() < 4 else None
-    return tensor.sum(dtype=wide)
+def _extremes(tensor: torch.Tensor) -> torch.Tensor:
+    """(min, max) of ``tensor``: one fused reduction, like a sum, that NaN and Inf survive
+    but that cannot overflow (a sum of finite float32/bfloat16 values near 3e38 is Inf)."""
+    low, high = torch.aminmax(tensor)
+    return torch.stack([low, high])
 
 
 class StepFlags:
@@ -51,8 +53,8 @@ class StepFlags:
         tensors = _float_tensors(value, min_bytes)
         if not tensors:
             return False
-        total = _sum(tensors[0]) if len(tensors) == 1 else torch.stack([_sum(t) for t in tensors])
-        bad = (~torch.isfinite(total)).any().to(torch.int64)
+        flags = [(~torch.isfinite(_extremes(t))).any() for t in tensors]
+        bad = (flags[0] if len(flags) == 1 else torch.stack(flags).any()).to(torch.int64)
         index = len(self.calls)
         self.calls.append(rec)
         if self.count is None or self.first is None:

@@ -263,15 +263,23 @@ class Recorder:
 
     # ------------------------------------------------------------------ steps
 
-    def step_start(self, step: int) -> None:
+    def step_start(self, step: int) -> object:
+        """Open step ``step``; returns the token that :meth:`step_end`/:meth:`step_abort`
+        take to close this step and no other."""
         t = now()
-        self._step = _Step(step, t)
+        opened = self._step = _Step(step, t)
         self._seg_start = t
         self._stall_reported_s = 0.0
+        return opened
 
-    def step_end(self) -> StepSummary | None:
+    def is_open(self, token: object) -> bool:
+        """Whether the step opened with ``token`` is the one in progress."""
+        return token is not None and self._step is token
+
+    def step_end(self, token: object | None = None) -> StepSummary | None:
+        """Close the step in progress (only if it is ``token``'s, when one is given)."""
         step = self._step
-        if step is None:
+        if step is None or (token is not None and step is not token):
             return None
         t = now()
         self._step = None
@@ -314,7 +322,9 @@ class Recorder:
             return None
         return self._emit(fields, step.wait_s)
 
-    def step_abort(self) -> None:
+    def step_abort(self, token: object | None = None) -> None:
+        if token is not None and self._step is not token:
+            return
         self._step = None
         self._seg_start = now()
 

@@ -8,7 +8,9 @@ when instrumentation is off, so a training script keeps its two lines everywhere
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import operator
 import os
 import signal
 import sys
@@ -115,6 +117,10 @@ class Session:
         self.probe_group: Any = None
         self.probe_device = torch.device("cpu")
         self.timeout_warnings: list[str] = []
+        #: Step misuse already warned about this session (each kind is logged once).
+        self._warned: set[str] = set()
+        #: How steps were marked so far: "with" (``step()``), "hook" (``hook_optimizer``).
+        self._step_apis: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -208,28 +214,67 @@ class Session:
 
     # ------------------------------------------------------------------ steps
 
-    def step_start(self, step: int) -> None:
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("trainguard: " + message + " (logged once per session)", *args)
+
+    def step_start(self, step: Any, *, via: str = "with") -> object | None:
+        """Open a step; returns its token, or None when no step was opened: a step number
+        a summary cannot carry, or a step already in progress (steps do not nest). Never
+        raises for either: training goes on, that block is just not a step of its own."""
+        self._step_apis.add(via)
+        if len(self._step_apis) > 1:
+            self._warn_once(
+                "mixed",
+                "both collectives.step() and hook_optimizer() mark steps; they end each "
+                "other's steps early or are refused as nested: use one of them",
+            )
+        number = _step_number(step)
+        if number is None:
+            self._warn_once(
+                "step-number",
+                "step number %r is not an integer in [0, 2**63-1], so it cannot be sent; "
+                "steps like it are not summarized (their collectives count outside any step)",
+                step,
+            )
+            return None
+        current = self.recorder.step
+        if current is not None:
+            self._warn_once(
+                "nested",
+                "step %d started while step %d is in progress; steps do not nest: the "
+                "outer step goes on and counts the inner block's collectives",
+                number,
+                current,
+            )
+            return None
         for spec in self.control.faults_due():
             try:
                 self.add_faults(spec)
                 log.warning("trainguard: chaos drill added faults %s", spec)
             except FaultSpecError as exc:  # the controller checks kinds, the rank the rest
                 log.error("trainguard: chaos faults refused: %s", exc)
+        step = number
         now_probes, late = self.control.probes_due(step)
         for cmd in late:
             for result in late_results(cmd, self.rank, step):
                 self.outbox.add_probe(result)
         for cmd in now_probes:
             self._run_probe(cmd, step)
-        self.recorder.step_start(step)
+        token = self.recorder.step_start(step)
         if self.injector is not None:
             self.injector.on_step_start(step)
+        return token
 
-    def step_end(self) -> None:
+    def step_end(self, token: object | None = None) -> None:
+        """End the step in progress (only the one ``token`` opened, when one is given)."""
+        if token is not None and not self.recorder.is_open(token):
+            return
         step = self.recorder.step
         if step is not None and self.injector is not None:
             self.injector.stretch_compute(step, self.recorder.compute_segment_s())
-        self.recorder.step_end()
+        self.recorder.step_end(token)
         if step is not None and self.control.callbacks and self.control.checkpoint_due(step):
             for callback in list(self.control.callbacks):
                 callback(step)
@@ -277,15 +322,16 @@ class Session:
 class StepContext:
     """``with collectives.step(i):`` brackets one training step (a no-op when not instrumented)."""
 
-    __slots__ = ("_session", "_step")
+    __slots__ = ("_session", "_step", "_token")
 
     def __init__(self, step: int) -> None:
         self._step = step
         self._session = _session
+        self._token: object | None = None
 
     def __enter__(self) -> StepContext:
         if self._session is not None and not self._session.closed:
-            self._session.step_start(self._step)
+            self._token = self._session.step_start(self._step)
         return self
 
     def __exit__(
@@ -294,13 +340,14 @@ class StepContext:
         value: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        session = self._session
-        if session is None or session.closed:
-            return
+        session, token = self._session, self._token
+        self._token = None
+        if session is None or session.closed or token is None:
+            return  # not opened (refused: see Session.step_start): nothing of ours to end
         if kind is None:
-            session.step_end()
+            session.step_end(token)
         else:
-            session.recorder.step_abort()
+            session.recorder.step_abort(token)
 
 
 # ---------------------------------------------------------------------- public functions
@@ -376,23 +423,38 @@ def step(i: int) -> StepContext:
     return StepContext(i)
 
 
+_STEP_MAX = (1 << 63) - 1
+
+
+def _step_number(value: Any) -> int | None:
+    """``value`` as a step number a summary can carry (0 to 2**63-1), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if 0 <= number <= _STEP_MAX else None
+
+
 def hook_optimizer(optimizer: torch.optim.Optimizer, start_step: int = 0) -> Callable[[], None]:
     """Mark steps at each ``optimizer.step()`` instead of ``with step(i)``.
 
     Step ``k`` runs from the end of one ``optimizer.step()`` to the end of the next, so the
     first step starts at the first call. Returns a function that removes the hook.
     """
-    counter = {"next": start_step, "open": False}
+    state: dict[str, Any] = {"next": start_step, "token": None}
 
     def post_hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
         session = _session
         if session is None or session.closed:
             return
-        if counter["open"]:
-            session.step_end()
-        session.step_start(int(counter["next"]))
-        counter["next"] = int(counter["next"]) + 1
-        counter["open"] = True
+        if state["token"] is not None:
+            session.step_end(state["token"])
+        state["token"] = session.step_start(state["next"], via="hook")
+        # -1, 0, 1, ...: valid from 0; not a number at all: every step is refused (warned once)
+        with contextlib.suppress(TypeError):
+            state["next"] = operator.index(state["next"]) + 1
 
     handle = optimizer.register_step_post_hook(post_hook)
     return handle.remove

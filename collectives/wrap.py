@@ -139,15 +139,19 @@ def _nonfinite(value: Any, min_bytes: int = 0) -> bool:
     holds NaN or Inf.
 
     One fused ``sum`` (NaN and Inf survive it) instead of ``isfinite().all()``, which
-    allocates a bool per element and measured 3-45x slower. Half types sum in float32 so
-    large finite values cannot overflow into a false alarm. CUDA tensors are skipped:
-    reading the result would synchronize the stream.
+    allocates a bool per element and measured 3-45x slower. Half types sum in float32. A
+    sum of large finite values can still overflow (float32 near 3e38, bfloat16 likewise),
+    so a non-finite sum is confirmed element by element before it counts: the slow check
+    runs only when the fast one alarms. CUDA tensors are skipped: reading the result would
+    synchronize the stream.
     """
     if isinstance(value, torch.Tensor):
         if value.nbytes < max(min_bytes, 1) or value.is_cuda or not value.is_floating_point():
             return False
         wide = torch.float32 if value.element_size() < 4 else None
-        return not math.isfinite(float(value.sum(dtype=wide)))
+        if math.isfinite(float(value.sum(dtype=wide))):
+            return False
+        return not bool(torch.isfinite(value).all())  # an overflowing sum is no NaN/Inf
     if isinstance(value, list | tuple):
         return any(_nonfinite(item, min_bytes) for item in value)
     return False
@@ -270,6 +274,8 @@ class Instrumenter:
             if getattr(_tls, "depth", 0) or getattr(_tls, "block", None) is not None:
                 return inner  # nested, or issued by a call already recorded
             group = params.get(args, kwargs, "group")
+            if group is not None and c10d._rank_not_in_group(group):
+                return inner  # not a member: torch's calls in the block do nothing
             return Block(
                 self,
                 _tls,
@@ -295,6 +301,9 @@ class Instrumenter:
     ) -> Any:
         recorder = self.recorder
         group = params.get(args, kwargs, "group")
+        if group is not None and c10d._rank_not_in_group(group):
+            # torch warns and does nothing for a group this rank is not in: no call to record
+            return original(*args, **kwargs)
         if spec.peer_param is None:
             info = self.groups.resolve(group)
             gid, members = info.id, info.ranks
