@@ -45,7 +45,7 @@ from controller.logic.detection.c4d.job_evidence import (
     StragglerIncidentEvidence,
 )
 from controller.logic.remediation import guards
-from controller.logic.remediation.params import AlertParams, Severity
+from controller.logic.remediation.params import AlertParams, RestartParams, Severity
 from controller.logic.remediation.rules import Policy, Rule, Step
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
@@ -206,7 +206,10 @@ class RemediationEngine:
             return
         if not self._loaded:
             await self._load_decided()
-        resume_wait.expire(self.ctx, now_unix_s)
+        timeout_s = self.policy.guards.resume_timeout_s
+        for rem in resume_wait.expire(self.ctx, now_unix_s):
+            # Recorded in the background: the row's write must not hold up the tick.
+            self._spawn(resume_wait.note_expired(self.ctx, rem, timeout_s), f"tg-expired-{rem.id}")
         for incident in sorted(self._state.incidents.values(), key=lambda i: i.id):
             if incident.id in self.decided:
                 continue
@@ -227,18 +230,28 @@ class RemediationEngine:
         def read(
             session: Session,
         ) -> tuple[
-            list[history.IncidentAction], list[history.RestartRow], list[int], dict[str, float]
+            list[history.IncidentAction],
+            list[history.RestartRow],
+            list[int],
+            dict[str, float],
+            dict[str, tuple[history.RestartRow, float]],
         ]:
             restarts = history.restarts(session)
             jobs = sorted({r.job for r in restarts if "goodput" in r.params})
+            newest: dict[str, tuple[history.RestartRow, float]] = {}
+            for job in sorted({r.job for r in restarts}):
+                row = history.newest_restart(restarts, job)
+                if row is not None:
+                    newest[job] = (row, history.remediation_started(session, row))
             return (
                 history.incident_actions(session, incident_ids),
                 restarts,
                 history.interrupted_grows(session, since),
                 history.job_starts(session, jobs),
+                newest,
             )
 
-        actions, restarts, grows, starts = await self._store.read(read)
+        actions, restarts, grows, starts, newest = await self._store.read(read)
         interrupted: dict[str, history.IncidentAction] = {}
         for row in actions:
             if row.kind == "alert":
@@ -259,11 +272,69 @@ class RemediationEngine:
             if job in starts:
                 ledger.started_at(starts[job])
             history.replay(ledger, restarts)
+        for job, (newest_row, began) in newest.items():
+            self._restore_wait(job, newest_row, began)
         self._loaded = True
         for action_id in grows:
             await self._recorder.finish(action_id, "failed", INTERRUPTED)
         for row in interrupted.values():
             await self._resume(row.id, row.incident_id, row.kind, row.params)
+
+    def _restore_wait(self, job: str, row: history.RestartRow, began: float) -> None:
+        """What the job's book said after its newest restart (``row``, of a remediation begun
+        at ``began``): when it was remediated and restarted, when it resumed, and, while it
+        had not stepped again yet, the wait for its first step. Without it, what the restart
+        itself causes (ranks stopped, peers timing out) would be acted on as a new fault
+        (a second restart), and the resume timeout would never fire."""
+        book = self.book(job)
+        book.last_remediation_unix_s = max(book.last_remediation_unix_s or began, began)
+        book.last_restart_unix_s = max(book.last_restart_unix_s or row.at_unix_s, row.at_unix_s)
+        raw = row.params.get("goodput")
+        resumed = raw.get("resumed_unix_s") if isinstance(raw, dict) else None
+        if isinstance(resumed, int | float):
+            book.resumed_unix_s = float(resumed)
+        timeout_s = self.policy.guards.resume_timeout_s
+        if not history.awaiting_resume(row) or time.time() - row.at_unix_s > timeout_s:
+            return
+        if book.awaiting_resume is not None or book.running is not None:
+            return
+        try:
+            params = RestartParams.model_validate(row.params)
+        except ValueError:  # a row written by another version: no wait to restore
+            return
+        incident = params.incident
+        rem = Remediation(
+            id=params.remediation or f"action-{row.id}",
+            incident_id=incident,
+            incident_kind=params.incident_kind or ("grow" if incident is None else ""),
+            job=job,
+            node=None,
+            steps=[str(Step.RESTART)],
+            started_unix_s=began,
+            dry_run=False,
+            trigger=row.trigger,
+            grow=row.trigger.startswith("grow:"),
+            state="done",
+            outcome="restored by this leader: waiting for the job's first step",
+            finished_unix_s=row.at_unix_s,
+            generation=params.generation,
+            restarted_unix_s=row.at_unix_s,
+            resume_step=params.resume_step,
+            restart_action=row.id,
+            restart_params=params,
+        )
+        book.awaiting_resume = rem
+        self.remediations.append(rem)
+        del self.remediations[:-RECENT_REMEDIATIONS]
+        log.warning(
+            "waiting for a job restarted before this leader to resume",
+            extra={"fields": {"job": job, "action": row.id, "generation": rem.generation}},
+        )
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _resume(
         self, action_id: int, incident_id: int, kind: str, params: dict[str, Any]

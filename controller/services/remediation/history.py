@@ -13,6 +13,10 @@ the durable action log, with bounded queries on indexed columns (``trigger``,
 * :func:`replay`: the goodput ledger's incidents, from the ``goodput`` parameters each
   ``restart_job`` row carries (fault, detection, steps reached and resumed from, and, once
   the job stepped again, when it resumed), and :func:`job_starts` for the wall clock;
+* :func:`newest_restart` and :func:`remediation_started`: each job's newest restart, from
+  which a new leader restores when the job was last remediated and restarted and, when the
+  job had not stepped again yet, the wait for it to resume (its first step ends the wait,
+  or ``guards.resume_timeout_s`` fails it, as if no leader had changed);
 * :func:`newest_committed_before`: the checkpoint a ``rollback`` resumes from, from the
   agents' checkpoint events (a new leader has no such memory).
 """
@@ -54,6 +58,8 @@ class RestartRow:
     #: When the restart took effect (its row's end), or began when still ``pending``.
     at_unix_s: float
     params: dict[str, Any]
+    #: When its row was written (just before the actuator was called).
+    created_unix_s: float = 0.0
 
 
 def incident_actions(session: Session, incident_ids: list[int]) -> list[IncidentAction]:
@@ -96,7 +102,7 @@ def restarts(session: Session) -> list[RestartRow]:
         .limit(RESTART_ROWS)
     )
     rows = [
-        RestartRow(r[0], r[1], r[2], r[3], r[5] if r[5] is not None else r[4], r[6] or {})
+        RestartRow(r[0], r[1], r[2], r[3], r[5] if r[5] is not None else r[4], r[6] or {}, r[4])
         for r in session.execute(query)
     ]
     return rows[::-1]
@@ -152,6 +158,50 @@ def replay(ledger: GoodputLedger, rows: list[RestartRow]) -> int:
             continue  # a row written by another version: its cost is not rebuilt
         replayed += 1
     return replayed
+
+
+def newest_restart(rows: list[RestartRow], job: str) -> RestartRow | None:
+    """The newest ``succeeded`` restart of ``job`` in ``rows`` (oldest first), unless a newer
+    one is still ``pending`` (its leader went away inside it: the remediation that row
+    belongs to is another one, closed as interrupted by the new leader)."""
+    for row in reversed(rows):
+        if row.job != job:
+            continue
+        return row if row.status == "succeeded" else None
+    return None
+
+
+def awaiting_resume(row: RestartRow) -> bool:
+    """Whether the job of restart ``row`` had not stepped again when its leader went away
+    (no ``resumed_unix_s`` in its goodput facts, no recorded resume failure)."""
+    raw = row.params.get("goodput")
+    if "resume_failed" in row.params or not isinstance(raw, dict):
+        return False
+    return raw.get("resumed_unix_s") is None
+
+
+def remediation_started(session: Session, row: RestartRow) -> float:
+    """When the remediation of restart ``row`` began: its first row other than an alert
+    (a rule's alert is raised at the incident's first match, before its window), or the
+    restart row itself. Not before the incident was detected: grow-backs of one job share
+    their trigger, and a grow-back's detection time is when it began."""
+    raw = row.params.get("goodput")
+    detected = raw.get("detected_unix_s") if isinstance(raw, dict) else None
+    since = float(detected) if isinstance(detected, int | float) else row.created_unix_s
+    query = select(func.min(Action.created_unix_s)).where(
+        Action.trigger == row.trigger,
+        Action.kind != "alert",
+        Action.created_unix_s >= since,
+        Action.created_unix_s <= row.created_unix_s,
+    )
+    found = session.execute(query).scalar()
+    return float(found) if found is not None else row.created_unix_s
+
+
+def outcome_of(session: Session, action_id: int) -> str:
+    """The outcome an action row holds now (``""`` for a row that is not there)."""
+    found = session.execute(select(Action.outcome).where(Action.id == action_id)).scalar()
+    return str(found) if found is not None else ""
 
 
 def newest_committed_before(session: Session, job: str, step: int) -> int | None:

@@ -98,9 +98,12 @@ class ActionRecorder:
             action_id, status=status, outcome=outcome, finished_unix_s=time.time()
         )
 
-    async def update_params(self, action_id: int, params: RestartParams) -> None:
-        """Rewrite a restart row's parameters (the resume wait adds when the job resumed)."""
-        await self._actions.update(action_id, params=params.to_params())
+    async def update_params(
+        self, action_id: int, params: RestartParams, *, outcome: str | None = None
+    ) -> None:
+        """Rewrite a restart row's parameters (the resume wait adds when the job resumed, or
+        that it did not), and its outcome when given."""
+        await self._actions.update(action_id, params=params.to_params(), outcome=outcome)
 
 
 @dataclass(eq=False)

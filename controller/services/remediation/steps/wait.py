@@ -3,7 +3,10 @@
 A restart leaves its job *awaiting resume*. The first step of the new generation (rank 0's
 step record, reported after the restart) ends the wait: the goodput ledger closes the
 restart's window and the restart's action row gets ``resumed_unix_s`` and
-``resumed_step``. No step within ``guards.resume_timeout_s`` fails the remediation.
+``resumed_step``. No step within ``guards.resume_timeout_s`` fails the remediation, and the
+restart's row says so (:func:`note_expired`): its status stays ``succeeded`` (the restart
+took effect, and it still counts against the job's rate limit and goodput), its parameters
+get ``resume_failed`` and its outcome ends with "did not resume within N s".
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from controller.logic.remediation.params import RestartParams
+from controller.services.remediation import history
 from controller.services.remediation.records import JobBook, Remediation
 from controller.services.remediation.steps.base import StepContext
 
@@ -28,9 +32,11 @@ async def step_seen(ctx: StepContext, book: JobBook, end_unix_s: float, step: in
     await _note_resumed(ctx, waiting, end_unix_s, step)
 
 
-def expire(ctx: StepContext, now_unix_s: float) -> None:
-    """Fail the remediations whose job did not step within the resume timeout."""
+def expire(ctx: StepContext, now_unix_s: float) -> list[Remediation]:
+    """Fail the remediations whose job did not step within the resume timeout; returns them
+    (their restart rows are written by :func:`note_expired`, off the caller's path)."""
     timeout_s = ctx.policy.guards.resume_timeout_s
+    expired: list[Remediation] = []
     for book in ctx.jobs.values():
         waiting = book.awaiting_resume
         if (
@@ -44,6 +50,31 @@ def expire(ctx: StepContext, now_unix_s: float) -> None:
                 f"job {waiting.job} did not step within {timeout_s:.0f} s of its restart"
             )
             log.error("job did not resume", extra={"fields": {"remediation": waiting.id}})
+            expired.append(waiting)
+    return expired
+
+
+def resume_failure(timeout_s: float) -> str:
+    """What a restart's row says of a job that did not step again in time."""
+    return f"did not resume within {timeout_s:.0f} s"
+
+
+async def note_expired(ctx: StepContext, rem: Remediation, timeout_s: float) -> None:
+    """Record on the restart's row that the job never stepped again (``resume_failed`` in
+    its parameters, appended to its outcome), so the action log and a later leader see it."""
+    if rem.restart_action is None or rem.restart_params is None:
+        return
+    failure = resume_failure(timeout_s)
+    params = RestartParams.model_validate(
+        rem.restart_params.to_params() | {"resume_failed": failure}
+    )
+    action = rem.restart_action
+    try:
+        outcome = await ctx.store.read(lambda s: history.outcome_of(s, action))
+        outcome = f"{outcome}; {failure}" if outcome else f"restarted; {failure}"
+        await ctx.recorder.update_params(action, params, outcome=outcome[:2000])
+    except Exception:  # the log line above still tells; the engine must go on
+        log.exception("could not record a failed resumption", extra={"fields": {"rem": rem.id}})
 
 
 def _resumed(book: JobBook, rem: Remediation, at: float, step: int) -> None:
