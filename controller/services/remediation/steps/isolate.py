@@ -6,19 +6,29 @@ isolated already. The actuator keeps work off the node; the isolation itself is 
 through :class:`~controller.services.nodes.NodeRecords`, the one writer of node rows, in one
 transaction with its action row (the policy's ``pending`` row finished, or an operator's
 row inserted): there is never an isolation without its audit record, or the other way round.
+
+An actuator error that says trying again may help (``ActuatorError.retryable``) is retried
+by the policy's steps (:func:`call_actuator`: ``ACTUATOR_ATTEMPTS`` attempts, pausing
+``ACTUATOR_BACKOFF_S`` between them); the action's outcome says how many attempts were
+made and the last error. When the cluster-side isolation fails anyway, the policy's
+isolate step still marks the node isolated in trainguard's own record (the reason says
+the cluster-side isolation failed, and why), so no plan or grow-back puts work back on the
+culprit; the action row says ``failed``, and the circuit breaker and the quarantine budget
+count the node as they count any isolated one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection
 
-from controller.actuators.base import ActuatorError
+from controller.actuators.base import ActuatorError, ActuatorResult
 from controller.errors import ControllerError
 from controller.logic.detection.c4d.job_evidence import (
     LegacyStragglerEvidence,
@@ -35,6 +45,57 @@ from controller.state import IncidentState
 
 log = logging.getLogger(__name__)
 
+#: How many times a policy step tries an actuator call whose error is ``retryable``.
+ACTUATOR_ATTEMPTS = 3
+#: The pause (s) before each retry of such a call: the 2nd attempt, the 3rd, ...
+ACTUATOR_BACKOFF_S = (1.0, 2.0)
+
+R = TypeVar("R")
+
+
+class ActuatorGaveUp(ActuatorError):
+    """An actuator call that failed for good: its message says how many attempts were
+    made, whether the last error was retryable, and the last error itself."""
+
+    def __init__(self, last: ActuatorError, attempts: int) -> None:
+        if last.retryable:
+            why = f"gave up after {attempts} attempts; last error (retryable)"
+        elif attempts > 1:
+            why = f"failed on attempt {attempts}; error not retryable"
+        else:
+            why = "failed on the first attempt; error not retryable"
+        super().__init__(f"{why}: {last}", retryable=last.retryable)
+        self.last = last
+        self.attempts = attempts
+
+
+async def call_actuator(call: Callable[[], Awaitable[R]]) -> tuple[R, int]:
+    """``call()`` and how many attempts it took: an :class:`ActuatorError` that is
+    ``retryable`` is tried again, up to ``ACTUATOR_ATTEMPTS`` times in all, after the
+    pauses of ``ACTUATOR_BACKOFF_S``; the last error (or one that is not retryable)
+    raises :class:`ActuatorGaveUp`. Only for idempotent calls (every actuator method is)."""
+    attempt = 1
+    while True:
+        try:
+            return await call(), attempt
+        except ActuatorError as exc:
+            if not exc.retryable or attempt >= ACTUATOR_ATTEMPTS:
+                raise ActuatorGaveUp(exc, attempt) from exc
+            pause = ACTUATOR_BACKOFF_S[min(attempt, len(ACTUATOR_BACKOFF_S)) - 1]
+            log.warning(
+                "actuator call failed (retryable), trying again in %.0f s: %s",
+                pause,
+                exc,
+                extra={"fields": {"attempt": attempt}},
+            )
+            await asyncio.sleep(pause)
+            attempt += 1
+
+
+def attempts_note(attempts: int) -> str:
+    """What an outcome adds when a call succeeded only after retries ("" at once)."""
+    return f" (after {attempts} attempts)" if attempts > 1 else ""
+
 
 #: What an isolation records with it: given (done, outcome), the write of its action row(s),
 #: run in the isolation's own transaction (or alone when the actuator failed).
@@ -42,26 +103,56 @@ Audit = Callable[[bool, str], Callable[[Connection], Any]]
 
 
 async def apply_isolation(
-    ctx: StepContext, node: str, *, isolate: bool, reason: str, audit: Audit
+    ctx: StepContext,
+    node: str,
+    *,
+    isolate: bool,
+    reason: str,
+    audit: Audit,
+    retry: bool = False,
+    keep_on_failure: bool = False,
 ) -> tuple[bool, str, Any]:
     """Isolate or release ``node`` through the actuator, then record it with its audit row
     in one transaction: the one path for the policy and for operators. Returns (done,
     outcome, what ``audit``'s write returned).
 
-    An actuator that fails changes nothing: only the (failed) audit row is written. A
-    database that fails after the actuator acted raises (memory and database as before)
-    and the actuator's change is undone, so the cluster does not keep a node cordoned that
-    neither the API nor the database calls isolated (issue 14)."""
+    ``retry``: a ``retryable`` actuator error is tried again (:func:`call_actuator`; the
+    policy's step, not an operator's request, which answers at once).
+
+    An actuator that fails changes nothing: only the (failed) audit row is written, unless
+    ``keep_on_failure`` (the policy's isolation of a culprit): then the node is still
+    recorded isolated, its reason saying the cluster-side isolation failed, with the failed
+    audit row, so trainguard itself puts no work on it. A database that fails after the
+    actuator acted raises (memory and database as before) and the actuator's change is
+    undone, so the cluster does not keep a node cordoned that neither the API nor the
+    database calls isolated (issue 14)."""
     outcome = f"{node} {'isolated' if isolate else 'released'}"
     actuator = ctx.actuator
     state = ctx.state.nodes.get(node)
     previous = state.isolated_reason if state is not None else None
     if actuator is not None:
-        call = actuator.isolate_node if isolate else actuator.release_node
+        act = actuator.isolate_node if isolate else actuator.release_node
+
+        async def call() -> ActuatorResult:
+            return await act(node, reason=reason)
+
         try:
-            outcome = (await call(node, reason=reason)).outcome
+            if retry:
+                result, attempts = await call_actuator(call)
+                outcome = result.outcome + attempts_note(attempts)
+            else:
+                outcome = (await call()).outcome
         except ActuatorError as exc:
-            return False, str(exc), await ctx.store.write(audit(False, str(exc)))
+            failed = str(exc)[:2000]
+            if isolate and keep_on_failure:
+                failed = f"{failed}; {node} marked isolated in trainguard only"[:2000]
+                kept = f"cluster-side isolation failed ({exc}); {reason}"[:500]
+                return (
+                    False,
+                    failed,
+                    await ctx.nodes.set_isolation(node, kept, audit=audit(False, failed)),
+                )
+            return False, failed, await ctx.store.write(audit(False, failed))
     try:
         written = await ctx.nodes.set_isolation(
             node, reason if isolate else None, audit=audit(True, outcome)
@@ -177,7 +268,13 @@ class Isolate:
 
         try:
             ok, outcome, _ = await apply_isolation(
-                ctx, node, isolate=True, reason=reason, audit=finish
+                ctx,
+                node,
+                isolate=True,
+                reason=reason,
+                audit=finish,
+                retry=True,
+                keep_on_failure=True,
             )
         except ControllerError as exc:
             # Not stored (and undone at the actuator): the node is not isolated anywhere.

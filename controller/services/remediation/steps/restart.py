@@ -15,6 +15,7 @@ from controller.logic.remediation.params import GoodputFacts, RestartParams, Rol
 from controller.logic.remediation.rules import Rule, Step
 from controller.services.remediation.records import JobBook, Remediation, fault_time
 from controller.services.remediation.steps.base import StepContext, StepResult
+from controller.services.remediation.steps.isolate import attempts_note, call_actuator
 from controller.services.remediation.steps.shrink import plan_placement
 from controller.state import IncidentState
 
@@ -123,9 +124,13 @@ async def restart(
     ).to_params()
     action = await record(incident, rem, ACTION_KIND, job, params, "pending", "")
     try:
-        result = await actuator.restart_job(placement, reason=f"remediation {rem.id}")
+        # Retried when the error says so (a Kubernetes restart interrupted half-way): the
+        # same placement and generation again, which every actuator converges on.
+        result, attempts = await call_actuator(
+            lambda: actuator.restart_job(placement, reason=f"remediation {rem.id}")
+        )
     except ActuatorError as exc:
-        await ctx.recorder.finish(action, "failed", str(exc))
+        await ctx.recorder.finish(action, "failed", str(exc)[:2000])
         return False, str(exc)
     started = time.time()
     ctx.restarts.record(job, started)
@@ -145,7 +150,9 @@ async def restart(
     await actuator.record_event(
         target=job, reason="TrainguardRestart", message=summary, warning=True
     )
-    await ctx.recorder.finish(action, "succeeded", f"{summary}; {result.outcome}")
+    await ctx.recorder.finish(
+        action, "succeeded", f"{summary}; {result.outcome}{attempts_note(attempts)}"
+    )
     return True, summary
 
 
