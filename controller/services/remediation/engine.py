@@ -380,7 +380,7 @@ class RemediationEngine:
                 await self._hold(incident, rule, verdict.summary)
                 return  # unreachable, or mass silence: looked at again next tick
             confirmed = True  # a second signal just agreed: fresh evidence
-        jobs = jobs_of(self._state, incident)
+        jobs = jobs_of(self._state, incident, self.jobs)
         # A job's own incidents raised while trainguard restarts it (ranks stopped, peers
         # timing out) are consequences of that restart; hardware faults never are. Only a
         # restart that happened absorbs: a remediation that checkpointed and then could not
@@ -390,7 +390,9 @@ class RemediationEngine:
         for job in jobs:
             book = self.book(job)
             busy = book.running or book.awaiting_resume
-            if busy is not None:
+            # A hardware fault on a node the restart in flight moved the job to: that
+            # restart cannot resume, so this incident does not wait for its timeout.
+            if busy is not None and book.superseded_by(incident) is None:
                 restarted = busy.restarted_unix_s is not None
                 if absorbable and restarted and incident.opened_unix_s >= busy.started_unix_s:
                     await self._absorb(incident, busy)

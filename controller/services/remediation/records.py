@@ -3,6 +3,7 @@ incident's evidence (its culprit node, when its fault began)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +113,28 @@ class JobBook:
             t is not None and self.last_restart_unix_s is not None and self.last_restart_unix_s >= t
         )
 
+    def placement_in_flight(self) -> list[str] | None:
+        """The nodes the restart awaiting resume placed the job on (``None``: no restart in
+        flight, or one whose placement is not known). Until the new generation reports, its
+        ranks still name the old nodes: this is where the job runs."""
+        waiting = self.awaiting_resume
+        params = waiting.restart_params if waiting is not None else None
+        return params.nodes if params is not None else None
+
+    def superseded_by(self, incident: IncidentState) -> Remediation | None:
+        """The restart in flight that a hardware fault on one of its new nodes dooms: the job
+        cannot resume there, so the incident is remediated now rather than after the resume
+        timeout (``None``: nothing to supersede, or a remediation is still running)."""
+        nodes = self.placement_in_flight()
+        if (
+            self.running is None
+            and nodes is not None
+            and incident.kind in HARDWARE_KINDS
+            and incident.node in nodes
+        ):
+            return self.awaiting_resume
+        return None
+
     def committed(self, t: float) -> None:
         """Record a commit at job time ``t`` (events may arrive late or out of order)."""
         if self.committed_unix_s is not None:
@@ -150,14 +173,37 @@ def fault_time(incident: IncidentState) -> float:
     return min(valid) if valid else opened
 
 
-def jobs_of(state: ClusterState, incident: IncidentState) -> list[str]:
-    """The jobs an incident concerns: its own, or those running a rank on its node."""
+def jobs_of(
+    state: ClusterState, incident: IncidentState, books: Mapping[str, JobBook] | None = None
+) -> list[str]:
+    """The jobs an incident concerns: its own, or those on its node.
+
+    A job is on a node when it runs a rank there, or when its restart awaiting resume
+    placed it there (``books``): the new generation has not reported ranks yet. While that
+    placement is known, the ranks of the old generation no longer count for an incident
+    opened after that restart: a node the restart left is not the job's any more. (One
+    opened before it still concerns the job: its restart step says the job already
+    restarted without the node.)
+    """
     if incident.job is not None:
         return [incident.job]
-    if incident.node is None:
+    node = incident.node
+    if node is None:
         return []
-    return sorted(
+    placed: set[str] = set()
+    moved: set[str] = set()
+    for name, book in (books or {}).items():
+        nodes = book.placement_in_flight()
+        if nodes is None:
+            continue
+        if node in nodes:
+            placed.add(name)
+        elif not book.restarted_since(incident.opened_unix_s):
+            moved.add(name)  # opened after the job left the node
+    ranked = {
         job.name
         for job in state.jobs.values()
-        if any(r.node == incident.node and r.state == "running" for r in job.ranks.values())
-    )
+        if job.name not in moved
+        and any(r.node == node and r.state == "running" for r in job.ranks.values())
+    }
+    return sorted(placed | ranked)
