@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 from controller.logic.remediation.goodput import GoodputLedger
@@ -47,6 +48,11 @@ def started(agents: Agents, on: tuple[str, ...]) -> None:
     for rank, node in enumerate(on):
         event = {"job": "gpt", "rank": rank, "kind": "started", "time_unix_s": time.time()}
         agents.report(node, job={"rank_events": [event]})
+
+
+def live_commands(live: Any) -> list[dict[str, Any]]:
+    viewer = httpx.get(f"{live.url}/api/v1/commands", headers=live.headers("viewer"), timeout=10)
+    return list(viewer.json()["data"])
 
 
 def incident_on(live: Any, node: str) -> int:
@@ -95,6 +101,13 @@ def test_a_fault_on_the_replacement_node_before_the_job_resumed_restarts_it_agai
     assert params["from_nodes"] == ["n0", "n2"]
     isolated = [a["target"] for a in of(live, second) if a["kind"] == "isolate_node"]
     assert isolated == ["n2"]
+    # No rank can checkpoint (generation 0 stopped, 1 never stepped): skipped, not asked of
+    # generation 0's nodes and waited out.
+    (protective,) = [a for a in of(live, second) if a["kind"] == "checkpoint"]
+    assert protective["status"] == "skipped", protective
+    assert "is restarting (generation 1 has not stepped yet)" in protective["outcome"]
+    asked = sorted(c["node"] for c in live_commands(live) if c["kind"] == "job_checkpoint")
+    assert asked == ["n0", "n1"], asked  # the first incident's request only
     placements = actuator.restarts()
     assert len(placements) == 2
     assert placements[1].generation == 2

@@ -39,6 +39,18 @@ class ProtectiveCheckpoint:
             )
             return True, "no running ranks to checkpoint"
         book = ctx.book(job_name)
+        waiting = book.awaiting_resume
+        if waiting is not None and waiting is not rem:
+            # A hardware fault on a node the restart in flight placed the job on (the only
+            # way a step runs while a restart awaits resume): the old generation is stopped
+            # and the new one has not stepped, so no rank can checkpoint. Asking the old
+            # ranks' nodes would only wait out the timeout.
+            outcome = (
+                f"job {job_name} is restarting (generation {waiting.generation} has not "
+                "stepped yet): nothing to checkpoint"
+            )
+            await record(incident, rem, self.action_kind, job_name, {}, "skipped", outcome)
+            return True, outcome
         before = book.checkpoint
         params = CheckpointParams(
             nodes=list(nodes), before_step=before[0] if before else None
