@@ -5,8 +5,10 @@ Quarantine = cordon (``spec.unschedulable``) + taint ``trainguard.io/unhealthy=<
 without a toleration) + a Node condition ``TrainguardHealthy=False`` with a reason and a
 message, like node-problem-detector writes, so schedulers, autoscalers and dashboards see
 it. The annotation ``trainguard.io/cordoned-by`` records what trainguard changed (whether
-the node was already cordoned by someone else, whether the taint was new): release removes
-exactly that and never uncordons a node that someone else cordoned.
+the node was already cordoned by someone else, which taint trainguard added): release removes
+exactly that and never uncordons a node that someone else cordoned. Another party's taint
+with trainguard's key is never changed (see :meth:`NodeGuard._taint_plan`), and a retry of a
+half-done quarantine (the status patch failed) writes only what is missing.
 
 Writes use the node's ``resourceVersion`` as a precondition (a concurrent writer makes the
 API answer 409; the guard re-reads and tries again) and carry the leader's fence
@@ -46,6 +48,8 @@ ANN_CORDONED_BY: Final = "trainguard.io/cordoned-by"
 ANN_FENCE: Final = "trainguard.io/fence"
 MIRROR_ANNOTATION: Final = "kubernetes.io/config.mirror"
 _CONFLICT_TRIES: Final = 5
+#: How firmly a taint effect keeps pods off a node.
+_EFFECT_RANK: Final = {"PreferNoSchedule": 0, "NoSchedule": 1, "NoExecute": 2}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +83,22 @@ def condition_reason(reason: str) -> str:
     """``xid-79 fatal`` -> ``Xid79Fatal``: the CamelCase Kubernetes condition reasons use."""
     words = re.findall(r"[A-Za-z0-9]+", reason)
     return "".join(w[:1].upper() + w[1:] for w in words)[:128] or "Unhealthy"
+
+
+def _taint_str(taint: dict[str, Any]) -> str:
+    value = taint.get("value")
+    return f"{taint.get('key')}{'=' + value if value else ''}:{taint.get('effect')}"
+
+
+def _recorded_taint(record: dict[str, Any], key: str, effect: str) -> dict[str, Any] | None:
+    """The taint a quarantine record says trainguard added (``None``: it added none)."""
+    if not record:
+        return None
+    if "taint" in record:
+        taint: dict[str, Any] | None = record["taint"]
+        return taint
+    # Older records keep only ``tainted``: trainguard's taint had the settings' effect.
+    return {"key": key, "effect": effect} if record.get("tainted", True) else None
 
 
 @dataclass(slots=True)
@@ -156,8 +176,41 @@ class NodeGuard:
 
     # -- quarantine / release ------------------------------------------------------------
 
+    def _taint_plan(
+        self, taints: list[dict[str, Any]], previous: dict[str, Any], value: str
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]], bool]:
+        """(trainguard's taint to have, taints with its key found from others, add it now?).
+
+        Another party's taint with trainguard's key is never changed. When its effect keeps
+        pods off at least as firmly as trainguard's (``NoExecute`` >= ``NoSchedule`` >=
+        ``PreferNoSchedule``) trainguard adds none; when it is weaker trainguard adds its
+        own next to it (taints are unique by key *and* effect, so both are valid).
+        """
+        s = self.settings
+        ours = _recorded_taint(previous, s.taint_key, s.taint_effect)
+        keyed = [t for t in taints if t.get("key") == s.taint_key]
+        present = [t for t in keyed if ours is not None and t.get("effect") == ours["effect"]]
+        foreign = [t for t in keyed if t not in present]
+        if present:
+            return ours, foreign, False
+        strongest = max((_EFFECT_RANK.get(t.get("effect", ""), 0) for t in foreign), default=-1)
+        if strongest >= _EFFECT_RANK[s.taint_effect]:
+            return None, foreign, False
+        return {"key": s.taint_key, "value": value, "effect": s.taint_effect}, foreign, True
+
+    def _condition_set(self, node: dict[str, Any]) -> bool:
+        conditions = (node.get("status") or {}).get("conditions") or []
+        return any(
+            c.get("type") == self.settings.condition_type and c.get("status") == "False"
+            for c in conditions
+        )
+
     async def quarantine(self, name: str, *, reason: str, message: str) -> ActuatorResult:
-        """Cordon, taint and mark ``name`` unhealthy; idempotent, 409s retried."""
+        """Cordon, taint and mark ``name`` unhealthy; idempotent, 409s retried.
+
+        A retry after a half-done quarantine (the spec patched, the condition not) completes
+        whatever part is missing; the first reason stays.
+        """
         s = self.settings
         value = taint_value(reason)
         for _ in range(_CONFLICT_TRIES):
@@ -165,53 +218,83 @@ class NodeGuard:
             fence = self._fence_annotations(node)
             annotations = node["metadata"].get("annotations") or {}
             taints: list[dict[str, Any]] = list(node.get("spec", {}).get("taints") or [])
-            mine = [t for t in taints if t.get("key") == s.taint_key]
             cordoned = bool(node.get("spec", {}).get("unschedulable"))
             previous = json.loads(annotations.get(ANN_CORDONED_BY) or "{}")
-            want = {"key": s.taint_key, "value": value, "effect": s.taint_effect}
+            ours, foreign, add = self._taint_plan(taints, previous, value)
+            condition_done = self._condition_set(node)
+            spec_done = bool(previous) and cordoned and not add
             # Quarantined already (perhaps for another reason): the first reason stays, so
             # a repeated detection does not churn the Node and its watchers.
-            if previous and cordoned and [t.get("effect") for t in mine] == [s.taint_effect]:
+            if spec_done and condition_done:
                 return ActuatorResult(
                     outcome=f"node {name} already quarantined", details={"already": True}
                 )
-            record = {
+            record = dict(previous) or {
                 "by": "trainguard",
                 "instance": self.events.instance,
                 "reason": reason,
                 "at": now_rfc3339(),
-                # Kept from the first quarantine: what trainguard itself changed.
-                "cordoned": bool(previous.get("cordoned")) or not cordoned,
-                "tainted": bool(previous.get("tainted")) or not mine,
             }
-            taints = [t for t in taints if t.get("key") != s.taint_key] + [want]
-            body = {
-                "metadata": {
-                    "resourceVersion": node["metadata"]["resourceVersion"],
-                    "annotations": {ANN_CORDONED_BY: json.dumps(record), **fence},
-                },
-                "spec": {"unschedulable": True, "taints": taints},
-            }
+            # What trainguard itself changed, kept from the first quarantine.
+            record["cordoned"] = bool(previous.get("cordoned")) or not cordoned
+            record["tainted"] = ours is not None
+            record["taint"] = ours
+            record["kept_taints"] = [_taint_str(t) for t in foreign]
+            taint_desc = (
+                f"tainted {_taint_str(ours)}"
+                if ours is not None
+                else "kept the existing taint " + ", ".join(record["kept_taints"])
+            )
+            patched = node
+            if not spec_done:
+                body = {
+                    "metadata": {
+                        "resourceVersion": node["metadata"]["resourceVersion"],
+                        "annotations": {ANN_CORDONED_BY: json.dumps(record), **fence},
+                    },
+                    "spec": {
+                        "unschedulable": True,
+                        "taints": [*taints, ours] if add and ours is not None else taints,
+                    },
+                }
+                try:
+                    patched = await self._patch_spec(name, body, "quarantine")
+                except KubernetesApiError as exc:
+                    if exc.status == 409:
+                        continue
+                    raise
             try:
-                patched = await self._patch_spec(name, body, "quarantine")
+                if not condition_done:
+                    await self._set_condition(name, False, reason, message)
             except KubernetesApiError as exc:
-                if exc.status == 409:
-                    continue
-                raise
-            await self._set_condition(name, False, reason, message)
+                what = "was already cordoned" if spec_done else "is now cordoned"
+                raise KubernetesApiError(
+                    f"quarantine node {name} half done: it {what} and {taint_desc}, but "
+                    f"condition {s.condition_type}=False is not set ({exc}); a retry of the "
+                    "isolation sets it",
+                    status=exc.status,
+                    retryable=exc.retryable,
+                ) from exc
             details: dict[str, Any] = {
                 "cordoned": record["cordoned"],
                 "tainted": record["tainted"],
-                "taint": f"{s.taint_key}={value}:{s.taint_effect}",
+                "taint": _taint_str(ours) if ours is not None else None,
+                "kept_taints": record["kept_taints"],
             }
+            if spec_done:
+                details["completed"] = ["condition"]
             error = await self.events.emit(
                 patched, "TrainguardQuarantined", f"{reason}: {message}", warning=True
             )
             if error:
                 details["event_error"] = error
-            return ActuatorResult(
-                outcome=f"node {name} cordoned, tainted {details['taint']}", details=details
-            )
+            outcome = f"node {name} cordoned, {taint_desc}"
+            if spec_done:
+                outcome = (
+                    f"node {name} quarantine completed: condition {s.condition_type}=False set "
+                    f"(cordoned, {taint_desc} before)"
+                )
+            return ActuatorResult(outcome=outcome, details=details)
         raise ActuatorError(
             f"quarantine node {name}: kept changing under us; retry", retryable=True
         )
@@ -230,9 +313,23 @@ class NodeGuard:
             fence = self._fence_annotations(node)
             record = json.loads(raw)
             spec: dict[str, Any] = {}
-            if record.get("tainted", True):
-                taints = node.get("spec", {}).get("taints") or []
-                spec["taints"] = [t for t in taints if t.get("key") != s.taint_key] or None
+            ours = _recorded_taint(record, s.taint_key, s.taint_effect)
+            taints = node.get("spec", {}).get("taints") or []
+            if ours is not None and "taint" not in record:
+                # A record from before "taint" was kept: trainguard replaced any taint with
+                # its key then, so every taint with the key is its own.
+                kept = [t for t in taints if t.get("key") != s.taint_key]
+            elif ours is not None:
+                # Only the taint trainguard added (key and effect): never another party's.
+                kept = [
+                    t
+                    for t in taints
+                    if not (t.get("key") == ours["key"] and t.get("effect") == ours["effect"])
+                ]
+            else:
+                kept = taints
+            if len(kept) != len(taints):
+                spec["taints"] = kept or None
             if record.get("cordoned", True):
                 spec["unschedulable"] = None
             body = {
