@@ -4,8 +4,11 @@ Which way is :func:`~controller.actuators.k8s.workloads.plan_gang_restart`'s ans
 from the workload itself:
 
 * **fail-child-jobs** (JobSet, and a TrainJob through the JobSet it runs as): record the
-  generation, delete the gang's pods off the new placement; the JobSet's ``failurePolicy``
-  recreates every child Job and counts the restart against ``maxRestarts``.
+  generation with a ``restart-pending`` mark, delete the gang's pods off the new placement,
+  clear the mark; the JobSet's ``failurePolicy`` recreates every child Job from the pod
+  template as it is (no new generation or resume step) and counts the restart against
+  ``maxRestarts``. A retry that finds the mark finishes the deletes. A JobSet rollback (a
+  resume step the template must carry, or drop) goes the suspend-resume way instead.
 * **delete-pods** (PyTorchJob whose replicas restart: ``OnFailure``/``Always``/``ExitCode``):
   write the new size and generation into the spec, then remove every old-generation pod;
   the operator recreates each from the new spec (off the tainted node).
@@ -15,10 +18,11 @@ from the workload itself:
   pods recreated).
 
 Never half a gang: a suspend-resume interrupted half-way leaves the workload suspended (no
-pod of either generation runs) and a retry resumes it; a delete-pods restart interrupted
-half-way suspends the PyTorchJob before it reports the error, so old and new pods never
-train side by side, and the retry goes the suspend-resume way. Pods already carrying the new
-generation are never removed, so a retry finishes the job instead of starting over.
+pod of either generation runs; the error says so) and a retry resumes it; a delete-pods
+restart interrupted half-way suspends the PyTorchJob before it reports the error, so old
+and new pods never train side by side, and the retry goes the suspend-resume way. Pods
+already carrying the new generation are never removed, so a retry finishes the job instead
+of starting over.
 
 A resize says what it did (``details["resize"]``, in the outcome): "shrunk from 4 to 3 pod(s)
 within torchrun --nnodes=2:4", and is refused when the job does not allow the size
@@ -34,12 +38,11 @@ from typing import Any, Protocol
 
 from controller.actuators import kube_objects as ko
 from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
-from controller.actuators.k8s.api import Kube
+from controller.actuators.k8s.api import Kube, KubernetesApiError
 from controller.actuators.k8s.nodes import NodeGuard
 from controller.actuators.k8s.placement import JobLayout, PlacementBook
 from controller.actuators.k8s.workloads import (
     GangPlan,
-    delete_gang_pods,
     elastic_bounds,
     fixed_nnodes,
     job_policy,
@@ -58,6 +61,12 @@ from controller.actuators.kube_objects import (
     Workload,
     WorkloadKind,
 )
+
+#: On a JobSet/TrainJob restarted by its own failurePolicy, between the generation record
+#: and the last deletion of an old-gang pod: the JobSet's ``status.restarts`` before it.
+ANN_RESTART_PENDING = "trainguard.io/restart-pending"
+#: The JobSet restart attempt a pod was created in (set by the JobSet controller).
+LABEL_RESTART_ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
 
 
 class KubernetesActuator(Protocol):
@@ -167,6 +176,9 @@ async def restart_job(act: KubernetesActuator, placement: Placement, reason: str
     pods = await act._job_pods(job)
     w = await act._resolve(job, pods)
     done = ko.pod_generation(w.obj)  # the generation annotation, a pod's or a workload's
+    if done == gen and ANN_RESTART_PENDING in w.annotations:
+        # A JobSet's own restart recorded, its old gang's pods not all deleted yet.
+        return await _finish_fail_gang(act, w, pods, placement, reason)
     if done is not None and done >= gen:
         return ActuatorResult(
             outcome=f"job {job} generation {done} already started; nothing to do",
@@ -182,13 +194,19 @@ async def restart_job(act: KubernetesActuator, placement: Placement, reason: str
     _, old_size = ko.restart_patch(w, size, annotations)
     resize = resize_note(*_size_source(w), old_size, size, masters=_masters(w))
     plan = gang_plan(w, same_size=old_size == size, recorded_restarts=done or 0)
+    plan = _carrying_plan(w, plan, placement)
+    # What the new pods get: a JobSet's own restart (and every TrainJob restart) recreates
+    # them from the pod template as it is, without this restart's annotations.
+    written = plan.mode != "fail-child-jobs" and w.kind is not TRAINJOB
     details: dict[str, Any] = {
         "workload": w.label,
         "generation": gen,
         "world_size": placement.world_size,
         "previous_world_size": old_size * per_pod,
         "ranks_per_pod": per_pod,
-        "env_wired": ko.env_wired(w),
+        "env_wired": written and ko.env_wired(w),
+        "template_written": written,
+        "resume_step_carried": written or placement.resume_step is None,
         "mode": plan.mode,
     }
     if resize:
@@ -208,14 +226,68 @@ async def restart_job(act: KubernetesActuator, placement: Placement, reason: str
     )
     if resize:
         outcome += f"; {resize}"
-    if not details["env_wired"]:
+    if not written:
+        outcome += f"; {_template_note(w, gen, placement.resume_step)}"
+    elif not details["env_wired"]:
         outcome += f"; its pod template does not map {ENV_GENERATION} from the annotation"
     await act._try_event(act._event(w.obj, "JobRestarted", f"{outcome}: {reason}", False), details)
     return ActuatorResult(outcome=outcome, details=details)
 
 
-def _record(gen: int) -> dict[str, Any]:
-    return {"metadata": {"annotations": {ANN_GENERATION: str(gen)}}}
+def _record(gen: int, pending: int | None = None) -> dict[str, Any]:
+    """The workload's generation record; ``pending`` (a JobSet restart's count before it)
+    marks a ``fail-child-jobs`` restart whose pods are not all deleted yet, and every other
+    record clears that mark."""
+    marks = {ANN_GENERATION: str(gen), ANN_RESTART_PENDING: None}
+    if pending is not None:
+        marks[ANN_RESTART_PENDING] = str(pending)
+    return {"metadata": {"annotations": marks}}
+
+
+def _template_step(w: Workload) -> str | None:
+    """The resume-step bound the pod template carries now (what new pods would inherit)."""
+    for template in ko.pod_templates(w):
+        step = ((template.get("metadata") or {}).get("annotations") or {}).get(ANN_RESUME_STEP)
+        if step is not None:
+            return str(step)
+    return None
+
+
+def _carrying_plan(w: Workload, plan: GangPlan, placement: Placement) -> GangPlan:
+    """A plan whose new pods get the restart's resume-step bound (a rollback's), or lose the
+    one the template still carries: a JobSet's own restart keeps the pod template, so it
+    goes the suspend/resume way instead. (A TrainJob's pods cannot be annotated in any
+    mode: its outcome says what they get.)"""
+    if plan.mode != "fail-child-jobs" or w.kind is TRAINJOB:
+        return plan
+    step, inherited = placement.resume_step, _template_step(w)
+    if step is None and inherited is None:
+        return plan
+    why = (
+        f"the rollback bound {ANN_RESUME_STEP}={step}"
+        if step is not None
+        else f"no {ANN_RESUME_STEP} (the template still says {inherited})"
+    )
+    return GangPlan(
+        "suspend-resume",
+        0,
+        False,
+        "suspended and resumed, not failed: the JobSet's own restart keeps the pod "
+        f"template, which must give the new pods {why}",
+    )
+
+
+def _template_note(w: Workload, gen: int, resume_step: int | None = None) -> str:
+    who = "a TrainJob's cannot be annotated" if w.kind is TRAINJOB else "the JobSet's own restart"
+    step = _template_step(w)
+    resume = f"step {step} or before (the template's bound)" if step else "the newest checkpoint"
+    note = (
+        f"its pod template is left as it is ({who}), so the new pods do not get "
+        f"{ANN_GENERATION}={gen} (nor {ENV_GENERATION} from it) and resume from {resume}"
+    )
+    if resume_step is not None:
+        note += f", not from the rollback bound step {resume_step}"
+    return note
 
 
 async def _recreate_pods(
@@ -266,15 +338,24 @@ async def _suspend_resume(
     so an interruption leaves the workload suspended, never half restarted."""
     if not w.suspended:
         w = await act._patch_workload(w, ko.nest(w.kind.suspend_path, True), "suspend")
-    await act._remove_pods(stale, details)
-    if w.kind is JOB:
-        w = await _wait_job_settled(act, w)
-    patch, _ = ko.restart_patch(w, size, annotations)
-    version = {"metadata": {"resourceVersion": w.obj["metadata"].get("resourceVersion")}}
-    for part in (_record(int(annotations[ANN_GENERATION])), version):
-        patch = ko.merge(patch, part)
-    patch = ko.merge(patch, ko.nest(w.kind.suspend_path, False))
-    return await act._patch_workload(w, patch, "resize and resume")
+    try:
+        await act._remove_pods(stale, details)
+        if w.kind is JOB:
+            w = await _wait_job_settled(act, w)
+        patch, _ = ko.restart_patch(w, size, annotations)
+        version = {"metadata": {"resourceVersion": w.obj["metadata"].get("resourceVersion")}}
+        for part in (_record(int(annotations[ANN_GENERATION])), version):
+            patch = ko.merge(patch, part)
+        patch = ko.merge(patch, ko.nest(w.kind.suspend_path, False))
+        return await act._patch_workload(w, patch, "resize and resume")
+    except ActuatorError as exc:
+        removed = len(details.get("evicted", [])) + len(details.get("deleted_despite_pdb", []))
+        raise ActuatorError(
+            f"restart {w.label} interrupted after suspending it and removing {removed} of "
+            f"{len(stale)} old pod(s) ({exc}); it is left suspended, so no pod of either "
+            "generation runs, and a retry of the restart resumes it",
+            retryable=exc.retryable,
+        ) from exc
 
 
 async def _fail_gang(
@@ -287,17 +368,106 @@ async def _fail_gang(
     reason: str,
 ) -> ActuatorResult:
     """Fail the JobSet (a TrainJob's: its runtime) the way a crashed rank would: record the
-    generation, then delete the gang's pods off the placement (all of them if none is)."""
+    generation with a mark that its pods are not deleted yet (and how many restarts the
+    JobSet had counted), delete the gang's pods off the placement (all of them if none is),
+    then clear the mark. Interrupted in between, a retry finds the mark and finishes."""
     used, allowed = restart_budget(w.runtime if w.runtime is not None else w.obj)
-    w = await act._patch_workload(w, _record(placement.generation), "record generation of")
+    w = await act._patch_workload(w, _record(placement.generation, used), "record generation of")
     off = [p for p in pods if p.get("spec", {}).get("nodeName") not in placement.nodes]
-    result = await delete_gang_pods(
-        act.kube, act.nodes.events, w.obj, off or pods, plan=plan, reason=reason
+    deleted = await _delete_old_gang(act, w, off or pods, used, placement.generation)
+    details.update(mode=plan.mode, deleted=deleted, note=plan.note)
+    details.update(restarts_used=used + 1, max_restarts=allowed)
+    label = f"{w.obj.get('kind')} {w.name}"
+    outcome = f"{label}: gang restart by its own controller ({plan.note}); deleted {deleted}"
+    await _clear_pending(act, w, placement.generation, f"deleted {deleted}")
+    await act._try_event(
+        act._event(w.obj, "TrainguardGangRestart", f"{outcome}: {reason}", True), details
     )
-    details.update(result.details, restarts_used=used + 1, max_restarts=allowed)
     outcome = (
-        f"job {placement.job} generation {placement.generation}: {result.outcome} "
-        f"(restart {used + 1} of {allowed})"
+        f"job {placement.job} generation {placement.generation}: {outcome} "
+        f"(restart {used + 1} of {allowed}); "
+        f"{_template_note(w, placement.generation, placement.resume_step)}"
+    )
+    return ActuatorResult(outcome=outcome, details=details)
+
+
+async def _delete_old_gang(
+    act: KubernetesActuator, w: Workload, pods: list[dict[str, Any]], used: int, gen: int
+) -> list[str]:
+    """Delete ``pods`` (those of the JobSet's restart attempt ``used`` or before); a failure
+    says what was done and that a retry finishes it."""
+    deleted: list[str] = []
+    for pod in pods:
+        meta = pod["metadata"]
+        attempt = str((meta.get("labels") or {}).get(LABEL_RESTART_ATTEMPT, ""))
+        if attempt.isdigit() and int(attempt) > used:
+            continue  # created by the JobSet's restart: the new gang
+        try:
+            await act.kube.write(
+                f"delete pod {meta['namespace']}/{meta['name']}",
+                act.kube.core.delete_namespaced_pod,
+                meta["name"],
+                meta["namespace"],
+            )
+        except KubernetesApiError as exc:
+            if exc.status == 404:
+                deleted.append(meta["name"])
+                continue
+            raise ActuatorError(
+                f"restart {w.label} to generation {gen} half done: generation recorded "
+                f"({ANN_RESTART_PENDING} set), deleted {deleted} of {len(pods)} pod(s) of the "
+                f"old gang, then {exc}; the old gang may still run: a retry of the restart "
+                "finishes it",
+                retryable=exc.retryable,
+            ) from exc
+        deleted.append(meta["name"])
+    return deleted
+
+
+async def _clear_pending(act: KubernetesActuator, w: Workload, gen: int, done: str) -> None:
+    try:
+        await act._patch_workload(w, _record(gen), "record generation of")
+    except ActuatorError as exc:
+        raise ActuatorError(
+            f"restart {w.label} to generation {gen}: {done} (its JobSet restarts the gang), "
+            f"but clearing {ANN_RESTART_PENDING} failed ({exc}); a retry of the restart "
+            "finishes it",
+            retryable=exc.retryable,
+        ) from exc
+
+
+async def _finish_fail_gang(
+    act: KubernetesActuator,
+    w: Workload,
+    pods: list[dict[str, Any]],
+    placement: Placement,
+    reason: str,
+) -> ActuatorResult:
+    """A retry of a ``fail-child-jobs`` restart that was interrupted: if the JobSet has not
+    restarted since (its restart count is still the one recorded), delete what is left of
+    the old gang; then clear the mark."""
+    gen = placement.generation
+    raw = w.annotations.get(ANN_RESTART_PENDING, "")
+    before = int(raw) if str(raw).isdigit() else 0
+    used, allowed = restart_budget(w.runtime if w.runtime is not None else w.obj)
+    details: dict[str, Any] = {"workload": w.label, "generation": gen, "finished": True}
+    details.update(mode="fail-child-jobs", restarts_used=max(used, before + 1))
+    details.update(max_restarts=allowed, template_written=False, env_wired=False)
+    if used > before:
+        done = f"its JobSet already restarted the gang (restart {used} of {allowed})"
+        details["deleted"] = []
+    else:
+        off = [p for p in pods if p.get("spec", {}).get("nodeName") not in placement.nodes]
+        deleted = await _delete_old_gang(act, w, off or pods, before, gen)
+        details["deleted"] = deleted
+        done = f"deleted {deleted} (restart {before + 1} of {allowed})"
+    await _clear_pending(act, w, gen, done)
+    outcome = (
+        f"job {placement.job} generation {gen}: finished the interrupted restart of "
+        f"{w.label}: {done}; {_template_note(w, gen)}"
+    )
+    await act._try_event(
+        act._event(w.obj, "TrainguardGangRestart", f"{outcome}: {reason}", True), details
     )
     return ActuatorResult(outcome=outcome, details=details)
 
