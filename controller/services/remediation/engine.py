@@ -35,8 +35,6 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from sqlalchemy.orm import Session
-
 from controller.actuators.base import Actuator, NodeView
 from controller.actuators.k8s.partition import PartitionSettings
 from controller.logic.detection.c4d.job_evidence import (
@@ -45,14 +43,14 @@ from controller.logic.detection.c4d.job_evidence import (
     StragglerIncidentEvidence,
 )
 from controller.logic.remediation import guards
-from controller.logic.remediation.params import AlertParams, RestartParams, Severity
+from controller.logic.remediation.params import AlertParams, Severity
 from controller.logic.remediation.rules import Policy, Rule, Step
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
 from controller.services.events import JobRecordsReported
 from controller.services.incidents import IncidentService
 from controller.services.nodes import NodeRecords
-from controller.services.remediation import approval, history, partition
+from controller.services.remediation import approval, history, partition, restore
 from controller.services.remediation.grow import GROW_CHECK_INTERVAL_S, GrowBack
 from controller.services.remediation.records import (
     HARDWARE_KINDS,
@@ -227,31 +225,11 @@ class RemediationEngine:
         incident_ids = sorted(self._state.incidents)
         since = time.time() - GROW_LOOKBACK_S
 
-        def read(
-            session: Session,
-        ) -> tuple[
-            list[history.IncidentAction],
-            list[history.RestartRow],
-            list[int],
-            dict[str, float],
-            dict[str, tuple[history.RestartRow, float]],
-        ]:
-            restarts = history.restarts(session)
-            jobs = sorted({r.job for r in restarts if "goodput" in r.params})
-            newest: dict[str, tuple[history.RestartRow, float]] = {}
-            for job in sorted({r.job for r in restarts}):
-                row = history.newest_restart(restarts, job)
-                if row is not None:
-                    newest[job] = (row, history.remediation_started(session, row))
-            return (
-                history.incident_actions(session, incident_ids),
-                restarts,
-                history.interrupted_grows(session, since),
-                history.job_starts(session, jobs),
-                newest,
-            )
-
-        actions, restarts, grows, starts, newest = await self._store.read(read)
+        loaded = await self._store.read(
+            lambda session: restore.read_history(session, incident_ids, since)
+        )
+        actions, restarts, grows = loaded.actions, loaded.restarts, loaded.grows
+        starts, newest = loaded.starts, loaded.newest
         interrupted: dict[str, history.IncidentAction] = {}
         for row in actions:
             if row.kind == "alert":
@@ -281,55 +259,13 @@ class RemediationEngine:
             await self._resume(row.id, row.incident_id, row.kind, row.params)
 
     def _restore_wait(self, job: str, row: history.RestartRow, began: float) -> None:
-        """What the job's book said after its newest restart (``row``, of a remediation begun
-        at ``began``): when it was remediated and restarted, when it resumed, and, while it
-        had not stepped again yet, the wait for its first step. Without it, what the restart
-        itself causes (ranks stopped, peers timing out) would be acted on as a new fault
-        (a second restart), and the resume timeout would never fire."""
-        book = self.book(job)
-        book.last_remediation_unix_s = max(book.last_remediation_unix_s or began, began)
-        book.last_restart_unix_s = max(book.last_restart_unix_s or row.at_unix_s, row.at_unix_s)
-        raw = row.params.get("goodput")
-        resumed = raw.get("resumed_unix_s") if isinstance(raw, dict) else None
-        if isinstance(resumed, int | float):
-            book.resumed_unix_s = float(resumed)
-        timeout_s = self.policy.guards.resume_timeout_s
-        if not history.awaiting_resume(row) or time.time() - row.at_unix_s > timeout_s:
-            return
-        if book.awaiting_resume is not None or book.running is not None:
-            return
-        try:
-            params = RestartParams.model_validate(row.params)
-        except ValueError:  # a row written by another version: no wait to restore
-            return
-        incident = params.incident
-        rem = Remediation(
-            id=params.remediation or f"action-{row.id}",
-            incident_id=incident,
-            incident_kind=params.incident_kind or ("grow" if incident is None else ""),
-            job=job,
-            node=None,
-            steps=[str(Step.RESTART)],
-            started_unix_s=began,
-            dry_run=False,
-            trigger=row.trigger,
-            grow=row.trigger.startswith("grow:"),
-            state="done",
-            outcome="restored by this leader: waiting for the job's first step",
-            finished_unix_s=row.at_unix_s,
-            generation=params.generation,
-            restarted_unix_s=row.at_unix_s,
-            resume_step=params.resume_step,
-            restart_action=row.id,
-            restart_params=params,
+        """The job's book as its newest restart left it (see :func:`restore.restore_wait`)."""
+        rem = restore.restore_wait(
+            self.book(job), job, row, began, self.policy.guards.resume_timeout_s, time.time()
         )
-        book.awaiting_resume = rem
-        self.remediations.append(rem)
-        del self.remediations[:-RECENT_REMEDIATIONS]
-        log.warning(
-            "waiting for a job restarted before this leader to resume",
-            extra={"fields": {"job": job, "action": row.id, "generation": rem.generation}},
-        )
+        if rem is not None:
+            self.remediations.append(rem)
+            del self.remediations[:-RECENT_REMEDIATIONS]
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)
