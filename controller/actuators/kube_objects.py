@@ -24,8 +24,9 @@ LABEL_RANK: Final = "trainguard.io/rank"
 LABEL_TP: Final = "trainguard.io/tp"
 #: The quarantine taint (``k8s.nodes.TAINT_KEY``; value: the reason, label-safe).
 TAINT_KEY: Final = "trainguard.io/unhealthy"
-#: JSON ``{"by", "instance", "reason", "at", "cordoned", "tainted"}`` on a quarantined node:
-#: what trainguard changed, so that release undoes exactly that (``k8s.nodes``).
+#: JSON on a quarantined node (``{"by", "instance", "reason", "at", "cordoned", "tainted",
+#: "taint", "kept_taints"}``, see ``k8s.nodes``): what trainguard changed, so that release
+#: undoes exactly that.
 ANN_ISOLATED: Final = "trainguard.io/cordoned-by"
 ANN_GENERATION: Final = "trainguard.io/generation"
 ANN_RESUME_STEP: Final = "trainguard.io/resume-step"
