@@ -110,3 +110,19 @@ def test_a_failed_preflight_cordons_and_taints_the_node_once(cluster: FakeCluste
     assert other is not None and not other["spec"].get("unschedulable")
     reasons = [(e["involvedObject"]["name"], e["reason"]) for e in cluster.items("", "events")]
     assert reasons == [("gpu-b", "TrainguardQuarantined")]
+
+
+def test_event_names_fit_a_dns_subdomain_for_the_longest_object_names() -> None:
+    """A node may be named with all 253 characters a DNS subdomain allows; ``<node>.<hex
+    time>`` was then 270 and the API server refused the Event (the quarantine's story lost)."""
+    import re
+
+    from controller.actuators.k8s.events import EVENT_NAME_MAX, event_name
+
+    subdomain = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    t = 1_795_688_615_090_925_500
+    assert event_name("gpu-1", t) == f"gpu-1.{t:x}"
+    for node in ("n" * 253, "a" * 230 + "." + "b" * 22, "a" * 235 + "-" + "c" * 17):
+        name = event_name(node, t)
+        assert len(name) <= EVENT_NAME_MAX and subdomain.match(name), name
+        assert name.endswith(f".{t:x}") and node.startswith(name.split(f".{t:x}")[0])

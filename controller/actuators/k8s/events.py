@@ -20,6 +20,8 @@ from controller.actuators.base import ActuatorError
 from controller.actuators.k8s.api import Kube
 
 COMPONENT: Final = "trainguard"
+#: Longest name the API server takes for an Event (a DNS subdomain).
+EVENT_NAME_MAX = 253
 
 
 class EventRecorder:
@@ -43,7 +45,7 @@ class EventRecorder:
         )
         body = client.CoreV1Event(
             metadata=client.V1ObjectMeta(
-                name=f"{meta['name']}.{time.time_ns():x}", namespace=namespace
+                name=event_name(meta["name"], time.time_ns()), namespace=namespace
             ),
             involved_object=involved,
             reason=reason,
@@ -64,4 +66,14 @@ class EventRecorder:
         return None
 
 
-__all__ = ["COMPONENT", "EventRecorder"]
+def event_name(obj_name: str, t_ns: int) -> str:
+    """``<object>.<time in hex>``, as kubectl and client-go name Events, cut to the 253
+    characters of a DNS subdomain: an Event about a node with a 253-character name would
+    otherwise be refused by the API server and the story lost. The cut object name keeps
+    ending in an alphanumeric character, as the name's rules require."""
+    suffix = f".{t_ns:x}"
+    head = obj_name[: EVENT_NAME_MAX - len(suffix)].rstrip(".-")
+    return f"{head}{suffix}"
+
+
+__all__ = ["COMPONENT", "EVENT_NAME_MAX", "EventRecorder", "event_name"]
