@@ -38,11 +38,13 @@ from typing import Any, Protocol
 
 from controller.actuators import kube_objects as ko
 from controller.actuators.base import ActuatorError, ActuatorResult, JobLimits, Placement
-from controller.actuators.k8s.api import Kube, KubernetesApiError
+from controller.actuators.k8s.api import Kube
 from controller.actuators.k8s.nodes import NodeGuard
 from controller.actuators.k8s.placement import JobLayout, PlacementBook
 from controller.actuators.k8s.workloads import (
     GangPlan,
+    PodsPartlyDeleted,
+    delete_pods,
     elastic_bounds,
     fixed_nnodes,
     job_policy,
@@ -396,32 +398,23 @@ async def _delete_old_gang(
 ) -> list[str]:
     """Delete ``pods`` (those of the JobSet's restart attempt ``used`` or before); a failure
     says what was done and that a retry finishes it."""
-    deleted: list[str] = []
-    for pod in pods:
-        meta = pod["metadata"]
-        attempt = str((meta.get("labels") or {}).get(LABEL_RESTART_ATTEMPT, ""))
-        if attempt.isdigit() and int(attempt) > used:
-            continue  # created by the JobSet's restart: the new gang
-        try:
-            await act.kube.write(
-                f"delete pod {meta['namespace']}/{meta['name']}",
-                act.kube.core.delete_namespaced_pod,
-                meta["name"],
-                meta["namespace"],
-            )
-        except KubernetesApiError as exc:
-            if exc.status == 404:
-                deleted.append(meta["name"])
-                continue
-            raise ActuatorError(
-                f"restart {w.label} to generation {gen} half done: generation recorded "
-                f"({ANN_RESTART_PENDING} set), deleted {deleted} of {len(pods)} pod(s) of the "
-                f"old gang, then {exc}; the old gang may still run: a retry of the restart "
-                "finishes it",
-                retryable=exc.retryable,
-            ) from exc
-        deleted.append(meta["name"])
-    return deleted
+    old = [pod for pod in pods if _restart_attempt(pod) <= used]  # not the new gang's
+    try:
+        return await delete_pods(act.kube, old)
+    except PodsPartlyDeleted as exc:
+        raise ActuatorError(
+            f"restart {w.label} to generation {gen} half done: generation recorded "
+            f"({ANN_RESTART_PENDING} set), deleted {exc.deleted} of {len(pods)} pod(s) of the "
+            f"old gang, then {exc.cause}; the old gang may still run: a retry of the restart "
+            "finishes it",
+            retryable=exc.cause.retryable,
+        ) from exc
+
+
+def _restart_attempt(pod: dict[str, Any]) -> int:
+    """The JobSet restart attempt that created ``pod`` (its label; 0 when absent)."""
+    raw = str((pod["metadata"].get("labels") or {}).get(LABEL_RESTART_ATTEMPT, ""))
+    return int(raw) if raw.isdigit() else 0
 
 
 async def _clear_pending(act: KubernetesActuator, w: Workload, gen: int, done: str) -> None:

@@ -282,6 +282,35 @@ def job_policy(obj: dict[str, Any]) -> JobPolicy:
     )
 
 
+class PodsPartlyDeleted(Exception):
+    """:func:`delete_pods` stopped at an API error: ``deleted`` went, ``cause`` says why
+    the rest did not."""
+
+    def __init__(self, deleted: list[str], cause: KubernetesApiError) -> None:
+        super().__init__(str(cause))
+        self.deleted, self.cause = deleted, cause
+
+
+async def delete_pods(kube: Kube, pods: list[dict[str, Any]]) -> list[str]:
+    """Delete ``pods`` in order (one already gone counts as deleted); the names deleted.
+    The first other API error stops it (:class:`PodsPartlyDeleted`)."""
+    deleted: list[str] = []
+    for pod in pods:
+        meta = pod["metadata"]
+        try:
+            await kube.write(
+                f"delete pod {meta['namespace']}/{meta['name']}",
+                kube.core.delete_namespaced_pod,
+                meta["name"],
+                meta["namespace"],
+            )
+        except KubernetesApiError as exc:
+            if exc.status != 404:
+                raise PodsPartlyDeleted(deleted, exc) from exc
+        deleted.append(meta["name"])
+    return deleted
+
+
 async def delete_gang_pods(
     kube: Kube,
     events: EventRecorder,
@@ -295,20 +324,10 @@ async def delete_gang_pods(
     pods on the bad nodes); the workload's own controller restarts the rest."""
     if plan.mode not in ("fail-child-jobs", "delete-pods"):
         raise ActuatorError(f"delete_gang_pods cannot carry out a {plan.mode} plan")
-    deleted: list[str] = []
-    for pod in pods:
-        meta = pod["metadata"]
-        try:
-            await kube.write(
-                f"delete pod {meta['namespace']}/{meta['name']}",
-                kube.core.delete_namespaced_pod,
-                meta["name"],
-                meta["namespace"],
-            )
-        except KubernetesApiError as exc:
-            if exc.status != 404:
-                raise
-        deleted.append(meta["name"])
+    try:
+        deleted = await delete_pods(kube, pods)
+    except PodsPartlyDeleted as exc:
+        raise exc.cause from exc
     label = f"{workload.get('kind')} {workload['metadata']['name']}"
     outcome = f"{label}: gang restart by its own controller ({plan.note}); deleted {deleted}"
     details: dict[str, Any] = {"mode": plan.mode, "deleted": deleted, "note": plan.note}
@@ -325,7 +344,9 @@ __all__ = [
     "ElasticBounds",
     "GangPlan",
     "JobPolicy",
+    "PodsPartlyDeleted",
     "delete_gang_pods",
+    "delete_pods",
     "elastic_bounds",
     "fixed_nnodes",
     "job_policy",
