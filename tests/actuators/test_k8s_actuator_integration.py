@@ -13,7 +13,7 @@ from controller.actuators.k8s.api import Fenced
 from controller.actuators.k8s.lease import LeaseElector
 from controller.actuators.kubernetes import KubernetesActuator
 from tests.actuators.fake_cluster import FakeCluster
-from tests.actuators.k8s_testkit import NS, cluster, node, run
+from tests.actuators.k8s_testkit import NS, cluster, node, round_trip, run, validate
 from tests.actuators.test_k8s_workloads import jobset_doc
 from trainguard.wire import RankEvent
 
@@ -65,9 +65,14 @@ def test_placement_from_ranks_and_a_jobset_gang_restart_by_its_failure_policy(
     assert result.details["mode"] == "fail-child-jobs"
     assert result.details["restarts_used"] == 1 and result.details["max_restarts"] == 1
     assert [p.endswith("-r0") for p in result.details["deleted"]] == [True]
+    # The JobSet's own controller restarts the whole gang, not just the lost pod.
     assert cluster.reconcile_jobset(NS, "llm") == "restarted"
-    nodes = sorted(p["spec"]["nodeName"] for p in cluster.items("", "pods", NS))
-    assert nodes == ["gpu-b", "gpu-c"]
+    after = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in cluster.items("", "pods", NS)}
+    assert sorted(after.values()) == ["gpu-b", "gpu-c"]
+    assert all(name.endswith("-r1") for name in after)  # every pod is of the new attempt
+    js = cluster.get("jobset.x-k8s.io", "jobsets", NS, "llm")
+    assert js is not None and js["status"]["restarts"] == 1
+    round_trip(js)
     again = run(act.restart_job(new, reason="retried"))
     assert again.details.get("already")
     # All restarts used: failing the JobSet once more would end it; refused for a human.
@@ -77,6 +82,8 @@ def test_placement_from_ranks_and_a_jobset_gang_restart_by_its_failure_policy(
     reasons = [(e["involvedObject"]["kind"], e["reason"]) for e in cluster.items("", "events")]
     assert ("Node", "TrainguardQuarantined") in reasons
     assert ("JobSet", "TrainguardGangRestart") in reasons
+    for event in cluster.items("", "events"):
+        validate(event)
 
 
 def test_a_replica_that_does_not_hold_the_lease_writes_nothing(cluster: FakeCluster) -> None:

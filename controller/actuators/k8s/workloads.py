@@ -35,9 +35,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from controller.actuators.base import ActuatorError, ActuatorResult
+from controller.actuators.base import ActuatorError
 from controller.actuators.k8s.api import Kube, KubernetesApiError
-from controller.actuators.k8s.events import EventRecorder
 
 ANN_POLICY: Final = "trainguard.io/policy"
 _NNODES = re.compile(r"--nnodes[= ](\d+):(\d+)")
@@ -311,41 +310,12 @@ async def delete_pods(kube: Kube, pods: list[dict[str, Any]]) -> list[str]:
     return deleted
 
 
-async def delete_gang_pods(
-    kube: Kube,
-    events: EventRecorder,
-    workload: dict[str, Any],
-    pods: list[dict[str, Any]],
-    *,
-    plan: GangPlan,
-    reason: str,
-) -> ActuatorResult:
-    """Carry out a ``fail-child-jobs`` or ``delete-pods`` plan: delete ``pods`` (the gang's
-    pods on the bad nodes); the workload's own controller restarts the rest."""
-    if plan.mode not in ("fail-child-jobs", "delete-pods"):
-        raise ActuatorError(f"delete_gang_pods cannot carry out a {plan.mode} plan")
-    try:
-        deleted = await delete_pods(kube, pods)
-    except PodsPartlyDeleted as exc:
-        raise exc.cause from exc
-    label = f"{workload.get('kind')} {workload['metadata']['name']}"
-    outcome = f"{label}: gang restart by its own controller ({plan.note}); deleted {deleted}"
-    details: dict[str, Any] = {"mode": plan.mode, "deleted": deleted, "note": plan.note}
-    error = await events.emit(
-        workload, "TrainguardGangRestart", f"{outcome}: {reason}", warning=True
-    )
-    if error:
-        details["event_error"] = error
-    return ActuatorResult(outcome=outcome, details=details)
-
-
 __all__ = [
     "ANN_POLICY",
     "ElasticBounds",
     "GangPlan",
     "JobPolicy",
     "PodsPartlyDeleted",
-    "delete_gang_pods",
     "delete_pods",
     "elastic_bounds",
     "fixed_nnodes",
