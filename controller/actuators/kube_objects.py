@@ -249,6 +249,34 @@ def node_selector(w: Workload) -> dict[str, str]:
     return cast(dict[str, str], templates[0].get("spec", {}).get("nodeSelector") or {})
 
 
+def tolerations(w: Workload) -> list[dict[str, Any]]:
+    """The tolerations of the ranks' pod template."""
+    templates = pod_templates(w) or [{}]
+    return list(templates[0].get("spec", {}).get("tolerations") or [])
+
+
+def tolerated(taint: dict[str, Any], tolerations: list[dict[str, Any]]) -> bool:
+    """Whether one of ``tolerations`` tolerates ``taint`` (Kubernetes' matching rules)."""
+    for tol in tolerations:
+        if tol.get("effect") and tol["effect"] != taint.get("effect"):
+            continue
+        if tol.get("operator") == "Exists":
+            if not tol.get("key") or tol["key"] == taint.get("key"):
+                return True
+        elif tol.get("key") == taint.get("key") and (tol.get("value") or "") == (
+            taint.get("value") or ""
+        ):
+            return True
+    return False
+
+
+def node_not_ready(node: dict[str, Any]) -> bool:
+    """Whether the Node reports a ``Ready`` condition that is not True (False, Unknown);
+    a Node with no Ready condition yet is not judged (as ``node_view`` reads it)."""
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") != "True" for c in conditions)
+
+
 def env_wired(w: Workload) -> bool:
     """Whether some container maps ``TRAINGUARD_GENERATION`` (from the annotation)."""
     for template in pod_templates(w):
@@ -347,25 +375,38 @@ def restart_patch(
     return {"spec": {"replicatedJobs": rjobs}}, old
 
 
-def placement_of(job: str, job_pods: list[dict[str, Any]]) -> Placement | None:
-    """The placement the job's running pods describe (``None``: none runs)."""
-    pods = [
-        p
-        for p in job_pods
-        if p.get("status", {}).get("phase") == "Running"
-        and p["spec"].get("nodeName")
-        and not p["metadata"].get("deletionTimestamp")
-    ]
-    if not pods:
+def placement_of(
+    job: str, job_pods: list[dict[str, Any]], stale: str | None = None
+) -> Placement | None:
+    """The placement the job's ``trainguard.io/rank`` labels describe, used when its ranks'
+    own reports are missing or ``stale`` (why, for the error). Every existing pod that has
+    not Succeeded counts, whatever its phase: a Failed, Unknown or Terminating pod is still
+    the gang's, and its node the one to move off; pods of an older generation than the
+    newest are leftovers of a replaced gang. ``None`` when no pod of the job exists
+    or none has started (all Pending); a gang pod not scheduled yet is an error, never a
+    smaller gang."""
+    pods = [p for p in job_pods if p.get("status", {}).get("phase") != "Succeeded"]
+    newest = max((pod_generation(p) or 0 for p in pods), default=0)
+    pods = [p for p in pods if (pod_generation(p) or 0) == newest]  # an older gang's leftovers
+    if all(p.get("status", {}).get("phase", "Pending") == "Pending" for p in pods):
         return None
+    unlabelled = sorted(
+        p["metadata"]["name"] for p in pods if not labels_of(p).get(LABEL_RANK, "").isdigit()
+    )
+    if unlabelled:
+        why = f"; {stale}" if stale else ""
+        raise ActuatorError(
+            f"job {job!r}: its ranks have not reported from pods {unlabelled[:8]} yet (new pods "
+            f"after a restart?{why}) and they carry no {LABEL_RANK} label"
+        )
     ranks: dict[int, dict[str, Any]] = {}
     for pod in pods:
-        raw = labels_of(pod).get(LABEL_RANK, "")
-        if not raw.isdigit():
+        if not pod["spec"].get("nodeName"):
             raise ActuatorError(
-                f"pod {pod['metadata']['name']} of job {job!r} has no {LABEL_RANK}=<n> label"
+                f"job {job!r}: pod {pod['metadata']['name']} is not scheduled yet; its "
+                "placement is not known until every pod of the gang has a node"
             )
-        ranks[int(raw)] = pod
+        ranks[int(labels_of(pod)[LABEL_RANK])] = pod
     per_node: dict[str, list[int]] = {}
     for rank in sorted(ranks):
         per_node.setdefault(ranks[rank]["spec"]["nodeName"], []).append(rank)

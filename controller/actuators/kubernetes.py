@@ -52,7 +52,7 @@ from controller.actuators.k8s.api import Kube, load_api_client
 from controller.actuators.k8s.events import EventRecorder
 from controller.actuators.k8s.lease import LeaseElector
 from controller.actuators.k8s.nodes import ANN_CORDONED_BY, NodeGuard, QuarantineSettings
-from controller.actuators.k8s.placement import PlacementBook, running_placement
+from controller.actuators.k8s.placement import PlacementBook, running_placement, stale_reason
 from controller.actuators.k8s.restart import job_limits
 from controller.actuators.k8s.restart import restart_job as gang_restart
 from controller.actuators.kube_objects import (
@@ -413,11 +413,20 @@ class KubernetesActuator:
             self._core.list_node,
             label_selector=",".join(f"{k}={v}" for k, v in sorted(selector.items())) or None,
         )
+        tolerations = ko.tolerations(w)
         out = []
         for n in nodes.get("items") or []:
             ours = ANN_CORDONED_BY in ko.annotations_of(n)
             if n.get("spec", {}).get("unschedulable") and not ours:
                 continue  # cordoned by someone else: not ours to use
+            if ko.node_not_ready(n):
+                continue  # Ready False or Unknown: no pod would start there
+            if any(
+                not (ours and t.get("key") == TAINT_KEY) and not ko.tolerated(t, tolerations)
+                for t in n.get("spec", {}).get("taints") or []
+                if t.get("effect") in ("NoSchedule", "NoExecute")
+            ):
+                continue  # someone else's taint the job's pods do not tolerate
             out.append(n["metadata"]["name"])
         return sorted(out)
 
@@ -490,12 +499,14 @@ class KubernetesActuator:
         return ActuatorResult(outcome=outcome, details=details)
 
     async def current_placement(self, job: str) -> Placement | None:
-        """From what the ranks reported (pod, node per rank), else ``trainguard.io/rank``
-        labels; generation and resume step from the pods' annotations."""
+        """From what the ranks reported (pod, node per rank) while those pods exist, in any
+        phase, else ``trainguard.io/rank`` labels; generation and resume step from the
+        gang's pods' annotations."""
         pods = await self._job_pods(job)
         layout = self.book.layout(job)
         learned = None if layout is None else running_placement(layout, pods)
-        placement = learned if learned is not None else ko.placement_of(job, pods)
+        stale = None if layout is None else stale_reason(layout, pods)
+        placement = learned if learned is not None else ko.placement_of(job, pods, stale)
         if placement is not None:
             self._tp[job] = placement.tp
         return placement

@@ -151,31 +151,52 @@ class PlacementBook:
         return JobLayout(job, max(world, max(seats) + 1), seats)
 
 
+def _generation(pod: dict[str, Any]) -> int | None:
+    raw = str((pod["metadata"].get("annotations") or {}).get(ANN_GENERATION, ""))
+    return int(raw) if raw.isdigit() else None
+
+
+def stale_reason(layout: JobLayout, pods: list[dict[str, Any]]) -> str | None:
+    """Why the ranks' reports no longer describe the job's gang (``None``: they do).
+
+    A pod the ranks reported that still exists is part of the current gang whatever its
+    phase (Running, Pending on its node, Unknown, Failed after a rank crash, Terminating on
+    a node that stopped answering): its node is exactly the one to move off. The reports
+    are stale only when a reported pod no longer exists (the workload's controller or a
+    restart replaced the gang and the new pods have not reported yet), or when other pods
+    of the job carry a newer ``trainguard.io/generation`` (a new generation is starting)."""
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    reported = list(layout.pods())
+    gone = [name for name in reported if name not in by_name]
+    if gone:
+        return f"the pods its ranks reported from are gone ({sorted(gone)[:8]})"
+    ours = max((g for n in reported if (g := _generation(by_name[n])) is not None), default=None)
+    newer = sorted(
+        name
+        for name, p in by_name.items()
+        if name not in reported and (g := _generation(p)) is not None and (ours is None or g > ours)
+    )
+    if newer:
+        return f"pods {newer[:8]} of a newer generation have not reported yet"
+    return None
+
+
 def running_placement(layout: JobLayout, pods: list[dict[str, Any]]) -> Placement | None:
-    """``layout``'s placement while every pod the ranks named still runs (``None``: they
-    are gone, a new launch has not reported yet); generation, resume step and tp from the
-    pods' annotations and labels."""
-    running = {
-        p["metadata"]["name"]: p
-        for p in pods
-        if p.get("status", {}).get("phase") == "Running"
-        and not p["metadata"].get("deletionTimestamp")
-    }
-    if not layout.complete or not set(layout.pods()) <= set(running):
+    """``layout``'s placement while the pods the ranks named still exist (``None``: the
+    reports are stale or incomplete, see :func:`stale_reason`); generation (the newest
+    among the gang's pods), resume step and tp from the pods' annotations and labels."""
+    if not layout.complete or stale_reason(layout, pods) is not None:
         return None
-    first = running[next(iter(layout.pods()))]
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    gang = [by_name[name] for name in layout.pods()]
+    first = gang[0]
     meta = {
         **(first["metadata"].get("annotations") or {}),
         **(first["metadata"].get("labels") or {}),
     }
-    generations = [
-        int(g)
-        for p in running.values()
-        if str(g := (p["metadata"].get("annotations") or {}).get(ANN_GENERATION, "")).isdigit()
-    ]
     step = str(meta.get(ANN_RESUME_STEP, ""))
     return layout.placement(
-        generation=max(generations, default=0),
+        generation=max((g for p in gang if (g := _generation(p)) is not None), default=0),
         tp=int(meta.get(LABEL_TP) or 1),
         resume_step=int(step) if step.isdigit() else None,
     )
@@ -283,5 +304,6 @@ __all__ = [
     "read_workload",
     "resolve_workload",
     "running_placement",
+    "stale_reason",
     "workload_hint",
 ]
