@@ -5,7 +5,9 @@ sample: NOT_SUPPORTED (a PCIe card has no NVLink) becomes ``None`` silently, any
 NVML error becomes ``None`` with one log line per (GPU, field, error). GPU_IS_LOST ends the
 GPU's sample with ``lost=True``, which the daemon treats as urgent. An answer the wire
 refuses (an ECC total of 2^64-1, a power of -1 mW) is a refusal too: that field is null,
-named in the sample's ``error`` and one warning line per (GPU, field).
+named in the sample's ``error`` and one warning line per (GPU, field). So is a reading no GPU
+can give (``PLAUSIBLE_MAX``): NVML's "unknown" sentinels (0xFFFFFFFF for power, limit or
+temperature, 2^64-1 for energy) would otherwise read as 4.3 MW or 4e9 C and enter node power.
 
 Counters are read in the scope that answers "did it change since driver load": volatile ECC
 totals and NVLink error counters per link (and summed) over the links found active at start;
@@ -49,6 +51,15 @@ DEFAULT_TIMEOUT_S = 1.0
 OPEN_TIMEOUT_FACTOR = 5
 #: The "error code" under which an out-of-range field's warning is remembered (not NVML's).
 _OUT_OF_RANGE = -1
+#: Above these a sample field is not a reading (NVML's "unknown" sentinels are far above):
+#: it is reported null and named in the sample's error, like a value the wire refuses.
+PLAUSIBLE_MAX: dict[str, float] = {
+    "power_w": 10_000.0,
+    "power_limit_w": 10_000.0,
+    "temperature_c": 200.0,
+    # 10 kW for 300 years; 2^64-1 mJ ("unknown") is 1.8e16 J.
+    "energy_j": 1e14,
+}
 
 
 class GpuLostError(Exception):
@@ -443,15 +454,24 @@ class GpuSampler:
         ``error`` when it has none yet and in one warning line per (GPU, field), like an
         NVML refusal -- the rest of the sample stands.
         """
-        for _ in range(3):  # a refused field is replaced by its default, which validates
-            try:
-                return GpuSample(**fields, error=gpu.error)
-            except ValidationError as exc:
-                bad = sorted(
-                    {str(e["loc"][0]) for e in exc.errors() if e["loc"]} & set(fields) - {"index"}
-                )
-                if not bad:
-                    raise
+        implausible = sorted(
+            name
+            for name, most in PLAUSIBLE_MAX.items()
+            if isinstance(fields.get(name), float) and not fields[name] <= most
+        )
+        for _ in range(4):  # a refused field is replaced by its default, which validates
+            if implausible:
+                bad, implausible = implausible, []
+            else:
+                try:
+                    return GpuSample(**fields, error=gpu.error)
+                except ValidationError as exc:
+                    bad = sorted(
+                        {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+                        & set(fields) - {"index"}
+                    )
+                    if not bad:
+                        raise
             shown = ", ".join(f"{name}={fields[name]!r}"[:80] for name in bad)
             if not gpu.error:
                 gpu.error = f"out of range: {shown}"[:512]
