@@ -30,6 +30,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
+
+import pynvml
 
 import trainguard
 from agents.batch import Batch
@@ -37,7 +40,13 @@ from agents.cadence import ReportCadence
 from agents.clocks_load import ClocksLoadRunner, LoadSettings, load_command, run_preflight
 from agents.commands import CommandExecutor, Finish
 from agents.errors import AgentConfigError, GpuWatchError
-from agents.gpu.backend import GpuBackend, next_retry_delay_s, open_backend, retry_nvml
+from agents.gpu.backend import (
+    GpuBackend,
+    NoGpus,
+    next_retry_delay_s,
+    open_backend,
+    retry_nvml,
+)
 from agents.gpu.fault_file import FaultFile
 from agents.gpu.sim import SimNvml
 from agents.local_endpoint import LocalEndpoint, Session
@@ -137,17 +146,20 @@ class Agent:
                 tcp=settings.job_tcp(),
                 idle_timeout_s=settings.client_idle_timeout_s,
             )
-        api = self.backend.api
         self.xids: XidWatcher | None = None
+        #: The watcher whose death is in the report's ``gpu_error`` (said once).
+        self._xid_failure_reported: XidWatcher | None = None
         self.executor: CommandExecutor | None = None
-        self.sampler = GpuSampler(
-            api,
-            xid_source=lambda i: self.xids.drain(i) if self.xids else [],
-            locked_clock_mhz=lambda i: self.executor.locked_clock_mhz(i) if self.executor else None,
-            on_lost=lambda i: self.request_report(f"GPU {i} lost"),
-            timeout_s=settings.nvml_timeout_s,
-        )
-        inventory = self.sampler.open()
+        self.sampler = self._new_sampler(self.backend.api)
+        try:
+            inventory = self.sampler.open()
+        except pynvml.NVMLError as exc:
+            # nvmlInit worked but the GPUs cannot even be counted: as a failed nvmlInit on a
+            # node with GPUs, the node is reported unhealthy and NVML is retried.
+            self._count_failed(exc)
+            self.sampler = self._new_sampler(self.backend.api)
+            inventory = self.sampler.open()
+        api = self.backend.api
         self._inventory_version = self.sampler.inventory_version
         self.nics = NicMonitor(settings.sysfs_root)
         self.clocks_load = ClocksLoadRunner()
@@ -199,6 +211,28 @@ class Agent:
             gpu_pods=self._gpu_pods,
         )
         self.metrics_port: int | None = None
+
+    def _new_sampler(self, api: Any) -> GpuSampler:
+        return GpuSampler(
+            api,
+            xid_source=lambda i: self.xids.drain(i) if self.xids else [],
+            locked_clock_mhz=lambda i: self.executor.locked_clock_mhz(i) if self.executor else None,
+            on_lost=lambda i: self.request_report(f"GPU {i} lost"),
+            timeout_s=self.settings.nvml_timeout_s,
+        )
+
+    def _count_failed(self, exc: pynvml.NVMLError) -> None:
+        """Replace the backend by one that says why no GPU is watched (``gpu_error``)."""
+        failed = self.backend
+        error = (
+            f"NVML initialised but cannot count the GPUs (nvmlDeviceGetCount: {exc}); "
+            "check the driver with nvidia-smi"
+        )[:512]
+        log.error("%s; reporting this node unhealthy", error)
+        failed.shutdown()
+        # Only the real driver module can be initialised again; a simulated one is not retried.
+        nvml = failed.nvml or (failed.api if failed.kind == "nvml" else None)
+        self.backend = GpuBackend(api=NoGpus(), kind=failed.kind, error=error, nvml=nvml)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -264,6 +298,7 @@ class Agent:
                 due = api.inject(fault)
                 log.warning("simulated fault injected: %s", due.to_spec())
         gpus = self.sampler.sample()
+        self._check_xid_watcher()
         if self.sampler.inventory_version != self._inventory_version:
             # A GPU that hung at start answered: its real identity replaces the placeholder.
             self._inventory_version = self.sampler.inventory_version
@@ -369,26 +404,25 @@ class Agent:
             return False
         self.nvml_retries += 1
         backend = retry_nvml(self.backend)
-        if backend is None:
+        if backend is None or not self._adopt_backend(backend):
             self._next_nvml_retry = now + next_retry_delay_s(
                 self.nvml_retries, first_s=self.nvml_retry_first_s, max_s=self.nvml_retry_max_s
             )
             return False
-        self._adopt_backend(backend)
         return True
 
-    def _adopt_backend(self, backend: GpuBackend) -> None:
+    def _adopt_backend(self, backend: GpuBackend) -> bool:
         """NVML answers now: watch its GPUs as if they had been there at start (sampler,
-        commands, XID events, the report's identity); the next report clears ``gpu_error``."""
+        commands, XID events, the report's identity); the next report clears ``gpu_error``.
+        False (the backend released) while the GPUs still cannot be counted."""
         old_sampler = self.sampler
-        sampler = GpuSampler(
-            backend.api,
-            xid_source=lambda i: self.xids.drain(i) if self.xids else [],
-            locked_clock_mhz=lambda i: self.executor.locked_clock_mhz(i) if self.executor else None,
-            on_lost=lambda i: self.request_report(f"GPU {i} lost"),
-            timeout_s=self.settings.nvml_timeout_s,
-        )
-        inventory = sampler.open()
+        sampler = self._new_sampler(backend.api)
+        try:
+            inventory = sampler.open()
+        except pynvml.NVMLError as exc:
+            log.debug("nvmlDeviceGetCount still fails: %s", exc)
+            backend.shutdown()
+            return False
         self.backend, self.sampler = backend, sampler
         self._inventory_version = sampler.inventory_version
         old_sampler.close()
@@ -418,12 +452,27 @@ class Agent:
             backend.driver_version or "?",
         )
         self.request_report("NVML recovered")
+        return True
 
     def _guarded(self, what: str, fn: Callable[[], object]) -> None:
         try:
             fn()
         except Exception:
             log.exception("%s tick failed; continuing", what)
+
+    def _check_xid_watcher(self) -> None:
+        """A watcher thread that ended on its own leaves XIDs unseen: the node says so."""
+        xids = self.xids
+        if xids is None or not xids.failure or self._stopping.is_set():
+            return
+        if xids is self._xid_failure_reported:
+            return
+        self._xid_failure_reported = xids
+        error = f"{xids.failure}; XIDs are not watched until the agent restarts"
+        log.error("%s; reporting this node unhealthy", error)
+        joined = "; ".join(e for e in (self.identity.gpu_error, error) if e)
+        self.identity = self.identity.model_copy(update={"gpu_error": joined[:512]})
+        self.request_report("XID watcher stopped")
 
     # ------------------------------------------------------------------ callbacks
 

@@ -11,6 +11,13 @@ kept: ``on_ecc`` only says that one happened, so that an uncorrectable error can
 reported at once, as a critical XID is, rather than at the next reporting interval. A
 board without ECC events (ECC disabled, or a driver that refuses them) is registered for
 critical XIDs alone.
+
+One bad event costs that event only: an XID code the wire cannot carry (NVML's
+``eventData`` is 64-bit; an XID code fits 0 .. 2^31-1) is dropped with a warning and counted
+in ``dropped_total``, and any other exception while handling one event (the record, an ECC
+event, a callback) is logged (first time, then at most once a minute), counted in
+``errors_total`` and the watcher goes on. Should the thread end anyway, it says so at ERROR
+and ``failure`` holds the reason, which the daemon reports as the node's ``gpu_error``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 
 import pynvml
 
+from trainguard.limits import INT32_MAX
 from trainguard.wire import XidEvent
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,10 @@ XID_EVENTS = int(pynvml.nvmlEventTypeXidCriticalError)
 ECC_EVENTS = int(pynvml.nvmlEventTypeSingleBitEccError | pynvml.nvmlEventTypeDoubleBitEccError)
 #: Everything the watcher asks for.
 WATCHED_EVENTS = XID_EVENTS | ECC_EVENTS
+#: The largest XID code the wire carries (``XidEvent.code``).
+MAX_XID_CODE = INT32_MAX
+#: Least seconds between two log lines about events that failed to be handled.
+ERROR_LOG_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +97,11 @@ class XidWatcher:
         self.registered_events: dict[int, int] = {}
         #: ECC events seen, by uncorrectable (True) or not.
         self.ecc_events_total: dict[bool, int] = {False: 0, True: 0}
+        #: Events whose handling raised (logged, skipped; the watcher went on).
+        self.errors_total = 0
+        self._last_error_log: float | None = None
+        #: Why the watcher thread ended although nobody stopped it ("" while it runs).
+        self.failure = ""
 
     def start(self) -> None:
         """Create the event set and register each GPU; a GPU that refuses is logged, skipped."""
@@ -103,7 +120,7 @@ class XidWatcher:
                 self.registered_events[index] = mask
             else:
                 log.warning("GPU %d: cannot register for XID events", index)
-        self._thread = threading.Thread(target=self._run, name="xid-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._main, name="xid-watcher", daemon=True)
         self._thread.start()
 
     def update_handles(self, handles: Sequence[Any]) -> list[int]:
@@ -173,6 +190,21 @@ class XidWatcher:
                     return index
         return None
 
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            self.failure = f"XID watcher stopped: {exc!r}"[:400]
+            log.exception("XID watcher stopped; XIDs on this node are no longer seen")
+            return
+        if not self._stop.is_set():  # pragma: no cover - _run returns only when stopped
+            self.failure = "XID watcher stopped"
+
+    @property
+    def alive(self) -> bool:
+        """Started and still watching (False before ``start`` and after ``stop``)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def _run(self) -> None:
         failures = 0
         while not self._stop.is_set():
@@ -192,10 +224,29 @@ class XidWatcher:
                 self._stop.wait(1.0)
                 continue
             failures = 0
-            if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
-                self._record(data)
-            elif data.eventType & ECC_EVENTS:
-                self._ecc(data)
+            try:
+                if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
+                    self._record(data)
+                elif data.eventType & ECC_EVENTS:
+                    self._ecc(data)
+            except Exception:
+                self._handling_failed(data)
+
+    def _handling_failed(self, data: Any) -> None:
+        """One event could not be handled: count it, log (rate-limited), keep watching."""
+        with self._lock:
+            self.errors_total += 1
+            count = self.errors_total
+        now = time.monotonic()
+        if self._last_error_log is None or now - self._last_error_log >= ERROR_LOG_INTERVAL_S:
+            self._last_error_log = now
+            log.exception(
+                "XID watcher: handling an event (type 0x%x, data %r) failed (%d so far); "
+                "skipped, still watching",
+                int(getattr(data, "eventType", 0) or 0),
+                getattr(data, "eventData", None),
+                count,
+            )
 
     def _ecc(self, data: Any) -> None:
         index = self._index_of(data.device)
@@ -214,11 +265,26 @@ class XidWatcher:
 
     def _record(self, data: Any) -> None:
         index = self._index_of(data.device)
+        code = int(data.eventData)
+        if not 0 <= code <= MAX_XID_CODE:
+            # Not an XID number (NVML's 64-bit eventData; all ones is "unknown"): reporting
+            # a made-up code would mislead whoever reads it, so the event is only counted.
+            log.warning(
+                "GPU %s: critical XID event with code %d (0x%x), not an XID number "
+                "(0..%d); dropped",
+                "?" if index is None else index,
+                code,
+                code & 0xFFFF_FFFF_FFFF_FFFF,
+                MAX_XID_CODE,
+            )
+            with self._lock:
+                self.dropped_total += 1
+            return
         event = XidEvent(
-            code=int(data.eventData),
+            code=code,
             time_unix_s=self._clock(),
             gpu_index=index,
-            detail=f"XID {int(data.eventData)} reported by NVML",
+            detail=f"XID {code} reported by NVML",
         )
         if index is None:
             log.warning("XID %d on a GPU NVML cannot name; dropped", event.code)
@@ -236,4 +302,4 @@ class XidWatcher:
             self._on_event(event)
 
 
-__all__ = ["ECC_EVENTS", "WATCHED_EVENTS", "XID_EVENTS", "EccEvent", "XidWatcher"]
+__all__ = ["ECC_EVENTS", "MAX_XID_CODE", "WATCHED_EVENTS", "XID_EVENTS", "EccEvent", "XidWatcher"]

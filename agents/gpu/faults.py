@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from agents.errors import AgentConfigError
+from trainguard.limits import INT32_MAX
 
 FaultKind = Literal[
     "xid", "ecc", "thermal", "lost", "hang", "nvml_error", "nvlink", "pcie", "remap", "retire",
@@ -107,13 +108,15 @@ class FaultSpec:
         return ",".join(parts)
 
 
-def _int(spec: str, key: str, raw: str, *, minimum: int = 0) -> int:
+def _int(spec: str, key: str, raw: str, *, minimum: int = 0, maximum: int | None = None) -> int:
     try:
         value = int(raw)
     except ValueError:
         raise AgentConfigError(f"fault spec {spec!r}: {key}={raw!r} is not an integer") from None
     if value < minimum:
         raise AgentConfigError(f"fault spec {spec!r}: {key}={value} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise AgentConfigError(f"fault spec {spec!r}: {key}={value} must be <= {maximum}")
     return value
 
 
@@ -164,7 +167,10 @@ def parse_fault_spec(spec: str) -> FaultSpec:
         if "code" not in fields:
             raise AgentConfigError(f"fault spec {text!r}: kind=xid needs code=<xid number>")
         return FaultSpec(
-            kind="xid", gpu=gpu, at_s=at_s, xid_code=_int(text, "code", fields["code"], minimum=1)
+            kind="xid",
+            gpu=gpu,
+            at_s=at_s,
+            xid_code=_int(text, "code", fields["code"], minimum=1, maximum=INT32_MAX),
         )
     if kind == "ecc":
         corrected = _int(text, "corrected", fields.get("corrected", "0"))
