@@ -92,9 +92,11 @@ JOB_WIDE = PeerKey("", ())
 class PeerIndex:
     """rank -> PeerKey, recomputed only when a rank's reported role/group changes.
 
-    ``group_ranks`` can hold thousands of ranks; building a tuple of it for every summary
-    would cost more than the detector itself, so a cheap fingerprint decides whether the
-    cached key still holds.
+    ``group_ranks`` can hold thousands of ranks; sorting it into a new key for every
+    summary would cost more than the detector itself, so the cache is checked against the
+    reported role and the full member list (a tuple compare, no sort). An earlier
+    fingerprint of (role, length, first, middle, last member) kept a stale group when
+    ``[0, 4, 8, 12]`` became ``[0, 5, 8, 12]`` (found by the acceptance probe).
     """
 
     __slots__ = ("_cache",)
@@ -104,9 +106,7 @@ class PeerIndex:
 
     def key(self, s: StepSummary) -> PeerKey:
         g = s.group_ranks
-        finger: tuple[object, ...] = (
-            (s.role, len(g), g[0], g[len(g) // 2], g[-1]) if g else (s.role,)
-        )
+        finger: tuple[object, ...] = (s.role, *g)
         hit = self._cache.get(s.rank)
         if hit is not None and hit[0] == finger:
             return hit[1]

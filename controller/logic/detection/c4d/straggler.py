@@ -15,7 +15,10 @@ Single steps are noisy and heavy-tailed (the OS, the allocator, a multi-x spike 
 then), so ranks are compared on *windowed* robust statistics: each step, every rank's
 compute time is divided by its peers' median (or byte-predicted) compute in that step; its
 score is the median of those ratios over the last ``window_steps`` steps, and its spread is
-the groups' pooled MAD. A spike is one ratio of twenty and does not move the median.
+the groups' pooled MAD. A spike is one ratio of twenty and does not move the median. A
+window not yet full is padded with neutral ratios, so a warm-up burst does not either. A
+rank slow on fewer than half its steps, at a real cost to the job, is caught by a second,
+bounded rule (:meth:`PeerWindows._judge_sporadic`).
 
 Hysteresis, counted in steps (the data is per step; the controller's clock would measure
 the agents' report batching instead): a straggler opens when flagged in
@@ -52,6 +55,14 @@ SLOPE_STEPS = 64
 #: Steps a rank alone in its peer group is watched before its own history becomes its
 #: reference (three windows: long enough that a spike or a slow phase does not set it).
 HISTORY_REF_STEPS = 60
+#: Sporadic stragglers (slow on fewer than half their steps, :meth:`PeerWindows._judge_sporadic`):
+#: a step counts as slow beyond this ratio (and ``straggler_z`` noise sigmas)...
+SPORADIC_STEP_SLOWDOWN = 0.2
+#: ...on at least this many steps of a full window...
+SPORADIC_MIN_STEPS = 4
+#: ...whose excess, each capped at this (3x), costs the job at least this share of a step.
+SPORADIC_CAP = 2.0
+SPORADIC_MIN_COST = 0.15
 
 
 @dataclass(slots=True)
@@ -110,6 +121,9 @@ class PeerWindows:
     #: rank -> seconds per step it may add to its peers' waits: its score's excess over 1
     #: plus ``straggler_z`` standard errors (the noise margin), times the median compute
     extra_s: dict[int, float] = field(default_factory=dict)
+    #: rank -> consecutive steps it met the sporadic rule; its slow steps of the window
+    sporadic_run: dict[int, int] = field(default_factory=dict)
+    sporadic: dict[int, tuple[int, int]] = field(default_factory=dict)
     _sigma: float = 0.0
     _noise_steps: int = 0
     #: A group of one rank (a pipeline stage without a data-parallel replica, a role one
@@ -134,6 +148,8 @@ class PeerWindows:
             self.z,
             self.step_cost,
             self.extra_s,
+            self.sporadic_run,
+            self.sporadic,
         ):
             store.pop(rank, None)
         self.flagged.discard(rank)
@@ -220,12 +236,17 @@ class PeerWindows:
 
     def _judge(self, med_compute_s: float, med_step_s: float) -> None:
         """Score every rank on its window and mark those that look slow now."""
-        need = max(2, self.cfg.window_steps // 2)
+        n = self.cfg.window_steps
+        need = max(2, n // 2)
         ranks = [r for r, q in self.ratio.items() if len(q) >= need]
         self.flagged = set()
         if self.steps_seen < need or len(ranks) < (1 if self.alone else 2):
             return
-        scores = [fmedian(self.ratio[r]) for r in ranks]
+        # A window not yet full (the job's or a restart's first steps) is padded with
+        # neutral ratios: the median then moves only once slow steps fill more than half of
+        # a *full* window, so a warm-up burst (checkpoint load, compile) on one rank opens
+        # nothing, as the same burst mid-run does not (found by the acceptance probe).
+        scores = [fmedian([*self.ratio[r], *[1.0] * (n - len(self.ratio[r]))]) for r in ranks]
         stderr = max(self._score_stderr(ranks, scores), self.cfg.straggler_scale_floor)
         self.scores = dict(zip(ranks, scores, strict=True))
         for rank, score in self.scores.items():
@@ -238,6 +259,37 @@ class PeerWindows:
                 self.step_cost[rank] = max(0.0, (score - 1) * med_compute_s / med_step_s)
             margin = self.cfg.straggler_z * stderr
             self.extra_s[rank] = max(0.0, score - 1 + margin) * med_compute_s
+        if not self.alone:
+            self._judge_sporadic(ranks)
+
+    def _judge_sporadic(self, ranks: list[int]) -> None:
+        """Flag a rank slow on *fewer* than half its steps (a data loader or GC stall every
+        few steps) whose slow steps still cost the job ``SPORADIC_MIN_COST`` of its time:
+        the window median cannot see it. A step counts as slow when its ratio is beyond
+        ``SPORADIC_STEP_SLOWDOWN`` and ``straggler_z`` noise sigmas and the rank waited less
+        than its peers' median in it; the rank needs ``SPORADIC_MIN_STEPS`` such steps in a
+        full window, their excess (capped at ``SPORADIC_CAP``, so one 50x step counts as
+        3x) costing the job that share, on every step for a whole window (so over two)."""
+        n, cfg = self.cfg.window_steps, self.cfg
+        limit = 1 + max(SPORADIC_STEP_SLOWDOWN, cfg.straggler_z * self._sigma)
+        for rank in ranks:
+            ratios, offsets = self.ratio[rank], self.wait_offset[rank]
+            slow = [x for x, o in zip(ratios, offsets, strict=True) if x > limit and o < 0]
+            med_step = fmedian(self.step_s[rank])
+            excess = sum(min(x - 1, SPORADIC_CAP) for x in slow) / n
+            cost = excess * fmedian(self.compute_s[rank]) / med_step if med_step > 0 else 0.0
+            hit = len(ratios) >= n and len(slow) >= SPORADIC_MIN_STEPS
+            if not hit or cost < SPORADIC_MIN_COST or rank in self.flagged:
+                self.sporadic_run.pop(rank, None)
+                self.sporadic.pop(rank, None)
+                continue
+            self.sporadic_run[rank] = held = self.sporadic_run.get(rank, 0) + 1
+            self.sporadic[rank] = (len(slow), n)
+            if held >= n:  # the mean excess is the slowdown reported (and cleared on)
+                self.flagged.add(rank)
+                self.scores[rank] = 1 + excess
+                self.step_cost[rank] = cost
+                self.z[rank] = max(self.z[rank], cfg.straggler_z)
 
     def _score_stderr(self, ranks: list[int], scores: list[float]) -> float:
         """Standard error of a windowed score under the no-straggler hypothesis.
@@ -459,6 +511,16 @@ class StragglerState:
                 f"{self.score(rank):.3f} times its own over its first {len(group.history)} "
                 f"steps ({slowdown:+.0%}), "
             )
+        tail = f"{group.z.get(rank, 0.0):.1f} standard errors above 1, and it waits less in "
+        tail += "collectives than " + ("it did then" if group.alone else "they do")
+        if rank in group.sporadic and group.sporadic_run.get(rank, 0) >= self.cfg.window_steps:
+            slow, of = group.sporadic[rank]
+            verdict = (
+                f"slow on {slow} of its last {of} steps (fewer than half: its windowed "
+                f"median stays near its {len(members) - 1} peers'); its mean compute "
+                f"excess over them is {slowdown:+.0%} (each step's capped at 3x), "
+            )
+            tail = "and it waits less in collectives than they do on those steps"
         return StragglerEvidence(
             rank=rank,
             node=node,
@@ -489,10 +551,7 @@ class StragglerState:
             of_steps=len(hold.recent) if hold else 0,
             flaps=hold.flaps if hold else 0,
             at_step=self.last.step if self.last else None,
-            verdict=(
-                f"{verdict}{group.z.get(rank, 0.0):.1f} standard errors above 1, and it waits "
-                "less in collectives than " + ("it did then" if group.alone else "they do")
-            ),
+            verdict=verdict + tail,
         )
 
 
