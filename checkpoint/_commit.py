@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -51,6 +52,8 @@ from checkpoint.manifest import (
     step_dir_name,
     to_json_bytes,
 )
+
+log = logging.getLogger(__name__)
 
 
 def write_latest(root: Path, step: int | None) -> None:
@@ -205,23 +208,63 @@ def build_manifest(
 
 
 def committed_steps(root: Path) -> list[int]:
-    """Steps whose ``MANIFEST.json`` exists (cheap; verification is the reader's job)."""
+    """Steps whose ``MANIFEST.json`` exists (cheap; verification is the reader's job). A
+    step directory that is a symbolic link is not one: readers refuse it, and retention
+    must not count it among the ``keep_last`` it keeps."""
     out = []
     for step, path in step_dirs(root):
-        if (path / MANIFEST_NAME).is_file():
+        if not path.is_symlink() and (path / MANIFEST_NAME).is_file():
             out.append(step)
     return out
 
 
+def parse_step_name(name: str) -> int | None:
+    """The step a directory or pointer named ``name`` holds, or ``None`` when ``name`` is
+    not a checkpoint step's: the one truth for "is this a step", used wherever a step name
+    is read. Only the canonical :func:`~checkpoint.manifest.step_dir_name` form counts,
+    ASCII digits only: ``str.isdigit`` also takes ``'\u00b2'`` or Arabic-Indic digits (which
+    ``int`` then rejects or reads as a duplicate step), and a hand-made ``step-3`` beside
+    ``step-000000000002`` is a directory :meth:`CheckpointStore.open` would never find
+    (it opens ``step-000000000003``)."""
+    if not name.startswith("step-"):
+        return None
+    digits = name[5:]
+    if not (digits.isascii() and digits.isdigit()):
+        return None
+    step = int(digits)
+    return step if step_dir_name(step) == name else None
+
+
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every step directory in ``root`` (its canonical name, see :func:`parse_step_name`),
+    oldest first. A step directory that is a symbolic link is listed (readers refuse it,
+    naming it); retention never goes through one. Another ``step-*`` directory is not a
+    checkpoint: it is ignored, with a warning."""
     out: list[tuple[int, Path]] = []
     if not root.is_dir():
         return out
     for path in root.iterdir():
         name = path.name
-        if path.is_dir() and name.startswith("step-") and name[5:].isdigit():
-            out.append((int(name[5:]), path))
+        if not name.startswith("step-") or not path.is_dir():
+            continue
+        step = parse_step_name(name)
+        if step is None:
+            log.warning(
+                "%s: ignored, not a checkpoint step directory (the name must be step-<12 digits>)",
+                path,
+            )
+            continue
+        out.append((step, path))
     return sorted(out)
+
+
+def _linked(path: Path) -> bool:
+    """A step entry that is a symbolic link: retention leaves it and its target alone (the
+    target may be another job's checkpoint) and says so."""
+    if path.is_symlink():
+        log.warning("%s: a symbolic link, not removed by retention (its target is not ours)", path)
+        return True
+    return False
 
 
 def apply_retention(root: Path, *, keep_last: int, newest_committed: int) -> list[int]:
@@ -238,6 +281,8 @@ def apply_retention(root: Path, *, keep_last: int, newest_committed: int) -> lis
     for step, path in step_dirs(root):
         if step in keep or step > newest_committed:
             continue  # newer directories belong to saves still in flight
+        if _linked(path):
+            continue
         # Remove the manifest first so a crash mid-delete leaves a partial, not a "complete"
         # checkpoint with missing shards.
         with contextlib.suppress(FileNotFoundError):
@@ -259,11 +304,13 @@ def apply_part_retention(root: Path, rank: int, *, keep_last: int, newest: int) 
     keep_last = max(1, keep_last)
     mine = rank_manifest_name(rank)
     dirs = step_dirs(root)
-    durable = [s for s, path in dirs if s <= newest and (path / mine).is_file()]
+    durable = [
+        s for s, path in dirs if s <= newest and not path.is_symlink() and (path / mine).is_file()
+    ]
     keep = set(durable[-keep_last:]) | {newest}
     deleted = []
     for step, path in dirs:
-        if step in keep or step > newest:
+        if step in keep or step > newest or _linked(path):
             continue
         own = [path / mine, path / rank_data_name(rank)]
         if not any(p.exists() for p in own):

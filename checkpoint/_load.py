@@ -11,10 +11,9 @@ from typing import Any
 import torch
 
 from checkpoint._snapshot import apply, rebuild
-from checkpoint._store import CheckpointReader, CheckpointStore
+from checkpoint._store import CheckpointReader, CheckpointStore, open_candidate
 from checkpoint.errors import (
     CheckpointCorruptError,
-    CheckpointError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
 )
@@ -102,16 +101,20 @@ def load_state(
 ) -> Restored:
     """Restore ``state`` in place from checkpoint ``step``, or from the newest one that loads.
 
-    With ``step=None`` a broken newest checkpoint (CRC mismatch, missing shard) is skipped
-    with a warning and the previous complete one is used; with an explicit step the error is
-    raised.
+    With ``step=None`` a newest checkpoint that does not open (damaged, never committed,
+    removed since it was listed) or whose read fails (CRC mismatch, missing shard) is
+    skipped with a warning and the previous complete one is used; with an explicit step the
+    error is raised.
     """
     store = CheckpointStore(root)
     steps, note = ([step], "") if step is not None else store.resolve()
     skipped: list[str] = []
     for candidate in steps:
+        opened = open_candidate(store, candidate, explicit=step is not None, skipped=skipped)
+        if opened is None:
+            continue
         try:
-            with store.open(candidate) as reader:
+            with opened as reader:
                 if rank >= reader.manifest.world_size:
                     raise CheckpointNotFoundError(
                         f"{reader.path}: saved by {reader.manifest.world_size} ranks, no rank "
@@ -133,7 +136,5 @@ def load_state(
                 raise
             log.warning("skipping checkpoint step %d: %s", candidate, exc)
             skipped.append(str(exc))
-        except CheckpointError:
-            raise
     detail = "; ".join(skipped) if skipped else "none found"
     raise CheckpointNotFoundError(f"{root}: no complete checkpoint ({detail})")

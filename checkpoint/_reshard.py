@@ -21,7 +21,7 @@ import torch
 
 from checkpoint._load import dtype_of
 from checkpoint._snapshot import ShardingHook
-from checkpoint._store import CheckpointReader, CheckpointStore
+from checkpoint._store import CheckpointReader, CheckpointStore, open_candidate
 from checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
@@ -236,8 +236,11 @@ def load_resharded(
     steps, note = ([step], "") if step is not None else store.resolve()
     skipped: list[str] = []
     for candidate in steps:
+        opened = open_candidate(store, candidate, explicit=step is not None, skipped=skipped)
+        if opened is None:
+            continue
         try:
-            with store.open(candidate) as reader:
+            with opened as reader:
                 index = FragmentIndex(reader)
                 for name, tensor in targets.items():
                     local, tmap = (

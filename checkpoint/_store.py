@@ -23,7 +23,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpoint._commit import committed_steps, step_dirs, write_fence, write_latest
+from checkpoint._commit import (
+    committed_steps,
+    parse_step_name,
+    step_dirs,
+    write_fence,
+    write_latest,
+)
 from checkpoint._validate import parse_manifest, parse_rank_manifest
 from checkpoint._write import fsync_dir
 from checkpoint.crc import crc32
@@ -307,9 +313,10 @@ class CheckpointStore:
         except OSError as exc:
             raise CheckpointCorruptError(f"{path}: unreadable ({exc})") from exc
         name = raw.decode("ascii", "replace").strip()
-        if not (name.startswith("step-") and name[5:].isascii() and name[5:].isdigit()):
+        step = parse_step_name(name)
+        if step is None:
             raise CheckpointCorruptError(f"{path}: bad content {name!r:.40}")
-        return int(name[5:])
+        return step
 
     @property
     def abandoned_root(self) -> Path:
@@ -491,6 +498,24 @@ class CheckpointStore:
                 problems.append(str(exc))
         detail = "; ".join(problems) if problems else "none found"
         raise CheckpointNotFoundError(f"{self.root}: no complete checkpoint ({detail})")
+
+
+def open_candidate(
+    store: CheckpointStore, step: int, *, explicit: bool, skipped: list[str]
+) -> CheckpointReader | None:
+    """Open ``step`` for a loader choosing the newest checkpoint that loads: a step that
+    fails to open for any reason (damage, never committed, gone since it was listed: say
+    another process's retention removed it) is logged, appended to ``skipped`` and
+    ``None`` returned, as :meth:`CheckpointStore.open_latest` passes it over. With
+    ``explicit`` (the caller asked for that step) the error is raised."""
+    try:
+        return store.open(step)
+    except CheckpointError as exc:
+        if explicit:
+            raise
+        log.warning("skipping checkpoint step %d: %s", step, exc)
+        skipped.append(str(exc))
+        return None
 
 
 def verify_latest(store: CheckpointStore, *, deep: bool, passed: PassedOver) -> Manifest:
