@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkpoint._commit import parse_step_name
 from checkpoint._tier_bucket import (
     TIER_RECORD,
     _delete_prefix,
@@ -282,9 +283,7 @@ class TierUploader:
         if not staging_root.is_dir():
             return
         steps = sorted(
-            int(p.name[5:])
-            for p in staging_root.iterdir()
-            if p.name.startswith("step-") and p.name[5:].isdigit()
+            step for p in staging_root.iterdir() if (step := parse_step_name(p.name)) is not None
         )
         for step in steps:
             self._enqueue(step)
@@ -419,7 +418,8 @@ class TierUploader:
             return
         for path in staging_root.iterdir():
             name = path.name
-            if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) < step:
+            staged = parse_step_name(name)
+            if staged is not None and staged < step:
                 shutil.rmtree(path, ignore_errors=True)
                 (self.tier_dir / f"{name}.json").unlink(missing_ok=True)
 

@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from checkpoint._commit import build_manifest, rank_record
+from checkpoint._commit import build_manifest, parse_step_name, rank_record
 from checkpoint._validate import parse_rank_manifest
 from checkpoint.config import ObjectStoreConfig
 from checkpoint.errors import CheckpointCorruptError, CheckpointWriteError
@@ -55,8 +55,9 @@ def list_step_prefixes(client: Any, cfg: ObjectStoreConfig) -> list[int]:
     for page in paginator.paginate(Bucket=cfg.bucket, Prefix=base, Delimiter="/"):
         for common in page.get("CommonPrefixes", []):
             name = common["Prefix"][len(base) :].rstrip("/")
-            if name.startswith("step-") and name[5:].isdigit():
-                steps.append(int(name[5:]))
+            step = parse_step_name(name)  # a stray "step-²/" prefix is not a step
+            if step is not None:
+                steps.append(step)
     return sorted(steps)
 
 

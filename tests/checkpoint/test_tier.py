@@ -439,3 +439,22 @@ def test_uploader_killed_mid_upload_resumes_from_the_parts_the_server_holds(
     restored = checkpoint.load(root, target, object_store=store)
     assert (restored.step, restored.source) == (9, "object_store")
     _same(target, state)
+
+
+def test_stray_step_names_in_the_bucket_and_staging_are_not_steps(
+    tmp_path: Path, store: ObjectStoreConfig
+) -> None:
+    """Only the writer's own ``step-<12 digits>`` names are steps: a hand-made ``step-3/``
+    or a ``step-²/`` (``str.isdigit`` is true, ``int`` refuses it) used to crash the
+    bucket listing and the restart's scan of leftover staging."""
+    client = make_client(store)
+    for stray in ("step-²", "step-3", "step-١٢"):
+        client.put_object(Bucket=store.bucket, Key=f"{store.prefix}/{stray}/x", Body=b"x")
+    (tmp_path / ".tier" / "staging" / "step-²").mkdir(parents=True)
+    with Checkpointer(_config(tmp_path, store)) as ckpt:
+        assert ckpt.save(_state(1, rows=32), step=1)
+        ckpt.wait()
+        assert ckpt.uploader is not None and ckpt.uploader.wait(timeout=30)
+        assert ckpt.uploader.stats.steps_uploaded == [1]
+    assert list_step_prefixes(client, store) == [1]
+    assert remote_steps(client, store) == [1]
