@@ -198,9 +198,18 @@ def labels_of(obj: dict[str, Any]) -> dict[str, str]:
     return cast(dict[str, str], obj["metadata"].get("labels") or {})
 
 
+def count_of(raw: object) -> int | None:
+    """A non-negative count written into an annotation or label, else ``None``. Anyone who
+    can edit the object can write an annotation: ASCII digits only (``str.isdigit`` also
+    takes ``'\u00b2'``, which ``int`` refuses) and at most 18 of them."""
+    text = str(raw) if raw is not None else ""
+    if not (text.isascii() and text.isdigit() and len(text) <= 18):
+        return None
+    return int(text)
+
+
 def pod_generation(pod: dict[str, Any]) -> int | None:
-    raw = annotations_of(pod).get(ANN_GENERATION)
-    return int(raw) if raw is not None and str(raw).isdigit() else None
+    return count_of(annotations_of(pod).get(ANN_GENERATION))
 
 
 def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -391,7 +400,7 @@ def placement_of(
     if all(p.get("status", {}).get("phase", "Pending") == "Pending" for p in pods):
         return None
     unlabelled = sorted(
-        p["metadata"]["name"] for p in pods if not labels_of(p).get(LABEL_RANK, "").isdigit()
+        p["metadata"]["name"] for p in pods if count_of(labels_of(p).get(LABEL_RANK)) is None
     )
     if unlabelled:
         why = f"; {stale}" if stale else ""
@@ -425,9 +434,9 @@ def placement_of(
             job=job,
             nodes=tuple(per_node),
             ranks_per_node=counts.pop(),
-            tp=int(meta.get(LABEL_TP) or 1),
+            tp=count_of(meta.get(LABEL_TP)) or 1,
             generation=max(generations, default=0),
-            resume_step=int(step) if step.isdigit() else None,
+            resume_step=count_of(step),
         )
     except ValueError as exc:
         raise ActuatorError(f"job {job!r}: {exc}") from exc

@@ -249,3 +249,28 @@ def test_candidate_nodes_leave_out_not_ready_nodes_and_taints_the_job_does_not_t
         "ours-dedicated",
         "prefer",
     ]
+
+
+def test_hand_edited_numbers_on_the_gang_are_ignored_not_a_crash(cluster: FakeCluster) -> None:
+    """Anyone who can edit a pod can write its annotations: a generation of ``'²'`` or a
+    resume step of ``'１'`` (``str.isdigit`` is true, ``int`` refuses or misreads them)
+    used to raise ValueError out of ``current_placement``, which the engine does not catch."""
+    launch(cluster)
+    act = actuator(cluster)
+    report_ranks(act, cluster)
+
+    def hostile(obj: dict[str, Any]) -> None:
+        obj["metadata"]["annotations"] = {
+            "trainguard.io/generation": "²",
+            "trainguard.io/resume-step": "１",
+        }
+
+    for p in gang(cluster):
+        change(cluster, p, hostile)
+    placement = run(act.current_placement("llm"))
+    assert placement is not None
+    assert (placement.nodes, placement.generation, placement.resume_step) == (
+        ("gpu-a", "gpu-b"),
+        0,
+        None,
+    )

@@ -31,6 +31,7 @@ from typing import Any, Final, Literal
 
 from kubernetes import client
 
+from controller.actuators import kube_objects as ko
 from controller.actuators.base import ActuatorError, ActuatorResult
 from controller.actuators.k8s.api import (
     MERGE_PATCH,
@@ -139,7 +140,8 @@ class NodeGuard:
         if mine is None:
             return {}
         seen = (node["metadata"].get("annotations") or {}).get(ANN_FENCE, "")
-        if seen.isdigit() and int(seen) > mine:
+        fence = ko.count_of(seen)
+        if fence is not None and fence > mine:
             raise Fenced(
                 f"node {node['metadata']['name']} was written by leader generation {seen}; "
                 f"this replica holds {mine} and stops acting"

@@ -21,6 +21,7 @@ from typing import Any, Final
 
 from controller.actuators.base import ActuatorError
 from controller.actuators.k8s.api import Kube
+from controller.actuators.kube_objects import count_of, pod_generation
 from controller.logic.remediation.placement import Placement
 from trainguard.wire import RankEvent
 
@@ -141,19 +142,13 @@ class PlacementBook:
         for pod in pods or []:
             raw = (pod["metadata"].get("labels") or {}).get(LABEL_RANK, "")
             node = (pod.get("spec") or {}).get("nodeName") or ""
-            if raw.isdigit() and node:
+            rank = count_of(raw)
+            if rank is not None and node:
                 meta = pod["metadata"]
-                seats[int(raw)] = Seat(
-                    int(raw), None, meta["name"], meta.get("namespace", ""), node
-                )
+                seats[rank] = Seat(rank, None, meta["name"], meta.get("namespace", ""), node)
         if not seats:
             return None
         return JobLayout(job, max(world, max(seats) + 1), seats)
-
-
-def _generation(pod: dict[str, Any]) -> int | None:
-    raw = str((pod["metadata"].get("annotations") or {}).get(ANN_GENERATION, ""))
-    return int(raw) if raw.isdigit() else None
 
 
 def stale_reason(layout: JobLayout, pods: list[dict[str, Any]]) -> str | None:
@@ -170,11 +165,10 @@ def stale_reason(layout: JobLayout, pods: list[dict[str, Any]]) -> str | None:
     gone = [name for name in reported if name not in by_name]
     if gone:
         return f"the pods its ranks reported from are gone ({sorted(gone)[:8]})"
-    ours = max((g for n in reported if (g := _generation(by_name[n])) is not None), default=None)
+    gens = {name: pod_generation(p) for name, p in by_name.items()}
+    ours = max((g for n in reported if (g := gens[n]) is not None), default=-1)
     newer = sorted(
-        name
-        for name, p in by_name.items()
-        if name not in reported and (g := _generation(p)) is not None and (ours is None or g > ours)
+        name for name, g in gens.items() if name not in reported and g is not None and g > ours
     )
     if newer:
         return f"pods {newer[:8]} of a newer generation have not reported yet"
@@ -194,11 +188,10 @@ def running_placement(layout: JobLayout, pods: list[dict[str, Any]]) -> Placemen
         **(first["metadata"].get("annotations") or {}),
         **(first["metadata"].get("labels") or {}),
     }
-    step = str(meta.get(ANN_RESUME_STEP, ""))
     return layout.placement(
-        generation=max((g for p in gang if (g := _generation(p)) is not None), default=0),
-        tp=int(meta.get(LABEL_TP) or 1),
-        resume_step=int(step) if step.isdigit() else None,
+        generation=max((g for p in gang if (g := pod_generation(p)) is not None), default=0),
+        tp=count_of(meta.get(LABEL_TP)) or 1,
+        resume_step=count_of(meta.get(ANN_RESUME_STEP)),
     )
 
 

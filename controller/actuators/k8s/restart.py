@@ -414,7 +414,7 @@ async def _delete_old_gang(
 def _restart_attempt(pod: dict[str, Any]) -> int:
     """The JobSet restart attempt that created ``pod`` (its label; 0 when absent)."""
     raw = str((pod["metadata"].get("labels") or {}).get(LABEL_RESTART_ATTEMPT, ""))
-    return int(raw) if raw.isdigit() else 0
+    return ko.count_of(raw) or 0
 
 
 async def _clear_pending(act: KubernetesActuator, w: Workload, gen: int, done: str) -> None:
@@ -441,7 +441,7 @@ async def _finish_fail_gang(
     the old gang; then clear the mark."""
     gen = placement.generation
     raw = w.annotations.get(ANN_RESTART_PENDING, "")
-    before = int(raw) if str(raw).isdigit() else 0
+    before = ko.count_of(raw) or 0
     used, allowed = restart_budget(w.runtime if w.runtime is not None else w.obj)
     details: dict[str, Any] = {"workload": w.label, "generation": gen, "finished": True}
     details.update(mode="fail-child-jobs", restarts_used=max(used, before + 1))
