@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainguard import limits
 from trainguard.limits import NO_NUL
@@ -56,6 +56,16 @@ NonNegInt = limits.Count
 NonNegFloat = limits.NonNegFinite
 Index = limits.Index
 Rank = limits.Count32
+#: The highest training step a summary may carry. Steps are counts (10^12 steps at 1 ms each
+#: is 30 years); a larger one is a broken or hostile report, and it would lift the job's last
+#: step, and the goodput ledger's high-water mark, for good.
+MAX_STEP = 10**12
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+
+
+def _rank_in_world(rank: int, world_size: int | None) -> None:
+    if world_size is not None and rank >= world_size:
+        raise ValueError(f"rank {rank} must be less than world_size {world_size}")
 
 
 class WireModel(BaseModel):
@@ -387,7 +397,7 @@ class StepSummary(WireModel):
     job: Name
     rank: Rank
     world_size: Annotated[int, Field(ge=1, le=limits.INT32_MAX)]
-    step: NonNegInt
+    step: Step
     step_time_s: NonNegFloat
     compute_time_s: NonNegFloat
     collective_wait_s: NonNegFloat
@@ -462,6 +472,11 @@ class StepSummary(WireModel):
             "registration in JobRecords.peer_groups instead of listed in every summary"
         ),
     )
+
+    @model_validator(mode="after")
+    def _rank_below_world_size(self) -> StepSummary:
+        _rank_in_world(self.rank, self.world_size)
+        return self
 
 
 def peer_group_id(ranks: Iterable[int]) -> str:
@@ -560,6 +575,11 @@ class RankEvent(WireModel):
             "killer); exit code and signal are unknown"
         ),
     )
+
+    @model_validator(mode="after")
+    def _rank_below_world_size(self) -> RankEvent:
+        _rank_in_world(self.rank, self.world_size or None)  # 0: not known
+        return self
 
 
 class CheckpointEvent(WireModel):

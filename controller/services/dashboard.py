@@ -35,6 +35,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Action, Checkpoint
+from controller.logic.world_size import WorldSize
 from controller.state import ClusterState
 from trainguard import wire
 
@@ -80,7 +81,7 @@ class _JobSteps:
     roles: dict[int, str] = field(default_factory=dict)
     #: rank -> (pp_stage, dp_rank, tp_rank, size of its peer group), as its steps say.
     layout: dict[int, tuple[int | None, int | None, int | None, int]] = field(default_factory=dict)
-    world_size: int = 0
+    world: WorldSize = field(default_factory=WorldSize)
 
 
 class StepRecorder:
@@ -103,7 +104,7 @@ class StepRecorder:
                 self.jobs.popitem(last=False)
         else:
             self.jobs.move_to_end(summary.job)
-        job.world_size = max(job.world_size, summary.world_size)
+        world_size = job.world.observe(summary.rank, summary.world_size, received)
         if summary.role:
             job.roles[summary.rank] = summary.role
         job.layout[summary.rank] = (
@@ -122,7 +123,7 @@ class StepRecorder:
         row[summary.rank] = summary.step_time_s
         end = summary.end_unix_s if summary.end_unix_s is not None else received
         job.ends[summary.step] = max(job.ends.get(summary.step, 0.0), end)
-        keep = min(self.steps_kept, max(8, self.max_cells // max(1, job.world_size)))
+        keep = min(self.steps_kept, max(8, self.max_cells // max(1, world_size)))
         while len(job.steps) > keep:
             old, _ = job.steps.popitem(last=False)
             job.ends.pop(old, None)
@@ -153,7 +154,7 @@ class StepRecorder:
             maxima.append(values[-1] if values else None)
         return {
             "job": name,
-            "world_size": job.world_size,
+            "world_size": job.world.value,
             "steps": steps,
             "end_unix_s": [job.ends.get(s) for s in steps],
             "median_s": medians,

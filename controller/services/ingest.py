@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from controller.db.keys import CommandKey, CursorKey, GpuKey, JobKey, NodeKey, RankKey, RowKey
 from controller.db.models import Base, Checkpoint, GpuHistory
 from controller.errors import ControllerError, InvalidInput, MalformedBody, StoreUnavailable
+from controller.logic.world_size import WorldSize
 from controller.services.commands import to_wire
 from controller.services.events import EventBus, JobRecordsReported, NodeReported
 from controller.services.metrics import ControllerMetrics
@@ -89,6 +90,8 @@ class IngestService:
         self._events = events
         #: (job, peer group id) -> its ranks, shared by every summary that names it.
         self._peer_groups: dict[tuple[str, str], list[int]] = {}
+        #: job -> the world size its ranks' recent reports agree on (:mod:`..world_size`)
+        self._world: dict[str, WorldSize] = {}
 
     async def ingest(self, report: wire.Report) -> wire.ReportReply:
         started = time.perf_counter()
@@ -267,7 +270,7 @@ class IngestService:
         node_name = report.node.name
         for step in records.steps:
             job, rank = self._rank(step.job, step.rank, node_name, received, upserts)
-            job.world_size = max(job.world_size, step.world_size)
+            self._world_size(job, step.rank, step.world_size, received)
             rank.last_step = step.step if rank.last_step is None else max(rank.last_step, step.step)
             job.last_step = step.step if job.last_step is None else max(job.last_step, step.step)
             if step.gpu_index is not None:
@@ -279,7 +282,8 @@ class IngestService:
         for event in records.rank_events:
             job, rank = self._rank(event.job, event.rank, node_name, received, upserts)
             if event.world_size:
-                job.world_size = max(job.world_size, event.world_size)
+                started = event.kind == "started"
+                self._world_size(job, event.rank, event.world_size, received, started=started)
             rank.pid = event.pid if event.pid is not None else rank.pid
             if event.gpu_index is not None:
                 rank.gpu_index = event.gpu_index
@@ -318,6 +322,16 @@ class IngestService:
                     "time_unix_s": ckpt.time_unix_s,
                 }
             )
+
+    def _world_size(
+        self, job: JobState, rank: int, claimed: int, received: float, *, started: bool = False
+    ) -> None:
+        """One rank's claim; the job's world size is what its ranks' recent claims agree
+        on, so a restart can shrink it and one stray report cannot set it."""
+        world = self._world.get(job.name)
+        if world is None:
+            world = self._world[job.name] = WorldSize(value=job.world_size)
+        job.world_size = world.observe(rank, claimed, received, started=started)
 
     def _rank(
         self, job_name: str, rank_no: int, node: str, received: float, upserts: set[RowKey]

@@ -31,7 +31,7 @@ from controller.schemas import (
     RankPublic,
     StatusPublic,
 )
-from controller.state import ClusterState, CommandState, JobState, NodeState
+from controller.state import ClusterState, CommandState, JobState, NodeState, RankState
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,17 @@ def gpu_history(session: Session, node: str, since_unix_s: float) -> list[GpuHis
     return [GpuHistoryPoint.model_validate(r) for r in rows]
 
 
+def in_world(job: JobState) -> list[RankState]:
+    """The job's ranks that belong to its current world size: after a shrink, ranks at or
+    above the new size are the previous run's and no longer count or show."""
+    size = job.world_size
+    return [r for r in job.ranks.values() if not size or r.rank < size]
+
+
 def job_state(job: JobState, *, active_within_s: float, now: float) -> tuple[str, int]:
     """(state, ranks_reporting): stopped when every rank exited, degraded when a rank
     failed or fewer ranks than the world size report, running otherwise."""
-    ranks = list(job.ranks.values())
+    ranks = in_world(job)
     reporting = sum(
         1 for r in ranks if r.state == "running" and now - r.last_seen_unix_s <= active_within_s
     )
@@ -110,7 +117,7 @@ def job_public(state: ClusterState, job: JobState, *, active_within_s: float) ->
         state=status,
         world_size=job.world_size,
         ranks_reporting=reporting,
-        nodes=sorted({r.node for r in job.ranks.values()}),
+        nodes=sorted({r.node for r in in_world(job)}),
         last_step=job.last_step,
         first_seen_unix_s=job.first_seen_unix_s,
         last_seen_unix_s=job.last_seen_unix_s,
@@ -129,7 +136,7 @@ def job_detail(state: ClusterState, job: JobState, *, active_within_s: float) ->
             last_step=r.last_step,
             last_seen_unix_s=r.last_seen_unix_s,
         )
-        for r in sorted(job.ranks.values(), key=lambda r: r.rank)
+        for r in sorted(in_world(job), key=lambda r: r.rank)
     ]
     public = job_public(state, job, active_within_s=active_within_s)
     return JobDetail(**public.model_dump(), ranks=ranks)

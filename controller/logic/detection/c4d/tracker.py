@@ -28,6 +28,7 @@ from controller.logic.detection.c4d.nonfinite import NonfiniteState
 from controller.logic.detection.c4d.probe import localize
 from controller.logic.detection.c4d.restart import RunClock
 from controller.logic.detection.c4d.straggler import StragglerState
+from controller.logic.world_size import WorldSize
 from trainguard.wire import InflightCollective, JobRecords, ProbeResult, RankEvent, StepSummary
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class JobTracker:
     job: str
     cfg: C4DConfig
     world_size: int = 0
+    #: What the ranks' recent reports agree the world size is; kept across restarts.
+    world: WorldSize = field(default_factory=WorldSize)
     rank_node: dict[int, str] = field(default_factory=dict)
     rank_gpu: dict[int, int | None] = field(default_factory=dict)
     pending_steps: dict[int, dict[int, StepSummary]] = field(default_factory=dict)
@@ -94,7 +97,10 @@ class JobTracker:
     # ------------------------------------------------------------------ intake
 
     def observe_step(self, node: str, s: StepSummary, now_s: float = 0.0) -> None:
+        agreed = self.world.observe(s.rank, s.world_size, now_s)
         if self.world_size and s.world_size != self.world_size:
+            if agreed != s.world_size:
+                return  # a lone report disagreeing with the other ranks (:mod:`world_size`)
             if self._late(s, now_s):
                 return  # the previous run's backlog: that run is gone
             # A job changes its world size only by restarting: a new run, even when its
@@ -111,7 +117,7 @@ class JobTracker:
             if not self.clock.restarted(self.world_size):
                 return
             self._new_incarnation(now_s)
-        self.world_size = max(self.world_size, s.world_size)
+        self.world_size = s.world_size
         self.rank_node[s.rank] = node
         self.rank_gpu[s.rank] = s.gpu_index
         self.nonfinite.observe(s, now_s)
@@ -144,7 +150,12 @@ class JobTracker:
             self._new_incarnation(now_s)
         self.rank_node[ev.rank] = node
         if ev.world_size:
-            self.world_size = max(self.world_size, ev.world_size)
+            started = ev.kind == "started"
+            agreed = self.world.observe(ev.rank, ev.world_size, now_s, started=started)
+            # A restart's ``started`` event sets the new run's size; otherwise the ranks'
+            # agreed size stands, so one event cannot grow (or shrink) a running job.
+            if not self.world_size or agreed == ev.world_size:
+                self.world_size = ev.world_size
         self._findings.extend(self.crashes.observe(node, ev, now_s))
 
     def _late(self, s: StepSummary, now_s: float) -> bool:
@@ -188,6 +199,7 @@ class JobTracker:
         fresh._findings = self._findings
         fresh._previous_run = (self.world_size, now_s)
         fresh.clock = self.clock.next_run()
+        fresh.world = self.world
         for name in JobTracker.__dataclass_fields__:
             setattr(self, name, getattr(fresh, name))
 
