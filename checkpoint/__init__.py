@@ -4,6 +4,7 @@ The public face (everything else is private machinery behind it)::
 
     Checkpointer(CheckpointConfig(root=...), rank=, world_size=, sharding=)   save / load
     load(root, state, rank=)             restore a rank's own state (same layout)
+    add_safe_globals([cls, ...])         allow your own types in loaded state (untrusted input)
     reshard(root, targets, sharding=)    fill this rank's tensors from any saved layout
     verify(root, step=)                  re-read every byte against its checksums
     CheckpointStore(root)                list, open, and set aside checkpoints
@@ -30,6 +31,7 @@ Exceptions::
      ├── CheckpointIncompleteError  never committed / a rank's part or manifest missing
      ├── CheckpointCorruptError     checksum, size, parse or field mismatch; names the file
      │                              and the field or tensor
+     ├── CheckpointUntrustedError   the pickled state names a type not allowed; opt in
      ├── CheckpointLayoutError      fragments cannot be mapped onto the requested layout
      │    └── ShardingRuleError     rule spec invalid or a parameter matched no rule
      └── CheckpointWriteError       a save failed; temporary, the previous checkpoint stands
@@ -39,7 +41,7 @@ Exceptions::
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +58,9 @@ from checkpoint.errors import (
     CheckpointWriteError,
     ShardingRuleError,
 )
+from checkpoint.errors import (
+    CheckpointUntrustedError as CheckpointUntrustedError,
+)
 from checkpoint.rules import ParallelLayout, RuleSpec
 
 if TYPE_CHECKING:
@@ -65,6 +70,8 @@ if TYPE_CHECKING:
     from checkpoint._snapshot import ShardingHook
     from checkpoint.sharding import ShardingSpec, ZeroPartition
 
+# CheckpointUntrustedError and add_safe_globals are public too (documented above); they
+# join __all__ together with tests/checkpoint/test_public.py's pinned set.
 __all__ = [
     "CheckpointConfig",
     "CheckpointConfigError",
@@ -96,6 +103,7 @@ _LAZY = {
     "ReshardResult": "checkpoint._reshard",
     "ShardingSpec": "checkpoint.sharding",
     "ZeroPartition": "checkpoint.sharding",
+    "add_safe_globals": "checkpoint._snapshot",
 }
 
 
@@ -107,6 +115,8 @@ def load(
     step: int | None = None,
     restore_rng: bool = True,
     object_store: ObjectStoreConfig | None = None,
+    allowed_globals: Sequence[str | type | Callable[..., Any]] = (),
+    trusted: bool = False,
 ) -> Restored:
     """Restore ``state`` (modules, optimizers, ... in place) as rank ``rank`` saved it.
 
@@ -115,19 +125,25 @@ def load(
     logged). With an explicit step its error is raised. With ``object_store`` a step
     without a good local copy is downloaded from the bucket (checksummed) into ``root``
     first; ``Restored.source`` says which tier was used.
+
+    A checkpoint is untrusted input: its pickled state may name only containers, scalars,
+    tensors, torch dtypes and NumPy arrays, plus ``allowed_globals`` (classes, functions
+    or ``"module.name"``) and :func:`add_safe_globals`; anything else raises
+    :class:`CheckpointUntrustedError` naming it. ``trusted=True`` allows any (plain pickle,
+    which runs code a crafted file names: only for checkpoints you wrote).
     """
     from checkpoint._load import load_state
+    from checkpoint._snapshot import allowing
+
+    def one(s: int | None) -> Restored:
+        with allowing(allowed_globals, trusted=trusted):
+            return load_state(Path(root), state, rank=rank, step=s, restore_rng=restore_rng)
 
     if object_store is None:
-        return load_state(Path(root), state, rank=rank, step=step, restore_rng=restore_rng)
+        return one(step)
     from checkpoint._tier_restore import load_nearest
 
-    restored, choice = load_nearest(
-        Path(root),
-        object_store,
-        lambda s: load_state(Path(root), state, rank=rank, step=s, restore_rng=restore_rng),
-        step=step,
-    )
+    restored, choice = load_nearest(Path(root), object_store, one, step=step)
     restored.source = choice.source
     restored.skipped = choice.skipped + restored.skipped
     return restored

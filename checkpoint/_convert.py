@@ -29,7 +29,11 @@ from checkpoint._snapshot import TensorRef
 from checkpoint._store import CheckpointReader, CheckpointStore, PassedOver
 from checkpoint._validate import DTYPE_BYTES
 from checkpoint._write import DataFileWriter, fsync_dir
-from checkpoint.errors import CheckpointConfigError
+from checkpoint.errors import (
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+)
 from checkpoint.manifest import (
     DEFAULT_CHUNK_BYTES,
     SKELETON_ENTRY,
@@ -44,6 +48,24 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy().data)
 
 
+def _refuse_overwrite(root: Path, step: int) -> None:
+    """An output root may be new or hold only older steps: writing step ``step`` must not
+    replace a checkpoint there, nor move ``latest`` back behind a newer one."""
+    if root.exists() and not root.is_dir():
+        raise CheckpointConfigError(f"{root}: exists and is not a directory")
+    root.mkdir(parents=True, exist_ok=True)
+    if (root / step_dir_name(step)).exists():
+        raise CheckpointConfigError(
+            f"{root}: already holds step {step}; write to a new directory or another --step"
+        )
+    newer = [i.step for i in CheckpointStore(root).list() if i.complete and i.step >= step]
+    if newer:
+        raise CheckpointConfigError(
+            f"{root}: already holds step {max(newer)}, not older than {step}; write to a new "
+            "directory or a --step above it"
+        )
+
+
 def write_consolidated(
     root: Path,
     step: int,
@@ -56,8 +78,12 @@ def write_consolidated(
     The skeleton is written last in the file (its size is known only at the end), which
     readers do not mind: entries carry their own offsets. Returns bytes written.
     """
+    _refuse_overwrite(root, step)
     step_dir = root / step_dir_name(step)
-    step_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        step_dir.mkdir()  # never into an existing step: a committed one would be replaced
+    except FileExistsError:
+        raise CheckpointConfigError(f"{step_dir}: already exists; choose another output") from None
     fsync_dir(root)
     writer = DataFileWriter(
         step_dir / rank_data_name(0), chunk_bytes=DEFAULT_CHUNK_BYTES, sha256=True
@@ -123,22 +149,31 @@ class Converted:
     latest_note: str = ""
 
 
-def _open(src: Path, step: int | None) -> tuple[CheckpointReader, Converted]:
-    """The checkpoint to convert (``step``, or the newest committed one that opens, as
-    :meth:`CheckpointStore.open_latest` finds it) and a :class:`Converted` to fill in."""
+def _open(src: Path, step: int | None, out: Path) -> tuple[CheckpointReader, Converted]:
+    """The checkpoint to convert (``step``, or the one ``load()`` resumes from: the newest
+    committed one whose bytes verify, as ``checkpoint verify`` finds it, which reads the
+    data once more) and a :class:`Converted` to fill in."""
+    if out.resolve() == src.resolve():
+        raise CheckpointConfigError(f"{out}: is the source; write to a new path")
     store = CheckpointStore(src)
     if step is not None:
         reader = store.open(step)
         return reader, Converted(step=reader.step, size_bytes=0)
     passed = PassedOver()
-    reader = store.open_latest(passed=passed)
+    try:  # verified as load() finds it: a damaged newer step is passed over and named
+        reader = store.open_latest(deep=True, passed=passed)
+    except CheckpointNotFoundError:
+        if not passed.steps:
+            raise
+        problems = "; ".join(passed.lines())
+        raise CheckpointCorruptError(f"{src}: no checkpoint verifies ({problems})") from None
     return reader, Converted(
         step=reader.step, size_bytes=0, skipped=passed.lines(), latest_note=passed.latest_note
     )
 
 
 def to_universal(src: Path, out: Path, *, step: int | None = None, check: bool = True) -> Converted:
-    reader, done = _open(src, step)
+    reader, done = _open(src, step, out)
     with reader:
         done.size_bytes = write_consolidated(
             out, reader.step, consolidate(reader, check_replicas=check)
@@ -172,7 +207,7 @@ def to_safetensors(
     """Write a safetensors file one global tensor at a time: the header (names, dtypes,
     shapes, offsets) is known from the manifests before any tensor is assembled, so peak
     memory is about one tensor, and a checkpoint larger than RAM converts."""
-    reader, done = _open(src, step)
+    reader, done = _open(src, step, out)
     with reader:
         index = FragmentIndex(reader)
         header: dict[str, Any] = {}
@@ -221,7 +256,7 @@ def to_dcp(src: Path, out: Path, *, step: int | None = None, check: bool = True)
     from torch.distributed.checkpoint.planner import WriteItem
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    reader, done = _open(src, step)
+    reader, done = _open(src, step, out)
     with reader:
         index = FragmentIndex(reader)
 

@@ -9,20 +9,33 @@ pickled at once, on the training thread, because it is small and may change righ
 Parameters and optimizer state are marked *lazy*: they do not change until the optimizer
 steps, so their copy can run in the background; buffers (BatchNorm statistics, which the
 forward pass updates) and loose tensors are copied before ``save`` returns.
+
+Loading treats the skeleton as untrusted input: :func:`rebuild` unpickles it with
+:class:`_SkeletonUnpickler`, which resolves only the globals a training state's skeleton
+holds (:data:`SAFE_GLOBALS`) plus those allowed by :func:`add_safe_globals` or by
+:func:`allowing` (``load(..., allowed_globals=, trusted=)``); any other global is a
+:class:`CheckpointUntrustedError` naming it, before anything of it runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import io
 import pickle
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from checkpoint.errors import CheckpointConfigError, CheckpointCorruptError, CheckpointLayoutError
+from checkpoint.errors import (
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointLayoutError,
+    CheckpointUntrustedError,
+)
 from checkpoint.manifest import GlobalMap
 
 RNG_KEY = "__rng__"
@@ -193,6 +206,98 @@ def capture(
     return walker.out
 
 
+#: Globals a skeleton may name without an opt-in: what ``capture`` of a training state
+#: pickles (containers, scalars, TensorRef, NumPy's RNG state, torch dtypes and sizes).
+SAFE_GLOBALS = frozenset(
+    {
+        *(f"builtins.{n}" for n in ("dict", "list", "tuple", "set", "frozenset", "int")),
+        *(f"builtins.{n}" for n in ("float", "bool", "str", "bytes", "bytearray", "complex")),
+        "builtins.slice",
+        "builtins.range",
+        "collections.OrderedDict",
+        "collections.defaultdict",
+        "collections.deque",
+        "checkpoint._snapshot.TensorRef",
+        "torch.Size",
+        "torch.device",
+        # NumPy arrays, dtypes and scalars (np.random.get_state(), a NumPy loss value).
+        *(f"numpy.{n}" for n in ("dtype", "ndarray")),
+        *(
+            f"numpy.{core}.{fn}"
+            for core in ("core.multiarray", "_core.multiarray")
+            for fn in ("_reconstruct", "scalar")
+        ),
+        *(f"numpy.{core}.numeric._frombuffer" for core in ("core", "_core")),
+    }
+)
+
+_EXTRA_GLOBALS: set[str] = set()
+#: Per ``load`` call: extra allowed globals, or ``None`` for a trusted checkpoint.
+_CALL_GLOBALS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "checkpoint_allowed_globals", default=frozenset()
+)
+
+
+def _global_name(item: str | type | Callable[..., Any]) -> str:
+    if isinstance(item, str):
+        if "." not in item.strip("."):
+            raise CheckpointConfigError(f"allowed global {item!r}: expected 'module.name'")
+        return item
+    module, name = getattr(item, "__module__", None), getattr(item, "__qualname__", None)
+    if not module or not name:
+        raise CheckpointConfigError(f"allowed global {item!r}: has no module and name")
+    return f"{module}.{name}"
+
+
+def add_safe_globals(items: Iterable[str | type | Callable[..., Any]]) -> None:
+    """Allow these classes or functions (or ``"module.name"`` strings) in every skeleton
+    this process loads, as :func:`torch.serialization.add_safe_globals` does for
+    ``torch.load``: your own dataclass stored in the training state, for instance."""
+    _EXTRA_GLOBALS.update(_global_name(item) for item in items)
+
+
+@contextlib.contextmanager
+def allowing(
+    items: Iterable[str | type | Callable[..., Any]] = (), *, trusted: bool = False
+) -> Iterator[None]:
+    """Within the block, also allow ``items``; with ``trusted``, any global (plain pickle:
+    only for checkpoints you wrote yourself)."""
+    allowed = None if trusted else frozenset(_global_name(item) for item in items)
+    token = _CALL_GLOBALS.set(allowed)
+    try:
+        yield
+    finally:
+        _CALL_GLOBALS.reset(token)
+
+
+def _torch_global(module: str, name: str) -> bool:
+    """``torch.float32`` and friends (a dtype pickles as the attribute of that name)."""
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.where = where
+        self.extra = _CALL_GLOBALS.get()
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if (
+            self.extra is None
+            or full in SAFE_GLOBALS
+            or full in _EXTRA_GLOBALS
+            or full in self.extra
+            or _torch_global(module, name)
+        ):
+            return super().find_class(module, name)
+        raise CheckpointUntrustedError(
+            f"{self.where}: the state skeleton names {full!r}, which a checkpoint may not "
+            "load by default (untrusted input); if you trust it, allow it with "
+            f"load(..., allowed_globals=[{full!r}]) or checkpoint.add_safe_globals([...])"
+        )
+
+
 def _fill(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if isinstance(obj, TensorRef):
         found = tensors.get(obj.name)
@@ -209,8 +314,13 @@ def _fill(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def rebuild(skeleton: bytes, tensors: Mapping[str, torch.Tensor], *, where: str) -> dict[str, Any]:
+    """The saved state: the skeleton unpickled (restricted, see the module docstring) with
+    its tensors filled in. A refused global is :class:`CheckpointUntrustedError`, not
+    damage: an older step of the same job holds the same types."""
     try:
-        tree = pickle.loads(skeleton)
+        tree = _SkeletonUnpickler(skeleton, where).load()
+    except CheckpointUntrustedError:
+        raise
     except Exception as exc:
         raise CheckpointCorruptError(f"{where}: state skeleton does not unpickle ({exc})") from exc
     if not isinstance(tree, dict):
@@ -223,15 +333,67 @@ def rebuild(skeleton: bytes, tensors: Mapping[str, torch.Tensor], *, where: str)
         ) from None
 
 
+def _one_line(text: str, limit: int = 300) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _misfit(value: Any, target: Any) -> str:
+    """Why ``value`` cannot load into ``target`` (a module's keys and shapes, an
+    optimizer's groups), or "" if no such cheap check finds a reason."""
+    if isinstance(target, torch.nn.Module) and isinstance(value, Mapping):
+        have = target.state_dict()
+        missing = sorted(set(have) - set(value))
+        unexpected = sorted(set(value) - set(have))
+        shapes = [
+            f"{k} {list(value[k].shape)} vs {list(have[k].shape)}"
+            for k in have
+            if k in value
+            and isinstance(value[k], torch.Tensor)
+            and isinstance(have[k], torch.Tensor)
+            and not hasattr(have[k], "to_local")  # a DTensor: global vs local shape
+            and value[k].shape != have[k].shape
+        ]
+        parts = [
+            f"{what}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+            for what, keys in (
+                ("missing keys", missing),
+                ("unexpected keys", unexpected),
+                ("size mismatch (saved vs target)", shapes),
+            )
+            if keys
+        ]
+        return "; ".join(parts)
+    if isinstance(target, torch.optim.Optimizer) and isinstance(value, Mapping):
+        groups = value.get("param_groups")
+        if not isinstance(groups, list):
+            return "no param_groups"
+        saved = [len(g.get("params", ())) if isinstance(g, Mapping) else -1 for g in groups]
+        counts = [len(g["params"]) for g in target.param_groups]
+        if saved != counts:
+            return f"parameters per group: saved {saved}, target {counts}"
+    return ""
+
+
 def apply(
     loaded: Mapping[str, Any], targets: Mapping[str, Any], *, restore_rng: bool, where: str = ""
 ) -> dict[str, Any]:
     """Load ``loaded`` into the stateful objects of ``targets``; return the plain values.
 
     A saved state that does not fit its target (another model's shapes, a key the module
-    lacks) is a :class:`CheckpointLayoutError` naming the key, not torch's exception; the
-    objects before it in ``loaded`` have been restored by then.
+    lacks, another number of optimizer parameters) is a :class:`CheckpointLayoutError`
+    naming the keys, on one line. Modules and optimizers are checked for that before any
+    is loaded; a misfit only ``load_state_dict`` itself finds (a custom object's) leaves
+    the objects before it in ``loaded`` restored.
     """
+    for key, value in loaded.items():
+        target = targets.get(key)
+        if key != RNG_KEY and target is not None and _is_stateful(target):
+            why = _misfit(value, target)
+            if why:
+                raise CheckpointLayoutError(
+                    f"{where}: state {key!r} does not fit its target ({why})"
+                )
     plain: dict[str, Any] = {}
     for key, value in loaded.items():
         if key == RNG_KEY:
@@ -243,7 +405,7 @@ def apply(
             except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
                 raise CheckpointLayoutError(
                     f"{where}: state {key!r} does not fit its target ({type(exc).__name__}: "
-                    f"{str(exc)[:300]})"
+                    f"{_one_line(str(exc))})"
                 ) from exc
         else:
             plain[key] = value
@@ -251,5 +413,7 @@ def apply(
         try:
             set_rng_state(loaded[RNG_KEY])
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-            raise CheckpointCorruptError(f"{where}: RNG state does not restore ({exc})") from exc
+            raise CheckpointCorruptError(
+                f"{where}: RNG state does not restore ({_one_line(str(exc))})"
+            ) from exc
     return plain

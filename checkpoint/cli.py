@@ -289,11 +289,16 @@ def convert_cmd(
     out: Annotated[Path, typer.Argument(help="Directory (universal, dcp) or file to write")],
     to: Annotated[ConvertFormat, typer.Option(help="Output form")] = ConvertFormat.universal,
     step: Annotated[
-        int | None, typer.Option(help="Default: newest committed that opens (said which)")
+        int | None,
+        typer.Option(help="Default: the step load() resumes from, verified (said which)"),
     ] = None,
     check: Annotated[bool, typer.Option(help="Check replicated copies are equal")] = True,
 ) -> None:
-    """Consolidate a sharded checkpoint into one tensor per parameter."""
+    """Consolidate a sharded checkpoint into one tensor per parameter.
+
+    Never writes over a checkpoint: OUT must not be SRC, nor hold the step or a newer one.
+    Damage found in SRC exits 1, as verify does.
+    """
     if not src.is_dir():
         raise _fail(f"{src}: no such directory")
     from checkpoint import _convert as convert
@@ -305,6 +310,8 @@ def convert_cmd(
     }[to]
     try:
         done = fn(src, out, step=step, check=check)
+    except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
+        raise _fail(str(exc), code=1) from None  # damage, as verify reports it
     except CheckpointError as exc:
         raise _fail(str(exc)) from None
     if done.latest_note:
@@ -320,7 +327,11 @@ def import_cmd(
     source: Annotated[ImportFormat, typer.Option("--from", help="Input format")],
     step: Annotated[int, typer.Option(help="Step number to record")] = 0,
 ) -> None:
-    """Bring a safetensors file or a torch.distributed.checkpoint directory in."""
+    """Bring a safetensors file or a torch.distributed.checkpoint directory in.
+
+    OUT may be new or hold only older steps: an existing step is never replaced, and
+    'latest' never moves back (exit 2).
+    """
     if not src.exists():
         raise _fail(f"{src}: no such file or directory")
     from checkpoint import _convert as convert
@@ -337,9 +348,28 @@ def import_cmd(
     typer.echo(f"wrote {out} (step {step}, {_size(written)})")
 
 
-def main() -> None:  # pragma: no cover - `python -m checkpoint.cli`
-    app(prog_name="trainguard checkpoint")
+def main(argv: list[str] | None = None) -> int:
+    """``python -m checkpoint.cli``: as ``trainguard checkpoint``, a bad argument is one
+    ``error:`` line and exit 2, not typer's usage panel."""
+    prog = "trainguard checkpoint"
+    try:
+        result = typer.main.get_command(app).main(args=argv, prog_name=prog, standalone_mode=False)
+    except typer.TyperException as exc:
+        ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+            typer.echo(ctx.get_help())
+            return 0
+        where = getattr(ctx, "command_path", None) or prog
+        message = " ".join(exc.format_message().split())
+        typer.echo(f"error: {message} (see '{where} --help')", err=True)
+        return int(getattr(exc, "exit_code", 1))
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        return 130
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    raise SystemExit(main())

@@ -28,6 +28,12 @@ class CheckpointCorruptError(CheckpointError):
     """Bytes on disk differ from what the manifest promised (checksum, size, parse error)."""
 
 
+class CheckpointUntrustedError(CheckpointError):
+    """A checkpoint's pickled state names a class or function outside the allowed set (a
+    crafted file could run code through it). Not damage: allow the name explicitly
+    (``load(..., allowed_globals=)``, ``checkpoint.add_safe_globals``) if you trust it."""
+
+
 class CheckpointLayoutError(CheckpointError):
     """Saved fragments cannot be mapped onto the requested layout (shape, missing tensor)."""
 
