@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -16,17 +17,26 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """tmp file in the same directory, fsync, rename over ``path``, fsync the directory."""
+    """tmp file in the same directory, fsync, rename over ``path``, fsync the directory.
+
+    When writing, syncing or renaming the tmp file fails (ENOSPC, EIO), the tmp file is
+    removed before the error is raised, so a failed write leaves no torn file behind to take
+    up the space of a full disk."""
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # the write's own error is the one to report
+            tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

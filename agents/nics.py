@@ -419,6 +419,12 @@ class NicMonitor:
         points = window.points
         if points and value < points[-1][1]:
             points.clear()  # counter reset (driver reload, port counters cleared)
+        # ``now`` is the wall clock: a point stamped after it means the clock was stepped
+        # back (an NTP correction). Such points can never age out of the window, so the
+        # window would grow until a slow trickle passed the threshold: they are dropped,
+        # and the rise is counted afresh from this reading.
+        while points and points[-1][0] > now:
+            points.pop()
         points.append((now, value))
         while len(points) > 1 and points[1][0] <= now - self.window_s:
             points.popleft()

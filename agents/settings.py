@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import platformdirs
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from agents.errors import AgentConfigError
 from agents.gpu.backend import parse_gpus_setting
@@ -49,7 +49,12 @@ class AgentSettings(BaseSettings):
     """Everything the node agent daemon needs; see docs/agent.md for the why of each default."""
 
     model_config = SettingsConfigDict(
-        env_prefix="TRAINGUARD_AGENT_", extra="forbid", validate_default=True
+        env_prefix="TRAINGUARD_AGENT_",
+        extra="forbid",
+        validate_default=True,
+        # Every float setting is finite: ``inf`` passes ``ge=0`` (node_base_power_w=inf
+        # made every node sample fail validation) and ``nan`` passes no bound at all.
+        allow_inf_nan=False,
     )
 
     controller_url: str | None = Field(
@@ -277,12 +282,35 @@ def format_validation_error(exc: ValidationError) -> str:
     return "invalid agent settings: " + "; ".join(parts)
 
 
+_SOURCE_FIELD_RE = re.compile(r'field "([^"]+)"')
+
+
+def format_settings_error(exc: SettingsError) -> str:
+    """One line for a value pydantic-settings could not even parse: a dict or list setting
+    (``labels``, ``preflight_load_command``) whose environment variable is not JSON."""
+    match = _SOURCE_FIELD_RE.search(str(exc))
+    if match is None:
+        return f"invalid agent settings: {exc}"
+    name = match.group(1)
+    env = f"{AgentSettings.model_config.get('env_prefix', '')}{name}".upper()
+    cause = exc.__cause__
+    why = cause.msg if isinstance(cause, json.JSONDecodeError) else str(cause or exc)
+    return f"invalid agent settings: {name}: {env} is not valid JSON ({why})"
+
+
 def load_settings(**overrides: Any) -> AgentSettings:
     """Build settings from overrides + environment, raising one-line AgentConfigError."""
     try:
         return AgentSettings(**overrides)
     except ValidationError as exc:
         raise AgentConfigError(format_validation_error(exc)) from None
+    except SettingsError as exc:
+        raise AgentConfigError(format_settings_error(exc)) from None
 
 
-__all__ = ["AgentSettings", "format_validation_error", "load_settings"]
+__all__ = [
+    "AgentSettings",
+    "format_settings_error",
+    "format_validation_error",
+    "load_settings",
+]

@@ -89,6 +89,8 @@ class Spool:
         self._lock = threading.RLock()
         self._sizes: dict[int, int] = {}
         self._total_bytes = 0
+        #: state.json holds an older next_seq than memory (its last write failed).
+        self._state_behind = False
         self.state = SpoolState(agent_instance="")
         self._open()
 
@@ -182,6 +184,23 @@ class Spool:
             "rejected_total": s.rejected_total,
         }
         write_atomic(self._state_path, json.dumps(payload).encode())
+        self._state_behind = False
+
+    def _try_save_state(self) -> bool:
+        """``_save_state``, logging instead of raising when state.json cannot be written."""
+        try:
+            self._save_state()
+        except OSError as exc:
+            self._state_behind = True
+            log.error(
+                "spool: cannot write %s (%s); next_seq %d is kept by the newest report file "
+                "until a later write succeeds",
+                self._state_path,
+                exc,
+                self.state.next_seq,
+            )
+            return False
+        return True
 
     # ------------------------------------------------------------------ writing
 
@@ -219,7 +238,12 @@ class Spool:
             self._sizes[seq] = len(data)
             self._total_bytes += len(data)
             self.state.next_seq = seq + 1
-            self._save_state()
+            # The report is durable, so the append is done: a failed state.json write (a
+            # full disk) is logged, not raised, because the caller would otherwise build
+            # the same samples into the next report too. ``next_seq`` is recovered at start
+            # from the newest report file, and ``acknowledge`` keeps that file while
+            # state.json is behind (see ``_state_behind``).
+            self._try_save_state()
             return seq
 
     def _set_aside_oversized(self, seq: int, data: bytes) -> None:
@@ -276,6 +300,14 @@ class Spool:
 
     def acknowledge(self, seq: int) -> None:
         with self._lock:
+            if self._state_behind and seq + 1 == self.state.next_seq and not self._try_save_state():
+                # state.json still holds an older next_seq and this is the newest report:
+                # its file is what recovery reads next_seq from after a restart (else the
+                # seq would be reused and dropped by the controller as a duplicate). It is
+                # kept on disk, out of the send queue; after a restart it is sent once more
+                # and the controller answers it as a duplicate.
+                self._forget(seq)
+                return
             self.path_for(seq).unlink(missing_ok=True)
             self._forget(seq)
 
