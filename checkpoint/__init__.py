@@ -55,11 +55,9 @@ from checkpoint.errors import (
     CheckpointLayoutError,
     CheckpointNotFoundError,
     CheckpointSupersededError,
+    CheckpointUntrustedError,
     CheckpointWriteError,
     ShardingRuleError,
-)
-from checkpoint.errors import (
-    CheckpointUntrustedError as CheckpointUntrustedError,
 )
 from checkpoint.rules import ParallelLayout, RuleSpec
 
@@ -70,8 +68,6 @@ if TYPE_CHECKING:
     from checkpoint._snapshot import ShardingHook
     from checkpoint.sharding import ShardingSpec, ZeroPartition
 
-# CheckpointUntrustedError and add_safe_globals are public too (documented above); they
-# join __all__ together with tests/checkpoint/test_public.py's pinned set.
 __all__ = [
     "CheckpointConfig",
     "CheckpointConfigError",
@@ -82,6 +78,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointStore",
     "CheckpointSupersededError",
+    "CheckpointUntrustedError",
     "CheckpointWriteError",
     "Checkpointer",
     "ObjectStoreConfig",
@@ -92,6 +89,7 @@ __all__ = [
     "ShardingRuleError",
     "ShardingSpec",
     "ZeroPartition",
+    "add_safe_globals",
     "load",
     "reshard",
     "verify",

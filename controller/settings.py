@@ -85,7 +85,8 @@ class TokenConfig(BaseModel):
 class ControllerSettings(BaseSettings):
     """Settings of one controller process."""
 
-    model_config = SettingsConfigDict(env_prefix="TRAINGUARD_", extra="ignore")
+    # Every float must be finite: an "inf" timeout or retention is never what was meant.
+    model_config = SettingsConfigDict(env_prefix="TRAINGUARD_", extra="ignore", allow_inf_nan=False)
 
     database_url: str = Field(default_factory=default_database_url)
     host: str = "127.0.0.1"

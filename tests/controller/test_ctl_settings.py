@@ -108,3 +108,19 @@ def test_authenticator_roles() -> None:
         auth.authorize(None, frozenset({"viewer"}), read=True)
     with pytest.raises(Unauthenticated):
         auth.authorize("Bearer " + "o" * 15, frozenset({"operator"}), read=False)
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])
+def test_a_float_setting_must_be_finite(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TRAINGUARD_NODE_LOST_AFTER_S=inf`` was accepted: a node would never be lost."""
+    from trainguard.cli.cmd_serve import controller_settings
+    from trainguard.cli.errors import BadInput
+
+    monkeypatch.setenv(
+        "TRAINGUARD_TOKENS", '[{"name": "a", "role": "agent", "token": "%s"}]' % ("k" * 20)
+    )
+    monkeypatch.setenv("TRAINGUARD_NODE_LOST_AFTER_S", value)
+    with pytest.raises(BadInput) as refused:
+        controller_settings()
+    assert refused.value.exit_code == 2 and "node_lost_after_s" in str(refused.value)
+    assert "\n" not in str(refused.value)
