@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controller.errors import ControllerError, InvalidInput, PayloadTooLarge, TemporaryError
 from controller.validation import one_line, structured
+from trainguard import wire
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,20 @@ def error_payload(exc: ControllerError) -> tuple[int, bytes, dict[str, str]]:
     return exc.status_code, json.dumps(body).encode(), headers
 
 
-def payload_too_large(max_bytes: int) -> PayloadTooLarge:
-    return PayloadTooLarge(
-        f"body larger than {max_bytes} bytes; send smaller reports "
-        "(the agent splits its spool into batches)"
-    )
+#: The agents' report route, the one whose 413 tells how to send less.
+REPORTS_PATH = f"{wire.API_PREFIX}/reports"
+
+
+def payload_too_large(max_bytes: int, path: str | None = None) -> PayloadTooLarge:
+    """413 for a body over ``max_bytes``. Only the agents' report route (``path``) gets the
+    hint about reports; an operator's oversized request (a power tree, a plan) is told
+    the limit alone (the acceptance probe found the report hint on ``PUT /power/domains``)."""
+    if path == REPORTS_PATH:
+        return PayloadTooLarge(
+            f"body larger than {max_bytes} bytes; send smaller reports "
+            "(the agent splits its spool into batches)"
+        )
+    return PayloadTooLarge(f"request body larger than {max_bytes} bytes; send a smaller one")
 
 
 async def _controller_error(_request: Request, exc: ControllerError) -> Response:
