@@ -37,6 +37,7 @@ from trainguard.cli.options import (
     Token,
     remember_connection,
 )
+from trainguard.cli.replies import without_escapes
 
 #: Sub-apps other packages own; mounted only when importable, so the CLI works without them.
 OPTIONAL_SUBAPPS: tuple[tuple[str, str], ...] = (
@@ -169,7 +170,8 @@ def command_word(argv: Sequence[str]) -> str | None:
 
 
 def _fail(message: str, code: int) -> int:
-    sys.stderr.write(f"error: {message}\n")
+    # Messages may quote what the server or the user sent: no escape sequences.
+    sys.stderr.write(f"error: {without_escapes(message)}\n")
     return code
 
 

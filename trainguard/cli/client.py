@@ -12,16 +12,19 @@ controller's answers.
 
 from __future__ import annotations
 
+import re
 import ssl
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 import httpx
+from pydantic import ValidationError
 
+from trainguard.cli import replies
 from trainguard.cli.errors import BadInput, NotFound, ServerError, Unauthorized, Unreachable
 from trainguard.cli.kubeproxy import TOKEN_HEADER, ProxyEndpoint
-from trainguard.wire import API_PREFIX
+from trainguard.wire import API_PREFIX, NAME_PATTERN
 
 DEFAULT_SERVER = "http://127.0.0.1:8470"
 #: Page size when walking a list endpoint; the server's default and maximum page.
@@ -30,6 +33,10 @@ PAGE_SIZE = 500
 JsonObject = dict[str, Any]
 
 _TOKEN_SOURCE = "--token or TRAINGUARD_TOKEN"
+
+_NODE_NAME = re.compile(NAME_PATTERN)
+
+R = TypeVar("R", bound=replies.Reply)
 
 
 def check_server_url(server: str) -> str:
@@ -78,6 +85,20 @@ def segment(value: str, what: str) -> str:
     if value in (".", ".."):  # a client would fold them into the path ("/nodes/.." = "/")
         return value.replace(".", "%2E")
     return quote(value, safe="")
+
+
+def node_name(value: str) -> str:
+    """A node name the controller can hold: the rule it checks agent credentials and reports
+    against (``trainguard.wire.NAME_PATTERN``, a lowercase DNS subdomain of at most 253
+    characters). Checked before a request so ``../x`` is a usage error, not "Not Found"."""
+    segment(value, "node name")
+    if len(value) > 253 or not _NODE_NAME.match(value):
+        raise BadInput(
+            f"invalid node name {replies.printable(repr(value), 80)}: expected a lowercase "
+            "DNS name (a-z, 0-9, '-' and '.', starting and ending with a letter or digit, "
+            "at most 253 characters)"
+        )
+    return value
 
 
 def _reason(exc: httpx.TransportError) -> str:
@@ -150,8 +171,14 @@ class ApiClient:
 
     # ------------------------------------------------------------------ transport
 
-    def _get(self, path: str, params: dict[str, Any] | None = None) -> Any:
-        return self._request("GET", path, params=params)
+    def _get(
+        self,
+        path: str,
+        params: dict[str, Any] | None = None,
+        *,
+        expect: type[replies.Reply] = replies.AnyObject,
+    ) -> Any:
+        return self._request("GET", path, params=params, expect=expect)
 
     def _request(
         self,
@@ -160,7 +187,9 @@ class ApiClient:
         *,
         params: dict[str, Any] | None = None,
         body: Any = None,
+        expect: type[replies.Reply] = replies.AnyObject,
     ) -> Any:
+        """The answer's JSON, unchanged, once it has the shape ``expect`` describes."""
         clean = {k: v for k, v in (params or {}).items() if v is not None}
         try:
             response = self._http.request(method, path, params=clean, json=body)
@@ -182,9 +211,19 @@ class ApiClient:
             ) from exc
         self._raise_for_status(response)
         try:
-            return response.json()
+            answer = response.json()
         except ValueError as exc:
             raise ServerError(f"{self.where} sent a non-JSON answer to {method} {path}") from exc
+        self._check(answer, expect, method, path)
+        return answer
+
+    def _check(self, answer: Any, expect: type[R], method: str, path: str) -> R:
+        try:
+            return expect.model_validate(answer)
+        except ValidationError as exc:
+            raise ServerError(
+                f"{self.where} sent an unexpected answer to {method} {path}: {replies.problem(exc)}"
+            ) from exc
 
     def _raise_for_status(self, response: httpx.Response) -> None:
         status = response.status_code
@@ -220,7 +259,7 @@ class ApiClient:
         if not isinstance(body, dict) or body.get("kind") != "Status":
             return
         assert self._proxy is not None
-        message = " ".join(str(body.get("message") or response.reason_phrase).split())
+        message = replies.printable(str(body.get("message") or response.reason_phrase))
         where = self._proxy.description
         status = response.status_code
         if status == 401:
@@ -249,11 +288,12 @@ class ApiClient:
         items: list[JsonObject] = []
         offset = 0
         while True:
-            page = self._get(path, {**(params or {}), "limit": PAGE_SIZE, "offset": offset})
-            data = page.get("data", []) if isinstance(page, dict) else []
+            answer = self._get(
+                path, {**(params or {}), "limit": PAGE_SIZE, "offset": offset}, expect=replies.Page
+            )
+            data: list[JsonObject] = answer["data"]
             items.extend(data)
-            count = page.get("count", len(items)) if isinstance(page, dict) else len(items)
-            if not data or len(items) >= count:
+            if not data or len(items) >= answer["count"]:
                 return items
             offset += len(data)
 
@@ -267,7 +307,7 @@ class ApiClient:
             return False
 
     def status(self) -> JsonObject:
-        result: JsonObject = self._get(f"{API_PREFIX}/status")
+        result: JsonObject = self._get(f"{API_PREFIX}/status", expect=replies.Status)
         return result
 
     def nodes(self, health: str | None = None) -> list[JsonObject]:
@@ -276,7 +316,9 @@ class ApiClient:
     def node(self, name: str, history_s: float | None = None) -> JsonObject:
         try:
             result: JsonObject = self._get(
-                f"{API_PREFIX}/nodes/{segment(name, 'node name')}", {"history_s": history_s}
+                f"{API_PREFIX}/nodes/{segment(name, 'node name')}",
+                {"history_s": history_s},
+                expect=replies.Node,
             )
         except NotFound as exc:
             raise NotFound(f'node "{name}" not found') from exc
@@ -316,7 +358,10 @@ class ApiClient:
             {"expected_nic_rate_gbps": expected_nic_rate_gbps} if expected_nic_rate_gbps else None
         )
         result: JsonObject = self._request(
-            "POST", f"{API_PREFIX}/nodes/{segment(node, 'node name')}/preflight", body=body
+            "POST",
+            f"{API_PREFIX}/nodes/{segment(node, 'node name')}/preflight",
+            body=body,
+            expect=replies.Command,
         )
         return result
 
@@ -324,22 +369,32 @@ class ApiClient:
         """``GET /nodes/{node}/preflight/{id}``: that preflight's command, status and verdict."""
         node_path = f"{API_PREFIX}/nodes/{segment(node, 'node name')}"
         path = f"{node_path}/preflight/{segment(command_id, 'command id')}"
-        result: JsonObject = self._get(path)
+        result: JsonObject = self._get(path, expect=replies.Command)
         return result
 
     def agent_credentials(self, node: str, *, revoke: bool = False) -> JsonObject:
         """``POST /agent-credentials/{node}`` issues (or rotates) the node's agent token and
         returns it once; ``DELETE`` (``revoke``) ends every token of the node now."""
-        path = f"{API_PREFIX}/agent-credentials/{segment(node, 'node name')}"
-        result: JsonObject = self._request("DELETE" if revoke else "POST", path)
+        path = f"{API_PREFIX}/agent-credentials/{segment(node_name(node), 'node name')}"
+        method = "DELETE" if revoke else "POST"
+        expect = replies.AgentTokensRevoked if revoke else replies.AgentTokenIssued
+        result: JsonObject = self._request(method, path, expect=expect)
         return result
 
     def set_isolation(self, node: str, *, isolate: bool, reason: str | None) -> JsonObject:
+        """Isolate or release ``node``; the answer must confirm the node's new state."""
         verb = "isolate" if isolate else "release"
+        if (isolate or reason is not None) and not (reason or "").strip():
+            raise BadInput("--reason must not be empty: say why (it is recorded and shown)")
         body = {"reason": reason} if reason else None
-        result: JsonObject = self._request(
-            "POST", f"{API_PREFIX}/nodes/{segment(node, 'node name')}/{verb}", body=body
-        )
+        path = f"{API_PREFIX}/nodes/{segment(node, 'node name')}/{verb}"
+        result: JsonObject = self._request("POST", path, body=body, expect=replies.Isolation)
+        if result["isolated"] is not isolate or result["node"] != node:
+            raise ServerError(
+                f"{self.where} sent an unexpected answer to POST {path}: it does not confirm "
+                f"the {verb} (node {replies.printable(repr(result['node']), 80)}, "
+                f"isolated {str(result['isolated']).lower()})"
+            )
         return result
 
     def inject_faults(self, job: str, faults: list[JsonObject], reason: str = "") -> JsonObject:
@@ -382,12 +437,12 @@ def _detail(response: httpx.Response) -> str:
         body = response.json()
     except ValueError:
         text = response.text.strip()
-        return text.splitlines()[0] if text else _no_detail(response)
+        return replies.printable(text.splitlines()[0]) if text else _no_detail(response)
     detail = body.get("detail") if isinstance(body, dict) else None
     if isinstance(detail, str) and detail.strip():
-        return detail
+        return replies.printable(detail)
     if detail is not None and not isinstance(detail, str):
-        return str(detail)
+        return replies.printable(str(detail))
     return _no_detail(response)
 
 
@@ -396,7 +451,14 @@ def _no_detail(response: httpx.Response) -> str:
     url = response.request.url
     text = f"{status} with no detail, from {url.scheme}://{url.netloc.decode('ascii')}"
     server = response.headers.get("server", "").strip()
-    return f"{text} (Server: {server[:80]})" if server else text
+    return f"{text} (Server: {replies.printable(server, 80)})" if server else text
 
 
-__all__ = ["DEFAULT_SERVER", "ApiClient", "JsonObject", "check_server_url", "check_token"]
+__all__ = [
+    "DEFAULT_SERVER",
+    "ApiClient",
+    "JsonObject",
+    "check_server_url",
+    "check_token",
+    "node_name",
+]

@@ -17,6 +17,7 @@ import typer
 
 from trainguard.cli.options import DEFAULT_OUTPUT, Output, Server, Token, connect
 from trainguard.cli.output import OutputFormat, dump_json, dump_yaml, emit
+from trainguard.cli.replies import printable
 
 group = typer.Typer(
     help="Per-node agent credentials (issue, rotate, revoke).", no_args_is_help=True
@@ -33,7 +34,7 @@ def issue(
 ) -> None:
     """Issue (or rotate) NODE's agent token; prints the token once."""
     result = connect(ctx, server, token).agent_credentials(node)
-    _emit(result, output, str(result["token"]))
+    _emit(result, output, printable(str(result["token"]), None))
 
 
 @group.command("revoke")
@@ -46,7 +47,8 @@ def revoke(
 ) -> None:
     """Revoke every agent token of NODE at once (its next report is 401); audited."""
     result = connect(ctx, server, token).agent_credentials(node, revoke=True)
-    _emit(result, output, f"{result['revoked']} agent token(s) of node {result['node']} revoked")
+    text = f"{result['revoked']} agent token(s) of node {result['node']} revoked"
+    _emit(result, output, printable(text, None))
 
 
 def _emit(result: dict[str, object], output: OutputFormat, text: str) -> None:

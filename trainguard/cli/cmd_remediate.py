@@ -22,6 +22,7 @@ from trainguard.cli.output import (
     note,
     table_of,
 )
+from trainguard.cli.replies import printable
 
 REMEDIATIONS = (
     Column("ID", field("id")),
@@ -122,7 +123,7 @@ def isolate(
     """Isolate a node by hand (cordon + taint on Kubernetes); needs an operator token."""
     with connect(ctx, server, token) as api:
         result = api.set_isolation(node, isolate=True, reason=reason)
-    emit(f"node/{node} isolated: {result.get('outcome')}")
+    emit(f"node/{printable(node, None)} isolated: {printable(result['outcome'])}")
 
 
 def release(
@@ -135,7 +136,7 @@ def release(
     """Put an isolated node back into service; needs an operator token."""
     with connect(ctx, server, token) as api:
         result = api.set_isolation(node, isolate=False, reason=reason)
-    emit(f"node/{node} released: {result.get('outcome')}")
+    emit(f"node/{printable(node, None)} released: {printable(result['outcome'])}")
 
 
 def goodput(

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+import yaml
+
 from trainguard.cli.errors import BadInput
 
 NAMESPACE_ENV = "TRAINGUARD_NAMESPACE"
@@ -145,9 +147,24 @@ def resolve(flags: KubeFlags) -> ProxyEndpoint:
         )
         current = list_kube_config_contexts(flags.kubeconfig)[1]  # type: ignore[no-untyped-call]
         context = flags.context or str(current["name"])
-    except (ConfigException, OSError, KeyError, TypeError, ValueError) as exc:
+    except (
+        ConfigException,
+        OSError,
+        KeyError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        yaml.YAMLError,
+    ) as exc:
         where = flags.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
         detail = " ".join(str(exc).split()) or type(exc).__name__
+        if isinstance(exc, KeyError | TypeError | AttributeError | yaml.YAMLError):
+            # The kubernetes client indexes what the YAML gave it (a string, a list, a
+            # mapping without "name"): its message is a Python internal, not about the file.
+            raise BadInput(
+                f"{where} is not a kubeconfig (expected YAML with clusters, contexts and "
+                "users; set --kubeconfig, or --server URL to reach a controller directly)"
+            ) from exc
         raise BadInput(
             f"cannot use kubeconfig {where}: {detail} (set --kubeconfig/--context, "
             "or --server URL to reach a controller directly)"

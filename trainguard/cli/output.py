@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from trainguard.cli.errors import BadInput
+from trainguard.cli.replies import printable
 
 JsonObject = dict[str, Any]
 EMPTY = "-"
@@ -76,7 +77,7 @@ def cell(value: Any) -> str:
         return ",".join(cell(v) for v in value)
     if isinstance(value, dict):
         return ",".join(f"{k}={cell(v)}" for k, v in sorted(value.items()))
-    return " ".join(str(value).split())
+    return printable(str(value), None)  # server text: no escape sequences on the terminal
 
 
 def unit(value: Any, suffix: str, *, digits: int = 0) -> str:
