@@ -253,7 +253,7 @@ def test_candidate_nodes_leave_out_not_ready_nodes_and_taints_the_job_does_not_t
 
 def test_hand_edited_numbers_on_the_gang_are_ignored_not_a_crash(cluster: FakeCluster) -> None:
     """Anyone who can edit a pod can write its annotations: a generation of ``'²'`` or a
-    resume step of ``'１'`` (``str.isdigit`` is true, ``int`` refuses or misreads them)
+    resume step in full-width digits (``str.isdigit`` is true, ``int`` refuses or misreads them)
     used to raise ValueError out of ``current_placement``, which the engine does not catch."""
     launch(cluster)
     act = actuator(cluster)
@@ -262,7 +262,7 @@ def test_hand_edited_numbers_on_the_gang_are_ignored_not_a_crash(cluster: FakeCl
     def hostile(obj: dict[str, Any]) -> None:
         obj["metadata"]["annotations"] = {
             "trainguard.io/generation": "²",
-            "trainguard.io/resume-step": "１",
+            "trainguard.io/resume-step": "\uff11",  # full-width 1
         }
 
     for p in gang(cluster):

@@ -50,6 +50,7 @@ def test_oversized_report_is_413(live_controller, client) -> None:
     big = b'{"pad": "' + b"x" * (wire.MAX_REPORT_BYTES + 10) + b'"}'
     r = client.post("/api/v1/reports", content=big, headers=live_controller.headers("agent"))
     assert r.status_code == 413 and "larger than" in r.json()["detail"]
+    assert "send smaller reports" in r.json()["detail"]  # the agent's hint, on its route only
 
     def chunks():  # no Content-Length: the cap counts streamed bytes
         for _ in range(5):
