@@ -239,7 +239,7 @@ class Agent:
     def start(self) -> None:
         assert self.xids is not None
         if self.identity.gpus:
-            self.xids.start()
+            self.xids.start_in_background()
         if self.endpoint is not None:
             self.endpoint.start()
         if self.settings.metrics_port >= 0:
@@ -434,7 +434,7 @@ class Agent:
             backend.api, sampler.handles, on_event=self._on_xid, on_ecc=self._on_ecc
         )
         if inventory and not self._stopping.is_set():
-            self.xids.start()
+            self.xids.start_in_background()
         self.identity = self.identity.model_copy(
             update={
                 "gpus": inventory,

@@ -87,6 +87,8 @@ class XidWatcher:
         self._on_ecc = on_ecc
         self._clock = clock
         self._lock = threading.Lock()
+        #: Held while GPUs are registered: a registration may hang on a wedged GPU.
+        self._registering = threading.Lock()
         self._pending: dict[int, list[XidEvent]] = defaultdict(list)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,33 +107,60 @@ class XidWatcher:
 
     def start(self) -> None:
         """Create the event set and register each GPU; a GPU that refuses is logged, skipped."""
-        try:
-            self._event_set = self._api.nvmlEventSetCreate()
-        except pynvml.NVMLError as exc:
-            log.warning("XID events unavailable (nvmlEventSetCreate: %s); relying on polling", exc)
-            return
-        for index, handle in enumerate(self._handles):
-            if handle is None:  # did not answer at start; its faults show in the samples
-                log.warning("GPU %d: not registered for XID events (no NVML handle)", index)
-                continue
-            mask = self._register(index, handle)
-            if mask:
-                self.registered.append(index)
-                self.registered_events[index] = mask
-            else:
-                log.warning("GPU %d: cannot register for XID events", index)
-        self._thread = threading.Thread(target=self._main, name="xid-watcher", daemon=True)
-        self._thread.start()
+        with self._registering:
+            try:
+                self._event_set = self._api.nvmlEventSetCreate()
+            except pynvml.NVMLError as exc:
+                log.warning(
+                    "XID events unavailable (nvmlEventSetCreate: %s); relying on polling", exc
+                )
+                return
+            for index, handle in enumerate(self._handles):
+                if handle is None:  # did not answer at start; its faults show in the samples
+                    log.warning("GPU %d: not registered for XID events (no NVML handle)", index)
+                    continue
+                if self._stop.is_set():
+                    return
+                mask = self._register(index, handle)
+                if mask:
+                    self.registered.append(index)
+                    self.registered_events[index] = mask
+                else:
+                    log.warning("GPU %d: cannot register for XID events", index)
+            # Handles that answered while this ran (update_handles found us busy).
+            self._register_new()
+            if self._stop.is_set():
+                return
+            self._thread = threading.Thread(target=self._main, name="xid-watcher", daemon=True)
+            self._thread.start()
+
+    def start_in_background(self) -> threading.Thread:
+        """:meth:`start` on a thread of its own, for the agent's start and main loop: an
+        NVML call on a wedged GPU can hang for minutes, and registering for its events must
+        not hold up the heartbeat that reports the GPU as not answering."""
+        thread = threading.Thread(target=self.start, name="xid-register", daemon=True)
+        thread.start()
+        return thread
 
     def update_handles(self, handles: Sequence[Any]) -> list[int]:
         """Register GPUs that first answered after ``start`` (they had no handle then);
-        returns the indices registered now. Before ``start`` only the handles are kept."""
+        returns the indices registered now. Before ``start`` only the handles are kept, and
+        while ``start`` is still registering (maybe stuck on a hung GPU) it picks them up
+        when it is done: this call never waits for it."""
         self._handles = list(handles)
-        if self._event_set is None:
+        if not self._registering.acquire(blocking=False):
             return []
+        try:
+            if self._event_set is None:
+                return []
+            return self._register_new()
+        finally:
+            self._registering.release()
+
+    def _register_new(self) -> list[int]:
         added: list[int] = []
         for index, handle in enumerate(self._handles):
-            if handle is None or index in self.registered_events:
+            if handle is None or index in self.registered_events or self._stop.is_set():
                 continue
             mask = self._register(index, handle)
             if mask:
@@ -167,6 +196,12 @@ class XidWatcher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if not self._registering.acquire(timeout=2):
+            # A registration still hangs on a wedged GPU: freeing the event set under it
+            # could crash the driver call; the process is going anyway.
+            log.warning("XID event set not freed: a GPU registration still hangs")
+            return
+        self._registering.release()
         if self._event_set is not None:
             try:
                 self._api.nvmlEventSetFree(self._event_set)

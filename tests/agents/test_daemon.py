@@ -364,6 +364,27 @@ def test_a_hung_gpu_does_not_stop_the_heartbeat(
     assert [g.power_w is not None for g in last.gpus] == [True, False, True, True]
 
 
+def test_a_gpu_that_hangs_while_the_agent_starts_does_not_hold_up_its_start(
+    tmp_path: Path, sock_dir: Path, agents_controller: FakeController
+) -> None:
+    """Registering a GPU for XID events is an NVML call like any other: on a wedged GPU it
+    hung ``Agent.start`` (the heartbeat never began; seen as a 300 s timeout of the test
+    above on a loaded machine, where the start came after its hang's ``at=0.3``). It runs
+    on a thread of its own now; the other GPUs still get registered."""
+    from agents.gpu.faults import parse_fault_spec
+
+    agent = Agent(settings(tmp_path, sock_dir, agents_controller.url, report_interval_s=0.2))
+    api = agent.backend.api
+    api.inject(parse_fault_spec("kind=hang,gpu=1,at=0,duration=3600"))
+    with Running(agent):
+        agents_controller.wait_for(lambda: len(agents_controller.state.reports) >= 3)
+        assert agent.xids is not None
+        assert agent.xids.registered == [0]  # GPU 0 before the hung GPU 1, nothing after
+    reports = agents_controller.state.ordered()
+    unknown = {g.index for r in reports for x in r.samples for g in x.gpus if g.unknown}
+    assert unknown == {1}
+
+
 def test_metrics_name_the_node_and_the_pod_using_each_gpu(
     tmp_path: Path, sock_dir: Path, agents_controller: FakeController
 ) -> None:

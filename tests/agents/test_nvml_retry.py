@@ -118,6 +118,8 @@ def test_an_agent_whose_nvml_comes_back_watches_its_gpus_without_a_restart(
 
         agents_controller.wait_for(recovered)
         assert agent.nvml_retries == 3 and module.inits == 4  # start + 2 failed + 1 good
+        # Registered on a thread of their own (a wedged GPU must not hold up the loop).
+        agents_controller.wait_for(lambda: agent.xids is not None and agent.xids.started)
         assert agent.xids is not None and agent.xids.registered == [0, 1]
         module.sim.inject(FaultSpec(kind="xid", gpu=1, xid_code=13))
 
