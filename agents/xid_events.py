@@ -131,8 +131,9 @@ class XidWatcher:
             self._register_new()
             if self._stop.is_set():
                 return
-            self._thread = threading.Thread(target=self._main, name="xid-watcher", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._main, name="xid-watcher", daemon=True)
+            thread.start()
+            self._thread = thread  # only once started: stop() may run on another thread
 
     def start_in_background(self) -> threading.Thread:
         """:meth:`start` on a thread of its own, for the agent's start and main loop: an
@@ -194,14 +195,17 @@ class XidWatcher:
 
     def stop(self) -> None:
         self._stop.set()
+        # A start still registering sees the stop and starts no watcher thread.
+        registering_done = self._registering.acquire(timeout=2)
+        if registering_done:
+            self._registering.release()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if not self._registering.acquire(timeout=2):
+        if not registering_done:
             # A registration still hangs on a wedged GPU: freeing the event set under it
             # could crash the driver call; the process is going anyway.
             log.warning("XID event set not freed: a GPU registration still hangs")
             return
-        self._registering.release()
         if self._event_set is not None:
             try:
                 self._api.nvmlEventSetFree(self._event_set)

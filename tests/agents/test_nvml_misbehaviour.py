@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,9 @@ def test_an_xid_watcher_that_dies_anyway_marks_the_node_unhealthy(
     agent.xids._run = broken  # type: ignore[method-assign]
     agent.start()
     try:
+        deadline = time.monotonic() + 5  # registration runs on a thread of its own
+        while agent.xids._thread is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         thread = agent.xids._thread
         assert thread is not None
         thread.join(5)
