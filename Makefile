@@ -64,11 +64,11 @@ $(S3_STAMP):
 	$(S3_VENV)/bin/python -m pip install --quiet "$(MOTO_PIN)"
 	touch $(S3_STAMP)
 
-# Workers: the suite is about half waiting on subprocesses and sockets, so more workers
-# than cores pay. Measured here (2 cores, quiet, same commit): make test 11:39 with 2,
-# 11:02 with 3 (but a clean-clone run with 3 saw three slow-test reruns under the extra
-# load, so the full suite stays at 2); make test-fast 4:08 with 2, 2:58 with 4.
-PYTEST_WORKERS ?= 2
+# Workers: the suite is about half waiting on subprocesses, sockets and timers, so more
+# workers than cores pay. Measured here (2 cores, quiet, 26 Nov 14:00-14:20, ~2,090 tests):
+# make test 10:02 of pytest with 2 workers (617 s of CPU), 7:49 with 4 (677 s of CPU); the
+# two failures seen with 4 were real races in the agent's start (fixed), not load flakes.
+PYTEST_WORKERS ?= 4
 PYTEST_FAST_WORKERS ?= 4
 # Bytecode caching on even where the environment turns it off (PYTHONDONTWRITEBYTECODE=1,
 # common in containers): the suite starts a few hundred interpreters (controllers, agents,
