@@ -56,22 +56,27 @@ app.kubernetes.io/component: agent
 {{- end -}}
 {{- end -}}
 
-{{/* An image reference: (dict "root" $ "repository" <name>) -> [registry/]name:tag. */}}
+{{/* An image reference: (dict "root" $ "image" <controller.image or agent.image>) ->
+[registry/]name@digest when the component's digest is set, else [registry/]name:tag. */}}
 {{- define "trainguard.imageRef" -}}
 {{- $root := .root -}}
-{{- $name := .repository -}}
+{{- $name := .image.repository -}}
 {{- with $root.Values.image.registry }}{{ $name = printf "%s/%s" (trimSuffix "/" .) $name }}{{ end -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" $name .image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" $name (default $root.Chart.AppVersion $root.Values.image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The controller image (Dockerfile target `controller`); the migration Job uses it too. */}}
 {{- define "trainguard.controllerImage" -}}
-{{- include "trainguard.imageRef" (dict "root" . "repository" .Values.controller.image.repository) -}}
+{{- include "trainguard.imageRef" (dict "root" . "image" .Values.controller.image) -}}
 {{- end -}}
 
 {{/* The agent image (Dockerfile target `agent`). */}}
 {{- define "trainguard.agentImage" -}}
-{{- include "trainguard.imageRef" (dict "root" . "repository" .Values.agent.image.repository) -}}
+{{- include "trainguard.imageRef" (dict "root" . "image" .Values.agent.image) -}}
 {{- end -}}
 
 {{/* true when the controller pods carry the leader label and the Service selects it. */}}
@@ -127,6 +132,12 @@ what to set. Included by every workload template. */}}
 {{- end -}}
 {{- if and (gt (int .Values.controller.replicas) 1) (not (include "trainguard.usesPostgres" .)) -}}
 {{- fail "controller.replicas > 1 needs PostgreSQL (database.url or database.existingSecret): replicas on the embedded SQLite database cannot share it" -}}
+{{- end -}}
+{{- if and .Values.agent.enabled (ge (int .Values.agent.metrics.port) 1) (eq (int .Values.agent.metrics.port) (int .Values.agent.jobEndpoint.port)) -}}
+{{- fail (printf "agent.metrics.port and agent.jobEndpoint.port are both %d: the agent cannot listen twice on one port; give the metrics exporter another port (or -1 to turn it off)" (int .Values.agent.metrics.port)) -}}
+{{- end -}}
+{{- if and .Values.image.tag (hasPrefix "sha256:" .Values.image.tag) -}}
+{{- fail "image.tag holds a tag, not a digest: set controller.image.digest and agent.image.digest (sha256:<64 hex>) instead" -}}
 {{- end -}}
 {{- end -}}
 
