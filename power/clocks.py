@@ -13,6 +13,7 @@ rows marked ``assumed`` are not confirmed and should be overridden per domain
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -154,6 +155,18 @@ def clock_profile(
         if key in name:
             profile = row
             break
+    if sm_clock_min_mhz and sm_clock_max_mhz and sm_clock_min_mhz > sm_clock_max_mhz:
+        # An inverted clock range (a driver glitch): no lock fits it, so clocks are not used
+        # for this GPU; power limits still are (no command is tried, so no false incident).
+        sm_clock_min_mhz = sm_clock_max_mhz = None
+        if profile is not None:
+            profile = dataclasses.replace(
+                profile,
+                source=profile.source + "; reported clock range inverted: clocks not used",
+                clocks_usable=False,
+            )
+    elif profile is not None and (sm_clock_max_mhz or sm_clock_min_mhz):
+        profile = _within_reported(profile, sm_clock_min_mhz, sm_clock_max_mhz)
     if profile is None and not sm_clock_max_mhz:
         if not power_limit_max_w:
             return None
@@ -199,8 +212,37 @@ def clock_profile(
             max_mhz=profile.max_mhz,
             tdp_w=profile.tdp_w,
             power_limit_min_w=profile.power_limit_min_w,
-            caps_mhz={**profile.caps_mhz, **extra},
-            source=profile.source + "; domain override",
+            caps_mhz=_clamped({**profile.caps_mhz, **extra}, profile.min_mhz, profile.max_mhz),
+            source=profile.source + "; domain override (clamped to the GPU's clock range)",
             clocks_usable=profile.clocks_usable,
         )
     return profile
+
+
+def _clamped(caps: Mapping[str, int], lo: int, hi: int) -> dict[str, int]:
+    return {key: min(max(int(mhz), lo), hi) for key, mhz in caps.items()}
+
+
+def _within_reported(profile: ClockProfile, lo: int | None, hi: int | None) -> ClockProfile:
+    """A table row narrowed to the clock range the GPU reports (an H100 PCIe tops out at
+    1755 MHz, not the SXM row's 1980): the row's caps are clamped into it, so no lock is
+    ever above the GPU's maximum or below its minimum."""
+    new_lo = lo or profile.min_mhz
+    new_hi = hi or profile.max_mhz
+    if new_lo > new_hi:  # one reported bound lies outside the row's range: trust it
+        if hi:
+            new_lo = new_hi
+        else:
+            new_hi = new_lo
+    if (new_lo, new_hi) == (profile.min_mhz, profile.max_mhz):
+        return profile
+    # The A100's caps are POLCA's measured values: clamped. The other rows are positions in
+    # the range: placed again in the range the GPU reports.
+    caps = profile.caps_mhz if profile.key == "a100" else caps_from_range(new_lo, new_hi)
+    return dataclasses.replace(
+        profile,
+        min_mhz=new_lo,
+        max_mhz=new_hi,
+        caps_mhz=_clamped(caps, new_lo, new_hi),
+        source=profile.source + f"; within the reported {new_lo}-{new_hi} MHz",
+    )

@@ -55,6 +55,10 @@ A cap held for ``1e308`` s would never be lifted, and ``now + 1e308`` is no long
 anything past a day is a typo, not a policy."""
 
 #: Keys accepted in ``clock_overrides_mhz[model]`` (one per capped state).
+#: Sane bounds of a clock override: no GPU clocks below 100 MHz or above 5 GHz. Each
+#: override is also clamped into the GPU's own range when applied (power.clocks).
+OVERRIDE_MIN_MHZ = 100
+OVERRIDE_MAX_MHZ = 5000
 CLOCK_CAP_KEYS = ("lp_t1", "lp_t2", "hp_t2", "brake")
 
 
@@ -129,10 +133,14 @@ def validate_policy(cfg: PolicyConfig, path: str) -> None:
                     f"{path}.clock_overrides_mhz.{model}.{key}: unknown key, "
                     f"expected one of {list(CLOCK_CAP_KEYS)}"
                 )
-            if isinstance(mhz, bool) or not isinstance(mhz, int) or mhz <= 0:
+            if (
+                isinstance(mhz, bool)
+                or not isinstance(mhz, int)
+                or not OVERRIDE_MIN_MHZ <= mhz <= OVERRIDE_MAX_MHZ
+            ):
                 raise ConfigError(
                     f"{path}.clock_overrides_mhz.{model}.{key}: must be a positive integer "
-                    f"(MHz), got {mhz!r}"
+                    f"in [{OVERRIDE_MIN_MHZ}, {OVERRIDE_MAX_MHZ}] (MHz), got {mhz!r}"
                 )
 
 

@@ -24,7 +24,9 @@ A GPU gets the most restrictive cap of all the domains above it. Safety rules:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +57,11 @@ from trainguard.wire import (
 )
 
 _LIMIT_TOLERANCE_W = 0.5
+
+log = logging.getLogger(__name__)
+
+#: Why a GPU's power limits are not used when its agent reports inverted bounds.
+_INVERTED_LIMITS = "power-limit bounds inverted"
 
 
 @dataclass(slots=True)
@@ -88,13 +95,26 @@ class _GpuState:
     """Adopted caps are kept at least one hold time after first sight."""
     deferred: bool = False
     """An uncap is waiting on a hold or on fresh telemetry."""
+    raw: GpuStatus | None = None
+    """The status as reported, when ``status`` had to be cleaned (inverted limits)."""
+    limits_bad: str | None = None
+    """Why the power-limit knob is not used for this GPU's reported bounds (inverted)."""
 
 
 class PowerPolicy:
     """Tick it with readings; send what it returns; feed the acknowledgements back."""
 
-    def __init__(self, tree: DomainTree, *, id_prefix: str = "pw") -> None:
+    def __init__(
+        self,
+        tree: DomainTree,
+        *,
+        id_prefix: str = "pw",
+        ours: Iterable[tuple[str, int]] = (),
+    ) -> None:
+        """``ours``: (server, GPU index) whose caps an earlier policy set (a replaced tree):
+        those outside every domain of ``tree`` get their caps released, not left for good."""
         self.tree = tree
+        self._ours: set[tuple[str, int]] = set(ours)
         self._domains: dict[str, _DomainState] = {n: _DomainState() for n in tree.by_name}
         self._gpus: dict[tuple[str, int], _GpuState] = {}
         self._pending: dict[str, tuple[tuple[str, int], Knob]] = {}
@@ -126,6 +146,26 @@ class PowerPolicy:
 
     def level(self, domain: str) -> Level:
         return self._domains[domain].level
+
+    def ours(self) -> set[tuple[str, int]]:
+        """GPUs with a cap this policy set or adopted, or a command of its in flight: what a
+        policy for a replacing tree must release on the servers the new tree leaves out."""
+        out = {
+            key
+            for key, gpu in self._gpus.items()
+            if gpu.applied_clock is not None or gpu.applied_limit is not None or gpu.inflight
+        }
+        return out | (self._ours - set(self._gpus))
+
+    def released(self) -> dict[str, str]:
+        """node:gpuN outside every domain whose caps trainguard set -> "releasing"/"released"."""
+        out: dict[str, str] = {}
+        for (server, index), gpu in self._gpus.items():
+            if gpu.chain:
+                continue
+            capped = gpu.applied_clock is not None or gpu.applied_limit is not None
+            out[f"{server}:gpu{index}"] = "releasing" if capped or gpu.inflight else "released"
+        return out
 
     def tick(
         self,
@@ -249,22 +289,36 @@ class PowerPolicy:
     def _update_inventory(self, gpus: Iterable[GpuStatus], now_s: float) -> bool:
         """Record the GPUs; True when one is new or its metadata changed."""
         changed = False
-        for status in gpus:
-            key = (status.server, status.index)
+        for raw in gpus:
+            key = (raw.server, raw.index)
+            status, bad = _clean_limits(raw)
             gpu = self._gpus.get(key)
             if gpu is not None:
-                if gpu.status is not status and gpu.status != status:
-                    gpu.status = status
+                seen = gpu.raw if gpu.raw is not None else gpu.status
+                if seen is not raw and seen != raw:
+                    gpu.status, gpu.raw = status, (raw if bad else None)
+                    self._note_limits(gpu, bad)
                     changed = True
                 continue
             server = self.tree.by_name.get(status.server)
             if server is None:
-                continue  # a node outside every power domain is not ours to cap
-            chain = server.ancestors()
-            gdom = self.tree.gpu_domain(status.server, status.index)
-            if gdom is not None:
-                chain.insert(0, gdom)
-            gpu = _GpuState(status=status, chain=chain)
+                if key not in self._ours or not _capped(status):
+                    continue  # a node outside every power domain is not ours to cap
+                # A server the tree dropped still shows the cap we set: release it.
+                chain: list[Domain] = []
+                log.warning(
+                    "power: %s GPU %d is in no power domain but holds a cap trainguard "
+                    "set; releasing it",
+                    status.server,
+                    status.index,
+                )
+            else:
+                chain = server.ancestors()
+                gdom = self.tree.gpu_domain(status.server, status.index)
+                if gdom is not None:
+                    chain.insert(0, gdom)
+            gpu = _GpuState(status=status, chain=chain, raw=raw if bad else None)
+            self._note_limits(gpu, bad)
             gpu.applied_clock = status.locked_sm_clock_mhz
             if (
                 status.power_limit_w is not None
@@ -272,11 +326,24 @@ class PowerPolicy:
                 and status.power_limit_w < status.power_limit_max_w - _LIMIT_TOLERANCE_W
             ):
                 gpu.applied_limit = status.power_limit_w
-            if gpu.applied_clock is not None or gpu.applied_limit is not None:
+            if chain and (gpu.applied_clock is not None or gpu.applied_limit is not None):
                 gpu.hold_until_s = now_s + min(d.policy.min_hold_s for d in chain)
             self._gpus[key] = gpu
             changed = True
         return changed
+
+    @staticmethod
+    def _note_limits(gpu: _GpuState, bad: str | None) -> None:
+        """Inverted power-limit bounds: the power-limit knob is unknown for this GPU (logged
+        when it starts, cleared when a report has sane bounds again)."""
+        if bad is not None and gpu.limits_bad is None:
+            log.warning(
+                "power: %s GPU %d: %s; its power limit is not used",
+                gpu.status.server,
+                gpu.status.index,
+                bad,
+            )
+        gpu.limits_bad = bad
 
     def _profile(self, status: GpuStatus, policy: PolicyConfig) -> ClockProfile | None:
         ck = (
@@ -328,7 +395,11 @@ class PowerPolicy:
             profile = self._profile(status, dom.policy)
             lowest = profile.min_mhz if profile is not None else 0
             knob, note = choose_knob(
-                dom.policy.knob, profile, gpu.clocks_failed, gpu.limit_failed, status.model
+                dom.policy.knob,
+                profile,
+                gpu.clocks_failed,
+                gpu.limit_failed or gpu.limits_bad,
+                status.model,
             )
             if knob is Knob.CLOCKS and profile is not None:
                 want_clock = profile.caps_mhz[ck]
@@ -336,9 +407,14 @@ class PowerPolicy:
                 want_limit = power_limit_for_cap(status, profile, frac, ck)
                 if want_limit is None:
                     knob, note = Knob.POWER_LIMIT, "no usable knob: power limits unknown"
+        elif not gpu.chain:
+            reason = (
+                f"{status.server} is in no power domain of the current tree: releasing the "
+                "cap trainguard set under an earlier tree"
+            )
         else:
-            dom_name = gpu.chain[0].name if gpu.chain else None
-            st = self._domains[dom_name] if dom_name else _DomainState()
+            dom_name = gpu.chain[0].name
+            st = self._domains[dom_name]
             if st.reason:
                 reason = st.reason
         if (
@@ -372,7 +448,7 @@ class PowerPolicy:
 
         wants = (
             (Knob.CLOCKS, want_clock, gpu.clocks_failed),
-            (Knob.POWER_LIMIT, want_limit, gpu.limit_failed),
+            (Knob.POWER_LIMIT, want_limit, gpu.limit_failed or gpu.limits_bad),
         )
         for k, want, failed in wants:
             if failed is None and self._needs(gpu, k, want, now_s):
@@ -473,6 +549,24 @@ class PowerPolicy:
 
     def _next_id(self) -> str:
         return f"{self._id_prefix}-{next(self._ids):010d}"
+
+
+def _capped(status: GpuStatus) -> bool:
+    """The GPU reports a clock lock or a power limit below its maximum."""
+    top = status.power_limit_max_w
+    limit = status.power_limit_w
+    lowered = limit is not None and top is not None and limit < top - _LIMIT_TOLERANCE_W
+    return status.locked_sm_clock_mhz is not None or lowered
+
+
+def _clean_limits(status: GpuStatus) -> tuple[GpuStatus, str | None]:
+    """``status`` with inverted power-limit bounds (min > max, a driver glitch) taken as
+    unknown, and why; the report is kept, only its power-limit knob is not used."""
+    lo, hi = status.power_limit_min_w, status.power_limit_max_w
+    if lo is None or hi is None or lo <= hi:
+        return status, None
+    why = f"{_INVERTED_LIMITS} (min {lo:g} W > max {hi:g} W)"
+    return dataclasses.replace(status, power_limit_min_w=None, power_limit_max_w=None), why
 
 
 def latency_quantile(samples: Iterable[float], quantile: float) -> float | None:

@@ -111,6 +111,9 @@ class PowerLoop:
         """The policy's command latencies as of the last tick, for the views: the policy's own
         deque may be appended to by a tick running in a worker thread."""
         self.last_tick_unix_s: float | None = None
+        self.released: dict[str, str] = {}
+        """node:gpuN outside every domain whose trainguard caps are being released, or were
+        ("releasing"/"released"), as of the last tick: a snapshot for the views."""
         self.lock = asyncio.Lock()
         self._kick: asyncio.Task[None] | None = None
         #: Controller command id -> the policy's id for the same command.
@@ -121,11 +124,21 @@ class PowerLoop:
     # ------------------------------------------------------------------ configuration
 
     def set_tree(self, tree: DomainTree | None) -> None:
-        """Start over with a new tree; caps in force are adopted by the new policy."""
-        self.policy = None if tree is None else PowerPolicy(tree, id_prefix="pw")
+        """Start over with a new tree; caps in force are adopted by the new policy, and the
+        caps the old policy set on servers the new tree leaves out are released by it."""
+        ours = self.policy.ours() if self.policy is not None else set()
+        self.policy = None if tree is None else PowerPolicy(tree, id_prefix="pw", ours=ours)
         self._policy_ids.clear()
         self.last = {}
         self.latencies_s = ()
+        self.released = {}
+        if ours and tree is not None:
+            left = sorted({s for s, _ in ours if s not in tree.by_name})
+            if left:
+                log.warning(
+                    "power: servers left the tree with caps trainguard set; releasing them",
+                    extra={"fields": {"servers": left}},
+                )
 
     @property
     def tree(self) -> DomainTree | None:
@@ -221,6 +234,7 @@ class PowerLoop:
         # the thread is done; views read the snapshots taken here, never the policy itself.
         result = await asyncio.to_thread(policy.tick, now, readings, gpus, acks)
         self.latencies_s = tuple(policy.latencies_s)
+        self.released = policy.released()
         self.last = result.domains
         self.last_tick_unix_s = now
         for i, decision in enumerate(result.decisions):

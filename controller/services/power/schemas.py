@@ -45,6 +45,11 @@ class PowerDomainsPublic(BaseModel):
         description="Command issue to agent acknowledgement, successful commands"
     )
     tree: dict[str, Any] | None = Field(description="The tree as configured (PUT accepts it)")
+    released: dict[str, str] = Field(
+        default_factory=dict,
+        description="node:gpuN in no domain of the tree whose caps trainguard set under an "
+        "earlier tree: 'releasing' (unlock/reset sent) or 'released'",
+    )
     data: list[PowerDomainPublic]
     count: int
 

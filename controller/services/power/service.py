@@ -228,6 +228,7 @@ class PowerService:
                 p99_s=latency_quantile(latencies, 0.99),
             ),
             tree=self.raw,
+            released=dict(self.loop.released),
             data=items,
             count=len(items),
         )
