@@ -243,13 +243,26 @@ class Topology:
         if spec in self.link_index:
             return [self.link_index[spec]]
         for sep in ("<->", "--"):
-            if sep in spec:
-                a, _, b = spec.partition(sep)
+            # Names may contain "--" themselves (switch "l--1"): try every split point and
+            # keep those naming a cable between two endpoints.
+            matches: dict[tuple[str, str], list[int]] = {}
+            at = spec.find(sep)
+            while at > 0:
+                a, b = spec[:at], spec[at + len(sep) :]
                 found = [
                     self.link_index[n] for n in (f"{a}->{b}", f"{b}->{a}") if n in self.link_index
                 ]
                 if found:
-                    return found
+                    matches[(a, b)] = found
+                at = spec.find(sep, at + 1)
+            if len(matches) > 1:
+                pairs = ", ".join(f"{a!r} and {b!r}" for a, b in matches)
+                raise TopologyError(
+                    f"ambiguous link {spec!r}: it names the cables between {pairs}; "
+                    "use 'a->b' for one direction"
+                )
+            if matches:
+                return next(iter(matches.values()))
         raise TopologyError(f"unknown link {spec!r}: use 'a->b' for one direction or 'a--b'")
 
     def set_health(self, links: list[int], factor: float) -> None:
