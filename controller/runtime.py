@@ -341,6 +341,7 @@ class Controller:
         await self.events.stop()
 
     async def stop(self) -> None:
+        self.services.dashboard.close()  # ends open streams (uvicorn's Server did already)
         await self.leader.stop_campaigning()
         self._acting = False
         await self._stop_tasks()

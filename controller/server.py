@@ -64,6 +64,24 @@ def uvicorn_config(app: object, settings: ControllerSettings) -> uvicorn.Config:
     )
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, ending the dashboard's live streams as shutdown begins.
+
+    uvicorn sends the ASGI lifespan shutdown only after every open response has ended, or
+    after ``timeout_graceful_shutdown`` cancels them (an ``Exception in ASGI application``
+    traceback each). A stream never ends by itself, so the app must hear of the stop first:
+    here, once the listening sockets are closed (a page reconnecting finds another replica).
+    """
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:  # stop accepting first (uvicorn's shutdown does it again)
+            server.close()
+        controller = getattr(getattr(self.config.app, "state", None), "controller", None)
+        if controller is not None:
+            controller.services.dashboard.close()
+        await super().shutdown(sockets)
+
+
 def serve(settings: ControllerSettings) -> None:
     """Migrate (SQLite) or check (PostgreSQL) the schema, then serve until signalled.
 
@@ -83,7 +101,7 @@ def serve(settings: ControllerSettings) -> None:
             "fields": {"url": f"http://{url_host}:{port}", "database": settings.database_kind()}
         },
     )
-    server = uvicorn.Server(uvicorn_config(app, settings))
+    server = Server(uvicorn_config(app, settings))
     try:
         server.run(sockets=[sock])
     finally:

@@ -242,12 +242,12 @@ class LiveController:
 
     def start(self) -> None:
         from controller.api.app import create_app
-        from controller.server import bind_socket, uvicorn_config
+        from controller.server import Server, bind_socket, uvicorn_config
 
         sock = bind_socket("127.0.0.1", self.port)  # the server's own (Nagle off)
         self.port = sock.getsockname()[1]
         self.app = create_app(self.settings)
-        server = uvicorn.Server(uvicorn_config(self.app, self.settings))
+        server = Server(uvicorn_config(self.app, self.settings))  # the production one
         self._server = server
 
         def run() -> None:

@@ -26,7 +26,7 @@ from controller.auth import Principal
 from controller.errors import Conflict, NotFound
 from controller.services import queries
 from controller.services.container import Services
-from controller.services.dashboard import RESYNC
+from controller.services.dashboard import CLOSE, RESYNC
 from controller.services.dashboard_reads import job_checkpoints, node_history, plan_links
 from controller.services.history_prometheus import PrometheusHistory, PrometheusUnavailable
 
@@ -87,7 +87,8 @@ async def stream(
     """Server-sent events: ``hello``, then ``nodes`` (a full snapshot, later only changed
     nodes), ``changed`` (topics to fetch again) and ``ping`` every 3 s when idle. Every
     message carries ``t``, the controller's time, so a client sees when it lags; a client
-    too slow to take what was sent gets a snapshot with ``missed`` (messages dropped)."""
+    too slow to take what was sent gets a snapshot with ``missed`` (messages dropped).
+    When the controller stops, the stream ends (the page reconnects by itself)."""
     feed = services.dashboard
     sub = feed.subscribe()
 
@@ -103,6 +104,8 @@ async def stream(
                         return
                     yield f'event: ping\ndata: {{"t":{time.time()}}}\n\n'.encode()
                     continue
+                if message == CLOSE:  # the controller stops: end the response cleanly
+                    return
                 yield feed.resync(sub) if message == RESYNC else message
         finally:
             feed.unsubscribe(sub)

@@ -11,6 +11,11 @@ JSON parser) runs. Roles are still checked by each route (403); this layer only 
 
 Anonymous reads (``allow_anonymous_read``) pass only for ``GET``/``HEAD`` without any
 ``Authorization`` header; a header with an unknown token is 401 even then.
+
+Every ``/api/`` response, refusals included, also carries ``X-Content-Type-Options:
+nosniff`` and, unless the route set its own, ``Cache-Control: no-store``: answers are
+per-credential JSON that no browser or proxy should sniff or keep (nothing here uses
+ETags or revalidation).
 """
 
 from __future__ import annotations
@@ -29,6 +34,25 @@ from trainguard.wire import API_PREFIX
 
 READ_METHODS = frozenset({"GET", "HEAD"})
 _PROXIED = PROXIED_TOKEN_HEADER.encode()
+_NOSNIFF = (b"x-content-type-options", b"nosniff")
+_NO_STORE = (b"cache-control", b"no-store")
+
+
+def _api_headers(send: Send) -> Send:
+    """``send`` that adds the API's security headers to the response start."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            names = {name.lower() for name, _ in headers}
+            if b"x-content-type-options" not in names:
+                headers.append(_NOSNIFF)
+            if b"cache-control" not in names:
+                headers.append(_NO_STORE)
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
 
 
 class AuthGate:
@@ -43,6 +67,7 @@ class AuthGate:
         if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX):
             await self.app(scope, receive, send)
             return
+        send = _api_headers(send)
         authorization: str | None = None
         proxied: str | None = None
         for name, value in scope.get("headers", ()):

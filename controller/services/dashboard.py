@@ -249,6 +249,9 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 
 
 RESYNC = b""  # queued to a subscriber that fell behind: send it a snapshot
+#: Queued to every subscriber when the feed closes (the controller stops): end the stream.
+#: No real message equals it (they all begin ``event:``).
+CLOSE = b"close"
 
 
 @dataclass(eq=False, slots=True)
@@ -317,6 +320,7 @@ class DashboardFeed:
         self._topics: dict[str, Any] = {}
         self._db_marks: tuple[Any, ...] = ()
         self._db_probed = 0.0
+        self.closed = False
 
     # -- inputs
 
@@ -345,7 +349,9 @@ class DashboardFeed:
     def subscribe(self) -> Subscription:
         sub = Subscription()
         self.subscribers.add(sub)
-        if self._task is None or self._task.done():
+        if self.closed:
+            _end(sub)
+        elif self._task is None or self._task.done():
             self._prime()
             self._task = asyncio.create_task(self._run(), name="dashboard-feed")
         return sub
@@ -355,6 +361,18 @@ class DashboardFeed:
         if not self.subscribers and self._task is not None:
             self._task.cancel()
             self._task = None
+
+    def close(self) -> None:
+        """End every stream, now and from now on: the controller stops. Each subscriber's
+        queue is emptied and gets ``CLOSE``, so its stream ends within one event-loop turn
+        and the server's graceful shutdown does not wait out its timeout on them (an open
+        stream never ends by itself); the page reconnects, to another replica. Idempotent."""
+        self.closed = True
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        for sub in list(self.subscribers):
+            _end(sub)
 
     def snapshot(self, missed: int = 0) -> bytes:
         """The whole fleet as one ``nodes`` message (sent on connect and on resync; a
@@ -422,6 +440,8 @@ class DashboardFeed:
         return {"actions": marks[0], "checkpoints": marks[1]}
 
     def _broadcast(self, message: bytes) -> None:
+        if self.closed:  # the queues hold CLOSE: nothing may push it out
+            return
         for sub in list(self.subscribers):
             try:
                 sub.queue.put_nowait(message)
@@ -462,7 +482,17 @@ class DashboardFeed:
             await asyncio.sleep(MIN_TICK_S)
 
 
+def _end(sub: Subscription) -> None:
+    """Drop what the subscriber has not taken yet (it reconnects and gets a snapshot) and
+    queue ``CLOSE``: room is certain, the queue is empty."""
+    while not sub.queue.empty():
+        sub.queue.get_nowait()
+    sub.queue.put_nowait(CLOSE)
+
+
 __all__ = [
+    "CLOSE",
+    "RESYNC",
     "DashboardFeed",
     "GoodputHistory",
     "PowerHistory",
