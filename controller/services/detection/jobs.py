@@ -28,7 +28,7 @@ import logging
 import math
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,7 +44,7 @@ from controller.logic.detection.c4d.job_evidence import (
     SlowLinkEvidence,
     StragglerIncidentEvidence,
 )
-from controller.logic.detection.cause import straggler_cause
+from controller.logic.detection.cause import POLICY_FACT, OwnCap, straggler_cause
 from controller.logic.detection.incident_evidence import HwEvidence
 from controller.logic.detection.nic_evidence import (
     InvolvedRank,
@@ -143,6 +143,9 @@ class JobDetector:
         self.held: dict[str, deque[HeldFinding]] = {}
         #: Findings held (a write failed), recorded at a later try, dropped (given up).
         self.held_counts: dict[str, int] = {"held": 0, "recorded": 0, "dropped": 0}
+        #: The power limit trainguard's power policy applies to (node, GPU), when the power
+        #: loop is wired in: a straggler at that limit is our cap, not a hardware cause.
+        self.own_caps: Callable[[str, int], OwnCap | None] | None = None
 
     @property
     def waiting(self) -> int:
@@ -255,6 +258,8 @@ class JobDetector:
             evidence.causes = causes
             if causes:
                 summary += "; likely cause: " + ", ".join(causes)
+            if facts.get(POLICY_FACT):  # alerted (it costs the job time), not hardware
+                summary += f"; slowed by trainguard's own power cap: {facts[POLICY_FACT]}"
         if isinstance(evidence, CommSlowEvidence | SlowLinkEvidence):
             nic = self.nic_evidence(finding, now_unix_s)
             evidence.nic = nic
@@ -339,9 +344,13 @@ class JobDetector:
             for r in compared
             if r != rank and (sample := self._sample(tracker.rank_node[r], tracker.rank_gpu.get(r)))
         ]
-        return straggler_cause(
-            self._sample(tracker.rank_node.get(rank), tracker.rank_gpu.get(rank)), peers
+        node, gpu = tracker.rank_node.get(rank), tracker.rank_gpu.get(rank)
+        own = (
+            self.own_caps(node, gpu)
+            if self.own_caps is not None and node is not None and gpu is not None
+            else None
         )
+        return straggler_cause(self._sample(node, gpu), peers, own)
 
     def nic_evidence(self, finding: Finding, now_unix_s: float) -> NicEvidence:
         """NICs with recent errors or flaps on the finding's nodes, the involved GPUs'

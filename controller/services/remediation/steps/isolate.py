@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -34,6 +35,7 @@ from controller.logic.detection.c4d.job_evidence import (
     LegacyStragglerEvidence,
     StragglerIncidentEvidence,
 )
+from controller.logic.detection.cause import POLICY_FACT, hardware_causes
 from controller.logic.detection.incident_evidence import DegradedEvidence
 from controller.logic.remediation import guards
 from controller.logic.remediation.params import IsolateParams
@@ -185,21 +187,54 @@ async def _undo(
         )
 
 
+def _gpu_causes(incident: IncidentState) -> tuple[list[str], str]:
+    """A straggler's or degraded GPU's hardware causes, and what of its slowdown
+    trainguard's own power policy explains ("" when nothing)."""
+    evidence = incident.evidence
+    if not isinstance(
+        evidence, StragglerIncidentEvidence | LegacyStragglerEvidence | DegradedEvidence
+    ):
+        return [], ""
+    causes = hardware_causes(evidence.causes or [])
+    gpu = getattr(evidence, "gpu", None)
+    extra = gpu.model_extra if gpu is not None else None
+    own = str((extra or {}).get(POLICY_FACT) or "")
+    if not own and evidence.causes and len(causes) < len(evidence.causes):
+        own = "its SM clock is locked by trainguard's power policy"  # a legacy record
+    return causes, own
+
+
+def own_cap_only(incident: IncidentState) -> str:
+    """What trainguard's own power cap explains, when it is all the evidence names (a GPU
+    obeying our cap is not degrading: nothing to isolate), else ""."""
+    causes, own = _gpu_causes(incident)
+    return "" if causes else own
+
+
 def hardware_evidence(ctx: StepContext, incident: IncidentState, node: str) -> bool:
     if incident.kind in HARDWARE_KINDS:
         return True
-    evidence = incident.evidence
-    causes = (
-        evidence.causes
-        if isinstance(
-            evidence, StragglerIncidentEvidence | LegacyStragglerEvidence | DegradedEvidence
-        )
-        else None
-    )
+    causes, _ = _gpu_causes(incident)
     if causes:
-        return True  # the GPU is throttled, hot, or reports ECC errors
+        return True  # the GPU is hot, throttled by hardware, or reports ECC errors
     state = ctx.state.nodes.get(node)
     return state is not None and (state.health != "healthy" or state.gpus_unhealthy > 0)
+
+
+#: Per engine context, one lock per node: the "already isolated" check, the guards, the
+#: actuator call and the stored isolation run as one, so two remediations that reach one
+#: node together (two jobs on it) isolate it once and the second says "already isolated".
+_NODE_LOCKS: weakref.WeakKeyDictionary[StepContext, dict[str, asyncio.Lock]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def node_lock(ctx: StepContext, node: str) -> asyncio.Lock:
+    locks = _NODE_LOCKS.setdefault(ctx, {})
+    lock = locks.get(node)
+    if lock is None:
+        lock = locks[node] = asyncio.Lock()
+    return lock
 
 
 class Isolate:
@@ -224,15 +259,32 @@ class Isolate:
         window = ctx.policy.guards.repeat_window_s
         repeat = any(now - t <= window for t in history)
         history.append(now)
-        if rule.isolate_when is IsolateWhen.HARDWARE_OR_REPEAT and not (
-            hardware_evidence(ctx, incident, node) or repeat
-        ):
+        own = own_cap_only(incident)
+        hardware = hardware_evidence(ctx, incident, node)
+        if rule.isolate_when is IsolateWhen.HARDWARE_OR_REPEAT and own and not hardware:
+            outcome = (
+                f"not isolating {node}: its GPU is slowed by trainguard's own power cap "
+                f"({own}), not a hardware fault"
+            )[:2000]
+            await record(incident, rem, kind, node, {}, "skipped", outcome)
+            return True, outcome
+        if rule.isolate_when is IsolateWhen.HARDWARE_OR_REPEAT and not (hardware or repeat):
             outcome = (
                 f"not isolating {node}: no hardware evidence and its first offence "
                 f"in {window:.0f} s"
             )
             await record(incident, rem, kind, node, {}, "skipped", outcome)
             return True, outcome
+        async with node_lock(ctx, node):
+            return await self._isolate(ctx, rem, incident, node)
+
+    async def _isolate(
+        self, ctx: StepContext, rem: Remediation, incident: IncidentState, node: str
+    ) -> StepResult:
+        """Under the node's lock: what another remediation stored meanwhile is seen."""
+        record = ctx.recorder.record
+        kind = self.action_kind
+        now = time.time()
         node_state = ctx.state.nodes.get(node)
         if node_state is not None and node_state.isolated_reason is not None:
             outcome = f"{node} is already isolated"
