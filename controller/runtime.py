@@ -36,6 +36,7 @@ from controller.db.session import make_engine, probe_sqlite_write, sqlite_file_p
 from controller.errors import BadConfig, NotMigrated
 from controller.loader import load_state
 from controller.logic.detection.c4d import C4DConfig
+from controller.logic.detection.cause import OwnCap
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
 from controller.services.container import Services
@@ -168,6 +169,8 @@ def compose(
     traffic = build_traffic(settings, state, store)
     slow_links = SlowLinkReaction(traffic, state, actions, nic_ports=jobs.nic_ports)
     power = build_power(settings, state, store, commands, incidents, actions)
+    # A GPU held at the limit trainguard's own power policy sent is no hardware fault.
+    jobs.own_caps = lambda node, gpu: OwnCap(limit_w=power.loop.tracker.power_limit_w(node, gpu))
     #: Incidents -> actions (docs/remediation.md); acts only while this replica leads.
     remediation = build_remediation(
         settings,

@@ -78,3 +78,30 @@ def test_detections_reach_the_platform_only_from_the_leader(tmp_path: Path) -> N
 
     calls = asyncio.run(scenario())
     assert calls.count(("record_event", "TrainguardXidFatal")) == 1
+
+
+def test_the_detector_knows_the_power_limits_trainguard_sent(tmp_path: Path) -> None:
+    """A straggler held at the limit trainguard's own power policy sent is no hardware
+    fault (controller/logic/detection/cause.py): compose() hands the detector the power
+    loop's record of the limits it sent. Without the wiring the detector saw every
+    ``sw_power_cap`` as someone else's cap (hardware evidence: isolate, restart)."""
+    from controller.logic.detection.cause import OwnCap
+    from power import Decision, Knob, Level
+
+    tokens = [{"name": "ops", "role": "operator", "token": "o" * 20}]
+    settings = ControllerSettings(database_url=f"sqlite:///{tmp_path / 'tg.db'}", tokens=tokens)
+
+    async def noop(*_: object) -> None:
+        return None
+
+    services = compose(settings, on_elected=noop, on_lost=noop, acting=lambda: False)
+    assert services.jobs.own_caps is not None
+    assert services.jobs.own_caps("gpu-a", 1) == OwnCap(limit_w=None)
+    tracker = services.power.loop.tracker
+    decision = Decision(node="gpu-a", gpu_index=1, command=wire.SetPowerLimit(id="c1", gpu_index=1,
+                        limit_w=250.0), knob=Knob.POWER_LIMIT, domain=None, level=Level(1),
+                        threshold_frac=None, domain_power_w=None, budget_w=None,
+                        reason="test")  # fmt: skip
+    tracker.publish(tracker.plan(decision, None, 1.0), action_id=1, command_id="c1")
+    assert services.jobs.own_caps("gpu-a", 1) == OwnCap(limit_w=250.0)
+    assert services.jobs.own_caps("gpu-a", 0) == OwnCap(limit_w=None)

@@ -23,7 +23,7 @@ from sqlalchemy import Connection
 
 from controller.services.actions import ActionService
 from controller.state import CommandState
-from power import ActuationEffect, Decision, DomainStatus, DomainTree
+from power import ActuationEffect, Decision, DomainStatus, DomainTree, Knob
 from power.tick_io import EFFECT_DELTA_FRAC, EFFECT_TIMEOUT_S
 from trainguard.wire import LockClocks, SetPowerLimit
 
@@ -124,6 +124,13 @@ class ActionTracker:
         self._effects: deque[tuple[ActuationEffect, DomainTree]] = deque(
             maxlen=MAX_UNWRITTEN_EFFECTS
         )
+
+    def power_limit_w(self, node: str, gpu: int) -> float | None:
+        """The power limit this policy last sent ``node``'s GPU ``gpu`` (``None``: none, or
+        lifted): what makes a GPU's ``sw_power_cap`` trainguard's own, not a fault (the
+        straggler cause, docs/detection.md). Memory only: after a controller restart a cap
+        set before it reads as someone else's until the policy sends it again."""
+        return self._targets.get((node, gpu, Knob.POWER_LIMIT.value))
 
     def plan(self, decision: Decision, domain: DomainStatus | None, now: float) -> Planned:
         """The action of ``decision``; memory is not changed."""
