@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, Path
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from controller.api.deps import (
     AUTH_ERRORS,
@@ -15,8 +15,8 @@ from controller.api.deps import (
     require_viewer,
 )
 from controller.auth import Principal
-from controller.errors import Conflict, NotFound
-from controller.logic.remediation.rules import Policy
+from controller.errors import Conflict, InvalidInput, NotFound
+from controller.logic.remediation.rules import Policy, first_error
 from controller.services.container import Services
 from controller.services.operator_actions import isolation_audit
 from trainguard.limits import NO_NUL
@@ -40,18 +40,44 @@ async def put_policy(
     principal: Principal = Depends(require_operator),
     services: Services = ServicesDep,
 ) -> dict[str, Any]:
-    """Replace the policy (validated strictly; 422 names the field). It lasts until the
-    controller restarts, which reads ``policy_file`` again: keep the file the source of truth.
+    """Replace the whole policy (validated strictly; 422 names the field): a field left out
+    takes its built-in default, rules included. To change some fields and keep the rest,
+    use PATCH. It lasts until the controller restarts, which reads ``policy_file`` again:
+    keep the file the source of truth."""
+    return await _set_policy(services, principal, policy, "policy replaced")
 
-    Write, then publish: the audit row first, so a database that fails (503) leaves the old
-    policy in force and no change goes unrecorded."""
+
+@router.patch("/remediation/policy", operation_id="patch_remediation_policy", responses=AUTH_ERRORS)
+async def patch_policy(
+    changes: dict[str, Any] = Body(),
+    principal: Principal = Depends(require_operator),
+    services: Services = ServicesDep,
+) -> dict[str, Any]:
+    """Change the top-level fields given (``{"dry_run": true}``) and keep the others as
+    they are in force: a field given replaces that field whole (``guards`` given is the
+    whole ``guards``). The result is validated like a PUT (422 names the field)."""
+    current = services.remediation.policy.model_dump(mode="json")
+    try:
+        policy = Policy.model_validate(current | changes)
+    except ValidationError as exc:
+        raise InvalidInput(first_error(exc)) from None
+    changed = ", ".join(sorted(changes)) or "nothing"
+    return await _set_policy(services, principal, policy, f"policy changed: {changed}")
+
+
+async def _set_policy(
+    services: Services, principal: Principal, policy: Policy, outcome: str
+) -> dict[str, Any]:
+    """Write, then publish: the audit row first, so a database that fails (503) leaves the
+    old policy in force and no change goes unrecorded. Remediations already running see the
+    new ``dry_run`` / ``enabled`` before their next step."""
     await services.actions.create(
         kind="set_policy",
         target="remediation",
         trigger=f"operator:{principal.name}",
         params={"rules": len(policy.rules), "dry_run": policy.dry_run, "enabled": policy.enabled},
         status="succeeded",
-        outcome="policy replaced",
+        outcome=outcome[:2000],
     )
     services.remediation.policy = policy
     return policy.model_dump(mode="json")

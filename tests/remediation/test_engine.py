@@ -178,8 +178,12 @@ def test_policy_and_isolation_api(controller_factory, tmp_path) -> None:  # type
     typo = op.put("/api/v1/remediation/policy", json={"dry_rn": True})
     assert typo.status_code == 422 and "dry_rn" in typo.json()["detail"]
     assert viewer.put("/api/v1/remediation/policy", json={}).status_code == 403
-    assert op.put("/api/v1/remediation/policy", json={"dry_run": True}).status_code == 200
-    assert viewer.get("/api/v1/remediation").json()["dry_run"] is True
+    # PATCH changes the fields given (PUT would replace the rules and guards as well).
+    assert op.patch("/api/v1/remediation/policy", json={"dry_run": True}).status_code == 200
+    state = viewer.get("/api/v1/remediation").json()
+    assert state["dry_run"] is True
+    assert [r["kind"] for r in state["policy"]["rules"]] == ["gpu_fault", "*"]
+    assert state["policy"]["guards"]["max_isolated_fraction"] == 0.5
     # Isolation by hand, with the clear errors an operator needs.
     assert op.post("/api/v1/nodes/a/isolate", json={"reason": "bad fan"}).status_code == 200
     again = op.post("/api/v1/nodes/a/isolate", json={"reason": "bad fan"})

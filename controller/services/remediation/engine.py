@@ -6,7 +6,8 @@ policy rule for each, applies the guard rails, and runs the rule's steps as one
 is an action row (trigger ``incident:<id>``) written when it starts and updated when it
 ends, with its parameters, outcome and duration, so "what did trainguard do, and why?" has
 an answer in the API and CLI. In dry-run mode each step is recorded as ``dry_run`` with
-what it would have done, and nothing else happens.
+what it would have done, and nothing else happens; each step re-reads the policy, so dry
+run or ``enabled: false`` also reaches remediations already running (:mod:`.midflight`).
 
 A rule that starts with ``alert`` records it at the incident's first match (once); its other
 steps wait until the incident has been open ``after_s`` and costs ``min_cost_pct``. With
@@ -50,7 +51,7 @@ from controller.services.commands import CommandService
 from controller.services.events import JobRecordsReported
 from controller.services.incidents import IncidentService
 from controller.services.nodes import NodeRecords
-from controller.services.remediation import approval, history, partition, restore
+from controller.services.remediation import approval, history, midflight, partition, restore
 from controller.services.remediation.grow import GROW_CHECK_INTERVAL_S, GrowBack
 from controller.services.remediation.records import (
     HARDWARE_KINDS,
@@ -461,9 +462,7 @@ class RemediationEngine:
             book = self.book(rem.job)
             book.running = rem
             book.last_remediation_unix_s = rem.started_unix_s
-        task = asyncio.create_task(run, name=f"tg-rem-{rem.id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(run, f"tg-rem-{rem.id}")
 
     async def _absorb(self, incident: IncidentState, by: Remediation | None) -> None:
         self.decided[incident.id] = "absorbed"
@@ -492,7 +491,11 @@ class RemediationEngine:
             own = await approval.apply_job_policy(self.ctx, rem, incident, steps)
             if own is None:
                 failed = rem.outcome
-            for step in own or []:
+            todo = own or []
+            for i, step in enumerate(todo):
+                # The policy in force now (dry run, or off since): :mod:`.midflight`.
+                if not await midflight.go_on(self.ctx, rem, incident, todo[i:]):
+                    return
                 ok, outcome = await self._step(step, rem, incident, rule)
                 rem.outcome = outcome
                 if not ok and step in (Step.RESTART, Step.ROLLBACK):

@@ -11,7 +11,7 @@ from controller.logic.detection.c4d.job_evidence import HangEvidence, JobEvidenc
 from controller.logic.detection.incident_evidence import DegradedEvidence, NodeLostEvidence
 from controller.logic.remediation.goodput import GoodputLedger
 from controller.logic.remediation.params import RestartParams
-from controller.state import ClusterState, IncidentState
+from controller.state import ClusterState, IncidentState, JobState
 
 #: Incident kinds that are hardware evidence against the node they name.
 HARDWARE_KINDS = frozenset({"gpu_fault", "node_lost"})
@@ -99,6 +99,9 @@ class JobBook:
     checkpoint_interval_s: float | None = None
     #: End of the newest step rank 0 reported: a job is running while this keeps moving.
     last_step_unix_s: float | None = None
+    #: The newest restart trainguard made of the job (kept after its resume wait ends, in
+    #: success or timeout): where the actuator last put the job.
+    last_restart: Remediation | None = None
 
     def restarted_since(self, t: float | None) -> bool:
         """Whether a restart of this job began at or after ``t`` (``None``: no such time).
@@ -120,6 +123,16 @@ class JobBook:
         waiting = self.awaiting_resume
         params = waiting.restart_params if waiting is not None else None
         return params.nodes if params is not None else None
+
+    def left(self, node: str) -> Remediation | None:
+        """The newest restart if its placement left out ``node`` (``None``: no restart, its
+        placement unknown, or it kept ``node``). Ranks on ``node`` last heard of before that
+        restart are the old generation's, not where the job runs (:func:`jobs_of`)."""
+        rem = self.last_restart
+        params = rem.restart_params if rem is not None else None
+        if rem is None or params is None or params.nodes is None or node in params.nodes:
+            return None
+        return rem
 
     def superseded_by(self, incident: IncidentState) -> Remediation | None:
         """The restart in flight that a hardware fault on one of its new nodes dooms: the job
@@ -183,7 +196,8 @@ def jobs_of(
     placement is known, the ranks of the old generation no longer count for an incident
     opened after that restart: a node the restart left is not the job's any more. (One
     opened before it still concerns the job: its restart step says the job already
-    restarted without the node.)
+    restarted without the node.) After the wait (resumed or timed out) a rank on the node
+    counts only if heard of since the newest restart left the node (:func:`has_rank_on`).
     """
     if incident.job is not None:
         return [incident.job]
@@ -204,6 +218,22 @@ def jobs_of(
         job.name
         for job in state.jobs.values()
         if job.name not in moved
-        and any(r.node == node and r.state == "running" for r in job.ranks.values())
+        and has_rank_on(job, node, (books or {}).get(job.name), incident.opened_unix_s)
     }
     return sorted(placed | ranked)
+
+
+def has_rank_on(job: JobState, node: str, book: JobBook | None, opened_unix_s: float) -> bool:
+    """Whether ``job`` runs a rank on ``node`` for an incident opened at ``opened_unix_s``:
+    a running rank there, heard of after the newest restart that moved the job off
+    ``node`` if the incident opened after that restart (a restart that never resumed leaves
+    the old generation's ranks ``running`` in the state: they are not where the job runs).
+    One opened before it still concerns the job (:func:`jobs_of`)."""
+    left = book.left(node) if book is not None else None
+    since = left.restarted_unix_s if left is not None else None
+    if since is not None and opened_unix_s < since:
+        since = None
+    return any(
+        r.node == node and r.state == "running" and (since is None or r.last_seen_unix_s > since)
+        for r in job.ranks.values()
+    )

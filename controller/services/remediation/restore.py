@@ -73,10 +73,6 @@ def restore_wait(
     resumed = raw.get("resumed_unix_s") if isinstance(raw, dict) else None
     if isinstance(resumed, int | float):
         book.resumed_unix_s = float(resumed)
-    if not history.awaiting_resume(row) or now - row.at_unix_s > resume_timeout_s:
-        return None
-    if book.awaiting_resume is not None or book.running is not None:
-        return None
     try:
         params = RestartParams.model_validate(row.params)
     except ValueError:  # a row written by another version: no wait to restore
@@ -102,6 +98,15 @@ def restore_wait(
         restart_action=row.id,
         restart_params=params,
     )
+    if isinstance(resumed, int | float):
+        rem.resumed_unix_s = float(resumed)
+    newest = book.last_restart
+    if newest is None or (newest.restarted_unix_s or 0.0) <= row.at_unix_s:
+        book.last_restart = rem  # where the job was put, resumed or not (``JobBook.left``)
+    if not history.awaiting_resume(row) or now - row.at_unix_s > resume_timeout_s:
+        return None
+    if book.awaiting_resume is not None or book.running is not None:
+        return None
     book.awaiting_resume = rem
     log.warning(
         "waiting for a job restarted before this leader to resume",

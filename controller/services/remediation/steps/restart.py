@@ -44,7 +44,7 @@ async def restart(
     job = rem.job
     now = time.time()
     if job is None:
-        return True, "no job to restart"
+        return await _moved_off(ctx, rem, incident)
     refused = ctx.restarts.refuse(job, now, ctx.policy.guards)
     if refused is not None:
         await record(incident, rem, ACTION_KIND, job, {}, "skipped", refused)
@@ -66,7 +66,7 @@ async def restart(
         return False, outcome
     book = ctx.book(job)
     if incident is not None and rollback is None and not rem.grow:
-        done = restarted_since(book, incident, current)
+        done = restarted_since(book, incident, current) or moved_off(book, incident, current)
         if done is not None:
             await record(incident, rem, ACTION_KIND, job, {}, "skipped", done)
             return True, done
@@ -146,7 +146,7 @@ async def restart(
     rem.restarted_unix_s = started
     rem.restart_action = action
     rem.restart_params = RestartParams.model_validate(ctx.recorder.params(incident, rem, params))
-    book.awaiting_resume = rem
+    book.awaiting_resume = book.last_restart = rem
     await actuator.record_event(
         target=job, reason="TrainguardRestart", message=summary, warning=True
     )
@@ -173,6 +173,47 @@ def restarted_since(book: JobBook, incident: IncidentState, current: Placement) 
         f"job {current.job} already restarted{without} after this incident opened "
         f"(generation {current.generation} on {', '.join(current.nodes)}): not restarted again"
     )
+
+
+def moved_off(book: JobBook, incident: IncidentState, current: Placement | None) -> str | None:
+    """Why no restart is needed: the job's newest restart already moved it off the
+    incident's node (and the job is not back there). A node that flaps after a restart
+    that never resumed opens incident after incident about a node the job left; restarting
+    onto the same placement again would not help, only the resume failure needs a human."""
+    node = incident.node
+    left = book.left(node) if node is not None else None
+    if node is None or left is None or (current is not None and node in current.nodes):
+        return None
+    params = left.restart_params
+    if left.resumed_unix_s is not None:
+        how = f"which resumed at step {params.resumed_step if params else None}"
+    elif book.awaiting_resume is left:
+        how = "which is waiting for the job to resume"
+    else:
+        how = "which has not resumed: see its resume_failed"
+    return (
+        f"job {left.job} already moved off {node} by restart {left.restart_action} "
+        f"(generation {left.generation}), {how}: not restarted again"
+    )
+
+
+async def _moved_off(
+    ctx: StepContext, rem: Remediation, incident: IncidentState | None
+) -> StepResult:
+    """A remediation for no job: name the jobs it is not about only because a restart moved
+    them off the incident's node (each gets a ``skipped`` row saying so)."""
+    notes: list[str] = []
+    for name, book in sorted(ctx.jobs.items()):
+        job = ctx.state.jobs.get(name)
+        node = incident.node if incident is not None else None
+        if incident is None or job is None or node is None:
+            continue
+        stale = any(r.node == node and r.state == "running" for r in job.ranks.values())
+        note = moved_off(book, incident, None) if stale else None
+        if note is not None:
+            await ctx.recorder.record(incident, rem, ACTION_KIND, name, {}, "skipped", note)
+            notes.append(note)
+    return True, "; ".join(notes) or "no job to restart"
 
 
 class Restart:
