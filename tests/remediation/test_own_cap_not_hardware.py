@@ -178,7 +178,11 @@ def test_the_default_straggler_rule_does_not_isolate_for_our_clock_lock(  # type
     remediation_over(live, incident)
     assert [r["status"] for r in isolate_rows(live, incident)] == ["skipped"]
     assert [a for a in actuator.acts() if a[0] == "isolate_node"] == []
-    assert all("n1" in p.nodes for p in actuator.restarts())  # never moved off n1
+    # Nor restarted in place: a restart cannot lift trainguard's own cap.
+    assert actuator.restarts() == []
+    restarts = [a for a in of(live, incident) if a["kind"] == "restart_job"]
+    assert [r["status"] for r in restarts] == ["skipped"], restarts
+    assert "a restart would not lift it" in restarts[0]["outcome"]
 
 
 @live_controller

@@ -15,7 +15,11 @@ from controller.logic.remediation.params import GoodputFacts, RestartParams, Rol
 from controller.logic.remediation.rules import Rule, Step
 from controller.services.remediation.records import JobBook, Remediation, fault_time
 from controller.services.remediation.steps.base import StepContext, StepResult
-from controller.services.remediation.steps.isolate import attempts_note, call_actuator
+from controller.services.remediation.steps.isolate import (
+    attempts_note,
+    call_actuator,
+    own_cap_only,
+)
 from controller.services.remediation.steps.shrink import plan_placement
 from controller.state import IncidentState
 
@@ -45,6 +49,14 @@ async def restart(
     now = time.time()
     if job is None:
         return await _moved_off(ctx, rem, incident)
+    own = own_cap_only(incident) if incident is not None and rollback is None else ""
+    if own and not rem.grow:
+        outcome = (
+            f"not restarting job {job}: its straggler is slowed by trainguard's own power "
+            f"cap ({own}); a restart would not lift it"
+        )[:2000]
+        await record(incident, rem, ACTION_KIND, job, {}, "skipped", outcome)
+        return True, outcome
     refused = ctx.restarts.refuse(job, now, ctx.policy.guards)
     if refused is not None:
         await record(incident, rem, ACTION_KIND, job, {}, "skipped", refused)
