@@ -18,24 +18,23 @@ never starts the job twice.
 
 Errors: :class:`~controller.actuators.base.ActuatorError` with a one-line message (unknown
 job, node outside the pool, layout that does not match the spec, stale generation, a
-command that cannot start).
+command, log directory or working directory that cannot be used). A generation is recorded
+only once all its ranks started: when one cannot start, the ranks already started are
+killed and reaped, the previous generation stays the last one started, and the same
+generation may be tried again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
-import os
 import signal
-import socket
-import subprocess
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from controller.actuators.base import (
     ActuatorError,
@@ -45,50 +44,23 @@ from controller.actuators.base import (
     NodeView,
     Placement,
 )
+from controller.actuators.local_launch import (
+    Generation,
+    LocalJobSpec,
+    Rank,
+    free_port,
+    peek,
+    signal_group,
+    spawn_rank,
+    start_error,
+)
 from trainguard.wire import RankEvent
+
+__all__ = ["JobStatus", "LocalJobSpec", "LocalProcessActuator", "RankStatus"]
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.02
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LocalJobSpec:
-    """How to run one job's ranks locally, whatever placement the engine picks."""
-
-    name: str
-    #: The command every rank runs, e.g. ``[sys.executable, "-m", "demojob.train"]``.
-    argv: Sequence[str]
-    #: Simulated node names the job may use, in the order spares should be preferred.
-    pool: Sequence[str]
-    ranks_per_node: int
-    #: Tensor-parallel size; must divide ``ranks_per_node`` so a TP group stays on one node.
-    tp: int = 1
-    #: Extra environment for every rank (on top of this process's environment).
-    env: Mapping[str, str] = field(default_factory=dict)
-    #: Extra environment per node, e.g. ``{"node-a": {"TRAINGUARD_AGENT_SOCKET": "/…/a.sock"}}``.
-    node_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    #: One log file per rank per generation lands here: ``<job>.g<gen>.rank<rank>.log``.
-    log_dir: Path = Path(".")
-    #: Smallest data-parallel size worth running (the planner's ``min_dp``).
-    min_dp: int = 1
-    #: The global batch; dp must divide it (the planner's ``dp_must_divide``).
-    dp_must_divide: int | None = None
-    #: Working directory of the ranks (``None``: this process's).
-    cwd: Path | None = None
-
-    def __post_init__(self) -> None:
-        if not self.argv:
-            raise ValueError(f"job {self.name!r}: argv is empty")
-        if not self.pool or len(set(self.pool)) != len(self.pool):
-            raise ValueError(f"job {self.name!r}: pool must be non-empty without repeats")
-        if self.ranks_per_node < 1 or self.tp < 1 or self.ranks_per_node % self.tp:
-            raise ValueError(
-                f"job {self.name!r}: tp={self.tp} must divide ranks_per_node={self.ranks_per_node}"
-            )
-        unknown = set(self.node_env) - set(self.pool)
-        if unknown:
-            raise ValueError(f"job {self.name!r}: node_env names nodes outside the pool: {unknown}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,8 +88,8 @@ class JobStatus:
 
     @property
     def succeeded(self) -> bool:
-        """Every rank exited with status 0 (the job completed its training)."""
-        return all(r.exit_code == 0 for r in self.ranks)
+        """Every rank exited with status 0 (the job completed its training); never for no ranks."""
+        return bool(self.ranks) and all(r.exit_code == 0 for r in self.ranks)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -139,37 +111,6 @@ class JobStatus:
         }
 
 
-@dataclass(slots=True)
-class _Rank:
-    rank: int
-    node: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    log_file: IO[bytes]
-
-
-@dataclass(slots=True)
-class _Generation:
-    placement: Placement
-    port: int
-    ranks: list[_Rank]
-    stopped: bool = False
-
-
-def _free_port(avoid: int | None) -> int:
-    """A port free right now on 127.0.0.1, different from the previous generation's.
-
-    Never the old port: the old rendezvous may still sit in TIME_WAIT, and a fresh port
-    makes a late rank of the old generation unable to join the new one.
-    """
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port != avoid:
-            return port
-
-
 class LocalProcessActuator:
     """Runs registered jobs as local rank processes; see the module docstring."""
 
@@ -187,7 +128,7 @@ class LocalProcessActuator:
         #: Seconds between SIGTERM and SIGKILL when stopping ranks.
         self.grace_s = grace_s
         self._specs: dict[str, LocalJobSpec] = {}
-        self._gens: dict[str, _Generation] = {}
+        self._gens: dict[str, Generation] = {}
         self._isolated: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         #: The last events recorded (newest last), for the demo summary and tests.
@@ -196,17 +137,33 @@ class LocalProcessActuator:
         self._configured = list(jobs)
 
     async def start(self) -> list[Placement]:
-        """Register the configured jobs and launch those not running yet."""
+        """Register the configured jobs and launch those not running yet.
+
+        One job that cannot start does not keep the others from starting: every job is
+        tried, then one :class:`ActuatorError` names each that failed.
+        """
         launched = []
+        failed: list[str] = []
         for spec, placement in self._configured:
             self.register(spec)
-            if await self.current_placement(spec.name) is None:
+            if await self.current_placement(spec.name) is not None:
+                continue
+            try:
                 result = await self.launch(placement)
-                launched.append(placement)
-                log.info(
-                    "local job launched",
-                    extra={"fields": {"job": spec.name, "outcome": result.outcome}},
-                )
+            except ActuatorError as exc:
+                failed.append(str(exc))
+                log.error("local job not launched: %s", exc, extra={"fields": {"job": spec.name}})
+                continue
+            launched.append(placement)
+            log.info(
+                "local job launched",
+                extra={"fields": {"job": spec.name, "outcome": result.outcome}},
+            )
+        if failed:
+            raise ActuatorError(
+                f"{len(failed)} of {len(self._configured)} configured local jobs did not "
+                f"start: {'; '.join(failed)}"
+            )
         return launched
 
     def observe_ranks(self, node: str, events: Sequence[RankEvent]) -> None:
@@ -216,10 +173,7 @@ class LocalProcessActuator:
         """No node health of its own to ask (``ready`` unknown); whether the ranks it runs on
         ``node`` are still alive is what it knows."""
         alive = [
-            _peek(r.proc) is None
-            for gen in self._gens.values()
-            for r in gen.ranks
-            if r.node == node
+            peek(r.proc) is None for gen in self._gens.values() for r in gen.ranks if r.node == node
         ]
         return NodeView(pods_running=any(alive) if alive else None)
 
@@ -266,7 +220,7 @@ class LocalProcessActuator:
             return None
         ranks = []
         for r in gen.ranks:
-            code = _peek(r.proc)
+            code = peek(r.proc)
             ranks.append(
                 RankStatus(
                     rank=r.rank,
@@ -315,24 +269,28 @@ class LocalProcessActuator:
         return self._locks.setdefault(job, asyncio.Lock())
 
     async def launch(self, placement: Placement) -> ActuatorResult:
-        """Start ``placement`` as a new generation; refused while a generation still runs."""
+        """Start ``placement`` as a new generation; refused while a generation still runs.
+
+        A previous generation whose ranks all exited on their own is swept first (its
+        process groups get SIGKILL), as a restart would: their children do not outlive it.
+        """
         async with self._lock(placement.job):
             gen = self._gens.get(placement.job)
-            if (
-                gen is not None
-                and not gen.stopped
-                and any(_peek(r.proc) is None for r in gen.ranks)
-            ):
+            if gen is not None and not gen.stopped and any(peek(r.proc) is None for r in gen.ranks):
                 raise ActuatorError(
                     f"job {placement.job!r} generation {gen.placement.generation} is still "
                     "running; use restart_job"
                 )
+            self._prepare(placement)
+            if gen is not None and not gen.stopped:
+                await self._stop(gen)
             return self._launch(placement)
 
     async def restart_job(self, placement: Placement, *, reason: str) -> ActuatorResult:
         """Stop the running generation and start ``placement``; refused unless it is newer."""
         async with self._lock(placement.job):
-            self._check(placement)
+            # Everything that can be checked is, before the running generation is stopped.
+            self._prepare(placement)
             gen = self._gens.get(placement.job)
             stopped: dict[str, Any] = {}
             if gen is not None:
@@ -403,27 +361,43 @@ class LocalProcessActuator:
                 f"generation {gen.placement.generation}, already started"
             )
 
-    def _launch(self, placement: Placement) -> ActuatorResult:
+    def _prepare(self, placement: Placement) -> None:
+        """Refuse ``placement`` if it cannot be started: layout, pool, generation, directories."""
         self._check(placement)
         spec = self.spec(placement.job)
+        try:
+            spec.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ActuatorError(
+                f"job {placement.job!r}: cannot create log_dir {spec.log_dir}: "
+                f"{exc.strerror or exc}"
+            ) from None
+        if spec.cwd is not None and not spec.cwd.is_dir():
+            raise ActuatorError(
+                f"job {placement.job!r}: working directory {spec.cwd} does not exist "
+                "or is not a directory"
+            )
+
+    def _launch(self, placement: Placement) -> ActuatorResult:
+        """Start every rank, or none: the generation is recorded only once all started."""
+        self._prepare(placement)
+        spec = self.spec(placement.job)
         old = self._gens.get(placement.job)
-        port = _free_port(old.port if old is not None else None)
-        spec.log_dir.mkdir(parents=True, exist_ok=True)
-        ranks: list[_Rank] = []
+        port = free_port(old.port if old is not None else None)
+        ranks: list[Rank] = []
         try:
             for rank in range(placement.world_size):
-                ranks.append(self._spawn(spec, placement, rank, port))
-        except OSError as exc:
-            self._gens[placement.job] = _Generation(placement=placement, port=port, ranks=ranks)
+                ranks.append(spawn_rank(spec, placement, rank, port))
+        except Exception as exc:
             for r in ranks:
-                _signal_group(r, signal.SIGKILL)
+                signal_group(r, signal.SIGKILL)
                 r.proc.wait()
                 r.log_file.close()
-            self._gens[placement.job].stopped = True
             raise ActuatorError(
-                f"job {placement.job!r}: cannot start {spec.argv[0]}: {exc}"
+                f"job {placement.job!r}: cannot start rank {len(ranks)} "
+                f"({spec.argv[0]}): {start_error(exc, spec)}"
             ) from exc
-        self._gens[placement.job] = _Generation(placement=placement, port=port, ranks=ranks)
+        self._gens[placement.job] = Generation(placement=placement, port=port, ranks=ranks)
         return ActuatorResult(
             outcome=f"job {placement.job} generation {placement.generation} started "
             f"({placement.world_size} ranks on {len(placement.nodes)} nodes)",
@@ -436,60 +410,18 @@ class LocalProcessActuator:
             },
         )
 
-    def _spawn(self, spec: LocalJobSpec, placement: Placement, rank: int, port: int) -> _Rank:
-        node = placement.node_of(rank)
-        # Nothing of the controller's own configuration (its tokens above all) reaches a rank.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-        env.update(spec.env)
-        env.update(spec.node_env.get(node, {}))
-        env.update(
-            {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(placement.world_size),
-                "LOCAL_RANK": str(rank % placement.ranks_per_node),
-                "LOCAL_WORLD_SIZE": str(placement.ranks_per_node),
-                "GROUP_RANK": str(rank // placement.ranks_per_node),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "TRAINGUARD_JOB": placement.job,
-                "TRAINGUARD_NODE": node,
-                "TRAINGUARD_GENERATION": str(placement.generation),
-                # One GPU per rank: local rank k uses the node's GPU k.
-                "TRAINGUARD_GPU_INDEX": str(rank % placement.ranks_per_node),
-                "TG_TP": str(placement.tp),
-            }
-        )
-        if placement.resume_step is not None:
-            env["TRAINGUARD_RESUME_STEP"] = str(placement.resume_step)
-        log_path = spec.log_dir / f"{placement.job}.g{placement.generation}.rank{rank}.log"
-        log_file = open(log_path, "ab")  # noqa: SIM115 - lives as long as the rank
-        try:
-            proc = subprocess.Popen(
-                list(spec.argv),
-                env=env,
-                cwd=spec.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group: signal the rank and its children
-            )
-        except OSError:
-            log_file.close()
-            raise
-        return _Rank(rank=rank, node=node, proc=proc, log_path=log_path, log_file=log_file)
-
-    async def _stop(self, gen: _Generation) -> ActuatorResult:
+    async def _stop(self, gen: Generation) -> ActuatorResult:
         # Ranks are only reaped at the very end, so every group id stays ours until the
         # SIGKILL sweep: children of a rank that exited on SIGTERM are not left behind.
         started = time.monotonic()
         for r in gen.ranks:
-            _signal_group(r, signal.SIGTERM)
+            signal_group(r, signal.SIGTERM)
         deadline = started + self.grace_s
-        while any(_peek(r.proc) is None for r in gen.ranks) and time.monotonic() < deadline:
+        while any(peek(r.proc) is None for r in gen.ranks) and time.monotonic() < deadline:
             await asyncio.sleep(_POLL_S)
-        killed = [r.rank for r in gen.ranks if _peek(r.proc) is None]
+        killed = [r.rank for r in gen.ranks if peek(r.proc) is None]
         for r in gen.ranks:
-            _signal_group(r, signal.SIGKILL)
+            signal_group(r, signal.SIGKILL)
         while any(r.proc.poll() is None for r in gen.ranks):
             await asyncio.sleep(_POLL_S)
         for r in gen.ranks:
@@ -506,32 +438,3 @@ class LocalProcessActuator:
                 "stop_s": round(time.monotonic() - started, 3),
             },
         )
-
-
-def _peek(proc: subprocess.Popen[bytes]) -> int | None:
-    """The exit status of ``proc`` without reaping it (``None``: still running).
-
-    Negative for a signal, as :mod:`subprocess` reports it. Not reaping keeps the pid,
-    hence the process group id, reserved until the actuator has swept the group.
-    """
-    if proc.returncode is not None:
-        return proc.returncode
-    try:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return proc.poll()
-    if info is None:
-        return None
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
-def _signal_group(rank: _Rank, sig: signal.Signals) -> None:
-    """Signal the rank's process group, also when the rank itself already exited.
-
-    Safe while the rank is not yet reaped (see :func:`_peek`): until then its pid (= the
-    group id) cannot be reused. Once reaped (``returncode`` set) the group is left alone.
-    """
-    if rank.proc.returncode is not None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(rank.proc.pid, sig)

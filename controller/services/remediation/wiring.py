@@ -12,10 +12,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from controller.actuators.base import Actuator, ActuatorError, Placement
 from controller.actuators.local import LocalJobSpec, LocalProcessActuator
+from controller.actuators.local_launch import has_nul
 from controller.logic.remediation.rules import (
     Policy,
     PolicyError,
@@ -61,6 +70,31 @@ class LocalJob(BaseModel):
     min_dp: int = Field(default=1, ge=1)
     #: The global batch: every data-parallel size a restart picks must divide it.
     global_batch: int | None = Field(default=None, ge=1)
+
+    @field_validator("name", "argv", "pool", "nodes", "env", "node_env", "log_dir", "cwd")
+    @classmethod
+    def _no_nul(cls, value: object, info: ValidationInfo) -> object:
+        # A rank's command, environment and directories reach execve as C strings: a NUL
+        # byte would fail half-way through starting a generation, so it is refused here.
+        if has_nul(value):
+            raise ValueError(f"{info.field_name} must not contain NUL bytes")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in value if not k or "=" in k]
+        if bad:
+            raise ValueError(f"bad environment variable names: {bad}")
+        return value
+
+    @field_validator("node_env")
+    @classmethod
+    def _node_env_names(cls, value: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+        bad = [k for env in value.values() for k in env if not k or "=" in k]
+        if bad:
+            raise ValueError(f"bad environment variable names: {bad}")
+        return value
 
     @model_validator(mode="after")
     def _initial_nodes(self) -> LocalJob:
