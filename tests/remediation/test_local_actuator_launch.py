@@ -228,6 +228,34 @@ def test_start_tries_every_configured_job_and_names_each_that_failed(tmp_path: P
     asyncio.run(main())
 
 
+def test_a_new_leader_goes_on_leading_when_a_configured_job_does_not_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine's start used to let the actuator's error through, which ended the new
+    leader's start (runtime._lead: no writer, no tickers) for one bad job in the file."""
+    from controller.services.remediation.restore import start_configured
+
+    missing = [str(tmp_path / "no-such-command")]
+    jobs = [
+        (spec(tmp_path, name="bad", argv=missing), placement(("a",), job="bad")),
+        (spec(tmp_path, name="good"), placement(("a", "b"), job="good")),
+    ]
+
+    async def main() -> dict[str, int]:
+        act = LocalProcessActuator(grace_s=0.5, jobs=jobs)
+        sizes: dict[str, int] = {}
+        try:
+            await start_configured(act, sizes)
+        finally:
+            await act.close()
+        return sizes
+
+    with caplog.at_level("ERROR"):
+        sizes = asyncio.run(main())
+    assert any("'bad'" in r.getMessage() for r in caplog.records)
+    assert sizes == {}  # the good job's size comes from its first restart's placement
+
+
 def test_bad_directories_give_one_line_errors_before_the_running_generation_stops(
     tmp_path: Path,
 ) -> None:

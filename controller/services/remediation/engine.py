@@ -167,10 +167,7 @@ class RemediationEngine:
 
     async def start(self) -> None:
         """Let the actuator start what it was configured to run (leader only)."""
-        if self.actuator is None:
-            return
-        for placement in await self.actuator.start():
-            self.ctx.original_nodes[placement.job] = len(placement.nodes)
+        await restore.start_configured(self.actuator, self.ctx.original_nodes)
 
     async def close(self) -> None:
         await self.stop()

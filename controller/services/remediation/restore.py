@@ -1,4 +1,5 @@
-"""What a new leader reads back from the action history, and the job books it restores.
+"""What a new leader reads back from the action history, the job books it restores, and
+the configured jobs it starts.
 
 The engine keeps its per-job state in memory; after a failover or a controller restart it
 is rebuilt from the ``actions`` rows the earlier leader wrote: which open incidents were
@@ -14,12 +15,28 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
+from controller.actuators.base import Actuator, ActuatorError
 from controller.logic.remediation.params import RestartParams
 from controller.logic.remediation.rules import Step
 from controller.services.remediation import history
 from controller.services.remediation.records import JobBook, Remediation
 
 log = logging.getLogger(__name__)
+
+
+async def start_configured(actuator: Actuator | None, original_nodes: dict[str, int]) -> None:
+    """Let the actuator start what it was configured to run, noting each job's size. A job
+    that does not start is logged, and leading goes on: the actuator has started the others,
+    and an error here used to end the new leader's start (no writer, no tickers)."""
+    if actuator is None:
+        return
+    try:
+        started = await actuator.start()
+    except ActuatorError as exc:
+        log.error("remediation: configured jobs: %s", exc)
+        return
+    for placement in started:
+        original_nodes[placement.job] = len(placement.nodes)
 
 
 @dataclass(frozen=True, slots=True)
