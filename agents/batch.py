@@ -8,8 +8,9 @@ sample). When report ``seq`` is durably spooled the journal file is deleted; at 
 journal whose seq is already spooled is deleted and the rest is replayed, so an item lands
 in exactly one report. A torn last line (the process died mid-write) is skipped.
 
-Job records are bounded by item counts that keep a report under ``wire.MAX_REPORT_BYTES``;
-past ``flush_hint_bytes`` the batch asks the daemon to report early.
+Job records are bounded by item counts (half the wire's ``max_length``) and by serialized
+bytes (:data:`MAX_RECORD_BYTES`, 3/4 of ``wire.MAX_REPORT_BYTES``), so a report always
+validates and fits; past :data:`FLUSH_HINT_BYTES` the batch asks the daemon to report early.
 """
 
 from __future__ import annotations
@@ -21,22 +22,54 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from pydantic import ValidationError
+from annotated_types import MaxLen
+from pydantic import BaseModel, ValidationError
 
 from agents.atomic import write_atomic
-from trainguard.wire import CommandAck, JobRecords, NodeSample
+from trainguard import wire
+from trainguard.wire import CommandAck, JobRecords, NodeSample, Report
 
 log = logging.getLogger(__name__)
 
-#: Item caps per report: half of the wire limits, so a report always validates.
-MAX_STEPS = 10_000
-MAX_OTHER_RECORDS = 2_048
-#: Kinds that come once per rank and step get the larger cap; the rest MAX_OTHER_RECORDS.
-_RECORD_CAPS = {"steps": MAX_STEPS, "probes": MAX_STEPS}
-MAX_SAMPLES = 3_600
-MAX_ACKS = 2_048
+
+def _wire_cap(model: type[BaseModel], name: str) -> int:
+    """The wire's ``max_length`` of ``model.name``: the one place every cap comes from."""
+    caps = [m.max_length for m in model.model_fields[name].metadata if isinstance(m, MaxLen)]
+    if not caps:
+        raise TypeError(f"{model.__name__}.{name} has no max_length on the wire")
+    return min(caps)
+
+
+#: Item caps per report: half of the wire limits, so a report always validates (derived from
+#: the wire models: a hand-copied number once let 2,048 traces into a report whose wire limit
+#: is 1,024, and the controller rejected the whole report, samples and all).
+_RECORD_CAPS = {name: _wire_cap(JobRecords, name) // 2 for name in JobRecords.model_fields}
+MAX_STEPS = _RECORD_CAPS["steps"]
+MAX_SAMPLES = _wire_cap(Report, "samples")
+MAX_ACKS = _wire_cap(Report, "command_acks") // 2
 #: Serialized job-record bytes past which the daemon is asked to report at once.
-FLUSH_HINT_BYTES = 1024 * 1024
+FLUSH_HINT_BYTES = wire.MAX_REPORT_BYTES // 4
+#: Job-record bytes (as the report serializes them) one report carries at most: three
+#: quarters of the controller's body limit (10,000 step summaries fit), the rest left for the
+#: samples, acks and node info. Records past it are dropped and counted, so job records can
+#: never make the controller refuse a report and lose the node's samples with it.
+MAX_RECORD_BYTES = wire.MAX_REPORT_BYTES * 3 // 4
+#: Largest single Flight Recorder dump the endpoint takes (``ok=false`` past it).
+MAX_TRACE_BYTES = wire.MAX_REPORT_BYTES // 4
+#: Kinds kept first when the byte budget runs short: small, and what the controller acts on.
+_LAST = ("steps", "probes", "inflight", "traces")
+_BUDGET_ORDER = [n for n in JobRecords.model_fields if n not in _LAST] + [
+    n for n in _LAST if n in JobRecords.model_fields
+]
+
+
+def _report_size(model: BaseModel) -> int:
+    """Bytes ``model`` takes in a report (agents.spool serializes with ``exclude_none``)."""
+    return len(model.model_dump_json(exclude_none=True))
+
+
+#: The brackets and field names of an empty JobRecords: one per report, not per frame.
+_EMPTY_RECORDS_BYTES = _report_size(JobRecords())
 
 
 @dataclass(slots=True)
@@ -53,7 +86,8 @@ class Batch:
         self._dir = journal_dir
         self._lock = threading.RLock()
         self._contents = BatchContents()
-        self._record_bytes = 0
+        self._record_bytes = 0  # as the report serializes them (the byte budget)
+        self._hint_bytes = 0  # as the clients framed them
         self._file: IO[str] | None = None
         self.dropped_records_total = 0
         self._replay(next_seq)
@@ -151,26 +185,57 @@ class Batch:
             kept = self._merge(records, size_bytes)
             if not kept.is_empty():
                 self._write("records", kept.model_dump(mode="json", exclude_defaults=True))
-            return self._record_bytes >= FLUSH_HINT_BYTES
+            return max(self._hint_bytes, self._record_bytes) >= FLUSH_HINT_BYTES
 
     def _merge(self, records: JobRecords, size_bytes: int) -> JobRecords:
-        """Append within the caps; what does not fit is dropped and counted."""
-        kept = JobRecords()
+        """Append within the caps (items, then bytes); what does not fit is dropped and counted.
+
+        ``size_bytes`` (the frame's size) only feeds the early-report hint: the byte budget
+        measures the records as the report will serialize them (a client's frame may leave
+        out defaults that the report spells out).
+        """
         into = self._contents.records
         # Every record kind of the wire format, so a kind added there is never dropped here
         # (Flight Recorder dumps once were: the list named five kinds by hand).
+        counted = JobRecords()
         for name in JobRecords.model_fields:
-            cap = _RECORD_CAPS.get(name, MAX_OTHER_RECORDS)
             items: list[Any] = getattr(records, name)
-            target: list[Any] = getattr(into, name)
-            room = max(0, cap - len(target))
-            target.extend(items[:room])
-            getattr(kept, name).extend(items[:room])
-            if len(items) > room:
-                self.dropped_records_total += len(items) - room
-                log.warning("batch full: dropped %d %s record(s)", len(items) - room, name)
-        self._record_bytes += size_bytes
+            room = max(0, _RECORD_CAPS[name] - len(getattr(into, name)))
+            getattr(counted, name).extend(items[:room])
+            self._drop(name, len(items) - room, "items")
+        # Fits whole: one measurement. Past the byte budget each item is measured and kept
+        # while it fits, the kinds the controller acts on first (_BUDGET_ORDER).
+        size = 0 if counted.is_empty() else _report_size(counted) - _EMPTY_RECORDS_BYTES
+        if self._record_bytes + size <= MAX_RECORD_BYTES:
+            kept = counted
+            self._record_bytes += size
+        else:
+            kept = JobRecords()
+            for name in _BUDGET_ORDER:
+                items = getattr(counted, name)
+                take = self._within_budget(items)
+                getattr(kept, name).extend(take)
+                self._drop(name, len(items) - len(take), "bytes")
+        for name in JobRecords.model_fields:
+            getattr(into, name).extend(getattr(kept, name))
+        self._hint_bytes += size_bytes
         return kept
+
+    def _drop(self, name: str, n: int, why: str) -> None:
+        if n > 0:
+            self.dropped_records_total += n
+            log.warning("batch full (%s): dropped %d %s record(s)", why, n, name)
+
+    def _within_budget(self, items: list[Any]) -> list[Any]:
+        take = []
+        for item in items:
+            if MAX_RECORD_BYTES - self._record_bytes < 64:
+                break  # full: no need to measure the rest
+            size = _report_size(item) + 1
+            if self._record_bytes + size <= MAX_RECORD_BYTES:
+                take.append(item)
+                self._record_bytes += size
+        return take
 
     # ------------------------------------------------------------------ taking
 
@@ -190,6 +255,7 @@ class Batch:
             self._path(self._seq).unlink(missing_ok=True)
             self._contents = BatchContents()
             self._record_bytes = 0
+            self._hint_bytes = 0
             self._open(next_seq)
 
     def close(self) -> None:
@@ -199,4 +265,4 @@ class Batch:
                 self._file = None
 
 
-__all__ = ["Batch", "BatchContents"]
+__all__ = ["MAX_RECORD_BYTES", "MAX_TRACE_BYTES", "Batch", "BatchContents"]

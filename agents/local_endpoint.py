@@ -46,6 +46,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
+from agents.batch import MAX_TRACE_BYTES
 from agents.errors import ListenError
 from agents.tcp_endpoint import (
     HELLO_MAX_BYTES,
@@ -56,6 +57,7 @@ from agents.tcp_endpoint import (
 )
 from trainguard.framing import MAX_FRAME_BYTES, FrameError, encode_frame, read_frame
 from trainguard.wire import (
+    MAX_REPORT_BYTES,
     Command,
     JobCommand,
     JobRecords,
@@ -117,6 +119,12 @@ def _one_line(exc: ValidationError) -> str:
     loc = ".".join(str(p) for p in err["loc"]) or "frame"
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     return f"{loc}: {err['msg']}{more}"
+
+
+def _exc_line(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return _one_line(exc)
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
 
 
 def _remove_stale_socket(path: Path) -> None:
@@ -320,16 +328,23 @@ class LocalEndpoint:
     def _serve(self, conn: socket.socket, session: Session) -> None:
         reason = "closed by client"
         tcp = session.transport == "tcp"
+        hello_s = self.tcp.hello_timeout_s if self.tcp is not None else self.idle_timeout_s
+        hello_deadline = time.monotonic() + hello_s  # the whole hello, counted from accept
         try:
             while not self._stop.is_set():
                 waiting = tcp and session.hello is None
-                hello_s = self.tcp.hello_timeout_s if self.tcp is not None else self.idle_timeout_s
-                conn.settimeout(hello_s if waiting else self.idle_timeout_s)
+                # An absolute deadline per frame: a complete frame within the idle timeout
+                # (the hello within hello_s of accept), however slowly its bytes trickle in.
+                limit_s = hello_s if waiting else self.idle_timeout_s
+                deadline = hello_deadline if waiting else time.monotonic() + limit_s
                 try:
-                    payload = read_frame(conn, HELLO_MAX_BYTES if waiting else MAX_FRAME_BYTES)
+                    payload = read_frame(
+                        conn, HELLO_MAX_BYTES if waiting else MAX_FRAME_BYTES, deadline=deadline
+                    )
                 except TimeoutError:
-                    what = "hello" if waiting else "frame"
-                    reason = f"no {what} for {conn.gettimeout():g} s"
+                    what = "hello" if waiting else "frame"  # complete, by the deadline
+                    reason = f"no {what} for {limit_s:g} s"
+                    conn.settimeout(1.0)  # the goodbye must not wait on a peer that never reads
                     self._send(conn, LocalReply(ok=False, error=f"closing: {reason}"))
                     log.info("local client %d: %s; closing it", session.conn_id, reason)
                     return
@@ -344,7 +359,13 @@ class LocalEndpoint:
                     reason = f"socket error: {exc}"
                     return
                 session.frames += 1
-                reply = self._reply(session, payload)
+                try:
+                    reply = self._reply(session, payload)
+                except Exception as exc:  # a bug or a failing sink: one line, keep serving
+                    session.bad_frames += 1
+                    log.error("local client %d: frame failed: %s", session.conn_id, _exc_line(exc))
+                    reply = LocalReply(ok=False, error=f"agent error: {_exc_line(exc)}"[:500])
+                conn.settimeout(self.idle_timeout_s)  # the reply, not what the read left over
                 if not self._send(conn, reply):
                     reason = "client went away before the reply"
                     return
@@ -388,7 +409,6 @@ class LocalEndpoint:
                 session.peer_pid,
             )
             return
-        session.reported_vanished = True
         seen = "is gone" if state == "gone" else "cannot be seen from the agent"
         log.warning(
             "job %s rank %d (pid %d) vanished: its connection closed without an exit record "
@@ -398,6 +418,17 @@ class LocalEndpoint:
             hello.pid,
             seen,
         )
+        try:  # a timer thread: log, never raise (nor claim a report that was not made)
+            self._report_vanished(session, hello, seen)
+        except Exception as exc:
+            log.error(
+                "could not report vanished rank %d of job %s: %s",
+                hello.rank,
+                hello.job,
+                _exc_line(exc),
+            )
+
+    def _report_vanished(self, session: Session, hello: LocalHello, seen: str) -> None:
         event = RankEvent(
             job=hello.job,
             rank=hello.rank,
@@ -413,17 +444,22 @@ class LocalEndpoint:
             ),
             disconnected=True,
         )
-        try:
-            self._on_records(session, JobRecords(rank_events=[event]), 0)
-        except Exception:  # a timer thread: log, never raise
-            log.exception("could not report vanished rank %d of job %s", hello.rank, hello.job)
+        self._on_records(session, JobRecords(rank_events=[event]), 0)
+        session.reported_vanished = True
 
     def _reply(self, session: Session, payload: bytes) -> LocalReply:
         try:
             message = _MESSAGE.validate_python(json.loads(payload))
-        except (ValueError, ValidationError) as exc:
+        except (ValueError, ValidationError, RecursionError) as exc:
+            # RecursionError: JSON nested past the parser's depth ("[" * 100000), which is
+            # a RuntimeError, not a ValueError; once it killed the connection's thread.
             session.bad_frames += 1
-            error = _one_line(exc) if isinstance(exc, ValidationError) else f"not JSON: {exc}"
+            if isinstance(exc, ValidationError):
+                error = _one_line(exc)
+            elif isinstance(exc, RecursionError):
+                error = "not JSON: nested too deeply"
+            else:
+                error = f"not JSON: {exc}"
             return LocalReply(ok=False, error=f"invalid frame: {error}"[:500])
         if isinstance(message, LocalHello):
             if session.hello is not None:
@@ -468,6 +504,10 @@ class LocalEndpoint:
                 ok=False,
                 error=f"records for job {foreign!r} on a connection of job {session.hello.job!r}",
             )
+        oversized = _oversized_trace(message.records)
+        if oversized is not None:
+            session.bad_frames += 1
+            return LocalReply(ok=False, error=oversized)
         if message.closing or any(e.kind == "exited" for e in message.records.rank_events):
             session.said_goodbye = True
         self._on_records(session, message.records, len(payload))
@@ -505,6 +545,19 @@ def process_state(pid: int | None) -> str:
     # "pid (comm) S ...": comm may hold spaces and parentheses; the state follows the last ")".
     state = stat_line.rpartition(")")[2].split()[:1]
     return "gone" if state and state[0] in ("Z", "X", "x") else "alive"
+
+
+def _oversized_trace(records: JobRecords) -> str | None:
+    """Why a Flight Recorder dump of this frame is refused (too large for a report), if so."""
+    for dump in records.traces:
+        size = len(dump.model_dump_json(exclude_none=True))  # as in the report
+        if size > MAX_TRACE_BYTES:
+            return (
+                f"Flight Recorder dump of rank {dump.rank} is {size} bytes; the agent takes at "
+                f"most {MAX_TRACE_BYTES} per dump (a report is at most {MAX_REPORT_BYTES}): "
+                "lower trace_max_entries; the frame was refused"
+            )
+    return None
 
 
 def _foreign_job(records: JobRecords, job: str) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 
 #: Largest frame either side accepts. Job records are batched per ~100 ms per rank, far
 #: below this; a larger length means a corrupt or hostile stream.
@@ -39,9 +40,16 @@ def _check_length(length: int, limit: int = MAX_FRAME_BYTES) -> int:
     return length
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     chunks = bytearray()
     while len(chunks) < n:
+        if deadline is not None:
+            # One deadline for the whole frame, not a timeout per recv: a peer trickling a
+            # byte at a time must not restart the clock with every byte.
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("frame not complete by its deadline")
+            sock.settimeout(remaining)
         chunk = sock.recv(n - len(chunks))
         if not chunk:
             raise FrameError("connection closed mid-frame" if chunks else "connection closed")
@@ -49,13 +57,18 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(chunks)
 
 
-def read_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+def read_frame(
+    sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES, *, deadline: float | None = None
+) -> bytes:
     """Read one frame from a blocking socket (raises :class:`FrameError` on EOF).
 
     ``max_bytes`` lowers the limit, e.g. for a peer that has not authenticated yet.
+    ``deadline`` (a :func:`time.monotonic` instant) bounds the whole frame, header and body:
+    :class:`TimeoutError` when it is not complete by then, however the bytes trickle in (the
+    socket's timeout is changed to what remains before each ``recv``).
     """
-    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    return _recv_exact(sock, _check_length(length, max_bytes)) if length else b""
+    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
+    return _recv_exact(sock, _check_length(length, max_bytes), deadline) if length else b""
 
 
 async def read_frame_async(reader: asyncio.StreamReader) -> bytes:
