@@ -881,6 +881,11 @@ class LocalHello(WireModel):
         ),
     )
 
+    @model_validator(mode="after")
+    def _rank_below_world_size(self) -> LocalHello:
+        _rank_in_world(self.rank, self.world_size)
+        return self
+
 
 class LocalRecords(WireModel):
     """A batch of job records; the agent replies with a :class:`LocalReply`."""

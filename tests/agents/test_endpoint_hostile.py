@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from annotated_types import MaxLen
+from pydantic import ValidationError
 
 import agents.batch as batch_mod
 import agents.local_endpoint as local_endpoint
@@ -327,6 +328,23 @@ def test_endpoint_refuses_a_dump_larger_than_its_share_of_a_report(
 
 
 # ---------------------------------------------------------------- F4: rank >= world_size
+
+
+def test_hello_with_rank_not_below_world_size_is_refused(
+    endpoint: tuple[LocalEndpoint, Sink],
+) -> None:
+    with pytest.raises(ValidationError, match="rank 5 must be less than world_size 2"):
+        LocalHello(job="j", rank=5, world_size=2, pid=1)
+    ep, _ = endpoint
+    assert ep.path is not None
+    client = LocalClient(str(ep.path))
+    reply = client.send_json({"type": "hello", "job": "j", "rank": 5, "world_size": 2, "pid": 1})
+    assert not reply.ok
+    assert reply.error == (
+        "invalid frame: hello: Value error, rank 5 must be less than world_size 2"
+    )
+    assert client.hello("j", 1).ok
+    client.close()
 
 
 def test_a_failing_vanish_report_is_logged_not_raised(

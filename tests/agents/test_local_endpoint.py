@@ -142,7 +142,7 @@ def test_disconnect_of_a_live_process_is_recorded_but_no_exit_event_is_invented(
     ep = LocalEndpoint(short_tmp / "agent.sock", on_records=sink, vanish_grace_s=0.05)
     ep.start()
     client = LocalClient(str(ep.path))
-    client.hello("train-a", rank=3, pid=4242)
+    client.hello("train-a", rank=3, world_size=4, pid=4242)
     client.records(
         JobRecords(rank_events=[RankEvent(job="train-a", rank=3, kind="started", time_unix_s=1.0)])
     )
