@@ -115,20 +115,10 @@ class XidWatcher:
                     "XID events unavailable (nvmlEventSetCreate: %s); relying on polling", exc
                 )
                 return
-            for index, handle in enumerate(self._handles):
-                if handle is None:  # did not answer at start; its faults show in the samples
-                    log.warning("GPU %d: not registered for XID events (no NVML handle)", index)
-                    continue
-                if self._stop.is_set():
-                    return
-                mask = self._register(index, handle)
-                if mask:
-                    self.registered.append(index)
-                    self.registered_events[index] = mask
-                else:
-                    log.warning("GPU %d: cannot register for XID events", index)
-            # Handles that answered while this ran (update_handles found us busy).
-            self._register_new()
+            handles = self._handles
+            self._register_pending(at_start=True)
+            if self._handles is not handles:  # update_handles found us busy: its handles
+                self._register_pending()
             if self._stop.is_set():
                 return
             thread = threading.Thread(target=self._main, name="xid-watcher", daemon=True)
@@ -154,20 +144,32 @@ class XidWatcher:
         try:
             if self._event_set is None:
                 return []
-            return self._register_new()
+            return self._register_pending()
         finally:
             self._registering.release()
 
-    def _register_new(self) -> list[int]:
+    def _register_pending(self, *, at_start: bool = False) -> list[int]:
+        """Register every GPU with a handle that is not registered yet; the indices added.
+        A GPU without a handle did not answer at start (its faults show in the samples);
+        one that refuses is tried again when the handles change."""
         added: list[int] = []
         for index, handle in enumerate(self._handles):
-            if handle is None or index in self.registered_events or self._stop.is_set():
+            if index in self.registered_events:
+                continue
+            if self._stop.is_set():
+                break
+            if handle is None:
+                if at_start:
+                    log.warning("GPU %d: not registered for XID events (no NVML handle)", index)
                 continue
             mask = self._register(index, handle)
-            if mask:
-                self.registered.append(index)
-                self.registered_events[index] = mask
-                added.append(index)
+            if not mask:
+                log.warning("GPU %d: cannot register for XID events", index)
+                continue
+            self.registered.append(index)
+            self.registered_events[index] = mask
+            added.append(index)
+            if not at_start:
                 log.info("GPU %d: registered for XID events after it first answered", index)
         return added
 
