@@ -15,6 +15,7 @@ of one rank has no peer; the straggler detector compares it with its own history
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -94,7 +95,9 @@ class PeerIndex:
 
     ``group_ranks`` can hold thousands of ranks; sorting it into a new key for every
     summary would cost more than the detector itself, so the cache is checked against the
-    reported role and the full member list (a tuple compare, no sort). An earlier
+    reported role and the member list: the very same list object (ingest hands every summary
+    of a group one list, and a new one when its members change) is a hit at once, another
+    list is compared element by element, nothing is copied or sorted. An earlier
     fingerprint of (role, length, first, middle, last member) kept a stale group when
     ``[0, 4, 8, 12]`` became ``[0, 5, 8, 12]`` (found by the acceptance probe).
     """
@@ -102,16 +105,15 @@ class PeerIndex:
     __slots__ = ("_cache",)
 
     def __init__(self) -> None:
-        self._cache: dict[int, tuple[tuple[object, ...], PeerKey]] = {}
+        self._cache: dict[int, tuple[str | None, Sequence[int], PeerKey]] = {}
 
     def key(self, s: StepSummary) -> PeerKey:
         g = s.group_ranks
-        finger: tuple[object, ...] = (s.role, *g)
         hit = self._cache.get(s.rank)
-        if hit is not None and hit[0] == finger:
-            return hit[1]
+        if hit is not None and hit[0] == s.role and (hit[1] is g or hit[1] == g):
+            return hit[2]
         key = PeerKey(s.role or "", tuple(sorted(g))) if (g or s.role) else JOB_WIDE
-        self._cache[s.rank] = (finger, key)
+        self._cache[s.rank] = (s.role, g, key)
         return key
 
 

@@ -275,10 +275,12 @@ class PeerWindows:
         for rank in ranks:
             ratios, offsets = self.ratio[rank], self.wait_offset[rank]
             slow = [x for x, o in zip(ratios, offsets, strict=True) if x > limit and o < 0]
-            med_step = fmedian(self.step_s[rank])
-            excess = sum(min(x - 1, SPORADIC_CAP) for x in slow) / n
-            cost = excess * fmedian(self.compute_s[rank]) / med_step if med_step > 0 else 0.0
             hit = len(ratios) >= n and len(slow) >= SPORADIC_MIN_STEPS
+            excess = cost = 0.0
+            if hit and rank not in self.flagged:  # the two medians only when they can matter
+                med_step = fmedian(self.step_s[rank])
+                excess = sum(min(x - 1, SPORADIC_CAP) for x in slow) / n
+                cost = excess * fmedian(self.compute_s[rank]) / med_step if med_step > 0 else 0.0
             if not hit or cost < SPORADIC_MIN_COST or rank in self.flagged:
                 self.sporadic_run.pop(rank, None)
                 self.sporadic.pop(rank, None)
