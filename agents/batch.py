@@ -63,13 +63,13 @@ _BUDGET_ORDER = [n for n in JobRecords.model_fields if n not in _LAST] + [
 ]
 
 
-def _report_size(model: BaseModel) -> int:
+def report_size(model: BaseModel) -> int:
     """Bytes ``model`` takes in a report (agents.spool serializes with ``exclude_none``)."""
     return len(model.model_dump_json(exclude_none=True))
 
 
 #: The brackets and field names of an empty JobRecords: one per report, not per frame.
-_EMPTY_RECORDS_BYTES = _report_size(JobRecords())
+_EMPTY_RECORDS_BYTES = report_size(JobRecords())
 
 
 @dataclass(slots=True)
@@ -205,7 +205,7 @@ class Batch:
             self._drop(name, len(items) - room, "items")
         # Fits whole: one measurement. Past the byte budget each item is measured and kept
         # while it fits, the kinds the controller acts on first (_BUDGET_ORDER).
-        size = 0 if counted.is_empty() else _report_size(counted) - _EMPTY_RECORDS_BYTES
+        size = 0 if counted.is_empty() else report_size(counted) - _EMPTY_RECORDS_BYTES
         if self._record_bytes + size <= MAX_RECORD_BYTES:
             kept = counted
             self._record_bytes += size
@@ -231,7 +231,7 @@ class Batch:
         for item in items:
             if MAX_RECORD_BYTES - self._record_bytes < 64:
                 break  # full: no need to measure the rest
-            size = _report_size(item) + 1
+            size = report_size(item) + 1
             if self._record_bytes + size <= MAX_RECORD_BYTES:
                 take.append(item)
                 self._record_bytes += size
@@ -265,4 +265,4 @@ class Batch:
                 self._file = None
 
 
-__all__ = ["MAX_RECORD_BYTES", "MAX_TRACE_BYTES", "Batch", "BatchContents"]
+__all__ = ["MAX_RECORD_BYTES", "MAX_TRACE_BYTES", "Batch", "BatchContents", "report_size"]

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
-from agents.batch import MAX_TRACE_BYTES
+from agents.batch import MAX_TRACE_BYTES, report_size
 from agents.errors import ListenError
 from agents.tcp_endpoint import (
     HELLO_MAX_BYTES,
@@ -550,7 +550,7 @@ def process_state(pid: int | None) -> str:
 def _oversized_trace(records: JobRecords) -> str | None:
     """Why a Flight Recorder dump of this frame is refused (too large for a report), if so."""
     for dump in records.traces:
-        size = len(dump.model_dump_json(exclude_none=True))  # as in the report
+        size = report_size(dump)
         if size > MAX_TRACE_BYTES:
             return (
                 f"Flight Recorder dump of rank {dump.rank} is {size} bytes; the agent takes at "

@@ -54,11 +54,11 @@ MAX_POLICY_S = 86_400.0
 A cap held for ``1e308`` s would never be lifted, and ``now + 1e308`` is no longer a time;
 anything past a day is a typo, not a policy."""
 
-#: Keys accepted in ``clock_overrides_mhz[model]`` (one per capped state).
 #: Sane bounds of a clock override: no GPU clocks below 100 MHz or above 5 GHz. Each
 #: override is also clamped into the GPU's own range when applied (power.clocks).
 OVERRIDE_MIN_MHZ = 100
 OVERRIDE_MAX_MHZ = 5000
+#: Keys accepted in ``clock_overrides_mhz[model]`` (one per capped state).
 CLOCK_CAP_KEYS = ("lp_t1", "lp_t2", "hp_t2", "brake")
 
 

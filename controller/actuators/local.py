@@ -379,8 +379,8 @@ class LocalProcessActuator:
             )
 
     def _launch(self, placement: Placement) -> ActuatorResult:
-        """Start every rank, or none: the generation is recorded only once all started."""
-        self._prepare(placement)
+        """Start every rank, or none: the generation is recorded only once all started.
+        The callers have run :meth:`_prepare` (before stopping anything)."""
         spec = self.spec(placement.job)
         old = self._gens.get(placement.job)
         port = free_port(old.port if old is not None else None)

@@ -13,7 +13,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controller.errors import ControllerError, InvalidInput, PayloadTooLarge, TemporaryError
 from controller.validation import one_line, structured
-from trainguard import wire
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +38,11 @@ def error_payload(exc: ControllerError) -> tuple[int, bytes, dict[str, str]]:
 
 
 #: The agents' report route, the one whose 413 tells how to send less.
-REPORTS_PATH = f"{wire.API_PREFIX}/reports"
-
-
-def payload_too_large(max_bytes: int, path: str | None = None) -> PayloadTooLarge:
-    """413 for a body over ``max_bytes``. Only the agents' report route (``path``) gets the
-    hint about reports; an operator's oversized request (a power tree, a plan) is told
+def payload_too_large(max_bytes: int, *, reports: bool = False) -> PayloadTooLarge:
+    """413 for a body over ``max_bytes``. Only the agents' report route (``reports``) gets
+    the hint about reports; an operator's oversized request (a power tree, a plan) is told
     the limit alone (the acceptance probe found the report hint on ``PUT /power/domains``)."""
-    if path == REPORTS_PATH:
+    if reports:
         return PayloadTooLarge(
             f"body larger than {max_bytes} bytes; send smaller reports "
             "(the agent splits its spool into batches)"

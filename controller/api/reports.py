@@ -131,7 +131,7 @@ class ReportFastPath:
                 length = int(value) if value.isdigit() else None
         principal = self.services.auth.authorize(authorization, REPORT_ROLES, read=False)
         if length is not None and length > self.max_bytes:
-            raise payload_too_large(self.max_bytes, PATH)
+            raise payload_too_large(self.max_bytes, reports=True)
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -141,7 +141,7 @@ class ReportFastPath:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                raise payload_too_large(self.max_bytes, PATH)
+                raise payload_too_large(self.max_bytes, reports=True)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break

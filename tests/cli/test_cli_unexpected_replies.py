@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controller.api.handlers import REPORTS_PATH, payload_too_large
+from controller.api.handlers import payload_too_large
 from tests.cli.cli_testkit import CliResult, CliServer
 from trainguard import wire
 
@@ -230,5 +230,5 @@ def test_413_names_reports_only_on_the_report_route(cli_server: CliServer) -> No
     assert reply.status_code == 413
     detail = reply.json()["detail"]
     assert str(wire.MAX_REPORT_BYTES) in detail and "report" not in detail
-    assert "send smaller reports" in payload_too_large(10, REPORTS_PATH).message
-    assert "report" not in payload_too_large(10, f"{wire.API_PREFIX}/plans").message
+    assert "send smaller reports" in payload_too_large(10, reports=True).message
+    assert "report" not in payload_too_large(10).message

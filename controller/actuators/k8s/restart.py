@@ -404,7 +404,7 @@ async def _delete_old_gang(
     except PodsPartlyDeleted as exc:
         raise ActuatorError(
             f"restart {w.label} to generation {gen} half done: generation recorded "
-            f"({ANN_RESTART_PENDING} set), deleted {exc.deleted} of {len(pods)} pod(s) of the "
+            f"({ANN_RESTART_PENDING} set), deleted {exc.deleted} of {len(old)} pod(s) of the "
             f"old gang, then {exc.cause}; the old gang may still run: a retry of the restart "
             "finishes it",
             retryable=exc.cause.retryable,
@@ -413,8 +413,7 @@ async def _delete_old_gang(
 
 def _restart_attempt(pod: dict[str, Any]) -> int:
     """The JobSet restart attempt that created ``pod`` (its label; 0 when absent)."""
-    raw = str((pod["metadata"].get("labels") or {}).get(LABEL_RESTART_ATTEMPT, ""))
-    return ko.count_of(raw) or 0
+    return ko.count_of(ko.labels_of(pod).get(LABEL_RESTART_ATTEMPT)) or 0
 
 
 async def _clear_pending(act: KubernetesActuator, w: Workload, gen: int, done: str) -> None:
