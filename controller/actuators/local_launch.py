@@ -69,12 +69,28 @@ class LocalJobSpec:
             ("cwd", self.cwd),
         ]
         for what, value in checks:
-            if has_nul(value):
-                raise ValueError(f"job {self.name!r}: {what} contains a NUL byte")
-        for env in (self.env, *self.node_env.values()):
-            bad = [k for k in env if not k or "=" in str(k)]
-            if bad:
-                raise ValueError(f"job {self.name!r}: bad environment variable names: {bad}")
+            problem = field_problem(what, value)
+            if problem:
+                raise ValueError(f"job {self.name!r}: {problem}")
+
+
+def field_problem(what: str, value: object) -> str | None:
+    """Why ``value`` cannot be the job spec's field ``what``, in one line; ``None`` if it can.
+
+    The one rule for what a rank's execve cannot take: a NUL byte anywhere (C strings end
+    there), and for ``env`` / ``node_env`` a variable name that is empty or holds ``=``.
+    :class:`LocalJobSpec` and the jobs file's model (``remediation.wiring.LocalJob``, which
+    names the field in its error) both ask it.
+    """
+    if has_nul(value):
+        return f"{what} contains a NUL byte"
+    envs: list[Mapping[object, object]] = []
+    if what == "env" and isinstance(value, Mapping):
+        envs = [value]
+    elif what == "node_env" and isinstance(value, Mapping):
+        envs = [env for env in value.values() if isinstance(env, Mapping)]
+    bad = [k for env in envs for k in env if not k or "=" in str(k)]
+    return f"bad environment variable names: {bad}" if bad else None
 
 
 @dataclass(slots=True)

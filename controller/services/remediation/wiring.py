@@ -24,7 +24,7 @@ from pydantic import (
 
 from controller.actuators.base import Actuator, ActuatorError, Placement
 from controller.actuators.local import LocalJobSpec, LocalProcessActuator
-from controller.actuators.local_launch import has_nul
+from controller.actuators.local_launch import field_problem
 from controller.logic.remediation.rules import (
     Policy,
     PolicyError,
@@ -73,27 +73,12 @@ class LocalJob(BaseModel):
 
     @field_validator("name", "argv", "pool", "nodes", "env", "node_env", "log_dir", "cwd")
     @classmethod
-    def _no_nul(cls, value: object, info: ValidationInfo) -> object:
-        # A rank's command, environment and directories reach execve as C strings: a NUL
-        # byte would fail half-way through starting a generation, so it is refused here.
-        if has_nul(value):
-            raise ValueError(f"{info.field_name} must not contain NUL bytes")
-        return value
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        bad = [k for k in value if not k or "=" in k]
-        if bad:
-            raise ValueError(f"bad environment variable names: {bad}")
-        return value
-
-    @field_validator("node_env")
-    @classmethod
-    def _node_env_names(cls, value: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
-        bad = [k for env in value.values() for k in env if not k or "=" in k]
-        if bad:
-            raise ValueError(f"bad environment variable names: {bad}")
+    def _launchable(cls, value: object, info: ValidationInfo) -> object:
+        # A rank's command, environment and directories reach execve as C strings: what it
+        # cannot take is refused at load, naming the field (local_launch holds the rule).
+        problem = field_problem(info.field_name or "", value)
+        if problem:
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")
@@ -101,6 +86,9 @@ class LocalJob(BaseModel):
         nodes = self.first_nodes()
         if not nodes or any(n not in self.pool for n in nodes):
             raise ValueError(f"job {self.name!r}: nodes must be a non-empty subset of pool")
+        # The spec's own rules (tp divides ranks_per_node, node_env within the pool) fail
+        # here, naming the file, rather than when the actuator is built from it.
+        self.spec()
         return self
 
     def first_nodes(self) -> list[str]:
