@@ -81,10 +81,11 @@ def run_probe(
 
 
 def late_results(cmd: JobLinkProbe, rank: int, step: int) -> list[ProbeResult]:
-    """Results for a probe whose ``at_step`` this rank had already passed."""
+    """Results for a probe whose ``at_step`` this rank had already passed: marked
+    ``missed``, so the controller neither waits for them nor reads them as a failed link."""
     error = f"probe command arrived at step {step}, after at_step {cmd.at_step}"
     return [
-        _result(cmd, src, dst, 0.0, ok=False, error=error)
+        _result(cmd, src, dst, 0.0, ok=False, error=error, missed=True)
         for src, dst in cmd.pairs
         if src == rank and src != dst
     ]
@@ -147,7 +148,14 @@ def probe_group(world_size: int) -> Any:
 
 
 def _result(
-    cmd: JobLinkProbe, src: int, dst: int, duration_s: float, *, ok: bool = True, error: str = ""
+    cmd: JobLinkProbe,
+    src: int,
+    dst: int,
+    duration_s: float,
+    *,
+    ok: bool = True,
+    error: str = "",
+    missed: bool = False,
 ) -> ProbeResult:
     return ProbeResult(
         job=cmd.job,
@@ -158,6 +166,7 @@ def _result(
         duration_s=duration_s,
         ok=ok,
         error=error,
+        missed=missed,
     )
 
 

@@ -621,6 +621,13 @@ class ProbeResult(WireModel):
     duration_s: NonNegFloat
     ok: bool = True
     error: str = Field(default="", max_length=512, pattern=NO_NUL)
+    missed: bool = Field(
+        default=False,
+        description=(
+            "The source rank never ran this probe (its command came after at_step): "
+            "no evidence about the link, only that the round cannot use this pair"
+        ),
+    )
 
 
 class FlightRecorderDump(WireModel):

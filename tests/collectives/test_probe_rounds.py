@@ -8,7 +8,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from collectives.probe import run_probe
+from collectives.probe import late_results, run_probe
 from trainguard.wire import JobLinkProbe
 
 
@@ -55,3 +55,14 @@ def test_a_round_slowed_by_a_busy_host_does_not_make_the_link_look_slow() -> Non
 def test_a_degraded_link_is_slow_in_its_fastest_round_too() -> None:
     duration = probe_pair([0.0, 0.0, 0.0, 0.0], link_delay_s=0.06)
     assert duration >= 0.03  # 0.06 s per transfer, one way = round trip / 2
+
+
+def test_a_rank_that_got_the_command_too_late_says_it_missed_the_round() -> None:
+    """Not a failed transfer: the controller must neither wait for these pairs nor read
+    them as a broken link (tests/controller/c4d/test_probe_rounds_again.py)."""
+    cmd = JobLinkProbe(id="p", job="j", at_step=8, pairs=[(0, 1), (1, 2), (2, 0)])
+    results = late_results(cmd, rank=1, step=9)
+    assert [(r.src_rank, r.dst_rank) for r in results] == [(1, 2)]
+    (late,) = results
+    assert late.missed and not late.ok
+    assert late.error == "probe command arrived at step 9, after at_step 8"

@@ -29,7 +29,7 @@ import math
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -54,6 +54,15 @@ from controller.logic.detection.nic_evidence import (
     nic_evidence,
 )
 from controller.services.commands import CommandService
+from controller.services.detection.probe_rounds import (
+    DEFERRED_PROBE_TTL_S,
+    MAX_PROBE_ROUNDS,
+    MIN_LEAD_STEPS,
+    PROBE_DEADLINE_S,
+    PROBE_LEAD_S,
+    DeferredProbe,
+    ProbeRound,
+)
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.services.metrics import SafeCollector
 from controller.state import ClusterState
@@ -61,16 +70,6 @@ from trainguard import wire
 
 log = logging.getLogger(__name__)
 
-#: Commands reach ranks at the agent's next report reply, then the ranks' next poll, so a
-#: probe is scheduled this many seconds of training ahead (at least ``MIN_LEAD_STEPS``);
-#: the default of the ``probe_lead_s`` setting.
-PROBE_LEAD_S = 15.0
-MIN_LEAD_STEPS = 5
-#: A probe round that has not heard back from every pair this long after its step is
-#: localized from what arrived (missing pairs are treated as failed transfers).
-PROBE_DEADLINE_S = 60.0
-#: A communication hang's deferred probe is dropped if the job has not run again by then.
-DEFERRED_PROBE_TTL_S = 6 * 3600.0
 #: A finding whose incident write failed is tried again for this long after it failed first
 #: (then dropped and logged: the database has been away for minutes, an alert of its own) ...
 HELD_FINDING_TTL_S = 600.0
@@ -88,31 +87,6 @@ class HeldFinding:
     first_failed_unix_s: float
     attempts: int = 0
     next_try_unix_s: float = 0.0
-
-
-@dataclass(slots=True)
-class ProbeRound:
-    job: str
-    round_id: str
-    at_step: int
-    pairs: tuple[tuple[int, int], ...]
-    deadline_unix_s: float
-    command_ids: set[str] = field(default_factory=set)
-    seen_pairs: set[tuple[int, int]] = field(default_factory=set)
-    #: Incident key of the communication hang this round follows up (deferred rounds).
-    after: str | None = None
-
-
-@dataclass(slots=True)
-class DeferredProbe:
-    """A communication hang's probe, waiting for the job's next run."""
-
-    job: str
-    hang_key: str
-    hang_summary: str
-    #: The tracker's incarnation when the hang was seen; the probe runs in a later one.
-    incarnation: int
-    expires_unix_s: float
 
 
 class JobDetector:
@@ -165,7 +139,12 @@ class JobDetector:
                 round_id = self._round_of_command.get(res.probe_id)
                 if round_id is None:
                     continue  # a probe this controller did not start (or from before a restart)
-                self.rounds[round_id].seen_pairs.add((res.src_rank, res.dst_rank))
+                probe_round = self.rounds[round_id]
+                pair = (res.src_rank, res.dst_rank)
+                probe_round.seen_pairs.add(pair)
+                if res.missed:  # never ran: says nothing about the link
+                    probe_round.missed_pairs.add(pair)
+                    continue
                 probes.append(res.model_copy(update={"probe_id": round_id}))
             records = records.model_copy(update={"probes": probes})
         self.trackers.observe(report.node.name, records, received_unix_s)
@@ -305,7 +284,11 @@ class JobDetector:
                 )
             return
         await self._start_round(
-            finding.job, finding.probe_pairs, f"localize: {finding.summary}", now_unix_s
+            finding.job,
+            finding.probe_pairs,
+            f"localize: {finding.summary}",
+            now_unix_s,
+            source=finding.key,
         )
 
     async def _maybe_start_deferred(self, deferred: DeferredProbe, now_unix_s: float) -> None:
@@ -413,12 +396,16 @@ class JobDetector:
         now_unix_s: float,
         *,
         after: str | None = None,
+        source: str | None = None,
+        attempt: int = 1,
+        lead_s: float | None = None,
     ) -> None:
         tracker = self.trackers.jobs.get(job)
         if tracker is None:
             return
+        lead_s = self.probe_lead_s if lead_s is None else lead_s
         step_s = tracker.stragglers.last.median_step_s if tracker.stragglers.last else 1.0
-        lead = max(MIN_LEAD_STEPS, math.ceil(self.probe_lead_s / max(step_s, 1e-3)))
+        lead = max(MIN_LEAD_STEPS, math.ceil(lead_s / max(step_s, 1e-3)))
         at_step = tracker.newest_step + lead
         probe_round = ProbeRound(
             job=job,
@@ -427,6 +414,10 @@ class JobDetector:
             pairs=pairs,
             deadline_unix_s=now_unix_s + lead * step_s + PROBE_DEADLINE_S,
             after=after,
+            reason=reason,
+            source=source,
+            attempt=attempt,
+            lead_s=lead_s,
         )
         for node in sorted(set(tracker.rank_node.values())):
             request = wire.JobLinkProbe(
@@ -448,6 +439,7 @@ class JobDetector:
                         "job": job,
                         "at_step": at_step,
                         "round": probe_round.round_id,
+                        "attempt": attempt,
                     }
                 },
             )
@@ -459,12 +451,20 @@ class JobDetector:
         tracker = self.trackers.jobs.get(probe_round.job)
         if tracker is None:
             return
-        if not probe_round.seen_pairs:
-            log.warning(
-                "link probe round got no results; nothing to localize",
-                extra={"fields": {"job": probe_round.job, "round": probe_round.round_id}},
-            )
+        fields = {"job": probe_round.job, "round": probe_round.round_id}
+        if not probe_round.seen_pairs - probe_round.missed_pairs:
             tracker.probes.pop(probe_round.round_id, None)
+            why = (
+                f"{len(probe_round.missed_pairs)} of {len(probe_round.pairs)} pairs missed it "
+                "(the command came after its step), none ran it"
+                if probe_round.missed_pairs
+                else "no results"
+            )
+            log.warning(
+                f"link probe round told nothing: {why}",
+                extra={"fields": fields},
+            )
+            await self._probe_again(probe_round, now_unix_s)
             return
         missing = set(probe_round.pairs) - probe_round.seen_pairs
         for src, dst in sorted(missing):
@@ -495,6 +495,33 @@ class JobDetector:
                 "was transient or is outside the probed paths",
                 extra={"fields": {"job": probe_round.job, "incident": probe_round.after}},
             )
+        else:
+            log.info("link probe found every probed link healthy", extra={"fields": fields})
+            await self._probe_again(probe_round, now_unix_s)
+
+    async def _probe_again(self, probe_round: ProbeRound, now_unix_s: float) -> None:
+        """Run ``probe_round`` once more, with twice the lead, if it told nothing or found
+        every link healthy while the incident that asked for it is still open (a loaded
+        host can hide a slow link from one round), up to ``MAX_PROBE_ROUNDS`` rounds."""
+        if probe_round.attempt >= MAX_PROBE_ROUNDS:
+            log.warning(
+                "link probe rounds exhausted: the slow communication stays unlocalized",
+                extra={"fields": {"job": probe_round.job, "rounds": probe_round.attempt}},
+            )
+            return
+        source = probe_round.source
+        if source is not None and self._incidents.find_open(source) is None:
+            return  # the condition ended: nothing left to localize
+        await self._start_round(
+            probe_round.job,
+            probe_round.pairs,
+            probe_round.reason,
+            now_unix_s,
+            after=probe_round.after,
+            source=source,
+            attempt=probe_round.attempt + 1,
+            lead_s=2 * probe_round.lead_s,
+        )
 
 
 class JobFindingsCollector(SafeCollector):
