@@ -279,11 +279,26 @@ def tolerated(taint: dict[str, Any], tolerations: list[dict[str, Any]]) -> bool:
     return False
 
 
+def condition_status(node: dict[str, Any], kind: str) -> str | None:
+    """The status ("True", "False", "Unknown") of the Node's first condition of type
+    ``kind``, or None when it has none: the one reading of ``status.conditions``."""
+    for cond in (node.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            status = cond.get("status")
+            return status if isinstance(status, str) else None
+    return None
+
+
+def node_ready(node: dict[str, Any]) -> bool | None:
+    """The Node's ``Ready`` condition: True, False, or None (Unknown, or none reported yet)."""
+    return {"True": True, "False": False}.get(condition_status(node, "Ready") or "")
+
+
 def node_not_ready(node: dict[str, Any]) -> bool:
     """Whether the Node reports a ``Ready`` condition that is not True (False, Unknown);
     a Node with no Ready condition yet is not judged (as ``node_view`` reads it)."""
-    conditions = (node.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") != "True" for c in conditions)
+    status = condition_status(node, "Ready")
+    return status is not None and status != "True"
 
 
 def env_wired(w: Workload) -> bool:

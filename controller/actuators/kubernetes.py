@@ -170,9 +170,7 @@ class KubernetesActuator:
                 raise
             ready = False
         else:
-            for cond in (obj.get("status") or {}).get("conditions") or []:
-                if cond.get("type") == "Ready":
-                    ready = {"True": True, "False": False}.get(cond.get("status"))
+            ready = ko.node_ready(obj)
         pods = await self._call(
             f"list pods on node {node}",
             self._core.list_namespaced_pod,

@@ -201,11 +201,7 @@ class NodeGuard:
         return {"key": s.taint_key, "value": value, "effect": s.taint_effect}, foreign, True
 
     def _condition_set(self, node: dict[str, Any]) -> bool:
-        conditions = (node.get("status") or {}).get("conditions") or []
-        return any(
-            c.get("type") == self.settings.condition_type and c.get("status") == "False"
-            for c in conditions
-        )
+        return ko.condition_status(node, self.settings.condition_type) == "False"
 
     async def quarantine(self, name: str, *, reason: str, message: str) -> ActuatorResult:
         """Cordon, taint and mark ``name`` unhealthy; idempotent, 409s retried.

@@ -10,19 +10,12 @@ server answers 410 Gone (the version was compacted away), as client-go's reflect
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
 from controller.actuators.k8s.api import Kube
-
-
-def _ready(node: dict[str, Any]) -> bool | None:
-    for cond in (node.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "Ready":
-            return {"True": True, "False": False}.get(cond.get("status"))
-    return None
+from controller.actuators.kube_objects import node_ready
 
 
 class NodeCache:
@@ -34,7 +27,7 @@ class NodeCache:
 
     async def relist(self) -> None:
         nodes = await self.kube.read("list nodes", self.kube.core.list_node)
-        self.ready = {n["metadata"]["name"]: _ready(n) for n in nodes.get("items") or []}
+        self.ready = {n["metadata"]["name"]: node_ready(n) for n in nodes.get("items") or []}
         self.resource_version = nodes["metadata"]["resourceVersion"]
         self.relists += 1
 
@@ -60,7 +53,7 @@ class NodeCache:
         for event in stream:
             kind, obj = event["type"], event["raw_object"]
             if kind in ("ADDED", "MODIFIED"):
-                self.ready[obj["metadata"]["name"]] = _ready(obj)
+                self.ready[obj["metadata"]["name"]] = node_ready(obj)
             elif kind == "DELETED":
                 self.ready.pop(obj["metadata"]["name"], None)
             self.resource_version = obj["metadata"].get("resourceVersion") or (
