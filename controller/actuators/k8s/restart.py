@@ -375,8 +375,7 @@ async def _fail_gang(
     then clear the mark. Interrupted in between, a retry finds the mark and finishes."""
     used, allowed = restart_budget(w.runtime if w.runtime is not None else w.obj)
     w = await act._patch_workload(w, _record(placement.generation, used), "record generation of")
-    off = [p for p in pods if p.get("spec", {}).get("nodeName") not in placement.nodes]
-    deleted = await _delete_old_gang(act, w, off or pods, used, placement.generation)
+    deleted = await _delete_old_gang(act, w, pods, placement, used)
     details.update(mode=plan.mode, deleted=deleted, note=plan.note)
     details.update(restarts_used=used + 1, max_restarts=allowed)
     label = f"{w.obj.get('kind')} {w.name}"
@@ -394,11 +393,18 @@ async def _fail_gang(
 
 
 async def _delete_old_gang(
-    act: KubernetesActuator, w: Workload, pods: list[dict[str, Any]], used: int, gen: int
+    act: KubernetesActuator,
+    w: Workload,
+    pods: list[dict[str, Any]],
+    placement: Placement,
+    used: int,
 ) -> list[str]:
-    """Delete ``pods`` (those of the JobSet's restart attempt ``used`` or before); a failure
-    says what was done and that a retry finishes it."""
-    old = [pod for pod in pods if _restart_attempt(pod) <= used]  # not the new gang's
+    """Delete the old gang's pods off the placement (all of them if none is), those of the
+    JobSet's restart attempt ``used`` or before (not the new gang's); a failure says what
+    was done and that a retry finishes it."""
+    gen = placement.generation
+    off = [p for p in pods if p.get("spec", {}).get("nodeName") not in placement.nodes]
+    old = [pod for pod in off or pods if _restart_attempt(pod) <= used]
     try:
         return await delete_pods(act.kube, old)
     except PodsPartlyDeleted as exc:
@@ -449,8 +455,7 @@ async def _finish_fail_gang(
         done = f"its JobSet already restarted the gang (restart {used} of {allowed})"
         details["deleted"] = []
     else:
-        off = [p for p in pods if p.get("spec", {}).get("nodeName") not in placement.nodes]
-        deleted = await _delete_old_gang(act, w, off or pods, before, gen)
+        deleted = await _delete_old_gang(act, w, pods, placement, before)
         details["deleted"] = deleted
         done = f"deleted {deleted} (restart {before + 1} of {allowed})"
     await _clear_pending(act, w, gen, done)
