@@ -42,7 +42,6 @@ from agents.commands import CommandExecutor, Finish
 from agents.errors import AgentConfigError, GpuWatchError
 from agents.gpu.backend import (
     GpuBackend,
-    NoGpus,
     next_retry_delay_s,
     open_backend,
     retry_nvml,
@@ -151,14 +150,9 @@ class Agent:
         self._xid_failure_reported: XidWatcher | None = None
         self.executor: CommandExecutor | None = None
         self.sampler = self._new_sampler(self.backend.api)
-        try:
-            inventory = self.sampler.open()
-        except pynvml.NVMLError as exc:
-            # nvmlInit worked but the GPUs cannot even be counted: as a failed nvmlInit on a
-            # node with GPUs, the node is reported unhealthy and NVML is retried.
-            self._count_failed(exc)
-            self.sampler = self._new_sampler(self.backend.api)
-            inventory = self.sampler.open()
+        # A driver that cannot count its GPUs came back from open_backend as a failed one
+        # (backend.error, NoGpus): this count is then zero.
+        inventory = self.sampler.open()
         api = self.backend.api
         self._inventory_version = self.sampler.inventory_version
         self.nics = NicMonitor(settings.sysfs_root)
@@ -220,19 +214,6 @@ class Agent:
             on_lost=lambda i: self.request_report(f"GPU {i} lost"),
             timeout_s=self.settings.nvml_timeout_s,
         )
-
-    def _count_failed(self, exc: pynvml.NVMLError) -> None:
-        """Replace the backend by one that says why no GPU is watched (``gpu_error``)."""
-        failed = self.backend
-        error = (
-            f"NVML initialised but cannot count the GPUs (nvmlDeviceGetCount: {exc}); "
-            "check the driver with nvidia-smi"
-        )[:512]
-        log.error("%s; reporting this node unhealthy", error)
-        failed.shutdown()
-        # Only the real driver module can be initialised again; a simulated one is not retried.
-        nvml = failed.nvml or (failed.api if failed.kind == "nvml" else None)
-        self.backend = GpuBackend(api=NoGpus(), kind=failed.kind, error=error, nvml=nvml)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -100,13 +100,34 @@ def parse_gpus_setting(value: str) -> tuple[Literal["auto", "nvml", "sim"], int]
     return "sim", count
 
 
+def _counted(backend: GpuBackend, *, nvml: Any = None) -> GpuBackend:
+    """``backend`` when it can count its GPUs; else one that says why none is watched.
+
+    A driver that initialises but fails ``nvmlDeviceGetCount`` is a failed ``nvmlInit`` on
+    a node with GPUs: the node is reported unhealthy (``error``) and, for the real driver
+    (``nvml``), NVML is retried. Checked here so that every caller of :func:`open_backend`
+    and :func:`retry_nvml` (the agent, ``trainguard preflight --local``) gets it.
+    """
+    try:
+        backend.api.nvmlDeviceGetCount()
+    except pynvml.NVMLError as exc:
+        error = (
+            f"NVML initialised but cannot count the GPUs (nvmlDeviceGetCount: {exc}); "
+            "check the driver with nvidia-smi"
+        )[:512]
+        log.error("%s; reporting this node unhealthy", error)
+        backend.shutdown()
+        return GpuBackend(api=NoGpus(), kind=backend.kind, error=error, nvml=nvml)
+    return backend
+
+
 def _open_nvml(nvml: Any) -> GpuBackend:
     nvml.nvmlInit()
     try:
         driver = str(nvml.nvmlSystemGetDriverVersion())
     except pynvml.NVMLError:
         driver = ""
-    return GpuBackend(api=nvml, kind="nvml", driver_version=driver)
+    return _counted(GpuBackend(api=nvml, kind="nvml", driver_version=driver), nvml=nvml)
 
 
 def _open_sim(
@@ -116,7 +137,10 @@ def _open_sim(
         gpu_count=count, seed=seed, identity=identity, faults=faults, no_permission=no_permission
     )
     api.nvmlInit()
-    return GpuBackend(api=api, kind="sim", driver_version=api.nvmlSystemGetDriverVersion())
+    # A simulated driver is never initialised again: no ``nvml`` to retry.
+    return _counted(
+        GpuBackend(api=api, kind="sim", driver_version=api.nvmlSystemGetDriverVersion())
+    )
 
 
 def open_backend(
@@ -174,10 +198,11 @@ def retry_nvml(backend: GpuBackend) -> GpuBackend | None:
     if not backend.error or backend.nvml is None:
         return None
     try:
-        return _open_nvml(backend.nvml)
+        retried = _open_nvml(backend.nvml)
     except pynvml.NVMLError as exc:
         log.debug("nvmlInit still fails: %s", exc)
         return None
+    return None if retried.error else retried
 
 
 def next_retry_delay_s(attempt: int, *, first_s: float, max_s: float) -> float:

@@ -25,7 +25,7 @@ import pytest
 
 from agents.daemon import Agent, run
 from agents.errors import AgentConfigError, GpuWatchError
-from agents.gpu.backend import GpuBackend, open_backend
+from agents.gpu.backend import open_backend
 from agents.gpu.faults import FaultSpec, parse_fault_specs
 from agents.gpu.sim import SimNvml
 from agents.node_power import NodePowerSampler
@@ -163,9 +163,9 @@ class CountFails(SimNvml):
 
 
 def test_a_failing_gpu_count_reports_the_node_unhealthy(short_tmp: Path) -> None:
-    api = CountFails(gpu_count=2, identity="gpu-node-9")
-    api.nvmlInit()
-    backend = GpuBackend(api=api, kind="sim", driver_version="sim")
+    # open_backend says the driver failed (it counts once after nvmlInit); the agent only
+    # reports what the backend says.
+    backend = open_backend("auto", nvml=CountFails(gpu_count=2, identity="gpu-node-9"))
     agent = Agent(_settings(short_tmp, "http://127.0.0.1:9"), backend=backend)
     try:
         assert "nvmlDeviceGetCount: Unknown Error" in agent.identity.gpu_error
@@ -207,7 +207,7 @@ def test_a_gpu_count_that_comes_back_is_adopted_without_a_restart(
 ) -> None:
     module = CountComesBack()
     backend = open_backend("auto", nvml=module)
-    assert backend.kind == "nvml" and backend.error == ""
+    assert backend.kind == "nvml" and "cannot count the GPUs" in backend.error
     agent = Agent(_settings(short_tmp, agents_controller.url, gpus="auto"), backend=backend)
     assert agent.backend.error and agent.identity.gpus == []
     agent.nvml_retry_first_s, agent.nvml_retry_max_s = 0.05, 0.2
@@ -222,7 +222,9 @@ def test_a_gpu_count_that_comes_back_is_adopted_without_a_restart(
                 for r in agents_controller.state.ordered()
             )
         )
-        assert module.sim.counts == 3 and agent.nvml_retries == 2
+        # Counted by open_backend (fails), the first retry (fails), the second (works)
+        # and the adopting sampler.
+        assert module.sim.counts == 4 and agent.nvml_retries == 2
     finally:
         stop.set()
         thread.join(timeout=10)
