@@ -447,10 +447,12 @@ class GpuSampler:
         )
 
     def _build(self, gpu: _Gpu, **fields: Any) -> GpuSample:
-        """The sample, where a value the wire refuses costs that field only.
+        """The sample, where a value that is no reading costs that field only.
 
-        The driver can answer out of range (an ECC total of 2^64-1 for "not available", a
-        power of -1 mW): such a field is reported null (its default), named in the sample's
+        Two kinds of such value, each asked once: a float above what the hardware can give
+        (``PLAUSIBLE_MAX``; NVML's "unknown" sentinels) is refused before validating, and a
+        value the wire refuses (an ECC total of 2^64-1, a power of -1 mW) is refused when
+        validation names it. Either is reported null (its default), named in the sample's
         ``error`` when it has none yet and in one warning line per (GPU, field), like an
         NVML refusal -- the rest of the sample stands.
         """
@@ -459,34 +461,34 @@ class GpuSampler:
             for name, most in PLAUSIBLE_MAX.items()
             if isinstance(fields.get(name), float) and not fields[name] <= most
         )
+        if implausible:
+            self._refuse(gpu, fields, implausible)
         for _ in range(4):  # a refused field is replaced by its default, which validates
-            if implausible:
-                bad, implausible = implausible, []
-            else:
-                try:
-                    return GpuSample(**fields, error=gpu.error)
-                except ValidationError as exc:
-                    bad = sorted(
-                        {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
-                        & set(fields) - {"index"}
-                    )
-                    if not bad:
-                        raise
-            shown = ", ".join(f"{name}={fields[name]!r}"[:80] for name in bad)
-            if not gpu.error:
-                gpu.error = f"out of range: {shown}"[:512]
-            for name in bad:
-                key = (gpu.index, name, _OUT_OF_RANGE)
-                if key not in self._warned:
-                    self._warned.add(key)
-                    log.warning(
-                        "GPU %d: %s=%r out of range; reporting null",
-                        gpu.index,
-                        name,
-                        fields[name],
-                    )
-                fields[name] = GpuSample.model_fields[name].get_default(call_default_factory=True)
+            try:
+                return GpuSample(**fields, error=gpu.error)
+            except ValidationError as exc:
+                bad = sorted(
+                    {str(e["loc"][0]) for e in exc.errors() if e["loc"]} & set(fields) - {"index"}
+                )
+                if not bad:
+                    raise
+                self._refuse(gpu, fields, bad)
         return GpuSample(**fields, error=gpu.error)
+
+    def _refuse(self, gpu: _Gpu, fields: dict[str, Any], names: list[str]) -> None:
+        """Report ``names`` null: their defaults in ``fields``, the first refusal in
+        ``gpu.error``, one warning per (GPU, field)."""
+        shown = ", ".join(f"{name}={fields[name]!r}"[:80] for name in names)
+        if not gpu.error:
+            gpu.error = f"out of range: {shown}"[:512]
+        for name in names:
+            key = (gpu.index, name, _OUT_OF_RANGE)
+            if key not in self._warned:
+                self._warned.add(key)
+                log.warning(
+                    "GPU %d: %s=%r out of range; reporting null", gpu.index, name, fields[name]
+                )
+            fields[name] = GpuSample.model_fields[name].get_default(call_default_factory=True)
 
 
 class ClockEventReasons:
