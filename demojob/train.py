@@ -25,6 +25,7 @@ from checkpoint import CheckpointConfig, Checkpointer, CheckpointError, Checkpoi
 from demojob.config import JobConfig, JobConfigError, config_from_env
 from demojob.data import local_batch
 from demojob.model import build_model
+from demojob.optim import Adam
 from demojob.parallel import Groups, all_reduce_, make_groups
 from demojob.resume import Resumed, committed_steps, load_step, sharding_spec, train_state
 
@@ -188,7 +189,7 @@ def run(cfg: JobConfig) -> int:
     groups = make_groups(cfg.world_size, cfg.tp, cfg.rank, timeout)
     torch.manual_seed(cfg.seed)
     model = build_model(groups, cfg.tp_rank, cfg.seed)
-    optim = torch.optim.Adam(model.parameters(), lr=LR)
+    optim = Adam(model.parameters(), lr=LR)
     resumed = _resume_all(cfg, model, optim)
     run_id = _run_id(cfg)
     _set_aside_newer(cfg, resumed, run_id)
