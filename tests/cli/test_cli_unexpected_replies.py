@@ -166,9 +166,11 @@ def test_server_text_is_capped_and_cannot_drive_the_terminal(
     message = _one_line(cli("--server", url, "nodes"), 2)
     assert message == "error: controller rejected the request: bad thing"
 
-    canned.status, canned.body = 404, b'{"detail": "nope"}'  # the name is echoed back
+    # The name is echoed back, escaped; no node can have it, so nothing is asked.
+    seen = len(canned.seen)
     message = _one_line(cli("--server", url, "node", "a\x1b]0;t\x07b"), 2)
-    assert message == 'error: node "ab" not found'
+    assert message.startswith("error: invalid node name 'a\\x1b]0;t\\x07b': expected")
+    assert "\x1b" not in message and "\x07" not in message and len(canned.seen) == seen
 
 
 def test_table_cells_drop_escape_sequences(cli: Cli, fake: tuple[str, Canned]) -> None:

@@ -90,7 +90,9 @@ def segment(value: str, what: str) -> str:
 def node_name(value: str) -> str:
     """A node name the controller can hold: the rule it checks agent credentials and reports
     against (``trainguard.wire.NAME_PATTERN``, a lowercase DNS subdomain of at most 253
-    characters). Checked before a request so ``../x`` is a usage error, not "Not Found"."""
+    characters). Checked before a request so ``../x`` is a usage error, not "Not Found";
+    every command that names a node asks it. What passes is one path segment as it is
+    (letters, digits, '-' and '.' need no quoting, and '.' or '..' do not pass)."""
     segment(value, "node name")
     if len(value) > 253 or not _NODE_NAME.match(value):
         raise BadInput(
@@ -316,7 +318,7 @@ class ApiClient:
     def node(self, name: str, history_s: float | None = None) -> JsonObject:
         try:
             result: JsonObject = self._get(
-                f"{API_PREFIX}/nodes/{segment(name, 'node name')}",
+                f"{API_PREFIX}/nodes/{node_name(name)}",
                 {"history_s": history_s},
                 expect=replies.Node,
             )
@@ -335,9 +337,10 @@ class ApiClient:
         node: str | None = None,
         job: str | None = None,
     ) -> list[JsonObject]:
-        for value, what in ((node, "node name"), (job, "job name")):
-            if value is not None and not value.strip():  # would match nothing, silently
-                raise BadInput(f"{what} must not be empty")
+        if node is not None:  # a name no node can have would match nothing, silently
+            node_name(node)
+        if job is not None and not job.strip():
+            raise BadInput("job name must not be empty")
         params = {"state": state, "kind": kind, "node": node, "job": job}
         return self._list(f"{API_PREFIX}/incidents", params)
 
@@ -359,7 +362,7 @@ class ApiClient:
         )
         result: JsonObject = self._request(
             "POST",
-            f"{API_PREFIX}/nodes/{segment(node, 'node name')}/preflight",
+            f"{API_PREFIX}/nodes/{node_name(node)}/preflight",
             body=body,
             expect=replies.Command,
         )
@@ -367,7 +370,7 @@ class ApiClient:
 
     def preflight(self, node: str, command_id: str) -> JsonObject:
         """``GET /nodes/{node}/preflight/{id}``: that preflight's command, status and verdict."""
-        node_path = f"{API_PREFIX}/nodes/{segment(node, 'node name')}"
+        node_path = f"{API_PREFIX}/nodes/{node_name(node)}"
         path = f"{node_path}/preflight/{segment(command_id, 'command id')}"
         result: JsonObject = self._get(path, expect=replies.Command)
         return result
@@ -375,7 +378,7 @@ class ApiClient:
     def agent_credentials(self, node: str, *, revoke: bool = False) -> JsonObject:
         """``POST /agent-credentials/{node}`` issues (or rotates) the node's agent token and
         returns it once; ``DELETE`` (``revoke``) ends every token of the node now."""
-        path = f"{API_PREFIX}/agent-credentials/{segment(node_name(node), 'node name')}"
+        path = f"{API_PREFIX}/agent-credentials/{node_name(node)}"
         method = "DELETE" if revoke else "POST"
         expect = replies.AgentTokensRevoked if revoke else replies.AgentTokenIssued
         result: JsonObject = self._request(method, path, expect=expect)
@@ -387,7 +390,7 @@ class ApiClient:
         if (isolate or reason is not None) and not (reason or "").strip():
             raise BadInput("--reason must not be empty: say why (it is recorded and shown)")
         body = {"reason": reason} if reason else None
-        path = f"{API_PREFIX}/nodes/{segment(node, 'node name')}/{verb}"
+        path = f"{API_PREFIX}/nodes/{node_name(node)}/{verb}"
         result: JsonObject = self._request("POST", path, body=body, expect=replies.Isolation)
         if result["isolated"] is not isolate or result["node"] != node:
             raise ServerError(

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from trainguard.cli.client import segment
+from trainguard.cli.client import node_name
 from trainguard.cli.errors import BadInput
 from trainguard.cli.options import DEFAULT_OUTPUT, Output, Server, Token, connect
 from trainguard.cli.output import (
@@ -101,7 +101,7 @@ def _remote(
     wait_s: float,
 ) -> list[dict[str, Any]]:
     for node in nodes:  # every name checked before the first preflight starts
-        segment(node, "node name")
+        node_name(node)
     with connect(ctx, server, token) as api:
         started = {node: api.start_preflight(node, rate) for node in nodes}
         deadline = time.monotonic() + wait_s
