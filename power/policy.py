@@ -320,12 +320,7 @@ class PowerPolicy:
             gpu = _GpuState(status=status, chain=chain, raw=raw if bad else None)
             self._note_limits(gpu, bad)
             gpu.applied_clock = status.locked_sm_clock_mhz
-            if (
-                status.power_limit_w is not None
-                and status.power_limit_max_w is not None
-                and status.power_limit_w < status.power_limit_max_w - _LIMIT_TOLERANCE_W
-            ):
-                gpu.applied_limit = status.power_limit_w
+            gpu.applied_limit = _lowered_limit(status)
             if chain and (gpu.applied_clock is not None or gpu.applied_limit is not None):
                 gpu.hold_until_s = now_s + min(d.policy.min_hold_s for d in chain)
             self._gpus[key] = gpu
@@ -551,12 +546,18 @@ class PowerPolicy:
         return f"{self._id_prefix}-{next(self._ids):010d}"
 
 
+def _lowered_limit(status: GpuStatus) -> float | None:
+    """The GPU's power limit when it sits below its maximum by more than
+    ``_LIMIT_TOLERANCE_W`` (a cap someone set, not the read-back rounding), else ``None``."""
+    limit, top = status.power_limit_w, status.power_limit_max_w
+    if limit is not None and top is not None and limit < top - _LIMIT_TOLERANCE_W:
+        return limit
+    return None
+
+
 def _capped(status: GpuStatus) -> bool:
     """The GPU reports a clock lock or a power limit below its maximum."""
-    top = status.power_limit_max_w
-    limit = status.power_limit_w
-    lowered = limit is not None and top is not None and limit < top - _LIMIT_TOLERANCE_W
-    return status.locked_sm_clock_mhz is not None or lowered
+    return status.locked_sm_clock_mhz is not None or _lowered_limit(status) is not None
 
 
 def _clean_limits(status: GpuStatus) -> tuple[GpuStatus, str | None]:
