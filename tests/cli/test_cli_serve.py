@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -18,6 +18,9 @@ import yaml
 from tests.cli.cli_testkit import controller_ready, feed
 from trainguard.cli.app import run
 from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
+
+if TYPE_CHECKING:
+    from tests.conftest import SchemaTemplates
 
 
 def _tg(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -165,8 +168,14 @@ def _as_unprivileged_user() -> list[str]:
 
 @pytest.mark.slow  # spawns the CLI in a fresh interpreter
 @pytest.mark.parametrize("read_only", ["file", "folder"])
-def test_controller_refuses_a_read_only_sqlite_database_in_one_line(read_only: str) -> None:
-    """Started on it, it would be "ready" and answer every report 503 forever."""
+def test_controller_refuses_a_read_only_sqlite_database_in_one_line(
+    read_only: str, schema_templates: SchemaTemplates
+) -> None:
+    """Started on it, it would be "ready" and answer every report 503 forever.
+
+    The database is a copy of the migrated template (what ``trainguard db upgrade`` leaves,
+    made once per pytest process), not a ``db upgrade`` of its own: that fresh interpreter
+    cost a second of CPU and is what the other tests here check."""
     import os
     import tempfile
 
@@ -178,7 +187,7 @@ def test_controller_refuses_a_read_only_sqlite_database_in_one_line(read_only: s
         folder.mkdir()
         database = folder / "trainguard.db"
         url = f"sqlite:///{database}"
-        assert _tg("db", "upgrade", "--database-url", url, env=_clean_env()).returncode == 0
+        assert schema_templates.fill(url)
         if read_only == "file":
             folder.chmod(0o777)
             database.chmod(0o444)
@@ -220,13 +229,14 @@ def test_a_file_that_is_not_sqlite_is_exit_2_in_one_line_and_left_alone(tmp_path
 
 
 @pytest.mark.slow  # spawns the CLI in a fresh interpreter
-def test_db_upgrade_on_a_schema_from_a_newer_release_says_so_in_one_line(db_url: str) -> None:
+def test_db_upgrade_on_a_schema_from_a_newer_release_says_so_in_one_line(
+    db_url: str, schema_templates: SchemaTemplates
+) -> None:
     from sqlalchemy import text
 
-    from controller.db.migrate import upgrade
     from controller.db.session import make_engine
 
-    upgrade(db_url)
+    assert schema_templates.fill(db_url)  # migrated to this release's head (a copy)
     engine = make_engine(db_url)
     try:
         with engine.begin() as conn:
