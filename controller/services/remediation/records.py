@@ -233,7 +233,16 @@ def has_rank_on(job: JobState, node: str, book: JobBook | None, opened_unix_s: f
     since = left.restarted_unix_s if left is not None else None
     if since is not None and opened_unix_s < since:
         since = None
+    return running_on(job, node, heard_after=since)
+
+
+def running_on(job: JobState, node: str, *, heard_after: float | None = None) -> bool:
+    """Whether the state holds a ``running`` rank of ``job`` on ``node`` (heard of after
+    ``heard_after``, when given). Without it: whichever generation the rank is of, the
+    question the restart step asks to name a job a restart moved off ``node``."""
     return any(
-        r.node == node and r.state == "running" and (since is None or r.last_seen_unix_s > since)
+        r.node == node
+        and r.state == "running"
+        and (heard_after is None or r.last_seen_unix_s > heard_after)
         for r in job.ranks.values()
     )

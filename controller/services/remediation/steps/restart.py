@@ -13,7 +13,7 @@ from typing import Any
 from controller.actuators.base import ActuatorError, Placement
 from controller.logic.remediation.params import GoodputFacts, RestartParams, RollbackFacts
 from controller.logic.remediation.rules import Rule, Step
-from controller.services.remediation.records import JobBook, Remediation, fault_time
+from controller.services.remediation.records import JobBook, Remediation, fault_time, running_on
 from controller.services.remediation.steps.base import StepContext, StepResult
 from controller.services.remediation.steps.isolate import (
     attempts_note,
@@ -220,8 +220,9 @@ async def _moved_off(
         node = incident.node if incident is not None else None
         if incident is None or job is None or node is None:
             continue
-        stale = any(r.node == node and r.state == "running" for r in job.ranks.values())
-        note = moved_off(book, incident, None) if stale else None
+        # Any running rank there, of whichever generation: the ones this looks for were
+        # heard of before the restart that left the node (has_rank_on drops exactly those).
+        note = moved_off(book, incident, None) if running_on(job, node) else None
         if note is not None:
             await ctx.recorder.record(incident, rem, ACTION_KIND, name, {}, "skipped", note)
             notes.append(note)
