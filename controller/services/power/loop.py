@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from controller.errors import ControllerError, TemporaryError
@@ -123,10 +124,13 @@ class PowerLoop:
 
     # ------------------------------------------------------------------ configuration
 
-    def set_tree(self, tree: DomainTree | None) -> None:
+    def set_tree(self, tree: DomainTree | None, ours: Iterable[tuple[str, int]] = ()) -> None:
         """Start over with a new tree; caps in force are adopted by the new policy, and the
-        caps the old policy set on servers the new tree leaves out are released by it."""
-        ours = self.policy.ours() if self.policy is not None else set()
+        caps trainguard set on servers the new tree leaves out are released by it: those
+        of the old policy in this process, and ``ours``, the (server, GPU) a previous
+        controller capped (read back from the actions table at start,
+        :meth:`ActionTracker.restore`), which no policy in this process knows of."""
+        ours = set(ours) | (self.policy.ours() if self.policy is not None else set())
         self.policy = None if tree is None else PowerPolicy(tree, id_prefix="pw", ours=ours)
         self._policy_ids.clear()
         self.last = {}

@@ -4,6 +4,9 @@ Source of the tree at start: ``power_domains_file`` when set (configuration as c
 written to the database too), else the tree last put through the API (the
 ``power_domains`` table), else none (the loop idles). ``power_enabled`` false keeps the tree
 and its views but sends no commands.
+
+Which caps are trainguard's own outlives the process: at start the newest power action per
+GPU and knob is read back from the ``actions`` table (:meth:`ActionTracker.restore`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from controller.db.repositories.actions import latest_power_actions
 from controller.errors import InvalidInput, NotFound
 from controller.services.power import persist
 from controller.services.power.loop import PowerLoop
@@ -52,7 +56,12 @@ class PowerService:
         self.raw: persist.Raw | None = None
 
     async def start(self) -> None:
+        """Load the tree, and take back the caps an earlier controller set (the newest
+        power action per GPU and knob in the ``actions`` table): the tracker knows them
+        as trainguard's own again, and the first policy releases those on servers the
+        tree leaves out."""
         stored, priorities, job_priorities = await self._store.read(persist.load)
+        ours = self.loop.tracker.restore(await self._store.read(latest_power_actions))
         tree: DomainTree | None = None
         if self._file is not None:
             tree, raw = persist.read_domains_file(self._file)
@@ -69,7 +78,7 @@ class PowerService:
         self.loop.enabled = (
             self._enabled_setting if self._enabled_setting is not None else tree is not None
         )
-        self.loop.set_tree(tree)
+        self.loop.set_tree(tree, ours=ours)
         if tree is not None:
             log.info(
                 "power domains loaded",

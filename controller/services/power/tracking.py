@@ -14,13 +14,16 @@ of a domain above caused it, that change's effect as the policy measured it
 from __future__ import annotations
 
 import logging
+import math
+import re
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection
 
+from controller.db.repositories.actions import PowerActionRow
 from controller.services.actions import ActionService
 from controller.state import CommandState
 from power import ActuationEffect, Decision, DomainStatus, DomainTree, Knob
@@ -128,9 +131,48 @@ class ActionTracker:
     def power_limit_w(self, node: str, gpu: int) -> float | None:
         """The power limit this policy last sent ``node``'s GPU ``gpu`` (``None``: none, or
         lifted): what makes a GPU's ``sw_power_cap`` trainguard's own, not a fault (the
-        straggler cause, docs/detection.md). Memory only: after a controller restart a cap
-        set before it reads as someone else's until the policy sends it again."""
+        straggler cause, docs/detection.md). Filled by :meth:`publish` as caps are sent, and
+        at a controller start by :meth:`restore` from the ``actions`` table, so a cap set
+        before a restart (a new leader, a crash, an upgrade) stays trainguard's own."""
         return self._targets.get((node, gpu, Knob.POWER_LIMIT.value))
+
+    def restore(self, rows: Iterable[PowerActionRow]) -> set[tuple[str, int]]:
+        """Take back the targets of the newest power action per (target, knob) a previous
+        controller stored (:func:`~controller.db.repositories.actions.latest_power_actions`)
+        and return the GPUs whose caps may still be in force: the ``ours`` of the first
+        policy, which releases them on servers the tree leaves out.
+
+        An action still ``pending`` counts like a succeeded one: its command was stored
+        and may have been delivered and applied, its ack lost with the old controller.
+        Counting it ours costs nothing if it never landed (the policy releases only a GPU
+        that shows a cap, and the job detector excuses only a GPU held at that very
+        limit); counting it foreign would leave a cap of ours on a server outside the tree
+        for good and blame the hardware for it. A pending *uncap* keeps its GPU in ``ours`` for the
+        same reason (the cap may still be there; the policy releases only a GPU that still
+        shows one), while its target is ``None``. Rows the tracker cannot read (no knob, a
+        target that is not ``node:gpuN``, a cap without its number) are skipped with a
+        warning: a start never fails on an old row."""
+        ours: set[tuple[str, int]] = set()
+        skipped = 0
+        for row in rows:
+            parsed = _restored(row)
+            if parsed is None:
+                skipped += 1
+                log.warning(
+                    "power: stored action not understood; its cap is not restored",
+                    extra={"fields": {"action": row.id, "target": row.target[:80]}},
+                )
+                continue
+            key, target = parsed
+            self._targets[key] = target
+            if target is not None or row.status == "pending":
+                ours.add((key[0], key[1]))
+        if ours or skipped:
+            log.info(
+                "power: caps restored from stored actions",
+                extra={"fields": {"gpus": len(ours), "skipped": skipped}},
+            )
+        return ours
 
     def plan(self, decision: Decision, domain: DomainStatus | None, now: float) -> Planned:
         """The action of ``decision``; memory is not changed."""
@@ -275,6 +317,33 @@ def _target(decision: Decision) -> float | None:
     if isinstance(cmd, SetPowerLimit):
         return cmd.limit_w
     return None
+
+
+#: A stored action's target: the node (wire.NAME_PATTERN has no colon) and the GPU index.
+_TARGET = re.compile(r"^(?P<node>[^:]+):gpu(?P<index>[0-9]{1,4})$")
+#: The params key holding a cap's value, per knob (:func:`decision_params`).
+_VALUE_KEY = {Knob.CLOCKS.value: "clock_mhz", Knob.POWER_LIMIT.value: "limit_w"}
+
+
+def _restored(row: PowerActionRow) -> tuple[tuple[str, int, str], float | None] | None:
+    """(node, GPU, knob) and target of a stored action (None: an uncap); None when the row
+    is not one :class:`ActionTracker` could have written."""
+    match = _TARGET.match(row.target)
+    params = row.params
+    if match is None or not isinstance(params, dict):
+        return None
+    knob = params.get("knob")
+    if not isinstance(knob, str) or knob not in _VALUE_KEY:
+        return None
+    key = (match["node"], int(match["index"]), str(knob))
+    if row.kind == "power_uncap":
+        return key, None
+    value = params.get(_VALUE_KEY[knob])
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value <= 0:
+        return None
+    return key, float(value)
 
 
 def _covers(tree: DomainTree, domain: str, node: str) -> bool:
