@@ -200,12 +200,17 @@ class RoleTracker:
             out["pp_stage"] = min(self._stage_positions)
             if self._stage_peers is not None and not mesh.get("group_ranks"):
                 out["group_ranks"] = list(self._stage_peers)
-        if out["pp_stage"] is not None:
-            out["role"] = f"pp_stage={out['pp_stage']}"
-        elif not out["group_ranks"] and self._pg_role is not None:
-            out["role"] = self._pg_role
+        # The declared fields first, the role last: a declared ``pp_stage`` (set_role(
+        # pp_stage=3) with no role) must make the role as a derived one does, or every
+        # stage would report one peer group and the stage slower by design be called
+        # stragglers (found by the acceptance probe).
         for key, value in self._declared.items():
             out[key] = value
+        if "role" not in self._declared:
+            if out["pp_stage"] is not None:
+                out["role"] = f"pp_stage={out['pp_stage']}"
+            elif not out["group_ranks"] and self._pg_role is not None:
+                out["role"] = self._pg_role
         self._fields = out
 
     # ------------------------------------------------------------------ auto-derivation
