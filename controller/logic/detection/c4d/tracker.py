@@ -17,6 +17,7 @@ from controller.logic.detection.c4d.crash import CrashState
 from controller.logic.detection.c4d.evidence import Normalization
 from controller.logic.detection.c4d.findings import Finding, FindingKind
 from controller.logic.detection.c4d.hang import StuckCall, classify, ring_pairs
+from controller.logic.detection.c4d.inflight import Inflight, InflightTable
 from controller.logic.detection.c4d.job_evidence import (
     CommSlowEvidence,
     HangEvidence,
@@ -45,12 +46,6 @@ LATE_RUN_SUMMARY_S = 120.0
 
 
 @dataclass(slots=True)
-class _Inflight:
-    record: InflightCollective
-    received_s: float
-
-
-@dataclass(slots=True)
 class JobTracker:
     job: str
     cfg: C4DConfig
@@ -64,7 +59,7 @@ class JobTracker:
     pending_since: dict[int, float] = field(default_factory=dict)
     last_compared_step: int = -1
     newest_step: int = -1
-    inflight: dict[tuple[int, str], _Inflight] = field(default_factory=dict)
+    inflight: InflightTable = field(default_factory=InflightTable)
     last_completed: dict[int, dict[str, int]] = field(default_factory=dict)
     last_step_of_rank: dict[int, int] = field(default_factory=dict)
     #: End times of this run's summaries (tells a restart from a spool's resend).
@@ -133,17 +128,14 @@ class JobTracker:
         rows[s.rank] = s
         self.newest_step = max(self.newest_step, s.step)
         # A rank that finished a later step is no longer stuck in an older call.
-        for rank_group in [k for k in self.inflight if k[0] == s.rank]:
-            rec = self.inflight[rank_group].record
-            if rec.step is not None and rec.step < s.step:
-                del self.inflight[rank_group]
+        self.inflight.passed(s.rank, s.step)
 
     def observe_inflight(self, node: str, rec: InflightCollective, now_s: float) -> None:
         if not rec.group:
             return  # a stall outside any collective (opt-in on the rank); hangs need a call
         self.rank_node[rec.rank] = node
         self.last_completed.setdefault(rec.rank, {}).update(rec.last_completed_seq)
-        self.inflight[(rec.rank, rec.group)] = _Inflight(rec, now_s)
+        self.inflight[(rec.rank, rec.group)] = Inflight(rec, now_s)
 
     def observe_rank_event(self, node: str, ev: RankEvent, now_s: float) -> None:
         if ev.kind == "started" and ev.rank in self.last_step_of_rank:
@@ -527,8 +519,7 @@ class JobTracker:
         nodes = tuple(sorted({self.rank_node.get(r, "?") for r in call.absent}))
         # An absentee that is itself stuck in another collective may be a victim of a chain;
         # one stuck nowhere is the origin.
-        inflight_ranks = {rank for rank, _ in self.inflight}
-        evidence.confidence = 0.8 if set(call.absent) & inflight_ranks else 1.0
+        evidence.confidence = 0.8 if set(call.absent) & self.inflight.ranks() else 1.0
         return Finding(
             kind=FindingKind.HANG,
             job=self.job,
