@@ -41,7 +41,7 @@ from controller.logic.detection.c4d.evidence import (
     StragglerEvidence,
     TimeStats,
 )
-from controller.logic.detection.c4d.peers import PeerIndex, PeerKey
+from controller.logic.detection.c4d.peers import PeerGroups, PeerKey
 from controller.logic.detection.c4d.robust import MAD_TO_SIGMA, fmedian, mad, peer_centers
 from trainguard.wire import StepSummary
 
@@ -341,11 +341,9 @@ class StragglerState:
     """Per-job straggler state: peer groups' windows, and confirmation with hysteresis."""
 
     cfg: C4DConfig
-    peers: PeerIndex = field(default_factory=PeerIndex)
+    #: Who is compared with whom, judged by who reports each key (:class:`PeerGroups`).
+    peers: PeerGroups = field(default_factory=PeerGroups)
     groups: dict[PeerKey, PeerWindows] = field(default_factory=dict)
-    rank_group: dict[int, PeerKey] = field(default_factory=dict)
-    #: How many ranks report each key (a role reported by one rank is a group of one).
-    key_ranks: dict[PeerKey, int] = field(default_factory=dict)
     steps_seen: int = 0
     last: StepVerdict | None = None
     holds: dict[int, _Hold] = field(default_factory=dict)
@@ -354,22 +352,18 @@ class StragglerState:
     _scored: list[int] = field(default_factory=list)
 
     def add(self, step: int, rows: dict[int, StepSummary]) -> StepVerdict:
+        for rank, old in self.peers.update(list(rows.values()), self.steps_seen):
+            if old in self.groups:
+                self.groups[old].forget(rank)
         by_group: dict[PeerKey, list[StepSummary]] = {}
         for s in rows.values():
-            key = self.peers.key(s)
-            old = self.rank_group.get(s.rank)
-            if old != key:
-                if old is not None:
-                    self.key_ranks[old] -= 1
-                    if old in self.groups:
-                        self.groups[old].forget(s.rank)
-                self.rank_group[s.rank] = key
-                self.key_ranks[key] = self.key_ranks.get(key, 0) + 1
-            by_group.setdefault(key, []).append(s)
+            key = self.peers.group(s.rank)
+            if key is not None:  # None: its report disagrees with its peers' (settling)
+                by_group.setdefault(key, []).append(s)
         flagged: set[int] = set()
         scored: list[int] = []
         for key, members in by_group.items():
-            alone = self._alone(key)
+            alone = self.peers.alone(key)
             if len(members) < 2 and not alone:
                 continue  # no peer reported this step: nothing to compare with
             group = self.groups.get(key)
@@ -388,13 +382,6 @@ class StragglerState:
             fmedian(s.step_time_s for s in rows.values()),
         )
         return self.last
-
-    def _alone(self, key: PeerKey) -> bool:
-        """Whether the group has one member: its reported member list says so, or (a role
-        without a list) one rank of the job ever reported it."""
-        if key.members:
-            return len(key.members) == 1
-        return self.key_ranks.get(key, 0) == 1 and key.role != ""
 
     def transitions(self) -> tuple[set[int], set[int]]:
         """Ranks confirmed slow now, and open ranks confirmed recovered now.
@@ -435,6 +422,11 @@ class StragglerState:
         return opened, cleared
 
     # ------------------------------------------------------------------ readings
+
+    @property
+    def rank_group(self) -> dict[int, PeerKey]:
+        """rank -> the key it is compared under."""
+        return self.peers.assigned
 
     def group_of(self, rank: int) -> PeerWindows | None:
         key = self.rank_group.get(rank)
@@ -497,6 +489,12 @@ class StragglerState:
             norm = Normalization.BYTES if group.normalized else Normalization.PEER_MEDIAN
         against = "byte-predicted compute" if group.normalized else "median compute"
         why = group.key.why(group.pp_stage)
+        reported = self.peers.reported.get(rank)
+        if reported is not None and reported != key:
+            why += (
+                f"; its own report ({reported.label()}) disagrees with its peers', so it is "
+                "compared with the ranks whose reports list it"
+            )
         verdict = (
             f"windowed median of its compute over its {len(members) - 1} peers' "
             f"{against} is {self.score(rank):.3f} ({slowdown:+.0%}), "
