@@ -215,3 +215,55 @@ def test_a_summary_looks_only_at_its_own_ranks_in_flight_records() -> None:
     assert (3, "pp") in tracker.inflight
     tracker.observe_step("n", summary(3, 5, 1.0, 1.0, world), 5.0)
     assert (3, "pp") not in tracker.inflight and len(tracker.inflight) == 2 * world
+
+
+# ---------------------------------------------------------------- hangs without member lists
+
+
+def _stuck(rank: int, group: str, seq: int, op: str, done: dict[str, int]) -> InflightCollective:
+    """A stuck call whose record lacks ``group_ranks`` (an older or foreign reporter)."""
+    return InflightCollective(
+        job=JOB, rank=rank, group=group, op=op, seq=seq, elapsed_s=15.0, last_completed_seq=done
+    )
+
+
+def _hangs(
+    world: int, records: list[InflightCollective]
+) -> list[tuple[FindingKind, tuple[int, ...]]]:
+    trackers = JobTrackers()
+    rows = [summary(r, 0, 1.0, 1.0, world) for r in range(world)]
+    trackers.observe("n0", JobRecords(steps=rows), 0.0)
+    trackers.evaluate(0.0)
+    for rec in records:
+        trackers.observe(f"n{rec.rank // 8}", JobRecords(inflight=[rec]), 20.0)
+    return sorted((f.kind, f.ranks) for f in trackers.evaluate(20.0))
+
+
+def test_a_stuck_send_on_a_p2p_channel_names_its_partner_not_the_world() -> None:
+    """Rank 26 sends to 28, which never posts the receive: the channel id names the pair
+    (the world was assumed: a critical hang naming the 62 other ranks)."""
+    found = _hangs(WORLD, [_stuck(26, "p2p-26-28", 7, "send", {"p2p-26-28": 6})])
+    assert found == [(FindingKind.HANG, (28,))]
+
+
+def test_a_tp_pair_both_inside_a_sized_group_is_a_communication_hang_of_the_pair() -> None:
+    done = {"g2-5f0c1d2e3a4b": 49}
+    records = [_stuck(r, "g2-5f0c1d2e3a4b", 50, "all_reduce", done) for r in (10, 11)]
+    assert _hangs(WORLD, records) == [(FindingKind.COMM_HANG, (10, 11))]
+
+
+def test_ranks_whose_reports_leave_a_group_out_are_not_its_members() -> None:
+    """Ranks 0, 2, 4, 6 are all inside "even" #5 (no member list, an unsized id); 1, 3, 5,
+    7 are inside "odd" #5 and list only "odd" among their groups. Assumed the world, "even"
+    had four absentees, all waiting elsewhere, so it was dropped as a victim's call."""
+    records = [_stuck(r, "even", 5, "all_reduce", {"even": 4}) for r in (0, 2, 4, 6)]
+    records += [
+        _stuck(r, "odd", 5, "all_reduce", {"odd": 4}).model_copy(
+            update={"group_ranks": [1, 3, 5, 7]}
+        )
+        for r in (1, 3, 5, 7)
+    ]
+    assert _hangs(8, records) == [
+        (FindingKind.COMM_HANG, (0, 2, 4, 6)),
+        (FindingKind.COMM_HANG, (1, 3, 5, 7)),
+    ]

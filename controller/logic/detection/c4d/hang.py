@@ -16,9 +16,16 @@ probe between ring neighbours localizes it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from trainguard.wire import InflightCollective
+
+#: Point-to-point channel ids as ``collectives`` names them (``collectives/groups.py``:
+#: ``p2p-<low rank>-<high rank>``; the controller does not import collectives).
+_P2P_ID = re.compile(r"^p2p-(\d+)-(\d+)$")
+#: Process-group ids ``collectives`` gives: ``g<size>-<digest>``.
+_SIZED_ID = re.compile(r"^g(\d+)-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +56,19 @@ def classify(
     rank stuck in group A tells us it never reached the call in group B).
     """
     calls: dict[tuple[str, int], list[InflightCollective]] = {}
+    #: group -> ranks whose current record lists it among their groups; ranks that sent
+    #: a (non-empty) list at all
+    users: dict[str, set[int]] = {}
+    informed: set[int] = set()
     for rec in records:
         calls.setdefault((rec.group, rec.seq), []).append(rec)
+        if rec.last_completed_seq:
+            informed.add(rec.rank)
+            for g in rec.last_completed_seq:
+                users.setdefault(g, set()).add(rec.rank)
     out: list[StuckCall] = []
     for (group, seq), recs in calls.items():
-        members = _members(recs, world_size)
+        members = _members(group, seq, recs, world_size, users, informed)
         entered = {r.rank for r in recs}
         passed = {m for m in members - entered if last_completed.get(m, {}).get(group, -1) >= seq}
         absent = members - entered - passed
@@ -73,12 +88,38 @@ def classify(
     return out
 
 
-def _members(recs: list[InflightCollective], world_size: int) -> set[int]:
+def _members(
+    group: str,
+    seq: int,
+    recs: list[InflightCollective],
+    world_size: int,
+    users: dict[str, set[int]],
+    informed: set[int],
+) -> set[int]:
+    """The call's group members: from a record's ``group_ranks`` when one has them.
+
+    Without them (an older or foreign reporter) the world was assumed, so a stuck call of a
+    TP pair or a pipeline send named every other rank of the job as absent (the acceptance
+    probe: a critical hang naming 62 ranks on 8 nodes). What the reports prove is used
+    instead: a point-to-point channel id names its two ranks; a group id giving its size
+    (``g2-...``) is exactly the ranks known to use it (inside the call, or listing it among
+    the groups they completed calls in) once that many are known. Otherwise the world is
+    still assumed (nothing says who else is in the group), less the ranks proven outside
+    it: past the group's first call, every member has completed a call in it, so a rank
+    whose current report lists its groups without this one is not a member."""
     for rec in recs:
         if rec.group_ranks:
             return set(rec.group_ranks)
-    # Without membership, assume the default (world) group: every rank of the job.
-    return set(range(world_size))
+    if (pair := _P2P_ID.match(group)) is not None:
+        return {int(pair[1]), int(pair[2])}
+    known = {r.rank for r in recs} | users.get(group, set())
+    sized = _SIZED_ID.match(group)
+    if sized is not None and len(known) >= int(sized[1]):
+        return known
+    members = set(range(world_size))
+    if seq >= 1:
+        members -= informed - known
+    return members
 
 
 def ring_pairs(members: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
