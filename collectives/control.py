@@ -7,9 +7,12 @@ a stop request by :func:`should_stop`, and a link probe runs when the step named
 ``at_step`` starts, so every rank runs it at the same point of the program.
 
 Ranks agree on a step only through the command itself: the controller must pick
-``at_step`` ahead of the job's progress. A request without ``at_step`` fires at the next
-step boundary each rank sees, which is fine for one rank's own checkpoint but not for a
-collective one.
+``at_step`` ahead of the job's progress. ``at_step`` is in the numbering the summaries
+carry, which only goes forward within a process (``collectives.recorder.StepNumbering``):
+the session hands :class:`Control` numbers in that numbering, so a request lands on the
+same step on every rank even when the loop's own count starts again each epoch. A
+request without ``at_step`` fires at the next step boundary each rank sees, which is fine
+for one rank's own checkpoint but not for a collective one.
 
 A checkpoint request reaches the nodes as one copy per node, some steps apart. A loop that
 agrees across ranks (an all-reduce) would take one checkpoint per copy: a storm of full

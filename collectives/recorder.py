@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainguard.wire import InflightCollective, StepSummary
+from trainguard.wire import MAX_STEP, InflightCollective, StepSummary
 
 from .config import InstrumentConfig
 from .finite import StepFlags
@@ -64,6 +64,78 @@ class CallRecord:
     @property
     def duration_s(self) -> float | None:
         return None if self.exit_s is None else self.exit_s - self.enter_s
+
+
+#: The largest step number a summary carries (``trainguard.wire.Step``): a larger one
+#: would fail to build at the step's end, inside the training loop's ``with`` block.
+STEP_MAX = MAX_STEP
+
+
+@dataclass(slots=True)
+class StepNumbering:
+    """The step numbers this process sends: the loop's own while they go forward, and the
+    sequence carried on where they go back.
+
+    Why: the controller reads one process's step numbers as its clock. A number at or below
+    one already sent reads as the job restarted from a checkpoint (every incident resolved
+    and opened again, every window emptied); with summaries that lack ``end_unix_s``, as
+    already compared (every later step dropped). Yet a loop's numbers go back for reasons
+    that are no restart: an epoch loop's ``enumerate(loader)`` starts again at 0, a step is
+    retried under its number. A restart is a new process (its ``started`` event, a new
+    numbering); inside one process the steps only go on. So a number that goes back is
+    sent as the last one sent + 1, and the numbers after it keep their spacing from it (an
+    offset). Every rank maps the same sequence of numbers the same way, so ranks stay
+    aligned, and while the loop's numbers increase (the offset is 0) the numbers sent are
+    the loop's own: checkpoint steps, resume bounds and a rollback's "first bad step" stay
+    in one numbering.
+
+    A step that raised sent nothing: its number is given back (:meth:`drop`), so a step
+    retried under the same number keeps it. A loop that went back on purpose (it reloaded a
+    checkpoint in this process) says so with ``rewind``: the numbers are sent as given from
+    there, as a restarted process would send them, so the controller sees those steps run
+    again and its rollback evidence stays in the checkpoints' numbering.
+    """
+
+    #: What is added to the loop's numbers (0 until they first go back).
+    offset: int = 0
+    #: The loop's number of the last step that ended (None: none yet, or just rewound).
+    last_given: int | None = None
+    #: (given, offset) of the step in progress, made final by :meth:`close`.
+    _open: tuple[int, int] | None = None
+
+    def open(self, given: int, *, rewind: bool = False) -> tuple[int | None, bool]:
+        """The number to send for the step the loop numbered ``given`` (None: past what a
+        summary carries) and whether ``given`` went back (at or below the last step's)."""
+        offset, last = (0, None) if rewind else (self.offset, self.last_given)
+        went_back = last is not None and given <= last
+        if last is not None and went_back:
+            offset = last + offset + 1 - given
+        sent = given + offset
+        if sent > STEP_MAX:
+            return None, went_back
+        self._open = (given, offset)
+        return sent, went_back
+
+    @property
+    def given(self) -> int | None:
+        """The loop's own number of the step in progress."""
+        return None if self._open is None else self._open[0]
+
+    def close(self) -> None:
+        """The step in progress ended: the next numbers follow it."""
+        if self._open is not None:
+            self.last_given, self.offset = self._open
+            self._open = None
+
+    def drop(self) -> None:
+        """The step in progress raised: it sent nothing, its number is free again."""
+        self._open = None
+
+    def sent(self, given: int) -> int:
+        """``given`` (a number of the loop, e.g. the one ``should_checkpoint(i)`` is asked
+        about) in the numbering sent, where the controller's ``at_step`` is."""
+        offset = self.offset if self._open is None else self._open[1]
+        return min(given + offset, STEP_MAX)
 
 
 @dataclass(slots=True)
@@ -457,4 +529,4 @@ def _snapshot(window: deque[float]) -> list[float]:
     return []  # pragma: no cover
 
 
-__all__ = ["COMPUTE_OP", "CallRecord", "Recorder"]
+__all__ = ["COMPUTE_OP", "STEP_MAX", "CallRecord", "Recorder", "StepNumbering"]

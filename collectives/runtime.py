@@ -34,7 +34,7 @@ from .errors import CollectivesConfigError, FaultSpecError, NotInstrumentedError
 from .faults import Fault, FaultInjector, injector_from_env
 from .outbox import Outbox
 from .probe import late_results, probe_device, probe_group, run_probe
-from .recorder import Recorder
+from .recorder import STEP_MAX, Recorder, StepNumbering
 from .roles import RoleTracker
 from .timeouts import check_timeouts
 from .timing import default_clock
@@ -121,6 +121,8 @@ class Session:
         self._warned: set[str] = set()
         #: How steps were marked so far: "with" (``step()``), "hook" (``hook_optimizer``).
         self._step_apis: set[str] = set()
+        #: The loop's step numbers -> the ones sent (they only go forward in a process).
+        self.numbering = StepNumbering()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,10 +221,15 @@ class Session:
             self._warned.add(key)
             log.warning("trainguard: " + message + " (logged once per session)", *args)
 
-    def step_start(self, step: Any, *, via: str = "with") -> object | None:
+    def step_start(self, step: Any, *, via: str = "with", rewind: bool = False) -> object | None:
         """Open a step; returns its token, or None when no step was opened: a step number
         a summary cannot carry, or a step already in progress (steps do not nest). Never
-        raises for either: training goes on, that block is just not a step of its own."""
+        raises for either: training goes on, that block is just not a step of its own.
+
+        The number sent (and the one commands, probes and faults are matched against) is
+        the loop's while it increases; one that goes back carries the sequence on
+        (:class:`~collectives.recorder.StepNumbering`), unless ``rewind`` says the loop
+        went back on purpose."""
         self._step_apis.add(via)
         if len(self._step_apis) > 1:
             self._warn_once(
@@ -234,9 +241,10 @@ class Session:
         if number is None:
             self._warn_once(
                 "step-number",
-                "step number %r is not an integer in [0, 2**63-1], so it cannot be sent; "
+                "step number %r is not an integer in [0, %d], so it cannot be sent; "
                 "steps like it are not summarized (their collectives count outside any step)",
                 step,
+                STEP_MAX,
             )
             return None
         current = self.recorder.step
@@ -249,13 +257,38 @@ class Session:
                 current,
             )
             return None
+        sent, went_back = self.numbering.open(number, rewind=rewind)
+        if sent is None:
+            self._warn_once(
+                "step-overflow",
+                "step number %r follows step %r in this process and would be sent as a "
+                "number above %d, so it cannot be sent; steps like it are not "
+                "summarized (their collectives count outside any step)",
+                number,
+                self.numbering.last_given,
+                STEP_MAX,
+            )
+            return None
+        if went_back:
+            self._warn_once(
+                "went-back",
+                "step %d follows step %d in this process: a step number that goes back "
+                "reads as a restarted job, so it is sent as step %d and the steps after it "
+                "count on from there (checkpoint and probe requests name steps in that "
+                "numbering). Count steps across epochs (e.g. epoch * len(loader) + i); "
+                "after reloading a checkpoint in this process, pass rewind=True to the "
+                "first step() after the reload",
+                number,
+                self.numbering.last_given,
+                sent,
+            )
         for spec in self.control.faults_due():
             try:
                 self.add_faults(spec)
                 log.warning("trainguard: chaos drill added faults %s", spec)
             except FaultSpecError as exc:  # the controller checks kinds, the rank the rest
                 log.error("trainguard: chaos faults refused: %s", exc)
-        step = number
+        step = sent
         now_probes, late = self.control.probes_due(step)
         for cmd in late:
             for result in late_results(cmd, self.rank, step):
@@ -268,16 +301,28 @@ class Session:
         return token
 
     def step_end(self, token: object | None = None) -> None:
-        """End the step in progress (only the one ``token`` opened, when one is given)."""
+        """End the step in progress (only the one ``token`` opened, when one is given).
+
+        Checkpoint callbacks get the loop's own number of the step (what it saves under);
+        the request's ``at_step`` is matched against the number sent."""
         if token is not None and not self.recorder.is_open(token):
             return
         step = self.recorder.step
+        given = self.numbering.given
         if step is not None and self.injector is not None:
             self.injector.stretch_compute(step, self.recorder.compute_segment_s())
         self.recorder.step_end(token)
+        self.numbering.close()
         if step is not None and self.control.callbacks and self.control.checkpoint_due(step):
             for callback in list(self.control.callbacks):
-                callback(step)
+                callback(step if given is None else given)
+
+    def step_abort(self, token: object | None = None) -> None:
+        """The step in progress raised: no summary, and its number may be used again."""
+        if token is not None and not self.recorder.is_open(token):
+            return
+        self.recorder.step_abort(token)
+        self.numbering.drop()
 
     def _dump_trace(self, cmd: JobDumpTrace) -> None:
         """Answer a ``JobDumpTrace`` with this rank's Flight Recorder buffer (shipping thread)."""
@@ -322,16 +367,17 @@ class Session:
 class StepContext:
     """``with collectives.step(i):`` brackets one training step (a no-op when not instrumented)."""
 
-    __slots__ = ("_session", "_step", "_token")
+    __slots__ = ("_rewind", "_session", "_step", "_token")
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, *, rewind: bool = False) -> None:
         self._step = step
+        self._rewind = rewind
         self._session = _session
         self._token: object | None = None
 
     def __enter__(self) -> StepContext:
         if self._session is not None and not self._session.closed:
-            self._token = self._session.step_start(self._step)
+            self._token = self._session.step_start(self._step, rewind=self._rewind)
         return self
 
     def __exit__(
@@ -347,7 +393,7 @@ class StepContext:
         if kind is None:
             session.step_end(token)
         else:
-            session.recorder.step_abort(token)
+            session.step_abort(token)
 
 
 # ---------------------------------------------------------------------- public functions
@@ -419,22 +465,33 @@ def current() -> Session | None:
     return _session
 
 
-def step(i: int) -> StepContext:
-    return StepContext(i)
+def step(i: int, *, rewind: bool = False) -> StepContext:
+    """Bracket training step ``i`` (``with collectives.step(i): ...``).
 
-
-_STEP_MAX = (1 << 63) - 1
+    Step numbers go forward within a process: one at or below the last step's is sent as
+    the next number after it (an epoch loop's count that starts again at 0 goes on being
+    counted), with one warning. ``rewind=True`` on the first step after reloading a
+    checkpoint in this process sends ``i`` as it is: the steps from there are run again,
+    as after a restart (every rank passes it at the same step)."""
+    return StepContext(i, rewind=rewind)
 
 
 def _step_number(value: Any) -> int | None:
-    """``value`` as a step number a summary can carry (0 to 2**63-1), else None."""
+    """``value`` as a step number a summary can carry (0 to ``STEP_MAX``, 10**12), else None."""
     if isinstance(value, bool):
         return None
     try:
         number = operator.index(value)
     except TypeError:
         return None
-    return number if 0 <= number <= _STEP_MAX else None
+    return number if 0 <= number <= STEP_MAX else None
+
+
+def _sent(session: Session, step: int) -> int:
+    """The loop's step number ``step`` in the numbering sent (commands' ``at_step``); a
+    value that is no step number is passed on as it is."""
+    number = _step_number(step)
+    return step if number is None else session.numbering.sent(number)
 
 
 def hook_optimizer(optimizer: torch.optim.Optimizer, start_step: int = 0) -> Callable[[], None]:
@@ -461,9 +518,11 @@ def hook_optimizer(optimizer: torch.optim.Optimizer, start_step: int = 0) -> Cal
 
 
 def should_checkpoint(step: int) -> bool:
-    """True once for each checkpoint request that applies after ``step``."""
+    """True once for each checkpoint request that applies after ``step`` (the loop's number
+    of the step just ended: a request's ``at_step`` is in the numbering sent, see
+    :func:`step`)."""
     session = _session
-    return session is not None and session.control.checkpoint_due(step)
+    return session is not None and session.control.checkpoint_due(_sent(session, step))
 
 
 def checkpoint_vote(step: int) -> int:
@@ -473,7 +532,7 @@ def checkpoint_vote(step: int) -> int:
     :func:`checkpoint_agreed`: one checkpoint per request, however many steps apart its
     copies reach the nodes."""
     session = _session
-    return 0 if session is None else session.control.checkpoint_vote(step)
+    return 0 if session is None else session.control.checkpoint_vote(_sent(session, step))
 
 
 def checkpoint_agreed(vote: int) -> None:
@@ -491,7 +550,8 @@ def should_stop() -> bool:
 
 
 def on_checkpoint(callback: CheckpointCallback) -> None:
-    """Call ``callback(step)`` after the step at which a checkpoint request applies."""
+    """Call ``callback(step)`` after the step at which a checkpoint request applies (``step``:
+    the loop's own number of it, as given to :func:`step`)."""
     session = _session
     if session is None:
         raise NotInstrumentedError("call collectives.instrument() before on_checkpoint()")
