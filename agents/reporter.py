@@ -15,7 +15,10 @@ One thread, one request in flight, so reports arrive in seq order. Outcomes:
 * any other 4xx (400, 413, 422, ...): the report itself is bad and would fail forever;
   move it to ``rejected/`` with the reason, log once, go on with the next one.
 
-The bearer token is sent in a header and never logged.
+The bearer token is sent in a header and never logged: a token that could not travel in
+a header (a line break or a space inside it) is refused before any request, and an error
+message that might quote the header (httpx's ``LocalProtocolError`` does) is redacted
+before it reaches the log.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import threading
 import time
+import traceback
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +103,35 @@ def _detail(response: httpx.Response) -> str:
 
 _COMMAND = TypeAdapter(Command)
 
+#: What an HTTP library may quote of the Authorization header in an error message.
+_BEARER = re.compile(r"Bearer\s+[^\s'\"]+", re.IGNORECASE)
+
+
+class InvalidTokenError(AgentConfigError):
+    """The token holds characters no HTTP header can carry: a configuration mistake to fix,
+    never a file being rewritten (the kubelet swaps a projected token in one step)."""
+
+
+def check_token(token: str, source: str) -> str:
+    """``token`` when it can travel in an ``Authorization`` header (visible ASCII, nothing
+    else), else :class:`InvalidTokenError` naming ``source``. The message never repeats the
+    token: it is a secret. A line break inside would otherwise reach the first request and
+    fail it with an error that quotes the whole header."""
+    if not all("!" <= char <= "~" for char in token):
+        raise InvalidTokenError(
+            f"{source}: invalid token: it may hold only visible ASCII characters, "
+            "no spaces or line breaks inside it"
+        )
+    return token
+
+
+def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """``text`` with every bearer credential and every one of ``secrets`` blanked out."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "<redacted>")
+    return _BEARER.sub("Bearer <redacted>", text)
+
 
 def parse_reply(body: bytes) -> tuple[ReportReply, list[tuple[str, str]]]:
     """The reply with the commands this agent understands, and (id, reason) for the rest.
@@ -127,14 +161,15 @@ def parse_reply(body: bytes) -> tuple[ReportReply, list[tuple[str, str]]]:
 
 def read_token_file(path: Path) -> str:
     """The bearer token in ``path`` (surrounding whitespace stripped), or one-line
-    :class:`AgentConfigError`: missing, a directory, not UTF-8 text, or empty."""
+    :class:`AgentConfigError`: missing, a directory, not UTF-8 text, or empty;
+    :class:`InvalidTokenError` for a token with a space or a line break inside."""
     try:
         token = read_text(path).strip()
     except Unreadable as exc:
         raise AgentConfigError(f"token_file {path}: {exc.reason}") from None
     if not token:
         raise AgentConfigError(f"token_file {path}: empty; it must hold the agent's token")
-    return token
+    return check_token(token, f"token_file {path}")
 
 
 class _FileToken(httpx.Auth):
@@ -144,19 +179,32 @@ class _FileToken(httpx.Auth):
     def __init__(self, path: Path) -> None:
         self._path = path
         self._stamp: tuple[int, int] | None = None
+        #: The file's stamp when it last read as no usable token (warned once per version).
+        self._bad_stamp: tuple[int, int] | None = None
         self._token = ""
 
+    @property
+    def token(self) -> str:
+        """The token last read (for redaction); empty before the first good read."""
+        return self._token
+
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        stamp: tuple[int, int] | None = None
         try:
             stat = self._path.stat()
-            if (stat.st_mtime_ns, stat.st_size) != self._stamp:
+            stamp = (stat.st_mtime_ns, stat.st_size)
+            if stamp != self._stamp:
                 self._token = read_token_file(self._path)
-                self._stamp = (stat.st_mtime_ns, stat.st_size)
+                self._stamp, self._bad_stamp = stamp, None
         except OSError as exc:  # not there yet: the controller answers 401, we retry
             error = f"{self._path}: {exc.strerror or type(exc).__name__}"
             log.warning("agent token file unreadable", extra={"fields": {"error": error}})
-        except AgentConfigError as exc:  # being rewritten: keep the last good token, retry
-            log.warning("agent token file unreadable", extra={"fields": {"error": str(exc)}})
+        except AgentConfigError as exc:
+            # Being rewritten, or rotated to something no header can carry: keep the last
+            # good token and retry. The message names the file, never the token.
+            if stamp != self._bad_stamp:  # once per version of the file, not per request
+                self._bad_stamp = stamp
+                log.warning("agent token file unreadable", extra={"fields": {"error": str(exc)}})
         if self._token:
             request.headers["Authorization"] = f"Bearer {self._token}"
         yield request
@@ -188,13 +236,15 @@ class Reporter:
         self._rng = random.Random(seed)
         headers = {"User-Agent": "trainguard-agent"}
         if token:
-            headers["Authorization"] = f"Bearer {token}"
+            headers["Authorization"] = f"Bearer {check_token(token, 'token')}"
+        self._token = token or ""
+        self._file_token = None if token_file is None else _FileToken(token_file)
         self._client = httpx.Client(
             base_url=controller_url,
             headers=headers,
             timeout=timeout_s,
             transport=transport,
-            auth=None if token_file is None else _FileToken(token_file),
+            auth=self._file_token,
         )
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -234,8 +284,15 @@ class Reporter:
                 content=body,
                 headers={"Content-Type": "application/json"},
             )
+        except httpx.LocalProtocolError as exc:
+            # The request could not even be written (h11 refused a header): not the
+            # controller's fault, and the message may quote the Authorization header.
+            self._fail(
+                f"request refused before sending ({type(exc).__name__}: {self._redact(exc)})"
+            )
+            return "retry"
         except httpx.HTTPError as exc:
-            self._fail(f"controller unreachable ({type(exc).__name__}: {exc})")
+            self._fail(f"controller unreachable ({type(exc).__name__}: {self._redact(exc)})")
             return "retry"
         outcome = classify(response.status_code)
         if outcome == "delivered":
@@ -278,6 +335,11 @@ class Reporter:
         )
         return outcome
 
+    def _redact(self, error: BaseException | str) -> str:
+        """``error`` as text with every token this reporter has used blanked out."""
+        file_token = self._file_token.token if self._file_token is not None else ""
+        return redact(str(error), (self._token, file_token))
+
     def _fail(self, problem: str, *, retry_after_s: float | None = None) -> None:
         self._stats.add("report_failures_total")
         self._failures += 1
@@ -294,8 +356,11 @@ class Reporter:
             self._wake.clear()
             try:
                 outcome = self.send_oldest()
-            except Exception:
-                log.exception("reporter: unexpected error; backing off")
+            except Exception as exc:
+                # The traceback is logged redacted: an exception from the HTTP stack may
+                # quote the request's Authorization header.
+                trace = "".join(traceback.format_exception(exc))
+                log.error("reporter: unexpected error; backing off\n%s", self._redact(trace))
                 self._fail("unexpected error")
                 outcome = "retry"
             if outcome is None:
@@ -304,4 +369,12 @@ class Reporter:
                 self._stop.wait(self.last_delay_s)
 
 
-__all__ = ["BackoffPolicy", "Reporter", "classify", "read_token_file"]
+__all__ = [
+    "BackoffPolicy",
+    "InvalidTokenError",
+    "Reporter",
+    "check_token",
+    "classify",
+    "read_token_file",
+    "redact",
+]

@@ -3,7 +3,10 @@
 Values come from keyword arguments (the CLI), then ``TRAINGUARD_AGENT_*`` environment
 variables, then defaults. :func:`load_settings` turns pydantic's multi-line validation
 report into one :class:`~agents.errors.AgentConfigError` line naming each bad field, which
-is what the CLI prints before exiting with status 2.
+is what the CLI prints before exiting with status 2. The dict and list settings (``labels``,
+``preflight_load_command``) are decoded from the environment by validators of their own, so
+a value that is not JSON is such a line too, naming the format expected, whichever CLI
+(``python -m agents`` or ``trainguard agent``) reads it.
 """
 
 from __future__ import annotations
@@ -16,12 +19,20 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import platformdirs
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from agents.errors import AgentConfigError
 from agents.gpu.backend import parse_gpus_setting
 from agents.gpu.faults import parse_fault_spec, split_fault_specs
+from agents.reporter import InvalidTokenError, check_token
 from agents.tcp_endpoint import TcpListen, parse_listen
 from trainguard.wire import NAME_PATTERN
 
@@ -104,7 +115,7 @@ class AgentSettings(BaseSettings):
         description="Start-up allowed on top of preflight_load_s (python, torch, a CUDA "
         "context) before the load command is killed",
     )
-    preflight_load_command: list[str] = Field(
+    preflight_load_command: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description=(
             "Load command template ({gpu}, {uuid}, {index}, {seconds}); empty: "
@@ -167,7 +178,10 @@ class AgentSettings(BaseSettings):
     metrics_port: int = Field(default=9470, ge=-1, le=65535)
     node_base_power_w: float = Field(default=0.0, ge=0)
     powercap_dir: Path = Path("/sys/class/powercap")
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description='Node labels; from the environment a JSON object, e.g. {"rack": "r12"}',
+    )
     log_level: str = "info"
 
     @field_validator("controller_url")
@@ -178,6 +192,33 @@ class AgentSettings(BaseSettings):
         if not re.match(r"^https?://[^/\s]+", value):
             raise ValueError("must start with http:// or https:// followed by a host")
         return value.rstrip("/")
+
+    @field_validator("token")
+    @classmethod
+    def _check_token(cls, value: SecretStr | None) -> SecretStr | None:
+        """Surrounding whitespace dropped (a token from a Secret ends in a newline); what is
+        left must fit an HTTP header, or the first report would fail quoting it."""
+        if value is None:
+            return None
+        token = value.get_secret_value().strip()
+        if not token:
+            return None
+        try:
+            check_token(token, "token")
+        except InvalidTokenError:
+            raise ValueError(
+                "invalid token: it may hold only visible ASCII characters, no spaces or line "
+                "breaks inside it"
+            ) from None
+        return SecretStr(token)
+
+    @field_validator("labels", "preflight_load_command", mode="before")
+    @classmethod
+    def _decode_json(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str):  # from the environment: the CLIs pass a dict or a list
+            kind, expected = _JSON_SETTINGS[info.field_name or ""]
+            return _json_setting(value, kind, expected, _env_name(info.field_name or ""))
+        return value
 
     @field_validator("node_name")
     @classmethod
@@ -270,6 +311,34 @@ class AgentSettings(BaseSettings):
     def resolved_spool_dir(self) -> Path:
         assert self.spool_dir is not None  # set by _derive
         return self.spool_dir
+
+
+#: The settings read from the environment as JSON: (type, the format in words).
+_JSON_SETTINGS: dict[str, tuple[type, str]] = {
+    "labels": (dict, 'a JSON object of strings, e.g. {"rack": "r12", "zone": "a"}'),
+    "preflight_load_command": (list, 'a JSON list of strings, e.g. ["python", "load.py"]'),
+}
+
+
+def _env_name(field: str) -> str:
+    return f"{AgentSettings.model_config.get('env_prefix', '')}{field}".upper()
+
+
+def _json_setting(text: str, kind: type, expected: str, env: str) -> Any:
+    """A dict or list setting given as text (its environment variable): JSON of ``kind``,
+    else a ``ValueError`` that says so in one line (pydantic-settings' own decoding raised
+    SettingsError "error parsing value", and ``trainguard agent`` exited 1 on it)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        # Worded as before this validator existed (tests and scripts match it): "JSON" is
+        # the format; the example comes with a value that is JSON of the wrong shape.
+        raise ValueError(f"{env} is not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{env} is nested too deeply; expected {expected}") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{env} is a JSON {type(value).__name__}; expected {expected}")
+    return value
 
 
 def format_validation_error(exc: ValidationError) -> str:
