@@ -6,7 +6,11 @@ go into) and flushed to the kernel, so ``kill -9`` loses nothing; there is no fs
 line (a power cut may lose up to one report interval, in exchange for no disk flush per
 sample). When report ``seq`` is durably spooled the journal file is deleted; at start any
 journal whose seq is already spooled is deleted and the rest is replayed, so an item lands
-in exactly one report. A torn last line (the process died mid-write) is skipped.
+in exactly one report. A torn last line (the process died mid-write) is skipped. A journal
+entry that cannot be read at all (a directory in its place, EIO, no permission) is moved to
+the spool's ``quarantine/``, as torn reports and state files are, and the start goes on: a
+damaged journal must not put the agent in a crash loop. Where the journal cannot be written,
+items are kept in memory only (a crash would lose them), with an error in the log.
 
 Job records are bounded by item counts (half the wire's ``max_length``) and by serialized
 bytes (:data:`MAX_RECORD_BYTES`, 3/4 of ``wire.MAX_REPORT_BYTES``), so a report always
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -32,7 +38,7 @@ from trainguard.wire import CommandAck, JobRecords, NodeSample, Report
 log = logging.getLogger(__name__)
 
 
-def _wire_cap(model: type[BaseModel], name: str) -> int:
+def wire_cap(model: type[BaseModel], name: str) -> int:
     """The wire's ``max_length`` of ``model.name``: the one place every cap comes from."""
     caps = [m.max_length for m in model.model_fields[name].metadata if isinstance(m, MaxLen)]
     if not caps:
@@ -43,10 +49,10 @@ def _wire_cap(model: type[BaseModel], name: str) -> int:
 #: Item caps per report: half of the wire limits, so a report always validates (derived from
 #: the wire models: a hand-copied number once let 2,048 traces into a report whose wire limit
 #: is 1,024, and the controller rejected the whole report, samples and all).
-_RECORD_CAPS = {name: _wire_cap(JobRecords, name) // 2 for name in JobRecords.model_fields}
+_RECORD_CAPS = {name: wire_cap(JobRecords, name) // 2 for name in JobRecords.model_fields}
 MAX_STEPS = _RECORD_CAPS["steps"]
-MAX_SAMPLES = _wire_cap(Report, "samples")
-MAX_ACKS = _wire_cap(Report, "command_acks") // 2
+MAX_SAMPLES = wire_cap(Report, "samples")
+MAX_ACKS = wire_cap(Report, "command_acks") // 2
 #: Serialized job-record bytes past which the daemon is asked to report at once.
 FLUSH_HINT_BYTES = wire.MAX_REPORT_BYTES // 4
 #: Job-record bytes (as the report serializes them) one report carries at most: three
@@ -82,8 +88,14 @@ class BatchContents:
 class Batch:
     """Thread-safe accumulator for the next report, backed by an append-only journal."""
 
-    def __init__(self, journal_dir: Path, *, next_seq: int) -> None:
+    def __init__(
+        self, journal_dir: Path, *, next_seq: int, quarantine_dir: Path | None = None
+    ) -> None:
         self._dir = journal_dir
+        #: Where unreadable journal entries go (the spool's ``quarantine/``); by default a
+        #: ``quarantine`` directory beside the journal.
+        self._quarantine_dir = quarantine_dir or journal_dir.parent / "quarantine"
+        self._seq = next_seq
         self._lock = threading.RLock()
         self._contents = BatchContents()
         self._record_bytes = 0  # as the report serializes them (the byte budget)
@@ -99,21 +111,65 @@ class Batch:
         return self._dir / f"pending-{seq:012d}.jsonl"
 
     def _open(self, seq: int) -> None:
-        self._file = self._path(seq).open("a", encoding="utf-8")
         self._seq = seq
+        path = self._path(seq)
+        try:
+            self._file = path.open("a", encoding="utf-8")
+        except OSError as exc:
+            if path.exists() and not path.is_file():
+                self._quarantine(path, f"not a regular file ({exc.strerror or exc})")
+                try:
+                    self._file = path.open("a", encoding="utf-8")
+                    return
+                except OSError as again:
+                    exc = again
+            self._file = None
+            log.error(
+                "journal %s cannot be written (%s); items are kept in memory only until the "
+                "next report",
+                path,
+                exc.strerror or exc,
+            )
+
+    def _quarantine(self, path: Path, why: str) -> None:
+        """Move an unreadable journal entry out of the way (deleted if it cannot be moved)."""
+        target = self._quarantine_dir / f"{path.name}.{uuid.uuid4().hex[:8]}"
+        log.warning("journal: quarantined %s: %s (moved to %s)", path.name, why, target)
+        try:
+            self._quarantine_dir.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+        except OSError as exc:
+            log.error("journal: cannot move %s aside (%s); it is ignored", path, exc)
+
+    def _discard(self, path: Path) -> None:
+        """Delete a journal file that is no longer needed; one that cannot be is set aside."""
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            self._quarantine(path, f"cannot be deleted ({exc.strerror or exc})")
+
+    def _read_journal(self, path: Path) -> str | None:
+        try:
+            return path.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            self._quarantine(path, f"unreadable ({exc.strerror or exc})")
+            return None
 
     def _replay(self, next_seq: int) -> None:
         for path in sorted(self._dir.glob("pending-*.jsonl")):
             try:
                 seq = int(path.stem.removeprefix("pending-"))
             except ValueError:
-                path.unlink(missing_ok=True)
+                self._discard(path)
                 continue
             if seq < next_seq:
-                path.unlink(missing_ok=True)  # its report was spooled before the crash
+                self._discard(path)  # its report was spooled before the crash
+                continue
+            text = self._read_journal(path)
+            if text is None:
                 continue
             replayed = 0
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            for line in text.splitlines():
                 try:
                     self._apply(json.loads(line))
                     replayed += 1
@@ -132,10 +188,14 @@ class Batch:
         lines += [("ack", a.model_dump(mode="json")) for a in c.acks]
         text = "".join(json.dumps({"t": k, "v": v}, separators=(",", ":")) + "\n" for k, v in lines)
         if text:
-            write_atomic(self._path(next_seq), text.encode())
+            try:
+                write_atomic(self._path(next_seq), text.encode())
+            except OSError as exc:
+                # Still in memory: they go into the next report unless the agent dies first.
+                log.error("journal: cannot re-journal recovered items (%s)", exc)
         for path in self._dir.glob("pending-*.jsonl"):
             if path != self._path(next_seq) or not text:
-                path.unlink(missing_ok=True)
+                self._discard(path)
 
     def _apply(self, entry: Any) -> None:
         if not isinstance(entry, dict):
@@ -252,7 +312,7 @@ class Batch:
         with self._lock:
             if self._file is not None:
                 self._file.close()
-            self._path(self._seq).unlink(missing_ok=True)
+            self._discard(self._path(self._seq))
             self._contents = BatchContents()
             self._record_bytes = 0
             self._hint_bytes = 0
@@ -265,4 +325,11 @@ class Batch:
                 self._file = None
 
 
-__all__ = ["MAX_RECORD_BYTES", "MAX_TRACE_BYTES", "Batch", "BatchContents", "report_size"]
+__all__ = [
+    "MAX_RECORD_BYTES",
+    "MAX_TRACE_BYTES",
+    "Batch",
+    "BatchContents",
+    "report_size",
+    "wire_cap",
+]
