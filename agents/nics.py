@@ -20,18 +20,23 @@ read tolerates a missing file, and the device's disappearance is itself an event
 that reads as something unusable (bytes that are not text, a u64 counter past the wire's
 signed 64-bit range) costs that one field, with one warning line per file, never the
 node's sample; a counter unknown for a tick is treated as reset, so no rise or flap is
-computed across the gap.
+computed across the gap. The same holds for a garbled ``rate`` (``1.2.3 Gb/sec``), a port
+number or ``numa_node`` past the wire's range, and a port whose reading the wire would still
+refuse: that port (or field) is left out with one warning, the rest of the sample goes out.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from trainguard import limits
 from trainguard.wire import (
@@ -84,6 +89,11 @@ ERROR_COUNTERS = (
     "local_ack_timeout_err",
 )
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+#: The kernel prints ``<number> Gb/sec (<width>X <speed>)``: one decimal number, at most one
+#: point (``2.5``, ``400``, ``53.125``).
+_RATE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*Gb/sec")
+#: No RDMA port is faster than this (Gb/s); a larger figure is a garbled file, not a link.
+MAX_RATE_GBPS = 100_000.0
 
 
 #: Files already warned about (one line per bad file per process, so a counter stuck at a
@@ -144,12 +154,19 @@ def _state_name(text: str | None) -> str:
     return text.split(":", 1)[-1].strip()
 
 
-def parse_rate_gbps(text: str | None) -> float | None:
-    """``400 Gb/sec (4X NDR)`` -> 400.0."""
+def parse_rate_gbps(text: str | None, path: Path | None = None) -> float | None:
+    """``400 Gb/sec (4X NDR)`` -> 400.0; ``None`` for an empty or missing file, and for one
+    that is not one number of Gb/s (``1.2.3 Gb/sec``, ``. Gb/sec``, ``inf``, a figure past
+    :data:`MAX_RATE_GBPS`): a garbled rate costs only the rate, never the port or the
+    node's sample. ``path`` names the file in the one warning it gets."""
     if not text:
         return None
-    match = re.match(r"^\s*([0-9.]+)\s*Gb/sec", text)
-    return float(match.group(1)) if match else None
+    match = _RATE.match(text)
+    rate = float(match.group(1)) if match else None
+    if rate is None or not math.isfinite(rate) or rate > MAX_RATE_GBPS:
+        _unusable(path or Path("rate"), f"{text[:40]!r} is not a rate in Gb/sec")
+        return None
+    return rate
 
 
 def sysfs_bdf(bus_id: str) -> str:
@@ -249,19 +266,22 @@ class NicMonitor:
             names = [p.name for p in (self._ib / device / "ports").iterdir()]
         except OSError:
             return []
-        return sorted(int(n) for n in names if n.isdigit())
+        # ASCII digits only, and a port number the wire can carry (a junk directory name
+        # would otherwise fail the whole node's sample, or the agent's start).
+        ports = [int(n) for n in names if n.isascii() and n.isdigit() and len(n) < 10]
+        return sorted(p for p in ports if p <= limits.INDEX_MAX)
 
     def inventory(self, gpu_bus_ids: Mapping[int, str]) -> list[NicInfo]:
         """Every RDMA port with its PCI function and its PCIe distance to each GPU."""
         gpus = {}
         for index, bus_id in gpu_bus_ids.items():
             link = self.root / "bus" / "pci" / "devices" / sysfs_bdf(bus_id)
-            gpus[index] = (_pci_chain(self.root, link), _read_int(link / "numa_node"))
+            gpus[index] = (_pci_chain(self.root, link), _numa_node(link / "numa_node"))
         out = []
         for device in self.devices():
             dev_link = self._ib / device / "device"
             chain = _pci_chain(self.root, dev_link)
-            numa = _read_int(dev_link / "numa_node")
+            numa = _numa_node(dev_link / "numa_node")
             try:
                 netdevs = sorted(p.name for p in (dev_link / "net").iterdir())
             except OSError:
@@ -297,15 +317,20 @@ class NicMonitor:
                 value = _read_int(base / folder / name)
                 if value is not None and value >= 0:
                     counters[name] = value
-        return NicPortSample(
-            device=device[:64],
-            port=port,
-            state=_state_name(state)[:32],
-            phys_state=_state_name(_read(base / "phys_state"))[:32],
-            rate_gbps=parse_rate_gbps(_read(base / "rate")),
-            link_layer=(_read(base / "link_layer") or "")[:32],
-            counters=counters,
-        )
+        try:
+            return NicPortSample(
+                device=device[:64],
+                port=port,
+                state=_state_name(state)[:32],
+                phys_state=_state_name(_read(base / "phys_state"))[:32],
+                rate_gbps=parse_rate_gbps(_read(base / "rate"), base / "rate"),
+                link_layer=(_read(base / "link_layer") or "")[:32],
+                counters=counters,
+            )
+        except ValidationError as exc:
+            # Whatever else the wire refuses costs this port, not the node's sample.
+            _unusable(base, f"refused by the wire ({str(exc).splitlines()[0]})")
+            return None
 
     def read_all(self) -> list[NicPortSample]:
         """Every port now, without touching the event state (safe from any thread)."""
@@ -480,6 +505,12 @@ class NicMonitor:
         return out, events
 
 
+def _numa_node(path: Path) -> int | None:
+    """``numa_node``: -1 (none) up to the wire's index range, else unknown."""
+    value = _read_int(path, limits.INDEX_MAX)
+    return value if value is None or value >= -1 else None
+
+
 def _nonneg(value: int | None) -> int | None:
     return value if value is None or value >= 0 else None
 
@@ -491,6 +522,7 @@ def _in_int32(value: int | None) -> int | None:
 __all__ = [
     "ERROR_COUNTERS",
     "HW_COUNTERS",
+    "MAX_RATE_GBPS",
     "PORT_COUNTERS",
     "NicMonitor",
     "affinity_level",
