@@ -5,10 +5,11 @@
     import collectives
     dist.init_process_group("nccl")
     collectives.instrument(job="llama-7b")          # or TRAINGUARD_JOB from the launcher
-    for i, batch in enumerate(loader):
-        with collectives.step(i):
-            ...                                     # forward, backward, optimizer step
-        if collectives.should_checkpoint(i): save(...)
+    batches = (b for epoch in range(epochs) for b in loader)
+    for step, batch in enumerate(batches):          # one count across epochs, not each
+        with collectives.step(step):                # epoch's own i: numbers that go back
+            ...                                     # are carried on within a process
+        if collectives.should_checkpoint(step): save(...)
         if collectives.should_stop(): break
 
 Every collective and point-to-point call is timed on this rank; per-step summaries,
