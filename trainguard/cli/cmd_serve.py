@@ -100,13 +100,14 @@ def controller(
         if not config.is_file():
             raise BadInput(f'config file "{config}" does not exist')
         os.environ["TRAINGUARD_CONFIG_FILE"] = str(config)
-    from controller.errors import BadConfig, StartupError
-    from controller.server import serve
-
     settings = controller_settings(
         **_given(host=host, port=port, database_url=database_url, dev_mode=True if dev else None)
     )
+    # The app (FastAPI, every route and service: ~2 s of CPU) only once the settings hold:
+    # a setting the operator got wrong is refused at once, and cheaply.
+    from controller.errors import BadConfig, StartupError
     from controller.logic.remediation.rules import PolicyError
+    from controller.server import serve
 
     try:
         serve(settings)
