@@ -16,6 +16,9 @@ Threads::
 
 A failing tick is logged and the loop goes on; shutdown seals what is pending into the
 spool, so a clean stop loses nothing and a crash loses nothing either (see agents.batch).
+Within a tick each reader (node power, RDMA ports, bonds, the NIC inventory) is a part of
+its own: one that fails, or hands back a field the wire refuses, costs that part of the
+sample (logged once per kind of trouble), never the GPU samples.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import pynvml
+from pydantic import ValidationError
 
 import trainguard
-from agents.batch import Batch
+from agents.batch import Batch, wire_cap
 from agents.cadence import ReportCadence
 from agents.clocks_load import ClocksLoadRunner, LoadSettings, load_command, run_preflight
 from agents.commands import CommandExecutor, Finish
@@ -51,20 +55,23 @@ from agents.gpu.sim import SimNvml
 from agents.local_endpoint import LocalEndpoint, Session
 from agents.metrics import MetricsServer, MetricsSource
 from agents.nics import NicMonitor
-from agents.node_power import NodePowerSampler, RaplReader
+from agents.node_power import NodePowerSampler, RaplReader, Source
 from agents.peer_groups import PeerGroupCache
 from agents.preflight import Check, summary
-from agents.reporter import BackoffPolicy, Reporter, read_token_file
+from agents.reporter import BackoffPolicy, InvalidTokenError, Reporter, read_token_file
 from agents.sampler import GpuSampler
 from agents.settings import AgentSettings
 from agents.spool import Spool
 from agents.stats import AgentStats
 from agents.xid_events import EccEvent, XidWatcher
 from trainguard.wire import (
+    BondSample,
     CommandAck,
+    HardwareEvent,
     JobCommand,
     JobRecords,
     NicInfo,
+    NicPortSample,
     NodeIdentity,
     NodeSample,
     Report,
@@ -87,6 +94,22 @@ NVML_RETRY_MAX_S = 300.0
 URGENT_EVENTS = frozenset(
     {"gpu_unknown", "nvlink_down", "nic_port_down", "nic_gone", "bond_member_down"}
 )
+#: List caps of a node sample and of the identity's NIC list, from the wire models: a node
+#: with more ports or bonds than the wire takes reports the first ones, not nothing.
+_MAX_PORTS = wire_cap(NodeSample, "nics")
+_MAX_BONDS = wire_cap(NodeSample, "bonds")
+_MAX_EVENTS = wire_cap(NodeSample, "events")
+_MAX_NIC_INFOS = wire_cap(NodeIdentity, "nics")
+#: NodeSample fields a tick can do without, and what stands in when the wire refuses them.
+_OPTIONAL_FIELDS: dict[str, object] = {
+    "node_power_w": None,
+    "node_power_source": "none",
+    "nics": [],
+    "bonds": [],
+    "events": [],
+}
+
+_T = TypeVar("_T")
 
 
 class Agent:
@@ -104,6 +127,8 @@ class Agent:
         self._urgent = threading.Event()
         self._stopping = threading.Event()
         self._last_urgent = 0.0
+        #: Parts of a tick in trouble -> the trouble last logged (one line per kind).
+        self._part_trouble: dict[str, str] = {}
         path = settings.sim_fault_file
         self._fault_file = FaultFile(path) if path is not None else None
         if self._fault_file is not None:
@@ -129,7 +154,11 @@ class Agent:
 
     def _build(self, settings: AgentSettings) -> None:
         self.spool = Spool(settings.resolved_spool_dir, max_bytes=settings.spool_max_bytes)
-        self.batch = Batch(self.spool.journal_dir, next_seq=self.spool.next_seq)
+        self.batch = Batch(
+            self.spool.journal_dir,
+            next_seq=self.spool.next_seq,
+            quarantine_dir=self.spool.quarantine_dir,
+        )
         self.cadence = ReportCadence(
             report_interval_s=settings.report_interval_s,
             job_flush_steps=settings.job_flush_steps,
@@ -274,10 +303,7 @@ class Agent:
 
     def sample(self) -> NodeSample:
         if self._fault_file is not None and isinstance(self.backend.api, SimNvml):
-            api = self.backend.api
-            for fault in self._fault_file.poll(gpu_count=api.gpu_count):
-                due = api.inject(fault)
-                log.warning("simulated fault injected: %s", due.to_spec())
+            self._part("simulated faults", self._inject_faults, None)
         gpus = self.sampler.sample()
         self._check_xid_watcher()
         if self.sampler.inventory_version != self._inventory_version:
@@ -293,21 +319,27 @@ class Agent:
             if self.xids is not None:
                 self.xids.update_handles(self.sampler.handles)
         now = time.time()
-        power_w, source = self.node_power.node_power(gpus)
-        nics, nic_events = self.nics.sample(now)
-        bonds, bond_events = self.nics.bonds(now)
+        # Each reader below is a part of its own: one that fails costs its fields only.
+        no_power: tuple[float | None, Source] = (None, "none")
+        power_w, source = self._part(
+            "node power", lambda: self.node_power.node_power(gpus), no_power
+        )
+        no_ports: tuple[list[NicPortSample], list[HardwareEvent]] = ([], [])
+        nics, nic_events = self._part("RDMA ports", lambda: self.nics.sample(now), no_ports)
+        no_bonds: tuple[list[BondSample], list[HardwareEvent]] = ([], [])
+        bonds, bond_events = self._part("bonds", lambda: self.nics.bonds(now), no_bonds)
         events = [*self.sampler.take_events(), *nic_events, *bond_events]
         if any(e.kind in ("nic_gone", "nic_back") for e in nic_events):
             # The report's inventory follows the cards actually present.
             self.identity = self.identity.model_copy(update={"nics": self._nic_inventory()})
-        sample = NodeSample(
+        sample = self._node_sample(
             time_unix_s=now,
             gpus=gpus,
             node_power_w=power_w,
             node_power_source=source,
-            nics=nics,
-            bonds=bonds,
-            events=events[-4096:],
+            nics=nics[:_MAX_PORTS],
+            bonds=bonds[:_MAX_BONDS],
+            events=events[-_MAX_EVENTS:],
         )
         if events:
             self.stats.count_events([e.kind for e in events])
@@ -317,6 +349,52 @@ class Agent:
         self.batch.add_sample(sample)
         self.metrics_source.latest = sample
         return sample
+
+    def _inject_faults(self) -> None:
+        api = self.backend.api
+        assert self._fault_file is not None and isinstance(api, SimNvml)
+        for fault in self._fault_file.poll(gpu_count=api.gpu_count):
+            due = api.inject(fault)
+            log.warning("simulated fault injected: %s", due.to_spec())
+
+    def _part(self, what: str, read: Callable[[], _T], fallback: _T) -> _T:
+        """``read()``, or ``fallback`` when it fails: one part of a tick (a sysfs reader, say)
+        must never sink the rest of the sample. Logged with its traceback once per kind of
+        trouble, and once more when the part works again."""
+        try:
+            value = read()
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+            if self._part_trouble.get(what) != problem:
+                self._part_trouble[what] = problem
+                log.warning(
+                    "%s unreadable this tick (%s); the sample goes out without it",
+                    what,
+                    problem,
+                    exc_info=True,
+                )
+            return fallback
+        if self._part_trouble.pop(what, None) is not None:
+            log.info("%s readable again", what)
+        return value
+
+    def _node_sample(self, **fields: Any) -> NodeSample:
+        """The tick's :class:`NodeSample`. A field the wire refuses (a negative node power
+        from a misread counter, say) is replaced by its empty default, so the GPU samples
+        still go out; only a sample whose GPUs or time are refused fails the tick."""
+        try:
+            return NodeSample(**fields)
+        except ValidationError as exc:
+            refused = {str(err["loc"][0]) for err in exc.errors() if err["loc"]}
+            if not refused or not refused <= _OPTIONAL_FIELDS.keys():
+                raise
+            if "node_power_w" in refused or "node_power_source" in refused:
+                refused |= {"node_power_w", "node_power_source"}
+            problem = f"{', '.join(sorted(refused))}: {str(exc).splitlines()[0]}"
+            if self._part_trouble.get("sample fields") != problem:
+                self._part_trouble["sample fields"] = problem
+                log.warning("the wire refuses %s; the sample goes out without it", problem)
+            return NodeSample(**{**fields, **{k: _OPTIONAL_FIELDS[k] for k in refused}})
 
     def flush(self) -> int:
         """Seal the batch into the next spooled report; returns its seq."""
@@ -536,8 +614,12 @@ class Agent:
         return load, ""
 
     def _nic_inventory(self) -> list[NicInfo]:
+        """The RDMA ports for the report's identity; empty (logged) when sysfs cannot say,
+        so a NIC tree the agent cannot read neither stops its start nor sinks a tick."""
         gpus = {g.index: g.pci_bus_id for g in self.sampler.inventory if g.pci_bus_id}
-        return self.nics.inventory(gpus)
+        none: list[NicInfo] = []
+        nics = self._part("NIC inventory", lambda: self.nics.inventory(gpus), none)
+        return nics[:_MAX_NIC_INFOS]
 
     def _gpu_pods(self) -> dict[int, tuple[str, str]]:
         """GPU index -> (pod, namespace) from connected ranks that said both."""
@@ -586,11 +668,19 @@ def run(settings: AgentSettings) -> None:
     foreground = settings.foreground
     if foreground is None:
         foreground = sys.stdin is not None and sys.stdin.isatty()
-    if foreground and settings.token_file is not None:
+    if settings.token_file is not None:
         # Started by hand: a token file that is missing, unreadable or empty is a typo to
         # fix now, not 401s to find in the log. A DaemonSet's projected token may appear
-        # after the agent starts, so there the reporter keeps re-reading it.
-        read_token_file(settings.token_file)
+        # after the agent starts, so there the reporter keeps re-reading it. A token that
+        # no header can carry (a line break inside) is refused either way: no rewrite of
+        # the file in progress looks like that.
+        try:
+            read_token_file(settings.token_file)
+        except InvalidTokenError:
+            raise
+        except AgentConfigError:
+            if foreground:
+                raise
     agent = Agent(settings)
     if agent.backend.error and foreground:
         # Report the node unhealthy once (best effort), then fail loudly: a person who
