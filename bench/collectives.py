@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -48,6 +49,11 @@ from collectives.wrap import OPS
 from . import collectives_parallel
 
 WORLD = 2
+
+
+#: Step numbers that keep increasing within a rank, as a training loop's do (a number
+#: that goes back is taken as a new epoch and renumbered, with a warning: docs/collectives.md).
+_STEPS = itertools.count()
 
 
 def _spawn(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
@@ -73,7 +79,7 @@ def _per_call(plain: Any, wrapped: Any, tensor: torch.Tensor, calls: int) -> dic
 def _step(fn: Any, tensor: torch.Tensor, calls: int, weights: torch.Tensor, mark: bool) -> float:
     dist.barrier()
     t0 = time.perf_counter()
-    with collectives.step(0) if mark else contextlib.nullcontext():
+    with collectives.step(next(_STEPS)) if mark else contextlib.nullcontext():
         for _ in range(calls):
             for _ in range(4):
                 weights @ weights
@@ -96,7 +102,7 @@ def _wrapper_cost_us(calls: int, repeats: int) -> tuple[float, float]:
     noop = inst._make_wrapper("all_reduce", OPS["all_reduce"], plain)
     tensor = torch.ones(4)
     plain_s, wrapped_s = [], []
-    with collectives.step(1):
+    with collectives.step(next(_STEPS)):
         for _ in range(repeats):
             t0 = time.perf_counter()
             for _ in range(calls):
@@ -192,7 +198,7 @@ def _single_rank(_index: int, store: str, out: str, quick: bool) -> None:
         return (time.perf_counter() - t0) / calls, (time.thread_time() - c0) / calls
 
     diffs, plain, cpu_diffs = [], [], []
-    with collectives.step(0):
+    with collectives.step(next(_STEPS)):
         for i in range(60 if quick else 200):
             pair = (original, dist.all_reduce) if i % 2 else (dist.all_reduce, original)
             times = {fn: block(fn, 500) for fn in pair}
@@ -231,7 +237,7 @@ def _event_path_diffs(
     _use_clock(session, CpuEventClock(), device_only=False)
     diffs = []
     for i in range(rounds):
-        with collectives.step(1 + i):
+        with collectives.step(next(_STEPS)):
             pair = (original, dist.all_reduce) if i % 2 else (dist.all_reduce, original)
             times = {fn: block(fn, 200) for fn in pair}
         diffs.append(times[dist.all_reduce][0] - times[original][0])
@@ -258,7 +264,7 @@ def _cuda_rank(_index: int, store: str, out: str, quick: bool) -> None:
 
     with_events, without = [], []
     for i in range(30 if quick else 100):
-        with collectives.step(i):
+        with collectives.step(next(_STEPS)):
             _use_clock(session, CudaEventClock(), device_only=True)
             pair = (original, dist.all_reduce) if i % 2 else (dist.all_reduce, original)
             times = {fn: block(fn, 200) for fn in pair}
