@@ -29,12 +29,14 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
+from agents.batch import wire_cap
 from agents.errors import AgentConfigError
 from agents.gpu.backend import parse_gpus_setting
 from agents.gpu.faults import parse_fault_spec, split_fault_specs
 from agents.reporter import InvalidTokenError, check_token
 from agents.tcp_endpoint import TcpListen, parse_listen
-from trainguard.wire import NAME_PATTERN
+from trainguard import limits
+from trainguard.wire import NAME_PATTERN, NodeIdentity
 
 _NAME_RE = re.compile(NAME_PATTERN)
 #: sun_path is 108 bytes on Linux including the terminating NUL.
@@ -178,8 +180,11 @@ class AgentSettings(BaseSettings):
     metrics_port: int = Field(default=9470, ge=-1, le=65535)
     node_base_power_w: float = Field(default=0.0, ge=0)
     powercap_dir: Path = Path("/sys/class/powercap")
-    labels: Annotated[dict[str, str], NoDecode] = Field(
+    #: Typed as the wire's NodeIdentity.labels: a label the report could not carry (a value
+    #: over 253 characters, a NUL) is a one-line error at start, not a traceback in Agent().
+    labels: Annotated[dict[limits.KeyText, limits.NameText], NoDecode] = Field(
         default_factory=dict,
+        max_length=wire_cap(NodeIdentity, "labels"),
         description='Node labels; from the environment a JSON object, e.g. {"rack": "r12"}',
     )
     log_level: str = "info"

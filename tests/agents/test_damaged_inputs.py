@@ -448,3 +448,20 @@ def test_labels_from_the_environment_still_work(monkeypatch: pytest.MonkeyPatch)
     settings = load_settings(controller_url="http://c:1")
     assert settings.labels == {"rack": "r1"}
     assert settings.preflight_load_command == ["python", "x.py"]
+
+
+@pytest.mark.parametrize(
+    ("labels", "expected"),
+    [
+        ({"a": "x" * 300}, "labels.a: String should have at most 253 characters"),
+        ({"a": "b\x00"}, "labels.a: String should match pattern"),
+        ({f"k{i}": "v" for i in range(513)}, "labels: Dictionary should have at most 512 items"),
+    ],
+)
+def test_a_label_the_report_cannot_carry_is_a_settings_error(
+    labels: dict[str, str], expected: str
+) -> None:
+    # It used to pass the settings and fail NodeIdentity inside Agent(): a traceback, exit 1.
+    with pytest.raises(AgentConfigError) as caught:
+        load_settings(controller_url="http://c:1", labels=labels)
+    assert expected in str(caught.value)
