@@ -7,10 +7,11 @@ line (a power cut may lose up to one report interval, in exchange for no disk fl
 sample). When report ``seq`` is durably spooled the journal file is deleted; at start any
 journal whose seq is already spooled is deleted and the rest is replayed, so an item lands
 in exactly one report. A torn last line (the process died mid-write) is skipped. A journal
-entry that cannot be read at all (a directory in its place, EIO, no permission) is moved to
-the spool's ``quarantine/``, as torn reports and state files are, and the start goes on: a
-damaged journal must not put the agent in a crash loop. Where the journal cannot be written,
-items are kept in memory only (a crash would lose them), with an error in the log.
+entry that cannot be read at all (a directory or a FIFO in its place, EIO, no permission) is
+moved to the spool's ``quarantine/``, as torn reports and state files are, and the start goes
+on: a damaged journal must not put the agent in a crash loop (or block it on a FIFO). Where
+the journal cannot be written, items are kept in memory only (a crash would lose them), with
+an error in the log.
 
 Job records are bounded by item counts (half the wire's ``max_length``) and by serialized
 bytes (:data:`MAX_RECORD_BYTES`, 3/4 of ``wire.MAX_REPORT_BYTES``), so a report always
@@ -78,6 +79,14 @@ def report_size(model: BaseModel) -> int:
 _EMPTY_RECORDS_BYTES = report_size(JobRecords())
 
 
+def _not_a_file(path: Path) -> bool:
+    """Something is at ``path`` and it is not a regular file (links followed)."""
+    try:
+        return (path.exists() or path.is_symlink()) and not path.is_file()
+    except OSError:
+        return True
+
+
 @dataclass(slots=True)
 class BatchContents:
     samples: list[NodeSample] = field(default_factory=list)
@@ -113,16 +122,11 @@ class Batch:
     def _open(self, seq: int) -> None:
         self._seq = seq
         path = self._path(seq)
+        if _not_a_file(path):  # a directory, a FIFO (opening it would block), a dangling link
+            self._quarantine(path, "not a regular file")
         try:
             self._file = path.open("a", encoding="utf-8")
         except OSError as exc:
-            if path.exists() and not path.is_file():
-                self._quarantine(path, f"not a regular file ({exc.strerror or exc})")
-                try:
-                    self._file = path.open("a", encoding="utf-8")
-                    return
-                except OSError as again:
-                    exc = again
             self._file = None
             log.error(
                 "journal %s cannot be written (%s); items are kept in memory only until the "
@@ -149,6 +153,9 @@ class Batch:
             self._quarantine(path, f"cannot be deleted ({exc.strerror or exc})")
 
     def _read_journal(self, path: Path) -> str | None:
+        if _not_a_file(path):  # reading a FIFO would block the start for good
+            self._quarantine(path, "not a regular file")
+            return None
         try:
             return path.read_text(encoding="utf-8", errors="replace")
         except OSError as exc:

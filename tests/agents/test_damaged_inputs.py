@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -368,6 +369,24 @@ def test_a_directory_in_the_journal_is_quarantined_not_fatal(tmp_path: Path) -> 
     quarantined = sorted(p.name.rsplit(".", 1)[0] for p in (tmp_path / "quarantine").iterdir())
     assert quarantined == [f"pending-{n:012d}.jsonl" for n in (3, 7, 50)]
     assert (journal / "pending-000000000007.jsonl").read_text().count("\n") == 1
+
+
+def test_a_fifo_or_dangling_link_in_the_journal_does_not_block_the_start(tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    os.mkfifo(journal / "pending-000000000004.jsonl")  # the seq being opened now
+    os.mkfifo(journal / "pending-000000000008.jsonl")  # to replay
+    (journal / "pending-000000000009.jsonl").symlink_to(tmp_path / "nowhere")
+    built: list[Batch] = []
+    # Opening or reading a FIFO blocks until a writer comes: on a thread, so a regression
+    # fails this test instead of hanging the run.
+    thread = threading.Thread(target=lambda: built.append(Batch(journal, next_seq=4)), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert built, "Batch() blocked on a FIFO in the journal"
+    built[0].close()
+    quarantined = sorted(p.name.rsplit(".", 1)[0] for p in (tmp_path / "quarantine").iterdir())
+    assert quarantined == [f"pending-{n:012d}.jsonl" for n in (4, 8, 9)]
 
 
 def test_an_unreadable_journal_file_is_quarantined(
