@@ -29,7 +29,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from trainguard.textfile import Unreadable, read_text, yaml_problem
+from trainguard.textfile import Unparsable, Unreadable, load_yaml, read_text
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -386,11 +386,11 @@ class _ConfigFile(YamlConfigSettingsSource):
     def _read_file(self, file_path: Path | Traversable) -> dict[str, Any]:
         what = f"config file {file_path}"
         try:
-            raw = yaml.safe_load(read_text(str(file_path)))
+            raw = load_yaml(read_text(str(file_path)))
         except Unreadable as exc:
             raise ConfigFileError(f"{what}: {exc.reason}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigFileError(f"{what}: not valid YAML: {yaml_problem(exc)}") from None
+        except Unparsable as exc:
+            raise ConfigFileError(f"{what}: not valid YAML: {exc.reason}") from None
         if raw is None:
             return {}
         if not isinstance(raw, dict):
@@ -410,11 +410,11 @@ class _ConfigFile(YamlConfigSettingsSource):
 
 def load_tokens_file(path: Path) -> list[TokenConfig]:
     try:
-        raw = yaml.safe_load(read_text(path))
+        raw = load_yaml(read_text(path))
     except Unreadable as exc:
         raise ValueError(f"tokens_file {path}: {exc.reason}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"tokens_file {path}: not valid YAML: {yaml_problem(exc)}") from None
+    except Unparsable as exc:
+        raise ValueError(f"tokens_file {path}: not valid YAML: {exc.reason}") from None
     if raw is None:
         return []
     if not isinstance(raw, list):

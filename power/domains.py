@@ -17,7 +17,6 @@ File format (YAML or JSON)::
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterator, Mapping
@@ -26,11 +25,9 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from power.config import PolicyConfig, policy_with_overrides
 from power.errors import ConfigError
-from trainguard.textfile import Unreadable, read_text, yaml_problem
+from trainguard.textfile import Unparsable, Unreadable, load_document, read_text
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _KEYS = frozenset({"name", "kind", "budget_w", "policy", "children", "gpu_index"})
@@ -165,11 +162,10 @@ def read_domains_document(path: str | Path) -> Any:
     except Unreadable as exc:
         raise ConfigError(f"{p}: cannot read: {exc.reason}") from None
     try:
-        return json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{p}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {yaml_problem(exc)}") from None
+        return load_document(text, suffix=p.suffix)
+    except Unparsable as exc:
+        language = "JSON" if p.suffix.lower() == ".json" else "YAML"
+        raise ConfigError(f"{p}: not valid {language}: {exc.reason}") from None
 
 
 def parse_domains(raw: Any, *, defaults: PolicyConfig | None = None) -> DomainTree:

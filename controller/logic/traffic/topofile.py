@@ -14,7 +14,6 @@ comes from :class:`LabelFabric` (spine count and oversubscription), since no nod
 from __future__ import annotations
 
 import ipaddress
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -22,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from controller.logic.traffic.errors import TopologyError
@@ -35,7 +33,7 @@ from controller.logic.traffic.topology import (
     SwitchSpec,
     Topology,
 )
-from trainguard.textfile import Unreadable, read_text, yaml_problem
+from trainguard.textfile import Unparsable, Unreadable, load_document, read_text
 
 LABEL_PREFIX = "topology.trainguard.io/"
 _NIC_LABEL = re.compile(r"^nic(\d{1,3})$")
@@ -172,13 +170,9 @@ def topology_from_dict(data: Any) -> Topology:
 def parse_document(text: str, *, suffix: str = "") -> Any:
     """JSON for ``.json``, YAML otherwise (YAML is a superset of JSON)."""
     try:
-        if suffix.lower() == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text)
-    except json.JSONDecodeError as exc:
-        raise TopologyError(f"cannot parse: {exc.msg} at line {exc.lineno}") from None
-    except yaml.YAMLError as exc:
-        raise TopologyError(f"cannot parse: {yaml_problem(exc)}") from None
+        return load_document(text, suffix=suffix)
+    except Unparsable as exc:
+        raise TopologyError(f"cannot parse: {exc.reason}") from None
 
 
 def load_topology(path: str | Path) -> Topology:
