@@ -21,12 +21,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 # Numbers finite (``allow_inf_nan=False`` on every model) and in range, strings without NUL.
 from trainguard.limits import INT32_MAX, NO_NUL
-from trainguard.textfile import Unreadable, read_text, yaml_problem
+from trainguard.textfile import Unparsable, Unreadable, load_yaml, read_text
 
 
 class Step(StrEnum):
@@ -274,25 +273,40 @@ def first_error(exc: ValidationError, prefix: str = "") -> str:
 def read_document(path: Path, what: str) -> object:
     """A YAML (or JSON) file's content, or a one-line :class:`PolicyError` saying why not."""
     try:
-        return yaml.safe_load(read_text(path))
+        return load_yaml(read_text(path))
     except Unreadable as exc:
         raise PolicyError(f"cannot read {what} {path}: {exc.reason}") from None
-    except yaml.YAMLError as exc:
-        raise PolicyError(f"{what} {path} is not valid YAML: {yaml_problem(exc)}") from None
+    except Unparsable as exc:
+        raise PolicyError(f"{what} {path} is not valid YAML: {exc.reason}") from None
 
 
 def parse_policy(document: object) -> Policy:
+    """Validate a decoded policy; ``None`` (an empty document) is refused, not defaulted:
+    the defaults isolate and restart, and a truncated file or an empty mounted ConfigMap
+    must not switch that on in silence."""
+    if document is None:
+        raise PolicyError("the policy is empty")
     try:
-        return Policy.model_validate(document if document is not None else {})
+        return Policy.model_validate(document)
     except ValidationError as exc:
         raise PolicyError(first_error(exc)) from None
 
 
 def load_policy(path: Path | None) -> Policy:
-    """The policy in ``path`` (YAML or JSON), or the defaults when no file is configured."""
+    """The policy in ``path`` (YAML or JSON), or the defaults when no file is configured.
+
+    A file that is empty (or holds only comments) is refused: the operator named a file to
+    choose the policy, and the built-in defaults (isolate, restart) are not that choice.
+    ``{}`` in the file asks for the defaults on purpose.
+    """
     if path is None:
         return Policy()
     document = read_document(path, "policy file")
+    if document is None:
+        raise PolicyError(
+            f"policy file {path} is empty: write the policy in it ({{}} for the built-in "
+            "defaults), or unset policy_file"
+        )
     try:
         return parse_policy(document)
     except PolicyError as exc:
