@@ -85,8 +85,13 @@ def load_trace(path: str | Path) -> Trace:
 
 
 def _read_csv(p: Path) -> dict[str, list[str]]:
+    """The CSV's columns by header name. ``utf-8-sig``: Excel writes a byte-order mark
+    before the header, which plain UTF-8 would glue onto ``time_s`` ("missing column").
+    A malformed CSV (a field over the csv module's 128 KiB limit, a NUL byte) is a
+    :class:`TraceError` naming the line, not the csv module's bare ``Error``."""
+    reader = None
     try:
-        with p.open(newline="", encoding="utf-8") as fh:
+        with p.open(newline="", encoding="utf-8-sig") as fh:
             reader = csv.reader(fh)
             header = next(reader, None)
             if header is None:
@@ -103,6 +108,9 @@ def _read_csv(p: Path) -> dict[str, list[str]]:
                     cols[h].append(v)
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{p}: cannot read: {exc}") from None
+    except csv.Error as exc:
+        where = f"{p}:{reader.line_num}" if reader is not None else str(p)
+        raise TraceError(f"{where}: not valid CSV: {exc}") from None
     return cols
 
 
@@ -121,6 +129,11 @@ def _read_parquet(p: Path) -> dict[str, list[str]]:
 
 
 def _check_header(header: list[str], where: str) -> None:
+    """Every required column, no unknown one, none twice: a column given twice would
+    leave the reader unsure which one holds the data (and once broke it outright)."""
+    twice = sorted({c for c in header if header.count(c) > 1})
+    if twice:
+        raise TraceError(f"{where}: column {twice[0]!r} appears more than once")
     missing = [c for c in COLUMNS if c not in header]
     if missing:
         raise TraceError(f"{where}: missing column {missing[0]!r}; need {', '.join(COLUMNS)}")
