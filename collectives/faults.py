@@ -139,13 +139,19 @@ def load_faults(value: str, source: str = "TRAINGUARD_FAULTS") -> list[Fault]:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise FaultSpecError(
-                f"{source}: cannot read fault file {path}: {exc.strerror}"
+                f"{source}: cannot read fault file {path}: {exc.strerror or type(exc).__name__}"
+            ) from None
+        except UnicodeDecodeError:
+            raise FaultSpecError(
+                f"{source}: cannot read fault file {path}: not UTF-8 text"
             ) from None
         source = f"{source} ({path})"
     try:
         decoded = json.loads(text)
     except json.JSONDecodeError as exc:
         raise FaultSpecError(f"{source}: invalid JSON: {exc.msg} at line {exc.lineno}") from None
+    except RecursionError:
+        raise FaultSpecError(f"{source}: invalid JSON: nested too deeply") from None
     return parse_faults(decoded, source)
 
 
@@ -155,9 +161,19 @@ def _int(where: str, name: str, value: Any, minimum: int = 0) -> int:
     return value
 
 
+#: The largest number a fault takes (seconds, or a slowdown factor): a day. ``time.sleep``
+#: refuses infinity and anything past C's time limits with OverflowError, which would
+#: crash the rank at run time instead of delaying it: refuse such a spec when it is read.
+MAX_NUMBER = 86_400.0
+
+
 def _float(where: str, name: str, value: Any, minimum: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= minimum:
         raise FaultSpecError(f"{where}: '{name}' must be a number >= {minimum}, got {value!r}")
+    if not value <= MAX_NUMBER:  # infinity (NaN failed above)
+        raise FaultSpecError(
+            f"{where}: '{name}' must be at most {MAX_NUMBER:g} (a day), got {value!r}"
+        )
     return float(value)
 
 
@@ -244,7 +260,11 @@ def _parse_crash(item: Mapping[str, Any], where: str, args: dict[str, Any]) -> N
             raise FaultSpecError(f"{where}: unknown signal {raw!r}")
         args["signal"] = int(sig)
     else:
-        args["signal"] = _int(where, "signal", raw, 1)
+        number = _int(where, "signal", raw, 1)
+        if number not in signal_module.valid_signals():
+            # os.kill would raise ValueError/OSError at the crash point instead of dying.
+            raise FaultSpecError(f"{where}: 'signal' {number} is not a signal of this system")
+        args["signal"] = number
 
 
 class FaultInjector:
