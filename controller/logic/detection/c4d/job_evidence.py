@@ -200,6 +200,15 @@ class StragglerIncidentEvidence(_StragglerAdded, StragglerEvidence):
 
     model_config = ConfigDict(extra="allow", frozen=False)
 
+    #: ``"group"``: a whole peer group slowed together (all of a node's ranks running one
+    #: pipeline stage), compared with its own recent steps (:mod:`.group_slow`); ``rank``
+    #: and ``node`` then name its first rank and its node(s), ``peer_group.ranks`` all of
+    #: it. ``None``: one rank slower than its peers.
+    scope: str | None = None
+    #: ``scope="group"``: how the other groups' compute changed meanwhile, in percent
+    #: (near 0: the slowdown is this group's, not the job's).
+    others_change_pct: float | None = None
+
 
 class LegacyStragglerEvidence(_StragglerAdded):
     """``straggler`` as written before peer groups (issue 16): ratios without the peers'."""

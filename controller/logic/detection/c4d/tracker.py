@@ -16,6 +16,7 @@ from controller.logic.detection.c4d.config import C4DConfig
 from controller.logic.detection.c4d.crash import CrashState
 from controller.logic.detection.c4d.evidence import Normalization
 from controller.logic.detection.c4d.findings import Finding, FindingKind
+from controller.logic.detection.c4d.group_slow import GroupSlowState
 from controller.logic.detection.c4d.hang import StuckCall, classify, ring_pairs
 from controller.logic.detection.c4d.inflight import Inflight, InflightTable
 from controller.logic.detection.c4d.job_evidence import (
@@ -66,6 +67,8 @@ class JobTracker:
     clock: RunClock = field(default_factory=RunClock)
     stragglers: StragglerState = field(init=False)
     comm: CommSlowState = field(init=False)
+    #: Whole peer groups slow against their own history (:mod:`.group_slow`).
+    groups_slow: GroupSlowState = field(init=False)
     crashes: CrashState = field(init=False)
     nonfinite: NonfiniteState = field(init=False)
     open_hangs: set[str] = field(default_factory=set)
@@ -84,6 +87,7 @@ class JobTracker:
     def __post_init__(self) -> None:
         self.stragglers = StragglerState(self.cfg)
         self.comm = CommSlowState(self.cfg)
+        self.groups_slow = GroupSlowState(self.job, self.cfg)
         self.crashes = CrashState(self.job)
         self.nonfinite = NonfiniteState(
             self.job, clear_steps=self.cfg.window_steps, grace_s=self.cfg.nonfinite_grace_s
@@ -180,6 +184,7 @@ class JobTracker:
         """
         for rank in sorted(self.stragglers.open_ranks):
             self._findings.append(self._straggler_finding(rank, resolved=True))
+        self._findings.extend(self.groups_slow.resolve_all(self.rank_node))
         if self.comm.open:
             self._findings.append(self._resolved(FindingKind.COMM_SLOW, f"comm_slow:{self.job}"))
         if self.nonfinite.open:
@@ -304,6 +309,10 @@ class JobTracker:
             out.append(self._straggler_finding(rank, resolved=True))
             self._straggler_reported.pop(rank, None)
         out.extend(self._straggler_refreshes(now_s))
+        suspects = verdict.flagged | self.stragglers.open_ranks
+        out.extend(
+            self.groups_slow.add(rows, self.stragglers.peers, suspects, self.rank_node, now_s)
+        )
         out.extend(
             self._comm_slow(
                 self.stragglers.explained_wait_s(verdict.flagged | self.stragglers.open_ranks),
