@@ -71,7 +71,7 @@ _NOT_A_DATABASE = frozenset({"SQLITE_NOTADB", "SQLITE_CORRUPT"})
 
 def sqlite_file_problem(url: str, exc: BaseException) -> str | None:
     """One line naming the database file for a SQLite error that no retry can fix (a
-    read-only or a damaged file), or ``None``.
+    read-only, damaged or unopenable file, or a directory), or ``None``.
 
     Why: SQLAlchemy's message (a class name, the statement, a link) does not say which file
     or what to do, and a read-only file must stop the controller at start rather than
@@ -85,6 +85,13 @@ def sqlite_file_problem(url: str, exc: BaseException) -> str | None:
     detail = str(inner).strip().splitlines()[0] if str(inner).strip() else code
     if code in _NOT_A_DATABASE:
         return f"database file {path} is not a SQLite database (or is damaged): {detail}"
+    if code.startswith("SQLITE_CANTOPEN"):
+        if Path(path).is_dir():
+            return f"database path {path} is a directory: name a file (sqlite:///path/to/file.db)"
+        return (
+            f"database file {path} cannot be opened (SQLite: {detail}); check that it and "
+            "its folder exist and that this user may read and write them"
+        )
     if code.startswith("SQLITE_READONLY"):
         return (
             f"database file {path} is read-only for this user (SQLite: {detail}); make it and "
