@@ -25,8 +25,8 @@ from sqlalchemy.orm import Session
 
 from controller.auth import Authenticator
 from controller.db.migrate import (
-    current_revision,
     head_revision,
+    refuse_foreign_tables,
     revision_of,
     schema_at_or_past_head,
     upgrade,
@@ -80,9 +80,10 @@ def package_version() -> str:
 def prepare_database(settings: ControllerSettings) -> None:
     """Migrate SQLite in place; refuse PostgreSQL whose schema is behind this release's head.
 
-    A SQLite file that is read-only, not a database or damaged is refused in one line
-    naming it (:class:`BadConfig`) and left untouched: no retry can fix it, so the
-    controller must not start "ready" and answer every report 503.
+    A SQLite file that is read-only, not a database, damaged or a directory, and a
+    database holding tables but no trainguard revision (another application's), are
+    refused in one line naming them (:class:`BadConfig`) and left untouched: no retry can
+    fix them, so the controller must not start "ready" and answer every report 503.
 
     A schema at or past head is accepted (:func:`schema_at_or_past_head`, shared with
     ``/readyz``): during a rollout the new release's migration runs before the old replicas
@@ -91,7 +92,10 @@ def prepare_database(settings: ControllerSettings) -> None:
     """
     engine = make_engine(settings.database_url, pool_size=1, max_overflow=0)
     try:
-        current = current_revision(engine)
+        with engine.connect() as conn:
+            current = revision_of(conn)
+            if current is None:  # never migrate (or ask for a migration) over others' tables
+                refuse_foreign_tables(conn, settings.database_url)
         if engine.dialect.name == "sqlite":
             probe_sqlite_write(engine)
     except (DBAPIError, sqlite3.Error) as exc:

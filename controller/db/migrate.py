@@ -14,10 +14,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, event, text
+from sqlalchemy import Connection, Engine, event, inspect, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from controller.db.session import make_engine, sqlite_file_problem
+from controller.db.session import make_engine, sqlite_file, sqlite_file_problem
 from controller.errors import BadConfig, StartupError
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
@@ -30,6 +31,40 @@ MIGRATION_LOCK_KEY = 0x747261696E677561
 class SchemaTooNew(StartupError):
     """The database was migrated by a newer release; this one cannot migrate it (alembic's
     own message, "Can't locate revision identified by ...", does not say so)."""
+
+
+class NotOurDatabase(BadConfig):
+    """The database holds tables but no trainguard schema revision: another application's
+    database, or ours with its ``alembic_version`` row lost.
+
+    Why: migrating would run ``CREATE TABLE`` over tables that are not ours (SQLAlchemy's
+    "table nodes already exists", with the whole DDL, at best; on a database whose tables
+    happen not to collide, our tables mixed into someone else's schema at worst).
+    """
+
+
+#: Alembic's own table: present but empty is no revision (its row was lost).
+VERSION_TABLE = "alembic_version"
+
+
+def refuse_foreign_tables(conn: Connection, database_url: str) -> None:
+    """Raise :class:`NotOurDatabase` when the database (the default schema on PostgreSQL)
+    holds tables other than alembic's; call it only where no revision was found."""
+    tables = sorted(name for name in inspect(conn).get_table_names() if name != VERSION_TABLE)
+    if not tables:
+        return
+    path = sqlite_file(database_url)
+    where = (
+        f"database file {path}"
+        if path is not None
+        else f"database {make_url(database_url).render_as_string(hide_password=True)}"
+    )
+    shown = ", ".join(tables[:3]) + (f" and {len(tables) - 3} more" if len(tables) > 3 else "")
+    raise NotOurDatabase(
+        f"{where} holds tables ({shown}) but no trainguard schema revision (another "
+        f"application's database, or its {VERSION_TABLE} row was lost): point --database-url "
+        "at an empty or trainguard database"
+    )
 
 
 def alembic_config(database_url: str) -> Config:
@@ -77,9 +112,10 @@ def _begin_immediate(engine: Engine) -> None:
 def upgrade(database_url: str, revision: str = "head") -> str:
     """Bring the schema at ``database_url`` to ``revision``; returns the revision now in place.
 
-    Raises :class:`SchemaTooNew` for a schema a newer release wrote, and
+    Raises :class:`SchemaTooNew` for a schema a newer release wrote, :class:`NotOurDatabase`
+    for a database that holds tables but no revision (checked before any ``CREATE``), and
     :class:`~controller.errors.BadConfig` (one line naming the file, which is left as it
-    is) for a SQLite file that is read-only, not a database or damaged.
+    is) for a SQLite file that is read-only, not a database, damaged or a directory.
 
     Safe to run from several processes at once (two controller pods' migration init
     containers, or ``trainguard db upgrade`` beside a starting SQLite controller): one
@@ -100,7 +136,9 @@ def upgrade(database_url: str, revision: str = "head") -> str:
                     text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY}
                 )
             found = revision_of(conn)
-            if found is not None and not known_revision(found):
+            if found is None:
+                refuse_foreign_tables(conn, database_url)
+            elif not known_revision(found):
                 raise SchemaTooNew(
                     f"the database's schema revision {found} is newer than this release "
                     "knows; upgrade trainguard"
