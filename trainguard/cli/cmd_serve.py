@@ -363,7 +363,7 @@ def db_upgrade(
     ] = None,
 ) -> None:
     """Apply every pending migration (needed once per PostgreSQL release upgrade)."""
-    from controller.db.migrate import upgrade
+    from controller.db.migrate import SchemaTooNew, upgrade
     from controller.errors import BadConfig, StartupError
 
     if database_url is None:
@@ -377,9 +377,14 @@ def db_upgrade(
             raise BadInput(f"--database-url: {exc}") from exc
     try:
         revision = upgrade(database_url)
-    except BadConfig as exc:  # the SQLite file named is read-only, not a database, damaged
+    # The operator's input, exit 2: a SQLite file that is read-only, not a database,
+    # damaged or a directory; a database holding another application's tables; a schema a
+    # newer release wrote (the wrong binary for this database). The controller still starts
+    # against that last one (``controller.db.migrate.schema_at_or_past_head``): only
+    # migrating it is refused.
+    except (BadConfig, SchemaTooNew) as exc:
         raise BadInput(" ".join(str(exc).split())) from exc
-    except StartupError as exc:  # a schema a newer release wrote
+    except StartupError as exc:
         raise service_error(exc, 1) from exc
     typer.echo(f"database at {redact_url(database_url)} is at revision {revision}")
 
