@@ -8,8 +8,12 @@ the median of its *peers* instead.
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from statistics import median
+
+from controller.logic.detection.c4d.evidence import TimeStats
 
 #: Scale factor that makes the MAD estimate the standard deviation of normal data.
 MAD_TO_SIGMA = 1.4826
@@ -84,3 +88,40 @@ def robust_z(value: float, center: float, spread: float, floor: float) -> float:
     """
     scale = max(MAD_TO_SIGMA * spread, floor, 1e-12)
     return (value - center) / scale
+
+
+def log_ratio(ratio: float) -> float:
+    """Natural log of a compute ratio. Step times are multiplicative and right-skewed, so
+    their ratios are symmetric only in logs; a non-positive ratio (a zero compute time) is
+    taken as a 1000x fast step rather than raising."""
+    return math.log(ratio) if ratio > 1e-3 else math.log(1e-3)
+
+
+def binom_tail(n: int, k: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p): how likely ``k`` or more hits in ``n`` tries are
+    by chance at the rate ``p`` (exact sum; ``n`` is a few tens of steps)."""
+    if k <= 0:
+        return 1.0
+    if p <= 0:
+        return 0.0
+    if p >= 1:
+        return 1.0
+    return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+
+
+def window_of(store: dict[int, deque[float]], rank: int, size: int) -> deque[float]:
+    """The rank's bounded window in ``store``, created empty on first use."""
+    q = store.get(rank)
+    if q is None:
+        q = store[rank] = deque(maxlen=size)
+    return q
+
+
+def time_stats(values: list[float]) -> TimeStats:
+    """Median and MAD of a window of times, for an incident's evidence."""
+    if not values:
+        return TimeStats(median=0.0, spread=0.0, steps=0)
+    center = fmedian(values)
+    return TimeStats(
+        median=round(center, 6), spread=round(mad(values, center), 6), steps=len(values)
+    )

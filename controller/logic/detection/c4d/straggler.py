@@ -39,10 +39,25 @@ from controller.logic.detection.c4d.evidence import (
     Normalization,
     PeerGroupEvidence,
     StragglerEvidence,
-    TimeStats,
 )
 from controller.logic.detection.c4d.peers import PeerGroups, PeerKey
-from controller.logic.detection.c4d.robust import MAD_TO_SIGMA, fmedian, mad, peer_centers
+from controller.logic.detection.c4d.robust import (
+    MAD_TO_SIGMA,
+    fmedian,
+    log_ratio,
+    mad,
+    peer_centers,
+    time_stats,
+    window_of,
+)
+from controller.logic.detection.c4d.sporadic import (
+    SPORADIC_CAP,
+    SPORADIC_LONG,
+    SPORADIC_MIN_COST,
+    SPORADIC_MIN_STEPS,
+    SPORADIC_STEP_SLOWDOWN,
+    LongSlowSteps,
+)
 from trainguard.wire import StepSummary
 
 #: Weight of one step in the moving estimate of per-step noise (a memory of ~50 steps).
@@ -55,14 +70,6 @@ SLOPE_STEPS = 64
 #: Steps a rank alone in its peer group is watched before its own history becomes its
 #: reference (three windows: long enough that a spike or a slow phase does not set it).
 HISTORY_REF_STEPS = 60
-#: Sporadic stragglers (slow on fewer than half their steps, :meth:`PeerWindows._judge_sporadic`):
-#: a step counts as slow beyond this ratio (and ``straggler_z`` noise sigmas)...
-SPORADIC_STEP_SLOWDOWN = 0.2
-#: ...on at least this many steps of a full window...
-SPORADIC_MIN_STEPS = 4
-#: ...whose excess, each capped at this (3x), costs the job at least this share of a step.
-SPORADIC_CAP = 2.0
-SPORADIC_MIN_COST = 0.15
 
 
 @dataclass(slots=True)
@@ -81,22 +88,6 @@ class StepVerdict:
     median_step_s: float
 
 
-def _window(store: dict[int, deque[float]], rank: int, size: int) -> deque[float]:
-    q = store.get(rank)
-    if q is None:
-        q = store[rank] = deque(maxlen=size)
-    return q
-
-
-def _stats(values: list[float]) -> TimeStats:
-    if not values:
-        return TimeStats(median=0.0, spread=0.0, steps=0)
-    center = fmedian(values)
-    return TimeStats(
-        median=round(center, 6), spread=round(mad(values, center), 6), steps=len(values)
-    )
-
-
 @dataclass(slots=True)
 class PeerWindows:
     """One peer group's windows: per-rank ratios and raw times, scores after each step."""
@@ -104,6 +95,8 @@ class PeerWindows:
     key: PeerKey
     cfg: C4DConfig
     ratio: dict[int, deque[float]] = field(default_factory=dict)
+    #: The same ratios' natural logs, which the window score is taken on (see :meth:`_judge`).
+    log_ratios: dict[int, deque[float]] = field(default_factory=dict)
     wait_offset: dict[int, deque[float]] = field(default_factory=dict)
     compute_s: dict[int, deque[float]] = field(default_factory=dict)
     wait_s: dict[int, deque[float]] = field(default_factory=dict)
@@ -124,6 +117,9 @@ class PeerWindows:
     #: rank -> consecutive steps it met the sporadic rule; its slow steps of the window
     sporadic_run: dict[int, int] = field(default_factory=dict)
     sporadic: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: Each rank's slow steps over ``SPORADIC_LONG`` windows (:mod:`.sporadic`).
+    slow_long: LongSlowSteps = field(default_factory=lambda: LongSlowSteps(0))
+    _present: set[int] = field(default_factory=set)
     _sigma: float = 0.0
     _noise_steps: int = 0
     #: A group of one rank (a pipeline stage without a data-parallel replica, a role one
@@ -139,6 +135,7 @@ class PeerWindows:
         """The rank now reports another role: its windows here no longer apply."""
         for store in (
             self.ratio,
+            self.log_ratios,
             self.wait_offset,
             self.compute_s,
             self.wait_s,
@@ -153,6 +150,7 @@ class PeerWindows:
         ):
             store.pop(rank, None)
         self.flagged.discard(rank)
+        self.slow_long.forget(rank)
 
     def add(self, rows: list[StepSummary], rest: tuple[float, float] | None = None) -> None:
         """One step of the group's members. ``rest``: the other ranks' median compute and
@@ -170,13 +168,16 @@ class PeerWindows:
         self.pp_stage = rows[0].pp_stage
         for s, c, w, e in zip(rows, compute, wait, expected, strict=True):
             r = s.rank
-            _window(self.ratio, r, n).append(c / e if e > 0 else 1.0)
-            _window(self.wait_offset, r, n).append((w - med_w) / med_step if med_step > 0 else 0.0)
-            _window(self.compute_s, r, n).append(c)
-            _window(self.wait_s, r, n).append(w)
-            _window(self.step_s, r, n).append(s.step_time_s)
-            _window(self.bytes_moved, r, n).append(float(s.collective_bytes))
+            self._append_ratio(r, c / e if e > 0 else 1.0)
+            window_of(self.wait_offset, r, n).append(
+                (w - med_w) / med_step if med_step > 0 else 0.0
+            )
+            window_of(self.compute_s, r, n).append(c)
+            window_of(self.wait_s, r, n).append(w)
+            window_of(self.step_s, r, n).append(s.step_time_s)
+            window_of(self.bytes_moved, r, n).append(float(s.collective_bytes))
         self.steps_seen += 1
+        self._present = {s.rank for s in rows}
         self._judge(fmedian(compute), med_step)
 
     def _add_alone(self, s: StepSummary, rest_compute_s: float, rest_wait_s: float) -> None:
@@ -194,21 +195,26 @@ class PeerWindows:
                 ref = fmedian(h[0] for h in self.history)
                 self.reference = (ref, fmedian(h[1] for h in self.history))
                 # Its own per-step noise over the reference steps seeds the noise estimate.
-                ratios = [h[0] / ref for h in self.history] if ref > 0 else [1.0]
-                self._sigma = MAD_TO_SIGMA * mad(ratios, 1.0)
-                self._noise_steps = len(ratios)
+                logs = [log_ratio(h[0] / ref) for h in self.history] if ref > 0 else [0.0]
+                self._sigma = MAD_TO_SIGMA * mad(logs, 0.0)
+                self._noise_steps = len(logs)
             return
         ref_rel, ref_offset = self.reference
         n, r = self.cfg.window_steps, s.rank
-        _window(self.ratio, r, n).append(rel / ref_rel if ref_rel > 0 else 1.0)
-        _window(self.wait_offset, r, n).append(offset - ref_offset)
-        _window(self.compute_s, r, n).append(s.compute_time_s)
-        _window(self.wait_s, r, n).append(s.collective_wait_s)
-        _window(self.step_s, r, n).append(step_s)
-        _window(self.bytes_moved, r, n).append(float(s.collective_bytes))
+        self._append_ratio(r, rel / ref_rel if ref_rel > 0 else 1.0)
+        window_of(self.wait_offset, r, n).append(offset - ref_offset)
+        window_of(self.compute_s, r, n).append(s.compute_time_s)
+        window_of(self.wait_s, r, n).append(s.collective_wait_s)
+        window_of(self.step_s, r, n).append(step_s)
+        window_of(self.bytes_moved, r, n).append(float(s.collective_bytes))
         self.pp_stage = s.pp_stage
         self.steps_seen += 1
         self._judge(s.compute_time_s, step_s)
+
+    def _append_ratio(self, rank: int, ratio: float) -> None:
+        n = self.cfg.window_steps
+        window_of(self.ratio, rank, n).append(ratio)
+        window_of(self.log_ratios, rank, n).append(log_ratio(ratio))
 
     def _expected(self, rows: list[StepSummary], compute: list[float]) -> list[float]:
         """Each rank's compute as its peers' predict it: their median, or, where peers
@@ -246,19 +252,29 @@ class PeerWindows:
         # neutral ratios: the median then moves only once slow steps fill more than half of
         # a *full* window, so a warm-up burst (checkpoint load, compile) on one rank opens
         # nothing, as the same burst mid-run does not (found by the acceptance probe).
-        scores = [fmedian([*self.ratio[r], *[1.0] * (n - len(self.ratio[r]))]) for r in ranks]
-        stderr = max(self._score_stderr(ranks, scores), self.cfg.straggler_scale_floor)
-        self.scores = dict(zip(ranks, scores, strict=True))
-        for rank, score in self.scores.items():
+        #
+        # Scored on log-ratios: step times are multiplicative and right-skewed (MoE routing,
+        # data-dependent kernels), so linear ratios have a long upper tail that a symmetric
+        # MAD underrates, and "5 standard errors" behaved like ~4 (healthy 64-rank jobs
+        # with lognormal(0.35) compute opened stragglers at +47..64%, z 5.5..7.2: found by
+        # the acceptance probe). In logs that noise is symmetric, and the median commutes
+        # with the log, so the score itself (its exponential) is the same median ratio.
+        logs = [
+            fmedian([*self.log_ratios[r], *[0.0] * (n - len(self.log_ratios[r]))]) for r in ranks
+        ]
+        stderr = max(self._score_stderr(ranks, logs), self.cfg.straggler_scale_floor)
+        self.scores = {r: math.exp(x) for r, x in zip(ranks, logs, strict=True)}
+        for rank, log_score in zip(ranks, logs, strict=True):
+            score = self.scores[rank]
             waits_less = fmedian(self.wait_offset[rank]) < 0
             slow_enough = score > 1 + self.cfg.straggler_min_slowdown
-            self.z[rank] = (score - 1) / stderr
+            self.z[rank] = log_score / stderr
             if slow_enough and self.z[rank] > self.cfg.straggler_z and waits_less:
                 self.flagged.add(rank)
             if med_step_s > 0:
                 self.step_cost[rank] = max(0.0, (score - 1) * med_compute_s / med_step_s)
             margin = self.cfg.straggler_z * stderr
-            self.extra_s[rank] = max(0.0, score - 1 + margin) * med_compute_s
+            self.extra_s[rank] = max(0.0, math.exp(log_score + margin) - 1) * med_compute_s
         if not self.alone:
             self._judge_sporadic(ranks)
 
@@ -269,24 +285,41 @@ class PeerWindows:
         ``SPORADIC_STEP_SLOWDOWN`` and ``straggler_z`` noise sigmas and the rank waited less
         than its peers' median in it; the rank needs ``SPORADIC_MIN_STEPS`` such steps in a
         full window, their excess (capped at ``SPORADIC_CAP``, so one 50x step counts as
-        3x) costing the job that share, on every step for a whole window (so over two)."""
+        3x) costing the job that share, on every step for a whole window (so over two).
+        Or the same over ``SPORADIC_LONG`` windows, where the count must also stand out
+        from the peers' own rate of slow steps (:class:`.sporadic.LongSlowSteps`)."""
         n, cfg = self.cfg.window_steps, self.cfg
-        limit = 1 + max(SPORADIC_STEP_SLOWDOWN, cfg.straggler_z * self._sigma)
+        limit = max(1 + SPORADIC_STEP_SLOWDOWN, math.exp(cfg.straggler_z * self._sigma))
+        if self.slow_long.span != SPORADIC_LONG * n:
+            self.slow_long = LongSlowSteps(SPORADIC_LONG * n)
+        for rank in ranks:
+            if rank in self._present:
+                x, o = self.ratio[rank][-1], self.wait_offset[rank][-1]
+                self.slow_long.record(rank, min(x - 1, SPORADIC_CAP) if x > limit and o < 0 else 0)
         for rank in ranks:
             ratios, offsets = self.ratio[rank], self.wait_offset[rank]
             slow = [x for x, o in zip(ratios, offsets, strict=True) if x > limit and o < 0]
             hit = len(ratios) >= n and len(slow) >= SPORADIC_MIN_STEPS
-            excess = cost = 0.0
-            if hit and rank not in self.flagged:  # the two medians only when they can matter
+            long = self.slow_long.count.get(rank, 0) >= SPORADIC_MIN_STEPS
+            excess = cost = share = 0.0
+            if (hit or long) and rank not in self.flagged:  # the medians only when they matter
                 med_step = fmedian(self.step_s[rank])
+                share = fmedian(self.compute_s[rank]) / med_step if med_step > 0 else 0.0
                 excess = sum(min(x - 1, SPORADIC_CAP) for x in slow) / n
-                cost = excess * fmedian(self.compute_s[rank]) / med_step if med_step > 0 else 0.0
+                cost = excess * share
+            count = (len(slow), n)
+            if long and (not hit or cost < SPORADIC_MIN_COST) and rank not in self.flagged:
+                found = self.slow_long.judge(
+                    rank, ranks, SPORADIC_MIN_STEPS, SPORADIC_MIN_COST, share
+                )
+                if found is not None:
+                    hit, (excess, cost, count) = True, found
             if not hit or cost < SPORADIC_MIN_COST or rank in self.flagged:
                 self.sporadic_run.pop(rank, None)
                 self.sporadic.pop(rank, None)
                 continue
             self.sporadic_run[rank] = held = self.sporadic_run.get(rank, 0) + 1
-            self.sporadic[rank] = (len(slow), n)
+            self.sporadic[rank] = count
             if held >= n:  # the mean excess is the slowdown reported (and cleared on)
                 self.flagged.add(rank)
                 self.scores[rank] = 1 + excess
@@ -294,7 +327,7 @@ class PeerWindows:
                 self.z[rank] = max(self.z[rank], cfg.straggler_z)
 
     def _score_stderr(self, ranks: list[int], scores: list[float]) -> float:
-        """Standard error of a windowed score under the no-straggler hypothesis.
+        """Standard error of a windowed (log) score under the no-straggler hypothesis.
 
         A rank's per-step ratio already holds both its own noise and its peers' median's,
         and one rank's ratios are independent across steps, so the median of ``n`` of them
@@ -305,14 +338,14 @@ class PeerWindows:
         its score looks extreme. The larger of the two estimates is used.
         """
         pairs = list(zip(ranks, scores, strict=True))
-        latest = [abs(self.ratio[r][-1] - score) for r, score in pairs]
+        latest = [abs(self.log_ratios[r][-1] - score) for r, score in pairs]
         self._noise_steps += 1
         # A plain mean until the average has ~1/alpha steps behind it, then a moving one.
         weight = max(NOISE_ALPHA, 1 / self._noise_steps)
         self._sigma += weight * (MAD_TO_SIGMA * fmedian(latest) - self._sigma)
-        window = [abs(x - score) for r, score in pairs for x in self.ratio[r]]
+        window = [abs(x - score) for r, score in pairs for x in self.log_ratios[r]]
         sigma = max(self._sigma, MAD_TO_SIGMA * fmedian(window))
-        n = min(len(self.ratio[r]) for r in ranks)
+        n = min(len(self.log_ratios[r]) for r in ranks)
         return 1.2533 * sigma / math.sqrt(n)
 
     def compare(self, rank: int, store: dict[int, deque[float]], column: int) -> Comparison:
@@ -322,7 +355,7 @@ class PeerWindows:
             peers = [h[column] for h in self.history]
         else:
             peers = [x for r, q in store.items() if r != rank and r in self.scores for x in q]
-        return Comparison(culprit=_stats(list(store.get(rank, ()))), peers=_stats(peers))
+        return Comparison(culprit=time_stats(list(store.get(rank, ()))), peers=time_stats(peers))
 
 
 @dataclass(slots=True)
