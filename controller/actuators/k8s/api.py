@@ -10,26 +10,93 @@ longer sure it leads raises :class:`Fenced` instead of writing.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-from collections.abc import Callable
+import ssl
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, Final
 
 import urllib3
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from controller.actuators.base import ActuatorError
 from controller.actuators.kube_objects import KubernetesApiError, api_error
+from controller.errors import BadConfig
 
 MERGE_PATCH: Final = "application/merge-patch+json"
 STRATEGIC_PATCH: Final = "application/strategic-merge-patch+json"
 
 
+class KubeconfigError(BadConfig):
+    """The kubeconfig exists but cannot be used (not YAML, not a kubeconfig, bad base64 or
+    certificates, a failing exec credential plugin): the operator's file, so the start is
+    refused in one line naming it (exit 2). Not an :class:`ActuatorError`, which the
+    wiring turns into a generic failure (exit 1)."""
+
+
+@contextmanager
+def _client_logged_errors() -> Iterator[list[str]]:
+    """Collect what the kubernetes client *logs* instead of raising while it loads a
+    kubeconfig (an exec credential plugin that is missing or fails: ``logging.error`` on
+    the root logger, which without handlers also installs one printing ``ERROR:root:...``),
+    and keep it off the log: the caller raises it as one line instead."""
+    import kubernetes.config
+
+    package = os.path.dirname(kubernetes.config.__file__)
+    messages: list[str] = []
+
+    def swallow(record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.pathname.startswith(package):
+            messages.append(" ".join(record.getMessage().split()))
+            return False
+        return True
+
+    root = logging.getLogger()
+    quiet = logging.NullHandler()  # handlers present: logging.error() skips basicConfig()
+    root.addHandler(quiet)
+    root.addFilter(swallow)
+    try:
+        yield messages
+    finally:
+        root.removeFilter(swallow)
+        root.removeHandler(quiet)
+
+
+def _check_tls_files(cfg: client.Configuration, where: str) -> None:
+    """Load the CA and client certificate the kubeconfig gave, as every request would: a
+    broken one fails here, in one line, not as an SSL error on each API call."""
+    ca, cert, key = cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file
+    what = "certificate-authority"
+    try:
+        if ca:
+            ssl.create_default_context(cafile=ca)
+        if cert:
+            what = "client certificate or key"
+            ssl.create_default_context().load_cert_chain(cert, key or None)
+    except (ssl.SSLError, OSError) as exc:
+        raise KubeconfigError(
+            f"kubeconfig {where}: its {what} cannot be loaded ({_one_line(exc)}): expected PEM data"
+        ) from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def load_api_client(api_url: str = "") -> client.ApiClient:
     """A client on ``api_url`` when given (tests: the fake API server), else in-cluster
     ServiceAccount credentials when running in a pod, else the kubeconfig ($KUBECONFIG read
-    now: the client reads it once, at import). No credentials: one-line ActuatorError."""
+    now: the client reads it once, at import).
+
+    No kubeconfig at all: one-line :class:`ActuatorError`. A kubeconfig that cannot be
+    used: one-line :class:`KubeconfigError` naming it and what is wrong; the client's own
+    errors (a YAML ``ParserError``, ``TypeError: list indices...`` for a list at the top,
+    an ``SSLError`` on the first call, a logged exec-plugin failure) say neither.
+    """
     from kubernetes import config
     from kubernetes.config.config_exception import ConfigException
 
@@ -39,15 +106,32 @@ def load_api_client(api_url: str = "") -> client.ApiClient:
         return client.ApiClient(cfg)
     try:
         config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        return client.ApiClient(cfg)
     except ConfigException:
-        try:
+        pass
+    path = os.environ.get("KUBECONFIG")
+    where = path or "~/.kube/config"
+    if not any(os.path.exists(os.path.expanduser(p)) for p in where.split(os.pathsep) if p):
+        raise ActuatorError(
+            f"no Kubernetes credentials: not in a pod and no kubeconfig ({where} does not "
+            "exist); set KUBECONFIG or run the controller in the cluster"
+        )
+    try:
+        with _client_logged_errors() as logged:
             config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg
+                config_file=path, client_configuration=cfg
             )
-        except (ConfigException, OSError) as exc:
-            raise ActuatorError(
-                f"no Kubernetes credentials: not in a pod and no usable kubeconfig ({exc})"
-            ) from exc
+    except (TypeError, KeyError, AttributeError) as exc:
+        # The client indexes whatever the YAML held: its message is a Python internal.
+        raise KubeconfigError(
+            f"kubeconfig {where} is not a kubeconfig (expected a YAML mapping with clusters, "
+            "contexts and users)"
+        ) from exc
+    except (ConfigException, OSError, ValueError, yaml.YAMLError) as exc:
+        raise KubeconfigError(f"kubeconfig {where} cannot be used: {_one_line(exc)}") from exc
+    if logged:
+        raise KubeconfigError(f"kubeconfig {where}: its exec credential plugin failed: {logged[0]}")
+    _check_tls_files(cfg, where)
     return client.ApiClient(cfg)
 
 
@@ -121,6 +205,7 @@ __all__ = [
     "STRATEGIC_PATCH",
     "Fenced",
     "Kube",
+    "KubeconfigError",
     "KubernetesApiError",
     "api_error",
     "plain",
