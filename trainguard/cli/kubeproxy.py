@@ -23,9 +23,11 @@ server, so ``trainguard nodes --server URL`` stays fast.
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -138,13 +140,15 @@ def resolve(flags: KubeFlags) -> ProxyEndpoint:
         "service", flags.service or os.environ.get(SERVICE_ENV) or DEFAULT_SERVICE
     )
     cfg = Configuration()
+    where = flags.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
     try:
-        load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=flags.kubeconfig,
-            context=flags.context,
-            client_configuration=cfg,
-            persist_config=False,
-        )
+        with _client_logged_errors() as logged:
+            load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=flags.kubeconfig,
+                context=flags.context,
+                client_configuration=cfg,
+                persist_config=False,
+            )
         current = list_kube_config_contexts(flags.kubeconfig)[1]  # type: ignore[no-untyped-call]
         context = flags.context or str(current["name"])
     except (
@@ -156,7 +160,6 @@ def resolve(flags: KubeFlags) -> ProxyEndpoint:
         AttributeError,
         yaml.YAMLError,
     ) as exc:
-        where = flags.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
         detail = " ".join(str(exc).split()) or type(exc).__name__
         if isinstance(exc, KeyError | TypeError | AttributeError | yaml.YAMLError):
             # The kubernetes client indexes what the YAML gave it (a string, a list, a
@@ -169,6 +172,8 @@ def resolve(flags: KubeFlags) -> ProxyEndpoint:
             f"cannot use kubeconfig {where}: {detail} (set --kubeconfig/--context, "
             "or --server URL to reach a controller directly)"
         ) from exc
+    if logged:  # without credentials the request would fail as something else
+        raise BadInput(f"kubeconfig {where}: its exec credential plugin failed: {logged[0]}")
     host = str(cfg.host).rstrip("/")
     parts = urlsplit(host)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -186,23 +191,61 @@ def resolve(flags: KubeFlags) -> ProxyEndpoint:
     )
     return ProxyEndpoint(
         base_url=host + path,
-        verify=_tls(cfg) if parts.scheme == "https" else False,
+        verify=_tls(cfg, where) if parts.scheme == "https" else False,
         headers=headers,
         description=f"service {namespace}/{service} via {host} (context {context})",
     )
 
 
-def _tls(cfg: object) -> ssl.SSLContext | bool:
+@contextmanager
+def _client_logged_errors() -> Iterator[list[str]]:
+    """Collect what the kubernetes client *logs* instead of raising while it loads the
+    kubeconfig (an exec credential plugin that is missing or fails: ``logging.error`` on
+    the root logger, which prints a stray ``ERROR:root:...`` line), so :func:`resolve`
+    can refuse in one line instead of going on without credentials."""
+    import kubernetes.config
+
+    package = os.path.dirname(kubernetes.config.__file__)
+    messages: list[str] = []
+
+    def swallow(record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.pathname.startswith(package):
+            messages.append(" ".join(record.getMessage().split()))
+            return False
+        return True
+
+    root = logging.getLogger()
+    quiet = logging.NullHandler()  # handlers present: logging.error() skips basicConfig()
+    root.addHandler(quiet)
+    root.addFilter(swallow)
+    try:
+        yield messages
+    finally:
+        root.removeFilter(swallow)
+        root.removeHandler(quiet)
+
+
+def _tls(cfg: object, where: str) -> ssl.SSLContext | bool:
     """The TLS settings the kubeconfig asked for: CA, client certificate, skip-verify.
 
-    ``tls-server-name`` is not honoured: the name checked is the server URL's host.
+    A CA or client certificate that does not load is one line naming the kubeconfig (exit
+    2), not Python's ``SSLError: [SSL] PEM lib``. ``tls-server-name`` is not honoured: the
+    name checked is the server URL's host.
     """
     verify = bool(getattr(cfg, "verify_ssl", True))
     ca = getattr(cfg, "ssl_ca_cert", None)
-    ctx = ssl.create_default_context(cafile=ca) if verify else ssl._create_unverified_context()
-    cert, key = getattr(cfg, "cert_file", None), getattr(cfg, "key_file", None)
-    if cert:
-        ctx.load_cert_chain(cert, key)
+    what = "certificate-authority"
+    try:
+        ctx = ssl.create_default_context(cafile=ca) if verify else ssl._create_unverified_context()
+        cert, key = getattr(cfg, "cert_file", None), getattr(cfg, "key_file", None)
+        if cert:
+            what = "client certificate or key"
+            ctx.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise BadInput(
+            f"kubeconfig {where}: its {what} cannot be loaded ({detail}): expected PEM data"
+        ) from exc
     return ctx
 
 
