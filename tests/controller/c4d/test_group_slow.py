@@ -198,3 +198,19 @@ def test_a_step_missing_one_summary_keeps_the_group_and_its_incident() -> None:
         (tuple(STAGES[2]), False),
         (tuple(STAGES[2]), True),
     ]
+
+
+def test_the_others_median_leaves_out_exactly_the_group_itself() -> None:
+    """The other groups' median comes from one sorted list of every group's change, with
+    the group's own value left out once (ties included)."""
+    from statistics import median
+
+    from controller.logic.detection.c4d.group_slow import _median_without
+
+    rng = random.Random(3)
+    for _ in range(500):
+        values = sorted(rng.choice([1.0, 1.1, rng.random()]) for _ in range(rng.randint(2, 9)))
+        own = rng.choice(values)
+        rest = list(values)
+        rest.remove(own)
+        assert _median_without(values, own) == pytest.approx(median(rest))
