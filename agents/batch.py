@@ -198,8 +198,10 @@ class Batch:
             try:
                 write_atomic(self._path(next_seq), text.encode())
             except OSError as exc:
-                # Still in memory: they go into the next report unless the agent dies first.
+                # Still in memory: they go into the next report. The old journals stay on
+                # disk (replayed again at the next start) until a rewrite holds them.
                 log.error("journal: cannot re-journal recovered items (%s)", exc)
+                return
         for path in self._dir.glob("pending-*.jsonl"):
             if path != self._path(next_seq) or not text:
                 self._discard(path)

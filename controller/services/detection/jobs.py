@@ -452,12 +452,22 @@ class JobDetector:
         if tracker is None:
             return
         fields = {"job": probe_round.job, "round": probe_round.round_id}
-        if not probe_round.seen_pairs - probe_round.missed_pairs:
+        # A rank that missed the round never joined its pairs as receiver either: its
+        # partner's transfer timed out (ok=False) through no fault of the link.
+        late = {src for src, _ in probe_round.missed_pairs}
+        unusable = {p for p in probe_round.pairs if late & set(p)}
+        results = [
+            r
+            for r in tracker.probes.get(probe_round.round_id, [])
+            if r.ok or not late & {r.src_rank, r.dst_rank}
+        ]
+        tracker.probes[probe_round.round_id] = results
+        if not results:
             tracker.probes.pop(probe_round.round_id, None)
             why = (
-                f"{len(probe_round.missed_pairs)} of {len(probe_round.pairs)} pairs missed it "
-                "(the command came after its step), none ran it"
-                if probe_round.missed_pairs
+                f"{len(unusable)} of {len(probe_round.pairs)} pairs involve a rank that "
+                "missed it (its command came after the step), the others did not answer"
+                if unusable
                 else "no results"
             )
             log.warning(
@@ -466,7 +476,7 @@ class JobDetector:
             )
             await self._probe_again(probe_round, now_unix_s)
             return
-        missing = set(probe_round.pairs) - probe_round.seen_pairs
+        missing = set(probe_round.pairs) - probe_round.seen_pairs - unusable
         for src, dst in sorted(missing):
             tracker.observe_probe(
                 wire.ProbeResult(

@@ -184,3 +184,30 @@ def test_no_round_again_once_the_condition_ended(harness: Harness) -> None:
     asyncio.run(harness.incidents.resolve(slow, note="the collective wait came back"))
     harness.answer(probe_round, measured(set()))
     assert harness.detector.rounds == {}
+
+
+def test_a_partner_that_missed_the_round_is_no_broken_link(harness: Harness) -> None:
+    """pa-node-1's command came late: its ranks (2, 3) answer ``missed`` for the pairs
+    they send, and rank 1, which ran the probe in time, waited for rank 2 in vain: its
+    timed-out (1, 2) is the missed rank's absence, not a slow link (found in review: the
+    round named "the link between ranks [1, 2]")."""
+    probe_round = slow_communication(harness)
+    healthy = measured(set())
+
+    def partly_late(command_id: str, src: int, dst: int) -> wire.ProbeResult:
+        if node_of(src) == "pa-node-1":
+            return missed(command_id, src, dst)
+        if node_of(dst) == "pa-node-1":
+            return wire.ProbeResult(
+                job=JOB, probe_id=command_id, src_rank=src, dst_rank=dst, size_bytes=SIZE,
+                duration_s=0.0, ok=False, error="RuntimeError: Timed out waiting 30000ms",
+            )  # fmt: skip
+        return healthy(command_id, src, dst)
+
+    harness.answer(probe_round, partly_late)
+    assert harness.open_kinds() == ["comm_slow"]  # no slow_link for (1, 2)
+    again = harness.only_round()
+    assert again.attempt == 2
+    harness.answer(again, measured({(1, 2)}))
+    (link,) = [i for i in harness.state.incidents.values() if i.kind == "slow_link"]
+    assert link.ranks == [1, 2]

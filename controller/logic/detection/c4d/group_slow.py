@@ -142,8 +142,12 @@ class GroupSlowState:
             key = peers.group(s.rank)
             if key is not None and not peers.alone(key):
                 by_key.setdefault(key, []).append(s)
-        for key in [k for k in self.groups if k not in by_key and not self.groups[k].open]:
-            del self.groups[key]  # gone (a regrouping, a restart's other layout)
+        # Gone: no longer a group of two or more (a regrouping, a restart's other layout).
+        # A group merely absent from this step (its node's report late, under
+        # ``min_step_coverage``) keeps its history: rebuilt, it would learn a slowdown
+        # in progress as its reference.
+        for key in [k for k, g in self.groups.items() if not g.open and peers.size.get(k, 0) < 2]:
+            del self.groups[key]
         need = 2 * self.cfg.window_steps
         for key, members in by_key.items():
             if len(members) < 2:

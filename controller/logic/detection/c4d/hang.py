@@ -117,7 +117,7 @@ def _members(
     if sized is not None and len(known) >= int(sized[1]):
         return known
     members = set(range(world_size))
-    if seq >= 1:
+    if seq >= 2:  # calls are numbered from 1: a first call proves nothing about who is in
         members -= informed - known
     return members
 
