@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 from controller.logic.remediation.rules import PolicyError, Step, load_policy
 from trainguard.cli.app import run
@@ -261,3 +262,12 @@ def test_controller_refuses_a_topology_file_with_nodes_twice(tmp_path: Path) -> 
     assert (
         message == f"error: topology_file {topology}: cannot parse: duplicate key 'nodes' at line 8"
     )
+
+
+def test_a_mapping_merged_from_deeper_in_the_file_is_no_duplicate() -> None:
+    """PyYAML flattens an anchored mapping in place when a shallower one merges it,
+    before that mapping is itself constructed: its merged keys then sat beside its own and
+    the file was refused as giving ``k`` twice (found in review of 41c9ae9). The loader
+    reads what ``yaml.safe_load`` reads."""
+    text = "a:\n  b: &y\n    <<: {k: 1}\n    k: 2\nc:\n  <<: *y\n"
+    assert load_yaml(text) == yaml.safe_load(text)

@@ -67,23 +67,24 @@ class _StrictLoader(yaml.SafeLoader):
     is for; only keys written in the mapping itself must be unique.
     """
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, yaml.MappingNode):
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    duplicate = key in seen
-                except TypeError:  # an unhashable key: the base class says so
-                    continue
-                if duplicate:
-                    raise Unparsable(
-                        f"duplicate key {key!r} at line {key_node.start_mark.line + 1}"
-                    )
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+    def compose_mapping_node(self, anchor: Any) -> yaml.MappingNode:
+        # Checked as composed, before any merge flattens a mapping in place: a mapping
+        # merged from deeper in the file is flattened before it is constructed, and its
+        # merged keys would then sit beside its own as if written twice.
+        node: yaml.MappingNode = super().compose_mapping_node(anchor)
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: construction says so
+                continue
+            if duplicate:
+                raise Unparsable(f"duplicate key {key!r} at line {key_node.start_mark.line + 1}")
+            seen.add(key)
+        return node
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
