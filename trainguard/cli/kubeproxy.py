@@ -23,11 +23,9 @@ server, so ``trainguard nodes --server URL`` stays fast.
 
 from __future__ import annotations
 
-import logging
 import os
 import ssl
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -35,6 +33,7 @@ from urllib.parse import quote, urlsplit
 import yaml
 
 from trainguard.cli.errors import BadInput
+from trainguard.kube_client_logs import client_logged_errors
 
 NAMESPACE_ENV = "TRAINGUARD_NAMESPACE"
 SERVICE_ENV = "TRAINGUARD_SERVICE"
@@ -142,7 +141,7 @@ def resolve(flags: KubeFlags) -> ProxyEndpoint:
     cfg = Configuration()
     where = flags.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
     try:
-        with _client_logged_errors() as logged:
+        with client_logged_errors() as logged:
             load_kube_config(  # type: ignore[no-untyped-call]
                 config_file=flags.kubeconfig,
                 context=flags.context,
@@ -195,34 +194,6 @@ def resolve(flags: KubeFlags) -> ProxyEndpoint:
         headers=headers,
         description=f"service {namespace}/{service} via {host} (context {context})",
     )
-
-
-@contextmanager
-def _client_logged_errors() -> Iterator[list[str]]:
-    """Collect what the kubernetes client *logs* instead of raising while it loads the
-    kubeconfig (an exec credential plugin that is missing or fails: ``logging.error`` on
-    the root logger, which prints a stray ``ERROR:root:...`` line), so :func:`resolve`
-    can refuse in one line instead of going on without credentials."""
-    import kubernetes.config
-
-    package = os.path.dirname(kubernetes.config.__file__)
-    messages: list[str] = []
-
-    def swallow(record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and record.pathname.startswith(package):
-            messages.append(" ".join(record.getMessage().split()))
-            return False
-        return True
-
-    root = logging.getLogger()
-    quiet = logging.NullHandler()  # handlers present: logging.error() skips basicConfig()
-    root.addHandler(quiet)
-    root.addFilter(swallow)
-    try:
-        yield messages
-    finally:
-        root.removeFilter(swallow)
-        root.removeHandler(quiet)
 
 
 def _tls(cfg: object, where: str) -> ssl.SSLContext | bool:

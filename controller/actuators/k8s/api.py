@@ -10,11 +10,9 @@ longer sure it leads raises :class:`Fenced` instead of writing.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import ssl
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -26,6 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from controller.actuators.base import ActuatorError
 from controller.actuators.kube_objects import KubernetesApiError, api_error
 from controller.errors import BadConfig
+from trainguard.kube_client_logs import client_logged_errors
 
 MERGE_PATCH: Final = "application/merge-patch+json"
 STRATEGIC_PATCH: Final = "application/strategic-merge-patch+json"
@@ -36,34 +35,6 @@ class KubeconfigError(BadConfig):
     certificates, a failing exec credential plugin): the operator's file, so the start is
     refused in one line naming it (exit 2). Not an :class:`ActuatorError`, which the
     wiring turns into a generic failure (exit 1)."""
-
-
-@contextmanager
-def _client_logged_errors() -> Iterator[list[str]]:
-    """Collect what the kubernetes client *logs* instead of raising while it loads a
-    kubeconfig (an exec credential plugin that is missing or fails: ``logging.error`` on
-    the root logger, which without handlers also installs one printing ``ERROR:root:...``),
-    and keep it off the log: the caller raises it as one line instead."""
-    import kubernetes.config
-
-    package = os.path.dirname(kubernetes.config.__file__)
-    messages: list[str] = []
-
-    def swallow(record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and record.pathname.startswith(package):
-            messages.append(" ".join(record.getMessage().split()))
-            return False
-        return True
-
-    root = logging.getLogger()
-    quiet = logging.NullHandler()  # handlers present: logging.error() skips basicConfig()
-    root.addHandler(quiet)
-    root.addFilter(swallow)
-    try:
-        yield messages
-    finally:
-        root.removeFilter(swallow)
-        root.removeHandler(quiet)
 
 
 def _check_tls_files(cfg: client.Configuration, where: str) -> None:
@@ -117,7 +88,7 @@ def load_api_client(api_url: str = "") -> client.ApiClient:
             "exist); set KUBECONFIG or run the controller in the cluster"
         )
     try:
-        with _client_logged_errors() as logged:
+        with client_logged_errors() as logged:
             config.load_kube_config(  # type: ignore[no-untyped-call]
                 config_file=path, client_configuration=cfg
             )
