@@ -39,7 +39,6 @@ the first run and watch the restarted one recover from it. Where each acts:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal as signal_module
@@ -49,6 +48,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from trainguard.textfile import Unparsable, load_json
 
 from .errors import FaultSpecError
 
@@ -147,11 +148,9 @@ def load_faults(value: str, source: str = "TRAINGUARD_FAULTS") -> list[Fault]:
             ) from None
         source = f"{source} ({path})"
     try:
-        decoded = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise FaultSpecError(f"{source}: invalid JSON: {exc.msg} at line {exc.lineno}") from None
-    except RecursionError:
-        raise FaultSpecError(f"{source}: invalid JSON: nested too deeply") from None
+        decoded = load_json(text)  # as every operator file: a key given twice is refused
+    except Unparsable as exc:
+        raise FaultSpecError(f"{source}: invalid JSON: {exc.reason}") from None
     return parse_faults(decoded, source)
 
 

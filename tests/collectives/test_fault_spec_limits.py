@@ -74,3 +74,10 @@ def test_a_real_signal_number_still_parses() -> None:
     spec = f'[{{"kind": "crash", "rank": 0, "at_step": 1, "signal": {int(signal.SIGTERM)}}}]'
     (fault,) = load_faults(spec)
     assert fault.signal == signal.SIGTERM
+
+
+def test_a_key_given_twice_is_refused_as_in_every_operator_file() -> None:
+    """Read through trainguard.textfile.load_json, as the other operator files: the first
+    ``delay_s`` was silently dropped before."""
+    spec = '[{"kind": "delay", "rank": 0, "delay_s": 0.5, "delay_s": 5}]'
+    assert _refused(spec) == "TRAINGUARD_FAULTS: invalid JSON: duplicate key 'delay_s'"
