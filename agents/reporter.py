@@ -42,6 +42,7 @@ from agents.errors import AgentConfigError
 from agents.spool import Spool
 from agents.stats import AgentStats
 from trainguard.textfile import Unreadable, read_text
+from trainguard.tls import default_context
 from trainguard.wire import API_PREFIX, Command, ReportReply
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,7 @@ class Reporter:
             timeout=timeout_s,
             transport=transport,
             auth=self._file_token,
+            verify=default_context(),
         )
         self._wake = threading.Event()
         self._stop = threading.Event()

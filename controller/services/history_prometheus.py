@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from controller.services.dashboard_reads import HISTORY_KEYS, MIN_BUCKET_S
+from trainguard.tls import default_context
 
 #: Series of the chart -> (PromQL template, scale to the chart's unit). ``{sel}`` is the
 #: label selector, ``{w}`` the bucket as a range (``15s``).
@@ -111,7 +112,7 @@ class PrometheusHistory:
             key: template.replace("{sel}", sel).replace("{w}", window)
             for key, (template, _) in QUERIES.items()
         }
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        async with httpx.AsyncClient(timeout=self.timeout_s, verify=default_context()) as client:
             answers = await asyncio.gather(
                 *(self._query_range(client, q, start, end, bucket_s) for q in queries.values())
             )

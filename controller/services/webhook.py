@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from trainguard.tls import default_context
+
 
 def sign(secret: bytes, timestamp: str, body: bytes) -> str:
     digest = hmac.new(secret, timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
@@ -78,7 +80,9 @@ class Webhook:
             {"event": event, "delivery": delivery, "payload": payload}, sort_keys=True
         ).encode()
         delay, error, status = self.backoff_initial_s, "", None
-        async with httpx.AsyncClient(timeout=self.timeout_s, transport=self.transport) as http:
+        async with httpx.AsyncClient(
+            timeout=self.timeout_s, transport=self.transport, verify=default_context()
+        ) as http:
             for attempt in range(1, self.retries + 2):
                 timestamp = str(int(time.time()))
                 headers = {

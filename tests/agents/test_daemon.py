@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from agents.daemon import Agent
 from agents.errors import AgentConfigError, ListenError, SpoolError
 from agents.settings import AgentSettings, load_settings
+from tests import http_calls
 from tests.agents.agents_testkit import TOKEN, FakeController, LocalClient, Running
 from trainguard.wire import InflightCollective, JobRecords, Report, StepSummary
 
@@ -102,7 +102,7 @@ def test_an_xid_is_reported_at_once_not_at_the_interval(
         assert agent.stats.xid_total[(3, 79)] == 1
         # Well before report_interval_s (30 s) the XID report was out.
         port = agent.metrics_port
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        text = http_calls.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         assert 'xid="79"' in text and "trainguard_gpu_power_watts" in text
 
 
@@ -397,7 +397,7 @@ def test_metrics_name_the_node_and_the_pod_using_each_gpu(
                  "gpu_index": 1, "pod": "train-a-worker-0", "namespace": "ml"}  # fmt: skip
         assert client.send_json(hello).ok
         agents_controller.wait_for(lambda: len(agents_controller.state.reports) >= 1)
-        text = httpx.get(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5).text
+        text = http_calls.get(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5).text
         client.close()
     power = {
         s.labels["gpu"]: s.labels

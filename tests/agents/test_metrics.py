@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from agents.gpu.faults import parse_fault_specs
@@ -10,6 +9,7 @@ from agents.gpu.sim import SimNvml
 from agents.metrics import MetricsServer, MetricsSource
 from agents.sampler import GpuSampler
 from agents.stats import AgentStats
+from tests import http_calls
 from trainguard.wire import NicPortSample, NodeSample
 
 GPU_METRICS = {
@@ -91,7 +91,7 @@ def test_scrape_has_every_metric_in_base_units_with_dcgm_labels() -> None:
     server = MetricsServer(source)
     port = server.start("127.0.0.1", 0)
     try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        text = http_calls.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     finally:
         server.stop()
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -164,7 +164,7 @@ def test_scrape_before_the_first_sample_still_serves_agent_metrics() -> None:
     server = MetricsServer(source)
     port = server.start("127.0.0.1", 0)
     try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        text = http_calls.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     finally:
         server.stop()
     assert "trainguard_agent_reports_sent_total 0.0" in text

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
@@ -15,6 +14,7 @@ from controller.db.migrate import upgrade
 from controller.db.models import Checkpoint
 from controller.db.session import make_engine
 from controller.services.remediation.history import newest_committed_before
+from tests import http_calls
 
 
 def _event(step: int, kind: str, tier: str, t: float, **extra: Any) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def test_tier_goes_from_the_report_to_the_api(live_controller) -> None:  # type:
         "sent_unix_s": t,
         "job": {"checkpoints": events},
     }
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
         r = client.post("/api/v1/reports", json=body, headers=live_controller.headers("agent"))
         assert r.status_code == 200, r.text
         deadline = time.monotonic() + 20

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from tests import http_calls
 from trainguard import wire
 
 FAULTY_NODE, FAULTY_GPU = "node-b", 3
@@ -22,7 +23,7 @@ class CliServer:
     agent_token: str
 
     def get(self, path: str, **params: object) -> object:
-        reply = httpx.get(
+        reply = http_calls.get(
             f"{self.url}{wire.API_PREFIX}{path}",
             params={k: v for k, v in params.items() if v is not None},
             headers={"Authorization": f"Bearer {self.viewer_token}"},
@@ -97,7 +98,7 @@ def feed(server: CliServer) -> None:
         instance = secrets.token_hex(8)
         for seq in range(3):
             body = _report(node, seq, instance).model_dump_json()
-            reply = httpx.post(
+            reply = http_calls.post(
                 f"{server.url}{wire.API_PREFIX}/reports",
                 content=body,
                 headers=headers | {"Content-Type": "application/json"},
@@ -107,7 +108,7 @@ def feed(server: CliServer) -> None:
 
 def controller_ready(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/readyz").status_code == 200
+        return http_calls.get(f"{url}/readyz").status_code == 200
     except httpx.TransportError:
         return False
 

@@ -21,8 +21,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
+
+from tests import http_calls
 
 PREFIX = "/api/v1/namespaces/"
 
@@ -149,7 +150,7 @@ def _handler(state: ProxyStandin) -> type[BaseHTTPRequestHandler]:
             state.seen.append({"user": user, "method": self.command, "path": rest,
                                "headers": forwarded})  # fmt: skip
             url = state.backend + rest + (f"?{query}" if query else "")
-            answer = httpx.request(self.command, url, headers=forwarded, content=body)
+            answer = http_calls.request(self.command, url, headers=forwarded, content=body)
             self._reply(
                 answer.status_code,
                 answer.content,

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 import yaml
 
+from tests import http_calls
 from tests.cli.cli_testkit import controller_ready, feed
 from trainguard.cli.app import run
 from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
@@ -115,7 +115,9 @@ def test_controller_reads_config_file_and_flags_override_it(tmp_path: Path) -> N
         assert wait_until(lambda: controller_ready(url) or not child.alive(), timeout_s=60)
         assert child.alive(), child.log_tail()
         assert (tmp_path / "from-config.db").exists()
-        reply = httpx.get(f"{url}/api/v1/status", headers={"Authorization": f"Bearer {viewer}"})
+        reply = http_calls.get(
+            f"{url}/api/v1/status", headers={"Authorization": f"Bearer {viewer}"}
+        )
         assert reply.status_code == 200
         # uvicorn shuts down gracefully, then re-raises SIGTERM, as a well-behaved daemon does
         assert procs.stop("controller") in (0, -signal.SIGTERM)

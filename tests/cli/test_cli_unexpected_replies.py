@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 
 from controller.api.handlers import payload_too_large
+from tests import http_calls
 from tests.cli.cli_testkit import CliResult, CliServer
 from trainguard import wire
 
@@ -220,7 +220,7 @@ def test_a_file_that_is_not_a_kubeconfig(cli: Cli, tmp_path: Path) -> None:
 def test_413_names_reports_only_on_the_report_route(cli_server: CliServer) -> None:
     """An operator's oversized request is told the limit, not how agents batch reports."""
     big = b'{"domains": [' + b" " * (wire.MAX_REPORT_BYTES + 10) + b"]}"
-    reply = httpx.put(
+    reply = http_calls.put(
         f"{cli_server.url}{wire.API_PREFIX}/power/domains",
         content=big,
         headers={

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import httpx
 import pytest
 from kubernetes import client
 
+from tests import http_calls
 from tests.actuators.fake_kube import FakeKube
 from trainguard.cli.leader_label import LABEL, Labeler, leads
 
@@ -87,7 +87,7 @@ def pods() -> Iterator[dict[str, _Metrics]]:
 
 @pytest.mark.slow
 def test_labels_follow_leadership_across_the_release(pods: dict[str, _Metrics]) -> None:
-    with FakeKube.running() as kube, httpx.Client(timeout=2.0) as http:
+    with FakeKube.running() as kube, http_calls.client(timeout=2.0) as http:
         port = pods["tg-a"].port
         for i, name in enumerate(pods):
             # tg-a is a pod of the previous release: no label yet (no sidecar).

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from controller.settings import ControllerSettings
+from tests import http_calls
 from tests.controller.db_reads import stored as _stored
 
 REPORTS = "/api/v1/reports"
@@ -41,7 +42,7 @@ def test_revoked_token_is_refused_at_once_and_audited(
 ) -> None:
     live = controller_factory(allow_shared_agent_tokens=False, agent_token_grace_s=3600)
     operator = live.headers("operator")
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         first = client.post("/api/v1/agent-credentials/node-r", headers=operator)
         assert first.status_code == 201, first.text
         # Rotated: the first token is in its grace period, both work; revoking ends both.
@@ -88,7 +89,7 @@ def test_revoked_token_is_refused_at_once_and_audited(
 
     # Durable: a restarted controller refuses the tokens too; a new one works.
     live.restart()
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         r = client.post(REPORTS, json=ctl_report("node-r", 5), headers=_bearer(new))
         assert r.status_code == 401, r.text
         fresh = client.post("/api/v1/agent-credentials/node-r", headers=operator).json()["token"]
@@ -107,7 +108,7 @@ def test_cli_revokes_a_node_token(controller_factory: Any, capsys: Any, ctl_repo
     token = capsys.readouterr().out.strip()
     assert run(["agent-token", "revoke", "node-s", *common], prog_name="trainguard") == 0
     assert capsys.readouterr().out.strip() == "1 agent token(s) of node node-s revoked"
-    with httpx.Client(base_url=live.url, timeout=10) as client:
+    with http_calls.client(base_url=live.url, timeout=10) as client:
         r = client.post(REPORTS, json=ctl_report("node-s", 0), headers=_bearer(token))
         assert r.status_code == 401
     assert run(["agent-token", "revoke", "node-s", *common], prog_name="trainguard") != 0

@@ -6,9 +6,9 @@ import json
 import socket
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import http_calls
 from trainguard import wire
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
 @pytest.fixture
 def client(live_controller):
-    with httpx.Client(base_url=live_controller.url, timeout=10) as c:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as c:
         yield c
 
 
@@ -102,7 +102,7 @@ def test_a_present_header_without_a_bearer_token_is_401(
     # An empty header is a header: 401 even where anonymous reads are allowed (which are
     # for requests without one), never the 500 it once was.
     live = controller_factory(allow_anonymous_read=anonymous)
-    with httpx.Client(base_url=live.url, timeout=10) as c:
+    with http_calls.client(base_url=live.url, timeout=10) as c:
         for method, path in (("GET", "/api/v1/nodes"), ("POST", "/api/v1/reports")):
             r = c.request(method, path, headers={"Authorization": authorization})
             assert r.status_code == 401, (method, r.text)
@@ -120,8 +120,8 @@ def test_a_present_header_without_a_bearer_token_is_401(
 
 def test_anonymous_read_when_allowed(controller_factory) -> None:
     live = controller_factory(allow_anonymous_read=True)
-    assert httpx.get(f"{live.url}/api/v1/nodes").status_code == 200
-    r = httpx.post(
+    assert http_calls.get(f"{live.url}/api/v1/nodes").status_code == 200
+    r = http_calls.post(
         f"{live.url}/api/v1/nodes/x/commands", json={"kind": "unlock_clocks", "gpu_index": 0}
     )
     assert r.status_code == 401
@@ -143,12 +143,14 @@ def test_not_found_and_query_validation(live_controller, client) -> None:
 def test_token_values_never_logged(controller_factory, caplog, ctl_report) -> None:
     live = controller_factory(log_level="debug")
     with caplog.at_level("DEBUG"):
-        httpx.post(
+        http_calls.post(
             f"{live.url}/api/v1/reports",
             json=ctl_report("node-z", 0),
             headers=live.headers("agent"),
         )
-        httpx.get(f"{live.url}/api/v1/nodes", headers={"Authorization": "Bearer wrong-token-xyz"})
+        http_calls.get(
+            f"{live.url}/api/v1/nodes", headers={"Authorization": "Bearer wrong-token-xyz"}
+        )
     text = "\n".join(r.getMessage() + json.dumps(getattr(r, "fields", {})) for r in caplog.records)
     for token in (live.agent_token, live.viewer_token, live.operator_token, "wrong-token-xyz"):
         assert token not in text

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
+
+from tests import http_calls
 
 
 def test_command_round_trip(live_controller, ctl_report) -> None:
     agent, operator = live_controller.headers("agent"), live_controller.headers("operator")
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
         r = client.post(
             "/api/v1/nodes/node-c/commands",
             json={"kind": "set_power_limit", "gpu_index": 2, "limit_w": 350},
@@ -58,7 +59,7 @@ def test_command_round_trip(live_controller, ctl_report) -> None:
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_command_validation(live_controller, ctl_report) -> None:
     operator = live_controller.headers("operator")
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
         client.post(
             "/api/v1/reports",
             json=ctl_report("node-v", 0),
@@ -83,7 +84,7 @@ def test_command_validation(live_controller, ctl_report) -> None:
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_unacknowledged_commands_expire(controller_factory, ctl_report) -> None:
     live = controller_factory(command_expire_after_s=0.4)
-    with httpx.Client(base_url=live.url, timeout=10) as client:
+    with http_calls.client(base_url=live.url, timeout=10) as client:
         client.post("/api/v1/reports", json=ctl_report("node-e", 0), headers=live.headers("agent"))
         r = client.post(
             "/api/v1/nodes/node-e/commands",
@@ -110,14 +111,16 @@ def test_unacknowledged_commands_expire(controller_factory, ctl_report) -> None:
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_pending_command_survives_restart(live_controller, ctl_report) -> None:
     agent = live_controller.headers("agent")
-    httpx.post(f"{live_controller.url}/api/v1/reports", json=ctl_report("node-p", 0), headers=agent)
-    created = httpx.post(
+    http_calls.post(
+        f"{live_controller.url}/api/v1/reports", json=ctl_report("node-p", 0), headers=agent
+    )
+    created = http_calls.post(
         f"{live_controller.url}/api/v1/nodes/node-p/commands",
         json={"kind": "unlock_clocks", "gpu_index": 0},
         headers=live_controller.headers(),
     ).json()
     live_controller.restart()
-    reply = httpx.post(
+    reply = http_calls.post(
         f"{live_controller.url}/api/v1/reports", json=ctl_report("node-p", 1), headers=agent
     ).json()
     assert [c["id"] for c in reply["commands"]] == [created["id"]]

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import text
 
 from controller.db.session import make_engine
+from tests import http_calls
 from tests.controller.db_reads import stored as _stored
 
 
@@ -63,7 +64,7 @@ def _node(client: httpx.Client, live, name: str) -> dict[str, Any]:
 def test_report_the_database_refuses_or_cannot_take(
     live, db_url, ctl_report, ctl_db_outage
 ) -> None:
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         assert (
             _post(client, live, "/api/v1/reports", ctl_report("n1", 0), "agent").status_code == 200
         )
@@ -111,7 +112,7 @@ def test_isolation_the_database_refuses_leaves_the_node_as_shown(
     """The known case: the API said "isolated", the database did not, and every later
     report of the node failed because its row could no longer be written."""
     _refuse(db_url, "nodes", "isolated_reason", "forbidden")
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         assert (
             _post(client, live, "/api/v1/reports", ctl_report("n2", 0), "agent").status_code == 200
         )
@@ -158,7 +159,7 @@ def test_command_and_incident_writes_that_fail_change_nothing(
     live, db_url, ctl_report, ctl_db_outage
 ) -> None:
     fatal = {0: {"xid_events": [{"code": 79}]}}
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         body = ctl_report("n3", 0, gpu_overrides=fatal)
         for sample in body["samples"]:
             for event in sample["gpus"][0].get("xid_events", []):
@@ -205,7 +206,7 @@ def test_power_tree_write_that_fails_changes_nothing(live, db_url, ctl_db_outage
         "budget_w": 3000,
         "children": [{"name": "n4", "kind": "server", "budget_w": 2000}],
     }
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         assert client.put("/api/v1/power/domains", json=tree, headers=live.headers()).is_success
         bigger = {**tree, "budget_w": 4000}
         ctl_db_outage.arm(r"power_domains")

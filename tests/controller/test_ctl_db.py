@@ -30,6 +30,7 @@ from controller.db.session import make_engine
 from controller.errors import BadConfig, NotMigrated
 from controller.runtime import prepare_database
 from controller.settings import ControllerSettings
+from tests import http_calls
 
 TOKENS = [{"name": "ops", "role": "operator", "token": "o" * 20}]
 
@@ -187,7 +188,7 @@ def test_failed_commit_is_503_and_retry_is_accepted(
     ``OperationalError``): 503 with Retry-After, nothing of it counted or shown, and the
     agent's retry of the same report is accepted once the database is back."""
     agent = live_controller.headers("agent")
-    with httpx.Client(base_url=live_controller.url, timeout=15) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=15) as client:
         assert client.post("/api/v1/reports", json=ctl_report("node-d", 0), headers=agent)
         ctl_db_outage.arm(r"^\s*INSERT INTO nodes")
         second = ctl_report("node-d", 1)
@@ -248,10 +249,10 @@ def test_one_bad_report_does_not_fail_its_batch(
     # The database refuses node-poison's rows: a report that can never be stored is the
     # agent's error (409, it sets the report aside), never "retry later" forever.
     assert statuses == {**dict.fromkeys(names[:5], 200), "node-poison": 409}
-    poison = httpx.get(f"{live.url}/api/v1/nodes/node-poison", headers=live.headers())
+    poison = http_calls.get(f"{live.url}/api/v1/nodes/node-poison", headers=live.headers())
     assert poison.status_code == 404  # memory holds only what the database does
     for name in names[:5]:
-        detail = httpx.get(f"{live.url}/api/v1/nodes/{name}", headers=live.headers()).json()
+        detail = http_calls.get(f"{live.url}/api/v1/nodes/{name}", headers=live.headers()).json()
         assert len(detail["history"]) == 8
 
 
@@ -287,14 +288,16 @@ def test_ack_survives_kill_9(tmp_path, db_url: str, ctl_report) -> None:
         deadline = time.monotonic() + 20
         while True:
             try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
+                if http_calls.get(f"{url}/readyz").status_code == 200:
                     break
             except httpx.ConnectError:
                 pass  # bound, not yet listening
             assert time.monotonic() < deadline, "controller not ready in 20 s"
             time.sleep(0.05)
         for seq in range(10):
-            r = httpx.post(f"{url}/api/v1/reports", json=ctl_report("node-k", seq), headers=headers)
+            r = http_calls.post(
+                f"{url}/api/v1/reports", json=ctl_report("node-k", seq), headers=headers
+            )
             assert r.status_code == 200
     finally:
         proc.send_signal(signal.SIGKILL)

@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.waiting import wait_for
 
 # Detection does not depend on the database; test_ctl_health covers both backends.
@@ -55,7 +55,7 @@ class Agent:
                 gpu.update(overrides.get(gpu["index"], {}))
         self.seq += 1
         self.clock += len(per_sample)
-        r = httpx.post(
+        r = http_calls.post(
             f"{self.live.url}/api/v1/reports",
             json=body,
             headers=self.live.headers("agent"),
@@ -66,7 +66,7 @@ class Agent:
 
 
 def _incidents(live: Any, **params: Any) -> list[dict[str, Any]]:
-    r = httpx.get(
+    r = http_calls.get(
         f"{live.url}/api/v1/incidents",
         params={"kind": "gpu_degraded", **params},
         headers=live.headers("viewer"),
@@ -201,7 +201,7 @@ def test_default_policy_asks_the_job_for_a_protective_checkpoint(
     agent.post([{}], job={"steps": steps})
     agent.post([{1: HOT}] * 4)
     (incident,) = _incidents(live)
-    viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
+    viewer = http_calls.client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
 
     def checkpoint_commands() -> list[dict[str, Any]]:
         data = viewer.get("/api/v1/commands", params={"node": "deg-j"}).json()["data"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.waiting import wait_for
 
 
@@ -17,13 +17,15 @@ def _xids(code: int, n: int, t0: float) -> list[dict[str, Any]]:
 
 
 def _get(live, path: str, **params: Any) -> Any:
-    r = httpx.get(f"{live.url}{path}", params=params, headers=live.headers("viewer"), timeout=10)
+    r = http_calls.get(
+        f"{live.url}{path}", params=params, headers=live.headers("viewer"), timeout=10
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def _post_report(live, body: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.post(
+    r = http_calls.post(
         f"{live.url}/api/v1/reports", json=body, headers=live.headers("agent"), timeout=10
     )
     assert r.status_code == 200, r.text
@@ -56,12 +58,12 @@ def test_fatal_xid_makes_gpu_and_node_unhealthy(live_controller, ctl_report, ctl
     assert _get(live_controller, "/api/v1/incidents")["count"] == 1
     assert _get(live_controller, f"/api/v1/incidents/{incident['id']}")["count"] == 10
 
-    metrics = httpx.get(f"{live_controller.url}/metrics").text
+    metrics = http_calls.get(f"{live_controller.url}/metrics").text
     assert 'trainguard_incidents_open{kind="gpu_fault"} 1.0' in metrics
     assert 'trainguard_nodes{health="unhealthy"} 1.0' in metrics
 
     # An operator resolves the fault: the GPU is trusted again.
-    r = httpx.post(
+    r = http_calls.post(
         f"{live_controller.url}/api/v1/incidents/{incident['id']}/resolve",
         headers=live_controller.headers("operator"),
     )

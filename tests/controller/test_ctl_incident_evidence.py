@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
@@ -31,6 +30,7 @@ from controller.logic.detection.incident_evidence import (
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState
 from controller.store import Store
+from tests import http_calls
 from tests.controller.db_reads import stored
 
 #: Evidence exactly as the detectors wrote it before the models (dict literals), per kind.
@@ -112,7 +112,7 @@ def test_detectors_store_typed_evidence_and_old_rows_are_served(
     live_controller: Any, db_url: str, ctl_report: Any
 ) -> None:
     live = live_controller
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         agent = live.headers("agent")
         assert client.post("/api/v1/reports", json=_fatal(ctl_report, "e1", 0, 79), headers=agent)
         assert client.post("/api/v1/reports", json=_fatal(ctl_report, "e1", 1, 45), headers=agent)

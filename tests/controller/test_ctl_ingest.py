@@ -7,9 +7,11 @@ import asyncio
 import httpx
 import pytest
 
+from tests import http_calls
+
 
 def test_report_is_stored_and_visible(live_controller, ctl_report, ctl_metric) -> None:
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
         r = client.post(
             "/api/v1/reports",
             json=ctl_report("node-a", 0),
@@ -41,7 +43,7 @@ def test_report_is_stored_and_visible(live_controller, ctl_report, ctl_metric) -
 
 def test_retried_report_is_not_counted_twice(live_controller, ctl_report, ctl_metric) -> None:
     agent = live_controller.headers("agent")
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
         first = ctl_report("node-b", 7)
         assert (
             client.post("/api/v1/reports", json=first, headers=agent).json()["duplicate"] is False
@@ -92,17 +94,17 @@ def test_concurrent_reports_share_transactions(controller_factory, ctl_report, c
     replies = asyncio.run(send_all())
     assert all(r.status_code == 200 for r in replies)
     assert live.commits_delta < n / 2, live.commits_delta  # type: ignore[attr-defined]
-    metrics = httpx.get(f"{live.url}/metrics").text
+    metrics = http_calls.get(f"{live.url}/metrics").text
     assert ctl_metric(metrics, "trainguard_ingest_gpu_samples_total") == (n + 1) * 40
 
 
 def test_acknowledged_reports_survive_a_restart(live_controller, ctl_report, ctl_metric) -> None:
     agent = live_controller.headers("agent")
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
         for seq in range(3):
             assert client.post("/api/v1/reports", json=ctl_report("node-c", seq), headers=agent)
     live_controller.restart()
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
         # The dedupe cursor came back from the database.
         again = client.post("/api/v1/reports", json=ctl_report("node-c", 2), headers=agent)
         assert again.json()["duplicate"] is True
@@ -129,7 +131,7 @@ def test_observers_see_each_stored_report_once(live_controller, ctl_report) -> N
     events.subscribe(NodeReported, broken, name="test-broken")
     events.subscribe(NodeReported, record, name="test-recorder")
     agent = live_controller.headers("agent")
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
         for seq in (0, 1, 1):
             r = client.post("/api/v1/reports", json=ctl_report("node-o", seq), headers=agent)
             assert r.status_code == 200

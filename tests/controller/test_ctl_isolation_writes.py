@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from controller.actuators.base import Placement
+from tests import http_calls
 from tests.controller.db_reads import stored_rows as _stored
 from tests.remediation.recording import RecordingActuator
 from tests.waiting import wait_for
@@ -78,7 +79,7 @@ def test_operator_isolation_and_its_action_row_commit_together(
     controller_factory: Any, db_url: str, ctl_db_outage: Any
 ) -> None:
     live, actuator = _start(controller_factory)
-    with httpx.Client(base_url=live.url, timeout=20, headers=live.headers()) as client:
+    with http_calls.client(base_url=live.url, timeout=20, headers=live.headers()) as client:
         _report(client, live, "w5", 0)
         for pattern in (ACTION_INSERT, NODE_WRITE):
             ctl_db_outage.arm(pattern)
@@ -129,7 +130,7 @@ def test_approved_dry_run_isolation_is_stored_with_its_records_or_not_at_all(
     controller_factory: Any, db_url: str, ctl_db_outage: Any
 ) -> None:
     live, actuator = _start(controller_factory, policy_dry_run=True)
-    with httpx.Client(base_url=live.url, timeout=20, headers=live.headers()) as client:
+    with http_calls.client(base_url=live.url, timeout=20, headers=live.headers()) as client:
         for i in range(4):
             _report(client, live, f"n{i}", 0)
         _report(client, live, "n3", 1, xid=79)
@@ -165,7 +166,7 @@ def test_approved_dry_run_restart_is_claimed_before_the_job_restarts(
     live, actuator = _start(controller_factory, policy_dry_run=True)
     actuator.placements["gpt"] = Placement(job="gpt", nodes=("n0", "n1"), ranks_per_node=1)
     actuator.pools["gpt"] = ["n0", "n1", "n2", "n3"]
-    with httpx.Client(base_url=live.url, timeout=20, headers=live.headers()) as client:
+    with http_calls.client(base_url=live.url, timeout=20, headers=live.headers()) as client:
         for i in range(4):
             _report(client, live, f"n{i}", 0)
         step = {
@@ -210,7 +211,7 @@ def test_policy_isolation_the_database_refuses_is_undone_and_recorded_failed(
     controller_factory: Any, db_url: str, ctl_db_outage: Any
 ) -> None:
     live, actuator = _start(controller_factory)
-    with httpx.Client(base_url=live.url, timeout=20, headers=live.headers()) as client:
+    with http_calls.client(base_url=live.url, timeout=20, headers=live.headers()) as client:
         for i in range(4):
             _report(client, live, f"n{i}", 0)
         ctl_db_outage.arm(NODE_WRITE)

@@ -24,6 +24,7 @@ from sqlalchemy import func, select
 from controller.db.models import Incident
 from controller.db.session import make_engine
 from controller.services.leader import LOST_DETAIL, STANDBY_DETAIL, FileLock, LeadershipLost
+from tests import http_calls
 from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
 
 NODE_LOST_AFTER_S = 2.0
@@ -44,22 +45,22 @@ class Replica:
 
     def readyz(self) -> tuple[int, str]:
         try:
-            reply = httpx.get(f"{self.url}/readyz", timeout=2.0)
+            reply = http_calls.get(f"{self.url}/readyz", timeout=2.0)
         except httpx.TransportError:
             return 0, "unreachable"
         return reply.status_code, str(reply.json().get("detail", ""))
 
     def status(self) -> dict[str, Any]:
-        reply = httpx.get(f"{self.url}/api/v1/status", headers=self.headers, timeout=5.0)
+        reply = http_calls.get(f"{self.url}/api/v1/status", headers=self.headers, timeout=5.0)
         reply.raise_for_status()
         result: dict[str, Any] = reply.json()
         return result
 
     def post_report(self, body: dict[str, Any]) -> httpx.Response:
-        return httpx.post(f"{self.url}/api/v1/reports", json=body, headers=self.agent_headers)
+        return http_calls.post(f"{self.url}/api/v1/reports", json=body, headers=self.agent_headers)
 
     def leader_gauge(self) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=5.0).text
+        text = http_calls.get(f"{self.url}/metrics", timeout=5.0).text
         line = next(x for x in text.splitlines() if x.startswith("trainguard_controller_leader "))
         return float(line.split()[1])
 
@@ -167,7 +168,7 @@ def test_leader_whose_lock_session_is_terminated_stops_acting(
     controller = live.controller
     assert controller.leader.is_leader
     backend_pid = controller.leader.lock.backend_pid
-    reply = httpx.post(
+    reply = http_calls.post(
         f"{live.url}/api/v1/reports",
         json=ctl_report("n1", 0, gpus=2, samples=1),
         headers=live.headers("agent"),
@@ -182,10 +183,10 @@ def test_leader_whose_lock_session_is_terminated_stops_acting(
     assert wait_until(lambda: controller.leader.role == "lost", timeout_s=5)
     print(f"\nlock session terminated: stopped acting after {time.monotonic() - killed:.2f} s")
 
-    ready = httpx.get(f"{live.url}/readyz")
+    ready = http_calls.get(f"{live.url}/readyz")
     assert (ready.status_code, ready.json()["detail"]) == (503, LOST_DETAIL)
-    assert httpx.get(f"{live.url}/healthz").status_code == 200
-    refused = httpx.post(
+    assert http_calls.get(f"{live.url}/healthz").status_code == 200
+    refused = http_calls.post(
         f"{live.url}/api/v1/reports",
         json=ctl_report("n1", 1, gpus=2, samples=1),
         headers=live.headers("agent"),

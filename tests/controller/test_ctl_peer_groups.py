@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 
 from agents.peer_groups import PeerGroupCache
+from tests import http_calls
 from trainguard import wire
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -58,7 +58,7 @@ def test_peer_groups_by_id_survive_a_controller_restart(live_controller, ctl_rep
     )
     cache.remember(declared)  # what the agent's socket handler does with a rank's records
     seen = _watch(live_controller)
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
 
         def send(seq: int, records: dict[str, Any]) -> dict[str, Any]:
             body = ctl_report("node-p", seq, samples=1, job=records)
@@ -77,7 +77,7 @@ def test_peer_groups_by_id_survive_a_controller_restart(live_controller, ctl_rep
 
     live_controller.restart()
     seen = _watch(live_controller)
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
         body = ctl_report("node-p", 3, samples=1, job={"steps": [_step(3, peer_group=GID)]})
         reply = client.post("/api/v1/reports", json=body, headers=agent).json()
         asked = wire.ReportReply.model_validate(reply).peer_groups_unknown

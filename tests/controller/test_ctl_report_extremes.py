@@ -11,12 +11,12 @@ import json
 import math
 from typing import Any
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import create_engine, text
 
+from tests import http_calls
 from trainguard import limits as L
 
 pytestmark = pytest.mark.slow
@@ -102,7 +102,7 @@ def test_extremes_are_stored_exactly_or_refused_by_path(
     live_controller: Any, db_engine: Any
 ) -> None:
     headers = {**live_controller.headers("agent"), "Content-Type": "application/json"}
-    client = httpx.Client(base_url=live_controller.url, timeout=10)
+    client = http_calls.client(base_url=live_controller.url, timeout=10)
     seen = {"accepted": 0, "refused": 0}
 
     @settings(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -21,6 +20,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
+
+from tests import http_calls
 
 #: Cases per (operation, mode) for the role the route is for, and per other role.
 EXAMPLES = 8
@@ -39,7 +40,7 @@ _DRAWN: dict[tuple[str, str, int], list[Any] | None] = {}
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_openapi_has_stable_operation_ids(live_controller) -> None:
-    spec = httpx.get(f"{live_controller.url}/openapi.json").json()
+    spec = http_calls.get(f"{live_controller.url}/openapi.json").json()
     ids = {op["operationId"] for path in spec["paths"].values() for op in path.values()}
     assert {
         "post_report", "get_status", "list_nodes", "get_node", "list_jobs", "get_job",
@@ -61,7 +62,7 @@ def _home_role(operation: Any) -> str:
 @pytest.mark.slow
 def test_no_server_errors_for_any_input(live_controller, ctl_report, db_url: str) -> None:
     # Some state, so that reads return real rows too.
-    r = httpx.post(
+    r = http_calls.post(
         f"{live_controller.url}/api/v1/reports",
         json=ctl_report("node-a", 0),
         headers=live_controller.headers("agent"),

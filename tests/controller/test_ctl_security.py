@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import http_calls
 from tests.actuators.fake_kube import FakeKube
 from trainguard import wire
 
@@ -41,7 +42,7 @@ def _status(response: bytes) -> int:
 class TestAuthenticateBeforeParsing:
     @pytest.fixture
     def client(self, live_controller: Any) -> Iterator[httpx.Client]:
-        with httpx.Client(base_url=live_controller.url, timeout=10) as c:
+        with http_calls.client(base_url=live_controller.url, timeout=10) as c:
             yield c
 
     @pytest.mark.parametrize("path", [REPORTS, "/api/v1/nodes/x/commands", "/api/v1/policy"])
@@ -127,7 +128,7 @@ def _nodes(client: httpx.Client, viewer: dict[str, str]) -> set[str]:
 
 def test_per_node_tokens_speak_only_for_their_node(controller_factory: Any, ctl_report) -> None:
     live = controller_factory(allow_shared_agent_tokens=False, agent_token_grace_s=3600)
-    with httpx.Client(base_url=live.url, timeout=10) as client:
+    with http_calls.client(base_url=live.url, timeout=10) as client:
         viewer, operator = live.headers("viewer"), live.headers("operator")
         # Only operators issue tokens.
         assert client.post("/api/v1/agent-credentials/node-a", headers=viewer).status_code == 403
@@ -161,14 +162,14 @@ def test_per_node_tokens_speak_only_for_their_node(controller_factory: Any, ctl_
 
     # Tokens are stored (hashed) in the database: a restarted controller still knows them.
     live.restart()
-    with httpx.Client(base_url=live.url, timeout=10) as client:
+    with http_calls.client(base_url=live.url, timeout=10) as client:
         r = client.post(REPORTS, json=ctl_report("node-a", 3), headers=_bearer(second["token"]))
         assert r.status_code == 200, r.text
 
 
 def test_rotation_without_grace_ends_the_old_token(controller_factory: Any, ctl_report) -> None:
     live = controller_factory(agent_token_grace_s=0)
-    with httpx.Client(base_url=live.url, timeout=10) as client:
+    with http_calls.client(base_url=live.url, timeout=10) as client:
         operator = live.headers("operator")
         first = _node_tokens(client, operator, "node-a")
         _node_tokens(client, operator, "node-a")
@@ -188,7 +189,7 @@ def test_service_account_tokens_bound_to_their_node(controller_factory: Any, ctl
         live = controller_factory(
             allow_shared_agent_tokens=False, kube_token_review=True, kube_api_url=kube.url
         )
-        with httpx.Client(base_url=live.url, timeout=10) as client:
+        with http_calls.client(base_url=live.url, timeout=10) as client:
             good = _bearer("h.a.sig")
             assert client.post(REPORTS, json=ctl_report("node-a", 0), headers=good).is_success
             r = client.post(REPORTS, json=ctl_report("node-b", 0), headers=good)
@@ -214,7 +215,7 @@ def test_cli_issues_a_node_token(live_controller: Any, capsys: Any, ctl_report) 
     assert run([*argv, operator], prog_name="trainguard") == 0
     token = capsys.readouterr().out.strip()
     assert token.startswith("tgn_")
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
         assert client.post(REPORTS, json=ctl_report("node-c", 0), headers=_bearer(token)).is_success
         r = client.post(REPORTS, json=ctl_report("node-d", 0), headers=_bearer(token))
         assert r.status_code == 403
@@ -235,7 +236,7 @@ def test_unstorable_values_are_422_with_their_path_on_both_databases(
     """Same answers on SQLite and PostgreSQL (the param), and nothing stored."""
     agent, operator = live_controller.headers("agent"), live_controller.headers("operator")
     json_headers = {"Content-Type": "application/json"}
-    with httpx.Client(base_url=live_controller.url, timeout=10) as client:
+    with http_calls.client(base_url=live_controller.url, timeout=10) as client:
         # A lone surrogate: pydantic's JSON parser refuses the body; the door names the field.
         raw = json.dumps(ctl_report("node-a", 0)).replace(
             '"agent_instance": "', '"agent_instance": "\\ud800'
@@ -291,7 +292,7 @@ def test_agent_reads_its_rotating_token_from_a_file(controller_factory: Any, tmp
     from trainguard.wire import NodeIdentity, NodeSample, Report
 
     live = controller_factory(allow_shared_agent_tokens=False)
-    with httpx.Client(base_url=live.url, timeout=10) as client:
+    with http_calls.client(base_url=live.url, timeout=10) as client:
         first = _node_tokens(client, live.headers("operator"), "node-a")["token"]
     token_file = tmp_path / "token"
     token_file.write_text(first + "\n")
@@ -320,7 +321,7 @@ def test_agent_reads_its_rotating_token_from_a_file(controller_factory: Any, tmp
     )
     spool_one("node-a")
     assert reporter.send_oldest() == "delivered"
-    with httpx.Client(base_url=live.url, timeout=10) as client:
+    with http_calls.client(base_url=live.url, timeout=10) as client:
         second = _node_tokens(client, live.headers("operator"), "node-a")["token"]
     token_file.write_text(second)
     spool_one("node-a")
@@ -335,7 +336,7 @@ def test_acks_and_preflight_verdicts_only_from_the_commands_node(
     controller_factory: Any, ctl_report
 ) -> None:
     live = controller_factory(allow_shared_agent_tokens=False)
-    with httpx.Client(base_url=live.url, timeout=10) as client:
+    with http_calls.client(base_url=live.url, timeout=10) as client:
         operator = live.headers("operator")
         a = _bearer(_node_tokens(client, operator, "node-a")["token"])
         b = _bearer(_node_tokens(client, operator, "node-b")["token"])

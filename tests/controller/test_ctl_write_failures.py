@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from controller.db.session import make_engine
+from tests import http_calls
 from tests.controller.db_reads import stored as _stored
 from tests.controller.db_reads import stored_rows as _rows
 from tests.traffic.fabrics import lab_fabric_file
@@ -97,7 +98,7 @@ def test_incident_open_and_bump_that_fail_change_nothing(
 ) -> None:
     live = live_controller
     incidents = live.controller.incidents
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         assert _post(client, live, "/api/v1/reports", ctl_report("w1", 0), "agent").is_success
 
         # Open: the report is stored (200), the fault is not, so nothing shows it.
@@ -140,7 +141,7 @@ def test_gpu_watch_failure_that_is_not_stored_is_tried_again(
     live_controller, db_url, ctl_report, ctl_db_outage
 ) -> None:
     live = live_controller
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         broken = ctl_report("w2", 0)
         broken["node"]["gpu_error"] = "NVML_ERROR_DRIVER_NOT_LOADED"
         ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
@@ -172,7 +173,7 @@ def test_node_lost_and_back_that_fail_change_nothing(
 ) -> None:
     live = controller_factory(node_lost_after_s=LOST_AFTER_S, ingest_flush_interval_s=0.0)
     failures = live.controller.incidents.write_failures
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
         assert _post(client, live, "/api/v1/reports", ctl_report("w3", 0), "agent").is_success
         # Silent while the database cannot take the incident: every tick fails, the node
@@ -208,7 +209,7 @@ def test_node_back_without_an_open_incident_that_fails_changes_nothing(
     """A lost node whose ``node_lost`` an operator resolved while it was still silent comes
     back with no incident to write with: its node row alone is written, then shown."""
     live = controller_factory(node_lost_after_s=LOST_AFTER_S, ingest_flush_interval_s=0.0)
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         assert _post(client, live, "/api/v1/reports", ctl_report("w9", 0), "agent").is_success
         wait_for(lambda: _node(client, live, "w9")["health"] == "lost")
         (lost,) = _open(client, live, "w9")
@@ -258,7 +259,7 @@ def test_ecc_counter_reset_that_fails_changes_nothing(
         assert gpu["w10"].gpus[0].ecc_uncorrected_total == value
         return int(value)
 
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         post(0, 7)  # the first value: queued with the next group commit
         wait_for(lambda: gpu["w10"].gpus[0].ecc_uncorrected_total == 7 and stored() == 7)
         assert baseline() == 7
@@ -279,7 +280,7 @@ def test_command_expiry_that_fails_changes_nothing(
 ) -> None:
     live = controller_factory(command_expire_after_s=0.4, ingest_flush_interval_s=0.0)
     state = live.controller.state
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         assert _post(client, live, "/api/v1/reports", ctl_report("w4", 0), "agent").is_success
         command = {"kind": "set_power_limit", "gpu_index": 0, "limit_w": 400}
         r = _post(client, live, "/api/v1/nodes/w4/commands", command)
@@ -308,7 +309,7 @@ def test_traffic_plan_and_link_writes_that_fail_change_nothing(
     live = controller_factory(
         topology_file=lab_fabric_file(tmp_path, "tf"), ingest_flush_interval_s=0.0
     )
-    with httpx.Client(base_url=live.url, timeout=30) as client:
+    with http_calls.client(base_url=live.url, timeout=30) as client:
         for k in range(4):
             ranks = [2 * k, 2 * k + 1]
             steps = [
@@ -384,7 +385,7 @@ def test_job_finding_whose_incident_write_fails_is_recorded_at_a_later_tick(
         "agent_instance": "i1", "seq": 0, "sent_unix_s": time.time(), "samples": [],
         "job": {"rank_events": [crash]},
     }  # fmt: skip
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
 
         def crashes() -> list[dict[str, Any]]:
             r = client.get("/api/v1/incidents?kind=rank_crash", headers=live.headers())
@@ -444,7 +445,7 @@ def test_degraded_gpu_open_and_held_bump_that_fail_change_nothing(
     def stored_count() -> Any:
         return _stored(db_url, "SELECT max(count) FROM incidents WHERE kind = 'gpu_degraded'")
 
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         post([1000, 1000])  # the baseline
         ctl_db_outage.arm(r"^\s*INSERT INTO incidents")
         post([1030, 1060])
@@ -474,7 +475,7 @@ def test_agent_token_rotation_that_fails_changes_nothing(
     node's current one (listed and stored as unexpiring), and the next rotation works."""
     live = controller_factory(allow_shared_agent_tokens=False, agent_token_grace_s=3600)
     path = "/api/v1/agent-credentials/w8"
-    with httpx.Client(base_url=live.url, timeout=20, headers=live.headers()) as client:
+    with http_calls.client(base_url=live.url, timeout=20, headers=live.headers()) as client:
 
         def report(token: str, seq: int) -> int:
             auth = {"Authorization": f"Bearer {token}"}

@@ -14,9 +14,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.waiting import wait_for
 
 
@@ -28,7 +28,7 @@ def test_a_command_for_a_node_whose_first_report_waits_for_its_batch_is_accepted
     answers: list[int] = []
 
     def first_report() -> None:
-        with httpx.Client(base_url=live.url, headers=live.headers("agent"), timeout=30) as c:
+        with http_calls.client(base_url=live.url, headers=live.headers("agent"), timeout=30) as c:
             answers.append(c.post("/api/v1/reports", json=ctl_report("w1", 0)).status_code)
 
     reporter = threading.Thread(target=first_report)
@@ -36,7 +36,7 @@ def test_a_command_for_a_node_whose_first_report_waits_for_its_batch_is_accepted
     # The node is shown while its report waits for the batch window.
     wait_for(lambda: live.controller.state.nodes.get("w1"), timeout_s=10)
     assert not answers
-    with httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=30) as op:
+    with http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=30) as op:
         body = {"kind": "set_power_limit", "gpu_index": 0, "limit_w": 300.0}
         created = op.post("/api/v1/nodes/w1/commands", json=body)
     reporter.join(timeout=30)

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from tests import http_calls
 from tests.controller.db_reads import stored as _stored
 from tests.controller.db_reads import stored_column as _rows
 from tests.traffic.fabrics import lab_fabric_file
@@ -50,7 +51,7 @@ def test_first_ecc_baseline_is_stored_with_its_report(
     def shown() -> int | None:
         return nodes["w11"].gpus[0].ecc_uncorrected_total
 
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         # The GPU is known and stored, without a counter value yet.
         assert post(client, 0, None).status_code == 200
         assert shown() is None and stored() is None
@@ -97,7 +98,7 @@ def test_power_cap_and_its_action_are_stored_together_or_not_at_all(
 
     commands_sql = "SELECT count(*) FROM commands WHERE node_name = 'p1'"
     actions_sql = "SELECT count(*) FROM actions WHERE kind = 'power_cap'"
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         report(client, 0)
         ctl_db_outage.arm(r"^\s*INSERT INTO actions")
         r = client.put("/api/v1/power/domains", json=tree, headers=live.headers())
@@ -148,7 +149,7 @@ def test_power_action_update_that_fails_is_written_at_a_later_tick(
     def status() -> Any:
         return _stored(db_url, "SELECT status FROM actions WHERE kind = 'power_cap'")
 
-    with httpx.Client(base_url=live.url, timeout=20) as client:
+    with http_calls.client(base_url=live.url, timeout=20) as client:
         report(client, 0)
         r = client.put("/api/v1/power/domains", json=tree, headers=live.headers())
         assert r.status_code == 200, r.text
@@ -207,7 +208,7 @@ def test_slow_link_replan_and_its_action_are_stored_together_or_not_at_all(
     def stored(sql: str) -> int:
         return int(_stored(db_url, sql))
 
-    with httpx.Client(base_url=live.url, timeout=30) as client:
+    with http_calls.client(base_url=live.url, timeout=30) as client:
         for k in range(4):
             report(client, k, 0)
         r = client.post(

@@ -17,6 +17,7 @@ from controller.logic.detection.c4d.config import C4DConfig
 from controller.logic.detection.c4d.tracker import JobTracker
 from controller.logic.world_size import WorldSize
 from controller.services.dashboard import StepRecorder
+from tests import http_calls
 from trainguard import wire
 
 SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -46,7 +47,7 @@ class Poster:
     def post(self, node: str, job: dict[str, Any]) -> httpx.Response:
         self.seq += 1
         body = self.make_report(node, self.seq, gpus=1, samples=1) | {"job": job}
-        return httpx.post(
+        return http_calls.post(
             f"{self.live.url}/api/v1/reports",
             json=body,
             headers=self.live.headers("agent"),
@@ -58,7 +59,7 @@ class Poster:
         assert r.status_code == 200, r.text
 
     def job(self) -> dict[str, Any]:
-        r = httpx.get(
+        r = http_calls.get(
             f"{self.live.url}/api/v1/jobs/job-x", headers=self.live.headers("viewer"), timeout=10
         )
         assert r.status_code == 200, r.text

@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
-
 from controller.logic.detection.hw_rules import RULES, HwRules
+from tests import http_calls
 from trainguard import wire
 
 
@@ -78,13 +77,15 @@ def test_levels_of_gpu_node_and_nic_signals() -> None:
 
 
 def _get(live: Any, path: str, **params: Any) -> Any:
-    r = httpx.get(f"{live.url}{path}", params=params, headers=live.headers("viewer"), timeout=10)
+    r = http_calls.get(
+        f"{live.url}{path}", params=params, headers=live.headers("viewer"), timeout=10
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def _post(live: Any, body: dict[str, Any]) -> None:
-    r = httpx.post(
+    r = http_calls.post(
         f"{live.url}/api/v1/reports", json=body, headers=live.headers("agent"), timeout=10
     )
     assert r.status_code == 200, r.text

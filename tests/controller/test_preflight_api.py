@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from agents.daemon import Agent
 from agents.settings import load_settings
+from tests import http_calls
 from tests.agents.sysfs_tree import SysfsTree
 from trainguard.cli.app import run
 
@@ -45,7 +45,7 @@ def agent_on(live_controller: Any, tmp_path: Path) -> Iterator[Agent]:
         # The controller knows a node from its first report on.
         deadline = time.monotonic() + 20
         url = f"{live_controller.url}/api/v1/nodes/pf-node"
-        while httpx.get(url, headers=live_controller.headers("viewer")).status_code != 200:
+        while http_calls.get(url, headers=live_controller.headers("viewer")).status_code != 200:
             assert time.monotonic() < deadline, "the agent never reported"
             time.sleep(0.05)
         yield agent
@@ -74,7 +74,7 @@ def test_preflight_through_the_controller_names_the_failure(
         "preflight failed 1/15 checks: gpu1 memory_repair: row remap pending: reset the GPU first"
     )
     # The same verdict is readable by id (for the Kubernetes actuator or a scheduler hook).
-    got = httpx.get(
+    got = http_calls.get(
         f"{live_controller.url}/api/v1/nodes/pf-node/preflight/{row['command']}",
         headers=live_controller.headers("viewer"),
     ).json()
@@ -86,8 +86,8 @@ def test_preflight_through_the_controller_names_the_failure(
 
 def test_preflight_api_refuses_viewers_and_bad_bodies(live_controller: Any) -> None:
     url = f"{live_controller.url}/api/v1/nodes/pf-x/preflight"
-    assert httpx.post(url, headers=live_controller.headers("viewer")).status_code == 403
-    bad = httpx.post(
+    assert http_calls.post(url, headers=live_controller.headers("viewer")).status_code == 403
+    bad = http_calls.post(
         url, json={"expected_nic_rate_gbps": -1}, headers=live_controller.headers("operator")
     )
     assert bad.status_code == 422

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from tests import http_calls
 from trainguard.cli.client import ApiClient
 from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
 
@@ -47,7 +48,7 @@ class ReportTap:
         self.upstream = upstream
         self.reports: dict[tuple[str, str, int], SentReport] = {}
         self._lock = threading.Lock()
-        self._http = httpx.Client(timeout=10.0)
+        self._http = http_calls.client(timeout=10.0)
         tap = self
 
         class Handler(BaseHTTPRequestHandler):

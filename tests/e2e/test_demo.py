@@ -16,9 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests import http_calls
 from trainguard.cli.drill import FaultOutcome
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def _check_demo_keeps_running(proc: subprocess.Popen[str]) -> None:
     dashboard = re.search(r"^  dashboard  (http://\S+/ui/) ", out, re.MULTILINE)
     assert dashboard, out
     assert re.search(r"^    the job    http://\S+/ui/#/job/gpt-demo$", out, re.MULTILINE), out
-    page = httpx.get(dashboard.group(1), follow_redirects=True, timeout=10)
+    page = http_calls.get(dashboard.group(1), follow_redirects=True, timeout=10)
     assert page.status_code == 200 and "<html" in page.text.lower(), page.text[:200]
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=60)

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.e2e.e2e_cluster import E2ECluster, _clean_env
 from tests.torch_zygote import TorchZygote
 from trainguard.cli.procs import Child, cli_argv, free_port, wait_until
@@ -276,16 +276,16 @@ def test_chaos_drill_on_a_running_job_is_detected(cluster: DetectionCluster) -> 
         url = f"{cluster.base.server}/api/v1/jobs/{job}/faults"
         body = {"faults": [{"kind": "delay", "rank": 3, "from_step": 0, "delay_s": 0.04}]}
         assert wait_until(
-            lambda: httpx.post(url, json=body, headers=headers).status_code == 201,
+            lambda: http_calls.post(url, json=body, headers=headers).status_code == 201,
             timeout_s=30,
             interval_s=0.5,
         )
         incident = cluster.wait_incident(job, "straggler", timeout_s=60)
         assert incident["ranks"] == [3] and incident["node"] == node_of(3)
-        bad = httpx.post(url, json={"faults": [{"kind": "delay", "rank": 9}]}, headers=headers)
+        bad = http_calls.post(url, json={"faults": [{"kind": "delay", "rank": 9}]}, headers=headers)
         assert bad.status_code == 422 and "rank 9 is not in job" in bad.json()["detail"]
         viewer = {"Authorization": f"Bearer {cluster.base.viewer_token}"}
-        assert httpx.post(url, json=body, headers=viewer).status_code == 403
+        assert http_calls.post(url, json=body, headers=viewer).status_code == 403
     finally:
         cluster.stop_job(ranks)
 

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.e2e.e2e_cluster import E2ECluster, _clean_env
 from trainguard.cli.procs import cli_argv, wait_until
 
@@ -111,7 +111,7 @@ class RecoveryCluster:
 
     def get(self, path: str) -> Any:
         headers = {"Authorization": f"Bearer {self.base.viewer_token}"}
-        return httpx.get(f"{self.base.server}{path}", headers=headers, timeout=10).json()
+        return http_calls.get(f"{self.base.server}{path}", headers=headers, timeout=10).json()
 
 
 @pytest.fixture
@@ -191,7 +191,7 @@ def test_fatal_xids_are_survived_by_restarts_on_the_spare_then_on_fewer_ranks(
     assert all(0 < i["detection_s"] < 10 for i in goodput["incidents"]), goodput
     assert all(i["recomputed_steps"] <= 5 for i in goodput["incidents"]), goodput
     assert 0 < goodput["ettr"] < 1
-    metrics = httpx.get(f"{cluster.base.server}/metrics", timeout=10).text
+    metrics = http_calls.get(f"{cluster.base.server}/metrics", timeout=10).text
     assert f'trainguard_job_goodput_ratio{{job="{JOB}"}}' in metrics
     assert "trainguard_nodes_isolated 2.0" in metrics
 

@@ -45,6 +45,7 @@ import httpx
 import pytest
 import yaml
 
+from tests import http_calls
 from tests.actuators.fake_kube import FakeKube
 from tests.cli.cli_k8s_tools import ToolUnavailable, helm
 from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
@@ -216,14 +217,14 @@ class Cluster:
 
     def ready(self, pod: Pod) -> bool:
         try:
-            return httpx.get(f"{self.url(pod)}/readyz", timeout=1.0).status_code == 200
+            return http_calls.get(f"{self.url(pod)}/readyz", timeout=1.0).status_code == 200
         except httpx.HTTPError:
             return False
 
     def alive(self, pod: Pod) -> bool:
         """Liveness (``/healthz``): up, whether it leads or not."""
         try:
-            return httpx.get(f"{self.url(pod)}/healthz", timeout=1.0).status_code == 200
+            return http_calls.get(f"{self.url(pod)}/healthz", timeout=1.0).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -254,7 +255,9 @@ class Poller(threading.Thread):
         self.stop_event = threading.Event()
 
     def run(self) -> None:
-        with httpx.Client(timeout=1.0, headers={"Authorization": f"Bearer {self.token}"}) as http:
+        with http_calls.client(
+            timeout=1.0, headers={"Authorization": f"Bearer {self.token}"}
+        ) as http:
             while not self.stop_event.wait(POLL_INTERVAL_S):
                 endpoints = self.cluster.endpoints()
                 if not endpoints:

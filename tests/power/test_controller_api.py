@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from controller.settings import ControllerSettings
 from power.domains import MAX_DOMAINS
+from tests import http_calls
 from trainguard import wire
 
 TREE: dict[str, Any] = {
@@ -55,9 +55,9 @@ def test_put_get_persist_and_priority(
     controller_factory: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     live = controller_factory()
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"))
-    viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"))
-    agent = httpx.Client(base_url=live.url, headers=live.headers("agent"))
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"))
+    viewer = http_calls.client(base_url=live.url, headers=live.headers("viewer"))
+    agent = http_calls.client(base_url=live.url, headers=live.headers("agent"))
     try:
         empty = viewer.get("/api/v1/power/domains").json()
         assert empty["source"] == "none" and empty["count"] == 0 and not empty["enabled"]
@@ -145,8 +145,8 @@ def test_domains_file_wins_at_start(controller_factory: Any, tmp_path: Path) -> 
         power_domains_file=path, power_enabled=False, power_tick_interval_s=0.1
     )
     with (
-        httpx.Client(base_url=live.url, headers=live.headers("viewer")) as viewer,
-        httpx.Client(base_url=live.url, headers=live.headers("agent")) as agent,
+        http_calls.client(base_url=live.url, headers=live.headers("viewer")) as viewer,
+        http_calls.client(base_url=live.url, headers=live.headers("agent")) as agent,
     ):
         body = viewer.get("/api/v1/power/domains").json()
         assert body["source"] == "file" and body["tree"] == TREE and body["enabled"] is False
@@ -200,9 +200,9 @@ def test_job_priority_overrides_the_node_on_its_gpus(controller_factory: Any) ->
 
     # The timer ticks 5 times a second: the wait for one after the last report is short.
     live = controller_factory(power_tick_interval_s=0.2)
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"))
-    viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"))
-    agent = httpx.Client(base_url=live.url, headers=live.headers("agent"))
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"))
+    viewer = http_calls.client(base_url=live.url, headers=live.headers("viewer"))
+    agent = http_calls.client(base_url=live.url, headers=live.headers("agent"))
     tree = {
         "name": "row-a",
         "kind": "row",

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
+from tests import http_calls
 from trainguard.cli.procs import Child, ProcessSet, cli_argv, wait_until
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,9 @@ class Cluster:
         self.live = live
         self.procs = procs
         self.workdir = workdir
-        self.http = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
+        self.http = http_calls.client(
+            base_url=live.url, headers=live.headers("operator"), timeout=10
+        )
 
     def start_agent(self, node: str, *, priority: str, no_permission: bool = False) -> Child:
         argv = cli_argv(

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.remediation.test_engine import Agents, of, open_incident, policy_file, recording
 from tests.waiting import wait_for
 
@@ -37,7 +37,7 @@ def start(controller_factory: Any, tmp_path: Path) -> Any:
 
 
 def enable(live: Any) -> None:
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=10)
     assert op.put("/api/v1/remediation/policy", json=POLICY).status_code == 200
 
 

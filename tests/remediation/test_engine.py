@@ -21,7 +21,6 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from controller.actuators.base import ActuatorError, Placement
@@ -38,6 +37,7 @@ from controller.logic.detection.c4d.job_evidence import (
 from controller.logic.detection.c4d.peers import PeerBasis
 from controller.logic.detection.incident_evidence import IncidentEvidence
 from controller.services.incidents import IncidentSpec
+from tests import http_calls
 from tests.remediation.recording import RecordingActuator
 from tests.waiting import wait_for
 
@@ -55,7 +55,9 @@ class Agents:
     def __init__(self, live: Any) -> None:
         self.live = live
         self.seq: dict[str, int] = {}
-        self.client = httpx.Client(base_url=live.url, headers=live.headers("agent"), timeout=10)
+        self.client = http_calls.client(
+            base_url=live.url, headers=live.headers("agent"), timeout=10
+        )
 
     def steps(self, node: str, job: str, steps: list[tuple[int, float]]) -> None:
         """Rank 0 of ``job`` on ``node`` completed each (step, end time), 1 s apiece."""
@@ -100,12 +102,12 @@ class Agents:
 
 
 def actions(live: Any) -> list[dict[str, Any]]:
-    resp = httpx.get(f"{live.url}/api/v1/actions", headers=live.headers("viewer"), timeout=10)
+    resp = http_calls.get(f"{live.url}/api/v1/actions", headers=live.headers("viewer"), timeout=10)
     return list(reversed(resp.json()["data"]))  # oldest first
 
 
 def nodes(live: Any) -> dict[str, dict[str, Any]]:
-    resp = httpx.get(f"{live.url}/api/v1/nodes", headers=live.headers("viewer"), timeout=10)
+    resp = http_calls.get(f"{live.url}/api/v1/nodes", headers=live.headers("viewer"), timeout=10)
     return {n["name"]: n for n in resp.json()["data"]}
 
 
@@ -167,8 +169,8 @@ def test_policy_and_isolation_api(controller_factory, tmp_path) -> None:  # type
     agents = Agents(live)
     agents.report("a")
     agents.report("b")
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
-    viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=10)
+    viewer = http_calls.client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
     state = viewer.get("/api/v1/remediation").json()
     assert [r["kind"] for r in state["policy"]["rules"]] == ["gpu_fault", "*"]
     assert state["policy"]["guards"]["max_isolated_fraction"] == 0.5
@@ -350,7 +352,7 @@ def test_a_straggler_is_alerted_at_once_and_escalated_after_its_window(  # type:
 
 
 def incident_opened_at(live: Any, incident: int) -> float:
-    resp = httpx.get(
+    resp = http_calls.get(
         f"{live.url}/api/v1/incidents/{incident}", headers=live.headers("viewer"), timeout=10
     )
     return float(resp.json()["opened_unix_s"])
@@ -381,7 +383,7 @@ def test_a_cheap_straggler_is_only_alerted(controller_factory, tmp_path) -> None
         "isolate_node",
         "restart_job",
     ]
-    shown = httpx.get(
+    shown = http_calls.get(
         f"{live.url}/api/v1/incidents/{incident}", headers=live.headers("viewer"), timeout=10
     ).json()
     assert shown["evidence"]["slowdown_pct"] == 30.0 and shown["count"] == 1
@@ -431,7 +433,7 @@ def test_no_action_on_stale_evidence(controller_factory, tmp_path) -> None:  # t
     # The engine is off while the incident's evidence ages past stale_after_s.
     updated = live.controller.state.incidents[incident].updated_unix_s
     time.sleep(max(0.0, updated + 1.0 - time.time()) + 0.1)
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=10)
     body = {
         "rules": [{"kind": "comm_failure", "steps": ["restart"]}],
         "guards": {"stale_after_s": 1},
@@ -501,7 +503,7 @@ def test_a_shrunk_job_grows_back_when_its_node_is_released(  # type: ignore[no-u
     # n1 is isolated: no capacity to grow into, whatever the grow-back check finds.
     grow_check_passed(live, actuator)
     assert len(actuator.restarts()) == 1 and grow_backs(live) == []
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=10)
     assert op.post("/api/v1/nodes/n1/release").status_code == 200
     wait_for(lambda: len(actuator.restarts()) == 2, timeout_s=20)
     grown = actuator.restarts()[1]
@@ -518,7 +520,7 @@ def test_a_shrunk_job_grows_back_when_its_node_is_released(  # type: ignore[no-u
     assert grow_rows[0]["status"] == "succeeded" and grow_rows[0]["params"]["plan"] == "grow"
     kinds = [a["kind"] for a in actions(live) if a["trigger"] == "grow:gpt"]
     assert kinds == ["checkpoint", "restart_job"]  # a protective checkpoint first
-    remediation = httpx.get(
+    remediation = http_calls.get(
         f"{live.url}/api/v1/remediation", headers=live.headers("viewer"), timeout=10
     ).json()
     grow = [r for r in remediation["remediations"] if r["trigger"] == "grow:gpt"]
@@ -543,7 +545,7 @@ def test_goodput_is_rebuilt_from_the_restart_rows_by_a_new_leader(  # type: igno
         lambda: [a for a in of(live, incident) if "resumed_unix_s" in a["params"]["goodput"]]
     )[0]
     assert row["params"]["resumed_step"] == 1 and row["params"]["goodput"]["last_step"] == 5
-    viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
+    viewer = http_calls.client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
     before = viewer.get("/api/v1/jobs/gpt/goodput").json()["incidents"]
     assert [(i["incident_id"], i["state"], i["recomputed_steps"]) for i in before] == [
         (str(incident), "resumed", 5)
@@ -657,7 +659,7 @@ def test_a_restart_is_not_pinned_and_its_protective_checkpoint_is_one_request(  
     committed(agents, "n0", "gpt", [10, 20])
     actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1", "n2"])
     agents.report("n1", xid=79)
-    viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
+    viewer = http_calls.client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
 
     def asked() -> list[dict[str, Any]]:
         found = viewer.get("/api/v1/commands").json()["data"]
@@ -712,7 +714,7 @@ def test_checkpoint_freshness_is_exported_for_the_not_durable_alert(controller_f
         agents.report("n0", job={"checkpoints": [event]})
 
     def gauges() -> dict[str, float]:
-        text = httpx.get(f"{live.url}/metrics").text
+        text = http_calls.get(f"{live.url}/metrics").text
         found = re.findall(
             r'^(trainguard_job_(?:checkpoint|last_step)\w*)\{job="gpt"\} (\S+)$', text, re.M
         )
@@ -733,7 +735,7 @@ def test_checkpoint_freshness_is_exported_for_the_not_durable_alert(controller_f
 
 
 def shown_state(live: Any, incident: int) -> str:
-    resp = httpx.get(
+    resp = http_calls.get(
         f"{live.url}/api/v1/incidents/{incident}", headers=live.headers("viewer"), timeout=10
     )
     return str(resp.json()["state"])

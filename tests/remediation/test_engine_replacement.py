@@ -11,13 +11,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
 import pytest
 
 from controller.logic.remediation.goodput import GoodputLedger
 from controller.logic.remediation.params import RestartParams
 from controller.services.remediation.records import JobBook, Remediation, jobs_of
 from controller.state import ClusterState, IncidentState, JobState, RankState
+from tests import http_calls
 from tests.remediation.test_engine import Agents, actions, of, policy_file, recording
 from tests.waiting import wait_for
 
@@ -51,7 +51,9 @@ def started(agents: Agents, on: tuple[str, ...]) -> None:
 
 
 def live_commands(live: Any) -> list[dict[str, Any]]:
-    viewer = httpx.get(f"{live.url}/api/v1/commands", headers=live.headers("viewer"), timeout=10)
+    viewer = http_calls.get(
+        f"{live.url}/api/v1/commands", headers=live.headers("viewer"), timeout=10
+    )
     return list(viewer.json()["data"])
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import http_calls
 from tests.remediation.test_engine import ENGINE
 from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
 
@@ -54,33 +55,33 @@ class Replica:
 
     def ready(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200
+            return http_calls.get(f"{self.url}/readyz", timeout=2.0).status_code == 200
         except httpx.TransportError:
             return False
 
     def leads(self) -> bool:
         """The leader gauge is 1 (a healthy standby is Ready too, so /readyz cannot tell)."""
         try:
-            text = httpx.get(f"{self.url}/metrics", timeout=2.0).text
+            text = http_calls.get(f"{self.url}/metrics", timeout=2.0).text
         except httpx.TransportError:
             return False
         return "\ntrainguard_controller_leader 1.0" in f"\n{text}"
 
     def answers(self) -> bool:
         try:
-            httpx.get(f"{self.url}/healthz", timeout=2.0)
+            http_calls.get(f"{self.url}/healthz", timeout=2.0)
         except httpx.TransportError:
             return False
         return True
 
     def actions(self) -> list[dict[str, Any]]:
         """Every action row, oldest first."""
-        reply = httpx.get(f"{self.url}/api/v1/actions", headers=self.operator, timeout=5.0)
+        reply = http_calls.get(f"{self.url}/api/v1/actions", headers=self.operator, timeout=5.0)
         reply.raise_for_status()
         return list(reversed(reply.json()["data"]))
 
     def node(self, name: str) -> dict[str, Any]:
-        reply = httpx.get(f"{self.url}/api/v1/nodes", headers=self.operator, timeout=5.0)
+        reply = http_calls.get(f"{self.url}/api/v1/nodes", headers=self.operator, timeout=5.0)
         reply.raise_for_status()
         return next(n for n in reply.json()["data"] if n["name"] == name)
 
@@ -158,7 +159,7 @@ class Cluster:
                 if not replica.child.alive():
                     continue
                 try:
-                    reply = httpx.post(
+                    reply = http_calls.post(
                         f"{replica.url}/api/v1/reports", json=body, headers=replica.agent
                     )
                 except httpx.TransportError as exc:
@@ -325,8 +326,8 @@ def test_graceful_restart_inside_a_step_is_finished_once_by_the_next_start(
     """Shutdown cancels a remediation inside its checkpoint step (the same cut as a failover,
     in one in-process controller); the next start closes the step and isolates, once."""
     live = controller_factory(policy_file=write_policy(tmp_path), node_lost_after_s=600.0)
-    agent = httpx.Client(base_url=live.url, headers=live.headers("agent"), timeout=10)
-    viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
+    agent = http_calls.client(base_url=live.url, headers=live.headers("agent"), timeout=10)
+    viewer = http_calls.client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
     seq = dict.fromkeys(NODES, 0)
 
     def report(node: str, **extra: Any) -> None:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
 import pytest
 
 from controller.actuators.base import NodeView
+from tests import http_calls
 from tests.remediation.recording import RecordingActuator
 from tests.remediation.test_engine import (
     ENGINE,
@@ -143,7 +143,7 @@ def midflight(controller_factory: Any, tmp_path: Any, change: dict[str, Any]) ->
         lambda: [a for a in actions(live) if a["kind"] == "checkpoint" and a["status"] == "pending"]
     )
     incident = int(asked[0]["trigger"].removeprefix("incident:"))
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=10)
     changed = op.patch("/api/v1/remediation/policy", json=change)
     assert changed.status_code == 200, changed.text
     committed(agents, "n0", "gpt", [100])  # the checkpoint step ends; the next one runs
@@ -196,8 +196,8 @@ def test_patch_changes_only_the_fields_given_and_put_replaces_the_whole_policy( 
             "guards: {max_isolated_fraction: 0.5, max_restarts_per_job: 1}\n",
         )
     )
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
-    viewer = httpx.Client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=10)
+    viewer = http_calls.client(base_url=live.url, headers=live.headers("viewer"), timeout=10)
     before = viewer.get("/api/v1/remediation").json()["policy"]
     patched = op.patch("/api/v1/remediation/policy", json={"dry_run": True})
     assert patched.status_code == 200, patched.text

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
 import pytest
 
 from controller.logic.remediation.preflight import (
@@ -20,6 +19,7 @@ from controller.logic.remediation.preflight import (
     failed_nodes,
     latest_verdicts,
 )
+from tests import http_calls
 from tests.remediation.test_engine import (
     Agents,
     actions,
@@ -86,7 +86,7 @@ def test_a_restart_skips_the_spare_whose_last_preflight_failed(  # type: ignore[
     agents = Agents(live)
     for i in range(4):
         agents.report(f"n{i}")
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=10)
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=10)
     created = op.post("/api/v1/nodes/n2/preflight", json={})
     assert created.status_code == 201, created.text
     command_id = created.json()["id"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
 import pytest
 
 from controller.errors import StartupError
+from tests import http_calls
 
 JOB = "lbl"
 LEAF = {"n-0": "tor-a", "n-1": "tor-a", "n-2": "tor-b", "n-3": "tor-b", "n-4": "tor-c"}
@@ -29,14 +29,14 @@ def report(live: Any, node: str, ranks: list[int], world: int) -> None:
         "agent_instance": "i1", "seq": 0, "sent_unix_s": time.time(),
         "job": {"steps": rows} if ranks else {}, "samples": [],
     }  # fmt: skip
-    with httpx.Client(base_url=live.url, headers=live.headers("agent")) as client:
+    with http_calls.client(base_url=live.url, headers=live.headers("agent")) as client:
         assert client.post("/api/v1/reports", json=body).status_code == 200
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_fabric_from_labels_plans_and_follows_new_nodes(controller_factory: Any) -> None:
     live = controller_factory(topology_labels={"spines": 2, "port_speed_gbps": 100})
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=30)
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=30)
     reply = op.get("/api/v1/topology")
     assert reply.status_code == 409
     assert reply.json()["detail"] == (
@@ -60,7 +60,7 @@ def test_fabric_from_labels_plans_and_follows_new_nodes(controller_factory: Any)
     assert detail["versions"][-1]["trigger"] == "fabric rebuilt from node labels"
     # Restart: the same labels rebuild the same fabric, so the stored plan is restored as is.
     live.restart()
-    with httpx.Client(base_url=live.url, headers=live.headers("viewer")) as viewer:
+    with http_calls.client(base_url=live.url, headers=live.headers("viewer")) as viewer:
         again = viewer.get(f"/api/v1/plans/{plan['plan_id']}").json()
     assert again["version"] == 2 and again["source_ports"] == detail["source_ports"]
 

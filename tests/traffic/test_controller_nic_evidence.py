@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
+
+from tests import http_calls
 
 JOB = "llm"
 PLACEMENT = {"tg-0": [0, 1], "tg-1": [2, 3], "tg-2": [4, 5], "tg-3": [6, 7]}
@@ -53,7 +54,9 @@ def two_rail_fabric(tmp_path: Path) -> Path:
 
 class Agents:
     def __init__(self, live: Any) -> None:
-        self.client = httpx.Client(base_url=live.url, headers=live.headers("agent"), timeout=10)
+        self.client = http_calls.client(
+            base_url=live.url, headers=live.headers("agent"), timeout=10
+        )
         self.seq = 0
 
     def post(
@@ -100,7 +103,7 @@ def test_nic_errors_name_the_first_suspects_and_degrade_their_links_in_the_plan(
     agents = Agents(live)
     for step in range(45):
         agents.step(step, comm_s=0.05)
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=30)
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=30)
     reply = op.post("/api/v1/plans", json={"job": JOB, "layout": {"tp": 1}})
     assert reply.status_code == 201, reply.text
     plan_id = reply.json()["plan_id"]

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from controller.errors import StartupError
+from tests import http_calls
 from trainguard.cli.app import run
 
 JOB = "llm"
@@ -22,7 +23,7 @@ DOWN = ("tor-a->spine-0", "spine-0->tor-a")
 
 
 def report_steps(live: Any, seq: int, step: int = 0) -> None:
-    with httpx.Client(base_url=live.url, headers=live.headers("agent"), timeout=10) as client:
+    with http_calls.client(base_url=live.url, headers=live.headers("agent"), timeout=10) as client:
         for node, ranks in PLACEMENT.items():
             rows = [
                 {"job": JOB, "rank": r, "world_size": 8, "step": step, "compute_time_s": 1.0,
@@ -55,7 +56,7 @@ def planned(
 ) -> tuple[Any, httpx.Client, dict[str, Any]]:
     live = controller_factory(topology_file=traffic_fabric_file)
     report_steps(live, seq=0)
-    client = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=30)
+    client = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=30)
     reply = client.post("/api/v1/plans", json={"job": JOB, "layout": {"tp": 1, "channels": 2}})
     assert reply.status_code == 201, reply.text
     return live, client, reply.json()
@@ -111,7 +112,7 @@ def test_plans_and_link_states_survive_a_restart(
     assert reply.status_code == 200
     before = client.get(f"/api/v1/plans/{plan['plan_id']}").json()
     live.restart()
-    with httpx.Client(base_url=live.url, headers=live.headers("viewer")) as viewer:
+    with http_calls.client(base_url=live.url, headers=live.headers("viewer")) as viewer:
         after = viewer.get(f"/api/v1/plans/{plan['plan_id']}").json()
         assert viewer.get("/api/v1/plans").json()["count"] == 1
         topo = viewer.get("/api/v1/topology").json()
@@ -121,7 +122,7 @@ def test_plans_and_link_states_survive_a_restart(
     assert after["versions"] == before["versions"]
     assert sorted(topo["down_links"]) == ["spine-1->tor-b", "tor-b->spine-1"]
     # The restored plan is live: the next change re-plans from it.
-    with httpx.Client(base_url=live.url, headers=live.headers("operator")) as op:
+    with http_calls.client(base_url=live.url, headers=live.headers("operator")) as op:
         reply = op.post(
             "/api/v1/topology/links/tor-a--spine-0/state",
             json={"state": "slow", "capacity_factor": 0.5},
@@ -136,7 +137,7 @@ def test_a_proof_of_optimality_survives_a_restart(
     live, _client, plan = planned
     assert plan["proven_optimal"] is True
     live.restart()
-    with httpx.Client(base_url=live.url, headers=live.headers("viewer")) as viewer:
+    with http_calls.client(base_url=live.url, headers=live.headers("viewer")) as viewer:
         (restored,) = viewer.get("/api/v1/plans").json()["data"]
     assert restored["plan_id"] == plan["plan_id"] and restored["proven_optimal"] is True
 
@@ -152,7 +153,7 @@ def test_a_changed_fabric_file_replans_stored_plans_at_start(
     doc["cables"] += [{"lower": leaf, "upper": "spine-2"} for leaf in ("tor-a", "tor-b")]
     traffic_fabric_file.write_text(yaml.safe_dump(doc))
     live.start()
-    with httpx.Client(base_url=live.url, headers=live.headers("viewer")) as viewer:
+    with http_calls.client(base_url=live.url, headers=live.headers("viewer")) as viewer:
         after = viewer.get(f"/api/v1/plans/{plan['plan_id']}").json()
         assert "spine-2" in viewer.get("/api/v1/topology").json()["switches"]
     assert after["version"] == 2 and after["parent_version"] == 1
@@ -200,7 +201,7 @@ def test_bad_input_is_a_one_line_4xx_naming_the_field(
     )
     assert client.get("/api/v1/topology").json()["down_links"] == []
     assert "not found" in detail(client.get("/api/v1/plans/nope"), 404)
-    with httpx.Client(base_url=live.url, headers=live.headers("viewer")) as viewer:
+    with http_calls.client(base_url=live.url, headers=live.headers("viewer")) as viewer:
         assert viewer.post("/api/v1/plans", json={"job": JOB}).status_code == 403
 
 
@@ -216,7 +217,7 @@ def test_topology_setting_errors(controller_factory: Any, tmp_path: Path) -> Non
     ):
         controller_factory(topology_file=bad)
     live = controller_factory()  # no fabric: planning is off, said plainly
-    with httpx.Client(base_url=live.url, headers=live.headers("operator")) as client:
+    with http_calls.client(base_url=live.url, headers=live.headers("operator")) as client:
         reply = client.get("/api/v1/topology")
         assert reply.status_code == 409 and "topology_file" in reply.json()["detail"]
         assert client.get("/api/v1/plans").json() == {"data": [], "count": 0}

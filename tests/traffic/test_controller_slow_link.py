@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+
+from tests import http_calls
 
 JOB = "llm"
 PLACEMENT = {"tg-0": [0, 1], "tg-1": [2, 3], "tg-2": [4, 5], "tg-3": [6, 7]}
@@ -22,7 +23,9 @@ NODE_OF = {r: n for n, ranks in PLACEMENT.items() for r in ranks}
 
 class Ranks:
     def __init__(self, live: Any) -> None:
-        self.client = httpx.Client(base_url=live.url, headers=live.headers("agent"), timeout=10)
+        self.client = http_calls.client(
+            base_url=live.url, headers=live.headers("agent"), timeout=10
+        )
         self.seq = 0
 
     def post(self, node: str, job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -79,7 +82,7 @@ def test_slow_link_incident_marks_the_suspect_links_slow_and_replans(
     ranks = Ranks(live)
     for step in range(45):
         ranks.step(step, comm_s=0.05)
-    op = httpx.Client(base_url=live.url, headers=live.headers("operator"), timeout=30)
+    op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=30)
     reply = op.post("/api/v1/plans", json={"job": JOB, "layout": {"tp": 1}})
     assert reply.status_code == 201, reply.text
     plan = reply.json()

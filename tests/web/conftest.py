@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+
+from tests import http_calls
 
 CHROMIUM = Path(os.environ.get("TRAINGUARD_TEST_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
@@ -80,7 +81,7 @@ def agent_report(
 
 
 def post_report(live: Any, body: dict[str, Any]) -> None:
-    r = httpx.post(
+    r = http_calls.post(
         f"{live.url}/api/v1/reports", json=body, headers=live.headers("agent"), timeout=10
     )
     assert r.status_code == 200, r.text
@@ -314,17 +315,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             # drawing ~70% of it (under T1: no capping in these tests).
             "children": [{"name": "row-1", "kind": "row", "budget_w": 11000, "children": servers}],
         }
-        r = httpx.put(
+        r = http_calls.put(
             f"{live.url}/api/v1/power/domains", json=tree, headers=live.headers(), timeout=10
         )
         assert r.status_code == 200, r.text
         cluster.start_job("llm-pretrain", {0: "sim-a", 1: "sim-a", 2: "sim-b", 3: "sim-b"})
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            nodes = httpx.get(
+            nodes = http_calls.get(
                 f"{live.url}/api/v1/nodes", headers=live.headers("viewer"), timeout=5
             ).json()
-            jobs = httpx.get(
+            jobs = http_calls.get(
                 f"{live.url}/api/v1/jobs", headers=live.headers("viewer"), timeout=5
             ).json()
             job = jobs["data"][0] if jobs["count"] == 1 else {}
@@ -334,7 +335,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             time.sleep(0.2)
         else:
             raise TimeoutError(f"cluster did not come up: {nodes} {jobs}")
-        r = httpx.post(
+        r = http_calls.post(
             f"{live.url}/api/v1/plans",
             json={"job": "llm-pretrain", "layout": {"tp": 1, "grad_bytes": 1 << 28}},
             headers=live.headers(),

@@ -18,9 +18,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.web.conftest import HOSTILE
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def shot(page: Any, name: str) -> None:
 
 def api(cluster: Any, path: str, role: str = "viewer") -> Any:
     live = cluster.live
-    r = httpx.get(f"{live.url}/api/v1{path}", headers=live.headers(role), timeout=10)
+    r = http_calls.get(f"{live.url}/api/v1{path}", headers=live.headers(role), timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -70,10 +70,10 @@ def open_page(context: Any, cluster: Any, token: str, route: str = "#/fleet") ->
 def test_root_redirects_and_assets_have_types_and_a_strict_csp(cluster) -> None:
     url = cluster.live.url
     for path in ("/", "/ui"):
-        r = httpx.get(url + path, follow_redirects=False, timeout=10)
+        r = http_calls.get(url + path, follow_redirects=False, timeout=10)
         assert r.status_code == 307 and r.headers["location"] == "/ui/", path
     for name, media_type in ASSETS.items():
-        r = httpx.get(f"{url}/ui/{name}", timeout=10)
+        r = http_calls.get(f"{url}/ui/{name}", timeout=10)
         assert r.status_code == 200, name
         assert r.headers["content-type"].split(";")[0] == media_type, name
         assert r.headers["x-content-type-options"] == "nosniff"
@@ -81,9 +81,9 @@ def test_root_redirects_and_assets_have_types_and_a_strict_csp(cluster) -> None:
         assert "default-src 'none'" in csp and "script-src 'self'" in csp
         assert "connect-src 'self'" in csp and "unsafe" not in csp
         assert r.content == STATIC.joinpath(name or "index.html").read_bytes()
-    assert httpx.get(f"{url}/ui/nope.js", timeout=10).status_code == 404
-    assert httpx.get(f"{url}/api/v1/nodes", timeout=10).status_code == 401
-    paths = httpx.get(f"{url}/openapi.json", timeout=10).json()["paths"]
+    assert http_calls.get(f"{url}/ui/nope.js", timeout=10).status_code == 404
+    assert http_calls.get(f"{url}/api/v1/nodes", timeout=10).status_code == 401
+    paths = http_calls.get(f"{url}/openapi.json", timeout=10).json()["paths"]
     assert not [p for p in paths if p == "/" or p.startswith("/ui")]
 
 
@@ -105,14 +105,14 @@ def test_the_bundle_loads_nothing_from_elsewhere_and_parses_no_html() -> None:
 
 def test_stream_refuses_without_a_read_role(cluster) -> None:
     url = f"{cluster.live.url}/api/v1/stream"
-    assert httpx.get(url, timeout=5).status_code == 401
-    assert httpx.get(url, headers=cluster.live.headers("agent"), timeout=5).status_code == 403
+    assert http_calls.get(url, timeout=5).status_code == 401
+    assert http_calls.get(url, headers=cluster.live.headers("agent"), timeout=5).status_code == 403
 
 
 def test_stream_starts_with_hello_and_a_full_fleet_snapshot(cluster) -> None:
     live = cluster.live
     events: list[tuple[str, Any]] = []
-    with httpx.stream(
+    with http_calls.stream(
         "GET", f"{live.url}/api/v1/stream", headers=live.headers("viewer"), timeout=10
     ) as r:
         assert r.status_code == 200
@@ -134,9 +134,9 @@ def test_stream_starts_with_hello_and_a_full_fleet_snapshot(cluster) -> None:
 
 def test_anonymous_read_has_no_role_and_no_actions(controller_factory) -> None:
     live = controller_factory(allow_anonymous_read=True)
-    r = httpx.get(f"{live.url}/api/v1/whoami", timeout=10)
+    r = http_calls.get(f"{live.url}/api/v1/whoami", timeout=10)
     assert r.json() == {"name": "anonymous", "role": None}
-    r = httpx.post(f"{live.url}/api/v1/incidents/1/resolve", timeout=10)
+    r = http_calls.post(f"{live.url}/api/v1/incidents/1/resolve", timeout=10)
     assert r.status_code == 401
 
 
@@ -152,7 +152,7 @@ def test_viewer_cannot_act_through_the_api(cluster) -> None:
         ("/jobs/llm-pretrain/restart", {"reason": "viewer tries"}),
         ("/actions/1/approve", {}),
     ):
-        r = httpx.post(
+        r = http_calls.post(
             f"{live.url}/api/v1{path}", json=body, headers=live.headers("viewer"), timeout=10
         )
         assert r.status_code == 403, (path, r.text)
@@ -376,7 +376,7 @@ def test_operator_actions_confirm_their_effect_and_change_server_state(
     assert api(cluster, f"/incidents/{incident}")["state"] == "resolved"
     live = cluster.live
     for target, status in ((incident, 409), (10**9, 404)):
-        r = httpx.post(
+        r = http_calls.post(
             f"{live.url}/api/v1/incidents/{target}/ack", headers=live.headers(), timeout=10
         )
         assert r.status_code == status, r.text
@@ -386,7 +386,7 @@ def test_operator_actions_confirm_their_effect_and_change_server_state(
 
 def _put_policy(cluster: Any, policy: dict[str, Any]) -> None:
     live = cluster.live
-    r = httpx.put(
+    r = http_calls.put(
         f"{live.url}/api/v1/remediation/policy", json=policy, headers=live.headers(), timeout=10
     )
     assert r.status_code == 200, r.text
@@ -520,7 +520,9 @@ def test_an_operator_restarts_a_job_and_approves_dry_runs_a_viewer_cannot(
         page.close()
         engine.actuator = None
         _put_policy(cluster, {})
-        httpx.post(f"{live.url}/api/v1/nodes/sim-a/release", headers=live.headers(), timeout=10)
+        http_calls.post(
+            f"{live.url}/api/v1/nodes/sim-a/release", headers=live.headers(), timeout=10
+        )
 
 
 def test_a_stalled_stream_is_shown_as_behind_and_catches_up(cluster, dash_browser) -> None:
@@ -539,7 +541,7 @@ def test_a_stalled_stream_is_shown_as_behind_and_catches_up(cluster, dash_browse
     answers: list[int] = []
 
     def isolate() -> None:
-        r = httpx.post(
+        r = http_calls.post(
             f"{live.url}/api/v1/nodes/sim-c/isolate",
             json={"reason": "while the stream stalled"},
             headers=live.headers(),
@@ -578,7 +580,9 @@ def test_a_stalled_stream_is_shown_as_behind_and_catches_up(cluster, dash_browse
     finally:
         worker.join(timeout=30)
         page.close()
-        httpx.post(f"{live.url}/api/v1/nodes/sim-c/release", headers=live.headers(), timeout=10)
+        http_calls.post(
+            f"{live.url}/api/v1/nodes/sim-c/release", headers=live.headers(), timeout=10
+        )
 
 
 def test_the_controller_going_away_is_shown_and_recovered_from(cluster, dash_browser) -> None:

@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from controller.services.history_prometheus import KEYS, label_value
+from tests import http_calls
 from tests.waiting import wait_for
 from tests.web.conftest import agent_report, post_report
 
@@ -122,7 +123,7 @@ def fake_prometheus() -> Iterator[FakePrometheus]:
 
 
 def _history(live: Any, node: str, **params: Any) -> dict[str, Any]:
-    r = httpx.get(
+    r = http_calls.get(
         f"{live.url}/api/v1/nodes/{node}/history",
         params=params,
         headers=live.headers("viewer"),
@@ -286,7 +287,7 @@ def test_a_real_prometheus_scraping_the_agent_feeds_the_same_chart(
 
         def scraped() -> bool:
             try:
-                r = httpx.get(
+                r = http_calls.get(
                     f"{url}/api/v1/query",
                     params={"query": 'count_over_time(trainguard_gpu_power_watts{gpu="0"}[1m])'},
                     timeout=2,

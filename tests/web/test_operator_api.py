@@ -11,19 +11,20 @@ from typing import Any
 import httpx
 
 from controller.actuators.base import Placement
+from tests import http_calls
 from tests.remediation.recording import RecordingActuator
 from tests.remediation.test_engine import Agents
 from tests.waiting import wait_for
 
 
 def _actions(live: Any) -> list[dict[str, Any]]:
-    r = httpx.get(f"{live.url}/api/v1/actions?limit=500", headers=live.headers("viewer"))
+    r = http_calls.get(f"{live.url}/api/v1/actions?limit=500", headers=live.headers("viewer"))
     assert r.status_code == 200, r.text
     return list(r.json()["data"])
 
 
 def _post(live: Any, path: str, role: str = "operator", body: Any = None) -> httpx.Response:
-    return httpx.post(
+    return http_calls.post(
         f"{live.url}/api/v1{path}", json=body or {}, headers=live.headers(role), timeout=10
     )
 

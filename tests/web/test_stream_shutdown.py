@@ -21,6 +21,7 @@ import pytest
 from controller.server import uvicorn_config
 from controller.services.dashboard import CLOSE, QUEUE_MAX, RESYNC, DashboardFeed
 from controller.state import ClusterState
+from tests import http_calls
 from trainguard.wire import API_PREFIX
 
 STREAMS = 3
@@ -52,7 +53,7 @@ def test_open_streams_end_at_once_when_the_controller_stops(
     assert graceful_s is not None and graceful_s >= 1
     caplog.set_level(logging.INFO)
     with contextlib.ExitStack() as stack:
-        client = stack.enter_context(httpx.Client(timeout=graceful_s * 3))
+        client = stack.enter_context(http_calls.client(timeout=graceful_s * 3))
         streams = [_open_stream(client, live) for _ in range(STREAMS)]
         for response, _ in streams:
             stack.callback(response.close)
@@ -113,11 +114,11 @@ def test_api_answers_say_nosniff_and_no_store(live_controller: Any) -> None:
     live = live_controller
     api = f"{live.url}{API_PREFIX}"
     answers = {
-        "nodes": httpx.get(f"{api}/nodes", headers=live.headers("viewer")),
-        "whoami": httpx.get(f"{api}/whoami", headers=live.headers("viewer")),
-        "404": httpx.get(f"{api}/incidents/999", headers=live.headers("viewer")),
-        "401": httpx.get(f"{api}/nodes", headers={"Authorization": "Bearer nope"}),
-        "post": httpx.post(f"{api}/incidents/999/ack", headers=live.headers("operator")),
+        "nodes": http_calls.get(f"{api}/nodes", headers=live.headers("viewer")),
+        "whoami": http_calls.get(f"{api}/whoami", headers=live.headers("viewer")),
+        "404": http_calls.get(f"{api}/incidents/999", headers=live.headers("viewer")),
+        "401": http_calls.get(f"{api}/nodes", headers={"Authorization": "Bearer nope"}),
+        "post": http_calls.post(f"{api}/incidents/999/ack", headers=live.headers("operator")),
     }
     assert {k: r.status_code for k, r in answers.items()} == {
         "nodes": 200,
@@ -132,11 +133,11 @@ def test_api_answers_say_nosniff_and_no_store(live_controller: Any) -> None:
         assert r.headers["content-type"].startswith("application/json"), name
         assert "etag" not in r.headers, name
     # A route's own Cache-Control stands: the stream's, once.
-    with httpx.stream("GET", f"{api}/stream", headers=live.headers("viewer")) as r:
+    with http_calls.stream("GET", f"{api}/stream", headers=live.headers("viewer")) as r:
         assert r.status_code == 200
         assert r.headers.get_list("cache-control") == ["no-cache"]
         assert r.headers.get("x-content-type-options") == "nosniff"
     # The dashboard's own files keep theirs (web/routes.py), untouched by the API's.
-    ui = httpx.get(f"{live.url}/ui/")
+    ui = http_calls.get(f"{live.url}/ui/")
     if ui.status_code == 200:
         assert ui.headers.get_list("cache-control") == ["no-cache"]

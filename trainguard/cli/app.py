@@ -8,11 +8,13 @@ Every failure ends as one line on stderr and an exit status (see
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -194,6 +196,17 @@ def _click_error(exc: typer.TyperException, prog: str) -> int:
     return _fail(" ".join(exc.format_message().split()), code or EXIT_FAILURE)
 
 
+@functools.lru_cache(maxsize=64)
+def _command_for(word: str | None) -> Any:  # typer's vendored click Command (private)
+    """The click command tree for a line whose command word is ``word``, built once.
+
+    What :func:`build_app` mounts depends only on that word. Turning the Typer app into
+    click commands costs ~30 ms of CPU (it inspects every command's signature); a process
+    that runs many command lines (the test suite, an embedding tool) pays it once per word.
+    """
+    return typer.main.get_command(build_app([] if word is None else [word]))
+
+
 def run(argv: Sequence[str] | None = None, prog_name: str | None = None) -> int:
     """Run the CLI and return its exit status (the console script passes it to sys.exit)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -202,7 +215,7 @@ def run(argv: Sequence[str] | None = None, prog_name: str | None = None) -> int:
     try:
         # kubectl's global flags may stand anywhere (`nodes -n tg`); the root declares them.
         args = hoist_kube_flags(args)
-        command = typer.main.get_command(build_app(args))
+        command = _command_for(command_word(args))
         result = command.main(args=args, prog_name=prog, standalone_mode=False)
     except CliError as exc:
         if debug:

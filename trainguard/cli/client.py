@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from trainguard.cli import replies
 from trainguard.cli.errors import BadInput, NotFound, ServerError, Unauthorized, Unreachable
 from trainguard.cli.kubeproxy import TOKEN_HEADER, ProxyEndpoint
+from trainguard.tls import default_context
 from trainguard.wire import API_PREFIX, NAME_PATTERN
 
 DEFAULT_SERVER = "http://127.0.0.1:8470"
@@ -127,7 +128,7 @@ class ApiClient:
         self._token = check_token(token)
         self._proxy = proxy
         headers = {"Accept": "application/json"}
-        verify: ssl.SSLContext | bool = True
+        verify: ssl.SSLContext | bool = default_context()
         if proxy is None:
             self.server = check_server_url(server)
             self.where = f"controller at {self.server}"

@@ -32,6 +32,7 @@ import httpx
 import typer
 
 from trainguard.cli.errors import BadInput
+from trainguard.tls import default_context
 
 LABEL = "trainguard.io/leader"
 GAUGE = "trainguard_controller_leader"
@@ -156,7 +157,7 @@ def leader_label(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with httpx.Client(timeout=min(2.0, interval * 2 + 0.5)) as http:
+    with httpx.Client(timeout=min(2.0, interval * 2 + 0.5), verify=default_context()) as http:
         labeler = Labeler(_core_api(kubeconfig), namespace, selector, http, port)
         labeler.tick()
         while not once and not stop.wait(interval):

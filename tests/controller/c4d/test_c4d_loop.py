@@ -6,9 +6,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import http_calls
 from tests.waiting import wait_for
 
 JOB = "gpt-mini"
@@ -26,7 +26,9 @@ class Nodes:
         self.live = live
         self.world = world
         self.seq: dict[str, int] = {}
-        self.client = httpx.Client(base_url=live.url, headers=live.headers("agent"), timeout=10)
+        self.client = http_calls.client(
+            base_url=live.url, headers=live.headers("agent"), timeout=10
+        )
 
     def post(
         self, node: str, job: dict[str, Any], samples: list[dict[str, Any]] | None = None
@@ -96,7 +98,7 @@ def answer_probes(
 
 
 def incidents(live: Any, kind: str) -> list[dict[str, Any]]:
-    with httpx.Client(base_url=live.url, headers=live.headers("viewer")) as client:
+    with http_calls.client(base_url=live.url, headers=live.headers("viewer")) as client:
         return client.get("/api/v1/incidents", params={"kind": kind}).json()["data"]  # type: ignore[no-any-return]
 
 
@@ -201,7 +203,7 @@ def test_chaos_drill_waits_for_every_rank_to_report(controller_factory) -> None:
     row |= {"collective_wait_s": 0.0}
     nodes.post("c4d-node-0", {"steps": [row | {"rank": r} for r in range(4)]})
     body = {"faults": [{"kind": "delay", "rank": 6, "from_step": 0, "delay_s": 0.04}]}
-    with httpx.Client(base_url=live.url, headers=live.headers("operator")) as client:
+    with http_calls.client(base_url=live.url, headers=live.headers("operator")) as client:
         early = client.post(f"/api/v1/jobs/{JOB}/faults", json=body)
         assert early.status_code == 409
         assert "rank(s) [4, 5, 6, 7] have not reported" in early.json()["detail"]
