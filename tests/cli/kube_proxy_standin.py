@@ -176,7 +176,9 @@ class ProxyServer:
         ctx.verify_mode = ssl.CERT_OPTIONAL  # token users present no certificate
         self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True)
         state.url = f"https://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.05,), daemon=True
+        )
 
     def __enter__(self) -> ProxyServer:
         self._thread.start()
