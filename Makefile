@@ -68,8 +68,12 @@ $(S3_STAMP):
 # workers than cores pay. Measured here (2 cores, quiet, 26 Nov 14:00-14:20, ~2,090 tests):
 # make test 10:02 of pytest with 2 workers (617 s of CPU), 7:49 with 4 (677 s of CPU); the
 # two failures seen with 4 were real races in the agent's start (fixed), not load flakes.
+# Again on 27 Nov (2,405 tests, after the CPU cuts of that day): make test 8:27 with 4
+# workers (756 s of CPU), 8:36 with 6 (800 s); make test-fast 2:41 with 4, 2:33 with 6
+# (267 s of CPU). Each worker first imports every test module (~7 s of CPU: torch alone is
+# 1.8 s), so past the point where the waits overlap, a worker costs more than it saves.
 PYTEST_WORKERS ?= 4
-PYTEST_FAST_WORKERS ?= 4
+PYTEST_FAST_WORKERS ?= 6
 # Bytecode caching on even where the environment turns it off (PYTHONDONTWRITEBYTECODE=1,
 # common in containers): the suite starts a few hundred interpreters (controllers, agents,
 # CLI runs, ranks) and each pytest worker rewrites every test module's asserts; uncached,
