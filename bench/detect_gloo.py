@@ -178,14 +178,25 @@ def run_gloo(sc: dict[str, Any]) -> list[list[StepSummary]]:
 
 def record_gloo(sc: dict[str, Any]) -> GlooRun:
     """Run one scenario on real gloo ranks; its summaries and their arrival times."""
-    from torch.multiprocessing.spawn import spawn
+    import multiprocessing
 
+    from torch.multiprocessing.spawn import start_processes
+
+    # Ranks forked from a server that imported torch and this module once: spawned, each
+    # rank imported them itself (~2 s of CPU each on a 2-core machine, more than the
+    # scenario's own work). Nothing in the preload starts a thread, so forking it is safe.
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "collectives", __name__])
     with tempfile.TemporaryDirectory(prefix="tgdetect") as tmp:
         world = sc.get("world", WORLD)
         sockets = [os.path.join(tmp, f"n{i}.sock") for i in range(-(-world // PER_NODE))]
         agents = [RecordingAgent(path) for path in sockets]
         try:
-            spawn(_rank, args=(str(Path(tmp) / "store"), sockets, sc), nprocs=world)  # type: ignore[no-untyped-call]
+            start_processes(  # type: ignore[no-untyped-call]
+                _rank,
+                args=(str(Path(tmp) / "store"), sockets, sc),
+                nprocs=world,
+                start_method="forkserver",
+            )
             time.sleep(0.5)  # the last batches
         finally:
             for agent in agents:
