@@ -41,7 +41,7 @@ from pydantic import TypeAdapter, ValidationError
 from agents.errors import AgentConfigError
 from agents.spool import Spool
 from agents.stats import AgentStats
-from trainguard.textfile import Unreadable, read_text
+from trainguard.textfile import MAX_SECRET_BYTES, Unreadable, read_text
 from trainguard.tls import default_context
 from trainguard.wire import API_PREFIX, Command, ReportReply
 
@@ -109,8 +109,10 @@ _BEARER = re.compile(r"Bearer\s+[^\s'\"]+", re.IGNORECASE)
 
 
 class InvalidTokenError(AgentConfigError):
-    """The token holds characters no HTTP header can carry: a configuration mistake to fix,
-    never a file being rewritten (the kubelet swaps a projected token in one step)."""
+    """The token holds characters no HTTP header can carry, or its file is a FIFO, a
+    device, a directory or far too large: a configuration mistake to fix, never a file
+    being rewritten (the kubelet swaps a projected token in one step), so the agent
+    refuses to start on it even when it waits out a token file not written yet."""
 
 
 def check_token(token: str, source: str) -> str:
@@ -162,12 +164,14 @@ def parse_reply(body: bytes) -> tuple[ReportReply, list[tuple[str, str]]]:
 
 def read_token_file(path: Path) -> str:
     """The bearer token in ``path`` (surrounding whitespace stripped), or one-line
-    :class:`AgentConfigError`: missing, a directory, not UTF-8 text, or empty;
+    :class:`AgentConfigError`: missing, a directory, a FIFO or a device (never opened to
+    wait on), over 64 KiB, not UTF-8 text, or empty;
     :class:`InvalidTokenError` for a token with a space or a line break inside."""
     try:
-        token = read_text(path).strip()
+        token = read_text(path, max_bytes=MAX_SECRET_BYTES).strip()
     except Unreadable as exc:
-        raise AgentConfigError(f"token_file {path}: {exc.reason}") from None
+        error = InvalidTokenError if exc.special else AgentConfigError
+        raise error(f"token_file {path}: {exc.reason}") from None
     if not token:
         raise AgentConfigError(f"token_file {path}: empty; it must hold the agent's token")
     return check_token(token, f"token_file {path}")

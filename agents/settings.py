@@ -12,8 +12,10 @@ a value that is not JSON is such a line too, naming the format expected, whichev
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import stat
 import warnings
 from pathlib import Path
 from typing import Annotated, Any
@@ -216,6 +218,28 @@ class AgentSettings(BaseSettings):
                 "breaks inside it"
             ) from None
         return SecretStr(token)
+
+    @field_validator("spool_dir")
+    @classmethod
+    def _check_spool_dir(cls, value: Path | None) -> Path | None:
+        """Created at start when missing; anything else there than a directory is refused
+        here, in one line, rather than found by the spool's ``mkdir``."""
+        if value is None:
+            return None
+        try:
+            mode = os.stat(value).st_mode
+        except FileNotFoundError:
+            if os.path.islink(value):
+                raise ValueError(
+                    f"{value}: a dangling symbolic link (its target does not exist)"
+                ) from None
+            return value
+        except (OSError, ValueError):
+            return value  # the spool says why it cannot use it
+        if not stat.S_ISDIR(mode):
+            kind = "a regular file" if stat.S_ISREG(mode) else "a special file"
+            raise ValueError(f"{value}: not a directory ({kind})")
+        return value
 
     @field_validator("labels", "preflight_load_command", mode="before")
     @classmethod

@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from agents.atomic import fsync_dir, write_atomic
 from agents.errors import SpoolError
 from trainguard import limits
+from trainguard.textfile import Unreadable, read_bytes
 from trainguard.wire import Report
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 _REPORT_RE = re.compile(r"^(\d{12})\.json$")
 #: Rejected reports kept for inspection; older ones are deleted.
 MAX_REJECTED_FILES = 100
+#: state.json is five short fields; a larger one is not ours.
+_STATE_MAX_BYTES = 64 * 1024
 
 
 def _encode(report: Report) -> bytes:
@@ -120,7 +123,8 @@ class Spool:
         that reads but is wrong (a negative total, ``next_seq`` of ``1.5`` or ``true``) would
         otherwise be carried into every report and fail it forever, or reuse seqs."""
         try:
-            raw = json.loads(self._state_path.read_bytes())
+            # Never waits on a FIFO or reads a device planted as state.json (textfile).
+            raw = json.loads(read_bytes(self._state_path, max_bytes=_STATE_MAX_BYTES))
             if not isinstance(raw, dict):
                 raise ValueError(f"not an object: {type(raw).__name__}")
             instance = raw.get("agent_instance")
@@ -134,8 +138,9 @@ class Spool:
                 rejected_total=_count(raw, "rejected_total"),
             )
             return state
-        except FileNotFoundError:
-            pass
+        except Unreadable as exc:
+            if not exc.missing:
+                self._quarantine(self._state_path, f"unreadable state file ({exc.reason})")
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             self._quarantine(self._state_path, f"unreadable state file ({exc})")
         # A fresh instance id tells the controller this seq space is new, not a replay.
@@ -155,10 +160,14 @@ class Spool:
             return
         seq = int(match.group(1))
         try:
-            data = path.read_bytes()
+            # A report never exceeds the whole spool's bound; a FIFO is never waited on.
+            data = read_bytes(path, max_bytes=self.max_bytes)
             report = Report.model_validate_json(data)
             if report.seq != seq:
                 raise ValueError(f"holds seq {report.seq}")
+        except Unreadable as exc:
+            self._quarantine(path, f"unreadable report ({exc.reason})")
+            return
         except (OSError, ValueError, ValidationError) as exc:
             self._quarantine(path, f"torn or invalid report ({str(exc).splitlines()[0]})")
             return
@@ -292,10 +301,10 @@ class Spool:
         with self._lock:
             for seq in sorted(self._sizes):
                 try:
-                    return seq, self.path_for(seq).read_bytes()
-                except OSError as exc:
+                    return seq, read_bytes(self.path_for(seq), max_bytes=self.max_bytes)
+                except Unreadable as exc:
                     self._forget(seq)
-                    log.error("spool: report %d vanished (%s); skipping it", seq, exc)
+                    log.error("spool: report %d vanished (%s); skipping it", seq, exc.reason)
             return None
 
     def acknowledge(self, seq: int) -> None:

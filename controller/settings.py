@@ -29,7 +29,14 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from trainguard.textfile import Unparsable, Unreadable, load_yaml, read_text
+from trainguard.textfile import (
+    MAX_SECRET_BYTES,
+    Unparsable,
+    Unreadable,
+    load_yaml,
+    read_bytes,
+    read_text,
+)
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -301,10 +308,11 @@ class ControllerSettings(BaseSettings):
     def webhook_secret(self) -> bytes:
         """The webhook's shared secret (the file's content, stripped, wins)."""
         if self.remediation_webhook_secret_file is not None:
-            try:
-                return self.remediation_webhook_secret_file.read_bytes().strip()
-            except OSError as exc:
-                raise ValueError(f"remediation_webhook_secret_file: {exc}") from None
+            path = self.remediation_webhook_secret_file
+            try:  # never a wait on a FIFO nor an endless device (trainguard.textfile)
+                return read_bytes(path, max_bytes=MAX_SECRET_BYTES).strip()
+            except Unreadable as exc:
+                raise ValueError(f"remediation_webhook_secret_file {path}: {exc.reason}") from None
         if self.remediation_webhook_secret is not None:
             return self.remediation_webhook_secret.get_secret_value().encode()
         return b""

@@ -3,32 +3,126 @@ controller config, job specs, plans): text or one short reason why not, never a 
 
 Every reader names its own file in its own message; what they share is the reason, so a
 binary file, a directory or a YAML typo reads the same wherever it was given.
+
+Only regular files are read, and only up to a size: a path a user gives may name a FIFO
+(``open()`` waits for a writer forever), a device (``/dev/zero`` never ends), a directory
+or a file of gigabytes, and each must be one line, not a hang or a traceback. The type is
+checked with ``stat`` before opening (opening a device may itself do something), and again
+with ``fstat`` on a descriptor opened ``O_NONBLOCK`` (the path may change in between).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+#: The most bytes :func:`read_text` reads: an operator's file (policy, settings, tokens, a
+#: spelled-out topology of thousands of nodes) stays far below it; anything larger is a
+#: wrong path, and decoding it would hold start-up for minutes.
+MAX_TEXT_BYTES = 8 * 1024 * 1024
+#: The most bytes of a secret or token file (a JWT is a few KiB).
+MAX_SECRET_BYTES = 64 * 1024
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
 
 class Unreadable(Exception):
-    """A file that cannot be read as UTF-8 text; ``reason`` is one short line."""
+    """A file that cannot be read as UTF-8 text; ``reason`` is one short line.
 
-    def __init__(self, reason: str) -> None:
+    ``missing``: the path names nothing (or a dangling link), which a reader may wait out
+    (a token the kubelet has not written yet). ``special``: it names a FIFO, a device, a
+    directory or a file over the size limit, which no rewrite in progress explains.
+    """
+
+    def __init__(self, reason: str, *, missing: bool = False, special: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.missing = missing
+        self.special = special
 
 
-def read_text(path: str | Path) -> str:
-    """The file's text, or :class:`Unreadable` with the OS's reason ("No such file or
-    directory", "Is a directory", ...) or "not UTF-8 text"."""
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in the words ``ls -l`` users know."""
+    if stat.S_ISDIR(mode):
+        return "Is a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO, not a regular file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device, not a regular file"
+    if stat.S_ISSOCK(mode):
+        return "a socket, not a regular file"
+    return "not a regular file"
+
+
+def _refuse(st: os.stat_result, max_bytes: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise Unreadable(_kind(st.st_mode), special=True)
+    if st.st_size > max_bytes:
+        raise Unreadable(
+            f"larger than {max_bytes} bytes ({st.st_size}); not a file to read", special=True
+        )
+
+
+def _os_reason(exc: OSError, path: str | Path) -> Unreadable:
+    reason = exc.strerror or type(exc).__name__
+    missing = exc.errno == errno.ENOENT
+    if missing and os.path.islink(path):
+        reason = "a dangling symbolic link (its target does not exist)"
+    return Unreadable(reason, missing=missing)
+
+
+def check_file(path: str | Path, *, max_bytes: int = MAX_TEXT_BYTES) -> None:
+    """Refuse, without opening it, a path that is not a regular file of at most
+    ``max_bytes``: for a path another library opens itself (a kubeconfig). Raises
+    :class:`Unreadable` (``missing`` set when nothing is there)."""
     try:
-        data = Path(path).read_bytes()
+        st = os.stat(path)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        if isinstance(exc, OSError):
+            raise _os_reason(exc, path) from None
+        raise Unreadable("not a valid path") from None
+    _refuse(st, max_bytes)
+
+
+def read_bytes(path: str | Path, *, max_bytes: int = MAX_TEXT_BYTES) -> bytes:
+    """A regular file's bytes, never more than ``max_bytes``, never waiting on a FIFO or
+    reading a device; else :class:`Unreadable` with one short reason."""
+    check_file(path, max_bytes=max_bytes)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
     except OSError as exc:
-        raise Unreadable(exc.strerror or type(exc).__name__) from None
+        raise _os_reason(exc, path) from None
+    try:
+        _refuse(os.fstat(fd), max_bytes)  # swapped for something else since the stat
+        os.set_blocking(fd, True)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise _os_reason(exc, path) from None
+    finally:
+        os.close(fd)
+    if size > max_bytes:  # grew while being read
+        raise Unreadable(f"larger than {max_bytes} bytes; not a file to read", special=True)
+    return b"".join(chunks)
+
+
+def read_text(path: str | Path, *, max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """The file's text, or :class:`Unreadable` with the OS's reason ("No such file or
+    directory", "Is a directory", ...), "a FIFO, not a regular file", "larger than ..."
+    or "not UTF-8 text". See :func:`read_bytes`."""
+    data = read_bytes(path, max_bytes=max_bytes)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
