@@ -97,3 +97,20 @@ def test_plugin_refuses_an_unusable_kubeconfig_in_one_line(tmp_path: Path, name:
     argv = cli_argv("--kubeconfig", str(path), "status")
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=_env())
     _assert_one_line(proc, path, name)
+
+
+@pytest.mark.timeout(90)
+def test_controller_refuses_a_kubeconfig_that_is_a_fifo_instead_of_waiting_on_it(
+    tmp_path: Path,
+) -> None:
+    """The client's open() of a FIFO waits for a writer for ever: the controller hung at
+    start. Every $KUBECONFIG entry that exists is checked first (a missing one is skipped,
+    as the client skips it)."""
+    fifo = tmp_path / "kubeconfig"
+    os.mkfifo(fifo)
+    env = _env(TRAINGUARD_ACTUATOR="kubernetes", KUBECONFIG=f"{tmp_path}/absent:{fifo}")
+    argv = cli_argv("controller", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/t.db")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"error: kubeconfig {fifo} cannot be used: "), proc.stderr
+    assert "FIFO" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -25,6 +25,7 @@ from controller.actuators.base import ActuatorError
 from controller.actuators.kube_objects import KubernetesApiError, api_error
 from controller.errors import BadConfig
 from trainguard.kube_client_logs import client_logged_errors
+from trainguard.textfile import Unreadable, check_file
 
 MERGE_PATCH: Final = "application/merge-patch+json"
 STRATEGIC_PATCH: Final = "application/strategic-merge-patch+json"
@@ -87,6 +88,15 @@ def load_api_client(api_url: str = "") -> client.ApiClient:
             f"no Kubernetes credentials: not in a pod and no kubeconfig ({where} does not "
             "exist); set KUBECONFIG or run the controller in the cluster"
         )
+    # The client would open a FIFO and wait for ever, or parse a file of any size: each
+    # entry that exists must be a regular file of sane size first (a missing one is
+    # skipped, as the client and kubectl skip it).
+    for entry in filter(None, where.split(os.pathsep)):
+        try:
+            check_file(os.path.expanduser(entry))
+        except Unreadable as exc:
+            if not exc.missing:
+                raise KubeconfigError(f"kubeconfig {entry} cannot be used: {exc.reason}") from None
     try:
         with client_logged_errors() as logged:
             config.load_kube_config(  # type: ignore[no-untyped-call]
