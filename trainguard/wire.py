@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from trainguard import limits
 from trainguard.limits import NO_NUL
@@ -45,6 +45,8 @@ MAX_REPORT_BYTES = 4 * 1024 * 1024
 
 #: Most ranks in one peer group or collective group carried on the wire.
 MAX_GROUP_RANKS = 100_000
+#: Most process groups one Flight Recorder dump lists (``pg_ranks``).
+MAX_DUMP_GROUPS = 4_096
 
 #: Kubernetes-compatible object name (RFC 1123 subdomain).
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
@@ -66,6 +68,27 @@ Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
 def _rank_in_world(rank: int, world_size: int | None) -> None:
     if world_size is not None and rank >= world_size:
         raise ValueError(f"rank {rank} must be less than world_size {world_size}")
+
+
+def _distinct(ranks: list[int]) -> list[int]:
+    """A group's members are a set: a rank listed twice is a broken or hostile list (it
+    would count twice towards the group's size, and in its ring of probe pairs)."""
+    if len(set(ranks)) == len(ranks):
+        return ranks
+    seen: set[int] = set()
+    for rank in ranks:
+        if rank in seen:
+            raise ValueError(f"rank {rank} is listed twice")
+        seen.add(rank)
+    return ranks  # pragma: no cover - a length mismatch means a rank repeats
+
+
+#: The global ranks of a group: each a rank, none twice, at most ``MAX_GROUP_RANKS``.
+#: Whether they are below the job's world size is not checked here, not even in a step
+#: summary that carries its world size: job-side code builds these models on its hot path
+#: (a test's mock mesh gives any ranks), and a refusal there must not stop training. The
+#: controller ignores what names a rank outside the world (``controller.logic.detection``).
+GroupRanks = Annotated[list[Rank], Field(max_length=MAX_GROUP_RANKS), AfterValidator(_distinct)]
 
 
 class WireModel(BaseModel):
@@ -452,9 +475,8 @@ class StepSummary(WireModel):
         default=None, description="Data-parallel index (mesh 'dp*' dims, row-major)"
     )
     tp_rank: Rank | None = Field(default=None, description="Tensor-parallel index")
-    group_ranks: list[Rank] = Field(
+    group_ranks: GroupRanks = Field(
         default_factory=list,
-        max_length=MAX_GROUP_RANKS,
         description=(
             "Global ranks of this rank's peer group, those doing the same work (same pipeline "
             "stage of the mesh), itself included; empty when unknown. Current job-side code "
@@ -499,7 +521,7 @@ class PeerGroup(WireModel):
         pattern=NO_NUL,
         description="peer_group_id(ranks) as job-side code makes it; opaque to the controller",
     )
-    ranks: list[Rank] = Field(min_length=1, max_length=MAX_GROUP_RANKS)
+    ranks: GroupRanks = Field(min_length=1)
 
 
 class PeerGroupRef(WireModel):
@@ -527,9 +549,8 @@ class InflightCollective(WireModel):
         description="Group id -> last finished sequence number",
     )
     step: NonNegInt | None = None
-    group_ranks: list[Rank] = Field(
+    group_ranks: GroupRanks = Field(
         default_factory=list,
-        max_length=MAX_GROUP_RANKS,
         description="Global ranks of the group, so the controller knows who never entered",
     )
 
@@ -646,8 +667,10 @@ class FlightRecorderDump(WireModel):
         max_length=4_096,
         description="Flight Recorder's entries, newest last (its dump format, trimmed)",
     )
-    pg_ranks: dict[limits.LabelText, list[Rank]] = Field(
-        default_factory=dict, description="torch process-group name -> global ranks"
+    pg_ranks: dict[limits.LabelText, GroupRanks] = Field(
+        default_factory=dict,
+        max_length=MAX_DUMP_GROUPS,
+        description="torch process-group name -> global ranks",
     )
     path: str = Field(
         default="", max_length=1024, pattern=NO_NUL, description="Full dump on the node, if kept"
@@ -736,7 +759,7 @@ class JobLinkProbe(CommandBase):
     kind: Literal["job_link_probe"] = "job_link_probe"
     job: Name
     at_step: NonNegInt
-    pairs: list[tuple[NonNegInt, NonNegInt]] = Field(max_length=100_000)
+    pairs: list[tuple[Rank, Rank]] = Field(max_length=100_000)
     size_bytes: Annotated[int, Field(gt=0, le=1 << 30)] = 8 << 20
 
 
@@ -925,6 +948,7 @@ __all__ = [
     "GPU_COMMAND_KINDS",
     "HARDWARE_EVENT_KINDS",
     "JOB_COMMAND_KINDS",
+    "MAX_DUMP_GROUPS",
     "MAX_GROUP_RANKS",
     "MAX_REPORT_BYTES",
     "SCHEMA_VERSION",

@@ -12,6 +12,14 @@ If anyone is absent, the hang is outside communication and the absentees are the
 (MegaScale: "the ranks that never logged the in-flight op are the hung ones"). If every
 member entered and nobody finished, the communication path itself is at fault, and a link
 probe between ring neighbours localizes it.
+
+Rank numbers inside a record (the reporter's own rank, ``group_ranks``, the two ranks of a
+``p2p-<low>-<high>`` id) come from agents and are only range-checked at the wire, which
+cannot know the job's world size. Here a record from a rank outside the world is dropped,
+and a call whose membership claim names such a rank, or leaves out a rank reporting the
+call, gets no verdict: the reports contradict each other, and blaming anyone would be a
+guess. A buggy or hostile report never makes a non-existent rank a culprit (nor a huge
+claimed world a memory bomb); a real hang still shows in the hung rank's other calls.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from trainguard.wire import InflightCollective
+from trainguard.wire import MAX_GROUP_RANKS, InflightCollective
 
 #: Point-to-point channel ids as ``collectives`` names them (``collectives/groups.py``:
 #: ``p2p-<low rank>-<high rank>``; the controller does not import collectives).
@@ -55,6 +63,8 @@ def classify(
     controller has seen (stuck ranks report theirs for *all* their groups, which is how a
     rank stuck in group A tells us it never reached the call in group B).
     """
+    if world_size > 0:  # 0: not known yet, nothing to check against
+        records = [r for r in records if r.rank < world_size]
     calls: dict[tuple[str, int], list[InflightCollective]] = {}
     #: group -> ranks whose current record lists it among their groups; ranks that sent
     #: a (non-empty) list at all
@@ -69,6 +79,8 @@ def classify(
     out: list[StuckCall] = []
     for (group, seq), recs in calls.items():
         members = _members(group, seq, recs, world_size, users, informed)
+        if members is None:
+            continue  # contradicted membership (:func:`_proven`)
         entered = {r.rank for r in recs}
         passed = {m for m in members - entered if last_completed.get(m, {}).get(group, -1) >= seq}
         absent = members - entered - passed
@@ -95,7 +107,7 @@ def _members(
     world_size: int,
     users: dict[str, set[int]],
     informed: set[int],
-) -> set[int]:
+) -> set[int] | None:
     """The call's group members: from a record's ``group_ranks`` when one has them.
 
     Without them (an older or foreign reporter) the world was assumed, so a stuck call of a
@@ -106,20 +118,35 @@ def _members(
     the groups they completed calls in) once that many are known. Otherwise the world is
     still assumed (nothing says who else is in the group), less the ranks proven outside
     it: past the group's first call, every member has completed a call in it, so a rank
-    whose current report lists its groups without this one is not a member."""
+    whose current report lists its groups without this one is not a member. None: a list
+    or id names a rank outside the world or leaves out a rank inside the call (or a
+    point-to-point id names one rank twice)."""
+    entered = {r.rank for r in recs}
     for rec in recs:
         if rec.group_ranks:
-            return set(rec.group_ranks)
+            return _proven(set(rec.group_ranks), entered, world_size)
     if (pair := _P2P_ID.match(group)) is not None:
-        return {int(pair[1]), int(pair[2])}
-    known = {r.rank for r in recs} | users.get(group, set())
+        ends = {int(pair[1]), int(pair[2])}
+        return _proven(ends, entered, world_size) if len(ends) == 2 else None
+    known = entered | users.get(group, set())
     sized = _SIZED_ID.match(group)
     if sized is not None and len(known) >= int(sized[1]):
+        return known
+    if world_size > MAX_GROUP_RANKS:  # no group is larger: a hostile claim, not a world
         return known
     members = set(range(world_size))
     if seq >= 2:  # calls are numbered from 1: a first call proves nothing about who is in
         members -= informed - known
     return members
+
+
+def _proven(members: set[int], entered: set[int], world_size: int) -> set[int] | None:
+    """``members``, if the claim can be believed: it names only ranks of the job (when its
+    world size is known) and includes every rank reporting the call; else None. A claim
+    failing either comes from a buggy or hostile reporter: its ranks are not blamed."""
+    if world_size > 0 and max(members) >= world_size:
+        return None
+    return members if entered <= members else None
 
 
 def ring_pairs(members: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

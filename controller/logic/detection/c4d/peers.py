@@ -123,7 +123,11 @@ class PeerIndex:
         # (the last one computes the loss), so without this every stage would be one group
         # and the stage slower by design called stragglers (found by the acceptance probe).
         role = s.role or (f"pp_stage={s.pp_stage}" if s.pp_stage is not None else "")
-        key = PeerKey(role, tuple(sorted(g))) if (g or role) else JOB_WIDE
+        # A list naming a rank outside the job (filled in from a declared PeerGroup, which
+        # the wire cannot check against the world size) is no peer group: without this its
+        # ghost ranks would be the group's members in findings and on the dashboard.
+        members = tuple(sorted(g)) if g and max(g) < s.world_size else ()
+        key = PeerKey(role, members) if (members or role) else JOB_WIDE
         self._cache[s.rank] = (s.role, s.pp_stage, g, key)
         return key
 

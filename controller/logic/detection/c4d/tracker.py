@@ -135,8 +135,9 @@ class JobTracker:
         self.inflight.passed(s.rank, s.step)
 
     def observe_inflight(self, node: str, rec: InflightCollective, now_s: float) -> None:
-        if not rec.group:
-            return  # a stall outside any collective (opt-in on the rank); hangs need a call
+        if not rec.group or 0 < self.world_size <= rec.rank:
+            return  # a stall outside any collective (opt-in on the rank), or a rank the job
+            # does not have (a bad report, never blamed); hangs need a call of its ranks
         self.rank_node[rec.rank] = node
         self.last_completed.setdefault(rec.rank, {}).update(rec.last_completed_seq)
         self.inflight[(rec.rank, rec.group)] = Inflight(rec, now_s)
@@ -144,7 +145,6 @@ class JobTracker:
     def observe_rank_event(self, node: str, ev: RankEvent, now_s: float) -> None:
         if ev.kind == "started" and ev.rank in self.last_step_of_rank:
             self._new_incarnation(now_s)
-        self.rank_node[ev.rank] = node
         if ev.world_size:
             started = ev.kind == "started"
             agreed = self.world.observe(ev.rank, ev.world_size, now_s, started=started)
@@ -152,6 +152,9 @@ class JobTracker:
             # agreed size stands, so one event cannot grow (or shrink) a running job.
             if not self.world_size or agreed == ev.world_size:
                 self.world_size = ev.world_size
+        if 0 < self.world_size <= ev.rank:
+            return  # a rank the job's ranks do not have: a bad report, never blamed
+        self.rank_node[ev.rank] = node
         self._findings.extend(self.crashes.observe(node, ev, now_s))
 
     def _late(self, s: StepSummary, now_s: float) -> bool:
@@ -211,6 +214,8 @@ class JobTracker:
         )
 
     def observe_probe(self, res: ProbeResult) -> None:
+        if 0 < self.world_size <= max(res.src_rank, res.dst_rank):
+            return  # a pair the controller never asked for: no evidence about a link
         self.probes.setdefault(res.probe_id, []).append(res)
 
     # ------------------------------------------------------------------ evaluation
@@ -393,7 +398,7 @@ class JobTracker:
             ]
         if change != "opened":
             return []
-        ranks = tuple(sorted(self.rank_node))
+        ranks = tuple(r for r in sorted(self.rank_node) if r < self.world_size)
         ref, rec = self.comm.reference_wait_s, self.comm.recent_wait_s
         balance = " with compute balanced"
         if explained_s > 0:
@@ -414,7 +419,7 @@ class JobTracker:
                 ),
                 key=key,
                 ranks=ranks,
-                nodes=tuple(sorted(set(self.rank_node.values()))),
+                nodes=tuple(sorted({self.rank_node[r] for r in ranks})),
                 # Which link is slow is unknown until the probe round answers.
                 evidence=evidence,
                 probe_pairs=ring_pairs(ranks),
