@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from controller.logic.detection.c4d.job_evidence import (
@@ -85,8 +87,8 @@ class FlightEvidence:
         """A durable report: keep the dumps it carries for pending requests."""
         for dump in report.job.traces:
             request = self._by_command.get(dump.command_id)
-            if request is None or dump.job != request.job:
-                continue
+            if request is None or dump.job != request.job or dump.rank not in request.ranks:
+                continue  # a dump from a rank not asked (not of the job) says nothing
             request.dumps[dump.rank] = dump
             late = time.time() - request.asked_unix_s > self.wait_s
             if request.ranks <= set(request.dumps) or late:
@@ -123,10 +125,16 @@ class FlightEvidence:
 def flight_evidence(
     dumps: dict[int, wire.FlightRecorderDump], ranks: set[int], incident: IncidentState
 ) -> FlightRecorderEvidence:
-    """What the dumps say, next to the incident's own verdict (pure)."""
-    members: dict[str, list[int]] = {}
-    for dump in dumps.values():
-        members.update(dump.pg_ranks)
+    """What the dumps say, next to the incident's own verdict (pure).
+
+    Only the job's ``ranks`` count: a dump from another rank is left out, and a group's
+    members are the membership most dumps report, less any rank not of the job. A dump
+    is what an agent relayed: one from rank 999 of an 8-rank job, or one that leaves a
+    member out of its group, must not put a rank that does not exist in the incident's
+    verdict, nor take the culprit out of it (the last dump's list used to win).
+    """
+    dumps = {r: d for r, d in dumps.items() if r in ranks}
+    members = _members(dumps.values(), ranks)
     usable = {r: {"entries": d.entries} for r, d in dumps.items() if d.enabled and not d.error}
     errors = {str(r): d.error for r, d in dumps.items() if d.error}
     divergences = analyze(usable, members) if usable else []
@@ -155,6 +163,20 @@ def flight_evidence(
         errors=errors,
         paths={str(r): d.path for r, d in dumps.items() if d.path},
     )
+
+
+def _members(dumps: Iterable[wire.FlightRecorderDump], ranks: set[int]) -> dict[str, list[int]]:
+    """Each group's members as most dumps report them, the job's ranks only (a tie: the
+    longer list, so one dump cannot hide a member)."""
+    said: dict[str, Counter[tuple[int, ...]]] = {}
+    for dump in dumps:
+        for group, listed in dump.pg_ranks.items():
+            said.setdefault(group, Counter())[tuple(r for r in listed if r in ranks)] += 1
+    out: dict[str, list[int]] = {}
+    for group, counts in said.items():
+        ordered = sorted(counts.items(), key=lambda item: (-item[1], -len(item[0]), item[0]))
+        out[group] = list(ordered[0][0])
+    return out
 
 
 __all__ = ["HANG_KINDS", "FlightEvidence", "flight_evidence"]
