@@ -39,12 +39,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import operator
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
+
+from trainguard.wire import MAX_GROUP_RANKS
 
 _PP_NAMES = frozenset({"pp", "pipe", "pipeline"})
 _TP_NAMES = frozenset({"tp", "tensor"})
@@ -124,7 +127,7 @@ class RoleTracker:
             "pp_stage": pp_stage,
             "dp_rank": dp_rank,
             "tp_rank": tp_rank,
-            "group_ranks": None if group_ranks is None else sorted(int(r) for r in group_ranks),
+            "group_ranks": None if group_ranks is None else _declared_ranks(group_ranks),
         }
         with self._lock:
             self._declared.update({k: v for k, v in given.items() if v is not None})
@@ -308,6 +311,33 @@ def pg_sizes_role(groups: Any, world_size: int) -> str | None:
     if not sizes:
         return None
     return PG_SIZES_PREFIX + ",".join(map(str, sizes[:MAX_PG_SIZES]))
+
+
+def _declared_ranks(ranks: Sequence[int]) -> list[int]:
+    """A declared peer group as the wire carries it: distinct ranks, sorted.
+
+    Checked here, at the job's ``set_role`` call, with a message about it: the step summary
+    that carries the list is built on the training thread, where the wire's refusal of a
+    negative rank or one listed twice would raise out of ``step()`` instead. A rank given
+    twice is the same rank (a set was meant)."""
+    from .errors import CollectivesConfigError
+
+    out: set[int] = set()
+    for given in ranks:
+        try:  # numpy and 0-d tensor integers too, as int() took them before
+            rank = None if isinstance(given, bool) else operator.index(given)
+        except TypeError:
+            rank = None
+        if rank is None or not 0 <= rank < 2**31:
+            raise CollectivesConfigError(
+                f"group_ranks must be ranks (integers from 0 to 2**31-1), got {given!r}"
+            )
+        out.add(rank)
+    if len(out) > MAX_GROUP_RANKS:
+        raise CollectivesConfigError(
+            f"group_ranks lists {len(out)} ranks; at most {MAX_GROUP_RANKS}"
+        )
+    return sorted(out)
 
 
 def _live(classes: tuple[type, ...]) -> list[Any]:

@@ -245,3 +245,18 @@ def test_the_scan_finds_instances_of_subclasses_and_nothing_else() -> None:
     found = _live((Base,))
     assert sorted(type(obj).__name__ for obj in found) == ["Base", "Deeper", "Mine"]
     assert kept
+
+
+def test_a_declared_group_is_checked_at_set_role_not_on_the_training_step() -> None:
+    """The wire refuses a rank listed twice in group_ranks (bdaf5ee); the summary carrying
+    a declared group is built inside step(), so set_role([3, 1, 1]) made every later step
+    raise. A repeated rank is the same rank; a rank that cannot be one is refused at once."""
+    import numpy as np
+
+    session = collectives.instrument("unit", agent_socket="/nonexistent/tg.sock")
+    collectives.set_role(group_ranks=[3, 1, 1, np.int64(0)])
+    assert _one_step(session).group_ranks == [0, 1, 3]
+    for bad in ([-1], [1.5], [True], ["2"], [2**31]):
+        with pytest.raises(collectives.CollectivesConfigError, match="group_ranks must be"):
+            collectives.set_role(group_ranks=bad)
+    assert _one_step(session).group_ranks == [0, 1, 3]  # a refused call changed nothing
