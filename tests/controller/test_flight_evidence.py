@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from controller.db.repositories import write_batch
 from controller.db.session import make_engine
 from controller.logic.detection.c4d.job_evidence import FlightRecorderEvidence, HangEvidence
 from controller.services.commands import CommandService
-from controller.services.flight_evidence import FlightEvidence
+from controller.services.flight_evidence import FlightEvidence, flight_evidence
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState, JobState, NodeState, RankState
 from controller.store import Store
@@ -159,3 +160,44 @@ def test_a_disagreement_is_said_in_the_summary(store: Store) -> None:
     assert (
         "Flight Recorder disagrees" in incident.summary and "[2] never entered" in incident.summary
     )
+
+
+# Dumps are what agents relay: they must not put a rank that does not exist, or take the
+# culprit out of, a hang incident's verdict (found in review of bdaf5ee, which bounded the
+# rank references of the wire).
+
+
+def _hostile_dump(rank: int, last: int, members: list[int]) -> wire.FlightRecorderDump:
+    return wire.FlightRecorderDump(
+        job="llm",
+        rank=rank,
+        command_id="c",
+        enabled=True,
+        entries=[_entry(s) for s in range(1, last + 1)],
+        pg_ranks={"0": members},
+    )
+
+
+HANG_OF_2 = SimpleNamespace(kind="hang", ranks=[2])
+JOB = {0, 1, 2}
+
+
+def test_a_dump_from_a_rank_not_of_the_job_is_left_out() -> None:
+    dumps = {r: _hostile_dump(r, last, [0, 1, 2]) for r, last in ((0, 6), (1, 6), (2, 5))}
+    dumps[999] = _hostile_dump(999, 1, [0, 1, 2, 999])
+    fr = flight_evidence(dumps, JOB, HANG_OF_2)  # type: ignore[arg-type]
+    assert fr.dumps_from == [0, 1, 2]
+    assert fr.divergences[0].missing == [2] and "999" not in fr.verdict
+
+
+def test_one_dump_cannot_rewrite_a_groups_members() -> None:
+    """Rank 0's dump leaves rank 2 out of group 0: the two other dumps outvote it."""
+    dumps = {
+        0: _hostile_dump(0, 6, [0, 1]),
+        1: _hostile_dump(1, 6, [0, 1, 2]),
+        2: _hostile_dump(2, 5, [0, 1, 2]),
+    }
+    for order in (dumps, dict(reversed(list(dumps.items())))):
+        fr = flight_evidence(order, JOB, HANG_OF_2)  # type: ignore[arg-type]
+        assert fr.divergences[0].missing == [2], fr.verdict
+        assert fr.agrees_with_trainguard is True
