@@ -141,6 +141,8 @@ class JobDetector:
                     continue  # a probe this controller did not start (or from before a restart)
                 probe_round = self.rounds[round_id]
                 pair = (res.src_rank, res.dst_rank)
+                if not self._asked(probe_round, pair, report.node.name):
+                    continue  # a pair the round did not ask, or a rank not on this node
                 probe_round.seen_pairs.add(pair)
                 if res.missed:  # never ran: says nothing about the link
                     probe_round.missed_pairs.add(pair)
@@ -148,6 +150,17 @@ class JobDetector:
                 probes.append(res.model_copy(update={"probe_id": round_id}))
             records = records.model_copy(update={"probes": probes})
         self.trackers.observe(report.node.name, records, received_unix_s)
+
+    def _asked(self, probe_round: ProbeRound, pair: tuple[int, int], node: str) -> bool:
+        """A probe answer counts only for a pair its round asked, from the node that runs
+        its source rank (when known): an agent's report is what it says, and a result for
+        another pair or another node's rank would put a link the round never measured in
+        a ``slow_link`` incident."""
+        if pair not in probe_round.asked:
+            return False
+        job = self.trackers.jobs.get(probe_round.job)
+        runs_on = None if job is None else job.rank_node.get(pair[0])
+        return runs_on is None or runs_on == node
 
     async def tick(self, now_unix_s: float) -> None:
         await self._retry_held(now_unix_s)

@@ -49,6 +49,11 @@ class ProbeRound:
     source: str | None = None
     attempt: int = 1
     lead_s: float = PROBE_LEAD_S
+    #: ``pairs`` as a set: each answer is checked against it (up to 100,000 pairs).
+    asked: frozenset[tuple[int, int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.asked = frozenset(self.pairs)
 
 
 @dataclass(slots=True)

@@ -211,3 +211,35 @@ def test_a_partner_that_missed_the_round_is_no_broken_link(harness: Harness) -> 
     harness.answer(again, measured({(1, 2)}))
     (link,) = [i for i in harness.state.incidents.values() if i.kind == "slow_link"]
     assert link.ranks == [1, 2]
+
+
+def _send(harness: Harness, node: str, probes: list[wire.ProbeResult]) -> None:
+    report = wire.Report.model_validate(
+        {
+            "node": {"name": node, "gpus": []},
+            "agent_instance": "i1",
+            "seq": 1,
+            "sent_unix_s": harness.now,
+            "job": {"probes": [p.model_dump() for p in probes]},
+        }
+    )
+    asyncio.run(harness.detector.on_report(report, harness.now))
+
+
+@pytest.mark.parametrize(
+    ("pair", "why"),
+    [((0, 2), "a pair the round did not ask"), ((2, 3), "rank 2 runs on pa-node-1")],
+)
+def test_an_answer_the_round_did_not_ask_for_is_not_evidence(
+    harness: Harness, pair: tuple[int, int], why: str
+) -> None:
+    """An agent's report is what it says: pa-node-0 answers, first, a slow transfer for
+    ``pair`` (why it is not its to answer: ``why``). The round must neither count it as
+    answered nor name that link; the real answers (all healthy) then end the round."""
+    probe_round = slow_communication(harness)
+    command = next(c for c in probe_round.command_ids if harness.state.commands[c].node == NODES[0])
+    slow = measured({pair})(command, *pair)
+    _send(harness, NODES[0], [slow])
+    assert pair not in probe_round.seen_pairs
+    harness.answer(probe_round, measured(set()))
+    assert harness.open_kinds() == ["comm_slow"], why  # no slow_link for an unmeasured pair
