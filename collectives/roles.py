@@ -47,6 +47,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainguard.limits import INT32_MAX
 from trainguard.wire import MAX_GROUP_RANKS
 
 _PP_NAMES = frozenset({"pp", "pipe", "pipeline"})
@@ -328,9 +329,9 @@ def _declared_ranks(ranks: Sequence[int]) -> list[int]:
             rank = None if isinstance(given, bool) else operator.index(given)
         except TypeError:
             rank = None
-        if rank is None or not 0 <= rank < 2**31:
+        if rank is None or not 0 <= rank <= INT32_MAX:
             raise CollectivesConfigError(
-                f"group_ranks must be ranks (integers from 0 to 2**31-1), got {given!r}"
+                f"group_ranks must be ranks (integers from 0 to {INT32_MAX}), got {given!r}"
             )
         out.add(rank)
     if len(out) > MAX_GROUP_RANKS:

@@ -25,6 +25,7 @@ a report it has already stored (``duplicate=True``) without counting it again.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -73,14 +74,10 @@ def _rank_in_world(rank: int, world_size: int | None) -> None:
 def _distinct(ranks: list[int]) -> list[int]:
     """A group's members are a set: a rank listed twice is a broken or hostile list (it
     would count twice towards the group's size, and in its ring of probe pairs)."""
-    if len(set(ranks)) == len(ranks):
-        return ranks
-    seen: set[int] = set()
-    for rank in ranks:
-        if rank in seen:
-            raise ValueError(f"rank {rank} is listed twice")
-        seen.add(rank)
-    return ranks  # pragma: no cover - a length mismatch means a rank repeats
+    if len(set(ranks)) != len(ranks):
+        (twice, _), *_ = Counter(ranks).most_common(1)
+        raise ValueError(f"rank {twice} is listed twice")
+    return ranks
 
 
 #: The global ranks of a group: each a rank, none twice, at most ``MAX_GROUP_RANKS``.

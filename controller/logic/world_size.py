@@ -27,6 +27,13 @@ from dataclasses import dataclass, field
 CLAIM_WINDOW_S = 60.0
 
 
+def outside_world(rank: int, world_size: int) -> bool:
+    """A rank the job does not have: at or above its world size, once that is known (0:
+    not yet). Rank numbers inside reports come from agents, which the wire cannot check
+    against the world; what names such a rank is never blamed."""
+    return 0 < world_size <= rank
+
+
 @dataclass(slots=True)
 class WorldSize:
     """O(1) per claim (amortised): a 16k-rank job sends 16k claims a step."""

@@ -172,11 +172,10 @@ def _members(dumps: Iterable[wire.FlightRecorderDump], ranks: set[int]) -> dict[
     for dump in dumps:
         for group, listed in dump.pg_ranks.items():
             said.setdefault(group, Counter())[tuple(r for r in listed if r in ranks)] += 1
-    out: dict[str, list[int]] = {}
-    for group, counts in said.items():
-        ordered = sorted(counts.items(), key=lambda item: (-item[1], -len(item[0]), item[0]))
-        out[group] = list(ordered[0][0])
-    return out
+    return {
+        group: list(min(counts.items(), key=lambda item: (-item[1], -len(item[0]), item[0]))[0])
+        for group, counts in said.items()
+    }
 
 
 __all__ = ["HANG_KINDS", "FlightEvidence", "flight_evidence"]

@@ -33,8 +33,7 @@ from urllib.parse import quote, urlsplit
 import yaml
 
 from trainguard.cli.errors import BadInput
-from trainguard.kube_client_logs import client_logged_errors
-from trainguard.textfile import Unreadable, check_file
+from trainguard.kube_client_logs import client_logged_errors, unusable_kubeconfig
 
 NAMESPACE_ENV = "TRAINGUARD_NAMESPACE"
 SERVICE_ENV = "TRAINGUARD_SERVICE"
@@ -141,7 +140,12 @@ def resolve(flags: KubeFlags) -> ProxyEndpoint:
     )
     cfg = Configuration()
     where = flags.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-    _check_kubeconfig_files(flags.kubeconfig)
+    if (unusable := unusable_kubeconfig(flags.kubeconfig)) is not None:
+        path, why = unusable
+        raise BadInput(
+            f"cannot use kubeconfig {path}: {why} (set --kubeconfig/--context, "
+            "or --server URL to reach a controller directly)"
+        )
     try:
         with client_logged_errors() as logged:
             load_kube_config(  # type: ignore[no-untyped-call]
@@ -196,28 +200,6 @@ def resolve(flags: KubeFlags) -> ProxyEndpoint:
         headers=headers,
         description=f"service {namespace}/{service} via {host} (context {context})",
     )
-
-
-def _check_kubeconfig_files(given: str | None) -> None:
-    """Refuse a kubeconfig path that names a FIFO, a device, a directory or a huge file
-    before the ``kubernetes`` client opens it: its ``open()`` would wait on a FIFO for
-    ever, and it would parse a file of any size. A ``$KUBECONFIG`` entry that does
-    not exist is skipped, as kubectl skips it; a missing ``--kubeconfig`` is refused."""
-    if given:
-        paths = [given]
-    else:
-        env = os.environ.get("KUBECONFIG")
-        paths = env.split(os.pathsep) if env else [os.path.join("~", ".kube", "config")]
-    for path in filter(None, paths):
-        try:
-            check_file(os.path.expanduser(path))
-        except Unreadable as exc:
-            if exc.missing and not given:
-                continue
-            raise BadInput(
-                f"cannot use kubeconfig {path}: {exc.reason} (set --kubeconfig/--context, "
-                "or --server URL to reach a controller directly)"
-            ) from None
 
 
 def _tls(cfg: object, where: str) -> ssl.SSLContext | bool:

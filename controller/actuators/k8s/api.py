@@ -24,8 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from controller.actuators.base import ActuatorError
 from controller.actuators.kube_objects import KubernetesApiError, api_error
 from controller.errors import BadConfig
-from trainguard.kube_client_logs import client_logged_errors
-from trainguard.textfile import Unreadable, check_file
+from trainguard.kube_client_logs import client_logged_errors, unusable_kubeconfig
 
 MERGE_PATCH: Final = "application/merge-patch+json"
 STRATEGIC_PATCH: Final = "application/strategic-merge-patch+json"
@@ -88,15 +87,9 @@ def load_api_client(api_url: str = "") -> client.ApiClient:
             f"no Kubernetes credentials: not in a pod and no kubeconfig ({where} does not "
             "exist); set KUBECONFIG or run the controller in the cluster"
         )
-    # The client would open a FIFO and wait for ever, or parse a file of any size: each
-    # entry that exists must be a regular file of sane size first (a missing one is
-    # skipped, as the client and kubectl skip it).
-    for entry in filter(None, where.split(os.pathsep)):
-        try:
-            check_file(os.path.expanduser(entry))
-        except Unreadable as exc:
-            if not exc.missing:
-                raise KubeconfigError(f"kubeconfig {entry} cannot be used: {exc.reason}") from None
+    if (unusable := unusable_kubeconfig()) is not None:  # a FIFO would hang the client
+        path, why = unusable
+        raise KubeconfigError(f"kubeconfig {path} cannot be used: {why}")
     try:
         with client_logged_errors() as logged:
             config.load_kube_config(  # type: ignore[no-untyped-call]

@@ -94,22 +94,28 @@ class Harness:
             self.state.commands[c].node: c for c in probe_round.command_ids
         }  # node -> the id its ranks echo
         for node in NODES:
-            probes = [
-                result(command_of[node], src, dst)
-                for src, dst in probe_round.pairs
-                if node_of(src) == node
-            ]
-            report = wire.Report.model_validate(
-                {
-                    "node": {"name": node, "gpus": []},
-                    "agent_instance": "i1",
-                    "seq": 0,
-                    "sent_unix_s": self.now,
-                    "job": {"probes": [p.model_dump() for p in probes]},
-                }
+            self.send(
+                node,
+                [
+                    result(command_of[node], src, dst)
+                    for src, dst in probe_round.pairs
+                    if node_of(src) == node
+                ],
             )
-            asyncio.run(self.detector.on_report(report, self.now))
         asyncio.run(self.detector.tick(self.now))
+
+    def send(self, node: str, probes: list[wire.ProbeResult]) -> None:
+        """``node``'s agent reports ``probes`` (what ingest hands the detector)."""
+        report = wire.Report.model_validate(
+            {
+                "node": {"name": node, "gpus": []},
+                "agent_instance": "i1",
+                "seq": 0,
+                "sent_unix_s": self.now,
+                "job": {"probes": [p.model_dump() for p in probes]},
+            }
+        )
+        asyncio.run(self.detector.on_report(report, self.now))
 
 
 def missed(command_id: str, src: int, dst: int) -> wire.ProbeResult:
@@ -213,19 +219,6 @@ def test_a_partner_that_missed_the_round_is_no_broken_link(harness: Harness) -> 
     assert link.ranks == [1, 2]
 
 
-def _send(harness: Harness, node: str, probes: list[wire.ProbeResult]) -> None:
-    report = wire.Report.model_validate(
-        {
-            "node": {"name": node, "gpus": []},
-            "agent_instance": "i1",
-            "seq": 1,
-            "sent_unix_s": harness.now,
-            "job": {"probes": [p.model_dump() for p in probes]},
-        }
-    )
-    asyncio.run(harness.detector.on_report(report, harness.now))
-
-
 @pytest.mark.parametrize(
     ("pair", "why"),
     [((0, 2), "a pair the round did not ask"), ((2, 3), "rank 2 runs on pa-node-1")],
@@ -239,7 +232,7 @@ def test_an_answer_the_round_did_not_ask_for_is_not_evidence(
     probe_round = slow_communication(harness)
     command = next(c for c in probe_round.command_ids if harness.state.commands[c].node == NODES[0])
     slow = measured({pair})(command, *pair)
-    _send(harness, NODES[0], [slow])
+    harness.send(NODES[0], [slow])
     assert pair not in probe_round.seen_pairs
     harness.answer(probe_round, measured(set()))
     assert harness.open_kinds() == ["comm_slow"], why  # no slow_link for an unmeasured pair

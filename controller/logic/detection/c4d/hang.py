@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from controller.logic.world_size import outside_world
 from trainguard.wire import MAX_GROUP_RANKS, InflightCollective
 
 #: Point-to-point channel ids as ``collectives`` names them (``collectives/groups.py``:
@@ -63,8 +64,7 @@ def classify(
     controller has seen (stuck ranks report theirs for *all* their groups, which is how a
     rank stuck in group A tells us it never reached the call in group B).
     """
-    if world_size > 0:  # 0: not known yet, nothing to check against
-        records = [r for r in records if r.rank < world_size]
+    records = [r for r in records if not outside_world(r.rank, world_size)]
     calls: dict[tuple[str, int], list[InflightCollective]] = {}
     #: group -> ranks whose current record lists it among their groups; ranks that sent
     #: a (non-empty) list at all
@@ -144,7 +144,7 @@ def _proven(members: set[int], entered: set[int], world_size: int) -> set[int] |
     """``members``, if the claim can be believed: it names only ranks of the job (when its
     world size is known) and includes every rank reporting the call; else None. A claim
     failing either comes from a buggy or hostile reporter: its ranks are not blamed."""
-    if world_size > 0 and max(members) >= world_size:
+    if outside_world(max(members), world_size):
         return None
     return members if entered <= members else None
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from controller.logic.world_size import outside_world
 from trainguard.wire import StepSummary
 
 #: Role ``collectives`` derives from the sizes of a rank's process groups (the same string
@@ -126,7 +127,7 @@ class PeerIndex:
         # A list naming a rank outside the job (filled in from a declared PeerGroup, which
         # the wire cannot check against the world size) is no peer group: without this its
         # ghost ranks would be the group's members in findings and on the dashboard.
-        members = tuple(sorted(g)) if g and max(g) < s.world_size else ()
+        members = tuple(sorted(g)) if g and not outside_world(max(g), s.world_size) else ()
         key = PeerKey(role, members) if (members or role) else JOB_WIDE
         self._cache[s.rank] = (s.role, s.pp_stage, g, key)
         return key

@@ -30,7 +30,7 @@ from controller.logic.detection.c4d.nonfinite import NonfiniteState
 from controller.logic.detection.c4d.probe import localize
 from controller.logic.detection.c4d.restart import RunClock
 from controller.logic.detection.c4d.straggler import StragglerState
-from controller.logic.world_size import WorldSize
+from controller.logic.world_size import WorldSize, outside_world
 from trainguard.wire import InflightCollective, JobRecords, ProbeResult, RankEvent, StepSummary
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class JobTracker:
         self.inflight.passed(s.rank, s.step)
 
     def observe_inflight(self, node: str, rec: InflightCollective, now_s: float) -> None:
-        if not rec.group or 0 < self.world_size <= rec.rank:
+        if not rec.group or outside_world(rec.rank, self.world_size):
             return  # a stall outside any collective (opt-in on the rank), or a rank the job
             # does not have (a bad report, never blamed); hangs need a call of its ranks
         self.rank_node[rec.rank] = node
@@ -152,7 +152,7 @@ class JobTracker:
             # agreed size stands, so one event cannot grow (or shrink) a running job.
             if not self.world_size or agreed == ev.world_size:
                 self.world_size = ev.world_size
-        if 0 < self.world_size <= ev.rank:
+        if outside_world(ev.rank, self.world_size):
             return  # a rank the job's ranks do not have: a bad report, never blamed
         self.rank_node[ev.rank] = node
         self._findings.extend(self.crashes.observe(node, ev, now_s))
@@ -214,7 +214,7 @@ class JobTracker:
         )
 
     def observe_probe(self, res: ProbeResult) -> None:
-        if 0 < self.world_size <= max(res.src_rank, res.dst_rank):
+        if outside_world(max(res.src_rank, res.dst_rank), self.world_size):
             return  # a pair the controller never asked for: no evidence about a link
         self.probes.setdefault(res.probe_id, []).append(res)
 
@@ -398,7 +398,7 @@ class JobTracker:
             ]
         if change != "opened":
             return []
-        ranks = tuple(r for r in sorted(self.rank_node) if r < self.world_size)
+        ranks = tuple(r for r in sorted(self.rank_node) if not outside_world(r, self.world_size))
         ref, rec = self.comm.reference_wait_s, self.comm.recent_wait_s
         balance = " with compute balanced"
         if explained_s > 0:
