@@ -56,6 +56,19 @@ def _wait_gone(pid: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+def _kill_orphaned_writer(pid: int) -> None:
+    """SIGKILL the writer its killed trainer left behind, then wait until it is gone.
+
+    The writer is the trainer's child, orphaned now: it may have noticed and exited, and
+    been reaped by init (or a subreaper) already, so its pid can be gone before the kill.
+    """
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    _wait_gone(pid)
+
+
 def _assert_consistent(root: Path, numel: int) -> int:
     """The latest pointer opens, the newest committed checkpoint loads (the pointer, or one
     committed after it when the kill fell between ``MANIFEST.json`` and ``latest``), and the
@@ -88,8 +101,7 @@ def test_kill_9_at_random_points_leaves_a_loadable_latest(tmp_path: Path, writer
         time.sleep(rng.uniform(0.0, 0.05))
         trainer.kill()
         if writer_pid:  # the whole node goes: the writer dies too, mid-write
-            os.kill(writer_pid, signal.SIGKILL)
-            _wait_gone(writer_pid)
+            _kill_orphaned_writer(writer_pid)
         step = _assert_consistent(root, 500_000)
         assert step >= 1
         for path in Path("/dev/shm").glob(f"trainguard-ckpt-{trainer.proc.pid}-*"):
