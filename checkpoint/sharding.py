@@ -10,6 +10,7 @@ rank's :class:`~checkpoint.rules.ParallelLayout`, and ZeRO-1 optimizer partition
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -120,6 +121,18 @@ class ZeroPartition:
         return None
 
 
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a DTensor, without importing DTensor's package.
+
+    Importing ``torch.distributed.tensor`` costs a rank ~0.5 s of CPU (it pulls in sympy
+    through symbolic shapes), and a job without DTensors paid it on its first save. A
+    DTensor cannot exist before its package is imported, so an unloaded package answers no.
+    """
+    package = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(package, "DTensor", None)
+    return dtensor is not None and isinstance(value, dtensor)
+
+
 def dtensor_map(name: str, value: torch.Tensor) -> tuple[torch.Tensor, GlobalMap]:
     from torch.distributed.tensor import DTensor, Partial, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -200,9 +213,7 @@ class ShardingSpec:
         it is this rank's alone. DTensors: ranks along their ``Replicate`` mesh dims. Plain
         tensors: the data-parallel peers, except ZeRO partitions (each DP rank owns its
         own), ``average`` tensors (copies may drift) and ignored ones (RNG, per rank)."""
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             return dtensor_replicas(value)
         layout = self.layout
         if layout.dp == 1 or self.rules is None:
@@ -216,9 +227,7 @@ class ShardingSpec:
         return tuple(layout_rank(layout, dp_rank=d) for d in range(layout.dp))
 
     def __call__(self, name: str, value: torch.Tensor) -> tuple[torch.Tensor, GlobalMap | None]:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             return dtensor_map(name, value)
         if self.ignore is not None and any(r.matches(name) for r in self.ignore.rules):
             return value, None
