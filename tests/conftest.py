@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -188,6 +189,58 @@ def torch_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     zygote = TorchZygote(tmp_path_factory.mktemp("torch-zygote"), env)
     yield zygote
     zygote.close()
+
+
+#: What the CLI zygote imports: the CLI and the controller (neither reads the environment
+#: at import time), and what ``controller``/``db upgrade`` import when they start.
+CLI_PRELOAD = (
+    "trainguard.cli.app",
+    "pydantic_settings",
+    "sqlalchemy.engine",
+    "controller.server",
+    "controller.db.migrate",
+)
+
+
+@pytest.fixture(scope="session")
+def cli_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Forks ``python -m trainguard.cli ...`` runs from one parent per pytest process that
+    imported the CLI and the controller once (the same machinery as ``torch_zygote``).
+
+    For the tests of what a command refuses and how (exit status, the one stderr line, files
+    left alone): each is a real process with its own argv, environment and output, and
+    imports cost it nothing (~1.5 s of CPU each in a fresh interpreter). The tests of the
+    entry points themselves (``-m trainguard.cli``, the console script) keep a fresh one,
+    and so must a test that sets what these modules read at import (typer's
+    ``TYPER_USE_RICH``, ``TERMINAL_WIDTH``, ``_TYPER_FORCE_DISABLE_TERMINAL``): the child
+    would see the worker's. ``KUBECONFIG`` is fine: the Kubernetes client is not preloaded.
+    """
+    from tests.torch_zygote import TorchZygote
+
+    zygote = TorchZygote(tmp_path_factory.mktemp("cli-zygote"), preload=CLI_PRELOAD)
+    yield zygote
+    zygote.close()
+
+
+#: ``tg(*args, env=None, timeout=60.0)``: see the ``tg`` fixture.
+Tg = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@pytest.fixture
+def tg(cli_zygote: Any) -> Tg:
+    """Runs ``python -m trainguard.cli *args`` as a process of its own, forked from the CLI
+    zygote, and returns what ``subprocess.run(..., capture_output=True, text=True)`` would
+    (``env``: this process's environment unless given)."""
+
+    def run(
+        *args: str, env: dict[str, str] | None = None, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        done: subprocess.CompletedProcess[str] = cli_zygote.run(
+            ["-m", "trainguard.cli", *args], env=env, timeout=timeout
+        )
+        return done
+
+    return run
 
 
 @dataclass

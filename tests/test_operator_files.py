@@ -11,17 +11,19 @@ line with exit status 2, where before it was silently half-read or died with a t
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import yaml
 
 from controller.logic.remediation.rules import PolicyError, Step, load_policy
 from trainguard.cli.app import run
-from trainguard.cli.procs import cli_argv
 from trainguard.textfile import TOO_DEEP, Unparsable, load_json, load_yaml
+
+if TYPE_CHECKING:
+    from tests.conftest import Tg
 
 Cli = Callable[..., tuple[int, str, str]]
 
@@ -193,18 +195,18 @@ def test_power_trace_saved_by_excel_with_a_byte_order_mark_reads(cli: Cli, tmp_p
 # ------------------------------------------------------------- the controller refuses to start
 
 
-def _controller_refuses(tmp_path: Path, config: str) -> str:
-    """Start ``trainguard controller --config`` in a subprocess (a start that wrongly
+def _controller_refuses(tg: Tg, tmp_path: Path, config: str) -> str:
+    """Start ``trainguard controller --config`` as a process of its own (a start that wrongly
     succeeds would serve forever: the timeout ends it and fails the test) and return its
     one-line refusal: exit 2, no traceback (a dev-mode warning may come first)."""
     path = tmp_path / "controller.yaml"
     path.write_text(config)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     database = f"sqlite:///{tmp_path / 'tg.db'}"
-    argv = cli_argv(
-        "controller", "--dev", "--port", "0", "--database-url", database, "--config", str(path)
-    )
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+    done = tg(
+        "controller", "--dev", "--port", "0", "--database-url", database, "--config", str(path),
+        env=env, timeout=120,
+    )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
@@ -212,53 +214,53 @@ def _controller_refuses(tmp_path: Path, config: str) -> str:
     return lines[-1]
 
 
-def test_controller_refuses_an_empty_policy_file(tmp_path: Path) -> None:
+def test_controller_refuses_an_empty_policy_file(tmp_path: Path, tg: Tg) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text("# truncated\n")
-    message = _controller_refuses(tmp_path, f"policy_file: {policy}\n")
+    message = _controller_refuses(tg, tmp_path, f"policy_file: {policy}\n")
     assert message.startswith(f"error: policy file {policy} is empty")
 
 
-def test_controller_refuses_a_policy_with_rules_twice(tmp_path: Path) -> None:
+def test_controller_refuses_a_policy_with_rules_twice(tmp_path: Path, tg: Tg) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text(
         "rules:\n  - {kind: '*', steps: [alert]}\nrules:\n  - {kind: gpu_fault, steps: [isolate]}\n"
     )
-    message = _controller_refuses(tmp_path, f"policy_file: {policy}\n")
+    message = _controller_refuses(tg, tmp_path, f"policy_file: {policy}\n")
     assert (
         message == f"error: policy file {policy} is not valid YAML: duplicate key 'rules' at line 3"
     )
 
 
-def test_controller_refuses_a_config_file_with_a_setting_twice(tmp_path: Path) -> None:
-    message = _controller_refuses(tmp_path, "node_lost_after_s: 5\nnode_lost_after_s: 7\n")
+def test_controller_refuses_a_config_file_with_a_setting_twice(tmp_path: Path, tg: Tg) -> None:
+    message = _controller_refuses(tg, tmp_path, "node_lost_after_s: 5\nnode_lost_after_s: 7\n")
     path = tmp_path / "controller.yaml"
     assert message == (
         f"error: config file {path}: not valid YAML: duplicate key 'node_lost_after_s' at line 2"
     )
 
 
-def test_controller_refuses_a_deeply_nested_config_file(tmp_path: Path) -> None:
-    message = _controller_refuses(tmp_path, DEEP_YAML)
+def test_controller_refuses_a_deeply_nested_config_file(tmp_path: Path, tg: Tg) -> None:
+    message = _controller_refuses(tg, tmp_path, DEEP_YAML)
     path = tmp_path / "controller.yaml"
     assert message == f"error: config file {path}: not valid YAML: nested too deeply"
 
 
-def test_controller_refuses_a_tokens_file_with_a_field_twice(tmp_path: Path) -> None:
+def test_controller_refuses_a_tokens_file_with_a_field_twice(tmp_path: Path, tg: Tg) -> None:
     tokens = tmp_path / "tokens.yaml"
     token = "t" * 32
     tokens.write_text(f"- {{name: a, role: viewer, token: {token},\n   role: operator}}\n")
-    message = _controller_refuses(tmp_path, f"tokens_file: {tokens}\n")
+    message = _controller_refuses(tg, tmp_path, f"tokens_file: {tokens}\n")
     assert message == (
         f"error: invalid controller settings: tokens_file {tokens}: not valid YAML: "
         "duplicate key 'role' at line 2"
     )
 
 
-def test_controller_refuses_a_topology_file_with_nodes_twice(tmp_path: Path) -> None:
+def test_controller_refuses_a_topology_file_with_nodes_twice(tmp_path: Path, tg: Tg) -> None:
     topology = tmp_path / "topology.yaml"
     topology.write_text(TOPOLOGY_TWO_NODES_KEYS)
-    message = _controller_refuses(tmp_path, f"topology_file: {topology}\n")
+    message = _controller_refuses(tg, tmp_path, f"topology_file: {topology}\n")
     assert (
         message == f"error: topology_file {topology}: cannot parse: duplicate key 'nodes' at line 8"
     )

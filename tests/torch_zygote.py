@@ -14,6 +14,10 @@ for its non-daemon threads, hands an uncaught exception to ``sys.excepthook`` an
 ``atexit`` handlers as interpreter shutdown would, and its exit code (or the signal that
 ended it) reaches the test as ``subprocess.Popen`` reports it.
 
+The same machinery forks the CLI's own runs (``python -m trainguard.cli ...``, the
+``cli_zygote`` fixture): a zygote imports the modules named on its command line, torch's
+set (:data:`PRELOAD`) when none are.
+
 What differs from a fresh interpreter: modules are imported once with the zygote's
 environment, so a setting that a module reads *at import time* is the zygote's, not the
 rank's. None of the preloaded modules reads the environment at import (torch reads
@@ -37,6 +41,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -111,8 +116,14 @@ class ZygoteProcess:
 class TorchZygote:
     """Starts the zygote (this file run as a script) and forks children from it on request."""
 
-    def __init__(self, log_dir: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+        preload: Sequence[str] = PRELOAD,
+    ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_dir = log_dir
         self.log_path = log_dir / "zygote.log"
         base = dict(os.environ if env is None else env)
         base["OMP_NUM_THREADS"] = "1"  # read once, when torch loads its OpenMP runtime
@@ -123,7 +134,7 @@ class TorchZygote:
             self.popen = subprocess.Popen(
                 # -m from the repository root: the script's own folder (tests/) first on
                 # sys.path would shadow the packages by the test folders of the same names.
-                [sys.executable, "-m", "tests.torch_zygote"],
+                [sys.executable, "-m", "tests.torch_zygote", *preload],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -190,6 +201,36 @@ class TorchZygote:
         if pid < 0:
             raise AssertionError(f"torch zygote died:\n{self.log_path.read_text()[-3000:]}")
         return ZygoteProcess(pid, argv, self)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | str | None = None,
+        timeout: float = 60.0,
+    ) -> subprocess.CompletedProcess[str]:
+        """``subprocess.run(python *argv, capture_output=True, text=True, timeout=...)``
+        for a child of the zygote: its output comes back once it exits; past ``timeout`` it
+        is killed and ``subprocess.TimeoutExpired`` raised, as ``run`` does."""
+        with tempfile.TemporaryDirectory(dir=self._log_dir) as out:
+            stdout, stderr = Path(out) / "stdout", Path(out) / "stderr"
+            proc = self.spawn(
+                argv,
+                env=dict(os.environ if env is None else env),
+                stdout=stdout,
+                stderr=stderr,
+                cwd=os.getcwd() if cwd is None else cwd,
+            )
+            try:
+                code = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise
+            return subprocess.CompletedProcess(
+                proc.args, code, stdout.read_text(), stderr.read_text()
+            )
 
     def close(self) -> None:
         if self.popen.stdin is not None and not self.popen.stdin.closed:
@@ -294,8 +335,11 @@ def serve() -> None:
 
     own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path[1:] if p not in own]
-    for name in PRELOAD:
+    for name in sys.argv[1:] or PRELOAD:
         importlib.import_module(name)
+    if threading.active_count() > 1:  # forking copies no thread: a preload must start none
+        names = ", ".join(t.name for t in threading.enumerate())
+        raise SystemExit(f"zygote: preloading started threads ({names}); cannot fork safely")
     requests = sys.stdin.buffer
     pending = b""
     while True:

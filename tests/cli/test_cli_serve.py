@@ -20,11 +20,7 @@ from trainguard.cli.app import run
 from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
 
 if TYPE_CHECKING:
-    from tests.conftest import SchemaTemplates
-
-
-def _tg(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cli_argv(*args), capture_output=True, text=True, timeout=60, env=env)
+    from tests.conftest import SchemaTemplates, Tg
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -33,12 +29,12 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")} | extra
 
 
-@pytest.mark.slow  # spawns the CLI in a fresh interpreter
-def test_db_upgrade_reports_the_revision_and_is_idempotent(db_url: str) -> None:
-    first = _tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
+@pytest.mark.slow  # runs the CLI as a process of its own
+def test_db_upgrade_reports_the_revision_and_is_idempotent(db_url: str, tg: Tg) -> None:
+    first = tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("database at ") and " is at revision " in first.stdout
-    second = _tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
+    second = tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
     assert second.returncode == 0 and second.stdout == first.stdout
 
 
@@ -50,32 +46,32 @@ def test_printed_database_urls_hide_passwords() -> None:
     assert redact_url("sqlite:////var/lib/tg.db") == "sqlite:////var/lib/tg.db"
 
 
-@pytest.mark.slow  # spawns the CLI in a fresh interpreter
+@pytest.mark.slow  # runs the CLI as a process of its own
 @pytest.mark.postgres
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
-def test_controller_refuses_unmigrated_postgres_in_one_line(db_url: str) -> None:
+def test_controller_refuses_unmigrated_postgres_in_one_line(db_url: str, tg: Tg) -> None:
     token = secrets.token_urlsafe(24)
     env = _clean_env(
         TRAINGUARD_TOKENS=json.dumps([{"name": "v", "role": "viewer", "token": token}])
     )
-    proc = _tg("controller", "--port", str(free_port()), "--database-url", db_url, env=env)
+    proc = tg("controller", "--port", str(free_port()), "--database-url", db_url, env=env)
     assert proc.returncode == 1
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(error_lines) == 1 and "trainguard db upgrade" in error_lines[0]
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.slow  # spawns the CLI in a fresh interpreter
-def test_controller_without_tokens_outside_dev_is_exit_2(tmp_path: Path) -> None:
-    proc = _tg("controller", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/x.db",
+@pytest.mark.slow  # runs the CLI as a process of its own
+def test_controller_without_tokens_outside_dev_is_exit_2(tmp_path: Path, tg: Tg) -> None:
+    proc = tg("controller", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/x.db",
                env=_clean_env())  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: invalid controller settings: no API tokens configured")
     assert proc.stderr.count("\n") == 1
 
 
-@pytest.mark.slow  # spawns the CLI in a fresh interpreter
-def test_controller_on_a_taken_port_is_exit_1(tmp_path: Path) -> None:
+@pytest.mark.slow  # runs the CLI as a process of its own
+def test_controller_on_a_taken_port_is_exit_1(tmp_path: Path, tg: Tg) -> None:
     token = secrets.token_urlsafe(24)
     env = _clean_env(
         TRAINGUARD_TOKENS=json.dumps([{"name": "v", "role": "viewer", "token": token}])
@@ -84,7 +80,7 @@ def test_controller_on_a_taken_port_is_exit_1(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = _tg("controller", "--port", str(port), "--database-url",
+        proc = tg("controller", "--port", str(port), "--database-url",
                    f"sqlite:///{tmp_path}/x.db", env=env)  # fmt: skip
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -212,8 +208,10 @@ def test_controller_refuses_a_read_only_sqlite_database_in_one_line(
         folder.chmod(0o755)
 
 
-@pytest.mark.slow  # spawns the CLI in a fresh interpreter
-def test_a_file_that_is_not_sqlite_is_exit_2_in_one_line_and_left_alone(tmp_path: Path) -> None:
+@pytest.mark.slow  # runs the CLI as a process of its own
+def test_a_file_that_is_not_sqlite_is_exit_2_in_one_line_and_left_alone(
+    tmp_path: Path, tg: Tg
+) -> None:
     garbage = tmp_path / "garbage.db"
     garbage.write_bytes(b"this is not sqlite" * 100)
     url = f"sqlite:///{garbage}"
@@ -225,14 +223,14 @@ def test_a_file_that_is_not_sqlite_is_exit_2_in_one_line_and_left_alone(tmp_path
         "file is not a database\n"
     )
     for args in (["db", "upgrade"], ["controller", "--port", "0"]):
-        proc = _tg(*args, "--database-url", url, env=env)
+        proc = tg(*args, "--database-url", url, env=env)
         assert (proc.returncode, proc.stderr) == (2, expected), args
     assert garbage.read_bytes() == b"this is not sqlite" * 100
 
 
-@pytest.mark.slow  # spawns the CLI in a fresh interpreter
+@pytest.mark.slow  # runs the CLI as a process of its own
 def test_db_upgrade_on_a_schema_from_a_newer_release_says_so_in_one_line(
-    db_url: str, schema_templates: SchemaTemplates
+    db_url: str, schema_templates: SchemaTemplates, tg: Tg
 ) -> None:
     from sqlalchemy import text
 
@@ -245,7 +243,7 @@ def test_db_upgrade_on_a_schema_from_a_newer_release_says_so_in_one_line(
             conn.execute(text("UPDATE alembic_version SET version_num = '9999_future'"))
     finally:
         engine.dispose()
-    proc = _tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
+    proc = tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
     assert proc.returncode == 2  # the operator's input: this binary is too old for it
     assert proc.stderr == (
         "error: the database's schema revision 9999_future is newer than this release "

@@ -13,12 +13,14 @@ import os
 import secrets
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from trainguard.cli.procs import cli_argv
+if TYPE_CHECKING:
+    from tests.conftest import Tg
 
-pytestmark = pytest.mark.slow  # each test spawns the CLI in a fresh interpreter
+pytestmark = pytest.mark.slow  # each test runs the CLI as a process of its own
 
 HEAD = (
     "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
@@ -81,27 +83,29 @@ def _assert_one_line(proc: subprocess.CompletedProcess[str], path: Path, name: s
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
-def test_controller_refuses_an_unusable_kubeconfig_in_one_line(tmp_path: Path, name: str) -> None:
+def test_controller_refuses_an_unusable_kubeconfig_in_one_line(
+    tmp_path: Path, name: str, tg: Tg
+) -> None:
     path = _write(tmp_path, name)
     env = _env(TRAINGUARD_ACTUATOR="kubernetes", KUBECONFIG=str(path))
-    argv = cli_argv("controller", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/t.db")
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    proc = tg("controller", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/t.db", env=env)
     _assert_one_line(proc, path, name)
 
 
 @pytest.mark.parametrize("name", ["bad-client-cert", "missing-exec-plugin"])
-def test_plugin_refuses_an_unusable_kubeconfig_in_one_line(tmp_path: Path, name: str) -> None:
+def test_plugin_refuses_an_unusable_kubeconfig_in_one_line(
+    tmp_path: Path, name: str, tg: Tg
+) -> None:
     """The plugin parsed these already; its TLS context and the exec plugin's (logged, not
     raised) failure are what reached the user as ``SSLError`` and "connection refused"."""
     path = _write(tmp_path, name)
-    argv = cli_argv("--kubeconfig", str(path), "status")
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=_env())
+    proc = tg("--kubeconfig", str(path), "status", env=_env())
     _assert_one_line(proc, path, name)
 
 
 @pytest.mark.timeout(90)
 def test_controller_refuses_a_kubeconfig_that_is_a_fifo_instead_of_waiting_on_it(
-    tmp_path: Path,
+    tmp_path: Path, tg: Tg
 ) -> None:
     """The client's open() of a FIFO waits for a writer for ever: the controller hung at
     start. Every $KUBECONFIG entry that exists is checked first (a missing one is skipped,
@@ -109,8 +113,7 @@ def test_controller_refuses_a_kubeconfig_that_is_a_fifo_instead_of_waiting_on_it
     fifo = tmp_path / "kubeconfig"
     os.mkfifo(fifo)
     env = _env(TRAINGUARD_ACTUATOR="kubernetes", KUBECONFIG=f"{tmp_path}/absent:{fifo}")
-    argv = cli_argv("controller", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/t.db")
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    proc = tg("controller", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/t.db", env=env)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"error: kubeconfig {fifo} cannot be used: "), proc.stderr
     assert "FIFO" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,12 +19,11 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import make_url
 
 from controller.db.session import make_engine
-from trainguard.cli.procs import cli_argv
 
 if TYPE_CHECKING:
-    from tests.conftest import SchemaTemplates
+    from tests.conftest import SchemaTemplates, Tg
 
-pytestmark = pytest.mark.slow  # each test spawns the CLI in a fresh interpreter
+pytestmark = pytest.mark.slow  # each test runs the CLI as a process of its own
 
 ADVICE = (
     "but no trainguard schema revision (another application's database, or its "
@@ -39,10 +37,6 @@ def _env() -> dict[str, str]:
     tokens = [{"name": "v", "role": "viewer", "token": secrets.token_urlsafe(24)}]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     return env | {"TRAINGUARD_TOKENS": json.dumps(tokens)}
-
-
-def _tg(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cli_argv(*args), capture_output=True, text=True, timeout=60, env=_env())
 
 
 def _where(db_url: str) -> str:
@@ -79,50 +73,50 @@ def _run(db_url: str, *sql: str) -> None:
 COMMANDS = (["db", "upgrade"], ["controller", "--port", "0"])
 
 
-def test_another_applications_database_is_refused_and_left_as_it_was(db_url: str) -> None:
+def test_another_applications_database_is_refused_and_left_as_it_was(db_url: str, tg: Tg) -> None:
     _run(db_url, "CREATE TABLE nodes (x INTEGER)", "INSERT INTO nodes VALUES (7)")
     before = _tables(db_url)
     expected = f"error: {_where(db_url)} holds tables (nodes) {ADVICE}\n"
     for args in COMMANDS:
-        proc = _tg(*args, "--database-url", db_url)
+        proc = tg(*args, "--database-url", db_url, env=_env())
         assert (proc.returncode, proc.stderr) == (2, expected), args
         assert _tables(db_url) == before, args  # no alembic_version, no table of ours
 
 
 def test_our_database_with_its_revision_row_lost_is_refused(
-    db_url: str, schema_templates: SchemaTemplates
+    db_url: str, schema_templates: SchemaTemplates, tg: Tg
 ) -> None:
     assert schema_templates.fill(db_url)  # migrated to head (a copy)
     _run(db_url, "DELETE FROM alembic_version")
     before = _tables(db_url)
     for args in COMMANDS:
-        proc = _tg(*args, "--database-url", db_url)
+        proc = tg(*args, "--database-url", db_url, env=_env())
         assert proc.returncode == 2, (args, proc.stderr)
         assert proc.stderr.startswith(f"error: {_where(db_url)} holds tables (actions, ")
         assert proc.stderr.endswith(f" more) {ADVICE}\n") and proc.stderr.count("\n") == 1
         assert _tables(db_url) == before, args
 
 
-def test_a_directory_as_the_sqlite_file_is_one_line(tmp_path: Path) -> None:
+def test_a_directory_as_the_sqlite_file_is_one_line(tmp_path: Path, tg: Tg) -> None:
     folder = tmp_path / "trainguard.db"
     folder.mkdir()
     expected = (
         f"error: database path {folder} is a directory: name a file (sqlite:///path/to/file.db)\n"
     )
     for args in COMMANDS:
-        proc = _tg(*args, "--database-url", f"sqlite:///{folder}")
+        proc = tg(*args, "--database-url", f"sqlite:///{folder}", env=_env())
         assert (proc.returncode, proc.stderr) == (2, expected), args
     assert list(folder.iterdir()) == []
 
 
 def test_db_upgrade_of_a_schema_from_a_newer_release_is_the_operators_error(
-    db_url: str, schema_templates: SchemaTemplates
+    db_url: str, schema_templates: SchemaTemplates, tg: Tg
 ) -> None:
     """The wrong binary for this database: exit 2, and the revision is left as it was (the
     controller deliberately still runs against it: ``schema_at_or_past_head``)."""
     assert schema_templates.fill(db_url)
     _run(db_url, "UPDATE alembic_version SET version_num = '9999_future'")
-    proc = _tg("db", "upgrade", "--database-url", db_url)
+    proc = tg("db", "upgrade", "--database-url", db_url, env=_env())
     assert (proc.returncode, proc.stderr) == (
         2,
         "error: the database's schema revision 9999_future is newer than this release "
