@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from checkpoint import CheckpointConfig, Checkpointer, reshard
 from checkpoint.rules import ParallelLayout
@@ -35,6 +34,10 @@ def _init(rank: int, world: int, init_file: str) -> None:
 
 def save_rank(rank: int, root: str, init_file: str) -> None:
     """TP=2 x DP=2: Megatron-style plain shards + ZeRO-1 moments + two DTensors."""
+    # DTensor's package (~0.5 s of CPU: it pulls in sympy) is imported here, in the ranks
+    # (the fork server preloads it), not by every pytest worker collecting the tests.
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     _init(rank, 4, init_file)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     layout = ParallelLayout(tp=2, tp_rank=rank % 2, dp=2, dp_rank=rank // 2)
@@ -57,6 +60,8 @@ def save_rank(rank: int, root: str, init_file: str) -> None:
 
 def load_rank(rank: int, root: str, init_file: str, out_dir: str) -> None:
     """TP=1 x DP=3, DTensors resharded along the other dimension onto a 3-rank mesh."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     _init(rank, 3, init_file)
     mesh = init_device_mesh("cpu", (3,))
     full = full_state()
