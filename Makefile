@@ -80,11 +80,13 @@ PYTEST_FAST_WORKERS ?= 6
 # each of them compiles the same sources again. The caches go to the ignored __pycache__/.
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
+# --rerun-show-tracebacks: a slow test that failed once and passed on its rerun still shows
+# why it failed in the summary (every rerun is a race to chase, README "Development").
 test: $(STAMP) browser web-assets s3-server
-	$(PYTEST) -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15
+	$(PYTEST) -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 --rerun-show-tracebacks
 
 test-fast: $(STAMP) web-assets
-	$(PYTEST) -q -n $(PYTEST_FAST_WORKERS) --dist loadgroup -m "not slow"
+	$(PYTEST) -q -n $(PYTEST_FAST_WORKERS) --dist loadgroup -m "not slow" --rerun-show-tracebacks
 
 # The CUDA paths (collectives' event timing, on-device NaN/Inf check, probes; the checkpoint
 # copier): run wherever a GPU is at hand. Every test in tests/gpu skips without CUDA.
