@@ -72,7 +72,7 @@ $(S3_STAMP):
 # workers (756 s of CPU), 8:36 with 6 (800 s); make test-fast 2:41 with 4, 2:33 with 6
 # (267 s of CPU). Each worker first imports every test module (~7 s of CPU: torch alone is
 # 1.8 s), so past the point where the waits overlap, a worker costs more than it saves.
-# Later on 27 Nov (2,443 tests): make test 6:42 with 4; make test-fast 2:13 with 6, 2:21
+# Later on 27 Nov (2,443 tests): make test 6:42 with 4; make test-fast 2:09 with 6, 2:21
 # with 4 (README, "Development").
 PYTEST_WORKERS ?= 4
 PYTEST_FAST_WORKERS ?= 6

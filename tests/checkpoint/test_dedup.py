@@ -7,6 +7,7 @@ import torch
 from checkpoint._dedup import Shared, plan_writers
 from checkpoint.rules import ParallelLayout
 from checkpoint.sharding import ShardingSpec
+from tests import fresh_python
 
 
 def test_each_tensor_gets_one_writer_balanced_by_bytes() -> None:
@@ -55,17 +56,6 @@ def test_a_save_without_dtensors_does_not_import_dtensor() -> None:
     """In a fresh interpreter (this one has DTensor loaded): a save whose tensors are all
     plain does not pay ~0.5 s of CPU per rank to import ``torch.distributed.tensor`` just
     to learn that none of them is a DTensor."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    done = subprocess.run(
-        [sys.executable, "-c", _SAVE_WITHOUT_DTENSORS],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env | {"OMP_NUM_THREADS": "1"},
-    )
+    done = fresh_python.run(_SAVE_WITHOUT_DTENSORS)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "False"

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import collectives
 from collectives.config import config_from_env
 from collectives.roles import RoleTracker, mesh_fields, pg_sizes_role
+from tests import fresh_python
 
 pytestmark = pytest.mark.usefixtures("single_rank")
 
@@ -209,18 +210,7 @@ def test_instrument_leaves_pipelining_unimported_and_still_sees_a_later_stage() 
     """In a fresh interpreter (this one has imported pipelining long ago): instrument()
     does not pay for ``torch.distributed.pipelining`` (1.6 s of CPU per rank); a job that
     imports it later and builds a stage still gets the stage's role in its next summary."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    done = subprocess.run(
-        [sys.executable, "-c", _LAZY_STAGES],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env | {"OMP_NUM_THREADS": "1"},
-    )
+    done = fresh_python.run(_LAZY_STAGES)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 

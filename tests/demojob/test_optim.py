@@ -3,9 +3,9 @@ import (~1.4 s of CPU per rank start, paid by every rank of every generation).""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
+
+from tests import fresh_python
 
 #: Run in a fresh interpreter: this process may have imported ``torch._dynamo`` already.
 _SCRIPT = textwrap.dedent(
@@ -44,7 +44,5 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_adam_matches_torch_bit_for_bit_without_importing_dynamo() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120
-    )
+    done = fresh_python.run(_SCRIPT)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
