@@ -9,8 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,36 +47,31 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def _run_ranks(
-    tmp_path: Path, fields: dict[str, object], roots: list[Path], *extra: str
+    zygote: Any, tmp_path: Path, fields: dict[str, object], roots: list[Path], *extra: str
 ) -> dict[int, dict[str, Any]]:
-    """Run ``tier_rank_worker`` as ``len(roots)`` gloo ranks, rank r on ``roots[r]``;
-    each rank's last stdout line, by rank."""
+    """Run ``tier_rank_worker`` as ``len(roots)`` gloo ranks, rank r on ``roots[r]``, each
+    forked from the torch zygote; each rank's last stdout line, by rank."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     init = f"file://{tmp_path / 'rendezvous'}"
-    worker = [sys.executable, "-m", "tests.checkpoint.tier_rank_worker"]
     world = str(len(roots))
-    procs = [
-        subprocess.Popen(
-            [*worker, str(r), world, init, str(root), json.dumps(fields), *extra],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+    ranks = []
+    for r, root in enumerate(roots):
+        out, err = tmp_path / f"rank{r}.out", tmp_path / f"rank{r}.err"
+        argv = ["-m", "tests.checkpoint.tier_rank_worker", str(r), world, init, str(root)]
+        proc = zygote.spawn(
+            [*argv, json.dumps(fields), *extra], env=env, stdout=out, stderr=err, cwd=REPO
         )
-        for r, root in enumerate(roots)
-    ]
+        ranks.append((proc, out, err))
     reports = {}
-    for proc in procs:
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err[-3000:]
-        line = json.loads(out.strip().splitlines()[-1])
+    for proc, out, err in ranks:
+        assert proc.wait(timeout=240) == 0, err.read_text()[-3000:]
+        line = json.loads(out.read_text().strip().splitlines()[-1])
         reports[line["rank"]] = line
     return reports
 
 
 def test_every_rank_uploads_its_files_and_the_commit_goes_last(
-    tmp_path: Path, endpoint: str
+    tmp_path: Path, endpoint: str, torch_zygote: Any
 ) -> None:
     fields = {
         "bucket": f"ranks-{uuid.uuid4().hex[:12]}",
@@ -93,7 +86,7 @@ def test_every_rank_uploads_its_files_and_the_commit_goes_last(
     client = make_client(store)
     client.create_bucket(Bucket=store.bucket)
     root = tmp_path / "shared"
-    reports = _run_ranks(tmp_path, fields, [root, root])
+    reports = _run_ranks(torch_zygote, tmp_path, fields, [root, root])
 
     assert remote_steps(client, store) == [1, 2]
     for step in (1, 2):
@@ -162,7 +155,7 @@ def test_upload_state_reaches_the_checkpoint_events(tmp_path: Path, endpoint: st
 
 
 def test_node_local_roots_commit_in_the_bucket_and_restore_where_nothing_is_local(
-    tmp_path: Path, endpoint: str
+    tmp_path: Path, endpoint: str, torch_zygote: Any
 ) -> None:
     """Multi-node with node-local disks (``shared_root=False``): rank 0 alone on node A,
     ranks 1 and 2 sharing node B's root. No root sees every part, so nothing commits
@@ -184,7 +177,7 @@ def test_node_local_roots_commit_in_the_bucket_and_restore_where_nothing_is_loca
     client = make_client(store)
     client.create_bucket(Bucket=store.bucket)
     node_a, node_b = tmp_path / "node-a", tmp_path / "node-b"
-    reports = _run_ranks(tmp_path, fields, [node_a, node_b, node_b], "node-local")
+    reports = _run_ranks(torch_zygote, tmp_path, fields, [node_a, node_b, node_b], "node-local")
 
     assert remote_steps(client, store) == [1, 2]
     last = step_dir_name(2)
