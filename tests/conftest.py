@@ -25,6 +25,8 @@ import pytest
 import uvicorn
 from sqlalchemy.engine import make_url
 
+from tests.zygote import Zygote
+
 PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 
@@ -180,13 +182,11 @@ def schema_templates(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Schem
 
 
 @pytest.fixture(scope="session")
-def torch_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def torch_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
     """One torch-preloaded parent per pytest process that forks the multi-process tests'
-    ranks (tests/torch_zygote.py: each rank saves the ~3 s of CPU of importing torch)."""
-    from tests.torch_zygote import TorchZygote
-
+    ranks (tests/zygote.py: each rank saves the ~3 s of CPU of importing torch)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "TG_"))}
-    zygote = TorchZygote(tmp_path_factory.mktemp("torch-zygote"), env)
+    zygote = Zygote(tmp_path_factory.mktemp("torch-zygote"), env)
     yield zygote
     zygote.close()
 
@@ -203,7 +203,7 @@ CLI_PRELOAD = (
 
 
 @pytest.fixture(scope="session")
-def cli_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def cli_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
     """Forks ``python -m trainguard.cli ...`` runs from one parent per pytest process that
     imported the CLI and the controller once (the same machinery as ``torch_zygote``).
 
@@ -215,9 +215,7 @@ def cli_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     ``TYPER_USE_RICH``, ``TERMINAL_WIDTH``, ``_TYPER_FORCE_DISABLE_TERMINAL``): the child
     would see the worker's. ``KUBECONFIG`` is fine: the Kubernetes client is not preloaded.
     """
-    from tests.torch_zygote import TorchZygote
-
-    zygote = TorchZygote(tmp_path_factory.mktemp("cli-zygote"), preload=CLI_PRELOAD)
+    zygote = Zygote(tmp_path_factory.mktemp("cli-zygote"), preload=CLI_PRELOAD)
     yield zygote
     zygote.close()
 
@@ -227,7 +225,7 @@ Tg = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 @pytest.fixture
-def tg(cli_zygote: Any) -> Tg:
+def tg(cli_zygote: Zygote) -> Tg:
     """Runs ``python -m trainguard.cli *args`` as a process of its own, forked from the CLI
     zygote, and returns what ``subprocess.run(..., capture_output=True, text=True)`` would
     (``env``: this process's environment unless given)."""
@@ -235,10 +233,7 @@ def tg(cli_zygote: Any) -> Tg:
     def run(
         *args: str, env: dict[str, str] | None = None, timeout: float = 60.0
     ) -> subprocess.CompletedProcess[str]:
-        done: subprocess.CompletedProcess[str] = cli_zygote.run(
-            ["-m", "trainguard.cli", *args], env=env, timeout=timeout
-        )
-        return done
+        return cli_zygote.run(["-m", "trainguard.cli", *args], env=env, timeout=timeout)
 
     return run
 
@@ -543,13 +538,14 @@ def _schedule_order(
     """
     cost: dict[str, float] = {}
     for item in items:
-        weight = _EST_SLOW_S if item.get_closest_marker("slow") else _EST_OTHER_S
-        cost[path(item)] = cost.get(path(item), 0.0) + weight
+        where = path(item)
+        if not where.startswith(_CLUSTER_TESTS):  # the chains keep their own order
+            weight = _EST_SLOW_S if item.get_closest_marker("slow") else _EST_OTHER_S
+            cost[where] = cost.get(where, 0.0) + weight
 
     def key(item: pytest.Item) -> tuple[bool, float]:
         where = path(item)
-        cluster = where.startswith(_CLUSTER_TESTS)
-        return (not cluster, 0.0 if cluster else -cost[where])
+        return (where in cost, -cost.get(where, 0.0))
 
     return key
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.torch_zygote import TorchZygote, ZygoteProcess
+from tests.zygote import Zygote, ZygoteProcess
 from trainguard.framing import FrameError, encode_frame, read_frame
 from trainguard.wire import (
     Command,
@@ -196,7 +196,7 @@ class Ranks:
 
 
 def launch_ranks(
-    zygote: TorchZygote,
+    zygote: Zygote,
     scenario: str,
     world_size: int,
     out_dir: Path,
@@ -237,7 +237,7 @@ def launch_ranks(
 
 
 @pytest.fixture
-def rank_launcher(torch_zygote: TorchZygote) -> Callable[..., Ranks]:
+def rank_launcher(torch_zygote: Zygote) -> Callable[..., Ranks]:
     return functools.partial(launch_ranks, torch_zygote)
 
 

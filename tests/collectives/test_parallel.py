@@ -20,7 +20,7 @@ import pytest
 
 from bench.collectives_parallel import only, seen
 from collectives import flight
-from tests.torch_zygote import TorchZygote
+from tests.zygote import Zygote
 
 from .conftest import launch_ranks
 
@@ -30,9 +30,7 @@ WORKER = Path(__file__).with_name("parallel_worker.py")
 
 
 @pytest.fixture(scope="module")
-def runs(
-    tmp_path_factory: pytest.TempPathFactory, torch_zygote: TorchZygote
-) -> list[dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory, torch_zygote: Zygote) -> list[dict[str, Any]]:
     """One 2-rank job running the three scenarios (see parallel_worker.py)."""
     out = tmp_path_factory.mktemp("parallel")
     short = Path(tempfile.mkdtemp(prefix="tgp", dir="/tmp"))

@@ -1,7 +1,7 @@
 """Launch the demo job the way the local-process actuator does: one ``python -m
 demojob.train`` per rank, a torchrun-like environment, a free port per launch, no agent.
 
-Each rank is forked from the session's torch zygote (tests/torch_zygote.py) rather than a
+Each rank is forked from the session's torch zygote (tests/zygote.py) rather than a
 fresh interpreter: the same program, without ~3 s of CPU importing torch per rank.
 
 A launch returns once its ranks *and the checkpoint writer processes they started* have
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.torch_zygote import TorchZygote, ZygoteProcess
+from tests.zygote import Zygote, ZygoteProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Names one launch in the environment of its ranks and of the processes they start.
@@ -80,7 +80,7 @@ class Run:
 class Rank:
     """One ``python -m demojob.train`` from the zygote, its stdout and stderr in files."""
 
-    def __init__(self, zygote: TorchZygote, env: Mapping[str, str], out_dir: Path) -> None:
+    def __init__(self, zygote: Zygote, env: Mapping[str, str], out_dir: Path) -> None:
         self.out, self.err = out_dir / "stdout", out_dir / "stderr"
         self.proc: ZygoteProcess = zygote.spawn(
             ["-m", "demojob.train"], env=env, stdout=self.out, stderr=self.err, cwd=ROOT
@@ -125,12 +125,12 @@ def wait_for_writers(launch_id: str, timeout_s: float = WRITERS_TIMEOUT_S) -> li
     return []
 
 
-def start_rank(zygote: TorchZygote, env: Mapping[str, str], tmp: Path) -> Rank:
+def start_rank(zygote: Zygote, env: Mapping[str, str], tmp: Path) -> Rank:
     return Rank(zygote, env, Path(tempfile.mkdtemp(prefix="rank-", dir=tmp)))
 
 
 def launch(
-    zygote: TorchZygote,
+    zygote: Zygote,
     world: int,
     tmp: Path,
     *,

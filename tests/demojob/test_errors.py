@@ -11,7 +11,7 @@ import pytest
 from checkpoint import CheckpointStore
 from demojob.config import JobConfigError, config_from_env
 from tests.demojob.launch import free_port, job_env, launch, start_rank
-from tests.torch_zygote import TorchZygote
+from tests.zygote import Zygote
 
 GOOD = {
     "RANK": "1",
@@ -79,7 +79,7 @@ def test_bad_settings_are_named(change: dict[str, str | None], message: str | No
     ids=["batch", "resume-step"],
 )
 def test_bad_environment_exits_2_with_one_line(
-    tmp_path: Path, torch_zygote: TorchZygote, change: dict[str, str], line: str
+    tmp_path: Path, torch_zygote: Zygote, change: dict[str, str], line: str
 ) -> None:
     env = job_env(0, 2, free_port(), tmp_path, TG_TP=1, TG_STEPS=4, **change)
     env["TG_CKPT_DIR"] = str(tmp_path / "ckpt")
@@ -90,9 +90,7 @@ def test_bad_environment_exits_2_with_one_line(
 
 
 @pytest.mark.slow
-def test_ranks_with_different_resume_steps_exit_2(
-    tmp_path: Path, torch_zygote: TorchZygote
-) -> None:
+def test_ranks_with_different_resume_steps_exit_2(tmp_path: Path, torch_zygote: Zygote) -> None:
     """Ranks walking different candidate lists could resume from different checkpoints."""
     port = free_port()
     ranks = [
@@ -127,9 +125,7 @@ def _flip_byte(path: Path, at: int) -> None:
 
 
 @pytest.mark.slow
-def test_damaged_checkpoints_fall_back_then_exit_3(
-    tmp_path: Path, torch_zygote: TorchZygote
-) -> None:
+def test_damaged_checkpoints_fall_back_then_exit_3(tmp_path: Path, torch_zygote: Zygote) -> None:
     root, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     job = {"TG_TP": 1, "TG_CKPT_DIR": root, "TG_CKPT_EVERY": 2, "log": log}
     (root / "step-000000000003").mkdir(parents=True)  # a crash mid-save, before any commit

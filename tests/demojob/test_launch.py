@@ -17,7 +17,7 @@ import pytest
 
 from checkpoint import CheckpointStore
 from tests.demojob.launch import ROOT, launch
-from tests.torch_zygote import TorchZygote
+from tests.zygote import Zygote
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ if "checkpoint._writer_process" in sys.orig_argv:
 
 
 def test_launch_waits_for_the_writer_a_crashed_rank_left(
-    tmp_path: Path, torch_zygote: TorchZygote
+    tmp_path: Path, torch_zygote: Zygote
 ) -> None:
     site = tmp_path / "site"
     site.mkdir()

@@ -30,7 +30,7 @@ from demojob.model import build_model
 from demojob.parallel import Groups
 from demojob.resume import committed_steps
 from tests.demojob.launch import Run, launch
-from tests.torch_zygote import TorchZygote
+from tests.zygote import Zygote
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def _losses(run: Run) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def baseline_run(
-    tmp_path_factory: pytest.TempPathFactory, torch_zygote: TorchZygote
+    tmp_path_factory: pytest.TempPathFactory, torch_zygote: Zygote
 ) -> tuple[Path, dict[int, float]]:
     """The uninterrupted run: its checkpoint root and its losses by step."""
     tmp = tmp_path_factory.mktemp("baseline")
@@ -72,7 +72,7 @@ def baseline(baseline_run: tuple[Path, dict[int, float]]) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def crashed(tmp_path_factory: pytest.TempPathFactory, torch_zygote: TorchZygote) -> Path:
+def crashed(tmp_path_factory: pytest.TempPathFactory, torch_zygote: Zygote) -> Path:
     """The checkpoint root the crashed run left (kept pristine; tests copy it)."""
     tmp = tmp_path_factory.mktemp("crashed")
     root = tmp / "ckpt-crashed"
@@ -92,7 +92,7 @@ def crashed(tmp_path_factory: pytest.TempPathFactory, torch_zygote: TorchZygote)
     return root
 
 
-def _relaunch(zygote: TorchZygote, tmp: Path, crashed: Path, name: str, world: int) -> Run:
+def _relaunch(zygote: Zygote, tmp: Path, crashed: Path, name: str, world: int) -> Run:
     """Relaunch from a copy of ``crashed`` in ``tmp`` (the test's own ``tmp_path``)."""
     root = tmp / f"ckpt-{name}"
     shutil.copytree(crashed, root)
@@ -101,7 +101,7 @@ def _relaunch(zygote: TorchZygote, tmp: Path, crashed: Path, name: str, world: i
 
 
 def test_resumed_run_continues_bit_for_bit(
-    tmp_path: Path, baseline: dict[int, float], crashed: Path, torch_zygote: TorchZygote
+    tmp_path: Path, baseline: dict[int, float], crashed: Path, torch_zygote: Zygote
 ) -> None:
     run = _relaunch(torch_zygote, tmp_path, crashed, "same-layout", 4)
     assert run.codes == [0] * 4, run.explain()
@@ -121,7 +121,7 @@ def _fresh_loss(step: int) -> float:
 
 
 def test_shrunk_run_resumes_from_resharded_checkpoint(
-    tmp_path: Path, baseline: dict[int, float], crashed: Path, torch_zygote: TorchZygote
+    tmp_path: Path, baseline: dict[int, float], crashed: Path, torch_zygote: Zygote
 ) -> None:
     run = _relaunch(torch_zygote, tmp_path, crashed, "shrunk", 2)
     assert run.codes == [0] * 2, run.explain()
@@ -147,7 +147,7 @@ def test_shrunk_run_resumes_from_resharded_checkpoint(
 
 
 def test_rollback_resumes_at_the_bound_and_sets_newer_steps_aside(
-    tmp_path: Path, baseline_run: tuple[Path, dict[int, float]], torch_zygote: TorchZygote
+    tmp_path: Path, baseline_run: tuple[Path, dict[int, float]], torch_zygote: Zygote
 ) -> None:
     baseline_root, baseline = baseline_run
     root = tmp_path / "ckpt-rollback"

@@ -5,7 +5,7 @@ each) whose ranks talk to their node's agent over its Unix socket; the agents re
 controller process. One fault per job; the test asserts the incident names the true
 culprit and that nothing else opened for that job. Margins are wide (fault sizes, time
 limits) so the suite holds on a loaded 2-core machine. The ranks are forked from a process
-that imported torch once (tests/torch_zygote.py), each then a process of its own.
+that imported torch once (tests/zygote.py), each then a process of its own.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 
 from tests import http_calls
 from tests.e2e.e2e_cluster import E2ECluster, _clean_env
-from tests.torch_zygote import TorchZygote
+from tests.zygote import Zygote
 from trainguard.cli.procs import Child, cli_argv, free_port, wait_until
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def node_of(rank: int) -> str:
 
 
 class DetectionCluster:
-    def __init__(self, workdir: Path, zygote: TorchZygote) -> None:
+    def __init__(self, workdir: Path, zygote: Zygote) -> None:
         self.base = E2ECluster(workdir, f"sqlite:///{workdir / 'tg.db'}")
         self.workdir = workdir
         self.sockets = {n: str(workdir / f"{n}.sock") for n in NODES}
@@ -144,7 +144,7 @@ def stop(child: Child, *, timeout_s: float) -> int | None:
 
 @pytest.fixture(scope="module")
 def cluster(
-    tmp_path_factory: pytest.TempPathFactory, torch_zygote: TorchZygote
+    tmp_path_factory: pytest.TempPathFactory, torch_zygote: Zygote
 ) -> Iterator[DetectionCluster]:
     c = DetectionCluster(tmp_path_factory.mktemp("detect"), torch_zygote)
     try:

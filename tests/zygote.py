@@ -1,4 +1,4 @@
-"""Rank processes forked from one parent that imported torch once (a "zygote").
+"""Processes forked from one parent that imported their modules once (a "zygote").
 
 Importing torch costs each new interpreter ~2.2 s of CPU here, and ``collectives.instrument()``
 1.6 s more (it imports ``torch.distributed.pipelining``, which pulls in DTensor, dynamo and
@@ -15,8 +15,8 @@ for its non-daemon threads, hands an uncaught exception to ``sys.excepthook`` an
 ended it) reaches the test as ``subprocess.Popen`` reports it.
 
 The same machinery forks the CLI's own runs (``python -m trainguard.cli ...``, the
-``cli_zygote`` fixture): a zygote imports the modules named on its command line, torch's
-set (:data:`PRELOAD`) when none are.
+``cli_zygote`` fixture): a zygote imports the modules named on its command line, the
+ranks' set (:data:`PRELOAD`, torch's) when none are.
 
 What differs from a fresh interpreter: modules are imported once with the zygote's
 environment, so a setting that a module reads *at import time* is the zygote's, not the
@@ -80,7 +80,7 @@ class ZygoteProcess:
     """The part of ``subprocess.Popen`` the tests use, for a child of the zygote (which
     reaps it and reports its exit code)."""
 
-    def __init__(self, pid: int, argv: Sequence[str], zygote: TorchZygote) -> None:
+    def __init__(self, pid: int, argv: Sequence[str], zygote: Zygote) -> None:
         self.pid = pid
         self.args = [sys.executable, *argv]
         self._zygote = zygote
@@ -113,7 +113,7 @@ class ZygoteProcess:
         self.send_signal(signal.SIGKILL)
 
 
-class TorchZygote:
+class Zygote:
     """Starts the zygote (this file run as a script) and forks children from it on request."""
 
     def __init__(
@@ -134,7 +134,7 @@ class TorchZygote:
             self.popen = subprocess.Popen(
                 # -m from the repository root: the script's own folder (tests/) first on
                 # sys.path would shadow the packages by the test folders of the same names.
-                [sys.executable, "-m", "tests.torch_zygote", *preload],
+                [sys.executable, "-m", "tests.zygote", *preload],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -199,7 +199,7 @@ class TorchZygote:
             self.popen.stdin.flush()
             pid = self._pids.get(timeout=120)
         if pid < 0:
-            raise AssertionError(f"torch zygote died:\n{self.log_path.read_text()[-3000:]}")
+            raise AssertionError(f"zygote died:\n{self.log_path.read_text()[-3000:]}")
         return ZygoteProcess(pid, argv, self)
 
     def run(

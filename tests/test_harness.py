@@ -1,0 +1,86 @@
+"""The suite's own machinery: the zygote's children and refusals, and the order in which
+modules go to the xdist workers (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import _schedule_order
+from tests.zygote import Zygote
+
+
+@pytest.fixture
+def plain_zygote(tmp_path: Path) -> Zygote:
+    """A zygote that preloads nothing heavy (``json``): its children are cheap."""
+    zygote = Zygote(tmp_path / "zygote", preload=("json",))
+    yield zygote  # type: ignore[misc]
+    zygote.close()
+
+
+def _script(tmp_path: Path, name: str, code: str) -> str:
+    path = tmp_path / name
+    path.write_text(code)
+    return str(path)
+
+
+def test_run_gives_what_subprocess_run_would(plain_zygote: Zygote, tmp_path: Path) -> None:
+    code = "import os, sys\nprint(os.environ['X'], os.getcwd())\nsys.exit('bad ' + sys.argv[1])\n"
+    script = _script(tmp_path, "child.py", code)
+    done = plain_zygote.run([script, "arg"], env={"X": "y"}, cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (1, f"y {tmp_path}\n", "bad arg\n")
+
+
+def test_run_kills_a_child_past_its_timeout(plain_zygote: Zygote, tmp_path: Path) -> None:
+    script = _script(tmp_path, "sleeper.py", "import time\ntime.sleep(60)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        plain_zygote.run([script], timeout=0.5)
+
+
+def test_a_preload_that_starts_a_thread_is_refused(tmp_path: Path) -> None:
+    """Forking copies only the calling thread: a zygote whose preload started one would
+    hand its children a half-copied process, so it refuses to serve."""
+    _script(
+        tmp_path,
+        "threaded_preload.py",
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n",
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    zygote = Zygote(tmp_path / "zygote", env, preload=("threaded_preload",))
+    try:
+        with pytest.raises(AssertionError, match="preloading started threads"):
+            zygote.spawn([_script(tmp_path, "x.py", "")], env=env, stdout=tmp_path / "out")
+    finally:
+        zygote.close()
+
+
+@dataclass
+class _Item:
+    """What the ordering reads of a pytest item: its path and whether it is slow."""
+
+    where: str
+    slow: bool = False
+
+    def get_closest_marker(self, name: str) -> object:
+        return self.slow if name == "slow" and self.slow else None
+
+
+def test_cluster_chains_go_first_then_modules_longest_expected_first() -> None:
+    items = [
+        _Item("tests/a.py"), _Item("tests/a.py"),  # 2 quick tests
+        _Item("tests/b.py", slow=True),  # one slow test outweighs them
+        _Item("tests/e2e/test_demo.py", slow=True),
+        _Item("tests/c.py"), _Item("tests/c.py", slow=True), _Item("tests/c.py"),
+        _Item("tests/e2e/test_recovery_e2e.py", slow=True),
+    ]  # fmt: skip
+    key = _schedule_order(items, lambda item: item.where)  # type: ignore[arg-type, attr-defined]
+    ordered = sorted(items, key=key)  # type: ignore[arg-type]
+    assert [i.where for i in ordered] == [
+        "tests/e2e/test_demo.py", "tests/e2e/test_recovery_e2e.py",  # collection order
+        "tests/c.py", "tests/c.py", "tests/c.py", "tests/b.py", "tests/a.py", "tests/a.py",
+    ]  # fmt: skip
