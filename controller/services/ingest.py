@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from controller.db.keys import CommandKey, CursorKey, GpuKey, JobKey, NodeKey, RankKey, RowKey
 from controller.db.models import Base, Checkpoint, GpuHistory
 from controller.errors import ControllerError, InvalidInput, MalformedBody, StoreUnavailable
-from controller.logic.world_size import WorldSize
+from controller.logic.world_size import WorldSize, outside_world
 from controller.services.commands import to_wire
 from controller.services.events import EventBus, JobRecordsReported, NodeReported
 from controller.services.metrics import ControllerMetrics
@@ -301,11 +301,18 @@ class IngestService:
         for item in records.inflight:
             inflight_by_rank.setdefault((item.job, item.rank), []).append(item)
         for (job_name, rank_no), items in inflight_by_rank.items():
+            if self._phantom(job_name, rank_no):
+                continue  # not the job's: kept nowhere, as detection ignores it too
             _, rank = self._rank(job_name, rank_no, node_name, received, upserts)
             rank.inflight = items
         rows = inserts.setdefault(Checkpoint, [])
         for ckpt in records.checkpoints:
-            self._rank(ckpt.job, ckpt.rank, node_name, received, upserts)
+            if self._phantom(ckpt.job, ckpt.rank):
+                # What the agent said stays in the history; the job gains no rank from it.
+                self._state.jobs[ckpt.job].last_seen_unix_s = received
+                upserts.add(JobKey(ckpt.job))
+            else:
+                self._rank(ckpt.job, ckpt.rank, node_name, received, upserts)
             rows.append(
                 {
                     "job_name": ckpt.job,
@@ -332,6 +339,17 @@ class IngestService:
         if world is None:
             world = self._world[job.name] = WorldSize(value=job.world_size)
         job.world_size = world.observe(rank, claimed, received, started=started)
+
+    def _phantom(self, job_name: str, rank_no: int) -> bool:
+        """A rank that only in-flight or checkpoint records name, outside the world its
+        job's ranks agree on: those records carry no world size the wire could check the rank
+        against, and a row for it would show the job a rank it does not have (the dashboard's
+        rank table, ``kubectl trainguard jobs``). Ranks the job had before it shrank keep
+        their rows and still take their late records."""
+        job = self._state.jobs.get(job_name)
+        return (
+            job is not None and rank_no not in job.ranks and outside_world(rank_no, job.world_size)
+        )
 
     def _rank(
         self, job_name: str, rank_no: int, node: str, received: float, upserts: set[RowKey]

@@ -120,6 +120,39 @@ def test_a_shrink_restart_lowers_the_world_size_and_drops_the_old_ranks(
     assert job["nodes"] == ["node-a"]
 
 
+@SQLITE
+def test_in_flight_and_checkpoint_records_add_no_rank_outside_the_world(
+    controller_factory: Factory, ctl_report: MakeReport
+) -> None:
+    """Those records carry no world size for the wire to check their rank against: a rank
+    beyond the agreed world gets no row (in memory or in the database), while the
+    checkpoint event itself stays in the job's history."""
+    live = controller_factory()
+    agent = Poster(live, ctl_report)
+    agent.steps("node-a", _step(0, 2, 1), _step(1, 2, 1))
+    now = time.time()
+    stuck = {"job": "job-x", "group": "g0", "op": "all_reduce", "seq": 3, "elapsed_s": 1.0}
+    ckpt = {"job": "job-x", "step": 1, "kind": "durable", "time_unix_s": now}
+    r = agent.post(
+        "node-b",
+        {
+            "inflight": [stuck | {"rank": HUGE}, stuck | {"rank": 1}],
+            "checkpoints": [ckpt | {"rank": 9}, ckpt | {"rank": 1}],
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert sorted(live.controller.state.jobs["job-x"].ranks) == [0, 1]
+    live.restart()
+    ranks = live.controller.state.jobs["job-x"].ranks
+    assert sorted(ranks) == [0, 1]
+    assert ranks[1].node == "node-b"  # the in-world records still count
+    r = http_calls.get(
+        f"{live.url}/api/v1/jobs/job-x/checkpoints", headers=live.headers("viewer"), timeout=10
+    )
+    assert r.status_code == 200, r.text
+    assert sorted(c["rank"] for c in r.json()["data"]) == [1, 9]
+
+
 def test_world_size_vote() -> None:
     world = WorldSize(window_s=100.0)
     assert [world.observe(r, 2, 0.0) for r in (0, 1)] == [2, 2]
