@@ -32,6 +32,11 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("train_worker.py")
 NODES = ("det-node-0", "det-node-1")
 WORLD = 4
+#: Extra time per transfer over an injected slow link. A probe tells a slow pair only from
+#: healthy pairs that time under half of it, and on this loaded 2-core host a loopback
+#: round trip between descheduled ranks can take 20-30 ms in every round (a 30 ms link was
+#: once found healthy in three rounds running).
+SLOW_LINK_S = 0.08
 
 
 def node_of(rank: int) -> str:
@@ -250,7 +255,7 @@ def test_crash_names_the_rank_and_its_exit_code(cluster: DetectionCluster) -> No
 
 def test_slow_link_is_probed_and_localized(cluster: DetectionCluster) -> None:
     job = unique("slowlink")
-    faults = [{"kind": "slow_link", "ranks": [1, 2], "from_step": 60, "delay_s": 0.03}]
+    faults = [{"kind": "slow_link", "ranks": [1, 2], "from_step": 60, "delay_s": SLOW_LINK_S}]
     ranks = cluster.run_job(job, faults, steps=3000)
     try:
         slow = cluster.wait_incident(job, "comm_slow", timeout_s=60)
@@ -297,7 +302,7 @@ def test_communication_hang_is_localized_by_the_probe_after_restart(
     transfer over it that never finishes: every rank is inside the call. The hang is
     reported as a communication hang; the job is restarted in place (what the policy's
     restart does), and the probe deferred to the new run names the link."""
-    link = {"kind": "slow_link", "ranks": [1, 2], "from_step": 0, "delay_s": 0.03}
+    link = {"kind": "slow_link", "ranks": [1, 2], "from_step": 0, "delay_s": SLOW_LINK_S}
     stuck = {"kind": "hang", "rank": 1, "at_step": 20, "op": "all_reduce", "where": "inside"}
     job = unique("commhang")
     ranks = cluster.run_job(job, [link, stuck], steps=400)

@@ -102,7 +102,23 @@ class RecoveryCluster:
         return [r for r in self.losses() if r["generation"] == gen]
 
     def wait(self, what: str, predicate: Any, timeout_s: float) -> None:
-        self.base.wait(what, predicate, timeout_s=timeout_s)
+        try:
+            self.base.wait(what, predicate, timeout_s=timeout_s)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.rank_logs()}") from None
+
+    def rank_logs(self, lines: int = 20) -> str:
+        """The newest generation's rank logs (the launcher writes one per rank and
+        generation): what a job that does not come back was doing."""
+        logs = sorted((self.workdir / "ranks").glob(f"{JOB}.g*.rank*.log"))
+        if not logs:
+            return "--- no rank logs"
+        newest = max(int(p.name.split(".g")[1].split(".")[0]) for p in logs)
+        return "\n".join(
+            f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
+            for p in logs
+            if p.name.startswith(f"{JOB}.g{newest}.")
+        )
 
     def inject_xid(self, node: str, gpu: int = 0) -> float:
         with self.fault_files[node].open("a") as f:
