@@ -35,7 +35,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Action, Checkpoint
-from controller.logic.world_size import WorldSize
+from controller.logic.world_size import WorldSize, outside_world
 from controller.state import ClusterState
 from trainguard import wire
 
@@ -105,6 +105,8 @@ class StepRecorder:
         else:
             self.jobs.move_to_end(summary.job)
         world_size = job.world.observe(summary.rank, summary.world_size, received)
+        if outside_world(summary.rank, world_size):
+            return  # a lone claim of a larger world: no row of the heatmap (as in detection)
         if summary.role:
             job.roles[summary.rank] = summary.role
         job.layout[summary.rank] = (

@@ -176,9 +176,11 @@ def test_tracker_and_dashboard_ignore_a_lone_world_size() -> None:
             recorder.record(_summary(rank, 4, step), float(step))
     tracker.observe_step("evil", _summary(2, HUGE, 3), now_s=3.0)
     recorder.record(_summary(2, HUGE, 3), 3.0)
+    recorder.record(_summary(HUGE - 1, HUGE, 2), 3.0)  # and a rank only that claim has
     assert (tracker.world_size, tracker.incarnation) == (4, 0)
     matrix = recorder.matrix("job-x", 10, time.time())
     assert matrix is not None and matrix["world_size"] == 4
+    assert [r["rank"] for r in matrix["ranks"]] == [0, 1, 2, 3]
     # A real shrink: every rank of the new run reports the smaller size.
     tracker.observe_step("n", _summary(0, 2, 0), now_s=4.0)
     tracker.observe_step("n", _summary(1, 2, 0), now_s=4.0)
