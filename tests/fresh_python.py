@@ -8,14 +8,15 @@ rank launcher here gives.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
+
+from tests.environ import clean_env
 
 
 def run(code: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
     """``python -c code``; its output comes back as text."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env = clean_env()
     return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -10,7 +10,6 @@ line with exit status 2, where before it was silently half-read or died with a t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from controller.logic.remediation.rules import PolicyError, Step, load_policy
+from tests.environ import clean_env
 from trainguard.cli.app import run
 from trainguard.textfile import TOO_DEEP, Unparsable, load_json, load_yaml
 
@@ -201,7 +201,7 @@ def _controller_refuses(tg: Tg, tmp_path: Path, config: str) -> str:
     one-line refusal: exit 2, no traceback (a dev-mode warning may come first)."""
     path = tmp_path / "controller.yaml"
     path.write_text(config)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env = clean_env()
     database = f"sqlite:///{tmp_path / 'tg.db'}"
     done = tg(
         "controller", "--dev", "--port", "0", "--database-url", database, "--config", str(path),

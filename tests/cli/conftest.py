@@ -7,7 +7,6 @@ captures stdout/stderr), and as a subprocess where the console script itself mat
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from tests.cli.cli_testkit import (
     has_incident,
     seed_actions,
 )
+from tests.environ import clean_env
 from trainguard.cli.app import run
 from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
 
@@ -39,7 +39,7 @@ def cli_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliServer]:
         {"name": "cli-agent", "role": "agent", "token": server.agent_token},
         {"name": "cli-viewer", "role": "viewer", "token": server.viewer_token},
     ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env = clean_env()
     # The listings are checked against a fixed data set: the remediation engine, which
     # would add its own actions for the fed incidents, stays off.
     policy = workdir / "policy.json"

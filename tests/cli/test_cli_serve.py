@@ -16,6 +16,7 @@ import yaml
 
 from tests import http_calls
 from tests.cli.cli_testkit import controller_ready, feed
+from tests.environ import clean_env
 from trainguard.cli.app import run
 from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
 
@@ -23,18 +24,12 @@ if TYPE_CHECKING:
     from tests.conftest import SchemaTemplates, Tg
 
 
-def _clean_env(**extra: str) -> dict[str, str]:
-    import os
-
-    return {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")} | extra
-
-
 @pytest.mark.slow  # runs the CLI as a process of its own
 def test_db_upgrade_reports_the_revision_and_is_idempotent(db_url: str, tg: Tg) -> None:
-    first = tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
+    first = tg("db", "upgrade", "--database-url", db_url, env=clean_env())
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("database at ") and " is at revision " in first.stdout
-    second = tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
+    second = tg("db", "upgrade", "--database-url", db_url, env=clean_env())
     assert second.returncode == 0 and second.stdout == first.stdout
 
 
@@ -51,9 +46,7 @@ def test_printed_database_urls_hide_passwords() -> None:
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_controller_refuses_unmigrated_postgres_in_one_line(db_url: str, tg: Tg) -> None:
     token = secrets.token_urlsafe(24)
-    env = _clean_env(
-        TRAINGUARD_TOKENS=json.dumps([{"name": "v", "role": "viewer", "token": token}])
-    )
+    env = clean_env(TRAINGUARD_TOKENS=json.dumps([{"name": "v", "role": "viewer", "token": token}]))
     proc = tg("controller", "--port", str(free_port()), "--database-url", db_url, env=env)
     assert proc.returncode == 1
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -64,7 +57,7 @@ def test_controller_refuses_unmigrated_postgres_in_one_line(db_url: str, tg: Tg)
 @pytest.mark.slow  # runs the CLI as a process of its own
 def test_controller_without_tokens_outside_dev_is_exit_2(tmp_path: Path, tg: Tg) -> None:
     proc = tg("controller", "--port", "0", "--database-url", f"sqlite:///{tmp_path}/x.db",
-               env=_clean_env())  # fmt: skip
+               env=clean_env())  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: invalid controller settings: no API tokens configured")
     assert proc.stderr.count("\n") == 1
@@ -73,9 +66,7 @@ def test_controller_without_tokens_outside_dev_is_exit_2(tmp_path: Path, tg: Tg)
 @pytest.mark.slow  # runs the CLI as a process of its own
 def test_controller_on_a_taken_port_is_exit_1(tmp_path: Path, tg: Tg) -> None:
     token = secrets.token_urlsafe(24)
-    env = _clean_env(
-        TRAINGUARD_TOKENS=json.dumps([{"name": "v", "role": "viewer", "token": token}])
-    )
+    env = clean_env(TRAINGUARD_TOKENS=json.dumps([{"name": "v", "role": "viewer", "token": token}]))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -107,7 +98,7 @@ def test_controller_reads_config_file_and_flags_override_it(tmp_path: Path) -> N
     argv = cli_argv("controller", "--config", str(config), "--port", str(flag_port))
     url = f"http://127.0.0.1:{flag_port}"
     with ProcessSet(tmp_path / "logs") as procs:
-        child = procs.start("controller", argv, env=_clean_env())
+        child = procs.start("controller", argv, env=clean_env())
         assert wait_until(lambda: controller_ready(url) or not child.alive(), timeout_s=60)
         assert child.alive(), child.log_tail()
         assert (tmp_path / "from-config.db").exists()
@@ -195,7 +186,7 @@ def test_controller_refuses_a_read_only_sqlite_database_in_one_line(
         before = database.read_bytes()
         token = secrets.token_urlsafe(24)
         tokens = json.dumps([{"name": "v", "role": "viewer", "token": token}])
-        env = _clean_env(HOME=top, TRAINGUARD_TOKENS=tokens)
+        env = clean_env(HOME=top, TRAINGUARD_TOKENS=tokens)
         argv = [*prefix, *cli_argv("controller", "--port", "0", "--database-url", url)]
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env)
@@ -217,7 +208,7 @@ def test_a_file_that_is_not_sqlite_is_exit_2_in_one_line_and_left_alone(
     url = f"sqlite:///{garbage}"
     token = secrets.token_urlsafe(24)
     tokens = json.dumps([{"name": "v", "role": "viewer", "token": token}])
-    env = _clean_env(TRAINGUARD_TOKENS=tokens)
+    env = clean_env(TRAINGUARD_TOKENS=tokens)
     expected = (
         f"error: database file {garbage} is not a SQLite database (or is damaged): "
         "file is not a database\n"
@@ -243,7 +234,7 @@ def test_db_upgrade_on_a_schema_from_a_newer_release_says_so_in_one_line(
             conn.execute(text("UPDATE alembic_version SET version_num = '9999_future'"))
     finally:
         engine.dispose()
-    proc = tg("db", "upgrade", "--database-url", db_url, env=_clean_env())
+    proc = tg("db", "upgrade", "--database-url", db_url, env=clean_env())
     assert proc.returncode == 2  # the operator's input: this binary is too old for it
     assert proc.stderr == (
         "error: the database's schema revision 9999_future is newer than this release "

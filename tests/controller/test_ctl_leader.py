@@ -9,7 +9,6 @@ leader is killed and the standby takes over.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import signal
 import time
@@ -25,6 +24,7 @@ from controller.db.models import Incident
 from controller.db.session import make_engine
 from controller.services.leader import LOST_DETAIL, STANDBY_DETAIL, FileLock, LeadershipLost
 from tests import http_calls
+from tests.environ import clean_env
 from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
 
 NODE_LOST_AFTER_S = 2.0
@@ -70,7 +70,7 @@ def replicas(tmp_path: Path) -> Iterator[Callable[[str], Replica]]:
     """Start ``trainguard controller`` processes that share their tokens."""
     tokens = {role: secrets.token_urlsafe(24) for role in ("agent", "operator")}
     configured = [{"name": f"t-{r}", "role": r, "token": t} for r, t in tokens.items()]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env = clean_env()
     env |= {
         "TRAINGUARD_TOKENS": json.dumps(configured),
         "TRAINGUARD_ALLOW_SHARED_AGENT_TOKENS": "true",  # one agent token, many nodes

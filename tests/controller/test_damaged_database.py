@@ -19,6 +19,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import make_url
 
 from controller.db.session import make_engine
+from tests.environ import clean_env
 
 if TYPE_CHECKING:
     from tests.conftest import SchemaTemplates, Tg
@@ -32,10 +33,9 @@ ADVICE = (
 
 
 def _env() -> dict[str, str]:
-    import os
 
     tokens = [{"name": "v", "role": "viewer", "token": secrets.token_urlsafe(24)}]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env = clean_env()
     return env | {"TRAINGUARD_TOKENS": json.dumps(tokens)}
 
 

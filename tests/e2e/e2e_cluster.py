@@ -10,7 +10,6 @@ nothing counted twice" can be asserted exactly.
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import subprocess
@@ -25,6 +24,7 @@ from typing import Any
 import httpx
 
 from tests import http_calls
+from tests.environ import clean_env
 from trainguard.cli.client import ApiClient
 from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
 
@@ -138,7 +138,7 @@ class E2ECluster:
             cli_argv("db", "upgrade", "--database-url", self.database_url),
             capture_output=True,
             text=True,
-            env=_clean_env({}),
+            env=clean_env(),
             timeout=60,
         )
         assert done.returncode == 0, done.stderr
@@ -160,7 +160,7 @@ class E2ECluster:
             *("controller", "--host", "127.0.0.1", "--port", str(self.port)),
             *("--database-url", self.database_url),
         )
-        child = self.procs.start("controller", argv, env=_clean_env(env))
+        child = self.procs.start("controller", argv, env=clean_env(env))
         with ApiClient(self.server) as probe:
             ok = wait_until(lambda: probe.ready() or not child.alive(), timeout_s=60)
             if not (ok and child.alive() and probe.ready()):
@@ -181,7 +181,7 @@ class E2ECluster:
             argv += ["--sim-fault", spec]
         # Retry quickly after an outage so the test does not wait out a 30 s backoff.
         return self.procs.start(
-            node, argv, env=_clean_env({"TRAINGUARD_AGENT_BACKOFF_MAX_S": "0.5"})
+            node, argv, env=clean_env({"TRAINGUARD_AGENT_BACKOFF_MAX_S": "0.5"})
         )
 
     def wait(self, what: str, predicate: Any, timeout_s: float = 40.0) -> None:
@@ -199,11 +199,6 @@ class E2ECluster:
         with self.api() as api:
             detail = api.node(node, history_s=24 * 3600)
         return sum(p["samples"] for p in detail["history"] if p["gpu_index"] == 0)
-
-
-def _clean_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    return env | extra
 
 
 def spool_leftovers(spool: Path) -> tuple[str, int, set[int], list[float]]:

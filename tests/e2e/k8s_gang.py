@@ -44,7 +44,8 @@ from typing import Any
 import yaml
 
 from tests.actuators.fake_cluster import FakeCluster
-from tests.e2e.e2e_cluster import E2ECluster, _clean_env
+from tests.e2e.e2e_cluster import E2ECluster
+from tests.environ import clean_env
 from trainguard.cli.procs import cli_argv, free_port, wait_until
 
 NS = "train"
@@ -190,7 +191,7 @@ class Kubelet:
         log = (self.workdir / f"{name}.log").open("ab")
         return subprocess.Popen(
             argv,
-            env=_clean_env(env),
+            env=clean_env(env),
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -271,7 +272,7 @@ class GangCluster:
                 *("--sample-interval", "0.5", "--report-interval", "1.0"),
                 *("--sim-fault-file", str(self.fault_files[node])),
             )
-            self.base.procs.start(node, argv, env=_clean_env({}))
+            self.base.procs.start(node, argv, env=clean_env())
         sockets = list(self.sockets.values())
         assert wait_until(lambda: all(os.path.exists(s) for s in sockets), timeout_s=30)
         (self.workdir / "policy.json").write_text(
@@ -310,7 +311,7 @@ class GangCluster:
             *("controller", "--host", "127.0.0.1", "--port", str(base.port)),
             *("--database-url", base.database_url),
         )
-        child = base.procs.start("controller", argv, env=_clean_env(env))
+        child = base.procs.start("controller", argv, env=clean_env(env))
         with base.api() as probe:
             ok = wait_until(lambda: probe.ready() or not child.alive(), timeout_s=240)
             if not (ok and child.alive() and probe.ready()):

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from tests import http_calls
-from tests.e2e.e2e_cluster import E2ECluster, _clean_env
+from tests.e2e.e2e_cluster import E2ECluster
+from tests.environ import clean_env
 from tests.zygote import Zygote
 from trainguard.cli.procs import Child, cli_argv, free_port, wait_until
 
@@ -68,7 +69,7 @@ class DetectionCluster:
                 *("--socket-path", self.sockets[node], "--metrics-port", "-1"),
                 *("--sample-interval", "0.2", "--report-interval", "0.5"),
             )
-            self.base.procs.start(node, argv, env=_clean_env({}))
+            self.base.procs.start(node, argv, env=clean_env())
         for node in NODES:
             ok = wait_until(lambda n=node: os.path.exists(self.sockets[n]), timeout_s=30)
             assert ok, self.base.procs[node].log_tail(30)
@@ -84,7 +85,7 @@ class DetectionCluster:
         port = free_port()
         ranks = []
         for rank in range(WORLD):
-            env = _clean_env(
+            env = clean_env(
                 {
                     "RANK": str(rank),
                     "WORLD_SIZE": str(WORLD),

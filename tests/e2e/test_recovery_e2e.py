@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from tests import http_calls
-from tests.e2e.e2e_cluster import E2ECluster, _clean_env
+from tests.e2e.e2e_cluster import E2ECluster
+from tests.environ import clean_env
 from trainguard.cli.procs import cli_argv, wait_until
 
 pytestmark = pytest.mark.slow
@@ -78,7 +79,7 @@ class RecoveryCluster:
                 *("--sample-interval", "0.2", "--report-interval", "0.5"),
                 *("--sim-fault-file", str(self.fault_files[node])),
             )
-            self.base.procs.start(node, argv, env=_clean_env({}))
+            self.base.procs.start(node, argv, env=clean_env())
         for node in NODES:
             assert wait_until(lambda n=node: os.path.exists(self.sockets[n]), timeout_s=30)
         self.base.start_controller(

@@ -11,7 +11,6 @@ comes back, and the caps are lifted. Actions carry the row's power before and af
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from tests import http_calls
+from tests.environ import clean_env
 from trainguard.cli.procs import Child, ProcessSet, cli_argv, wait_until
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ class Cluster:
             *("--socket-path", "", "--metrics-port", "-1"),
             *("--sample-interval", str(SAMPLE_S), "--report-interval", str(REPORT_S)),
         )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+        env = clean_env()
         env["TRAINGUARD_AGENT_LABELS"] = json.dumps({"trainguard.io/priority": priority})
         env["TRAINGUARD_AGENT_BACKOFF_MAX_S"] = "0.5"
         if no_permission:

@@ -20,7 +20,6 @@ schedulable, and the job on it would never be restarted.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import signal
 import time
@@ -32,6 +31,7 @@ import httpx
 import pytest
 
 from tests import http_calls
+from tests.environ import clean_env
 from tests.remediation.test_engine import ENGINE
 from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
 
@@ -94,7 +94,7 @@ class Cluster:
         self.database_url = database_url
         self.tokens = {role: secrets.token_urlsafe(24) for role in ("agent", "operator")}
         configured = [{"name": f"t-{r}", "role": r, "token": t} for r, t in self.tokens.items()]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+        env = clean_env()
         self.env = env | {
             "TRAINGUARD_TOKENS": json.dumps(configured),
             "TRAINGUARD_ALLOW_SHARED_AGENT_TOKENS": "true",  # one agent token, many nodes
