@@ -63,6 +63,7 @@ from agents.sampler import GpuSampler
 from agents.settings import AgentSettings
 from agents.spool import Spool
 from agents.stats import AgentStats
+from agents.tcp_endpoint import JobTokens
 from agents.xid_events import EccEvent, XidWatcher
 from trainguard.wire import (
     BondSample,
@@ -681,6 +682,12 @@ def run(settings: AgentSettings) -> None:
         except AgentConfigError:
             if foreground:
                 raise
+    if settings.job_listen and settings.job_token_file is not None:
+        # Read now, before the spool, the GPU backend and the sockets start: a file that
+        # cannot serve (a FIFO, a directory, no token long enough) is the same one-line
+        # refusal, with nothing left behind, in the background too (a Secret is mounted
+        # before the container starts; the endpoint keeps re-reading it afterwards).
+        JobTokens(settings.job_token_file).load()
     agent = Agent(settings)
     if agent.backend.error and foreground:
         # Report the node unhealthy once (best effort), then fail loudly: a person who

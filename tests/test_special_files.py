@@ -157,16 +157,31 @@ def test_agent_refuses_special_token_files_at_start(
         assert words in err or "larger than 65536 bytes" in err, err
 
 
-def test_agent_refuses_a_fifo_as_job_token_file(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_agent_refuses_special_job_token_files_before_it_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fifo, _ = _fifo(tmp_path)
+    """Exit 2 in one line before the spool, the GPU backend or a socket exists (it used to
+    come from the TCP endpoint's start, after those)."""
+    import agents.daemon
+
+    def no_agent(*_args: object, **_kw: object) -> None:
+        raise AssertionError("the agent started with an unusable job token file")
+
+    monkeypatch.setattr(agents.daemon, "Agent", no_agent)
     args = ["--controller", "http://127.0.0.1:9", "--gpus", "sim:1", "--no-foreground"]
     args += ["--spool-dir", str(tmp_path / "spool"), "--socket-path", "", "--metrics-port", "-1"]
-    args += ["--job-listen", "127.0.0.1:0", "--job-token-file", str(fifo)]
-    assert cli_run(["agent", *args]) == 2
-    err = capsys.readouterr().err.splitlines()[-1]
-    assert err == f"error: job token file {fifo}: cannot read it (a FIFO, not a regular file)"
+    args += ["--job-listen", "127.0.0.1:0"]
+    made = _each(tmp_path, [_fifo, _zero, _urandom, _directory, _huge])
+    for path, words in made:
+        assert cli_run(["agent", *args, "--job-token-file", str(path)]) == 2, path
+        err = _one_line(capsys.readouterr().err)
+        assert err.startswith(f"error: job token file {path}: "), err
+        assert words in err or "larger than" in err or "one token per line" in err, err
+    fifo = made[0][0]
+    assert cli_run(["agent", *args, "--job-token-file", str(fifo)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: job token file {fifo}: cannot read it (a FIFO, not a regular file)\n"
+    assert not (tmp_path / "spool").exists()
 
 
 def test_agent_refuses_a_spool_dir_that_is_not_a_directory(tmp_path: Path) -> None:
