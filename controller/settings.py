@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 import platformdirs
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -48,6 +56,9 @@ MIN_TOKEN_LENGTH = 16
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
+#: A Kubernetes namespace name (RFC 1123 label; the length is checked on its own).
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
 
 def default_database_url() -> str:
     """SQLite file in the user's data dir: the embedded default needs no server."""
@@ -65,7 +76,11 @@ class TokenConfig(BaseModel):
 
     name: str = Field(min_length=1, max_length=64)
     role: Role
-    token: str | None = Field(default=None, min_length=1, repr=False)
+    # Printable ASCII without spaces: the token travels in an ``Authorization`` header,
+    # which cannot carry a newline or a control character and whose credential the server
+    # strips (controller.auth); a token with a trailing newline or a space (a YAML block
+    # scalar ``|``, a quoted paste) was accepted and then could never be presented.
+    token: str | None = Field(default=None, min_length=1, repr=False, pattern=r"^[!-~]+$")
     sha256: str | None = Field(default=None, repr=False)
 
     @field_validator("sha256")
@@ -151,7 +166,11 @@ class ControllerSettings(BaseSettings):
     #: when it does not answer, they fall back to ``gpu_history`` and say so.
     prometheus_url: str | None = Field(default=None, max_length=2048, pattern=r"^https?://\S+$")
     prometheus_timeout_s: float = Field(default=5.0, gt=0, le=60)
-    ingest_flush_interval_s: float = Field(default=0.02, ge=0)
+    #: Every report waits up to this long for its commit. Bounded well inside the agents'
+    #: ``report_timeout_s`` (10 s by default): an interval of minutes (or ``1e308``) held
+    #: each report until ``ingest_flush_max_rows`` rows queued, and the agents' requests
+    #: timed out and were resent for ever.
+    ingest_flush_interval_s: float = Field(default=0.02, ge=0, le=5)
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     #: A command an agent has not acknowledged this long after it was queued is marked
     #: ``expired`` (the agent was down or the reply was lost); the operator re-issues it.
@@ -182,7 +201,11 @@ class ControllerSettings(BaseSettings):
     #: default's jobs from ``local_jobs_file``), ``kubernetes`` (cordon, evict, restart
     #: workloads in ``kube_namespace``) or ``none`` (decide and record only).
     actuator: Literal["none", "local", "kubernetes"] = "none"
-    kube_namespace: str = Field(default="default", min_length=1, max_length=63)
+    # A Kubernetes namespace is an RFC 1123 label: refused at start rather than by the API
+    # server at the first cordon or restart, in the middle of a remediation.
+    kube_namespace: str = Field(
+        default="default", min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN
+    )
     #: Jobs the local actuator launches when this replica becomes leader (YAML list of
     #: job specs, docs/remediation.md). Read from a file, never from the API: a job spec is
     #: a command line, and the API must not be a way to run commands on the controller.
@@ -214,7 +237,9 @@ class ControllerSettings(BaseSettings):
     #: ``leader_check_interval_s``.
     leader_election_backend: Literal["auto", "database", "lease"] = "auto"
     #: Namespace of the Lease; empty: the pod's own namespace, else ``kube_namespace``.
-    leader_lease_namespace: str = Field(default="", max_length=63)
+    leader_lease_namespace: str = Field(
+        default="", max_length=63, pattern=f"^$|{DNS_LABEL_PATTERN}"
+    )
     #: This replica's holder identity in the Lease; empty: ``$POD_NAME`` (else the host
     #: name) and a random suffix, so a restarted pod is a new candidate.
     leader_identity: str = Field(default="", max_length=128)
@@ -280,7 +305,8 @@ class ControllerSettings(BaseSettings):
             self.tokens = [*self.tokens, *load_tokens_file(self.tokens_file)]
         names = [t.name for t in self.tokens]
         if len(names) != len(set(names)):
-            raise ValueError("token names must be unique")
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"token names must be unique ({', '.join(map(repr, twice))} twice)")
         if self.dev_mode:
             return self
         if not self.tokens:
@@ -336,12 +362,19 @@ class ControllerSettings(BaseSettings):
     @classmethod
     def _valid_power_domains(cls, value: Path | None) -> Path | None:
         if value is not None:
-            from power import ConfigError, load_domains
+            from power import ConfigError, parse_domains
+            from power.domains import read_domains_document
 
+            # The error is reported under the field's name already (cmd_serve.settings_error);
+            # it names the file here, which a problem in the tree's content did not.
             try:
-                load_domains(value)
+                document = read_domains_document(value)  # names the file itself
             except ConfigError as exc:
-                raise ValueError(f"power_domains_file: {exc}") from None
+                raise ValueError(str(exc)) from None
+            try:
+                parse_domains(document)
+            except ConfigError as exc:
+                raise ValueError(f"{value}: {exc}") from None
         return value
 
     def database_kind(self) -> Literal["sqlite", "postgresql"]:
@@ -408,6 +441,18 @@ class _ConfigFile(YamlConfigSettingsSource):
         unknown = [key for key in raw if str(key).lower() not in self._known]
         if unknown:
             raise ConfigFileError(f"{what}: " + "; ".join(map(self._unknown, unknown)))
+        # Settings match case-insensitively, so ``Port: 1`` and ``port: 2`` name one setting:
+        # the loader's duplicate check (case-sensitive, as YAML is) let both through and one
+        # value was dropped without a word.
+        seen: dict[str, object] = {}
+        for key in raw:
+            folded = str(key).lower()
+            if folded in seen:
+                raise ConfigFileError(
+                    f"{what}: setting {folded!r} given twice ({str(seen[folded])!r} and "
+                    f"{str(key)!r}; names are case-insensitive)"
+                )
+            seen[folded] = key
         return raw
 
     def _unknown(self, key: object) -> str:
@@ -427,7 +472,19 @@ def load_tokens_file(path: Path) -> list[TokenConfig]:
         return []
     if not isinstance(raw, list):
         raise ValueError(f"tokens_file {path}: expected a YAML list of tokens")
-    return [TokenConfig.model_validate(item) for item in raw]
+    tokens = []
+    for i, item in enumerate(raw):
+        # Validated here, one entry at a time, so the error names the file and the entry:
+        # raised from the settings' validator, pydantic's own error lost both
+        # ("rolee: Extra inputs are not permitted", or no field at all for a bare string).
+        try:
+            tokens.append(TokenConfig.model_validate(item))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = "".join(f".{part}" for part in err["loc"])
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            raise ValueError(f"tokens_file {path}: [{i}]{where}: {msg}") from None
+    return tokens
 
 
 def generate_dev_tokens(path: Path) -> list[TokenConfig]:

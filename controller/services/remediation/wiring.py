@@ -7,6 +7,7 @@ one place, and the local jobs file is validated at start with an error that name
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,9 +44,12 @@ from controller.services.webhook import Webhook
 from controller.settings import ControllerSettings
 from controller.state import ClusterState
 from controller.store import Store
+from trainguard.wire import NAME_PATTERN
 
 if TYPE_CHECKING:
     from controller.actuators.k8s.lease import LeaseElector
+
+_NAME_RE = re.compile(NAME_PATTERN)
 
 
 class LocalJob(BaseModel):
@@ -79,6 +83,25 @@ class LocalJob(BaseModel):
         problem = field_problem(info.field_name or "", value)
         if problem:
             raise ValueError(problem)
+        return value
+
+    @field_validator("name", "pool", "nodes")
+    @classmethod
+    def _kubernetes_names(cls, value: object) -> object:
+        # The job and its nodes are named on the wire as Kubernetes objects are (RFC 1123,
+        # ``trainguard.wire.Name``): ranks report ``TRAINGUARD_JOB`` and ``TRAINGUARD_NODE``,
+        # and the rank log is ``<log_dir>/<job>.g<N>.rank<R>.log``. A name such as ``My Job``
+        # or ``a/b`` was accepted here, then every report of the job was refused (422) and
+        # its launch failed, long after the start.
+        if value is None:
+            return value
+        names = value if isinstance(value, list) else [value]
+        bad = [n for n in names if not (isinstance(n, str) and _NAME_RE.match(n))]
+        if bad:
+            raise ValueError(
+                "not a Kubernetes name (lower-case a-z, 0-9, '-', '.'; at most 253 "
+                f"characters): {str(bad[0])[:80]!r}"
+            )
         return value
 
     @model_validator(mode="after")

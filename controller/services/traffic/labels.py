@@ -8,6 +8,7 @@ when the labelled nodes or their labels change; the service then re-plans every 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,9 @@ from controller.logic.traffic.topofile import (
 from controller.logic.traffic.topology import Topology
 from controller.state import ClusterState
 
+#: Longest fabric name (as ``TopologyIn.name`` of a topology file).
+MAX_NAME_LEN = 128
+
 LabelKey = tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
 
 
@@ -31,12 +35,24 @@ def label_fabric(raw: Mapping[str, Any] | None) -> LabelFabric | None:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise BadConfig(f"topology_labels.{unknown[0]}: unknown key (use {sorted(known)})")
+    # ``int()`` and ``float()`` alone took ``spines: 2.7`` as 2 spines and ``true`` as 1 (a
+    # fabric other than the one written, planned on in silence); and the name is shown with
+    # every plan, so it is bounded as a topology file's is.
+    spines = raw.get("spines", 8)
+    if isinstance(spines, float) and math.isfinite(spines) and not spines.is_integer():
+        raise BadConfig(f"topology_labels: spines must be a whole number, got {spines!r}")
+    for key in ("spines", "oversubscription", "port_speed_gbps"):
+        if isinstance(raw.get(key), bool):
+            raise BadConfig(f"topology_labels: {key} must be a number, got {raw[key]!r}")
+    name = raw.get("name", "labels")
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_LEN:
+        raise BadConfig(f"topology_labels: name must be a string of 1 to {MAX_NAME_LEN} characters")
     try:
         fabric = LabelFabric(
-            spines=int(raw.get("spines", 8)),
+            spines=int(spines),
             oversubscription=float(raw.get("oversubscription", 1.0)),
             port_speed_gbps=float(raw.get("port_speed_gbps", 200.0)),
-            name=str(raw.get("name", "labels")),
+            name=name,
         )
     except (TypeError, ValueError, OverflowError) as exc:
         raise BadConfig(f"topology_labels: {exc}") from None
