@@ -273,3 +273,9 @@ def test_a_mapping_merged_from_deeper_in_the_file_is_no_duplicate() -> None:
     reads what ``yaml.safe_load`` reads."""
     text = "a:\n  b: &y\n    <<: {k: 1}\n    k: 2\nc:\n  <<: *y\n"
     assert load_yaml(text) == yaml.safe_load(text)
+
+
+def test_the_controller_refuses_bad_topology_labels_in_one_line(tmp_path: Path, tg: Tg) -> None:
+    """``topology_labels: {spines: 2.5}`` was taken as 2 spines, planned on in silence."""
+    refusal = _controller_refuses(tg, tmp_path, "topology_labels: {spines: 2.5}\n")
+    assert refusal == "error: topology_labels: spines must be a whole number, got 2.5"
