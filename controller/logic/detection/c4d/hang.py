@@ -27,6 +27,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from controller.logic.detection.c4d.findings import Finding, FindingKind
+from controller.logic.detection.c4d.job_evidence import HangEvidence
+from controller.logic.detection.c4d.job_evidence import StuckCall as StuckCallEvidence
 from controller.logic.world_size import outside_world
 from trainguard.wire import MAX_GROUP_RANKS, InflightCollective
 
@@ -63,7 +66,16 @@ def classify(
     ``last_completed`` maps rank -> group -> last finished seq, from every record the
     controller has seen (stuck ranks report theirs for *all* their groups, which is how a
     rank stuck in group A tells us it never reached the call in group B).
+
+    No call gets a verdict while the job's world size is unknown (0): no record has told
+    it yet (the controller restarted during a hang, the ``started`` events were lost).
+    A call without a member list was then taken as a group of no rank, a critical
+    communication hang naming nobody while a rank was missing, and a list naming rank
+    2**31 - 1 could not be checked (found by the fault-pattern sweep). The ranks'
+    heartbeats carry the world size every few seconds; the verdict waits for it.
     """
+    if world_size <= 0:
+        return []
     records = [r for r in records if not outside_world(r.rank, world_size)]
     calls: dict[tuple[str, int], list[InflightCollective]] = {}
     #: group -> ranks whose current record lists it among their groups; ranks that sent
@@ -158,3 +170,69 @@ def ring_pairs(members: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     if n == 2:
         return ((members[0], members[1]),)
     return tuple((members[i], members[(i + 1) % n]) for i in range(n))
+
+
+def hang_finding(
+    job: str,
+    calls: list[StuckCall],
+    key: str,
+    rank_node: dict[int, str],
+    stuck_ranks: set[int],
+) -> Finding:
+    """The finding for one hang (``calls``: the stuck calls it explains); ``stuck_ranks``
+    are the ranks that are themselves inside some collective."""
+    call = max(calls, key=lambda c: c.elapsed_s)
+    what = f"{call.op} #{call.seq} in group {call.group}"
+    evidence = HangEvidence(**dict(_call_evidence(call)))
+    if len(calls) > 1:
+        evidence.stuck_calls = [_call_evidence(c) for c in calls]
+    if call.communication:
+        nodes = tuple(sorted({rank_node.get(r, "?") for r in call.members}))
+        # Every member is inside the call: the path between them is at fault, but which
+        # link is unknown until a probe runs, and none can run while all are blocked.
+        evidence.confidence = 0.5
+        evidence.probe = "deferred: the link probe runs once the job steps again"
+        return Finding(
+            kind=FindingKind.COMM_HANG,
+            job=job,
+            severity="critical",
+            summary=(
+                f"job {job}: all {len(call.members)} ranks entered {what} and none "
+                f"finished after {call.elapsed_s:.0f}s: communication hang; a link probe "
+                "after restart localizes it"
+            ),
+            key=key,
+            ranks=call.members,
+            nodes=nodes,
+            evidence=evidence,
+            probe_pairs=ring_pairs(call.members),
+        )
+    nodes = tuple(sorted({rank_node.get(r, "?") for r in call.absent}))
+    # An absentee that is itself stuck in another collective may be a victim of a chain;
+    # one stuck nowhere is the origin.
+    evidence.confidence = 0.8 if set(call.absent) & stuck_ranks else 1.0
+    return Finding(
+        kind=FindingKind.HANG,
+        job=job,
+        severity="critical",
+        summary=(
+            f"job {job}: rank(s) {list(call.absent)} on {list(nodes)} never entered "
+            f"{what}; {len(call.entered)} peers waiting {call.elapsed_s:.0f}s"
+        ),
+        key=key,
+        ranks=call.absent,
+        nodes=nodes,
+        evidence=evidence,
+    )
+
+
+def _call_evidence(call: StuckCall) -> StuckCallEvidence:
+    return StuckCallEvidence(
+        group=call.group,
+        seq=call.seq,
+        op=call.op,
+        elapsed_s=round(call.elapsed_s, 3),
+        entered=list(call.entered),
+        passed=list(call.passed),
+        absent=list(call.absent),
+    )

@@ -90,11 +90,24 @@ def robust_z(value: float, center: float, spread: float, floor: float) -> float:
     return (value - center) / scale
 
 
+#: Ratios are clamped to this factor either way before their log is taken (see
+#: :func:`log_ratio`).
+LOG_RATIO_BOUND = 1e3
+
+
 def log_ratio(ratio: float) -> float:
     """Natural log of a compute ratio. Step times are multiplicative and right-skewed, so
     their ratios are symmetric only in logs; a non-positive ratio (a zero compute time) is
-    taken as a 1000x fast step rather than raising."""
-    return math.log(ratio) if ratio > 1e-3 else math.log(1e-3)
+    taken as a 1000x fast step rather than raising, and one beyond 1000x slow as 1000x slow.
+
+    The upper bound keeps the scores finite: a rank reporting a compute time of 1e300 s
+    (finite, so valid on the wire) gave a log-ratio near 690, and in a peer group of two
+    ``math.exp`` of its window score plus the noise margin (and of the sporadic rule's
+    noise limit) raised OverflowError on every tick, so the job's detector (hangs and
+    crashes included) failed until the rank stopped (found by the fault-pattern sweep).
+    A rank 1000x slower than its peers is flagged just the same."""
+    bound = LOG_RATIO_BOUND
+    return math.log(min(max(ratio, 1 / bound), bound))
 
 
 def binom_tail(n: int, k: int, p: float) -> float:

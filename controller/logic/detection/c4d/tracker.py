@@ -17,15 +17,13 @@ from controller.logic.detection.c4d.crash import CrashState
 from controller.logic.detection.c4d.evidence import Normalization
 from controller.logic.detection.c4d.findings import Finding, FindingKind
 from controller.logic.detection.c4d.group_slow import GroupSlowState
-from controller.logic.detection.c4d.hang import StuckCall, classify, ring_pairs
+from controller.logic.detection.c4d.hang import StuckCall, classify, hang_finding, ring_pairs
 from controller.logic.detection.c4d.inflight import Inflight, InflightTable
 from controller.logic.detection.c4d.job_evidence import (
     CommSlowEvidence,
-    HangEvidence,
     SlowLinkEvidence,
     StragglerIncidentEvidence,
 )
-from controller.logic.detection.c4d.job_evidence import StuckCall as StuckCallEvidence
 from controller.logic.detection.c4d.nonfinite import NonfiniteState
 from controller.logic.detection.c4d.probe import localize
 from controller.logic.detection.c4d.restart import RunClock
@@ -120,19 +118,34 @@ class JobTracker:
         self.rank_node[s.rank] = node
         self.rank_gpu[s.rank] = s.gpu_index
         self.nonfinite.observe(s, now_s)
-        if s.step >= self.last_step_of_rank.get(s.rank, -1):
-            self.last_step_of_rank[s.rank] = s.step
-            self.clock.record(s)
         if s.step <= self.last_compared_step:
+            self._progress(s)  # its step was compared: other ranks reached it too
             return  # arrived after its step was compared; too late to matter
         rows = self.pending_steps.get(s.step)
         if rows is None:
             rows = self.pending_steps[s.step] = {}
             self.pending_since[s.step] = now_s
         rows[s.rank] = s
-        self.newest_step = max(self.newest_step, s.step)
+        # A step is progress (its rank's highest, the job's newest) only once a second rank
+        # reported it: one summary with an absurd step number (10**12 is valid on the wire)
+        # made that number its rank's highest, so every later summary of the rank, ended
+        # later, "went back" (:mod:`.restart`) and was dropped as a lone restarted process;
+        # its steps then never had every rank, and the job's straggler detection stopped
+        # for good (and probe rounds were set for that step). Nobody else reports such a
+        # step; it waits out ``step_wait_s`` and is dropped (found by the fault-pattern sweep).
+        need = min(2, self.world_size)
+        if len(rows) >= need:
+            for row in rows.values() if len(rows) == need else (s,):
+                self._progress(row)
+            self.newest_step = max(self.newest_step, s.step)
         # A rank that finished a later step is no longer stuck in an older call.
         self.inflight.passed(s.rank, s.step)
+
+    def _progress(self, s: StepSummary) -> None:
+        """``s`` is its rank's progress: its highest step so far, unless a higher one is."""
+        if s.step >= self.last_step_of_rank.get(s.rank, -1):
+            self.last_step_of_rank[s.rank] = s.step
+            self.clock.record(s)
 
     def observe_inflight(self, node: str, rec: InflightCollective, now_s: float) -> None:
         if not rec.group or outside_world(rec.rank, self.world_size):
@@ -459,7 +472,8 @@ class JobTracker:
             self._hang_calls[key] = {(c.group, c.seq) for c in calls}
             if key not in self.open_hangs:
                 self.open_hangs.add(key)
-                out.append(self._hang_finding(calls, key))
+                stuck = self.inflight.ranks()
+                out.append(hang_finding(self.job, calls, key, self.rank_node, stuck))
         for key in sorted(self.open_hangs - set(by_key)):
             self.open_hangs.discard(key)
             self._hang_calls.pop(key, None)
@@ -502,63 +516,6 @@ class JobTracker:
             if (call := (self.inflight[k].record.group, self.inflight[k].record.seq)) not in held
             or call not in alive
         ]
-
-    def _hang_finding(self, calls: list[StuckCall], key: str) -> Finding:
-        call = max(calls, key=lambda c: c.elapsed_s)
-        what = f"{call.op} #{call.seq} in group {call.group}"
-        evidence = HangEvidence(**dict(_call_evidence(call)))
-        if len(calls) > 1:
-            evidence.stuck_calls = [_call_evidence(c) for c in calls]
-        if call.communication:
-            nodes = tuple(sorted({self.rank_node.get(r, "?") for r in call.members}))
-            # Every member is inside the call: the path between them is at fault, but which
-            # link is unknown until a probe runs, and none can run while all are blocked.
-            evidence.confidence = 0.5
-            evidence.probe = "deferred: the link probe runs once the job steps again"
-            return Finding(
-                kind=FindingKind.COMM_HANG,
-                job=self.job,
-                severity="critical",
-                summary=(
-                    f"job {self.job}: all {len(call.members)} ranks entered {what} and none "
-                    f"finished after {call.elapsed_s:.0f}s: communication hang; a link probe "
-                    "after restart localizes it"
-                ),
-                key=key,
-                ranks=call.members,
-                nodes=nodes,
-                evidence=evidence,
-                probe_pairs=ring_pairs(call.members),
-            )
-        nodes = tuple(sorted({self.rank_node.get(r, "?") for r in call.absent}))
-        # An absentee that is itself stuck in another collective may be a victim of a chain;
-        # one stuck nowhere is the origin.
-        evidence.confidence = 0.8 if set(call.absent) & self.inflight.ranks() else 1.0
-        return Finding(
-            kind=FindingKind.HANG,
-            job=self.job,
-            severity="critical",
-            summary=(
-                f"job {self.job}: rank(s) {list(call.absent)} on {list(nodes)} never entered "
-                f"{what}; {len(call.entered)} peers waiting {call.elapsed_s:.0f}s"
-            ),
-            key=key,
-            ranks=call.absent,
-            nodes=nodes,
-            evidence=evidence,
-        )
-
-
-def _call_evidence(call: StuckCall) -> StuckCallEvidence:
-    return StuckCallEvidence(
-        group=call.group,
-        seq=call.seq,
-        op=call.op,
-        elapsed_s=round(call.elapsed_s, 3),
-        entered=list(call.entered),
-        passed=list(call.passed),
-        absent=list(call.absent),
-    )
 
 
 class JobTrackers:

@@ -1,0 +1,405 @@
+"""Acceptance sweep of the job detectors over fault patterns and layouts the other tests
+leave out, each stated as what the operator sees.
+
+Swept: a whole node slow against one rank slow (node and rank attribution); two stragglers
+at once in different pipeline stages of a TP x PP x DP job, and the stages' designed
+difference under +-20% jitter; a rank slow on every other step; summaries duplicated,
+shuffled across steps and reports; a hang in a TP x DP job that only the rank that never
+entered is blamed for, also when the controller learns of it before the job's world size;
+hostile values (a step number of 10**12, ranks near 2**31, an empty group name, step times
+of 0, 1e9 and 1e300 s).
+
+Three of them were bugs, fixed in ``controller/logic/detection``:
+
+* one summary with an absurd step number silenced its rank for good, and with it the job's
+  straggler detection (``tracker.JobTracker.observe_step``);
+* in-flight records arriving before anything told the job's world size opened a critical
+  communication hang naming no rank (``hang.classify``);
+* a rank reporting a compute time of 1e300 s made every detector tick of its job raise
+  OverflowError, hangs and crashes included (``robust.log_ratio``).
+
+Plain records through ``JobTrackers`` on an explicit clock: no sockets, no sleeps.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from controller.logic.detection.c4d import C4DConfig, Finding, FindingKind, JobTrackers
+from controller.logic.detection.c4d.evidence import StragglerEvidence
+from trainguard.wire import InflightCollective, JobRecords, RankEvent, StepSummary
+
+JOB = "sweep"
+T0 = 1_700_000_000.0
+HUGE = 2**31 - 1
+
+#: rank -> its fields (role, peer list, mesh coordinates); rank, step -> its compute (s)
+Fields = Callable[[int], dict[str, Any]]
+Compute = Callable[[int, int], float]
+
+
+def _none(rank: int) -> dict[str, Any]:
+    return {}
+
+
+def sync_rows(
+    step: int,
+    world: int,
+    compute: Compute,
+    rng: random.Random,
+    *,
+    fields: Fields = _none,
+    jitter: float = 0.05,
+    end_unix_s: float | None = None,
+) -> list[StepSummary]:
+    """One synchronous step: every rank waits at the step's collectives for the slowest."""
+    times = {r: compute(r, step) * (1 + rng.uniform(-jitter, jitter)) for r in range(world)}
+    top = max(times.values())
+    return [
+        StepSummary(
+            job=JOB,
+            rank=r,
+            world_size=world,
+            step=step,
+            compute_time_s=c,
+            collective_wait_s=top - c + 0.1,
+            step_time_s=top + 0.1,
+            gpu_index=r % 8,
+            end_unix_s=end_unix_s,
+            **fields(r),
+        )
+        for r, c in times.items()
+    ]
+
+
+def drive(
+    steps: int,
+    world: int,
+    compute: Compute,
+    *,
+    per_node: int = 2,
+    fields: Fields = _none,
+    jitter: float = 0.05,
+    seed: int = 1,
+    trackers: JobTrackers | None = None,
+    extra: Callable[[int], list[StepSummary]] | None = None,
+    timed: bool = False,
+) -> tuple[JobTrackers, list[Finding]]:
+    """``steps`` steps, each node's summaries in their own report, evaluated every step
+    (one step a second). ``extra(step)``: summaries delivered along with the step's."""
+    rng = random.Random(seed)
+    trackers = trackers or JobTrackers()
+    found: list[Finding] = []
+    for step in range(steps):
+        end = T0 + step if timed else None
+        rows = sync_rows(step, world, compute, rng, fields=fields, jitter=jitter, end_unix_s=end)
+        rows += extra(step) if extra else []
+        by_node: dict[str, list[StepSummary]] = {}
+        for s in rows:
+            by_node.setdefault(f"node-{s.rank // per_node}", []).append(s)
+        for node, batch in by_node.items():
+            trackers.observe(node, JobRecords(steps=batch), float(step))
+        found += trackers.evaluate(float(step))
+    return trackers, found
+
+
+def opened(found: list[Finding]) -> list[tuple[FindingKind, tuple[int, ...], tuple[str, ...]]]:
+    return [(f.kind, f.ranks, f.nodes) for f in found if not (f.resolved or f.refresh)]
+
+
+def slow_from(ranks: set[int], factor: float, at: int = 30) -> Compute:
+    return lambda r, s: factor if r in ranks and s >= at else 1.0
+
+
+# ---------------------------------------------------------------- node vs rank attribution
+
+
+def test_a_whole_node_slow_names_each_of_its_ranks_on_that_node_and_no_other() -> None:
+    _, found = drive(120, 8, slow_from({2, 3}, 1.2))
+    assert sorted(opened(found)) == [
+        (FindingKind.STRAGGLER, (2,), ("node-1",)),
+        (FindingKind.STRAGGLER, (3,), ("node-1",)),
+    ]
+
+
+def test_one_slow_rank_is_named_alone_not_its_node_mate() -> None:
+    _, found = drive(120, 8, slow_from({3}, 1.2))
+    ((kind, ranks, nodes),) = opened(found)
+    assert (kind, ranks, nodes) == (FindingKind.STRAGGLER, (3,), ("node-1",))
+    assert "rank 3 " in found[0].summary and "node-1" in found[0].summary
+
+
+# ---------------------------------------------------------------- TP x PP x DP layouts
+
+TP, PP, DP = 2, 2, 4
+MESH_WORLD = TP * PP * DP
+#: The last stage computes the loss: 40% longer by design.
+STAGE_COST = {0: 1.0, 1: 1.4}
+
+
+def stage_of(rank: int) -> int:
+    """Megatron order: rank = (dp * PP + pp) * TP + tp."""
+    return rank // TP % PP
+
+
+STAGES = {p: [r for r in range(MESH_WORLD) if stage_of(r) == p] for p in range(PP)}
+
+
+def mesh_fields(rank: int) -> dict[str, Any]:
+    p = stage_of(rank)
+    return {
+        "role": f"pp_stage={p}",
+        "pp_stage": p,
+        "dp_rank": rank // (TP * PP),
+        "tp_rank": rank % TP,
+        "group_ranks": STAGES[p],
+    }
+
+
+def test_two_stragglers_in_different_stages_are_each_named_against_their_own_stage() -> None:
+    slow = slow_from({1, 14}, 1.25)
+    _, found = drive(
+        150,
+        MESH_WORLD,
+        lambda r, s: STAGE_COST[stage_of(r)] * slow(r, s),
+        per_node=4,
+        fields=mesh_fields,
+    )
+    assert sorted(opened(found)) == [
+        (FindingKind.STRAGGLER, (1,), ("node-0",)),
+        (FindingKind.STRAGGLER, (14,), ("node-3",)),
+    ]
+    for f in found:
+        ev = StragglerEvidence.model_validate(f.evidence)
+        assert ev.peer_group.ranks == STAGES[stage_of(f.ranks[0])]
+        assert 0.15 <= ev.slowdown_pct / 100 <= 0.35
+
+
+def test_stages_slower_by_design_under_twenty_percent_jitter_open_nothing() -> None:
+    _, found = drive(
+        400,
+        MESH_WORLD,
+        lambda r, s: STAGE_COST[stage_of(r)],
+        per_node=4,
+        fields=mesh_fields,
+        jitter=0.2,
+        seed=7,
+    )
+    assert found == []
+
+
+# ---------------------------------------------------------------- intermittent and noise
+
+
+def test_a_rank_slow_on_every_other_step_is_named() -> None:
+    """Slow on half its steps: the window median sits between its slow and normal steps,
+    still clearly above its peers'."""
+    _, found = drive(150, 8, lambda r, s: 1.3 if r == 5 and s % 2 and s >= 20 else 1.0)
+    assert opened(found) == [(FindingKind.STRAGGLER, (5,), ("node-2",))]
+
+
+# ---------------------------------------------------------------- delivery: dupes, order
+
+
+def test_duplicated_and_shuffled_summaries_give_the_same_verdict() -> None:
+    """The same steps delivered twice each, every node's four-step report in reverse and
+    the reports shuffled, against delivered in order: the same straggler in the same
+    report, and every step compared exactly once."""
+    compute = slow_from({6}, 1.25)
+    steps = [sync_rows(step, 8, compute, random.Random(step)) for step in range(120)]
+    rng = random.Random(3)
+    verdicts = []
+    for messy in (False, True):
+        trackers = JobTrackers()
+        found: list[tuple[int, FindingKind, tuple[int, ...]]] = []
+        for report in range(30):
+            rows = [s for step in steps[4 * report : 4 * report + 4] for s in step]
+            if messy:
+                rows = [s for s in reversed(rows) for _ in range(2)]
+                rng.shuffle(rows)
+            for s in rows:
+                trackers.observe(f"node-{s.rank // 2}", JobRecords(steps=[s]), float(report))
+            found += [
+                (report, f.kind, f.ranks) for f in trackers.evaluate(float(report)) if not f.refresh
+            ]
+        tracker = trackers.jobs[JOB]
+        assert tracker.last_compared_step == 119 and tracker.stragglers.steps_seen == 120
+        verdicts.append(found)
+    assert verdicts[0] == verdicts[1]
+    assert [(kind, ranks) for _, kind, ranks in verdicts[0]] == [(FindingKind.STRAGGLER, (6,))]
+
+
+def test_one_summary_with_an_absurd_step_number_does_not_silence_its_rank() -> None:
+    """Rank 3 sends one summary of step 10**12 (valid on the wire). It made that step the
+    rank's highest, so its later summaries, ended later, looked like a restarted process
+    and were dropped: no step had every rank again, the straggler of step 60 was never
+    named and probe rounds were set for step 10**12 + lead."""
+    bad = StepSummary(
+        job=JOB, rank=3, world_size=8, step=10**12, compute_time_s=1.0,
+        collective_wait_s=0.1, step_time_s=1.1, end_unix_s=T0 + 30,
+    )  # fmt: skip
+    trackers, found = drive(
+        200,
+        8,
+        slow_from({5}, 1.3, at=60),
+        extra=lambda step: [bad] if step == 30 else [],
+        timed=True,
+    )
+    assert opened(found) == [(FindingKind.STRAGGLER, (5,), ("node-2",))]
+    tracker = trackers.jobs[JOB]
+    assert tracker.last_compared_step == 199 and tracker.incarnation == 0
+    assert tracker.newest_step == 199 and tracker.pending_steps == {}
+
+
+def test_a_spool_backlog_arriving_after_its_steps_were_compared_changes_nothing() -> None:
+    """A node's batch for steps already compared (its agent retried after the wait) is
+    too late to count: no second verdict, no restart, no incident of its own."""
+    trackers, found = drive(120, 8, slow_from({6}, 1.25), timed=True)
+    rng = random.Random(9)
+    late = [
+        s
+        for step in range(40, 100)
+        for s in sync_rows(step, 8, slow_from({6}, 1.25), rng, end_unix_s=T0 + step)
+        if s.rank in (0, 1)
+    ]
+    trackers.observe("node-0", JobRecords(steps=late), 121.0)
+    found += trackers.evaluate(121.0)
+    assert [(f.kind, f.ranks) for f in found if not f.refresh] == [(FindingKind.STRAGGLER, (6,))]
+    tracker = trackers.jobs[JOB]
+    assert tracker.incarnation == 0 and tracker.pending_steps == {}
+
+
+# ---------------------------------------------------------------- hangs in two groups
+
+
+def stuck(
+    rank: int, group: str, seq: int, members: list[int], done: dict[str, int]
+) -> InflightCollective:
+    return InflightCollective(
+        job=JOB, rank=rank, group=group, op="all_reduce", seq=seq, elapsed_s=40.0,
+        group_ranks=members, last_completed_seq=done, step=50,
+    )  # fmt: skip
+
+
+def tp_dp_hang(hung: int) -> list[InflightCollective]:
+    """TP=2 x DP=4 (rank = dp * 2 + tp): ``hung`` never enters its TP all-reduce #9; its TP
+    partner waits inside it; every other rank passed TP #9 and waits in its DP all-reduce
+    #5, whose member on ``hung``'s pair never comes."""
+    recs = []
+    partner = hung ^ 1
+    for r in range(8):
+        if r == hung:
+            continue
+        tp_group, tp_members = f"tp{r // 2}", [r // 2 * 2, r // 2 * 2 + 1]
+        dp_group, dp_members = f"dp{r % 2}", [r % 2 + 2 * d for d in range(4)]
+        if r == partner:
+            done = {tp_group: 8, dp_group: 4}
+            recs.append(stuck(r, tp_group, 9, tp_members, done))
+        else:
+            done = {tp_group: 9, dp_group: 4}
+            recs.append(stuck(r, dp_group, 5, dp_members, done))
+    return recs
+
+
+def test_a_rank_absent_from_its_tp_call_is_the_only_one_blamed_across_tp_and_dp() -> None:
+    trackers, _ = drive(3, 8, lambda r, s: 1.0)
+    for rec in tp_dp_hang(5):
+        trackers.observe(f"node-{rec.rank // 2}", JobRecords(inflight=[rec]), 100.0)
+    found = trackers.evaluate(100.0)
+    assert opened(found) == [(FindingKind.HANG, (5,), ("node-2",))]
+    calls = found[0].evidence.as_json()
+    # One incident for the hung rank, with the TP call and its DP call as evidence; the
+    # partner (absent from dp0 only because it waits in tp2) is not blamed.
+    groups = {c["group"] for c in calls.get("stuck_calls", [calls])}
+    assert groups == {"tp2", "dp1"}
+
+
+def test_a_hang_seen_before_the_world_size_waits_for_it_then_blames_the_absent_rank() -> None:
+    """The controller restarted during a hang: the watchdogs' in-flight records arrive
+    before any summary or heartbeat. Without a world size, the call without a member list
+    was a group of no rank, a critical communication hang naming nobody (rank 2 was
+    missing), and a list naming rank 2**31 - 1 blamed it."""
+    trackers = JobTrackers()
+    recs = [stuck(r, "world", 17, [], {"world": 16}) for r in (0, 1, 3)]
+    recs.append(stuck(1, "tp", 4, [1, HUGE], {"tp": 3}))
+    trackers.observe("node-0", JobRecords(inflight=recs), 100.0)
+    assert trackers.evaluate(100.0) == []
+    beat = RankEvent(job=JOB, rank=0, kind="heartbeat", time_unix_s=T0, world_size=4)
+    trackers.observe("node-0", JobRecords(rank_events=[beat]), 103.0)
+    found = trackers.evaluate(103.0)
+    assert opened(found) == [(FindingKind.HANG, (2,), ("?",))]
+
+
+# ---------------------------------------------------------------- hostile values
+
+
+def test_a_lone_summary_from_rank_near_2_to_the_31_is_ignored() -> None:
+    ghost = StepSummary(
+        job=JOB, rank=HUGE - 1, world_size=HUGE, step=10, compute_time_s=1.0,
+        collective_wait_s=0.0, step_time_s=1.0, group_ranks=[0, HUGE - 1],
+    )  # fmt: skip
+    trackers, found = drive(
+        120, 8, slow_from({4}, 1.25), extra=lambda step: [ghost] if step == 10 else []
+    )
+    assert opened(found) == [(FindingKind.STRAGGLER, (4,), ("node-2",))]
+    tracker = trackers.jobs[JOB]
+    assert tracker.world_size == 8 and HUGE - 1 not in tracker.rank_node
+    assert tracker.incarnation == 0
+
+
+def test_an_in_flight_record_with_an_empty_group_name_blames_nobody() -> None:
+    trackers, _ = drive(3, 4, lambda r, s: 1.0)
+    recs = [stuck(r, "", 5, [], {}) for r in (0, 1, 2)]
+    trackers.observe("node-0", JobRecords(inflight=recs), 50.0)
+    assert trackers.evaluate(50.0) == []
+    assert len(trackers.jobs[JOB].inflight) == 0
+
+
+def test_one_step_of_zero_or_absurd_times_opens_nothing() -> None:
+    for value in (0.0, 1e9, 1e300):
+        for fields in (
+            ("compute_time_s",),
+            ("step_time_s",),
+            ("collective_wait_s",),
+            ("compute_time_s", "step_time_s", "collective_wait_s"),
+        ):
+            trackers = JobTrackers()
+            rng = random.Random(4)
+            found: list[Finding] = []
+            for step in range(80):
+                rows = sync_rows(step, 8, lambda r, s: 1.0, rng)
+                if step == 40:
+                    odd = rows[3].model_copy(update=dict.fromkeys(fields, value))
+                    rows = [*rows[:3], odd, *rows[4:]]
+                trackers.observe("node-0", JobRecords(steps=rows), float(step))
+                found += trackers.tracker(JOB).evaluate(float(step))
+            assert found == [], (value, fields)
+            assert trackers.jobs[JOB].last_compared_step == 79
+
+
+def test_a_rank_reporting_1e300_seconds_is_named_and_the_tick_keeps_working() -> None:
+    """A compute time of 1e300 s is finite, so valid on the wire. Its log-ratio (~690)
+    plus the noise margin overflowed ``math.exp`` in its peer group of two (two pipeline
+    stages of two ranks here): every tick of the job raised (caught and logged per job),
+    so a hang of the same job was never reported either."""
+    trackers = JobTrackers(C4DConfig())
+    found: list[Finding] = []
+    rng = random.Random(5)
+
+    def stage(rank: int) -> dict[str, Any]:
+        return {"pp_stage": rank // 2, "group_ranks": [rank // 2 * 2, rank // 2 * 2 + 1]}
+
+    for step in range(60):
+        rows = sync_rows(
+            step, 4, lambda r, s: 1e300 if r == 1 and s >= 10 else 1.0, rng, fields=stage
+        )
+        trackers.observe("node-0", JobRecords(steps=rows), float(step))
+        found += trackers.tracker(JOB).evaluate(float(step))  # raises what the tick would log
+    assert opened(found) == [(FindingKind.STRAGGLER, (1,), ("node-0",))]
+    for r in (0, 2, 3):
+        rec = stuck(r, "world", 61, [0, 1, 2, 3], {"world": 60})
+        trackers.observe("node-0", JobRecords(inflight=[rec]), 70.0)
+    hangs = trackers.tracker(JOB).evaluate(70.0)
+    assert opened(hangs) == [(FindingKind.HANG, (1,), ("node-0",))]
