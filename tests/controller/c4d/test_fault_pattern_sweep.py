@@ -23,6 +23,7 @@ Plain records through ``JobTrackers`` on an explicit clock: no sockets, no sleep
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -403,3 +404,13 @@ def test_a_rank_reporting_1e300_seconds_is_named_and_the_tick_keeps_working() ->
         trackers.observe("node-0", JobRecords(inflight=[rec]), 70.0)
     hangs = trackers.tracker(JOB).evaluate(70.0)
     assert opened(hangs) == [(FindingKind.HANG, (1,), ("node-0",))]
+
+
+def test_the_median_of_two_values_near_the_float_maximum_is_finite() -> None:
+    """(a + b) / 2 overflowed to inf, and a window's spread around it became NaN."""
+    from controller.logic.detection.c4d.robust import fmedian, mad
+
+    big = [1.5e308, 1.7e308]
+    assert fmedian(big) == 1.6e308
+    assert math.isclose(mad(big, fmedian(big)), 1e307)
+    assert fmedian([0.1, 0.2]) == (0.1 + 0.2) / 2  # the same figure for ordinary values

@@ -31,7 +31,9 @@ def fmedian(values: Iterable[float]) -> float:
     if not n:
         raise ValueError("median of no values")
     mid = n // 2
-    return s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2
+    # Halves first: two finite values near the float maximum (a hostile report's 1e308 s)
+    # must not sum to inf, which turned a window's spread into NaN.
+    return s[mid] if n % 2 else s[mid - 1] / 2 + s[mid] / 2
 
 
 def mad(values: Iterable[float], center: float) -> float:
