@@ -109,6 +109,25 @@ def test_read_text_refuses_what_is_not_a_regular_file(tmp_path: Path) -> None:
         read_text(good, max_bytes=4)
 
 
+def test_a_leading_byte_order_mark_is_not_part_of_the_text(tmp_path: Path) -> None:
+    """Notepad and PowerShell's ``Out-File`` start a UTF-8 file with one: a JSON topology
+    was refused for it, and an agent's token began with U+FEFF."""
+    import json
+
+    from agents.reporter import read_token_file
+
+    bom = b"\xef\xbb\xbf"
+    doc = tmp_path / "topology.json"
+    doc.write_bytes(bom + b'{"version": 1}\n')
+    assert json.loads(read_text(doc)) == {"version": 1}
+    token = tmp_path / "token"
+    token.write_bytes(bom + b"s3cret-token-value\n")
+    assert read_token_file(token) == "s3cret-token-value"
+    inner = tmp_path / "inner"
+    inner.write_bytes(b"a" + bom)  # only a leading mark goes
+    assert read_text(inner) == "a\ufeff"
+
+
 # ---------------------------------------------------------------------- the CLI's kubeconfig
 
 

@@ -121,10 +121,14 @@ def read_bytes(path: str | Path, *, max_bytes: int = MAX_TEXT_BYTES) -> bytes:
 def read_text(path: str | Path, *, max_bytes: int = MAX_TEXT_BYTES) -> str:
     """The file's text, or :class:`Unreadable` with the OS's reason ("No such file or
     directory", "Is a directory", ...), "a FIFO, not a regular file", "larger than ..."
-    or "not UTF-8 text". See :func:`read_bytes`."""
+    or "not UTF-8 text". See :func:`read_bytes`.
+
+    A leading byte-order mark is dropped: Windows editors and PowerShell write one, and it
+    is never part of a config, a token or a topology (JSON's parser refused such a file
+    while YAML's read it, and a token kept it as its first character)."""
     data = read_bytes(path, max_bytes=max_bytes)
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise Unreadable("not UTF-8 text") from None
 
