@@ -11,8 +11,8 @@ all, for the daemon (the load on a thread of its own) and for the CLI alike.
 check              fails when
 =================  ==========================================================================
 ``nvml``           NVML fails on a node with NVIDIA devices (the agent's ``gpu_error``)
-``nvml_sanity``    a GPU is lost, hung past the timeout, or does not answer power/temperature/
-                   clocks/memory
+``nvml_sanity``    a GPU is lost, hung past the timeout, or fails to answer power/temperature/
+                   clocks/memory (a reading the board does not support is no failure)
 ``ecc``            uncorrectable ECC errors since driver load (volatile)
 ``memory_repair``  a row remap failed or is pending, a page retirement is pending, or 60+
                    pages are retired
@@ -72,17 +72,21 @@ def _gpu_checks(sample: GpuSample, down_at_start: Sequence[int]) -> list[Check]:
         "memory": sample.memory_total_bytes,
     }
     missing = [name for name, value in core.items() if value is None]
-    if missing:
-        why = f"no answer for {', '.join(missing)}" + (f" ({sample.error})" if sample.error else "")
-        out.append(check("nvml_sanity", "fail", why))
-    else:
+    if missing and sample.error:
         out.append(
-            check(
-                "nvml_sanity",
-                "pass",
-                f"{sample.power_w:.0f} W, {sample.temperature_c:.0f} C, {sample.sm_clock_mhz} MHz",
-            )
+            check("nvml_sanity", "fail", f"no answer for {', '.join(missing)} ({sample.error})")
         )
+    else:
+        # Without an error, what is missing is what the board does not support (NVML's
+        # NOT_SUPPORTED, which the sampler leaves unsaid: a vGPU or a consumer board has no
+        # power reading): no fault of this GPU, or such a node could never pass.
+        read = [
+            f"{sample.power_w:.0f} W" if sample.power_w is not None else "",
+            f"{sample.temperature_c:.0f} C" if sample.temperature_c is not None else "",
+            f"{sample.sm_clock_mhz} MHz" if sample.sm_clock_mhz is not None else "",
+        ]
+        unsupported = f"; not supported by the board: {', '.join(missing)}" if missing else ""
+        out.append(check("nvml_sanity", "pass", ", ".join(r for r in read if r) + unsupported))
     unc = sample.ecc_uncorrected_total
     if unc is None:
         out.append(check("ecc", "skip", "ECC counters not available (ECC off or unsupported)"))

@@ -59,7 +59,16 @@ PLAUSIBLE_MAX: dict[str, float] = {
     "temperature_c": 200.0,
     # 10 kW for 300 years; 2^64-1 mJ ("unknown") is 1.8e16 J.
     "energy_j": 1e14,
+    # For a board whose maximum NVML did not give; else CLOCK_MARGIN above its maximum.
+    "sm_clock_mhz": 10_000.0,
+    "mem_clock_mhz": 100_000.0,
 }
+#: A clock this far above the board's own maximum (``nvmlDeviceGetMaxClockInfo``) is no
+#: reading either (0xFFFF, a garbled register), while a few percent of boost above it is.
+CLOCK_MARGIN = 1.1
+#: At or below these a sample field is not a reading: a powered GPU at 0 °C is a sensor
+#: that did not answer (NVML then says 0), not a cold board.
+PLAUSIBLE_MIN_EXCLUSIVE: dict[str, float] = {"temperature_c": 0.0}
 
 
 class GpuLostError(Exception):
@@ -81,6 +90,8 @@ class _Gpu:
     ecc_locations: list[str] = field(default_factory=list)
     #: The first NVML error (other than NOT_SUPPORTED) of the sample being read.
     error: str = ""
+    #: Every read of the sample being read that failed with such an error: (what, args).
+    failed: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
 
 
 class _Worker:
@@ -302,6 +313,7 @@ class GpuSampler:
                 return None
             if not gpu.error:
                 gpu.error = f"{what}: {exc}"[:512]
+            gpu.failed.append((what, args))
             key = (gpu.index, what, int(exc.value))
             if key not in self._warned:
                 self._warned.add(key)
@@ -381,7 +393,7 @@ class GpuSampler:
         return GpuSample(index=gpu.index, uuid=gpu.info.uuid, lost=True)
 
     def _sample_one(self, gpu: _Gpu) -> GpuSample:
-        gpu.error = ""
+        gpu.error, gpu.failed = "", []
         api, h, ask = self._api, gpu.handle, self._ask
         power_mw = ask(gpu, "power", api.nvmlDeviceGetPowerUsage, h)
         energy_mj = ask(gpu, "energy", api.nvmlDeviceGetTotalEnergyConsumption, h)
@@ -433,8 +445,10 @@ class GpuSampler:
             locked_sm_clock_mhz=self._locked_clock_mhz(gpu.index)
             if self._locked_clock_mhz
             else None,
-            utilization_gpu_pct=min(100.0, float(util.gpu)) if util is not None else None,
-            utilization_mem_pct=min(100.0, float(util.memory)) if util is not None else None,
+            # Not clamped to 100: a percentage above 100 is no reading (0xFFFFFFFF would have
+            # read as a fully busy GPU); the wire refuses it and _build reports it null.
+            utilization_gpu_pct=float(util.gpu) if util is not None else None,
+            utilization_mem_pct=float(util.memory) if util is not None else None,
             memory_used_bytes=int(memory.used) if memory is not None else None,
             memory_total_bytes=int(memory.total) if memory is not None else None,
             throttle_reasons_mask=mask,
@@ -443,7 +457,9 @@ class GpuSampler:
             ecc_uncorrected_total=_int_or_none(ecc["uncorrected"]),
             **{k: _int_or_none(v) for k, v in pcie.items()},
             **read_memory_health(health_ask, api, h, gpu.ecc_locations),
-            **read_links_and_fabric(health_ask, api, h, gpu.nvlinks),
+            **_unread_links_unknown(
+                read_links_and_fabric(health_ask, api, h, gpu.nvlinks), gpu.failed
+            ),
         )
 
     def _build(self, gpu: _Gpu, **fields: Any) -> GpuSample:
@@ -456,10 +472,24 @@ class GpuSampler:
         ``error`` when it has none yet and in one warning line per (GPU, field), like an
         NVML refusal -- the rest of the sample stands.
         """
+        most = dict(PLAUSIBLE_MAX)
+        for name, board_max in (
+            ("sm_clock_mhz", gpu.info.sm_clock_max_mhz),
+            ("mem_clock_mhz", gpu.info.mem_clock_max_mhz),
+        ):
+            if board_max:
+                most[name] = board_max * CLOCK_MARGIN
+        # Clocks are ints: they are checked here too (a clock of 0xFFFF MHz used to be
+        # reported as a reading), and so is the floor of a temperature (0 °C: no reading).
         implausible = sorted(
             name
-            for name, most in PLAUSIBLE_MAX.items()
-            if isinstance(fields.get(name), float) and not fields[name] <= most
+            for name, value in fields.items()
+            if isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and (
+                (name in most and not value <= most[name])
+                or (name in PLAUSIBLE_MIN_EXCLUSIVE and not value > PLAUSIBLE_MIN_EXCLUSIVE[name])
+            )
         )
         if implausible:
             self._refuse(gpu, fields, implausible)
@@ -510,6 +540,39 @@ class ClockEventReasons:
                     raise
                 self.uses_throttle_name = True
         return self._api.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+
+
+def _unread_links_unknown(
+    fields: dict[str, Any], failed: list[tuple[str, tuple[Any, ...]]]
+) -> dict[str, Any]:
+    """``fields`` from :func:`read_links_and_fabric`, where the NVLink reads that failed
+    (an NVML error, not NOT_SUPPORTED) say "unknown" instead of what a missing answer
+    turns into there. A link whose state could not be read is left out, not reported down,
+    and the active count is unknown: one transient NVML_ERROR_UNKNOWN used to read as
+    nvlink_down, then nvlink_up on the next tick (an urgent report and a flapping GPU). A
+    counter that could not be read makes that link's total and the GPU's sum unknown: a
+    sum over the other links dips and jumps back, which a consumer of the counter (a
+    Prometheus ``rate()``) reads as a reset and a spike."""
+    states = {args[1] for what, args in failed if what == "nvlink state"}
+    counters = {
+        (what.removeprefix("nvlink "), args[1])
+        for what, args in failed
+        if what.startswith("nvlink ") and what != "nvlink state"
+    }
+    if not states and not counters:
+        return fields
+    kept = []
+    for link in fields["nvlinks"]:
+        if link.link in states:
+            continue
+        unread = {name: None for name, index in counters if index == link.link}
+        kept.append(link.model_copy(update=unread) if unread else link)
+    fields["nvlinks"] = kept
+    if states:
+        fields["nvlink_active_count"] = None
+    for name, _ in counters:
+        fields[f"nvlink_{name}"] = None
+    return fields
 
 
 def _describe(exc: BaseException) -> str:

@@ -8,7 +8,9 @@ A spec is ``key=value`` pairs joined by commas; ``kind`` and ``gpu`` are always 
     kind=thermal,gpu=2,at=5,duration=30 temperature climbs, thermal throttle bits, clocks drop
     kind=lost,gpu=0,at=30               every call on GPU 0 raises NVML_ERROR_GPU_IS_LOST
     kind=hang,gpu=1,at=5,duration=60    every call on GPU 1 blocks (a dying GPU's driver)
-    kind=nvml_error,gpu=1,code=999      every call on GPU 1 raises that NVML error code
+    kind=nvml_error,gpu=1,code=999      every call on GPU 1 raises that NVML error code;
+                                        calls=N: only the first N calls from ``at`` on (a
+                                        transient error), 0 (the default) every call
     kind=nvlink,gpu=0,link=3,crc=40,replay=2,recovery=1,down=1
                                         link 3's error counters grow; down=1 takes it down
     kind=pcie,gpu=0,width=8,gen=4,replay=12
@@ -22,6 +24,10 @@ A spec is ``key=value`` pairs joined by commas; ``kind`` and ``gpu`` are always 
     kind=slowdown,gpu=1,mhz=700,hw=1,brake=0
                                         the busy SM clock is capped at mhz (0: no cap); hw=1
                                         sets HW_SLOWDOWN, brake=1 HW_POWER_BRAKE_SLOWDOWN
+    kind=reset,gpu=0,at=40,aggregate=0  a driver reload / GPU reset: the energy counter starts
+                                        again from 0 and the volatile ECC counters count only
+                                        later errors; aggregate=1 also clears the aggregate
+                                        ECC counters (``nvidia-smi --clear-ecc-errors``)
 
 Several specs may be given as a list or joined with ``;``. Parsing is strict: an unknown
 key, a missing key or a bad number is an :class:`~agents.errors.AgentConfigError` naming
@@ -40,23 +46,24 @@ from trainguard.limits import INT32_MAX
 
 FaultKind = Literal[
     "xid", "ecc", "thermal", "lost", "hang", "nvml_error", "nvlink", "pcie", "remap", "retire",
-    "fabric", "slowdown",
+    "fabric", "slowdown", "reset",
 ]  # fmt: skip
 
 _KINDS: tuple[FaultKind, ...] = (
     "xid", "ecc", "thermal", "lost", "hang", "nvml_error", "nvlink", "pcie", "remap", "retire",
-    "fabric", "slowdown",
+    "fabric", "slowdown", "reset",
 )  # fmt: skip
 _COMMON = {"kind", "gpu", "at"}
 #: Integer parameters of the kinds that carry them in ``FaultSpec.values`` (key -> default).
 _VALUES: dict[str, dict[str, int]] = {
-    "nvml_error": {"code": 999},  # NVML_ERROR_UNKNOWN
+    "nvml_error": {"code": 999, "calls": 0},  # NVML_ERROR_UNKNOWN, on every call
     "nvlink": {"link": 0, "crc": 0, "replay": 0, "recovery": 0, "down": 0},
     "pcie": {"width": 0, "gen": 0, "replay": 0},
     "remap": {"correctable": 0, "uncorrectable": 0, "pending": 0, "failed": 0},
     "retire": {"sbe": 0, "dbe": 0, "pending": 0},
     "fabric": {"state": 3, "status": 0},
     "slowdown": {"mhz": 0, "hw": 0, "brake": 0},
+    "reset": {"aggregate": 0},
 }
 _ALLOWED: dict[str, set[str]] = {
     "xid": _COMMON | {"code"},

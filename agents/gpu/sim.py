@@ -13,7 +13,10 @@ Scripted faults (:mod:`agents.gpu.faults`) run on the simulator's clock, which s
 the first ``nvmlInit``. Without faults the load follows :func:`sim_model.utilization_pct`.
 Every ``nvmlDevice*`` call on a GPU with a due ``hang`` fault blocks (outside the driver
 lock, so the other GPUs keep answering) until the hang's duration passes or the driver is
-shut down; a due ``nvml_error`` fault makes every call on that GPU raise its code.
+shut down; a due ``nvml_error`` fault makes every call on that GPU raise its code (or only
+its first ``calls``: a transient error). A due ``reset`` fault is a driver reload or GPU reset
+as NVML shows it: the energy counter starts again from 0 and the volatile ECC counters count
+only later errors (the aggregate ones too with ``aggregate=1``).
 
 A load generator can drive a simulated GPU as a CUDA kernel drives a real one: while
 ``<load_dir>/gpu<N>.pid`` names a live process (the stand-in :mod:`agents.gpu.sim_load`
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import random
 import shutil
@@ -33,7 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +91,9 @@ class SimNvml(SimEventsMixin):
 
     ``no_permission`` makes every ``nvmlDeviceSet*`` call raise NO_PERMISSION, as an
     unprivileged agent sees on a real node; ``unsupported`` names functions that raise
-    NOT_SUPPORTED (a PCIe card has no NVLink, say); ``missing`` names functions that raise
+    NOT_SUPPORTED (a PCIe card has no NVLink, say) and ``unsupported_by_gpu`` those that do
+    on one GPU only (GPU index -> names: a consumer board without power readings or ECC next
+    to datacenter ones); ``missing`` names functions that raise
     FUNCTION_NOT_FOUND (an older driver); ``utilization_pct`` pins the load; ``identity``
     (the node name) keeps UUIDs and load distinct between simulated nodes; ``load_dir``
     is where load markers are looked for (see the module docstring).
@@ -103,6 +109,7 @@ class SimNvml(SimEventsMixin):
         clock: Callable[[], float] = time.monotonic,
         no_permission: bool = False,
         unsupported: Iterable[str] = (),
+        unsupported_by_gpu: Mapping[int, Iterable[str]] | None = None,
         missing: Iterable[str] = (),
         utilization_pct: int | None = None,
         model: SimGpuModel | None = None,
@@ -119,6 +126,12 @@ class SimNvml(SimEventsMixin):
         self.faults = tuple(faults)
         self.no_permission = no_permission
         self.unsupported = frozenset(unsupported)
+        self.unsupported_by_gpu = {
+            int(gpu): frozenset(names) for gpu, names in (unsupported_by_gpu or {}).items()
+        }
+        #: Calls failed so far by each ``nvml_error`` fault with ``calls`` (by id: faults
+        #: stay in ``self.faults`` for the driver's life, so ids are not reused).
+        self._error_calls: dict[int, int] = {}
         self.missing = frozenset(missing)
         self.fixed_utilization_pct = utilization_pct
         self._clock = clock
@@ -205,7 +218,33 @@ class SimNvml(SimEventsMixin):
                 break
             self._released.wait(0.01)
         for fault in self._due("nvml_error", index):
+            calls = fault.value("calls")
+            if calls:
+                with self._lock:
+                    done = self._error_calls.get(id(fault), 0)
+                    if done >= calls:
+                        continue  # a transient error: over after its first ``calls`` calls
+                    self._error_calls[id(fault)] = done + 1
             raise _error(fault.value("code"))
+
+    def _unsupported_on(self, index: int, name: str) -> bool:
+        """``name`` answers NOT_SUPPORTED on this GPU (a lost GPU says it is lost instead)."""
+        return name in self.unsupported_by_gpu.get(index, ()) and not self._is_lost(
+            index, self.now_s()
+        )
+
+    def _ecc_due(self, gpu: int, counter_type: int) -> list[FaultSpec]:
+        """The ECC faults a counter still counts: volatile counters those since the last
+        ``reset``, aggregate ones those since the last ``reset`` with ``aggregate=1``."""
+        since = max(
+            (
+                f.at_s
+                for f in self._due("reset", gpu)
+                if counter_type == pynvml.NVML_VOLATILE_ECC or f.value("aggregate")
+            ),
+            default=-math.inf,
+        )
+        return [f for f in self._due("ecc", gpu) if f.at_s >= since]
 
     def release_hangs(self) -> None:
         """End every simulated hang now (also done by the last ``nvmlShutdown``)."""
@@ -283,12 +322,19 @@ class SimNvml(SimEventsMixin):
         )
 
     def _advance_energy(self, gpu: _Gpu, t_s: float) -> None:
-        """Integrate power up to ``t_s`` (left Riemann sum on a fine grid)."""
+        """Integrate power up to ``t_s`` (left Riemann sum on a fine grid); the counter
+        starts again from 0 at each due ``reset`` (NVML counts since the driver loaded)."""
         t = gpu.energy_t_s
-        while t < t_s:
-            step = min(_ENERGY_STEP_S, t_s - t)
-            gpu.energy_mj += self._state(gpu, t).power_w * step * 1000.0
-            t += step
+        resets = sorted(
+            f.at_s for f in self._due("reset", gpu.index, t_s) if f.at_s >= gpu.energy_t_s
+        )
+        for end, reset in [*((r, True) for r in resets), (t_s, False)]:
+            while t < end:
+                step = min(_ENERGY_STEP_S, end - t)
+                gpu.energy_mj += self._state(gpu, t).power_w * step * 1000.0
+                t += step
+            if reset:
+                gpu.energy_mj = 0.0
         gpu.energy_t_s = max(gpu.energy_t_s, t_s)
 
     def _setter(self, handle: Any, name: str) -> _Gpu:
@@ -469,8 +515,7 @@ class SimNvml(SimEventsMixin):
         gpu = self._gpu(handle, "nvmlDeviceGetTotalEccErrors")
         if counterType not in (pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        t_s = self.now_s()
-        due = [f for f in self.faults if f.kind == "ecc" and f.gpu == gpu.index and f.at_s <= t_s]
+        due = self._ecc_due(gpu.index, counterType)
         if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
             return sum(f.ecc_corrected for f in due)
         if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
@@ -540,7 +585,7 @@ class SimNvml(SimEventsMixin):
         names = [n for n, v in _LOCATIONS.items() if v == locationType]
         if not names or names[0] not in self.model.ecc_locations:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        due = [f for f in self._due("ecc", gpu.index) if f.ecc_location == names[0]]
+        due = [f for f in self._ecc_due(gpu.index, counterType) if f.ecc_location == names[0]]
         if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
             return sum(f.ecc_corrected for f in due)
         if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
@@ -601,6 +646,8 @@ def _device_call(fn: Callable[..., Any]) -> Callable[..., Any]:
         handle = args[0] if args else next(iter(kwargs.values()), None)
         if isinstance(handle, SimHandle):
             self._before_device_call(handle.index)
+            if self._unsupported_on(handle.index, fn.__name__):
+                raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return fn(self, *args, **kwargs)
 
     return call

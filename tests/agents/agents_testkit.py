@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -24,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from agents.daemon import Agent
+from agents.settings import AgentSettings, load_settings
 from trainguard.framing import encode_frame, read_frame
 from trainguard.wire import (
     API_PREFIX,
@@ -205,3 +207,16 @@ class Running:
         self.stop.set()
         self.thread.join(timeout=10)
         self.agent.stop()
+
+
+def quiet_agent_settings(tmp: Path, url: str, **extra: Any) -> AgentSettings:
+    """An in-process agent that touches nothing of this machine: a fast cadence, its spool
+    under ``tmp``, no socket, no metrics port, no powercap or sysfs of the host, in the
+    background, no preflight load. ``extra`` overrides any of these."""
+    values: dict[str, Any] = dict(
+        controller_url=url, token=TOKEN, node_name="gpu-node-5", gpus="sim:4",
+        sample_interval_s=0.05, report_interval_s=0.2, spool_dir=tmp / "spool", socket_path="",
+        metrics_port=-1, powercap_dir=tmp / "no-powercap", sysfs_root=tmp / "no-sys",
+        foreground=False, preflight_load=False,
+    )  # fmt: skip
+    return load_settings(**(values | extra))

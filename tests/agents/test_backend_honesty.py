@@ -7,9 +7,7 @@ code, or the simulated driver handed in *as* the NVML module (a GPU node in a te
 
 from __future__ import annotations
 
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,12 +111,6 @@ def test_simulation_only_when_asked_and_faults_need_it(bare_dev: Path) -> None:
         open_backend("auto", fault_specs=["kind=lost,gpu=1"], dev_dir=bare_dev)
     with pytest.raises(AgentConfigError, match="gpu=9 but only 8"):
         open_backend("sim:8", fault_specs=["kind=lost,gpu=9"])
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="tgh-") as d:
-        yield Path(d)
 
 
 def agent_settings(tmp: Path, url: str, dev: Path, **kw: Any) -> Any:

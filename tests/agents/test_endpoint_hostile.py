@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -63,12 +62,6 @@ def thread_errors() -> Iterator[list[BaseException]]:
         yield seen
     finally:
         threading.excepthook = old
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="tgh-") as d:
-        yield Path(d)
 
 
 def _start(short_tmp: Path, sink: Sink, **kw: Any) -> LocalEndpoint:

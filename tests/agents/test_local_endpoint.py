@@ -35,15 +35,6 @@ class Sink:
 
 
 @pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    # sun_path is limited to 107 bytes; pytest's tmp_path can be longer.
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="tga-") as d:
-        yield Path(d)
-
-
-@pytest.fixture
 def endpoint(short_tmp: Path) -> Iterator[tuple[LocalEndpoint, Sink]]:
     sink = Sink()
     ep = LocalEndpoint(short_tmp / "agent.sock", on_records=sink)

@@ -13,10 +13,8 @@ The driver is the simulated NVML (pynvml's names and units) the other agent test
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,27 +28,14 @@ from agents.gpu.faults import FaultSpec, parse_fault_specs
 from agents.gpu.sim import SimNvml
 from agents.node_power import NodePowerSampler
 from agents.sampler import GpuSampler
-from agents.settings import AgentSettings, load_settings
+from agents.settings import AgentSettings
 from agents.xid_events import XidWatcher
-from tests.agents.agents_testkit import TOKEN, FakeController
+from tests.agents.agents_testkit import FakeController, quiet_agent_settings
 from trainguard.wire import XidEvent
 
 
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="tgm-") as d:
-        yield Path(d)
-
-
 def _settings(tmp: Path, url: str, **extra: Any) -> AgentSettings:
-    values: dict[str, Any] = dict(
-        controller_url=url, token=TOKEN, node_name="gpu-node-9", gpus="sim:1",
-        sample_interval_s=0.05, report_interval_s=0.2, spool_dir=tmp / "spool", socket_path="",
-        metrics_port=-1, powercap_dir=tmp / "no-powercap", sysfs_root=tmp / "no-sys",
-        foreground=False, preflight_load=False,
-    )  # fmt: skip
-    values.update(extra)
-    return load_settings(**values)
+    return quiet_agent_settings(tmp, url, **({"node_name": "gpu-node-9", "gpus": "sim:1"} | extra))
 
 
 def _sim(count: int = 1) -> SimNvml:
