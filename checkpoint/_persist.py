@@ -31,6 +31,7 @@ from checkpoint._write import (
     DataFileWriter,
     fsync_dir,
     gaps_are_zero,
+    name_file,
     write_atomic,
 )
 from checkpoint.errors import CheckpointWriteError
@@ -223,8 +224,10 @@ def _write_from_buffer(
             end = entry.offset + entry.nbytes
             writer.advance(end)
         return writer.finish(end)
-    except BaseException:
+    except BaseException as exc:
         writer.abort()
+        if isinstance(exc, OSError):  # pwrite/fsync name no file: say which one failed
+            name_file(exc, path)
         raise
 
 
@@ -244,8 +247,10 @@ def _write_by_entry(
                 writer.write(buffer[pos:nxt])
                 pos = nxt
         return writer.finish()
-    except BaseException:
+    except BaseException as exc:
         writer.abort()
+        if isinstance(exc, OSError):  # write/fsync name no file: say which one failed
+            name_file(exc, path)
         raise
 
 

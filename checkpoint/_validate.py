@@ -172,8 +172,21 @@ def _piece(f: _Fields, gshape: list[int], local_numel: int) -> Piece:
     return Piece(offsets=offsets, shape=shape, base=base, strides=strides)
 
 
+def _shape(f: _Fields, key: str) -> list[int]:
+    """A tensor shape. Its non-zero dimensions must multiply to at most ``MAX_BYTES``
+    (what a tensor's element count already is when it has none): a zero makes the element
+    count, so ``nbytes``, 0 whatever the others are, but torch still computes strides from
+    them, and ``[0, 2**48, 2**48, 2**48]`` raised torch's ``RuntimeError`` ("Stride
+    calculation overflowed") out of ``load()`` instead of a ``CheckpointCorruptError`` it
+    falls back past (found by ``tests/checkpoint/test_damage_sweep.py``)."""
+    shape = f.integers(key, 0, MAX_DIM)
+    if math.prod(n or 1 for n in shape) > MAX_BYTES:
+        f.fail(key, f"{shape}: its dimensions multiply past {MAX_BYTES}")
+    return shape
+
+
 def _global_map(f: _Fields, local_numel: int) -> GlobalMap:
-    shape = f.integers("shape", 0, MAX_DIM)
+    shape = _shape(f, "shape")
     placement, reduce = f.string("placement"), f.string("reduce")
     if placement not in PLACEMENTS:
         f.fail("placement", f"{placement!r:.40} is not one of {', '.join(PLACEMENTS)}")
@@ -194,7 +207,7 @@ def _entry(f: _Fields, *, rank: int, world_size: int, file_size: int) -> Entry:
         f.fail("name", "empty")
     if dtype not in DTYPE_BYTES:
         f.fail("dtype", f"unknown dtype {dtype!r:.40}")
-    shape = f.integers("shape", 0, MAX_DIM)
+    shape = _shape(f, "shape")
     numel = math.prod(shape)
     nbytes = f.integer("nbytes")
     if nbytes != numel * DTYPE_BYTES[dtype]:

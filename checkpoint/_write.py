@@ -88,11 +88,23 @@ def preallocate(fd: int, size: int) -> bool:
     return bool(_FALLOCATE(fd, 0, 0, size) == 0)
 
 
+def name_file(exc: OSError, path: Path) -> None:
+    """Give ``exc`` ``path`` as its file name when it has none. ``os.pwrite``, ``os.fsync``
+    and a file object's ``write`` name no file, so a save that hit ENOSPC or EIO reached
+    the caller as a bare ``[Errno 28] No space left on device`` (found by the damage sweep,
+    ``tests/checkpoint/test_damage_sweep.py``); now it says which file."""
+    if exc.filename is None and exc.errno is not None:
+        exc.filename = str(path)
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename inside ``path`` durable (a rename is only durable once its dir is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        name_file(exc, path)
+        raise
     finally:
         os.close(fd)
 
@@ -104,11 +116,19 @@ def tmp_name(path: Path) -> Path:
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
     tmp = tmp_name(path)
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        # A failed write (ENOSPC, EIO) left ``.MANIFEST.json.tmp-<pid>`` behind, on a disk
+        # that is likely full; and the error named no file (:func:`name_file`).
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        name_file(exc, path)
+        raise
     fsync_dir(path.parent)
 
 
