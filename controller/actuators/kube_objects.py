@@ -190,6 +190,27 @@ def controller_ref(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return next((r for r in refs if r.get("controller") and r.get("kind") == kind), None)
 
 
+#: The status conditions that end each kind of workload for good: its controller (Job,
+#: JobSet, training operator, Trainer) acts on it no more, so suspending, resuming or
+#: deleting its pods would restart nothing.
+FINISHED_CONDITIONS: Final = {
+    "Job": ("Complete", "Failed"),
+    "JobSet": ("Completed", "Failed"),
+    "PyTorchJob": ("Succeeded", "Failed"),
+    "TrainJob": ("Complete", "Failed"),
+}
+
+
+def finished(kind: str, obj: dict[str, Any] | None) -> str | None:
+    """How ``obj`` (a ``kind``) ended (``Completed``, ``Failed``...), ``None`` while it runs."""
+    status = (obj or {}).get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond.get("type") in FINISHED_CONDITIONS.get(kind, ()) and cond.get("status") == "True":
+            return str(cond["type"])
+    terminal = status.get("terminalState") if kind == "JobSet" else None
+    return str(terminal) if terminal else None
+
+
 def annotations_of(obj: dict[str, Any]) -> dict[str, str]:
     return cast(dict[str, str], obj["metadata"].get("annotations") or {})
 

@@ -289,7 +289,11 @@ class KubernetesActuator:
         layout = self.book.layout(job)
         if layout is None:
             return labelled
-        names = set(layout.pods()) - {p["metadata"]["name"] for p in labelled}
+        # Only pods the ranks reported in this namespace: a same-named pod here (two teams
+        # deploying one example) belongs to another job, and taking it would act on the
+        # wrong workload (found by the layout sweep).
+        here = {s.pod for s in layout.seats.values() if s.namespace in ("", self.namespace)}
+        names = here - {p["metadata"]["name"] for p in labelled}
         if not names:
             return labelled
         every = await self._call(

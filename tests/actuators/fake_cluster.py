@@ -178,6 +178,10 @@ class FakeCluster(WorkloadControllers, FakeKube):
         #: (group, resource, verb) -> how many more such calls succeed before each answers
         #: 500: a failure half-way through a sequence of calls.
         self.faults: dict[tuple[str, str, str], int] = {}
+        #: (group, resource, verb) -> what other writers do just before each such call is
+        #: served, in order (``None``: nothing that time): ``fn(cluster, key)`` may change
+        #: the object, so a resourceVersion-guarded write answers 409 as on a busy cluster.
+        self.concurrent_writes: dict[tuple[str, str, str], list[Any]] = {}
 
     @classmethod
     @contextmanager
@@ -269,30 +273,37 @@ class FakeCluster(WorkloadControllers, FakeKube):
         resource = f"{plural}/{sub}" if sub else plural
         with self.lock:
             if method == "PUT":
-                self._serve_check(group, resource, "update", name)
+                self._serve_check(group, resource, "update", name, key)
                 return self._replace(key, body)
             if method == "DELETE" and name and not sub:
-                self._serve_check(group, resource, "delete", name)
+                self._serve_check(group, resource, "delete", name, key)
                 gone = self._delete(key, query, body)
                 if plural == "pods":
                     self._pod_failed(gone, evicted=False)
                 return gone
             if method == "PATCH" and sub == "status":
-                self._serve_check(group, resource, "patch", name)
+                self._serve_check(group, resource, "patch", name, key)
                 return self._patch_status(key, body, ctype)
             if method == "PATCH" and ctype == STRATEGIC and not sub:
-                self._serve_check(group, resource, "patch", name)
+                self._serve_check(group, resource, "patch", name, key)
                 return self._strategic(key, body)
             if method == "PATCH" and not sub and key in self.objects:
-                self._serve_check(group, resource, "patch", name)
+                self._serve_check(group, resource, "patch", name, key)
                 return self._patch_finalized(key, body, ctype)
             if method == "POST" and sub == "eviction":
-                self._serve_check(group, resource, "create", name)
+                self._serve_check(group, resource, "create", name, key)
                 return self._evict(ns, name)
         return super().handle(method, path, query, body, ctype)
 
-    def _serve_check(self, group: str, resource: str, verb: str, name: str) -> None:
+    def _serve_check(
+        self, group: str, resource: str, verb: str, name: str, key: Any = None
+    ) -> None:
         self.served.append((group, resource, verb))
+        pending = self.concurrent_writes.get((group, resource, verb))
+        if pending:
+            other = pending.pop(0)
+            if other is not None:
+                other(self, key)
         left = self.faults.get((group, resource, verb))
         if left is not None:
             if left <= 0:

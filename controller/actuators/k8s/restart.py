@@ -186,6 +186,15 @@ async def restart_job(act: KubernetesActuator, placement: Placement, reason: str
             outcome=f"job {job} generation {done} already started; nothing to do",
             details={"already": True, "workload": w.label},
         )
+    # A finished workload (or a TrainJob's finished JobSet) is left alone by its controller:
+    # suspend/resume or deleted pods would start nothing, and the restart would have
+    # reported a success that did nothing (found by the layout sweep).
+    ended = ko.finished(w.kind.kind, w.obj) or ko.finished("JobSet", w.runtime)
+    if ended is not None:
+        raise ActuatorError(
+            f"job {job}: {w.label} has finished ({ended}); its controller does not act on a "
+            "finished workload, so a restart would start nothing: resubmit the job"
+        )
     annotations = {
         ANN_GENERATION: str(gen),
         ANN_RESUME_STEP: None if placement.resume_step is None else str(placement.resume_step),
