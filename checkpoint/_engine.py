@@ -102,7 +102,11 @@ class Checkpointer:
             raise CheckpointConfigError(f"rank {rank} outside world size {world_size}")
         self.config = config
         self.root = Path(config.root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file in its place, no permission: the caller's setting
+            why = exc.strerror or type(exc).__name__
+            raise CheckpointConfigError(f"checkpoint root {self.root}: {why}") from exc
         self.rank, self.world_size = rank, world_size
         self.layout = dict(layout or {"world": world_size})
         self.job = job

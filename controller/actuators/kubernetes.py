@@ -25,7 +25,10 @@ Errors: every API failure becomes a :class:`KubernetesApiError` (an
 409/429/5xx and an unreachable API server, permanent otherwise (403 names the missing RBAC
 rule). Every patch is a JSON merge patch; those that rewrite a list (taints, a JobSet's
 ``replicatedJobs``) carry ``metadata.resourceVersion`` so a concurrent writer makes the API
-answer 409 instead of being overwritten, and the actuator re-reads and tries again.
+answer 409 instead of being overwritten. A Node patch that gets 409 is re-read and tried
+again at once; a workload's 409 (the JobSet controller writing its status between the
+suspend and the resize-and-resume) is a retryable error, and the engine's next attempt
+finishes the restart (the workload is left suspended, and the annotations say how far it got).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from typer.testing import CliRunner
 
 from checkpoint import (
     CheckpointConfig,
+    CheckpointConfigError,
     CheckpointCorruptError,
     Checkpointer,
     CheckpointError,
@@ -304,17 +305,11 @@ def test_a_read_only_root_fails_the_save_naming_it(tmp_path: Path) -> None:
     assert _load(root)[0] == 1
 
 
-def test_a_root_that_is_a_file_fails_the_save_naming_it(tmp_path: Path) -> None:
+def test_a_root_that_is_a_file_is_refused_up_front_naming_it(tmp_path: Path) -> None:
+    """A setting's mistake: CheckpointConfigError, not the OS's FileExistsError."""
     root = tmp_path / "ckpt"
     root.write_bytes(b"not a directory")
     events: list[CheckpointEvent] = []
-    try:
-        engine = _engine(root, events)
-    except (CheckpointError, OSError) as exc:  # refused up front (today: FileExistsError)
-        assert str(root) in str(exc)
-    else:
-        engine.save({"model": _model(1)}, 1)
-        with pytest.raises(CheckpointWriteError, match=str(root)):
-            engine.wait()
-        engine.close()
+    with pytest.raises(CheckpointConfigError, match=f"checkpoint root {root}: "):
+        _engine(root, events)
     assert root.read_bytes() == b"not a directory"
