@@ -296,6 +296,7 @@ class PowerPolicy:
             if gpu is not None:
                 seen = gpu.raw if gpu.raw is not None else gpu.status
                 if seen is not raw and seen != raw:
+                    self._follow_reported_caps(gpu, status)
                     gpu.status, gpu.raw = status, (raw if bad else None)
                     self._note_limits(gpu, bad)
                     changed = True
@@ -326,6 +327,51 @@ class PowerPolicy:
             self._gpus[key] = gpu
             changed = True
         return changed
+
+    @staticmethod
+    def _follow_reported_caps(gpu: _GpuState, now: GpuStatus) -> None:
+        """Take what the reports show in force over what an ack once said, when they change.
+
+        A lock or limit this policy set can vanish under it: the agent restarts (its lock
+        record is gone), the GPU is reset or the driver reloaded (the limit is back at the
+        maximum), someone unlocks it by hand. Believing the ack would leave the GPU uncapped
+        for as long as its domain stays at the same level, with nothing re-sent. Only a
+        *change* of the reported value counts, with no command of that knob in flight (a
+        sample taken before the agent applied our command shows no change), and an
+        unanswered limit (``None``) is not taken as "no limit".
+        """
+        before = gpu.status
+        clock = now.locked_sm_clock_mhz
+        if (
+            Knob.CLOCKS not in gpu.inflight
+            and clock != before.locked_sm_clock_mhz
+            and not _same(gpu.applied_clock, clock)
+        ):
+            log.warning(
+                "power: %s GPU %d reports clock lock %s, not the %s trainguard set; "
+                "following the report",
+                now.server,
+                now.index,
+                clock,
+                gpu.applied_clock,
+            )
+            gpu.applied_clock = clock
+        limit = _lowered_limit(now)
+        if (
+            Knob.POWER_LIMIT not in gpu.inflight
+            and now.power_limit_w is not None
+            and now.power_limit_w != before.power_limit_w
+            and not _same(gpu.applied_limit, limit)
+        ):
+            log.warning(
+                "power: %s GPU %d reports power limit %s W, not the %s W trainguard set; "
+                "following the report",
+                now.server,
+                now.index,
+                now.power_limit_w,
+                gpu.applied_limit,
+            )
+            gpu.applied_limit = limit
 
     @staticmethod
     def _note_limits(gpu: _GpuState, bad: str | None) -> None:

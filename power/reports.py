@@ -59,7 +59,15 @@ def readings_from_sample(
             gdom = tree.gpu_domain(node, gpu.index)
             if gdom is not None:
                 out[gdom.name] = Reading(gpu.power_w, t)
-    if sample.node_power_w is not None and sample.node_power_source == "rapl":
+    # A RAPL figure is RAPL plus the GPUs that answered (agents/node_power.py), so with a
+    # GPU silent or lost it is a partial sum as well: trusting it would undercount the
+    # server and let its domains uncap or exceed their budget. Only a sample with no GPU
+    # at all (a CPU-only server) relies on RAPL alone.
+    if (
+        sample.node_power_w is not None
+        and sample.node_power_source == "rapl"
+        and (complete or not sample.gpus)
+    ):
         out[node] = Reading(sample.node_power_w, t)
     elif complete:
         out[node] = Reading(total, t)
