@@ -123,7 +123,9 @@ class Plan:
 
     def stats(self) -> dict[str, object]:
         t = self.link_times_s()
-        worst = int(np.argmax(t)) if t.size else -1
+        # No load anywhere (a job on one node, zero bytes): argmax would name link 0 as the
+        # busiest, and the API and CLI would show an idle link as the bottleneck.
+        worst = int(np.argmax(t)) if t.size and t.max() > 0 else -1
         paths = self.paths()
         n_real = (paths != self.topology.dummy_link).sum(axis=1) if len(paths) else paths
         return {

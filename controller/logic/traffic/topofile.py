@@ -45,12 +45,19 @@ and finite so ``inf`` (``1e309`` in JSON) or ``1e300`` cannot reach the planner'
 where a link of infinite capacity makes every load ratio 0 or NaN."""
 
 
+MIN_GBPS = 0.001
+"""Smallest port or cable speed accepted (1 Mb/s). A positive but denormal speed (``5e-324``)
+passed ``> 0`` and then overflowed ``load / capacity`` to ``inf`` in the planner, which
+refused the job with a misleading "no candidate path with capacity left"; so a speed that
+is zero in all but name is refused at load, naming the field, like 0 is."""
+
+
 MAX_LABEL_SPINES = 4096
 """Most spines a label fabric may name: every leaf gets a cable to each, built as objects."""
 
 
 def _gbps(default: float | None) -> Any:
-    return Field(default, gt=0, le=MAX_GBPS, allow_inf_nan=False)
+    return Field(default, ge=MIN_GBPS, le=MAX_GBPS, allow_inf_nan=False)
 
 
 class _Strict(BaseModel):
@@ -204,12 +211,12 @@ class LabelFabric:
         if (
             1 <= self.spines <= MAX_LABEL_SPINES
             and 0 < self.oversubscription < math.inf
-            and 0 < self.port_speed_gbps <= MAX_GBPS
+            and MIN_GBPS <= self.port_speed_gbps <= MAX_GBPS
         ):
             return None
         return (
             f"spines 1..{MAX_LABEL_SPINES}, oversubscription finite > 0, "
-            f"port_speed_gbps in (0, {MAX_GBPS:g}]"
+            f"port_speed_gbps in [{MIN_GBPS:g}, {MAX_GBPS:g}]"
         )
 
 
@@ -231,9 +238,10 @@ def topology_from_labels(labels: Mapping[str, Mapping[str, str]], fabric: LabelF
                 raise TopologyError(
                     f"node {node!r}: {LABEL_PREFIX}port-speed-gbps is not a number"
                 ) from None
-            if not 0 < speed <= MAX_GBPS:
+            if not MIN_GBPS <= speed <= MAX_GBPS:
                 raise TopologyError(
-                    f"node {node!r}: {LABEL_PREFIX}port-speed-gbps must be in (0, {MAX_GBPS:g}]"
+                    f"node {node!r}: {LABEL_PREFIX}port-speed-gbps must be in "
+                    f"[{MIN_GBPS:g}, {MAX_GBPS:g}]"
                 )
         nics: dict[int, NicSpec] = {}
         for key, value in mine.items():
@@ -274,6 +282,7 @@ __all__ = [
     "LABEL_PREFIX",
     "MAX_GBPS",
     "MAX_LABEL_SPINES",
+    "MIN_GBPS",
     "LabelFabric",
     "load_topology",
     "parse_document",
