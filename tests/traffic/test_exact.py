@@ -15,44 +15,14 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from controller.logic.traffic.jobs import Collective, Flows, JobSpec
+from controller.logic.traffic.jobs import JobSpec
 from controller.logic.traffic.planner import Plan, Planner, PlannerConfig
 from controller.logic.traffic.topofile import topology_from_dict
 from controller.logic.traffic.topology import Topology
+from tests.traffic.plan_checks import brute_force_optimum, flows_by_index
 
 GBPS = 1e9 / 8
 MAX_COMBOS = 20_000
-
-
-def flows_of(pairs: list[tuple[int, int]], sizes: list[float]) -> Flows:
-    n = len(pairs)
-    return Flows(
-        src_node=np.asarray([a for a, _ in pairs], dtype=np.int64),
-        src_nic=np.zeros(n, dtype=np.int64),
-        dst_node=np.asarray([b for _, b in pairs], dtype=np.int64),
-        dst_nic=np.zeros(n, dtype=np.int64),
-        size_bytes=np.asarray(sizes, dtype=np.float64),
-        group=np.zeros(n, dtype=np.int64),
-        channel=np.zeros(n, dtype=np.int64),
-        qp=np.arange(n, dtype=np.int64),
-        collectives=[Collective(name="x", kind="dp", ranks=[0, 1], size_bytes=1)],
-    )
-
-
-def brute_force_optimum(plan: Plan) -> float:
-    """Smallest busiest-link time over every combination of candidates (exhaustive)."""
-    cap = plan.topology.capacity_ext()
-    dummy = plan.topology.dummy_link
-    partial = np.zeros((1, len(cap)))
-    for f in range(len(plan.flows)):
-        cs = plan.sets[plan.set_of[f]]
-        add = np.zeros((len(cs), len(cap)))
-        for c, row in enumerate(cs.links):
-            for lk in row:
-                if lk != dummy:
-                    add[c, lk] += plan.flows.size_bytes[f] / cap[lk]
-        partial = (partial[:, None, :] + add[None, :, :]).reshape(-1, len(cap))
-    return float(partial.max(axis=1).min())
 
 
 def loads_of(plan: Plan) -> np.ndarray:
@@ -88,7 +58,7 @@ def test_bin_packing_counterexample_to_greedy_plus_local_search() -> None:
     unit = 100 * GBPS / 6
     idx = topo.node_index
     pairs = [(idx[f"a{i}"], idx[f"b{i}"]) for i in range(5)]
-    flows = flows_of(pairs, [3 * unit, 3 * unit, 2 * unit, 2 * unit, 2 * unit])
+    flows = flows_by_index(pairs, [3 * unit, 3 * unit, 2 * unit, 2 * unit, 2 * unit])
     job = JobSpec(nodes=["a0"])
     heuristic = Planner(topo, PlannerConfig(exact_max_flows=0)).plan_flows(flows, job)
     assert heuristic.max_link_time_s() == pytest.approx(7 / 6)
@@ -175,7 +145,7 @@ def test_plan_within_capacity_whenever_brute_force_finds_one(
 ) -> None:
     doc, pairs, units = problem
     topo = topology_from_dict(doc)
-    flows = flows_of(pairs, [u * 1e9 for u in units])
+    flows = flows_by_index(pairs, [u * 1e9 for u in units])
     plan = Planner(topo).plan_flows(flows, JobSpec(nodes=["n0"]))
     combos = int(np.prod([len(plan.sets[s]) for s in plan.set_of]))
     assume(combos <= MAX_COMBOS)
@@ -196,7 +166,9 @@ def test_replan_keeps_moved_flows_within_capacity(sizes: list[int], down: int) -
     idx = topo.node_index
     pairs = [(idx[f"a{i}"], idx[f"b{i}"]) for i in range(len(sizes))]
     planner = Planner(topo)
-    plan = planner.plan_flows(flows_of(pairs, [x * 1e9 for x in sizes]), JobSpec(nodes=["a0"]))
+    plan = planner.plan_flows(
+        flows_by_index(pairs, [x * 1e9 for x in sizes]), JobSpec(nodes=["a0"])
+    )
     spine = f"s{down % 2}"
     new = planner.replan(plan, [(f"A--{spine}", 0.5)])
     cap = topo.capacity_ext()
@@ -227,7 +199,7 @@ def test_enforcement_keeps_the_proof_only_when_no_flow_moved() -> None:
     unit = 100 * GBPS / 6
     idx = topo.node_index
     pairs = [(idx[f"a{i}"], idx[f"b{i}"]) for i in range(5)]
-    flows = flows_of(pairs, [3 * unit, 3 * unit, 2 * unit, 2 * unit, 2 * unit])
+    flows = flows_by_index(pairs, [3 * unit, 3 * unit, 2 * unit, 2 * unit, 2 * unit])
     plan = Planner(topo).plan_flows(flows, JobSpec(nodes=["a0"]))
     assert plan.proven_optimal
     for function in ("crc32", "crc16-ccitt", "xor16"):

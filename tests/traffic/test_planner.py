@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.logic.traffic.errors import PlanError
-from controller.logic.traffic.jobs import Collective, Flows, JobSpec
+from controller.logic.traffic.jobs import JobSpec
 from controller.logic.traffic.planner import Planner, PlannerConfig
 from controller.logic.traffic.topofile import topology_from_dict
 from controller.logic.traffic.topology import Topology
+from tests.traffic.plan_checks import flows_between
 
 from .conftest import small_fabric
 
@@ -34,22 +35,6 @@ def two_leaves(spines: int, hosts: int = 4, gbps: float = 100.0) -> Topology:
                 for i in range(hosts)
             ],
         }
-    )
-
-
-def flows_between(topo: Topology, pairs: list[tuple[str, str]], sizes: list[float]) -> Flows:
-    idx = topo.node_index
-    n = len(pairs)
-    return Flows(
-        src_node=np.asarray([idx[a] for a, _ in pairs], dtype=np.int64),
-        src_nic=np.zeros(n, dtype=np.int64),
-        dst_node=np.asarray([idx[b] for _, b in pairs], dtype=np.int64),
-        dst_nic=np.zeros(n, dtype=np.int64),
-        size_bytes=np.asarray(sizes, dtype=np.float64),
-        group=np.zeros(n, dtype=np.int64),
-        channel=np.zeros(n, dtype=np.int64),
-        qp=np.arange(n, dtype=np.int64),
-        collectives=[Collective(name="x", kind="dp", ranks=[0, 1], size_bytes=1)],
     )
 
 

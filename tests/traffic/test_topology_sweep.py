@@ -25,11 +25,12 @@ from controller.logic.traffic.enforce import enforce, enforce_changed, walk
 from controller.logic.traffic.errors import JobSpecError, PlanError, TopologyError
 from controller.logic.traffic.fattree import FatTreeSpec, build_fat_tree
 from controller.logic.traffic.hashing import HashConfig
-from controller.logic.traffic.jobs import Collective, Flows, JobSpec, build_flows
+from controller.logic.traffic.jobs import JobSpec, build_flows
 from controller.logic.traffic.outputs import plan_to_dict
 from controller.logic.traffic.planner import Plan, Planner, PlannerConfig
 from controller.logic.traffic.topofile import LabelFabric, topology_from_dict, topology_from_labels
 from controller.logic.traffic.topology import Topology
+from tests.traffic.plan_checks import brute_force_optimum, flows_between
 
 GBPS = 1e9 / 8
 
@@ -67,38 +68,6 @@ def link_names(plan: Plan) -> set[str]:
     topo = plan.topology
     used = np.unique(plan.paths())
     return {topo.link_names[int(i)] for i in used if i != topo.dummy_link}
-
-
-def brute_force_optimum(plan: Plan) -> float:
-    """Smallest busiest-link time over every combination of the plan's candidates."""
-    cap = plan.topology.capacity_ext()
-    dummy = plan.topology.dummy_link
-    partial = np.zeros((1, len(cap)))
-    for f in range(len(plan.flows)):
-        cs = plan.sets[plan.set_of[f]]
-        add = np.zeros((len(cs), len(cap)))
-        for c, row in enumerate(cs.links):
-            for lk in row:
-                if lk != dummy:
-                    add[c, lk] += plan.flows.size_bytes[f] / cap[lk]
-        partial = (partial[:, None, :] + add[None, :, :]).reshape(-1, len(cap))
-    return float(partial.max(axis=1).min())
-
-
-def flows_of(topo: Topology, pairs: list[tuple[str, str]], units: list[float]) -> Flows:
-    idx = topo.node_index
-    n = len(pairs)
-    return Flows(
-        src_node=np.asarray([idx[a] for a, _ in pairs], dtype=np.int64),
-        src_nic=np.zeros(n, dtype=np.int64),
-        dst_node=np.asarray([idx[b] for _, b in pairs], dtype=np.int64),
-        dst_nic=np.zeros(n, dtype=np.int64),
-        size_bytes=np.asarray([u * 1e9 for u in units], dtype=np.float64),
-        group=np.zeros(n, dtype=np.int64),
-        channel=np.zeros(n, dtype=np.int64),
-        qp=np.arange(n, dtype=np.int64),
-        collectives=[Collective(name="mix", kind="dp", ranks=[0, 1], size_bytes=1)],
-    )
 
 
 # ---------------------------------------------------------------------- degenerate fabrics
@@ -239,7 +208,7 @@ def test_heterogeneous_speeds_and_two_jobs_on_one_spine_match_brute_force() -> N
     topo = topology_from_dict(doc)
     job_one = [("a0", "b0"), ("a1", "b1"), ("a0", "b1")]
     job_two = [("a2", "b2"), ("a3", "b3"), ("a2", "b3")]
-    flows = flows_of(topo, job_one + job_two, [6, 5, 4, 3, 3, 2])
+    flows = flows_between(topo, job_one + job_two, [u * 1e9 for u in (6, 5, 4, 3, 3, 2)])
     plan = Planner(topo).plan_flows(flows, JobSpec(nodes=["a0"]))
     best = brute_force_optimum(plan)
     assert plan.max_link_time_s() <= best * (1 + 1e-9)
@@ -253,7 +222,7 @@ def test_oversubscribed_fat_tree_meets_brute_force_on_a_small_mix(oversubscripti
     )
     names = [n.name for n in topo.nodes]
     pairs = [(names[i], names[4 + (i + k) % 4]) for i in range(4) for k in range(2)][:7]
-    flows = flows_of(topo, pairs, [5, 4, 4, 3, 3, 2, 2])
+    flows = flows_between(topo, pairs, [u * 1e9 for u in (5, 4, 4, 3, 3, 2, 2)])
     plan = Planner(topo).plan_flows(flows, JobSpec(nodes=[names[0]]))
     assert plan.max_link_time_s() <= brute_force_optimum(plan) * (1 + 1e-9)
 
