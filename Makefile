@@ -73,7 +73,8 @@ $(S3_STAMP):
 # (267 s of CPU). Each worker first imports every test module (~7 s of CPU: torch alone is
 # 1.8 s), so past the point where the waits overlap, a worker costs more than it saves.
 # Later on 27 Nov (2,443 tests): make test 6:42 with 4; make test-fast 2:09 with 6, 2:21
-# with 4 (README, "Development").
+# with 4 (README, "Development"). On a slower host the next morning (import torch 1.9 s of
+# CPU, not 1.3): make test 9:30 (854 s of CPU, 2,628 tests), make test-fast 3:24.
 PYTEST_WORKERS ?= 4
 PYTEST_FAST_WORKERS ?= 6
 # Bytecode caching on even where the environment turns it off (PYTHONDONTWRITEBYTECODE=1,
