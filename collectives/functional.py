@@ -17,7 +17,19 @@ generated code calls ``all_reduce_`` in place, then ``wait_tensor``). The kernel
 call with its process group, then redispatches to torch's own kernel with the keys below
 ``BackendSelect``. A functional collective is asynchronous: it returns at once and completes
 at ``wait_tensor`` (also given a kernel), so the record stays in flight until its outputs are
-waited (on a device: until the mark recorded after that wait fires).
+waited (on a device: until the mark recorded after that wait fires), or dropped unwaited.
+
+Dropped: eager calls hand the job an ``AsyncCollectiveTensor`` that waits on first use; a
+result the job never uses is never waited, and torch's ``Work`` keeps the output tensor
+alive until process exit ("unwaited collective calls"), so the output's lifetime says
+nothing. The ``AsyncCollectiveTensor`` constructor is therefore wrapped while instrumented:
+once every one made of a pending output is freed (or the output tensor itself is), the call
+is forgotten (``Recorder.abandon``) at the next functional call or watchdog tick, else every
+rank dropping such a result would report it stuck forever: a false communication hang. A
+result still held (unwaited, or waited with the rank blocked inside the wait) stays in flight.
+Outputs are kept by address with their tensor: a wait settles the pending outputs of that
+tensor's storage (two in-place calls on one buffer, both waited by torch's one wait), not
+another call's output at the same address (empty outputs all sit at address 0).
 
 The kernels are registered in the dispatcher, never by replacing attributes of
 ``torch.ops._c10d_functional``: dynamo guards on those objects, and a stand-in made every
@@ -30,9 +42,12 @@ not recorded), and the functional point-to-point operators (``isend``, ``irecv``
 
 from __future__ import annotations
 
+import logging
 import threading
+import weakref
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +55,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from .groups import GroupInfo
 from .recorder import CallRecord, now
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .wrap import Instrumenter
@@ -101,6 +118,35 @@ def _real(tensors: list[torch.Tensor]) -> bool:
     return bool(tensors) and all(type(t) in _PLAIN and not t.is_meta for t in tensors)
 
 
+@dataclass(eq=False, slots=True)
+class _Call:
+    """One recorded functional collective whose outputs are not all waited (or dropped)."""
+
+    rec: CallRecord
+    due: int
+    """Outputs neither waited nor dropped."""
+    waited: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Output:
+    """One output of a pending call, kept under its ``data_ptr`` until waited or dropped."""
+
+    call: _Call
+    ptr: int
+    tensor: weakref.ref[torch.Tensor]
+    acts: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+    """The ``AsyncCollectiveTensor`` objects wrapping it (its result, as the job holds it)."""
+
+    def gone(self) -> bool:
+        """The job can no longer wait this output: the tensor is freed, or every
+        ``AsyncCollectiveTensor`` made of it is (the output itself lives on in torch's
+        unwaited ``Work``, which holds it until a wait that will never come)."""
+        if self.tensor() is None:
+            return True
+        return bool(self.acts) and all(a() is None for a in self.acts)
+
+
 class FunctionalHooks:
     """The ``_c10d_functional`` kernels of one session (removed by :meth:`remove`)."""
 
@@ -110,9 +156,14 @@ class FunctionalHooks:
         self._library: Any = None
         """The ``torch.library.Library`` holding the kernels while installed (torch leaves
         its methods unannotated, hence ``Any``)."""
-        #: data_ptr of an output not yet waited -> (its call, outputs of that call still due)
-        self._pending: dict[int, tuple[CallRecord, list[int]]] = {}
-        self._lock = threading.Lock()
+        #: data_ptr of an output not yet waited -> the pending outputs at that address (two
+        #: in-place calls on one buffer, empty outputs: several, told apart by the tensor)
+        self._pending: dict[int, list[_Output]] = {}
+        #: Outputs whose tensor or last AsyncCollectiveTensor was freed, appended by weakref
+        #: callbacks (which may run inside any lock, on any thread); :meth:`reap` settles them.
+        self._dropped: deque[_Output] = deque()
+        self._lock = threading.RLock()
+        self._act_new: Any = None
         self._groups: dict[str, GroupInfo] = {}
 
     def install(self) -> None:
@@ -132,12 +183,79 @@ class FunctionalHooks:
             library._destroy()
             raise
         self._library = library
+        self._watch_async_tensors()
 
     def remove(self) -> None:
         """Deregister the kernels (torch's own serve the operators again)."""
+        act_new, self._act_new = self._act_new, None
+        if act_new is not None:
+            _async_tensor_class().__new__ = act_new
         library, self._library = self._library, None
         if library is not None:
             library._destroy()
+
+    def _watch_async_tensors(self) -> None:
+        """Learn which ``AsyncCollectiveTensor`` holds each pending output: eager functional
+        collectives hand the job one, and a job that never uses it never waits the call.
+
+        ``AsyncCollectiveTensor.__new__`` is wrapped (restored by :meth:`remove`); under a
+        dynamo trace the original runs (the trace waits at once, making none)."""
+        try:
+            cls = _async_tensor_class()
+            original = cls.__dict__["__new__"]
+            make = original.__func__
+        except (ImportError, KeyError, AttributeError) as exc:
+            # Another torch than the one this was written against (2.13: a staticmethod
+            # ``__new__`` of its own): instrumenting must never fail the job for it; dropped
+            # results then stay in flight until waited, as before.
+            log.warning("trainguard: dropped functional results not tracked (%r)", exc)
+            return
+        seen = self._wrapped
+
+        def __new__(cls: type, elem: torch.Tensor) -> Any:
+            act = make(cls, elem)
+            if not _compiling():
+                seen(elem, act)
+            return act
+
+        cls.__new__ = staticmethod(__new__)
+        self._act_new = original
+
+    def _wrapped(self, elem: torch.Tensor, act: torch.Tensor) -> None:
+        if not self._pending or type(elem) not in _PLAIN:
+            return
+        with self._lock:
+            for out in self._pending.get(elem.data_ptr(), ()):
+                if out.tensor() is elem:
+                    out.acts.append(weakref.ref(act, _on_drop(self._dropped, out)))
+
+    def reap(self) -> None:
+        """Forget the pending outputs the job dropped unwaited (called by the watchdog and at
+        every functional call): a call with none left is closed, if another of its outputs
+        was waited, or else abandoned, so an unused result cannot pose as a hang."""
+        dropped = self._dropped
+        if not dropped:
+            return
+        done: list[_Call] = []
+        with self._lock:
+            while dropped:
+                out = dropped.popleft()
+                entries = self._pending.get(out.ptr)
+                if not entries or out not in entries or not out.gone():
+                    continue
+                entries.remove(out)
+                if not entries:
+                    del self._pending[out.ptr]
+                call = out.call
+                call.due -= 1
+                if call.due == 0:
+                    done.append(call)
+        recorder = self.instrumenter.recorder
+        for call in done:
+            if call.waited and call.rec.events is None:
+                recorder.complete(call.rec, now())  # another output was waited: it is done
+            else:  # no end mark to read here (maybe not the training thread): forget it
+                recorder.abandon(call.rec)
 
     # ------------------------------------------------------------------ kernels
 
@@ -149,6 +267,7 @@ class FunctionalHooks:
             inputs = _tensors(args[0]) if args else []
             if getattr(tls, "depth", 0) or _compiling() or not _real(inputs):
                 return overload.redispatch(below, *args, **kwargs)
+            self.reap()
             rec, start = self._enter(spec, args, inputs)
             tls.depth = 1
             try:
@@ -162,10 +281,13 @@ class FunctionalHooks:
             if not outputs:  # nothing to wait for: the call returned done
                 self._close(rec, start)
                 return result
-            keys = [t.data_ptr() for t in outputs]
+            call = _Call(rec, len(outputs))
+            dropped = self._dropped
             with self._lock:
-                for key in keys:
-                    self._pending[key] = (rec, keys)
+                for t in outputs:
+                    out = _Output(call, t.data_ptr(), None)  # type: ignore[arg-type]
+                    out.tensor = weakref.ref(t, _on_drop(dropped, out))
+                    self._pending.setdefault(out.ptr, []).append(out)
             return result
 
         return kernel
@@ -174,26 +296,62 @@ class FunctionalHooks:
         def kernel(dispatch_keys: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             below = dispatch_keys & _BELOW
             recorder = self.instrumenter.recorder
-            hit = None
+            self.reap()
+            hits: list[_Output] = []
             if self._pending and type(tensor) in _PLAIN and not tensor.is_meta:
-                with self._lock:
-                    hit = self._pending.pop(tensor.data_ptr(), None)
-            if hit is None:
+                hits = self._take(tensor)
+            if not hits:
                 return overload.redispatch(below, tensor, *args, **kwargs)
-            rec, keys = hit
+            rec = hits[0].call.rec
             recorder.blocked()
             t0 = now()
             try:
                 result = overload.redispatch(below, tensor, *args, **kwargs)
             finally:
                 recorder.unblocked(t0, now(), rec)
-            if tensor.data_ptr() in keys:
-                keys.remove(tensor.data_ptr())
-            if not keys:
+            done: list[_Call] = []
+            with self._lock:
+                for out in hits:
+                    call = out.call
+                    call.waited = True
+                    call.due -= 1
+                    if call.due == 0:
+                        done.append(call)
+            for call in done:
+                rec = call.rec
                 self._close(rec, rec.events[0] if rec.events is not None else None)
             return result
 
         return kernel
+
+    def _take(self, tensor: torch.Tensor) -> list[_Output]:
+        """The pending outputs a wait on ``tensor`` waits: those of its storage at its
+        address (torch waits every call registered on the storage: two in-place calls on one
+        buffer are both waited; two empty outputs share address 0, not storage)."""
+        ptr = tensor.data_ptr()
+        with self._lock:
+            entries = self._pending.get(ptr)
+            if not entries:
+                return []
+            storage: int | None = None
+            hits: list[_Output] = []
+            for out in entries:
+                t = out.tensor()
+                if t is None:
+                    continue  # freed: its drop callback queued it for reap()
+                if t is not tensor:
+                    if storage is None:
+                        storage = tensor.untyped_storage()._cdata
+                    if t.untyped_storage()._cdata != storage:
+                        continue
+                hits.append(out)
+            if hits:
+                rest = [out for out in entries if out not in hits]
+                if rest:
+                    self._pending[ptr] = rest
+                else:
+                    del self._pending[ptr]
+            return hits
 
     # ------------------------------------------------------------------ records
 
@@ -236,6 +394,22 @@ class FunctionalHooks:
             recorder.event_launched(rec, 0.0)
         else:
             recorder.complete(rec, now())
+
+
+def _on_drop(queue: deque[_Output], out: _Output) -> Callable[[Any], None]:
+    """A weakref callback queueing ``out`` for :meth:`FunctionalHooks.reap` (no lock taken:
+    it may run from the garbage collector inside any lock of this thread)."""
+
+    def dropped(_ref: Any) -> None:
+        queue.append(out)
+
+    return dropped
+
+
+def _async_tensor_class() -> Any:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return AsyncCollectiveTensor
 
 
 __all__ = ["FUNCTIONAL_OPS", "FunctionalHooks", "FunctionalOp"]

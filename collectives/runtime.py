@@ -96,6 +96,7 @@ class Session:
         self.control = Control(cfg.job)
         self.control.on_dump_trace = self._dump_trace
         self.watchdog = Watchdog(self.recorder, self.outbox, cfg.watchdog_interval_s)
+        self.watchdog.reapers.append(self.instrumenter.functional.reap)
         self.pod, self.namespace = pod_identity(os.environ)
         hello = LocalHello(
             job=cfg.job,

@@ -6,13 +6,16 @@ reported then and every ``watchdog_repeat_s`` while it stays stuck, with the las
 sequence number of every group this rank uses. A training thread stuck *outside* any call
 within a step (past the same rule applied to its compute segments) is reported with
 ``op="compute"``, so the culprit of a non-communication hang speaks for itself too.
-It also completes CUDA-timed calls whose end events have fired.
+It also completes CUDA-timed calls whose end events have fired, and first runs its
+``reapers`` (the functional collectives' :meth:`~collectives.functional.FunctionalHooks.reap`:
+results dropped unwaited stop counting as in flight).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from .outbox import Outbox
 from .recorder import Recorder, now
@@ -26,6 +29,7 @@ class Watchdog:
         self.outbox = outbox
         self.interval_s = interval_s
         self.reports = 0
+        self.reapers: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainguard-watchdog", daemon=True)
 
@@ -37,6 +41,8 @@ class Watchdog:
         self._thread.join(timeout=self.interval_s * 4)
 
     def tick(self) -> None:
+        for reap in self.reapers:
+            reap()
         self.recorder.poll_events()
         for record in self.recorder.stuck(now()):
             self.reports += 1
