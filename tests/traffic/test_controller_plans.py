@@ -97,9 +97,14 @@ def test_plan_from_reported_placement_then_link_down_moves_only_affected_flows(
     topo = client.get("/api/v1/topology").json()
     assert sorted(topo["down_links"]) == sorted(DOWN) and topo["plans"] == 1
 
-    # Healing a link no plan uses any more changes its health without a new version.
+    # Healing a link no plan uses any more moves no flow, but the equal-cost groups at
+    # tor-a and spine-0 grow again, so flows through them keep their paths with new ports.
     reply = client.post("/api/v1/topology/links/tor-a--spine-0/state", json={"state": "up"})
-    assert reply.status_code == 200 and reply.json()["plans"] == []
+    assert reply.status_code == 200
+    (healed,) = reply.json()["plans"]
+    assert healed["version"] == 3 and healed["moved_flows"] == 0
+    assert healed["reported_flows"] > 0
+    assert flow_paths(client.get(f"/api/v1/plans/{plan['plan_id']}").json()) == after
     assert client.get("/api/v1/topology").json()["down_links"] == []
 
 

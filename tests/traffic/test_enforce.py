@@ -131,8 +131,11 @@ def test_incremental_enforcement_after_a_replan_steers_moved_flows_and_keeps_the
     result = enforce_changed(new, cfg, ports, changed)
     assert result is not None
     same, sports = result
-    keep = np.setdiff1d(np.arange(len(ports)), changed)
+    keep = np.setdiff1d(np.arange(len(ports)), np.union1d(changed, new.reported))
     assert (sports[keep] == ports[keep]).all()  # untouched flows keep their ports
+    assert new.reported_flows == len(new.reported)
+    assert not np.isin(new.reported, changed).any()  # re-ported flows kept their paths
+    assert (new.paths()[new.reported] == plan.paths()[new.reported]).all()
     fl, paths = same.flows, same.paths()
     graph = topo.graph()
     for f in range(len(fl)):

@@ -198,16 +198,20 @@ def enforce_changed(
 ) -> tuple[Plan, IntArray] | None:
     """Source ports after a re-plan that moved only ``changed`` flows.
 
-    Every other flow keeps its path, so its port still steers it; only the moved flows need
-    a port, chosen as :func:`enforce` does among ports their siblings do not hold. Returns
-    None when some moved flow's new path is unreachable by any free port, in which case the
-    caller runs :func:`enforce` (which may move it to a reachable candidate). Finding ports for
-    a handful of flows instead of all of them is what keeps a re-plan at milliseconds.
+    The flows the re-plan lists in ``plan.reported`` kept their paths, but an equal-cost
+    group their hash decisions go through changed size, so their ports may now hash
+    elsewhere: they get new ports too. Every other flow keeps its path and its decisions, so
+    its port still steers it. Ports are chosen as :func:`enforce` does, among ports their
+    siblings do not hold. Returns None when some such flow's path is unreachable by any free
+    port, in which case the caller runs :func:`enforce` (which may move it to a reachable
+    candidate). Finding ports for a handful of flows instead of all of them is what keeps a
+    re-plan at milliseconds.
     """
     cfg.validate()
     topo, fl = plan.topology, plan.flows
     sports = previous_sports.copy()
-    if len(changed) == 0:
+    moving = {int(f) for f in changed} | {int(f) for f in plan.reported}
+    if not moving:
         return plan, sports
     span = cfg.sport_max - cfg.sport_min + 1
     pair = [
@@ -215,7 +219,6 @@ def enforce_changed(
          topo.nic_ips[int(fl.dst_node[f])][int(fl.dst_nic[f])])
         for f in range(len(fl))
     ]  # fmt: skip
-    moving = {int(f) for f in changed}
     used: dict[tuple[int, int], set[int]] = {}
     for f in range(len(fl)):
         if f not in moving:
@@ -270,7 +273,13 @@ def walk(
     links: list[int] = []
     if here not in dist:
         raise EnforcementError(f"{src_dev} cannot reach {dst_dev}")
+    hops = 0
     while here != dst_dev:
+        hops += 1
+        if hops > live.number_of_nodes():
+            # The bond hashed onto a port whose only way on leads back through the NIC
+            # (a port with no route of its own): the packet would circle for ever.
+            raise EnforcementError(f"{src_dev} -> {dst_dev}: port {sport} loops at {here}")
         if here == src_dev:  # the bond hashes over every live port, near or far
             nxt = [v for v in live.successors(here) if v in dist]
         else:

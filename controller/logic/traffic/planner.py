@@ -17,8 +17,11 @@ collective takes. Three stages:
 
 Re-planning after a link goes down or slow touches only the flows routed over that link:
 they are lifted off and put back greedily with the new capacities (then exactly, when they
-are few). Plans are immutable values carrying an id (shared by every version of one job's
-plan) and a version number.
+are few). A link going down or coming back also changes equal-cost groups that other flows'
+hash decisions go through; those flows keep their paths but are pointed at their NIC pair's
+fresh candidate set and listed in ``Plan.reported`` so they get new source ports. Plans
+are immutable values carrying an id (shared by every version of one job's plan) and a
+version number.
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ class Plan:
     moved_flows: int = 0
     hash_moved_flows: int = 0
     """Flows moved off their planned path because the modelled hash cannot reach it."""
+    reported_flows: int = 0
+    """Flows a re-plan left on their path whose hash decisions changed (an equal-cost group
+    on the way grew or shrank), so they need a new source port (:attr:`reported`)."""
+    reported: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Indices of those flows in this version; ``enforce_changed`` re-chooses their ports."""
     changes: list[dict[str, object]] = field(default_factory=list)
     path_matrix: IntArray | None = None
     """Cache of :meth:`paths`; pass None whenever ``choice`` or ``sets`` change."""
@@ -137,6 +145,7 @@ class Plan:
             "plan_time_s": self.plan_time_s,
             "moved_flows": self.moved_flows,
             "hash_moved_flows": self.hash_moved_flows,
+            "reported_flows": self.reported_flows,
             # True only when the exact search proved no plan has a lower busiest-link time.
             "proven_optimal": self.proven_optimal,
         }
@@ -160,6 +169,8 @@ class Planner:
         self.topo = topo
         self.config = config or PlannerConfig()
         self.routes = RouteTable(topo)
+        self._nic_of_link: dict[int, set[tuple[int, int]]] | None = None
+        self._leaf_bits: dict[tuple[int, int], int] = {}
 
     # ------------------------------------------------------------------ building blocks
 
@@ -354,9 +365,113 @@ class Planner:
             proven_optimal=proven,
         )
 
+    def _under(self, changed: list[int]) -> tuple[int, set[tuple[int, int]]]:
+        """Leaves (bitmask) and NICs below the changed links. A minimal up-down path uses a
+        link going up only from a source leaf under its lower end, and going down only to a
+        destination leaf under it, so only NIC pairs with a leaf (or a NIC) here can gain or
+        lose candidates, i.e. see an equal-cost group on their way change."""
+        topo = self.topo
+        mask = 0
+        nics: set[tuple[int, int]] = set()
+        for lk in set(changed):
+            a, b = topo.link_src[lk], topo.link_dst[lk]
+            if a not in topo.tier or b not in topo.tier:  # a NIC port's link
+                nics |= self._nic_links().get(lk, set())
+                continue
+            lo = a if topo.tier[a] < topo.tier[b] else b
+            stack, seen = [lo], {lo}
+            while stack:
+                sw = stack.pop()
+                mask |= topo.leaf_bit.get(sw, 0)
+                for kid, _ in topo.down.get(sw, ()):
+                    if kid not in seen:
+                        seen.add(kid)
+                        stack.append(kid)
+        return mask, nics
+
+    def _nic_links(self) -> dict[int, set[tuple[int, int]]]:
+        if self._nic_of_link is None:
+            self._nic_of_link = {}
+            for refs in (r for node in self.topo.ports for r in node):
+                for r in refs:
+                    for lk in (r.up_link, r.down_link):
+                        self._nic_of_link.setdefault(lk, set()).add((r.node, r.nic))
+        return self._nic_of_link
+
+    def _nic_leaves(self, node: int, nic: int) -> int:
+        key = (node, nic)
+        bits = self._leaf_bits.get(key)
+        if bits is None:
+            bits = 0
+            for r in self.topo.ports[node][nic]:
+                bits |= self.topo.leaf_bit[r.leaf]
+            self._leaf_bits[key] = bits
+        return bits
+
+    def _refresh_decisions(
+        self,
+        plan: Plan,
+        changed: list[int],
+        kept: IntArray,
+        sets: list[CandidateSet],
+        set_of: IntArray,
+        choice: IntArray,
+        fresh: dict[tuple[int, int, int, int], int],
+    ) -> tuple[IntArray, IntArray]:
+        """Point the ``kept`` flows (not on a changed link) at their NIC pair's candidate set
+        on the current fabric, where it differs from the one they were planned on, keeping
+        each flow's path. Returns the flows whose hash decisions changed (they need a new
+        source port) and those whose path is no longer a candidate (a link that came back
+        made a shorter one; they are re-placed like the flows on the link)."""
+        reported: list[int] = []
+        lost: list[int] = []
+        mask, nics = self._under(changed)
+        if len(kept) and (mask or nics):
+            fl = plan.flows
+            paths = plan.paths()
+            old_of = plan.set_of[kept]
+            order = np.argsort(old_of, kind="stable")
+            grouped = kept[order]
+            firsts, starts = np.unique(old_of[order], return_index=True)
+            bounds = [*starts[1:].tolist(), len(grouped)]
+            for s, lo, hi in zip(firsts.tolist(), starts.tolist(), bounds, strict=True):
+                members = grouped[lo:hi]
+                f0 = int(members[0])
+                key = (int(fl.src_node[f0]), int(fl.src_nic[f0]),
+                       int(fl.dst_node[f0]), int(fl.dst_nic[f0]))  # fmt: skip
+                if (
+                    key[:2] not in nics
+                    and key[2:] not in nics
+                    and not (self._nic_leaves(*key[:2]) | self._nic_leaves(*key[2:])) & mask
+                ):
+                    continue
+                old = plan.sets[s]
+                cs = self.routes.candidates(*key)
+                if cs is None:  # cannot happen for a live path; re-place and let it raise
+                    lost += [int(f) for f in members]
+                    continue
+                if cs.choices == old.choices and np.array_equal(cs.links, old.links):
+                    continue
+                if key not in fresh:
+                    fresh[key] = len(sets)
+                    sets.append(cs)
+                row_of = {row.tobytes(): r for r, row in enumerate(cs.links)}
+                for f in members.tolist():
+                    r = row_of.get(paths[f].tobytes())
+                    if r is None:
+                        lost.append(f)
+                        continue
+                    if cs.choices[r] != old.choices[plan.choice[f]]:
+                        reported.append(f)
+                    set_of[f] = fresh[key]
+                    choice[f] = r
+        return np.asarray(sorted(reported), dtype=np.int64), np.asarray(lost, dtype=np.int64)
+
     def replan(self, plan: Plan, changes: list[tuple[str, float]]) -> Plan:
         """Apply link health changes (``("a--b", 0.0)`` down, ``0.25`` slow, ``1.0`` healed)
-        and move only the flows routed over a changed link. Returns the next version."""
+        and move only the flows routed over a changed link. Flows whose hash decisions
+        changed with the fabric keep their paths and are listed in ``reported`` (see
+        :meth:`_refresh_decisions`). Returns the next version."""
         t0 = time.perf_counter()
         changed: list[int] = []
         records: list[dict[str, object]] = []
@@ -366,7 +481,7 @@ class Planner:
             changed += links
             records.append({"link": spec, "health": factor})
         paths = plan.paths()
-        affected = np.flatnonzero(np.isin(paths, np.asarray(changed, dtype=np.int64)).any(axis=1))
+        crossing = np.isin(paths, np.asarray(changed, dtype=np.int64)).any(axis=1)
         sets = list(plan.sets)
         set_of = plan.set_of.copy()
         choice = plan.choice.copy()
@@ -374,6 +489,10 @@ class Planner:
         sizes = plan.flows.size_bytes
         fl = plan.flows
         fresh: dict[tuple[int, int, int, int], int] = {}
+        reported, lost = self._refresh_decisions(
+            plan, changed, np.flatnonzero(~crossing), sets, set_of, choice, fresh
+        )
+        affected = np.union1d(np.flatnonzero(crossing), lost).astype(np.int64)
         for f in affected:
             loads[paths[f]] -= sizes[f]
             key = (int(fl.src_node[f]), int(fl.src_nic[f]), int(fl.dst_node[f]), int(fl.dst_nic[f]))
@@ -410,6 +529,8 @@ class Planner:
             loads_bytes=loads,
             plan_time_s=time.perf_counter() - t0,
             moved_flows=moved,
+            reported_flows=len(reported),
+            reported=reported,
             changes=plan.changes + records,
             path_matrix=new_paths,
             proven_optimal=False,

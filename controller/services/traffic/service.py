@@ -6,8 +6,10 @@ Three things change plans:
 
 * ``POST /plans``: a job's placement comes from the ranks' own reports (``state.jobs``), its
   parallel layout from the request; the plan reorders nodes, routes and enforces.
-* an operator marking a link down, slow or up: only plans whose paths cross the link get a
-  new version, and in them only the flows on it move (``Planner.replan``);
+* an operator marking a link down, slow or up: only plans whose paths cross the link, or
+  whose flows' hash decisions change with it (an equal-cost group on their way grew or
+  shrank), get a new version; in them only the flows on it move and the others keep their
+  paths, those with changed decisions getting new source ports (``Planner.replan``);
 * a ``slow_link`` incident from the job detectors: its slow and healthy rank pairs map, via
   the job's placement and the plan's paths, to fabric links (``localize.suspect_links``),
   which are marked slow by the measured bandwidth ratio before re-planning as above.
@@ -331,10 +333,10 @@ class TrafficService:
         out = []
         for live in self.plans.values():
             old = live.plan.paths()
-            if not np.isin(old, wanted).any():
-                continue
             t0 = time.perf_counter()
             plan = self.planner.replan(live.plan, changes)
+            if not np.isin(old, wanted).any() and plan.moved_flows == plan.reported_flows == 0:
+                continue  # no flow on the link, none moved, no decision changed: same version
             moved = _changed_rows(old, plan.paths(), self.topology.dummy_link)
             kept = enforce_changed(plan, self.hash, live.sports, moved)
             if kept is None:  # a new path no free port reaches: enforce picks reachable ones
@@ -429,6 +431,7 @@ def _links_result(
                 "job": p.job.name,
                 "version": p.version,
                 "moved_flows": p.moved_flows,
+                "reported_flows": p.reported_flows,
             }
             for _, p, _, _ in new
         ],
