@@ -41,10 +41,20 @@ from tests import http_calls
 from tests.remediation.recording import RecordingActuator
 from tests.waiting import wait_for
 
-pytestmark = [
+#: A test that runs a live controller: SQLite, the engine ticking every 0.2 s.
+LIVE = [
     pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
     pytest.mark.usefixtures("fast_remediation_engine"),
 ]
+pytestmark = LIVE
+
+
+def live_test(test: Any) -> Any:
+    """:data:`LIVE`'s marks on one test, for modules whose other tests need no controller."""
+    for mark in reversed(LIVE):
+        test = mark(test)
+    return test
+
 
 #: The engine's periodic task (``Controller.ticks``): "nothing more happened" is asserted
 #: after ticks of it, not after a sleep.

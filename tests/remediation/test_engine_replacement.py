@@ -11,29 +11,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import pytest
-
 from controller.logic.remediation.goodput import GoodputLedger
 from controller.logic.remediation.params import RestartParams
 from controller.services.remediation.records import JobBook, Remediation, jobs_of
 from controller.state import ClusterState, IncidentState, JobState, RankState
 from tests import http_calls
-from tests.remediation.test_engine import Agents, actions, of, policy_file, recording
+from tests.remediation.test_engine import Agents, actions, live_test, of, policy_file, recording
 from tests.waiting import wait_for
-
-#: The marks of ``tests/remediation/test_engine.py`` (its ``pytestmark``), for the live test
-#: only: the unit test of ``jobs_of`` needs no controller.
-LIVE = [
-    pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
-    pytest.mark.usefixtures("fast_remediation_engine"),
-]
-
-
-def live_test(test: Any) -> Any:
-    for mark in reversed(LIVE):
-        test = mark(test)
-    return test
-
 
 POLICY = (
     "rules:\n"

@@ -40,6 +40,7 @@ from tests.remediation.test_engine import (
     ENGINE,
     Agents,
     actions,
+    live_test,
     nodes,
     of,
     on_loop,
@@ -51,18 +52,6 @@ from tests.remediation.test_engine import (
 )
 from tests.remediation.test_engine_actuator_errors import FlakyActuator
 from tests.waiting import wait_for
-
-#: The marks of ``test_engine.py``, for the live tests only: the pure ones need no database.
-LIVE = [
-    pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
-    pytest.mark.usefixtures("fast_remediation_engine"),
-]
-
-
-def live_test(test: Any) -> Any:
-    for mark in reversed(LIVE):
-        test = mark(test)
-    return test
 
 
 def job(nodes: str, *, rpn: int = 1, generation: int = 0) -> Placement:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -24,6 +23,7 @@ from tests.remediation.test_engine import (
     ENGINE,
     Agents,
     actions,
+    live_test,
     of,
     open_incident,
     policy_file,
@@ -34,14 +34,6 @@ from tests.remediation.test_engine import (
 from tests.waiting import wait_for
 from trainguard.wire import GpuSample
 from trainguard.wire import ThrottleReason as T
-
-F = TypeVar("F", bound=Callable[..., None])
-
-
-def live_controller(test: F) -> F:
-    """A test that runs a live controller (sqlite, the engine ticking every 0.2 s)."""
-    marked = pytest.mark.usefixtures("fast_remediation_engine")(test)
-    return pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)(marked)  # type: ignore[no-any-return]
 
 
 def gpu(index: int, **kw: Any) -> GpuSample:
@@ -125,7 +117,7 @@ def isolate_rows(live: Any, incident: int) -> list[dict[str, Any]]:
     return [a for a in of(live, incident) if a["kind"] == "isolate_node"]
 
 
-@live_controller
+@live_test
 @pytest.mark.parametrize(
     "evidence",
     [
@@ -161,7 +153,7 @@ def test_a_straggler_under_our_own_cap_is_not_isolated_even_when_it_repeats(  # 
     assert [a for a in actuator.acts() if a[0] == "isolate_node"] == []
 
 
-@live_controller
+@live_test
 def test_the_default_straggler_rule_does_not_isolate_for_our_clock_lock(  # type: ignore[no-untyped-def]
     controller_factory, tmp_path
 ) -> None:
@@ -185,7 +177,7 @@ def test_the_default_straggler_rule_does_not_isolate_for_our_clock_lock(  # type
     assert "a restart would not lift it" in restarts[0]["outcome"]
 
 
-@live_controller
+@live_test
 def test_a_cap_trainguard_did_not_set_is_hardware_evidence(  # type: ignore[no-untyped-def]
     controller_factory, tmp_path
 ) -> None:
@@ -218,7 +210,7 @@ class GatedIsolation(RecordingActuator):
         return ActuatorResult(outcome=f"{node} isolated")
 
 
-@live_controller
+@live_test
 def test_two_jobs_on_one_node_isolate_it_once(controller_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
     policy = (
         "rules:\n  - {kind: gpu_fault, severity: critical, steps: [isolate]}\n"
