@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from controller.logic.traffic.enforce import walk
+from controller.logic.traffic.hashing import HashConfig
 from controller.logic.traffic.jobs import Collective, Flows
 from controller.logic.traffic.planner import Plan
 from controller.logic.traffic.topology import Topology
@@ -47,3 +49,29 @@ def brute_force_optimum(plan: Plan) -> float:
                     add[c, lk] += plan.flows.size_bytes[f] / cap[lk]
         partial = (partial[:, None, :] + add[None, :, :]).reshape(-1, len(cap))
     return float(partial.max(axis=1).min())
+
+
+def walked(plan: Plan, cfg: HashConfig, sports: np.ndarray) -> list[list[int]]:
+    """Each flow's links as its packets take them with its source port under ``cfg``."""
+    topo, fl, graph = plan.topology, plan.flows, plan.topology.graph()
+    return [
+        walk(
+            topo,
+            cfg,
+            (int(fl.src_node[f]), int(fl.src_nic[f])),
+            (int(fl.dst_node[f]), int(fl.dst_nic[f])),
+            int(sports[f]),
+            graph,
+        )
+        for f in range(len(fl))
+    ]
+
+
+def off_plan(plan: Plan, cfg: HashConfig, sports: np.ndarray) -> list[int]:
+    """The flows whose packets, with their source ports, leave their planned paths."""
+    dummy = plan.topology.dummy_link
+    return [
+        f
+        for f, (links, row) in enumerate(zip(walked(plan, cfg, sports), plan.paths(), strict=True))
+        if links != [int(x) for x in row if x != dummy]
+    ]

@@ -14,6 +14,7 @@ from controller.logic.traffic.hashing import HASH_FUNCTIONS, HashConfig, hash_on
 from controller.logic.traffic.jobs import JobSpec
 from controller.logic.traffic.planner import Planner, PlannerConfig
 from controller.logic.traffic.topology import Topology
+from tests.traffic.plan_checks import off_plan, walked
 
 from .conftest import small_fabric
 
@@ -53,19 +54,8 @@ def test_chosen_source_port_lands_on_the_planned_path(function: str, tiers: int)
     cfg = HashConfig(function=function, default_seed=1234)
     enforced, ports = enforce(plan, cfg)  # type: ignore[arg-type]
     assert (ports >= cfg.sport_min).all() and (ports <= cfg.sport_max).all()
-    paths = enforced.paths()
-    graph = topo.graph()
+    assert off_plan(enforced, cfg, ports) == []
     fl = enforced.flows
-    for f in range(len(fl)):
-        walked = walk(
-            topo,
-            cfg,
-            (int(fl.src_node[f]), int(fl.src_nic[f])),
-            (int(fl.dst_node[f]), int(fl.dst_nic[f])),
-            int(ports[f]),
-            graph,
-        )
-        assert walked == [int(x) for x in paths[f] if x != topo.dummy_link]
     # queue pairs of one NIC pair get distinct ports, so the NIC can tell them apart
     keys = list(zip(fl.src_node, fl.src_nic, fl.dst_node, fl.dst_nic, ports, strict=True))
     assert len(set(keys)) == len(keys)
@@ -104,16 +94,7 @@ def test_enforcement_after_a_failure_avoids_the_down_link() -> None:
     cfg = HashConfig()
     enforced, ports = enforce(new, cfg)
     bad = topo.link_index[link]
-    fl = enforced.flows
-    for f in range(len(fl)):
-        walked = walk(
-            topo,
-            cfg,
-            (int(fl.src_node[f]), int(fl.src_nic[f])),
-            (int(fl.dst_node[f]), int(fl.dst_nic[f])),
-            int(ports[f]),
-        )
-        assert bad not in walked
+    assert all(bad not in links for links in walked(enforced, cfg, ports))
 
 
 @pytest.mark.parametrize("function", ["crc32", "xor16"])
@@ -136,19 +117,9 @@ def test_incremental_enforcement_after_a_replan_steers_moved_flows_and_keeps_the
     assert new.reported_flows == len(new.reported)
     assert not np.isin(new.reported, changed).any()  # re-ported flows kept their paths
     assert (new.paths()[new.reported] == plan.paths()[new.reported]).all()
-    fl, paths = same.flows, same.paths()
-    graph = topo.graph()
-    for f in range(len(fl)):
-        walked = walk(
-            topo,
-            cfg,
-            (int(fl.src_node[f]), int(fl.src_nic[f])),
-            (int(fl.dst_node[f]), int(fl.dst_nic[f])),
-            int(sports[f]),
-            graph,
-        )
-        assert walked == [int(x) for x in paths[f] if x != topo.dummy_link]
-        assert topo.link_index[link] not in walked
+    assert off_plan(same, cfg, sports) == []
+    assert all(topo.link_index[link] not in links for links in walked(same, cfg, sports))
+    fl = same.flows
     keys = list(zip(fl.src_node, fl.src_nic, fl.dst_node, fl.dst_nic, sports, strict=True))
     assert len(set(keys)) == len(keys)
 
