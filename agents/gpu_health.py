@@ -144,31 +144,59 @@ def read_memory_health(ask: Ask, api: Any, handle: Any, locations: Sequence[str]
     return out
 
 
-def read_links_and_fabric(ask: Ask, api: Any, handle: Any, links: Sequence[int]) -> dict[str, Any]:
-    """Per-link NVLink state and counters (plus their sums), PCIe replays, fabric, MIG."""
+def read_links_and_fabric(
+    ask: Ask,
+    api: Any,
+    handle: Any,
+    links: Sequence[int],
+    failures: Callable[[], int] = lambda: 0,
+) -> dict[str, Any]:
+    """Per-link NVLink state and counters (plus their sums), PCIe replays, fabric, MIG.
+
+    ``failures()``: how many reads of this sample ``ask`` has seen fail so far (an NVML
+    error, not NOT_SUPPORTED: both answer None). A read that failed says "unknown", never
+    what a missing answer would read as: a link whose state failed is left out and the
+    active count is unknown (one transient NVML_ERROR_UNKNOWN read as nvlink_down, then
+    nvlink_up next tick: an urgent report and a flapping GPU); a counter that failed makes
+    that link's total and the GPU's sum unknown (a sum over fewer links dips and jumps
+    back, which a Prometheus ``rate()`` reads as a reset and a spike)."""
     nvlinks = []
+    unread: set[str] = set()  # "state" and the counters some link failed to answer
+    totals: dict[str, list[int]] = {name: [] for name in _NVLINK_COUNTERS}
     for link in links:
+        before = failures()
         state = ask("nvlink state", api.nvmlDeviceGetNvLinkState, handle, link)
+        state_read = failures() == before
+        if not state_read:
+            unread.add("state")
         counts: dict[str, int | None] = {}
         for name, counters in _NVLINK_COUNTERS.items():
             total: int | None = None
+            before = failures()
             for counter in counters:
                 value = ask(
                     f"nvlink {name}", api.nvmlDeviceGetNvLinkErrorCounter, handle, link, counter
                 )
                 if value is not None:
                     total = (total or 0) + int(value)
+            if failures() != before:
+                unread.add(name)
+                total = None
             counts[name] = total
-        nvlinks.append(
-            NvLinkSample(link=link, active=state == pynvml.NVML_FEATURE_ENABLED, **counts)
-        )
+            if total is not None:
+                totals[name].append(total)
+        if state_read:
+            nvlinks.append(
+                NvLinkSample(link=link, active=state == pynvml.NVML_FEATURE_ENABLED, **counts)
+            )
     out: dict[str, Any] = {
         "nvlinks": nvlinks,
-        "nvlink_active_count": sum(n.active for n in nvlinks) if links else None,
+        "nvlink_active_count": (
+            sum(n.active for n in nvlinks) if links and "state" not in unread else None
+        ),
     }
-    for name in _NVLINK_COUNTERS:
-        values = [getattr(n, name) for n in nvlinks if getattr(n, name) is not None]
-        out[f"nvlink_{name}"] = sum(values) if values else None
+    for name, values in totals.items():
+        out[f"nvlink_{name}"] = sum(values) if values and name not in unread else None
     out["pcie_replay_total"] = _int(ask("pcie replay", api.nvmlDeviceGetPcieReplayCounter, handle))
     info = pynvml.c_nvmlGpuFabricInfo_t()
     if ask("fabric", api.nvmlDeviceGetGpuFabricInfo, handle, info) is not None:

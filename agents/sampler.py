@@ -90,8 +90,8 @@ class _Gpu:
     ecc_locations: list[str] = field(default_factory=list)
     #: The first NVML error (other than NOT_SUPPORTED) of the sample being read.
     error: str = ""
-    #: Every read of the sample being read that failed with such an error: (what, args).
-    failed: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    #: How many reads of the sample being read failed with such an error.
+    failures: int = 0
 
 
 class _Worker:
@@ -313,7 +313,7 @@ class GpuSampler:
                 return None
             if not gpu.error:
                 gpu.error = f"{what}: {exc}"[:512]
-            gpu.failed.append((what, args))
+            gpu.failures += 1
             key = (gpu.index, what, int(exc.value))
             if key not in self._warned:
                 self._warned.add(key)
@@ -393,7 +393,7 @@ class GpuSampler:
         return GpuSample(index=gpu.index, uuid=gpu.info.uuid, lost=True)
 
     def _sample_one(self, gpu: _Gpu) -> GpuSample:
-        gpu.error, gpu.failed = "", []
+        gpu.error, gpu.failures = "", 0
         api, h, ask = self._api, gpu.handle, self._ask
         power_mw = ask(gpu, "power", api.nvmlDeviceGetPowerUsage, h)
         energy_mj = ask(gpu, "energy", api.nvmlDeviceGetTotalEnergyConsumption, h)
@@ -457,9 +457,7 @@ class GpuSampler:
             ecc_uncorrected_total=_int_or_none(ecc["uncorrected"]),
             **{k: _int_or_none(v) for k, v in pcie.items()},
             **read_memory_health(health_ask, api, h, gpu.ecc_locations),
-            **_unread_links_unknown(
-                read_links_and_fabric(health_ask, api, h, gpu.nvlinks), gpu.failed
-            ),
+            **read_links_and_fabric(health_ask, api, h, gpu.nvlinks, failures=lambda: gpu.failures),
         )
 
     def _build(self, gpu: _Gpu, **fields: Any) -> GpuSample:
@@ -540,39 +538,6 @@ class ClockEventReasons:
                     raise
                 self.uses_throttle_name = True
         return self._api.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
-
-
-def _unread_links_unknown(
-    fields: dict[str, Any], failed: list[tuple[str, tuple[Any, ...]]]
-) -> dict[str, Any]:
-    """``fields`` from :func:`read_links_and_fabric`, where the NVLink reads that failed
-    (an NVML error, not NOT_SUPPORTED) say "unknown" instead of what a missing answer
-    turns into there. A link whose state could not be read is left out, not reported down,
-    and the active count is unknown: one transient NVML_ERROR_UNKNOWN used to read as
-    nvlink_down, then nvlink_up on the next tick (an urgent report and a flapping GPU). A
-    counter that could not be read makes that link's total and the GPU's sum unknown: a
-    sum over the other links dips and jumps back, which a consumer of the counter (a
-    Prometheus ``rate()``) reads as a reset and a spike."""
-    states = {args[1] for what, args in failed if what == "nvlink state"}
-    counters = {
-        (what.removeprefix("nvlink "), args[1])
-        for what, args in failed
-        if what.startswith("nvlink ") and what != "nvlink state"
-    }
-    if not states and not counters:
-        return fields
-    kept = []
-    for link in fields["nvlinks"]:
-        if link.link in states:
-            continue
-        unread = {name: None for name, index in counters if index == link.link}
-        kept.append(link.model_copy(update=unread) if unread else link)
-    fields["nvlinks"] = kept
-    if states:
-        fields["nvlink_active_count"] = None
-    for name, _ in counters:
-        fields[f"nvlink_{name}"] = None
-    return fields
 
 
 def _describe(exc: BaseException) -> str:
