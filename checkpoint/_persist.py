@@ -29,9 +29,9 @@ from checkpoint._commit import (
 from checkpoint._write import (
     BufferFileWriter,
     DataFileWriter,
+    aborted_on_error,
     fsync_dir,
     gaps_are_zero,
-    name_file,
     write_atomic,
 )
 from checkpoint.errors import CheckpointWriteError
@@ -216,7 +216,7 @@ def _write_from_buffer(
         direct=job.direct_io,
         size_hint=max((e.offset + e.nbytes for e in job.entries), default=0),
     )
-    try:
+    with aborted_on_error(writer):
         end = 0
         for index, entry in enumerate(job.entries):
             if not wait_ready(index):
@@ -224,18 +224,13 @@ def _write_from_buffer(
             end = entry.offset + entry.nbytes
             writer.advance(end)
         return writer.finish(end)
-    except BaseException as exc:
-        writer.abort()
-        if isinstance(exc, OSError):  # pwrite/fsync name no file: say which one failed
-            name_file(exc, path)
-        raise
 
 
 def _write_by_entry(
     job: PersistJob, buffer: memoryview, path: Path, wait_ready: Callable[[int], bool]
 ) -> DataFileInfo:
     writer = DataFileWriter(path, chunk_bytes=job.chunk_bytes, sha256=job.sha256)
-    try:
+    with aborted_on_error(writer):
         for index, entry in enumerate(job.entries):
             if not wait_ready(index):
                 raise _abandoned(job, entry)
@@ -247,11 +242,6 @@ def _write_by_entry(
                 writer.write(buffer[pos:nxt])
                 pos = nxt
         return writer.finish()
-    except BaseException as exc:
-        writer.abort()
-        if isinstance(exc, OSError):  # write/fsync name no file: say which one failed
-            name_file(exc, path)
-        raise
 
 
 def lower_priority(nice: int) -> None:

@@ -43,6 +43,7 @@ import errno
 import hashlib
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -95,6 +96,19 @@ def name_file(exc: OSError, path: Path) -> None:
     ``tests/checkpoint/test_damage_sweep.py``); now it says which file."""
     if exc.filename is None and exc.errno is not None:
         exc.filename = str(path)
+
+
+@contextlib.contextmanager
+def aborted_on_error(writer: DataFileWriter | BufferFileWriter) -> Iterator[None]:
+    """Abort ``writer``'s file on any error, and give an ``OSError`` the file's name
+    (:func:`name_file`): what a data write that fails on ENOSPC or EIO says."""
+    try:
+        yield
+    except BaseException as exc:
+        writer.abort()
+        if isinstance(exc, OSError):
+            name_file(exc, writer.path)
+        raise
 
 
 def fsync_dir(path: Path) -> None:
