@@ -163,3 +163,20 @@ def test_reachable_mask_is_sound_and_hash_aware_enforcement_keeps_balance() -> N
     assert aware.max_link_time_s() <= naive.max_link_time_s() * (1 + 1e-9)
     assert aware.max_link_time_s() == pytest.approx(plan.max_link_time_s())
     assert (ports >= 0).all()
+
+
+def test_walk_refuses_a_port_that_would_circle_back_through_the_nic() -> None:
+    """A port whose way up is down still reaches the destination back through its NIC and
+    the other port: the bond's hash picks it again at the NIC, and the walk went round for
+    ever (found by the topology sweep's random fabrics); now it says so."""
+    topo = small_fabric(nodes=8)
+    topo.health[topo.link_index["node-00000/nic0/p0->leaf-g000-r0-p0"]] = 0.0
+    cfg = HashConfig()
+    outcomes = []
+    for sport in range(50000, 50032):
+        try:
+            outcomes.append(len(walk(topo, cfg, (0, 0), (5, 0), sport)) > 0)
+        except EnforcementError as exc:
+            assert "loops at node-00000/nic0" in str(exc)
+            outcomes.append(False)
+    assert True in outcomes and False in outcomes  # the other port still carries packets
