@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -69,13 +70,28 @@ def test_demo_recovers_from_three_faults_then_keeps_running_until_ctrl_c(tmp_pat
                 proc.communicate()
 
 
+#: Seconds the demo may take to reach its keep-running prompt (it takes ~130 s here).
+DEMO_READY_S = 240
+
+
 def _check_demo_keeps_running(proc: subprocess.Popen[str]) -> None:
     assert proc.stdout is not None
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("running until Ctrl-C"):
-            break  # a failed demo ends stdout instead, and the next assertion shows why
+    stdout = proc.stdout
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in stdout:
+            lines.append(line)
+            if line.startswith("running until Ctrl-C"):
+                break  # a failed demo ends stdout instead, and the next assertion shows why
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    # A deadline of its own, under pytest's 300 s: a slow or stuck demo fails with what it
+    # printed so far, not with a bare timeout inside the read.
+    if not ready.wait(DEMO_READY_S):
+        pytest.fail(f"no 'running until Ctrl-C' after {DEMO_READY_S} s:\n" + "".join(lines))
     out = "".join(lines)
     assert proc.poll() is None, out + proc.stderr.read()  # type: ignore[union-attr]
     workdir = _demo_workdir(out)
