@@ -7,6 +7,7 @@ can build and store them without reading the policy's internals.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from power.config import Knob, Level, Priority, WorkloadKind
 from trainguard.wire import LockClocks, ResetPowerLimit, SetPowerLimit, UnlockClocks
@@ -50,9 +51,15 @@ class Decision:
     reason: str
 
 
+#: The incidents the policy raises (the controller maps each to an incident kind of its own).
+PolicyIncidentKind = Literal[
+    "brake", "telemetry_stale", "clock_command_failed", "power_limit_command_failed"
+]
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyIncident:
-    kind: str  # brake | telemetry_stale | clock_command_failed | power_limit_command_failed
+    kind: PolicyIncidentKind
     message: str
     domain: str | None = None
     node: str | None = None

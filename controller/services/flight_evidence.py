@@ -28,6 +28,7 @@ from controller.logic.detection.c4d.job_evidence import (
     FlightRecorderEvidence,
     FlightRecorderUpdate,
 )
+from controller.logic.incident_kinds import IncidentKind
 from controller.services.commands import CommandService
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState, IncidentState
@@ -105,7 +106,7 @@ class FlightEvidence:
         if evidence.agrees_with_trainguard is False and "Flight Recorder" not in summary:
             summary += f"; Flight Recorder disagrees: {evidence.verdict}"
         spec = IncidentSpec(
-            kind=incident.kind,
+            kind=IncidentKind(incident.kind),  # one of HANG_KINDS (see above)
             severity=incident.severity,
             summary=summary,
             dedupe_key=incident.dedupe_key,

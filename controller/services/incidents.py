@@ -29,6 +29,7 @@ from controller.db.repositories import incidents as repo
 from controller.db.repositories import write_batch
 from controller.logic.detection.evidence_kinds import parse_evidence
 from controller.logic.detection.incident_evidence import EvidenceEvent, IncidentEvidence
+from controller.logic.incident_kinds import IncidentKind
 from controller.services.events import EventBus, IncidentOpened
 from controller.services.metrics import SafeCollector
 from controller.state import ClusterState, IncidentState
@@ -46,7 +47,7 @@ class IncidentSpec:
     (``controller.logic.detection.evidence_kinds``); ``UntypedEvidence`` for a kind that
     has none."""
 
-    kind: str
+    kind: IncidentKind
     severity: str
     summary: str
     dedupe_key: str

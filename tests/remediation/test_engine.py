@@ -185,8 +185,16 @@ def test_policy_and_isolation_api(controller_factory, tmp_path) -> None:  # type
     assert [r["kind"] for r in state["policy"]["rules"]] == ["gpu_fault", "*"]
     assert state["policy"]["guards"]["max_isolated_fraction"] == 0.5
     # Strict validation: the message names the field.
-    bad = op.put("/api/v1/remediation/policy", json={"rules": [{"kind": "x", "steps": ["nuke"]}]})
+    bad = op.put(
+        "/api/v1/remediation/policy", json={"rules": [{"kind": "hang", "steps": ["nuke"]}]}
+    )
     assert bad.status_code == 422 and "rules.0.steps.0" in bad.json()["detail"]
+    # A rule for a kind nothing opens would never match: refused, naming the likely kind.
+    rule = {"kind": "gpu_fualt", "severity": "critical", "steps": ["isolate"]}
+    misspelt = op.patch("/api/v1/remediation/policy", json={"rules": [rule]})
+    assert misspelt.status_code == 422, misspelt.text
+    assert "rules.0.kind" in misspelt.json()["detail"]
+    assert "did you mean 'gpu_fault'" in misspelt.json()["detail"]
     typo = op.put("/api/v1/remediation/policy", json={"dry_rn": True})
     assert typo.status_code == 422 and "dry_rn" in typo.json()["detail"]
     assert viewer.put("/api/v1/remediation/policy", json={}).status_code == 403

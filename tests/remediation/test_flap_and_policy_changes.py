@@ -208,7 +208,7 @@ def test_patch_changes_only_the_fields_given_and_put_replaces_the_whole_policy( 
     # A top-level field given replaces that field whole; the result is validated strictly.
     typo = op.patch("/api/v1/remediation/policy", json={"dry_rn": True})
     assert typo.status_code == 422 and "dry_rn" in typo.json()["detail"], typo.text
-    bad = op.patch("/api/v1/remediation/policy", json={"rules": [{"kind": "x", "steps": ["n"]}]})
+    bad = op.patch("/api/v1/remediation/policy", json={"rules": [{"kind": "hang", "steps": ["n"]}]})
     assert bad.status_code == 422 and "rules.0.steps.0" in bad.json()["detail"], bad.text
     not_object = op.patch("/api/v1/remediation/policy", json=[1])
     assert not_object.status_code == 422, not_object.text

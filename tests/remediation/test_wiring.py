@@ -70,3 +70,27 @@ def test_policy_files(tmp_path: Path) -> None:
         load_policy(path)
     with pytest.raises(PolicyError, match="cannot read policy file"):
         load_policy(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    ("kind", "fragment"),
+    [
+        ("gpu_fualt", "did you mean 'gpu_fault'?"),
+        ("straggle", "did you mean 'straggler'?"),
+        ("Hang", "did you mean 'hang'"),
+        ("ecc", "known kinds: gpu_fault, "),  # nothing close: the list to choose from
+        ("**", "unknown incident kind '**'"),
+    ],
+)
+def test_a_rule_for_a_kind_nothing_opens_is_refused(
+    tmp_path: Path, kind: str, fragment: str
+) -> None:
+    """A typo in a rule's kind would make a rule that never matches: the fault it meant
+    would only ever get the catch-all alert."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(f"rules: [{{kind: '{kind}', severity: critical, steps: [isolate]}}]\n")
+    with pytest.raises(PolicyError) as err:
+        load_policy(path)
+    message = str(err.value)
+    assert str(path) in message and "rules.0.kind" in message and fragment in message
+    assert "\n" not in message

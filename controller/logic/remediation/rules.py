@@ -21,7 +21,16 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from controller.logic.incident_kinds import unknown_kind_error
 
 # Numbers finite (``allow_inf_nan=False`` on every model) and in range, strings without NUL.
 from trainguard.limits import INT32_MAX, NO_NUL
@@ -92,8 +101,9 @@ class Rule(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     #: Incident kind (``gpu_fault``, ``node_lost``, ``hang``, ``comm_hang``, ``straggler``,
-    #: ``comm_slow``, ``slow_link``, ``rank_crash``, ``comm_failure``, ``gpu_degraded``…)
-    #: or ``*`` for any.
+    #: ``comm_slow``, ``slow_link``, ``rank_crash``, ``comm_failure``, ``gpu_degraded``…;
+    #: every one in :class:`~controller.logic.incident_kinds.IncidentKind`) or ``*`` for
+    #: any. Another word is refused: a rule for it would never match.
     kind: str = Field(min_length=1, max_length=64, pattern=NO_NUL)
     #: Match incidents of this severity or worse (``warning`` matches both).
     severity: Literal["warning", "critical"] = "warning"
@@ -112,6 +122,14 @@ class Rule(BaseModel):
     isolate_when: IsolateWhen = IsolateWhen.ALWAYS
     #: Shown with the policy; why the rule is there.
     description: str = Field(default="", max_length=512, pattern=NO_NUL)
+
+    @field_validator("kind")
+    @classmethod
+    def _kind_is_known(cls, kind: str) -> str:
+        error = unknown_kind_error(kind)
+        if error is not None:
+            raise ValueError(error)
+        return kind
 
     @model_validator(mode="after")
     def _steps_make_sense(self) -> Rule:

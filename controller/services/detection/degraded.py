@@ -47,6 +47,7 @@ from controller.logic.detection.incident_evidence import (
     IncidentEvidence,
     ThrottleCause,
 )
+from controller.logic.incident_kinds import IncidentKind
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState, IncidentState
 from trainguard import wire
@@ -54,7 +55,7 @@ from trainguard.wire import THROTTLE_REASON_BITS, ThrottleReason
 
 log = logging.getLogger(__name__)
 
-KIND = "gpu_degraded"
+KIND = IncidentKind.GPU_DEGRADED
 
 #: Clock-event reasons that mean the hardware slows itself down: heat, the board's power
 #: brake (PSU or power-delivery trouble), or an external slowdown signal.

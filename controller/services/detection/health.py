@@ -74,6 +74,7 @@ from controller.logic.detection.incident_evidence import (
     NodeLostEvidence,
     XidEvidence,
 )
+from controller.logic.incident_kinds import IncidentKind
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState, GpuState, IncidentState, NodeState
 from controller.writer import GroupCommitWriter
@@ -119,7 +120,7 @@ class _GpuFindings:
     fault_events: list[EvidenceEvent] = field(default_factory=list)
     lost: bool = False
     #: kind -> (count, events)
-    xids: dict[str, tuple[int, list[EvidenceEvent]]] = field(default_factory=dict)
+    xids: dict[IncidentKind, tuple[int, list[EvidenceEvent]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -285,7 +286,7 @@ class HealthDetector:
         if error:
             await self._incidents.open_or_bump(
                 IncidentSpec(
-                    kind="gpu_watch_failed",
+                    kind=IncidentKind.GPU_WATCH_FAILED,
                     severity="critical",
                     summary=f"{node.name}: GPUs not watched: {error}",
                     dedupe_key=key,
@@ -313,9 +314,9 @@ class HealthDetector:
         if f.level == "fatal":
             return  # node-level fatal (gpu_watch_failed) is handled by _gpu_watch
         if f.level == "degrade":
-            kind, severity = "hw_degraded", "warning"
+            kind, severity = IncidentKind.HW_DEGRADED, "warning"
         elif f.signal == "nic_errors_rising":
-            kind, severity = "nic_errors", "info"
+            kind, severity = IncidentKind.NIC_ERRORS, "info"
         else:
             return
         where = f.device or (f"gpu{f.gpu_index}" if f.gpu_index is not None else "node")
@@ -361,7 +362,9 @@ class HealthDetector:
                 )
                 found.fault_events.append(record)
             else:
-                kind = "application_xid" if cls == "application" else "gpu_xid"
+                kind = (
+                    IncidentKind.APPLICATION_XID if cls == "application" else IncidentKind.GPU_XID
+                )
                 count, events = found.xids.get(kind, (0, []))
                 events.append(record)
                 found.xids[kind] = (count + 1, events)
@@ -407,7 +410,7 @@ class HealthDetector:
                 )
 
         spec = IncidentSpec(
-            kind="gpu_fault",
+            kind=IncidentKind.GPU_FAULT,
             severity="critical",
             summary=f"{node.name}: {reason}",
             dedupe_key=f"gpu_fault:{node.name}:{index}",
@@ -424,7 +427,12 @@ class HealthDetector:
         )
 
     async def _record_xids(
-        self, node: NodeState, index: int, kind: str, count: int, events: list[EvidenceEvent]
+        self,
+        node: NodeState,
+        index: int,
+        kind: IncidentKind,
+        count: int,
+        events: list[EvidenceEvent],
     ) -> None:
         codes = sorted({e.xid for e in events if e.xid is not None})
         known = APPLICATION_XIDS if kind == "application_xid" else {}
@@ -476,7 +484,7 @@ class HealthDetector:
 
         await self._incidents.open_or_bump(
             IncidentSpec(
-                kind="node_lost",
+                kind=IncidentKind.NODE_LOST,
                 severity="critical",
                 summary=f"{node.name}: agent silent for {silent_s:.0f} s",
                 dedupe_key=f"node_lost:{node.name}",

@@ -53,6 +53,7 @@ from controller.logic.detection.nic_evidence import (
     NicPort,
     nic_evidence,
 )
+from controller.logic.incident_kinds import IncidentKind
 from controller.services.commands import CommandService
 from controller.services.detection.probe_rounds import (
     DEFERRED_PROBE_TTL_S,
@@ -265,7 +266,7 @@ class JobDetector:
             else None
         )
         spec = IncidentSpec(
-            kind=str(finding.kind),
+            kind=IncidentKind(finding.kind),
             severity=finding.severity,
             summary=summary,
             dedupe_key=finding.key,

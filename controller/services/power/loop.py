@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from controller.errors import ControllerError, TemporaryError
 from controller.logic.detection.incident_evidence import EvidenceEvent, PowerEvidence
+from controller.logic.incident_kinds import IncidentKind
 from controller.services.actions import ActionService
 from controller.services.commands import CommandService
 from controller.services.incidents import IncidentService, IncidentSpec
@@ -50,16 +51,17 @@ from power import (
     readings_from_sample,
 )
 from power.reports import Placement
+from power.tick_io import PolicyIncidentKind
 from trainguard import wire
 
 log = logging.getLogger(__name__)
 
 #: Incidents of the policy, by its kind: (our incident kind, severity).
-INCIDENT_KINDS: dict[str, tuple[str, str]] = {
-    "brake": ("power_brake", "critical"),
-    "telemetry_stale": ("power_telemetry_stale", "warning"),
-    "clock_command_failed": ("power_clock_command_failed", "warning"),
-    "power_limit_command_failed": ("power_limit_command_failed", "critical"),
+INCIDENT_KINDS: dict[PolicyIncidentKind, tuple[IncidentKind, str]] = {
+    "brake": (IncidentKind.POWER_BRAKE, "critical"),
+    "telemetry_stale": (IncidentKind.POWER_TELEMETRY_STALE, "warning"),
+    "clock_command_failed": (IncidentKind.POWER_CLOCK_COMMAND_FAILED, "warning"),
+    "power_limit_command_failed": (IncidentKind.POWER_LIMIT_COMMAND_FAILED, "critical"),
 }
 
 #: Peak-hold window of a server's reading (s): longer than a training step's dip (0.3 s in
@@ -332,7 +334,7 @@ class PowerLoop:
     # ------------------------------------------------------------------ incidents
 
     async def _open_incident(self, incident: PolicyIncident) -> None:
-        kind, severity = INCIDENT_KINDS.get(incident.kind, (f"power_{incident.kind}", "warning"))
+        kind, severity = INCIDENT_KINDS[incident.kind]
         if incident.kind == "power_limit_command_failed" and "no knob left" not in incident.message:
             severity = "warning"
         gpu = "" if incident.gpu_index is None else str(incident.gpu_index)
@@ -345,7 +347,7 @@ class PowerLoop:
             evidence.level = st.level.name
         await self._incidents.open_or_bump(
             IncidentSpec(
-                kind=kind[:32],
+                kind=kind,
                 severity=severity,
                 summary=incident.message,
                 dedupe_key=key,

@@ -31,6 +31,7 @@ from controller.actuators.k8s.partition import (
     quarantine_limit,
 )
 from controller.logic.detection.incident_evidence import QuarantineBudgetEvidence
+from controller.logic.incident_kinds import IncidentKind
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.settings import ControllerSettings
 from controller.state import ClusterState, IncidentState
@@ -145,7 +146,7 @@ async def raise_budget_incident(
     """One open ``quarantine_budget`` incident (bumped while it stays open) for a human."""
     await incidents.open_or_bump(
         IncidentSpec(
-            kind="quarantine_budget",
+            kind=IncidentKind.QUARANTINE_BUDGET,
             severity="critical",
             summary=message[:500],
             dedupe_key="quarantine_budget",

@@ -7,27 +7,30 @@ from enum import StrEnum
 from typing import Literal
 
 from controller.logic.detection.c4d.job_evidence import JobEvidence
+from controller.logic.incident_kinds import IncidentKind
 
 
 class FindingKind(StrEnum):
+    """The incident kinds the job detectors find (spelled once, in :class:`IncidentKind`)."""
+
     #: Some ranks entered a collective that others never reached: the absentees are hung
     #: outside communication (compute, data loading, a dead GPU).
-    HANG = "hang"
+    HANG = IncidentKind.HANG.value
     #: Every member entered and none finished: the communication path is at fault.
-    COMM_HANG = "comm_hang"
+    COMM_HANG = IncidentKind.COMM_HANG.value
     #: One rank persistently computes longer while waiting less: non-communication slow.
-    STRAGGLER = "straggler"
+    STRAGGLER = IncidentKind.STRAGGLER.value
     #: Job-wide collective wait rose beyond what compute explains: communication slow.
-    COMM_SLOW = "comm_slow"
+    COMM_SLOW = IncidentKind.COMM_SLOW.value
     #: A probe round named the slow link, rank or node.
-    SLOW_LINK = "slow_link"
+    SLOW_LINK = IncidentKind.SLOW_LINK.value
     #: A rank process exited with an error or a signal (not because a peer died).
-    RANK_CRASH = "rank_crash"
+    RANK_CRASH = IncidentKind.RANK_CRASH.value
     #: Ranks died inside collectives with no rank crashing on its own: the network failed.
-    COMM_FAILURE = "comm_failure"
+    COMM_FAILURE = IncidentKind.COMM_FAILURE.value
     #: A rank's input to a reduction held NaN/Inf before the reduction spread it: the rank
     #: (its GPU, its data shard) that produced it.
-    NONFINITE = "nonfinite"
+    NONFINITE = IncidentKind.NONFINITE.value
 
 
 Severity = Literal["critical", "warning", "info"]
