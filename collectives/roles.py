@@ -348,6 +348,10 @@ def _live(classes: tuple[type, ...]) -> list[Any]:
     DeviceMesh has a metaclass whose ``__instancecheck__`` runs Python code, which made the
     scan of a process with 170k objects 77 ms instead of 23 ms (measured here), and a rank
     holding a large model has many more. An instance can only be of a class that exists.
+    The scan is ``gc.get_referrers`` of those classes (an instance of a Python class refers
+    to its class), which walks the heap in C instead of building a list of every object
+    and testing each in Python: half the time again (measured here), and only the
+    referrers (the instances, the classes' own dicts and subclasses) reach Python.
     """
     exact: set[type] = set()
     todo = list(classes)
@@ -356,7 +360,7 @@ def _live(classes: tuple[type, ...]) -> list[Any]:
         if cls not in exact:
             exact.add(cls)
             todo.extend(cls.__subclasses__())
-    return [obj for obj in gc.get_objects() if type(obj) in exact]
+    return [obj for obj in gc.get_referrers(*exact) if type(obj) in exact]
 
 
 __all__ = ["MAX_ROLE_LEN", "PG_SIZES_PREFIX", "RoleTracker", "mesh_fields", "pg_sizes_role"]

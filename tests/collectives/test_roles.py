@@ -228,12 +228,15 @@ def test_the_scan_finds_instances_of_subclasses_and_nothing_else() -> None:
     class Deeper(Mine):
         pass
 
+    class Slotted(Base):
+        __slots__ = ("x",)
+
     class Other:
         pass
 
-    kept = [Base(), Mine(), Deeper(), Other()]
+    kept = [Base(), Mine(), Deeper(), Slotted(), Other(), Mine]
     found = _live((Base,))
-    assert sorted(type(obj).__name__ for obj in found) == ["Base", "Deeper", "Mine"]
+    assert sorted(type(obj).__name__ for obj in found) == ["Base", "Deeper", "Mine", "Slotted"]
     assert kept
 
 
