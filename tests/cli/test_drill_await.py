@@ -64,3 +64,45 @@ def test_detection_wait_builds_one_client(tmp_path: Path, monkeypatch: pytest.Mo
     assert _Api.calls == 3 and len(built) == 1
     assert outcome.incident is not None and outcome.incident["id"] == 1
     assert outcome.world_after == 2 and outcome.steps_lost == 0
+
+
+def test_a_hang_command_that_reaches_the_rank_late_still_hangs_it() -> None:
+    """Under load the chaos command can reach the rank after the step it names; a one-step
+    fault then never fired and the demo waited out its timeout for a hang that never
+    happened. The drill's hang fires at the first step from then on, in its generation only."""
+    from collectives.faults import parse_faults
+    from trainguard.cli.drill import HANG_LEAD_STEPS, hang_fault
+
+    (fault,) = parse_faults([hang_fault(3, 100, 2)])
+    assert fault.kind == "hang" and fault.ranks == {3}
+    assert not fault.active(100 + HANG_LEAD_STEPS - 1)
+    assert fault.active(100 + HANG_LEAD_STEPS) and fault.active(100 + 5 * HANG_LEAD_STEPS)
+    assert fault.generation == 2
+
+
+def test_a_hang_is_timed_from_the_old_runs_last_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Detection time starts when the hung step began (the old run's last completed step),
+    wherever the rank hung: not at the injection, 30 steps earlier."""
+    monkeypatch.setattr(_Api, "calls", 0)
+    drill = Drill(DrillConfig(), tmp_path, ProcessSet(tmp_path / "logs"))
+    rows = [
+        {"step": s, "loss": 2.0, "generation": 0, "world_size": 4, "time_unix_s": 100.0 + s}
+        for s in range(40, 75)  # asked to hang at 70 + 1; the command came late: hung at 75
+    ] + [{"step": 71, "loss": 1.9, "generation": 1, "world_size": 4, "time_unix_s": 190.0,
+          "resumed_from": 70}]  # fmt: skip
+    drill.loss_log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    class _HangApi(_Api):
+        def incidents(self) -> list[dict[str, Any]]:
+            return [{"id": 2, "kind": "hang", "node": "demo-node-2", "opened_unix_s": 180.0}]
+
+    monkeypatch.setattr(Drill, "api", lambda self: _HangApi(found_on=1))
+    outcome = FaultOutcome(
+        kind="hang", node="demo-node-2", rank=3, injected_unix_s=141.0,
+        generation_before=0, world_before=4,
+    )  # fmt: skip
+    drill._await(outcome)
+    assert outcome.injected_unix_s == 174.0  # step 74's row: the step after it hung
+    assert outcome.detect_s == pytest.approx(6.0)

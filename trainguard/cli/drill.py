@@ -35,10 +35,27 @@ from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
 JsonObject = dict[str, Any]
 JOB = "gpt-demo"
 FAULT_KINDS = ("straggler", "hang", "xid")
-#: The incident kinds that count as detecting each fault.
 #: Steps between injecting a hang and the step it strikes at.
 HANG_LEAD_STEPS = 30
+
+#: The incident kinds that count as detecting each fault.
 DETECTED_AS = {"straggler": ("straggler",), "hang": ("hang", "comm_hang"), "xid": ("gpu_fault",)}
+
+
+def hang_fault(rank: int | None, step: int, generation: int) -> JsonObject:
+    """The chaos fault that hangs ``rank`` about :data:`HANG_LEAD_STEPS` steps after
+    ``step`` (the job's newest): far enough ahead that the command reaches the rank first
+    (the agent's report, then the rank's next poll). ``from_step``, not ``at_step``: on a
+    loaded machine the command can still arrive after that step, and a one-step fault then
+    never fired, leaving the demo waiting out its timeout for a hang that never happened;
+    from a step on, the rank hangs at the next step it starts instead. Armed in this
+    ``generation`` only: the restarted job, resuming below that step, must run through it."""
+    return {
+        "kind": "hang",
+        "rank": rank,
+        "from_step": step + HANG_LEAD_STEPS,
+        "generation": generation,
+    }
 
 
 @dataclass(kw_only=True, slots=True)
@@ -361,13 +378,13 @@ class Drill:
         )
         if kind == "hang":
             outcome.hang_step = int(last["step"]) + HANG_LEAD_STEPS
-        self._inject(kind, node, rank, int(last["step"]))
+        self._inject(kind, node, rank, int(last["step"]), gen)
         where = f"{node} rank {rank}" if rank is not None else f"{node} GPU 0"
         self.say(f"injected {kind} on {where}")
         self._await(outcome)
         return outcome
 
-    def _inject(self, kind: str, node: str, rank: int | None, step: int) -> None:
+    def _inject(self, kind: str, node: str, rank: int | None, step: int, gen: int) -> None:
         gpu = 0 if rank is None else rank % self.config.ranks_per_node
         if kind == "xid":
             self._gpu_fault(node, f"kind=xid,code=79,gpu={gpu},at=0")
@@ -379,9 +396,7 @@ class Drill:
             fault = {"kind": "delay", "rank": rank, "from_step": 0,
                      "delay_s": self.config.straggler_delay_s}  # fmt: skip
         else:
-            # Far enough ahead that the command reaches the rank first (agent report, then
-            # the rank's next poll), also on a loaded machine.
-            fault = {"kind": "hang", "rank": rank, "at_step": step + HANG_LEAD_STEPS}
+            fault = hang_fault(rank, step, gen)
         self._chaos([fault])
 
     def _gpu_fault(self, node: str, spec: str) -> None:
@@ -421,16 +436,13 @@ class Drill:
                 return bool(found)
 
             self.wait(f"the {outcome.kind} to be detected", detected, timeout)
-        if outcome.kind == "hang" and outcome.hang_step is not None:
-            # The fault began when the last step before the hung one completed.
-            done = [
-                r
-                for r in self.losses()
-                if r["generation"] == outcome.generation_before
-                and r["step"] == outcome.hang_step - 1
-            ]
-            if done:
-                outcome.injected_unix_s = float(done[0]["time_unix_s"])
+        if outcome.kind == "hang":
+            # The fault began when the old run's last step completed: the step after it
+            # hung (at hang_step, or later where the command reached the rank late).
+            done = [r for r in self.losses() if r["generation"] == outcome.generation_before]
+            began = max((float(r["time_unix_s"]) for r in done), default=0.0)
+            if began > outcome.injected_unix_s:
+                outcome.injected_unix_s = began
         inc = outcome.incident or {}
         self.say(
             f"detected in {outcome.detect_s:.1f} s: incident #{inc.get('id')} {inc.get('kind')} "
