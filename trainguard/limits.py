@@ -80,6 +80,17 @@ NonNegFinite = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 PosFinite = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 #: A percentage.
 Percent = Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)]
+#: Highest power one GPU may report (W): ten times today's largest boards. A reading above it
+#: is no reading (the agent drops NVML's sentinels far below this); refusing it at the door
+#: keeps the sums the power policy takes over thousands of GPUs finite (1.8e308 W twice is
+#: inf, which PostgreSQL's JSON refuses in an incident's evidence).
+GPU_WATTS_MAX = 100_000.0
+#: Highest power one server may report (W, RAPL or its GPUs' sum).
+NODE_WATTS_MAX = 10_000_000.0
+#: A GPU's power or power limit.
+GpuWatts = Annotated[float, Field(ge=0, le=GPU_WATTS_MAX, allow_inf_nan=False)]
+#: A server's power.
+NodeWatts = Annotated[float, Field(ge=0, le=NODE_WATTS_MAX, allow_inf_nan=False)]
 
 
 # ---------------------------------------------------------------------- string types
@@ -104,9 +115,11 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     ("Index", f"0 .. {INDEX_MAX}", "GPU, NIC port and NVLink indices"),
     ("SignedIndex", f"-1 .. {INDEX_MAX}", "NUMA node (-1: none)"),
     ("Finite", "finite double (no NaN, no +-inf)", "temperatures"),
-    ("NonNegFinite", "0 .. max finite double", "seconds, watts, joules, POSIX times, Gbit/s"),
+    ("NonNegFinite", "0 .. max finite double", "seconds, joules, POSIX times, Gbit/s"),
     ("PosFinite", "> 0, finite", "intervals, power limits"),
     ("Percent", "0 .. 100, finite", "utilization"),
+    ("GpuWatts", f"0 .. {GPU_WATTS_MAX:,.0f}, finite", "a GPU's power and power limits"),
+    ("NodeWatts", f"0 .. {NODE_WATTS_MAX:,.0f}, finite", "a server's power"),
     ("StateText", f"<= {STATE_LEN} chars, no NUL, no lone surrogate", "states, kinds"),
     ("KindText", f"<= {KIND_LEN} chars, no NUL, no lone surrogate", "kinds, sysfs states"),
     ("TokenText", f"<= {TOKEN_LEN} chars, no NUL, no lone surrogate", "ids, versions, devices"),
@@ -118,6 +131,7 @@ TABLE: tuple[tuple[str, str, str], ...] = (
 )
 
 __all__ = [
+    "GPU_WATTS_MAX",
     "INDEX_MAX",
     "INT32_MAX",
     "INT32_MIN",
@@ -128,6 +142,7 @@ __all__ = [
     "LABEL_LEN",
     "MESSAGE_LEN",
     "NAME_LEN",
+    "NODE_WATTS_MAX",
     "NOTE_LEN",
     "NO_NUL",
     "STATE_LEN",
@@ -136,6 +151,7 @@ __all__ = [
     "Count",
     "Count32",
     "Finite",
+    "GpuWatts",
     "Index",
     "Int32",
     "Int64",
@@ -144,6 +160,7 @@ __all__ = [
     "LabelText",
     "MessageText",
     "NameText",
+    "NodeWatts",
     "NonNegFinite",
     "NoteText",
     "Percent",

@@ -107,9 +107,9 @@ class GpuInfo(WireModel):
     )
     pci_bus_id: str = Field(default="", max_length=64, pattern=NO_NUL)
     memory_total_bytes: NonNegInt = 0
-    power_limit_min_w: NonNegFloat | None = None
-    power_limit_max_w: NonNegFloat | None = None
-    power_limit_default_w: NonNegFloat | None = None
+    power_limit_min_w: limits.GpuWatts | None = None
+    power_limit_max_w: limits.GpuWatts | None = None
+    power_limit_default_w: limits.GpuWatts | None = None
     sm_clock_max_mhz: Rank | None = None
     mem_clock_max_mhz: Rank | None = None
 
@@ -231,9 +231,9 @@ class GpuSample(WireModel):
     index: Index
     uuid: str = Field(default="", max_length=128, pattern=NO_NUL)
     lost: bool = Field(default=False, description="NVML reported the GPU lost / off the bus")
-    power_w: NonNegFloat | None = None
+    power_w: limits.GpuWatts | None = None
     energy_j: NonNegFloat | None = Field(default=None, description="Total since driver load")
-    power_limit_w: NonNegFloat | None = None
+    power_limit_w: limits.GpuWatts | None = None
     temperature_c: limits.Finite | None = None
     sm_clock_mhz: Rank | None = None
     mem_clock_mhz: Rank | None = None
@@ -397,7 +397,7 @@ class NodeSample(WireModel):
 
     time_unix_s: NonNegFloat
     gpus: list[GpuSample] = Field(default_factory=list, max_length=64)
-    node_power_w: NonNegFloat | None = None
+    node_power_w: limits.NodeWatts | None = None
     node_power_source: Literal["rapl", "gpu_sum", "none"] = "none"
     nics: list[NicPortSample] = Field(default_factory=list, max_length=256)
     bonds: list[BondSample] = Field(default_factory=list, max_length=64)
@@ -716,7 +716,7 @@ class CommandBase(WireModel):
 class SetPowerLimit(CommandBase):
     kind: Literal["set_power_limit"] = "set_power_limit"
     gpu_index: Index
-    limit_w: limits.PosFinite
+    limit_w: limits.PosFinite = Field(le=limits.GPU_WATTS_MAX)
 
 
 class ResetPowerLimit(CommandBase):

@@ -39,6 +39,10 @@ def _error(body: dict[str, Any]) -> tuple[tuple[Any, ...], str]:
         ("temperature_c", float("nan"), "finite_number"),
         ("uuid", "GPU-\x00", "string_pattern_mismatch"),
         ("uuid", "x" * (limits.LABEL_LEN + 1), "string_too_long"),
+        # Finite, but two of them sum to inf in the power policy's domain totals (and an
+        # incident's evidence that PostgreSQL's JSON refuses): no GPU draws 1.7e308 W.
+        ("power_w", 1.7e308, "less_than_equal"),
+        ("power_limit_w", limits.GPU_WATTS_MAX * 1.01, "less_than_equal"),
     ],
 )
 def test_unstorable_values_are_refused_with_their_path(field: str, value: Any, kind: str) -> None:
@@ -86,3 +90,11 @@ def test_commands_carry_the_limits() -> None:
         wire.LockClocks(id="c\x00", gpu_index=0, min_mhz=0, max_mhz=1)
     with pytest.raises(ValidationError):
         wire.LockClocks(id="c1", gpu_index=0, min_mhz=0, max_mhz=limits.INT32_MAX + 1)
+
+
+def test_a_servers_power_past_any_server_is_refused() -> None:
+    body = _report(power_w=limits.GPU_WATTS_MAX)  # the edge is a reading
+    body["samples"][0]["node_power_w"] = 1.7e308
+    assert _error(body) == (("samples", 0, "node_power_w"), "less_than_equal")
+    body["samples"][0]["node_power_w"] = limits.NODE_WATTS_MAX
+    wire.Report.model_validate_json(json.dumps(body))

@@ -91,7 +91,8 @@ def _past_limit(kind: str, meta: list[Any]) -> list[Any]:
         assert upper is not None and upper <= limits.INT64_MAX, "unbounded integer"
         return [upper + 1]
     if kind == "float":
-        return [math.inf, math.nan]
+        above = [] if upper is None else [math.nextafter(upper, math.inf)]
+        return [math.inf, math.nan, *above]
     longest = next((m.max_length for m in meta if isinstance(m, at.MaxLen)), None)
     assert longest is not None, "string without a maximum length"
     return ["a" * (longest + 1), "a\x00", "a\ud800"]
