@@ -11,6 +11,7 @@ short shared secret on a cluster network is guessable.
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import hashlib
 import os
@@ -332,11 +333,14 @@ class ControllerSettings(BaseSettings):
         return self
 
     def webhook_secret(self) -> bytes:
-        """The webhook's shared secret (the file's content, stripped, wins)."""
+        """The webhook's shared secret (the file's content, stripped, wins). A leading
+        UTF-8 byte-order mark is an editor's (Notepad, PowerShell), not the secret's: kept,
+        it signed every delivery with a key the receiver does not hold."""
         if self.remediation_webhook_secret_file is not None:
             path = self.remediation_webhook_secret_file
             try:  # never a wait on a FIFO nor an endless device (trainguard.textfile)
-                return read_bytes(path, max_bytes=MAX_SECRET_BYTES).strip()
+                data = read_bytes(path, max_bytes=MAX_SECRET_BYTES)
+                return data.removeprefix(codecs.BOM_UTF8).strip()
             except Unreadable as exc:
                 raise ValueError(f"remediation_webhook_secret_file {path}: {exc.reason}") from None
         if self.remediation_webhook_secret is not None:

@@ -124,3 +124,18 @@ def test_a_float_setting_must_be_finite(value: str, monkeypatch: pytest.MonkeyPa
         controller_settings()
     assert refused.value.exit_code == 2 and "node_lost_after_s" in str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+def test_a_webhook_secret_file_from_a_windows_editor_signs_with_the_secret(
+    tmp_path: Path,
+) -> None:
+    """Notepad and PowerShell start a UTF-8 file with a byte-order mark; it is not part of
+    the secret the receiver holds, so every delivery's HMAC would have failed to verify."""
+    path = tmp_path / "webhook-secret"
+    path.write_bytes(b"\xef\xbb\xbfs3cret-for-the-receiver\r\n")
+    settings = ControllerSettings(
+        dev_mode=True,
+        remediation_webhook_url="http://127.0.0.1:1/hook",
+        remediation_webhook_secret_file=path,
+    )
+    assert settings.webhook_secret() == b"s3cret-for-the-receiver"
