@@ -104,7 +104,20 @@ async def _node_action(
     if not ok:
         kind = "isolate_node" if isolate else "release_node"
         raise Conflict(f"{kind} {name}: {outcome} (action {action})")
-    return {"node": name, "isolated": isolate, "action": action, "outcome": outcome}
+    # Isolation keeps new work off (cordon + taint); what already runs there goes on until
+    # it is restarted. The operator who isolated by hand is told which jobs those are.
+    running = sorted(
+        job.name
+        for job in services.state.jobs.values()
+        if any(r.node == name and r.state == "running" for r in job.ranks.values())
+    )
+    return {
+        "node": name,
+        "isolated": isolate,
+        "action": action,
+        "outcome": outcome,
+        "running_jobs": running,
+    }
 
 
 @router.post(
@@ -118,7 +131,9 @@ async def isolate_node(
     principal: Principal = Depends(require_operator),
     services: Services = ServicesDep,
 ) -> dict[str, Any]:
-    """Keep work off a node (cordon + taint on Kubernetes) until it is released."""
+    """Keep work off a node (cordon + taint on Kubernetes) until it is released.
+    ``running_jobs``: the jobs with a rank running there, which isolation does not move
+    (``POST /jobs/{name}/restart`` does)."""
     return await _node_action(services, name, principal, isolate=True, reason=body.reason)
 
 

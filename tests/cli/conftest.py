@@ -67,8 +67,16 @@ def cli(
     cli_server: CliServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> Callable[..., CliResult]:
     """Run the CLI in-process against the session's controller (token from the env)."""
-    monkeypatch.setenv("TRAINGUARD_SERVER", cli_server.url)
-    monkeypatch.setenv("TRAINGUARD_TOKEN", cli_server.viewer_token)
+    return in_process_cli(capsys, monkeypatch, cli_server.url, cli_server.viewer_token)
+
+
+def in_process_cli(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, url: str, token: str
+) -> Callable[..., CliResult]:
+    """``trainguard ARGS...`` run in this process against ``url`` with ``token`` (from the
+    environment, as a user sets them), returning its exit status and what it printed."""
+    monkeypatch.setenv("TRAINGUARD_SERVER", url)
+    monkeypatch.setenv("TRAINGUARD_TOKEN", token)
     monkeypatch.delenv("TRAINGUARD_DEBUG", raising=False)
 
     def invoke(*args: str) -> CliResult:

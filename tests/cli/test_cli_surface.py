@@ -60,6 +60,8 @@ EXPECTED = {
     ],
     "release": ["NODE", "--reason", "--server", "--token"],
     "remediation": CLIENT,
+    "restart": ["JOB", "--reason", "--server", "--token"],
+    "approve": ["ACTION", "--server", "--token"],
     "status": CLIENT,
 }  # fmt: skip
 

@@ -401,6 +401,29 @@ class ApiClient:
             )
         return result
 
+    def restart_job(self, job: str, *, reason: str) -> JsonObject:
+        """``POST /jobs/{job}/restart``: synchronous, the answer says what the restart did."""
+        if not reason.strip():
+            raise BadInput("--reason must not be empty: say why (it is recorded and shown)")
+        path = f"{API_PREFIX}/jobs/{segment(job, 'job name')}/restart"
+        result: JsonObject = self._request(
+            "POST", path, body={"reason": reason}, expect=replies.Restart
+        )
+        if result["job"] != job:
+            raise ServerError(
+                f"{self.where} sent an unexpected answer to POST {path}: it restarted "
+                f"{replies.printable(repr(result['job']), 80)}"
+            )
+        return result
+
+    def approve(self, action_id: int) -> JsonObject:
+        """``POST /actions/{id}/approve``: carry out a dry run the policy only recorded."""
+        if not 1 <= action_id <= 2**62:
+            raise BadInput(f"action id must be a positive integer, got {action_id}")
+        path = f"{API_PREFIX}/actions/{action_id}/approve"
+        result: JsonObject = self._request("POST", path, expect=replies.Approval)
+        return result
+
     def inject_faults(self, job: str, faults: list[JsonObject], reason: str = "") -> JsonObject:
         """A chaos drill: ``POST /jobs/{job}/faults`` (409 until every rank has reported)."""
         result: JsonObject = self._request(

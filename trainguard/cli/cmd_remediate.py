@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from typing import Annotated, Any
 
@@ -124,6 +125,43 @@ def isolate(
     with connect(ctx, server, token) as api:
         result = api.set_isolation(node, isolate=True, reason=reason)
     emit(f"node/{printable(node, None)} isolated: {printable(result['outcome'])}")
+    running = [printable(str(j), 253) for j in result.get("running_jobs") or []]
+    if running:
+        # Isolation keeps new work off; the jobs already there go on until restarted.
+        job = running[0] if len(running) == 1 else "JOB"
+        emit(
+            f"still running there: {', '.join(running)}; isolation does not move them: "
+            f"trainguard restart {job} --reason {shlex.quote(reason)}"
+        )
+
+
+def restart(
+    ctx: typer.Context,
+    job: Annotated[str, typer.Argument(help="Job to restart.", show_default=False)],
+    reason: Annotated[str, typer.Option("--reason", help="Why (recorded and shown).")],
+    server: Server = None,
+    token: Token = None,
+) -> None:
+    """Restart a job now, from its newest checkpoint, without isolated nodes (the policy's
+    restart step, under its rate limit); needs an operator token."""
+    with connect(ctx, server, token) as api:
+        result = api.restart_job(job, reason=reason)
+    emit(f"job/{printable(job, None)} restarted: {printable(result['outcome'])}")
+
+
+def approve(
+    ctx: typer.Context,
+    action: Annotated[
+        int, typer.Argument(help="Id of the dry-run action (trainguard remediation).", min=1)
+    ],
+    server: Server = None,
+    token: Token = None,
+) -> None:
+    """Carry out a dry run the policy only recorded (a restart, an isolation or a job's
+    held-back plan), at most once; needs an operator token."""
+    with connect(ctx, server, token) as api:
+        result = api.approve(action)
+    emit(f"action/{action} approved: {printable(result['outcome'])}")
 
 
 def release(
@@ -170,7 +208,7 @@ def goodput(
 
 
 def register(app: typer.Typer) -> None:
-    for command in (remediation, policy, goodput, isolate, release):
+    for command in (remediation, policy, goodput, isolate, release, restart, approve):
         app.command(rich_help_panel="Remediate")(command)
 
 

@@ -58,6 +58,21 @@ class Isolation(Reply):
     outcome: StrictStr
 
 
+class Restart(Reply):
+    """``POST /jobs/{job}/restart``: the job, the restart's action row and what it did."""
+
+    job: StrictStr
+    outcome: StrictStr
+
+
+class Approval(Reply):
+    """``POST /actions/{id}/approve``: the dry run approved and what carrying it out did."""
+
+    action: StrictInt
+    kind: StrictStr
+    outcome: StrictStr
+
+
 class AgentTokenIssued(Reply):
     node: StrictStr
     token: StrictStr
