@@ -22,6 +22,9 @@ class IncidentKind(StrEnum):
     GPU_FAULT = "gpu_fault"
     #: The agent could not watch a GPU's events (the XID stream failed).
     GPU_WATCH_FAILED = "gpu_watch_failed"
+    #: No NVML read of a GPU answers, sample after sample (NVML_ERROR_UNKNOWN on every
+    #: call: fallen off the bus or a wedged driver); resolves when it reads again.
+    GPU_UNREACHABLE = "gpu_unreachable"
     #: The node's agent stopped reporting.
     NODE_LOST = "node_lost"
     #: An XID the application causes (e.g. 13, 31, 43): recorded, never acted on by default.
@@ -50,8 +53,12 @@ class IncidentKind(StrEnum):
     POWER_CLOCK_COMMAND_FAILED = "power_clock_command_failed"
     POWER_LIMIT_COMMAND_FAILED = "power_limit_command_failed"
     # Remediation's own guard rails.
-    #: The isolation circuit breaker held an isolation back.
+    #: The quarantine budget (``quarantine_budget_share`` of the fleet per window) held an
+    #: isolation back: a human decides on more.
     QUARANTINE_BUDGET = "quarantine_budget"
+    #: A restart the policy asked for was refused (the restart rate limit, the actuator,
+    #: no placement): the job is left as the fault left it until a human acts.
+    RESTART_REFUSED = "restart_refused"
 
 
 #: What a rule's ``kind`` may say besides a kind: every incident.

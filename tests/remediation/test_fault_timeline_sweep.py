@@ -111,6 +111,9 @@ def test_a_shrink_that_must_divide_the_batch_skips_sizes_but_not_the_minimum() -
 # --------------------------------------------------------------------- guard timelines
 
 
+NODES8: list[str] = [f"n{i}" for i in range(1, 9)]
+
+
 def test_a_flapping_node_against_the_isolation_budget() -> None:
     """8 nodes, 25 % within an hour: 2 isolations. n1 flaps (isolated, released, faulty
     again): the released isolation no longer counts, so it may be isolated again. Once 2
@@ -119,10 +122,12 @@ def test_a_flapping_node_against_the_isolation_budget() -> None:
     g = Guards(max_isolated_fraction=0.25, isolation_window_s=3600.0)
     # t=0 n1 isolated; t=100 released by an operator; t=200 faulty again.
     assert (
-        circuit_breaker("n1", isolated_since=[None] * 8, known_nodes=8, now_unix_s=200, guards=g)
+        circuit_breaker(
+            "n1", isolated_since=dict.fromkeys(NODES8), known_nodes=8, now_unix_s=200, guards=g
+        )
         is None
     )
-    since: list[float | None] = [200.0, 300.0] + [None] * 6  # n1 again, then n2
+    since = {**dict.fromkeys(NODES8), "n1": 200.0, "n2": 300.0}  # n1 again, then n2
     refused = circuit_breaker("n3", isolated_since=since, known_nodes=8, now_unix_s=400, guards=g)
     assert refused == (
         "circuit breaker open: isolating n3 would make 3 of 8 nodes isolated within 3600 s "

@@ -36,6 +36,7 @@ from controller.logic.detection.incident_evidence import (
     NodeLostEvidence,
     PowerEvidence,
     QuarantineBudgetEvidence,
+    RestartRefusedEvidence,
     UntypedEvidence,
     XidEvidence,
 )
@@ -50,7 +51,7 @@ StragglerAnyEvidence = Annotated[
 #: Evidence model -> the incident kinds whose evidence it is (a model is one API shape).
 KINDS_BY_EVIDENCE: dict[Any, tuple[str, ...]] = {
     GpuFaultEvidence: ("gpu_fault",),
-    GpuWatchEvidence: ("gpu_watch_failed",),
+    GpuWatchEvidence: ("gpu_watch_failed", "gpu_unreachable"),
     NodeLostEvidence: ("node_lost",),
     XidEvidence: ("application_xid", "gpu_xid"),
     HwEvidence: ("hw_degraded", "nic_errors"),
@@ -62,6 +63,7 @@ KINDS_BY_EVIDENCE: dict[Any, tuple[str, ...]] = {
         "power_limit_command_failed",
     ),
     QuarantineBudgetEvidence: ("quarantine_budget",),
+    RestartRefusedEvidence: ("restart_refused",),
     HangEvidence: ("hang", "comm_hang"),
     RankCrashEvidence: ("rank_crash",),
     CommFailureEvidence: ("comm_failure",),

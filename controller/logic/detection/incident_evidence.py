@@ -1,12 +1,12 @@
 """Typed incident evidence (issue 13): the shared base, and the evidence of node-side incidents.
 
 Every incident's ``evidence`` JSON has a model, one per kind: node health and degraded GPUs
-(here), power and the quarantine budget (here too: they are incidents like the others, and
-one module of evidence is easier to find than one per service), and the job detectors'
-kinds (:mod:`controller.logic.detection.c4d.job_evidence`). The producers build these models and
-store ``as_json()``; the API schema (``controller.schemas.IncidentPublic``), the CLI and the
-dashboard read the same fields; :mod:`controller.logic.detection.evidence_kinds` maps each
-kind to its model and parses a stored row.
+(here), power, the quarantine budget and refused restarts (here too: they are incidents like
+the others, and one module of evidence is easier to find than one per service), and the job
+detectors' kinds (:mod:`controller.logic.detection.c4d.job_evidence`). The producers build
+these models and store ``as_json()``; the API schema (``controller.schemas.IncidentPublic``),
+the CLI and the dashboard read the same fields; :mod:`controller.logic.detection.evidence_kinds`
+maps each kind to its model and parses a stored row.
 
 The stored JSON keeps the shape it always had, so rows written before these models existed
 load unchanged: every model allows keys it does not know (written by a newer controller),
@@ -109,7 +109,8 @@ class GpuFaultEvidence(IncidentEvidence):
 
 
 class GpuWatchEvidence(IncidentEvidence):
-    """``gpu_watch_failed``: NVML's error on a node with NVIDIA devices."""
+    """``gpu_watch_failed``: NVML's error on a node with NVIDIA devices; ``gpu_unreachable``:
+    the error of a GPU none of whose NVML reads answers."""
 
     BRIEF = ("gpu_error",)
 
@@ -203,6 +204,21 @@ class QuarantineBudgetEvidence(IncidentEvidence):
     window_s: float
 
 
+class RestartRefusedEvidence(IncidentEvidence):
+    """``restart_refused``: the job whose restart was refused, why (``why``: ``rate_limit``,
+    ``actuator`` or ``placement``; ``detail``: the refused ``restart_job`` row's outcome) and
+    the incident the restart was for. One open incident per job, refreshed by each
+    refusal: these fields are the newest one's, ``count`` says how many there were."""
+
+    BRIEF = ("job", "why", "for_incident")
+
+    job: str
+    why: str
+    detail: str
+    for_incident: int | None = None
+    for_incident_kind: str | None = None
+
+
 __all__ = [
     "DegradedEvidence",
     "EccCause",
@@ -214,6 +230,7 @@ __all__ = [
     "NodeLostEvidence",
     "PowerEvidence",
     "QuarantineBudgetEvidence",
+    "RestartRefusedEvidence",
     "ThrottleCause",
     "UntypedEvidence",
     "XidEvidence",

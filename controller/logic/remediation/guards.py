@@ -9,32 +9,66 @@ skipped action's outcome, so an operator sees exactly which rail held.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from controller.logic.remediation.rules import Guards
+
+
+def isolated_in_window(
+    isolated_since: Mapping[str, float | None],
+    history: Iterable[tuple[str, float]],
+    *,
+    now_unix_s: float,
+    window_s: float,
+) -> tuple[set[str], set[str]]:
+    """The nodes that count against an isolation budget of ``window_s``: those isolated now
+    (``isolated_since``: node -> when, ``None`` when not isolated), and those remediation
+    isolated within the window (``history``: (node, when) of its isolation actions), even
+    if released since. Returns (every node counted, those of them not isolated now).
+
+    Released isolations count because the budget bounds how much of the fleet remediation
+    *drains* per window: counting only current isolations let a flapping fleet (isolate,
+    release, isolate another) take out any number of nodes within one window. A node counts
+    once however often it was isolated."""
+    now = {n for n, t in isolated_since.items() if t is not None and now_unix_s - t <= window_s}
+    before = {n for n, t in history if now_unix_s - t <= window_s} - now
+    return now | before, before
 
 
 def circuit_breaker(
     node: str,
     *,
-    isolated_since: Iterable[float | None],
+    isolated_since: Mapping[str, float | None],
     known_nodes: int,
     now_unix_s: float,
     guards: Guards,
+    history: Iterable[tuple[str, float]] = (),
 ) -> str | None:
     """Refuse to isolate ``node`` if that would put more than the allowed share of the
-    cluster's nodes into isolation within the window."""
-    recent = sum(
-        1 for t in isolated_since if t is not None and now_unix_s - t <= guards.isolation_window_s
+    cluster's nodes into isolation within the window: nodes isolated now, and nodes that
+    remediation isolated within the window and that were released since
+    (:func:`isolated_in_window`), ``node`` itself counted once."""
+    counted, released = isolated_in_window(
+        isolated_since, history, now_unix_s=now_unix_s, window_s=guards.isolation_window_s
     )
+    total = len(counted | {node})
     limit = int(guards.max_isolated_fraction * max(known_nodes, 1) + 1e-9)
-    if recent + 1 > limit:
+    if total > limit:
         return (
-            f"circuit breaker open: isolating {node} would make {recent + 1} of {known_nodes} "
+            f"circuit breaker open: isolating {node} would make {total} of {known_nodes} "
             f"nodes isolated within {guards.isolation_window_s:.0f} s "
-            f"(limit {guards.max_isolated_fraction:.0%} = {limit})"
+            f"(limit {guards.max_isolated_fraction:.0%} = {limit})" + released_note(released)
         )
     return None
+
+
+def released_note(released: set[str]) -> str:
+    """What a refusal adds when nodes not isolated now are part of its count (released
+    since, or an isolation still under way): an operator looking at the fleet sees fewer
+    isolated nodes than the refusal counts, and is told which."""
+    if not released:
+        return ""
+    return f"; counted though not isolated now: {', '.join(sorted(released))}"
 
 
 class RestartBudget:

@@ -10,6 +10,9 @@ the durable action log, with bounded queries on indexed columns (``trigger``,
 * :func:`restarts`: recent ``restart_job`` rows, which refill the per-job restart budget
   (so the rate limit survives a failover) and say each job's original size (for grow-back);
 * :func:`interrupted_grows`: grow-back rows left ``pending``, closed by the new leader;
+* :func:`policy_isolations`: the nodes remediation isolated within the isolation budgets'
+  windows, released since or not (read at each isolation, so the circuit breaker and the
+  quarantine budget count them after a restart or failover too);
 * :func:`replay`: the goodput ledger's incidents, from the ``goodput`` parameters each
   ``restart_job`` row carries (fault, detection, steps reached and resumed from, and, once
   the job stepped again, when it resumed), and :func:`job_starts` for the wall clock;
@@ -116,6 +119,40 @@ def interrupted_grows(session: Session, since_unix_s: float) -> list[int]:
         .order_by(Action.id)
     )
     return [r[0] for r in session.execute(query) if str(r[1]).startswith("grow:")]
+
+
+#: Most isolation rows read back; more isolations than this within one window would already
+#: have been refused by the circuit breaker on any fleet below this size.
+ISOLATION_ROWS = 10_000
+#: Statuses of an isolation that took (or may have taken) effect: ``failed`` too, since the
+#: policy's step keeps a node the cluster refused isolated in trainguard's own record, and
+#: ``pending`` (its leader went away inside the actuator call, which may have gone through).
+ISOLATING = ("succeeded", "failed", "pending")
+
+
+def policy_isolations(session: Session, since_unix_s: float) -> list[tuple[str, float]]:
+    """(node, when) of every isolation remediation made since ``since_unix_s``, newest first.
+
+    Remediation's rows only: trigger ``incident:<id>`` (an operator's by hand is
+    ``operator:<name>`` and counts only while the node stays isolated), with the
+    ``actuator`` parameter the isolation itself writes (a row saying the node was *already
+    isolated*, by an operator perhaps, isolated nothing)."""
+    query = (
+        select(Action.target, Action.created_unix_s, Action.params)
+        .where(
+            Action.created_unix_s >= since_unix_s,
+            Action.kind == "isolate_node",
+            Action.trigger.like("incident:%"),
+            Action.status.in_(ISOLATING),
+        )
+        .order_by(Action.id.desc())
+        .limit(ISOLATION_ROWS)
+    )
+    return [
+        (str(target), float(created))
+        for target, created, params in session.execute(query)
+        if isinstance(params, dict) and "actuator" in params
+    ]
 
 
 def job_starts(session: Session, jobs: list[str]) -> dict[str, float]:

@@ -14,13 +14,15 @@ naming the node, ranks there no longer running). Silence plus one of those is *l
 on; silence alone is *unreachable*, held and looked at again every tick.
 
 The quarantine budget (:func:`quarantine_refusal`) is counted from the node rows
-(``isolated_unix_s``), so it survives a failover like the policy's circuit breaker does.
+(``isolated_unix_s``) and remediation's isolation rows within its window (released nodes
+too, so a flapping fleet cannot drain more than its share), so it survives a failover like
+the policy's circuit breaker does.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from controller.actuators.base import ActuatorError, NodeView
 from controller.actuators.k8s.partition import (
@@ -32,6 +34,7 @@ from controller.actuators.k8s.partition import (
 )
 from controller.logic.detection.incident_evidence import QuarantineBudgetEvidence
 from controller.logic.incident_kinds import IncidentKind
+from controller.logic.remediation.guards import isolated_in_window, released_note
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.settings import ControllerSettings
 from controller.state import ClusterState, IncidentState
@@ -112,23 +115,34 @@ async def judge_silence(
 
 
 def quarantine_refusal(
-    state: ClusterState, node: str, settings: PartitionSettings, *, now: float
+    state: ClusterState,
+    node: str,
+    settings: PartitionSettings,
+    *,
+    now: float,
+    history: Iterable[tuple[str, float]] = (),
 ) -> tuple[str, QuarantineBudgetEvidence] | None:
     """Why quarantining ``node`` would overspend the budget (and the evidence for the
-    human's incident), or ``None``."""
+    human's incident), or ``None``. Counted like the policy's circuit breaker
+    (:func:`~controller.logic.remediation.guards.isolated_in_window`): nodes quarantined
+    now and, from ``history`` (:func:`.history.policy_isolations`), nodes remediation
+    quarantined within the window and released since, each once."""
     fleet = max(len(state.nodes), 1)
     limit = quarantine_limit(settings, fleet)
-    recent = sum(
-        1
-        for n in state.nodes.values()
-        if n.isolated_unix_s is not None and now - n.isolated_unix_s <= settings.window_s
+    counted, released = isolated_in_window(
+        {n.name: n.isolated_unix_s for n in state.nodes.values()},
+        history,
+        now_unix_s=now,
+        window_s=settings.window_s,
     )
+    recent = len(counted - {node})
     if recent + 1 <= limit:
         return None
     message = (
         f"quarantine budget spent: quarantining {node} would make {recent + 1} of {fleet} "
         f"nodes quarantined within {settings.window_s:.0f} s (limit {limit}, "
         f"{settings.max_quarantine_share:.0%} of the fleet); a human decides on more"
+        + released_note(released)
     )
     evidence = QuarantineBudgetEvidence(
         refused_node=node,

@@ -15,6 +15,12 @@ isolate step still marks the node isolated in trainguard's own record (the reaso
 the cluster-side isolation failed, and why), so no plan or grow-back puts work back on the
 culprit; the action row says ``failed``, and the circuit breaker and the quarantine budget
 count the node as they count any isolated one.
+
+The circuit breaker and the quarantine budget count every node remediation isolated within
+their windows, released since or not (read back from the ``isolate_node`` rows at each
+isolation, so a restarted or new leader counts them too), plus the nodes isolated now (an
+operator's by hand included while they stay isolated): a fleet whose nodes flap (isolated,
+released, isolated again) cannot drain more than the share per window.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from controller.logic.detection.incident_evidence import DegradedEvidence
 from controller.logic.remediation import guards
 from controller.logic.remediation.params import IsolateParams
 from controller.logic.remediation.rules import IsolateWhen, Rule, Step
+from controller.services.remediation.history import policy_isolations
 from controller.services.remediation.partition import quarantine_refusal, raise_budget_incident
 from controller.services.remediation.records import HARDWARE_KINDS, Remediation
 from controller.services.remediation.steps.base import StepContext, StepResult
@@ -237,6 +244,18 @@ def node_lock(ctx: StepContext, node: str) -> asyncio.Lock:
     return lock
 
 
+#: Per engine context, one lock for the isolation budgets: each isolation's check and its
+#: ``pending`` row (which the next check counts) run as one, taken inside a node's lock.
+_BUDGET_LOCKS: weakref.WeakKeyDictionary[StepContext, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+def budget_lock(ctx: StepContext) -> asyncio.Lock:
+    lock = _BUDGET_LOCKS.get(ctx)
+    if lock is None:
+        lock = _BUDGET_LOCKS[ctx] = asyncio.Lock()
+    return lock
+
+
 class Isolate:
     step = Step.ISOLATE
     action_kind = "isolate_node"
@@ -284,36 +303,24 @@ class Isolate:
         """Under the node's lock: what another remediation stored meanwhile is seen."""
         record = ctx.recorder.record
         kind = self.action_kind
-        now = time.time()
         node_state = ctx.state.nodes.get(node)
         if node_state is not None and node_state.isolated_reason is not None:
             outcome = f"{node} is already isolated"
             await record(incident, rem, kind, node, {}, "succeeded", outcome)
             return True, outcome
-        refused = guards.circuit_breaker(
-            node,
-            isolated_since=[n.isolated_unix_s for n in ctx.state.nodes.values()],
-            known_nodes=len(ctx.state.nodes),
-            now_unix_s=now,
-            guards=ctx.policy.guards,
-        )
-        if refused is not None:
-            await record(incident, rem, kind, node, {}, "skipped", refused)
-            return False, refused
-        budget = quarantine_refusal(ctx.state, node, ctx.partition, now=now)
-        if budget is not None and not rem.dry_run:
-            message, evidence = budget
-            await record(incident, rem, kind, node, {}, "skipped", message)
-            if ctx.incidents is not None:
-                await raise_budget_incident(ctx.incidents, message, evidence)
-            return False, message
         reason = f"incident {incident.id} ({incident.kind}): {incident.summary}"[:500]
-        if rem.dry_run:
-            outcome = f"would isolate {node}"
-            await record(incident, rem, kind, node, {}, "dry_run", outcome)
-            return True, outcome
-        params = IsolateParams(actuator=ctx.actuator.name if ctx.actuator else None).to_params()
-        action = await record(incident, rem, kind, node, params, "pending", "")
+        # One budget check at a time, until its isolation's ``pending`` row is written:
+        # two remediations isolating two nodes at once each see the other's.
+        async with budget_lock(ctx):
+            refused = await self._over_budget(ctx, rem, incident, node)
+            if refused is not None:
+                return False, refused
+            if rem.dry_run:
+                outcome = f"would isolate {node}"
+                await record(incident, rem, kind, node, {}, "dry_run", outcome)
+                return True, outcome
+            params = IsolateParams(actuator=ctx.actuator.name if ctx.actuator else None)
+            action = await record(incident, rem, kind, node, params.to_params(), "pending", "")
 
         def finish(ok: bool, outcome: str) -> Callable[[Connection], None]:
             return ctx.recorder.finishing(action, "succeeded" if ok else "failed", outcome)
@@ -335,3 +342,35 @@ class Isolate:
                 await ctx.recorder.finish(action, "failed", outcome)
             return False, outcome
         return ok, outcome
+
+    async def _over_budget(
+        self, ctx: StepContext, rem: Remediation, incident: IncidentState, node: str
+    ) -> str | None:
+        """Why isolating ``node`` would overspend the circuit breaker or the quarantine
+        budget (its ``skipped`` row written, and the quarantine budget's incident raised),
+        or ``None``. Both count the nodes isolated now and those remediation isolated within
+        their windows, released since or not, read from the action rows each time (so a
+        new leader counts its predecessor's isolations too)."""
+        record = ctx.recorder.record
+        now = time.time()
+        since = now - max(ctx.policy.guards.isolation_window_s, ctx.partition.window_s)
+        history = await ctx.store.read(lambda session: policy_isolations(session, since))
+        refused = guards.circuit_breaker(
+            node,
+            isolated_since={n.name: n.isolated_unix_s for n in ctx.state.nodes.values()},
+            known_nodes=len(ctx.state.nodes),
+            now_unix_s=now,
+            guards=ctx.policy.guards,
+            history=history,
+        )
+        if refused is not None:
+            await record(incident, rem, self.action_kind, node, {}, "skipped", refused)
+            return refused
+        budget = quarantine_refusal(ctx.state, node, ctx.partition, now=now, history=history)
+        if budget is not None and not rem.dry_run:
+            message, evidence = budget
+            await record(incident, rem, self.action_kind, node, {}, "skipped", message)
+            if ctx.incidents is not None:
+                await raise_budget_incident(ctx.incidents, message, evidence)
+            return message
+        return None

@@ -3,16 +3,25 @@
 The placement comes from :mod:`.shrink` (same size, shrunk or grown back); the restart
 budget (``guards``) may refuse. A successful restart leaves the job *awaiting resume*
 (:mod:`.wait`) until its first step of the new generation arrives.
+
+A restart an incident asked for and that is refused (the rate limit, the actuator, no
+placement) leaves the job as the fault left it: besides its ``restart_job`` row it opens
+(or bumps) one critical ``restart_refused`` incident per job (:func:`refused_alert`), so
+the refusal reaches a human like any fault; the job's next successful restart resolves it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from controller.actuators.base import ActuatorError, Placement
+from controller.logic.detection.incident_evidence import RestartRefusedEvidence
+from controller.logic.incident_kinds import IncidentKind
 from controller.logic.remediation.params import GoodputFacts, RestartParams, RollbackFacts
 from controller.logic.remediation.rules import Rule, Step
+from controller.services.incidents import IncidentSpec
 from controller.services.remediation.records import JobBook, Remediation, fault_time, running_on
 from controller.services.remediation.steps.base import StepContext, StepResult
 from controller.services.remediation.steps.isolate import (
@@ -22,6 +31,8 @@ from controller.services.remediation.steps.isolate import (
 )
 from controller.services.remediation.steps.shrink import plan_placement
 from controller.state import IncidentState
+
+log = logging.getLogger(__name__)
 
 ACTION_KIND = "restart_job"
 
@@ -60,6 +71,7 @@ async def restart(
     refused = ctx.restarts.refuse(job, now, ctx.policy.guards)
     if refused is not None:
         await record(incident, rem, ACTION_KIND, job, {}, "skipped", refused)
+        await refused_alert(ctx, rem, incident, "rate_limit", refused)
         return False, refused
     actuator = ctx.actuator
     if actuator is None:
@@ -71,6 +83,7 @@ async def restart(
     except ActuatorError as exc:  # e.g. new pods whose ranks have not reported yet
         outcome = f"cannot tell where job {job} runs: {exc}"
         await record(incident, rem, ACTION_KIND, job, {}, "failed", outcome[:2000])
+        await refused_alert(ctx, rem, incident, "actuator", outcome)
         return False, outcome
     if current is None:
         outcome = f"job {job} is not managed by the {actuator.name} actuator"
@@ -97,6 +110,7 @@ async def restart(
     }
     if placement is None:
         await record(incident, rem, ACTION_KIND, job, params, "failed", plan.reason)
+        await refused_alert(ctx, rem, incident, "placement", plan.reason)
         return False, plan.reason
     if rem.grow and (plan.kind != "grow" or plan.replaced or plan.dropped):
         outcome = f"not grown: capacity is gone again ({plan.reason})"
@@ -143,6 +157,7 @@ async def restart(
         )
     except ActuatorError as exc:
         await ctx.recorder.finish(action, "failed", str(exc)[:2000])
+        await refused_alert(ctx, rem, incident, "actuator", str(exc))
         return False, str(exc)
     started = time.time()
     ctx.restarts.record(job, started)
@@ -165,7 +180,68 @@ async def restart(
     await ctx.recorder.finish(
         action, "succeeded", f"{summary}; {result.outcome}{attempts_note(attempts)}"
     )
+    await _refusal_over(ctx, job, f"job {job} restarted by remediation {rem.id}: {summary}")
     return True, summary
+
+
+def refused_key(job: str) -> str:
+    """The dedupe key of ``job``'s ``restart_refused`` incident: one open per job."""
+    return f"restart_refused:{job}"
+
+
+async def refused_alert(
+    ctx: StepContext, rem: Remediation, incident: IncidentState | None, why: str, detail: str
+) -> None:
+    """Open (or bump, with the newest refusal's summary and evidence) the critical
+    ``restart_refused`` incident of ``rem``'s job: without it a refused restart was only a
+    ``restart_job`` row, and the job stayed down or degraded with nothing alerting anyone.
+
+    Only for a restart an incident asked for, that was meant to happen: a grow-back's
+    refusal leaves a running job as it was, an operator's restart answers the operator
+    itself, and a dry run does nothing anyway. ``why``: ``rate_limit``, ``actuator`` or
+    ``placement``. An incident the database does not take is logged, never raised: the
+    refusal is already recorded, and the step's outcome must stay the refusal's."""
+    job = rem.job
+    if incident is None or job is None or rem.grow or rem.dry_run or ctx.incidents is None:
+        return
+    evidence = RestartRefusedEvidence(
+        job=job,
+        why=why,
+        detail=detail[:2000],
+        for_incident=incident.id,
+        for_incident_kind=incident.kind,
+    )
+    summary = (
+        f"job {job} not restarted for incident {incident.id} ({incident.kind}), {why}: "
+        f"{detail}; it stays as the fault left it until a human acts"
+    )
+    spec = IncidentSpec(
+        kind=IncidentKind.RESTART_REFUSED,
+        severity="critical",
+        summary=summary[:500],
+        dedupe_key=refused_key(job),
+        job=job,
+        evidence=evidence,
+    )
+    try:
+        await ctx.incidents.open_or_bump(spec, refresh=True)
+    except Exception:
+        log.exception(
+            "could not raise the restart_refused incident", extra={"fields": {"job": job}}
+        )
+
+
+async def _refusal_over(ctx: StepContext, job: str, note: str) -> None:
+    """Resolve ``job``'s open ``restart_refused`` incident: the job was restarted after all."""
+    open_now = ctx.incidents.find_open(refused_key(job)) if ctx.incidents is not None else None
+    if ctx.incidents is None or open_now is None:
+        return
+    try:
+        await ctx.incidents.resolve(open_now, note=note[:2000])
+    except Exception:
+        log.exception(
+            "could not resolve the restart_refused incident", extra={"fields": {"job": job}}
+        )
 
 
 def restarted_since(book: JobBook, incident: IncidentState, current: Placement) -> str | None:
