@@ -28,6 +28,11 @@ INTS = {
 FLOATS = {
     "nonneg": ([0.0, -0.0, 5e-324, 1.7976931348623157e308], [-1.0, math.inf, math.nan]),
     "finite": ([-1.7976931348623157e308, -5e-324, 0.0, 1e308], [math.inf, -math.inf, math.nan]),
+    # A GPU's power: bounded, so the power policy's sums over a fleet stay finite.
+    "gpu_watts": (
+        [0.0, 5e-324, L.GPU_WATTS_MAX],
+        [-1.0, math.nextafter(L.GPU_WATTS_MAX, math.inf), 1.7976931348623157e308, math.nan],
+    ),
 }
 
 
@@ -49,7 +54,7 @@ FIELDS: list[tuple[tuple[Any, ...], list[Any], list[Any]]] = [
     (("spool_dropped_total",), *INTS["count"][1:]),
     (("seq",), *INTS["count"][1:]),
     (("sent_unix_s",), *FLOATS["nonneg"]),
-    (("samples", 0, "gpus", 0, "power_w"), *FLOATS["nonneg"]),
+    (("samples", 0, "gpus", 0, "power_w"), *FLOATS["gpu_watts"]),
     (("samples", 0, "gpus", 0, "temperature_c"), *FLOATS["finite"]),
     (("samples", 0, "gpus", 0, "ecc_uncorrected_total"), *INTS["count"][1:]),
     (("samples", 0, "gpus", 0, "sm_clock_mhz"), *INTS["count32"][1:]),
