@@ -36,6 +36,7 @@ from checkpoint.errors import (
 )
 from checkpoint.manifest import (
     DEFAULT_CHUNK_BYTES,
+    ENTRY_ALIGN_BYTES,
     SKELETON_ENTRY,
     Entry,
     rank_data_name,
@@ -92,7 +93,7 @@ def write_consolidated(
     tree: dict[str, Any] = {}
     try:
         for name, tensor in tensors:
-            writer.pad_to(-(-writer.size_bytes // 64) * 64)
+            writer.pad_to(-(-writer.size_bytes // ENTRY_ALIGN_BYTES) * ENTRY_ALIGN_BYTES)
             nbytes = tensor.numel() * tensor.element_size()
             entries.append(
                 Entry(
@@ -106,7 +107,7 @@ def write_consolidated(
             )
             if nbytes:
                 writer.write(_bytes_of(tensor))
-            tree[name] = TensorRef(name)
+            tree[name] = TensorRef(name, entries[-1].dtype, tuple(entries[-1].shape))
         buf = io.BytesIO()
         pickle.dump(tree, buf, protocol=pickle.HIGHEST_PROTOCOL)
         skeleton = buf.getvalue()

@@ -47,9 +47,19 @@ ShardingHook = Callable[[str, torch.Tensor], tuple[torch.Tensor, GlobalMap | Non
 
 @dataclass(frozen=True, slots=True)
 class TensorRef:
-    """Stands for the tensor stored under entry ``name`` inside the pickled skeleton."""
+    """Stands for the tensor stored under entry ``name`` inside the pickled skeleton.
+
+    ``dtype`` and ``shape`` repeat what the manifest entry says, inside the data file where
+    the chunk CRCs cover them: a manifest edited to another dtype of the same size
+    (float32 -> int32) or another shape of the same byte count, its digest re-pinned, is
+    consistent on its own, and only this copy shows the tensor would load as wrong
+    numbers (:func:`_fill`). Skeletons written before these fields have neither (unset
+    slots: ``getattr`` with a default), and older readers ignore them when unpickling.
+    """
 
     name: str
+    dtype: str = ""
+    shape: tuple[int, ...] | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -127,7 +137,7 @@ class _Walker:
                 name=name, tensor=value, lazy=lazy, global_map=global_map, replicas=replicas
             )
         )
-        return TensorRef(name)
+        return TensorRef(name, str(value.dtype).removeprefix("torch."), tuple(value.shape))
 
     def walk(self, obj: Any, name: str) -> Any:
         if type(obj) in _SCALARS:  # most leaves; Python's RNG state alone has 625 ints
@@ -298,19 +308,33 @@ class _SkeletonUnpickler(pickle.Unpickler):
         )
 
 
-def _fill(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+def _fill(obj: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
     if isinstance(obj, TensorRef):
         found = tensors.get(obj.name)
         if found is None:
             raise KeyError(obj.name)
+        _check_ref(obj, found, where)
         return found
     if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
+        return {k: _fill(v, tensors, where) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_fill(v, tensors) for v in obj]
+        return [_fill(v, tensors, where) for v in obj]
     if type(obj) is tuple:
-        return tuple(_fill(v, tensors) for v in obj)
+        return tuple(_fill(v, tensors, where) for v in obj)
     return obj
+
+
+def _check_ref(ref: TensorRef, found: torch.Tensor, where: str) -> None:
+    """The tensor built from the manifest entry must be the one the skeleton recorded
+    (:class:`TensorRef`); a mismatch is damage the loader falls back past."""
+    dtype, shape = getattr(ref, "dtype", ""), getattr(ref, "shape", None)
+    got_dtype, got_shape = str(found.dtype).removeprefix("torch."), tuple(found.shape)
+    if (dtype and dtype != got_dtype) or (shape is not None and tuple(shape) != got_shape):
+        raise CheckpointCorruptError(
+            f"{where}: tensor {ref.name!r} is {got_dtype} {list(got_shape)} in the manifest, "
+            f"but the state skeleton saved it as {dtype or got_dtype} "
+            f"{list(shape) if shape is not None else list(got_shape)}"
+        )
 
 
 def rebuild(skeleton: bytes, tensors: Mapping[str, torch.Tensor], *, where: str) -> dict[str, Any]:
@@ -326,7 +350,7 @@ def rebuild(skeleton: bytes, tensors: Mapping[str, torch.Tensor], *, where: str)
     if not isinstance(tree, dict):
         raise CheckpointCorruptError(f"{where}: state skeleton is not a dict")
     try:
-        return _fill(tree, tensors)  # type: ignore[no-any-return]
+        return _fill(tree, tensors, where)  # type: ignore[no-any-return]
     except KeyError as exc:
         raise CheckpointCorruptError(
             f"{where}: the skeleton names tensor {exc}, which the manifest does not list"

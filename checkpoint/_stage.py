@@ -35,7 +35,10 @@ from typing import Any
 
 import torch
 
-ALIGN_BYTES = 64
+from checkpoint.manifest import ENTRY_ALIGN_BYTES
+
+#: The reader refuses other tensor offsets (:func:`checkpoint._validate._check_layout`).
+ALIGN_BYTES = ENTRY_ALIGN_BYTES
 
 
 def align(offset: int) -> int:

@@ -5,7 +5,8 @@ writer may have damaged, so nothing in it is trusted: every field must be presen
 JSON type (an integer is not a bool or a float), in range (no negative offset, no size past
 the data file, no 2**70-element shape, no NaN time), and consistent with its neighbours
 (``nbytes`` = elements x dtype size, one CRC per chunk, file names that are the names this
-format gives, ``ranks[i].rank == i``). A failure is a :class:`CheckpointCorruptError` naming
+format gives, ``ranks[i].rank == i``, entries of one data file in order, aligned and not
+overlapping: :func:`_check_layout`). A failure is a :class:`CheckpointCorruptError` naming
 the file and the field (``.../MANIFEST.json: field ranks[1].size_bytes: ...``), which the
 loaders treat like any damaged checkpoint: skipped in favour of the previous complete one.
 No torch here (``inspect`` uses it).
@@ -22,7 +23,9 @@ from typing import Any, NoReturn
 from checkpoint.errors import CheckpointCorruptError
 from checkpoint.geometry import row_major_strides, unravel
 from checkpoint.manifest import (
+    ENTRY_ALIGN_BYTES,
     READABLE_VERSIONS,
+    SKELETON_ENTRY,
     DataFileInfo,
     Entry,
     GlobalMap,
@@ -278,6 +281,52 @@ def _check_map(f: _Fields, shape: list[int], gmap: GlobalMap) -> None:
             )
 
 
+def _check_layout(f: _Fields, entries: list[Entry]) -> None:
+    """The entries of one data file must tile it as the writers lay it out.
+
+    Every entry is consistent on its own (:func:`_entry`), yet an edited manifest whose
+    digest was re-pinned can still point a tensor at another tensor's bytes, or a few bytes
+    into its own padding, and would load as wrong numbers. The writers (the engine,
+    ``convert``, :func:`checkpoint._persist.persist_part`) lay entries out in list order,
+    each at a multiple of :data:`ENTRY_ALIGN_BYTES` or right where the previous one ends,
+    with no two sharing a byte; anything else is refused, naming both tensors. The
+    skeleton is exempt from the order only: a writer puts it first or last.
+    """
+    spans = sorted(
+        (e.offset, e.offset + e.nbytes, i)
+        for i, e in enumerate(entries)
+        if e.stored_by is None and e.nbytes
+    )
+    end, last = 0, -1
+    for start, stop, i in spans:
+        e = entries[i]
+        if start < end:
+            f.fail(
+                f"entries[{i}].offset",
+                f"tensor {e.name!r} bytes {start}..{stop} overlap tensor "
+                f"{entries[last].name!r} bytes {entries[last].offset}..{end}",
+            )
+        if start % ENTRY_ALIGN_BYTES and start != end:
+            f.fail(
+                f"entries[{i}].offset",
+                f"tensor {e.name!r} at byte {start}: neither {ENTRY_ALIGN_BYTES}-byte aligned "
+                f"nor right after the previous tensor (which ends at {end})",
+            )
+        end, last = stop, i
+    prev = -1
+    for i, e in enumerate(entries):
+        if e.stored_by is not None or not e.nbytes or e.name == SKELETON_ENTRY:
+            continue
+        if prev >= 0 and e.offset < entries[prev].offset:
+            f.fail(
+                f"entries[{i}].offset",
+                f"tensor {e.name!r} at byte {e.offset} is listed after tensor "
+                f"{entries[prev].name!r} at byte {entries[prev].offset}; the writers lay "
+                "tensors out in list order",
+            )
+        prev = i
+
+
 def _data_file(f: _Fields, rank: int) -> DataFileInfo:
     name = f.string("name")
     if name != rank_data_name(rank):
@@ -308,6 +357,7 @@ def parse_rank_manifest(path: Path, data: bytes | None = None) -> RankManifest:
     names = {e.name for e in entries}
     if len(names) != len(entries):
         f.fail("entries", "two entries share a name")
+    _check_layout(f, entries)
     run_id = f.raw.get("run_id", "")
     if not isinstance(run_id, str) or len(run_id) > 256:
         f.fail("run_id", "expected a string of at most 256 characters")

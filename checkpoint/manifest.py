@@ -21,6 +21,9 @@ READABLE_VERSIONS = (1, 2)
 #: Granularity of the per-chunk CRCs: a resharding reader reads whole chunks, so smaller
 #: chunks read less surplus; larger ones keep the rank manifest short (4 GiB -> 1,024 CRCs).
 DEFAULT_CHUNK_BYTES = 4 << 20
+#: Tensors start at a multiple of this in a data file (or right after the previous entry:
+#: :func:`checkpoint._validate._check_layout`); every dtype's size divides it.
+ENTRY_ALIGN_BYTES = 64
 MANIFEST_NAME = "MANIFEST.json"
 LATEST_NAME = "latest"
 #: Folder under the root that step directories of an abandoned timeline are moved into; not
