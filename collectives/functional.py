@@ -43,6 +43,7 @@ not recorded), and the functional point-to-point operators (``isend``, ``irecv``
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from collections import deque
@@ -126,6 +127,9 @@ class _Call:
     due: int
     """Outputs neither waited nor dropped."""
     waited: bool = False
+    abandoned: bool = False
+    """Forgotten while the job held none of its outputs (:meth:`FunctionalHooks.reap_unheld`);
+    its outputs stay pending, so a wait that still comes brings the record back in flight."""
 
 
 @dataclass(eq=False, slots=True)
@@ -137,6 +141,9 @@ class _Output:
     tensor: weakref.ref[torch.Tensor]
     acts: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
     """The ``AsyncCollectiveTensor`` objects wrapping it (its result, as the job holds it)."""
+    storage_refs: int = 0
+    """References to its storage when the call returned (:func:`_storage_refs`): more later
+    means the job made a view of it, which it can still wait on."""
 
     def gone(self) -> bool:
         """The job can no longer wait this output: the tensor is freed, or every
@@ -165,6 +172,9 @@ class FunctionalHooks:
         self._lock = threading.RLock()
         self._act_new: Any = None
         self._groups: dict[str, GroupInfo] = {}
+        #: Whether this torch shows that only its C++ side holds a tensor (``_cpp_only``);
+        #: without it a bare operator's dropped output stays in flight, as before.
+        self._see_holders = _holders_visible()
 
     def install(self) -> None:
         namespace = torch.ops._c10d_functional
@@ -257,6 +267,44 @@ class FunctionalHooks:
             else:  # no end mark to read here (maybe not the training thread): forget it
                 recorder.abandon(call.rec)
 
+    def reap_unheld(self) -> None:
+        """Forget the calls of bare operators (``torch.ops._c10d_functional.all_reduce(...)``
+        with no ``AsyncCollectiveTensor``) whose outputs the job no longer holds (watchdog).
+
+        Why not a weakref, as for the ``AsyncCollectiveTensor`` case: torch's unwaited
+        ``Work`` holds the output tensor from C++, and torch then keeps its Python object
+        alive too, so the job dropping it frees nothing. What tells is who still refers to
+        it: only torch's C++ side (:func:`_cpp_only`) and no other tensor on its storage
+        (a view the job could wait on). Such a call is abandoned (it cannot block the job:
+        only a wait can), but its outputs stay pending: should a wait on one still come
+        (C++ code, e.g. inductor's C++ wrapper, holds tensors without Python references),
+        :meth:`_wait_kernel` brings the record back in flight, so a stuck wait is still
+        reported."""
+        if not self._see_holders or not self._pending:
+            return
+        unheld: dict[_Call, int] = {}
+        held: set[_Call] = set()
+        with self._lock:
+            for entries in list(self._pending.values()):
+                for out in entries:
+                    call = out.call
+                    if call.abandoned or call in held:
+                        continue
+                    if out.acts or not _cpp_only(out):
+                        held.add(call)
+                    else:
+                        unheld[call] = unheld.get(call, 0) + 1
+            done = [c for c, n in unheld.items() if c not in held and n >= c.due]
+            for call in done:
+                if not call.waited:
+                    call.abandoned = True
+        recorder = self.instrumenter.recorder
+        for call in done:
+            if call.abandoned:
+                recorder.abandon(call.rec)
+            elif call.rec.events is None:
+                recorder.complete(call.rec, now())  # another output was waited: it is done
+
     # ------------------------------------------------------------------ kernels
 
     def _kernel(self, overload: Any, spec: FunctionalOp) -> Callable[..., Any]:
@@ -287,6 +335,8 @@ class FunctionalHooks:
                 for t in outputs:
                     out = _Output(call, t.data_ptr(), None)  # type: ignore[arg-type]
                     out.tensor = weakref.ref(t, _on_drop(dropped, out))
+                    if self._see_holders:
+                        out.storage_refs = _storage_refs(t)
                     self._pending.setdefault(out.ptr, []).append(out)
             return result
 
@@ -302,6 +352,10 @@ class FunctionalHooks:
                 hits = self._take(tensor)
             if not hits:
                 return overload.redispatch(below, tensor, *args, **kwargs)
+            for out in hits:
+                if out.call.abandoned:  # thought dropped, yet waited: in flight again
+                    out.call.abandoned = False
+                    recorder.revive(out.call.rec)
             rec = hits[0].call.rec
             recorder.blocked()
             t0 = now()
@@ -404,6 +458,45 @@ def _on_drop(queue: deque[_Output], out: _Output) -> Callable[[Any], None]:
         queue.append(out)
 
     return dropped
+
+
+def _cpp_only(out: _Output) -> bool:
+    """Only torch's C++ side refers to ``out``'s tensor: no Python reference of the job
+    and no other tensor (a view) on its storage."""
+    tensor = out.tensor()
+    if tensor is None:
+        return False  # freed: its weakref callback settles it
+    refs = sys.getrefcount(tensor) - 2  # less this function's local and the argument
+    if refs != 1 or tensor._use_count() < 2:  # type: ignore[attr-defined]
+        return False
+    return _storage_refs(tensor) <= out.storage_refs
+
+
+def _storage_refs(tensor: torch.Tensor) -> int:
+    """References to ``tensor``'s storage (its tensors, and the wrapper made to ask)."""
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+
+
+def _holders_visible() -> bool:
+    """Check, once, what :func:`_cpp_only` relies on: a tensor that C++ code also holds
+    (here: a view's base) carries one Python reference of C++'s own, so ``refs == 1`` means
+    "no Python holder". Torch 2.13 works so (``kHasPyObject``: the TensorImpl holds its
+    Python object while other C++ references exist); an older scheme that resurrects the
+    object does not, and then nothing is forgotten by this test."""
+    try:
+        probe = torch.empty(1)
+        keep = probe.view(1)
+        ref = weakref.ref(probe)
+        out = _Output(_Call(None, 1), 0, ref)  # type: ignore[arg-type]
+        out.storage_refs = 1 << 30
+        alone_before = _cpp_only(out)  # held by ``probe`` here
+        del probe
+        alone_after = _cpp_only(out)  # held by the view only
+        del keep
+        return not alone_before and alone_after
+    except Exception as exc:  # another torch: keep the old behaviour, never fail the job
+        log.warning("trainguard: dropped bare functional results not tracked (%r)", exc)
+        return False
 
 
 def _async_tensor_class() -> Any:

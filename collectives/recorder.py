@@ -329,6 +329,14 @@ class Recorder:
                 rec.exit_s = rec.enter_s + rec.blocked_s
                 rec.ok = False
 
+    def revive(self, rec: CallRecord) -> None:
+        """In flight again: an abandoned call (its result thought dropped) is waited after
+        all, so a wait that hangs is still reported as this call."""
+        with self._lock:
+            rec.exit_s = None
+            rec.ok = True
+            self._inflight[id(rec)] = rec
+
     def last_completed(self) -> dict[str, int]:
         done = _copy(self._last_done)
         return {g: done.get(g, 0) for g in _copy(self._seq)}
@@ -436,6 +444,24 @@ class Recorder:
                 _fill_nonfinite(head.summary, *head.flags.resolve(head.flag_copy[0]))
             cpu_wait = head.summary["wait_cpu_s"]
             self._emit(head.summary, cpu_wait + sum(r.blocked_s for r in head.calls))
+
+    def drain(self, timeout_s: float, sleep: Any = time.sleep) -> bool:
+        """Emit the ended steps still waiting on device marks, polling (never synchronizing)
+        for up to ``timeout_s``; True when none is left.
+
+        Why: a step whose calls were timed on the device is summarized by the background
+        poller once its marks fire, which on a GPU is after the training thread ended the
+        step. The job's last step is nearly always still pending when the job ends, and the
+        poller stops with the session: without this the final step never went out."""
+        deadline = now() + timeout_s
+        while True:
+            self.poll_events()
+            with self._lock:
+                if not self._gpu_steps:
+                    return True
+            if now() >= deadline:
+                return False
+            sleep(0.005)
 
     def stuck(self, t: float) -> list[InflightCollective]:
         """In-flight calls past their adaptive deadline, due for a (re-)report."""

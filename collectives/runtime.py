@@ -46,6 +46,9 @@ log = logging.getLogger("trainguard.collectives")
 _session: Session | None = None
 _session_lock = threading.Lock()
 
+#: How long closing waits for the device marks of ended steps (their summaries then go out).
+_DRAIN_S = 0.5
+
 
 def _gpu_index() -> int | None:
     """The NVML index of this rank's GPU, which the node agent's samples are keyed by.
@@ -97,6 +100,7 @@ class Session:
         self.control.on_dump_trace = self._dump_trace
         self.watchdog = Watchdog(self.recorder, self.outbox, cfg.watchdog_interval_s)
         self.watchdog.reapers.append(self.instrumenter.functional.reap)
+        self.watchdog.reapers.append(self.instrumenter.functional.reap_unheld)
         self.pod, self.namespace = pod_identity(os.environ)
         hello = LocalHello(
             job=cfg.job,
@@ -154,6 +158,7 @@ class Session:
             sys.excepthook = self._prev_excepthook
         atexit.unregister(self._atexit)
         self.watchdog.stop()
+        self._drain_steps()
         if exited:
             self._event(
                 "exited",
@@ -162,6 +167,22 @@ class Session:
                 collective_failed=self._exit_in_collective,
             )
         self.client.stop()
+
+    def _drain_steps(self) -> None:
+        """Send the ended steps whose summaries wait on device marks (the last step, on a
+        GPU) before the client's last flush: the poller that would emit them is stopped.
+
+        Only ended steps go out. A step still open here is not summarized: under
+        ``hook_optimizer`` it is the tail after the last ``optimizer.step()`` (no optimizer
+        step of its own: teardown, a final save), under ``step()`` a block the job left by
+        exiting (an exception aborts it). A summary of it would be a step the ranks did not
+        all run alike, compared with full steps (see docs/collectives.md, "The last step")."""
+        try:
+            self.instrumenter.functional.reap()
+            if not self.recorder.drain(_DRAIN_S):
+                log.warning("trainguard: a step's device timing was not done at close: not sent")
+        except Exception:  # closing must never fail the job
+            log.debug("trainguard: draining step summaries at close failed", exc_info=True)
 
     def add_faults(self, spec: Any) -> None:
         if self.injector is None:
