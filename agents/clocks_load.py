@@ -445,7 +445,8 @@ def load_targets(
     out = []
     for sample in gpus:
         i = sample.index
-        if sample.lost or sample.unknown or i >= len(handles) or handles[i] is None:
+        unread = sample.lost or sample.unknown or sample.unreachable
+        if unread or i >= len(handles) or handles[i] is None:
             continue
         known = info.get(i)
         out.append(

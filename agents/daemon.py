@@ -93,7 +93,14 @@ NVML_RETRY_FIRST_S = 5.0
 NVML_RETRY_MAX_S = 300.0
 #: Hardware events that are sent at once rather than at the next report interval.
 URGENT_EVENTS = frozenset(
-    {"gpu_unknown", "nvlink_down", "nic_port_down", "nic_gone", "bond_member_down"}
+    {
+        "gpu_unknown",
+        "gpu_unreachable",
+        "nvlink_down",
+        "nic_port_down",
+        "nic_gone",
+        "bond_member_down",
+    }
 )
 #: List caps of a node sample and of the identity's NIC list, from the wire models: a node
 #: with more ports or bonds than the wire takes reports the first ones, not nothing.
@@ -178,6 +185,8 @@ class Agent:
         self.xids: XidWatcher | None = None
         #: The watcher whose death is in the report's ``gpu_error`` (said once).
         self._xid_failure_reported: XidWatcher | None = None
+        #: The XID wait failure last reported ("" none): a change asks for a report now.
+        self._xid_wait_failure = ""
         self.executor: CommandExecutor | None = None
         self.sampler = self._new_sampler(self.backend.api)
         # A driver that cannot count its GPUs came back from open_backend as a failed one
@@ -195,7 +204,11 @@ class Agent:
             preflight=self._preflight,
         )
         self.xids = XidWatcher(
-            api, self.sampler.handles, on_event=self._on_xid, on_ecc=self._on_ecc
+            api,
+            self.sampler.handles,
+            on_event=self._on_xid,
+            on_ecc=self._on_ecc,
+            report_after_s=settings.xid_wait_failing_s,
         )
         self.node_power = NodePowerSampler(
             RaplReader(settings.powercap_dir), base_power_w=settings.node_base_power_w
@@ -243,6 +256,7 @@ class Agent:
             locked_clock_mhz=lambda i: self.executor.locked_clock_mhz(i) if self.executor else None,
             on_lost=lambda i: self.request_report(f"GPU {i} lost"),
             timeout_s=self.settings.nvml_timeout_s,
+            unreachable_after=self.settings.gpu_unreachable_after,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -404,7 +418,7 @@ class Agent:
 
             def build(seq: int, dropped_total: int) -> Report:
                 return Report(
-                    node=self.identity,
+                    node=self._reported_identity(),
                     agent_instance=self.spool.agent_instance,
                     seq=seq,
                     sent_unix_s=time.time(),
@@ -491,7 +505,11 @@ class Agent:
         if self.xids is not None:
             self.xids.stop()
         self.xids = XidWatcher(
-            backend.api, sampler.handles, on_event=self._on_xid, on_ecc=self._on_ecc
+            backend.api,
+            sampler.handles,
+            on_event=self._on_xid,
+            on_ecc=self._on_ecc,
+            report_after_s=self.settings.xid_wait_failing_s,
         )
         if inventory and not self._stopping.is_set():
             self.xids.start_in_background()
@@ -520,9 +538,23 @@ class Agent:
         except Exception:
             log.exception("%s tick failed; continuing", what)
 
+    def _reported_identity(self) -> NodeIdentity:
+        """The identity a report carries: with a standing XID wait failure in its
+        ``gpu_error`` (unlike a dead watcher's, it goes once a wait works again)."""
+        failing = self.xids.wait_failure if self.xids is not None else ""
+        if not failing:
+            return self.identity
+        joined = "; ".join(e for e in (self.identity.gpu_error, failing) if e)
+        return self.identity.model_copy(update={"gpu_error": joined[:512]})
+
     def _check_xid_watcher(self) -> None:
-        """A watcher thread that ended on its own leaves XIDs unseen: the node says so."""
+        """A watcher thread that ended on its own leaves XIDs unseen: the node says so, as
+        it does (until it clears) for a watcher whose waits keep failing."""
         xids = self.xids
+        failing = xids.wait_failure if xids is not None else ""
+        if failing != self._xid_wait_failure and not self._stopping.is_set():
+            self._xid_wait_failure = failing
+            self.request_report("XID event wait " + ("failing" if failing else "works again"))
         if xids is None or not xids.failure or self._stopping.is_set():
             return
         if xids is self._xid_failure_reported:

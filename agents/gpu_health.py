@@ -250,6 +250,7 @@ class GpuTransitions:
         self._links: dict[tuple[int, int], bool] = {}
         self._pcie: dict[int, str] = {}
         self._unknown: dict[int, bool] = {}
+        self._unreachable: dict[int, bool] = {}
 
     def update(self, sample: GpuSample, now_unix_s: float) -> list[HardwareEvent]:
         events: list[HardwareEvent] = []
@@ -267,7 +268,12 @@ class GpuTransitions:
             self._unknown[gpu] = sample.unknown
             if sample.unknown:
                 event("gpu_unknown", sample.error or "GPU did not answer")
-        if sample.unknown or sample.lost:
+        # Said once, when it turns so: an urgent report, not one per sample.
+        if sample.unreachable != self._unreachable.get(gpu, False):
+            self._unreachable[gpu] = sample.unreachable
+            if sample.unreachable:
+                event("gpu_unreachable", sample.error[:512] or "no NVML read answered")
+        if sample.unknown or sample.lost or sample.unreachable:
             return events
         for link in sample.nvlinks:
             before = self._links.get((gpu, link.link))

@@ -213,6 +213,9 @@ class _GpuFamilies:
         self.limit = gauge("trainguard_gpu_power_limit_watts", "Enforced power limit")
         self.lost = gauge("trainguard_gpu_lost", "1 when NVML reports the GPU lost")
         self.unknown = gauge("trainguard_gpu_unknown", "1 when NVML did not answer in time")
+        self.unreachable = gauge(
+            "trainguard_gpu_unreachable", "1 when no NVML read has answered for several samples"
+        )
         self.ecc = counter("trainguard_gpu_ecc_errors", "Volatile ECC errors", ["type"])
         self.ecc_aggregate = counter(
             "trainguard_gpu_ecc_aggregate_errors", "ECC errors over the board's life", ["type"]
@@ -239,6 +242,7 @@ class _GpuFamilies:
     def add(self, labels: list[str], g: GpuSample) -> None:
         self.lost.add_metric(labels, 1.0 if g.lost else 0.0)
         self.unknown.add_metric(labels, 1.0 if g.unknown else 0.0)
+        self.unreachable.add_metric(labels, 1.0 if g.unreachable else 0.0)
         _maybe(self.power, labels, g.power_w)
         _maybe(self.energy, labels, g.energy_j)
         _maybe(self.temp, labels, g.temperature_c)
@@ -251,7 +255,7 @@ class _GpuFamilies:
         _maybe(self.ecc, [*labels, "uncorrected"], g.ecc_uncorrected_total)
         _maybe(self.ecc_aggregate, [*labels, "corrected"], g.ecc_corrected_aggregate_total)
         _maybe(self.ecc_aggregate, [*labels, "uncorrected"], g.ecc_uncorrected_aggregate_total)
-        if not (g.lost or g.unknown):
+        if not (g.lost or g.unknown or g.unreachable):
             self.reasons.add_metric(labels, float(g.throttle_reasons_mask))
         _maybe(self.remapped, [*labels, "correctable"], g.remapped_rows_correctable)
         _maybe(self.remapped, [*labels, "uncorrectable"], g.remapped_rows_uncorrectable)

@@ -62,7 +62,7 @@ def _gpu_checks(sample: GpuSample, down_at_start: Sequence[int]) -> list[Check]:
 
     if sample.lost:
         return [check("nvml_sanity", "fail", "GPU lost (NVML_ERROR_GPU_IS_LOST)")]
-    if sample.unknown:
+    if sample.unknown or sample.unreachable:
         return [check("nvml_sanity", "fail", sample.error or "NVML did not answer")]
     out: list[Check] = []
     core = {

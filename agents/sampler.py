@@ -19,6 +19,15 @@ Each GPU is read on a worker thread of its own, and the sampler waits at most
 hang inside the driver) is reported ``unknown`` and skipped until its stuck call returns,
 so one hung GPU never stops the heartbeat, and an unexpected exception on one GPU costs
 that GPU's sample only (partial failure is data, not a crash).
+
+A GPU none of whose reads answers, sample after sample, is ``unreachable``: every read
+failed with an error other than NOT_SUPPORTED (NVML_ERROR_UNKNOWN on everything is, with
+GPU_IS_LOST, the classic sign of a GPU that fell off the bus or a wedged driver). Field by
+field that is only nulls with an ``error``, which says nothing is wrong with the GPU; so
+after ``unreachable_after`` such samples in a row the sample says ``unreachable=True`` (the
+controller opens a ``gpu_unreachable`` incident), until one read answers again. One failed
+sample is not enough (a driver call can fail during a reset or a GSP retry), and a GPU whose
+fields are only NOT_SUPPORTED (vGPU, MIG) never qualifies: not supported is an answer.
 """
 
 from __future__ import annotations
@@ -47,6 +56,10 @@ log = logging.getLogger(__name__)
 
 #: Default longest wait for one tick's NVML reads of all GPUs (s).
 DEFAULT_TIMEOUT_S = 1.0
+#: Samples in a row in which no read of a GPU answered before it is reported unreachable.
+#: Five at the default 1 s cadence is one report interval: longer than the second or two a
+#: driver reset or a GSP retry makes every call fail, far shorter than a job's NCCL timeout.
+DEFAULT_UNREACHABLE_AFTER = 5
 #: The inventory at start may take this many sampling timeouts (it asks more questions).
 OPEN_TIMEOUT_FACTOR = 5
 #: The "error code" under which an out-of-range field's warning is remembered (not NVML's).
@@ -92,6 +105,10 @@ class _Gpu:
     error: str = ""
     #: How many reads of the sample being read failed with such an error.
     failures: int = 0
+    #: How many reads of the sample being read returned a value.
+    answered: int = 0
+    #: Samples in a row in which reads failed and none answered (see ``unreachable_after``).
+    unanswered: int = 0
 
 
 class _Worker:
@@ -151,10 +168,12 @@ class GpuSampler:
         locked_clock_mhz: Callable[[int], int | None] | None = None,
         on_lost: Callable[[int], None] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        unreachable_after: int = DEFAULT_UNREACHABLE_AFTER,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._api = api
         self.timeout_s = timeout_s
+        self.unreachable_after = max(1, unreachable_after)
         self._clock = clock
         self._workers: dict[int, _Worker] = {}
         #: GPUs whose inventory could not be read at start (they hung or failed).
@@ -305,7 +324,7 @@ class GpuSampler:
 
     def _ask(self, gpu: _Gpu, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
-            return fn(*args)
+            value = fn(*args)
         except pynvml.NVMLError as exc:
             if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
                 raise GpuLostError from None
@@ -319,6 +338,8 @@ class GpuSampler:
                 self._warned.add(key)
                 log.warning("GPU %d: %s unavailable (%s); reporting null", gpu.index, what, exc)
             return None
+        gpu.answered += 1
+        return value
 
     def take_events(self) -> list[HardwareEvent]:
         events, self.events = self.events, []
@@ -393,7 +414,38 @@ class GpuSampler:
         return GpuSample(index=gpu.index, uuid=gpu.info.uuid, lost=True)
 
     def _sample_one(self, gpu: _Gpu) -> GpuSample:
-        gpu.error, gpu.failures = "", 0
+        """Read one GPU's sample, then judge whether it still answers at all."""
+        return self._judge_reachable(gpu, self._read_one(gpu))
+
+    def _judge_reachable(self, gpu: _Gpu, sample: GpuSample) -> GpuSample:
+        """Mark ``sample`` unreachable once ``unreachable_after`` samples in a row had failed
+        reads and no answered one (see the module note); the first answer clears it."""
+        if gpu.answered or not gpu.failures:
+            if gpu.unanswered >= self.unreachable_after:
+                log.warning("GPU %d answers NVML reads again", gpu.index)
+            gpu.unanswered = 0
+            return sample
+        gpu.unanswered += 1
+        if gpu.unanswered < self.unreachable_after:
+            return sample
+        if gpu.unanswered == self.unreachable_after:
+            log.error(
+                "GPU %d (%s): no NVML read answered in %d samples in a row (%s); "
+                "reporting it unreachable",
+                gpu.index,
+                gpu.info.uuid,
+                gpu.unanswered,
+                gpu.error,
+            )
+        sample.unreachable = True
+        sample.error = (
+            f"unreachable: no NVML read answered in {self.unreachable_after} samples "
+            f"in a row; {gpu.error}"
+        )[:512]
+        return sample
+
+    def _read_one(self, gpu: _Gpu) -> GpuSample:
+        gpu.error, gpu.failures, gpu.answered = "", 0, 0
         api, h, ask = self._api, gpu.handle, self._ask
         power_mw = ask(gpu, "power", api.nvmlDeviceGetPowerUsage, h)
         energy_mj = ask(gpu, "energy", api.nvmlDeviceGetTotalEnergyConsumption, h)

@@ -99,6 +99,24 @@ class AgentSettings(BaseSettings):
         le=60,
         description="Longest wait for one GPU's NVML reads per tick; past it the GPU is unknown",
     )
+    xid_wait_failing_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description=(
+            "XID event waits failing without a break for this long make the node report "
+            "gpu_error (XIDs unseen) until a wait works again"
+        ),
+    )
+    gpu_unreachable_after: int = Field(
+        default=5,
+        ge=1,
+        le=10_000,
+        description=(
+            "Samples in a row in which every NVML read of a GPU failed (an error other than "
+            "NOT_SUPPORTED) before the GPU is reported unreachable"
+        ),
+    )
     sysfs_root: Path = Field(
         default=Path("/sys"), description="Root of sysfs (RDMA ports, bonds, PCIe topology)"
     )

@@ -18,6 +18,15 @@ in ``dropped_total``, and any other exception while handling one event (the reco
 event, a callback) is logged (first time, then at most once a minute), counted in
 ``errors_total`` and the watcher goes on. Should the thread end anyway, it says so at ERROR
 and ``failure`` holds the reason, which the daemon reports as the node's ``gpu_error``.
+
+A wait that fails (any error but the empty wait's TIMEOUT) is retried after a backoff that
+doubles from 0.2 s to at most 5 s: the driver queues events in the set while nobody waits,
+so a retry a few seconds late still delivers them, and a wait that fails at once forever
+(a wedged GPU in the set) must not spin a core or flood the log. Retrying is not watching,
+though: once the wait has failed without a break for ``report_after_s``, ``wait_failure``
+says so and the daemon reports it as the node's ``gpu_error`` (the controller's
+``gpu_watch_failed``) until a wait works again. The set spans every GPU, so it is the
+node's events that go unseen, not one GPU's.
 """
 
 from __future__ import annotations
@@ -51,6 +60,11 @@ WATCHED_EVENTS = XID_EVENTS | ECC_EVENTS
 MAX_XID_CODE = INT32_MAX
 #: Least seconds between two log lines about events that failed to be handled.
 ERROR_LOG_INTERVAL_S = 60.0
+#: Longest backoff between two failed waits (s); see the module note.
+MAX_WAIT_BACKOFF_S = 5.0
+#: Failed waits without a break for this long are reported (``wait_failure``): a driver
+#: reset fails them for a few seconds, a wedged GPU for good.
+WAIT_FAILING_REPORT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +94,15 @@ class XidWatcher:
         on_event: Callable[[XidEvent], None] | None = None,
         on_ecc: Callable[[EccEvent], None] | None = None,
         clock: Callable[[], float] = time.time,
+        report_after_s: float = WAIT_FAILING_REPORT_S,
     ) -> None:
         self._api = api
+        self._report_after_s = report_after_s
+        #: Since when (monotonic) every wait has failed; None while waits work.
+        self._failing_since: float | None = None
+        #: Why events are not seen although the thread runs: waits have failed without a
+        #: break for ``report_after_s`` ("" while they work; cleared by the next one that does).
+        self.wait_failure = ""
         self._handles = list(handles)
         self._on_event = on_event
         self._on_ecc = on_ecc
@@ -254,17 +275,20 @@ class XidWatcher:
             except pynvml.NVMLError as exc:
                 if exc.value == pynvml.NVML_ERROR_TIMEOUT:
                     failures = 0
+                    self._wait_works()
                     continue
                 failures += 1
                 if failures == 1:
                     log.warning("nvmlEventSetWait_v2 failed (%s); retrying", exc)
-                self._stop.wait(min(5.0, 0.1 * 2**failures))
+                self._wait_failed(exc)
+                self._stop.wait(min(MAX_WAIT_BACKOFF_S, 0.1 * 2 ** min(failures, 16)))
                 continue
             except Exception:
                 log.exception("XID watcher: unexpected error; retrying")
                 self._stop.wait(1.0)
                 continue
             failures = 0
+            self._wait_works()
             try:
                 if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
                     self._record(data)
@@ -272,6 +296,26 @@ class XidWatcher:
                     self._ecc(data)
             except Exception:
                 self._handling_failed(data)
+
+    def _wait_failed(self, exc: pynvml.NVMLError) -> None:
+        """Count the failure toward ``wait_failure``; say it once it has lasted long enough."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        failing_s = now - self._failing_since
+        if not self.wait_failure and failing_s >= self._report_after_s:
+            self.wait_failure = (
+                f"nvmlEventSetWait_v2 has failed for {failing_s:.0f} s ({exc}): "
+                "XID and ECC events on this node are not seen"
+            )[:400]
+            log.error("%s; reporting this node unhealthy until a wait works", self.wait_failure)
+
+    def _wait_works(self) -> None:
+        """A wait answered (an event, or none within the timeout): events are seen again."""
+        self._failing_since = None
+        if self.wait_failure:
+            self.wait_failure = ""
+            log.warning("nvmlEventSetWait_v2 works again; XIDs are watched")
 
     def _handling_failed(self, data: Any) -> None:
         """One event could not be handled: count it, log (rate-limited), keep watching."""

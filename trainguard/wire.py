@@ -269,6 +269,14 @@ class GpuSample(WireModel):
         pattern=NO_NUL,
         description="First NVML error of this sample, one line",
     )
+    unreachable: bool = Field(
+        default=False,
+        description=(
+            "No NVML read of this GPU has answered for several samples in a row (every one "
+            "failed with an error other than NOT_SUPPORTED, e.g. NVML_ERROR_UNKNOWN on a "
+            "wedged GPU); ``error`` says which. Cleared by the first sample that reads again"
+        ),
+    )
     ecc_corrected_aggregate_total: NonNegInt | None = Field(
         default=None, description="Corrected ECC errors over the board's life"
     )
@@ -335,6 +343,7 @@ HARDWARE_EVENT_KINDS = (
     "bond_member_down",
     "bond_member_up",
     "gpu_unknown",
+    "gpu_unreachable",
 )
 
 

@@ -10,7 +10,10 @@ A spec is ``key=value`` pairs joined by commas; ``kind`` and ``gpu`` are always 
     kind=hang,gpu=1,at=5,duration=60    every call on GPU 1 blocks (a dying GPU's driver)
     kind=nvml_error,gpu=1,code=999      every call on GPU 1 raises that NVML error code;
                                         calls=N: only the first N calls from ``at`` on (a
-                                        transient error), 0 (the default) every call
+                                        transient error), 0 (the default) every call;
+                                        duration=S: only for S seconds from ``at`` (a GPU
+                                        that comes back); events=1: the event set's wait
+                                        fails with it too (a wedged GPU in the set)
     kind=nvlink,gpu=0,link=3,crc=40,replay=2,recovery=1,down=1
                                         link 3's error counters grow; down=1 takes it down
     kind=pcie,gpu=0,width=8,gen=4,replay=12
@@ -56,7 +59,7 @@ _KINDS: tuple[FaultKind, ...] = (
 _COMMON = {"kind", "gpu", "at"}
 #: Integer parameters of the kinds that carry them in ``FaultSpec.values`` (key -> default).
 _VALUES: dict[str, dict[str, int]] = {
-    "nvml_error": {"code": 999, "calls": 0},  # NVML_ERROR_UNKNOWN, on every call
+    "nvml_error": {"code": 999, "calls": 0, "events": 0},  # NVML_ERROR_UNKNOWN, every call
     "nvlink": {"link": 0, "crc": 0, "replay": 0, "recovery": 0, "down": 0},
     "pcie": {"width": 0, "gen": 0, "replay": 0},
     "remap": {"correctable": 0, "uncorrectable": 0, "pending": 0, "failed": 0},
@@ -73,6 +76,7 @@ _ALLOWED: dict[str, set[str]] = {
     "hang": _COMMON | {"duration"},
     **{kind: _COMMON | set(keys) for kind, keys in _VALUES.items()},
 }
+_ALLOWED["nvml_error"] |= {"duration"}
 #: ECC locations a fault may name (``NVML_MEMORY_LOCATION_*`` without the prefix).
 ECC_LOCATIONS = ("dram", "sram", "l1_cache", "l2_cache", "register_file")
 
@@ -109,7 +113,7 @@ class FaultSpec:
             parts += [f"corrected={self.ecc_corrected}", f"uncorrected={self.ecc_uncorrected}"]
             if self.ecc_location != "dram":
                 parts.append(f"location={self.ecc_location}")
-        elif self.kind in ("thermal", "hang") and math.isfinite(self.duration_s):
+        elif self.kind in ("thermal", "hang", "nvml_error") and math.isfinite(self.duration_s):
             parts.append(f"duration={self.duration_s:g}")
         parts += [f"{key}={value}" for key, value in self.values]
         return ",".join(parts)
@@ -209,7 +213,14 @@ def parse_fault_spec(spec: str) -> FaultSpec:
         values = tuple(
             (key, _int(text, key, fields[key])) for key in _VALUES[kind] if key in fields
         )
-        return FaultSpec(kind=kind, gpu=gpu, at_s=at_s, values=values)  # type: ignore[arg-type]
+        duration = _seconds(text, "duration", fields["duration"]) if "duration" in fields else None
+        return FaultSpec(
+            kind=kind,  # type: ignore[arg-type]
+            gpu=gpu,
+            at_s=at_s,
+            values=values,
+            duration_s=math.inf if duration is None else duration,
+        )
     return FaultSpec(kind="lost", gpu=gpu, at_s=at_s)
 
 

@@ -14,9 +14,11 @@ the first ``nvmlInit``. Without faults the load follows :func:`sim_model.utiliza
 Every ``nvmlDevice*`` call on a GPU with a due ``hang`` fault blocks (outside the driver
 lock, so the other GPUs keep answering) until the hang's duration passes or the driver is
 shut down; a due ``nvml_error`` fault makes every call on that GPU raise its code (or only
-its first ``calls``: a transient error). A due ``reset`` fault is a driver reload or GPU reset
-as NVML shows it: the energy counter starts again from 0 and the volatile ECC counters count
-only later errors (the aggregate ones too with ``aggregate=1``).
+its first ``calls``: a transient error; for ``duration`` seconds only: a GPU that comes back;
+with ``events=1`` the event set's wait fails with it too). A due ``reset`` fault is a driver
+reload or GPU reset as NVML shows it: the energy counter starts again from 0 and the
+volatile ECC counters count only later errors (the aggregate ones too with
+``aggregate=1``).
 
 A load generator can drive a simulated GPU as a CUDA kernel drives a real one: while
 ``<load_dir>/gpu<N>.pid`` names a live process (the stand-in :mod:`agents.gpu.sim_load`
@@ -218,6 +220,8 @@ class SimNvml(SimEventsMixin):
                 break
             self._released.wait(0.01)
         for fault in self._due("nvml_error", index):
+            if self.now_s() >= fault.at_s + fault.duration_s:
+                continue  # the GPU answers again
             calls = fault.value("calls")
             if calls:
                 with self._lock:

@@ -15,6 +15,8 @@ from typing import Any
 
 import pynvml
 
+from agents.gpu.faults import FaultSpec
+
 #: The event types the simulated board can deliver.
 SUPPORTED_EVENTS = int(
     pynvml.nvmlEventTypeXidCriticalError
@@ -69,9 +71,23 @@ class SimEventsMixin:
     _lock: threading.RLock
     _events: list[ScheduledEvent]
     _handles: list[SimHandle]
+    faults: tuple[FaultSpec, ...]
 
     def now_s(self) -> float:
         raise NotImplementedError
+
+    def _wait_fault(self, event_set: SimEventSet) -> None:
+        """A due ``nvml_error`` fault with ``events=1`` on a GPU registered in the set fails
+        the wait with its code, as a wedged GPU makes the real wait fail."""
+        t_s = self.now_s()
+        for fault in self.faults:
+            if (
+                fault.kind == "nvml_error"
+                and fault.value("events")
+                and fault.gpu in event_set.registered
+                and fault.at_s <= t_s < fault.at_s + fault.duration_s
+            ):
+                raise sim_error(fault.value("code"))
 
     def _check(self, name: str) -> None:
         raise NotImplementedError
@@ -115,6 +131,7 @@ class SimEventsMixin:
                 self._check("nvmlEventSetWait_v2")
                 if not isinstance(eventSet, SimEventSet) or eventSet.freed:
                     raise sim_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+                self._wait_fault(eventSet)
                 ev = self._next_due(eventSet)
                 if ev is not None:
                     eventSet.delivered.add(ev.ident)

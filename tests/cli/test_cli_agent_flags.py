@@ -37,6 +37,8 @@ FLAGS = {
     "preflight_load_grace_s": ("--preflight-load-grace", "90", 90.0),
     "job_flush_steps": ("--job-flush-steps", "0", 0),
     "job_flush_min_interval_s": ("--job-flush-min-interval", "2.5", 2.5),
+    "gpu_unreachable_after": ("--gpu-unreachable-after", "7", 7),
+    "xid_wait_failing_s": ("--xid-wait-failing", "45", 45.0),
 }
 
 #: Flags whose values ``test_every_flag_reaches_its_setting`` checks one by one.

@@ -38,7 +38,7 @@ EXPECTED = {
         "--sim-no-permission", "--dev-dir", "--no-foreground/--foreground", "--nvml-timeout",
         "--sysfs-root", "--no-preflight-load/--preflight-load", "--preflight-load-s",
         "--preflight-load-grace", "--preflight-load-command", "--job-flush-steps",
-        "--job-flush-min-interval",
+        "--job-flush-min-interval", "--gpu-unreachable-after", "--xid-wait-failing",
     ],
     "controller": ["--host", "--port", "--database-url", "--config", "--dev"],
     "db": [],

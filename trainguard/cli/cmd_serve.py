@@ -275,6 +275,21 @@ def agent(
             "--job-flush-min-interval", help="Seconds between an early report and the last one."
         ),
     ] = None,
+    gpu_unreachable_after: Annotated[
+        int | None,
+        typer.Option(
+            "--gpu-unreachable-after",
+            help="Samples in a row with every NVML read of a GPU failing before it is "
+            "reported unreachable.",
+        ),
+    ] = None,
+    xid_wait_failing: Annotated[
+        float | None,
+        typer.Option(
+            "--xid-wait-failing",
+            help="Seconds of XID event waits failing before the node reports gpu_error.",
+        ),
+    ] = None,
 ) -> None:
     """Run the node agent (GPU sampler, spool, reporter) until SIGINT/SIGTERM."""
     from agents.daemon import run
@@ -317,6 +332,8 @@ def agent(
         preflight_load_command=_split_command(preflight_load_command),
         job_flush_steps=job_flush_steps,
         job_flush_min_interval_s=job_flush_min_interval,
+        gpu_unreachable_after=gpu_unreachable_after,
+        xid_wait_failing_s=xid_wait_failing,
     )
     try:
         settings = AgentSettings(**values)

@@ -35,7 +35,8 @@ A fault (fatal XID, growth of the uncorrectable ECC count, a ``lost`` sample) op
 unhealthy. It stays so until the incident is resolved. An agent silent for longer than
 ``node_lost_after_s`` (measured on the controller's clock) makes its node ``lost`` with a
 ``node_lost`` incident; its next report resolves that incident and the node returns to
-healthy, or to unhealthy if a GPU fault is still open.
+healthy, or to unhealthy if a GPU fault is still open. An ``unreachable`` GPU (no NVML read
+answers) is unhealthy with a ``gpu_unreachable`` incident until a sample reads it again.
 
 The agent's pre-failure signals (row remapping, retired pages, NVLink state, PCIe, fabric,
 NVML hangs, NIC ports, bonds) are classified by the pure rule table in
@@ -224,8 +225,11 @@ class HealthDetector:
         #: GPU -> its uncorrectable ECC count as this report leaves it (memory not yet).
         ecc: dict[int, int] = {}
         gpus = node.gpus
+        reach: dict[int, str | None] = {}  # GPU -> why no read answers; None: it reads
         for sample in report.samples:
             for g in sample.gpus:
+                if not g.unknown:  # a hung tick says neither
+                    reach[g.index] = (g.error or "no NVML read answered") if g.unreachable else None
                 # Most samples are uneventful: check that cheaply before looking closer.
                 if g.lost or g.xid_events:
                     self._inspect(node, g, sample.time_unix_s, findings, ecc)
@@ -241,6 +245,7 @@ class HealthDetector:
             for kind, (count, events) in found.xids.items():
                 steps.append(self._record_xids(node, index, kind, count, events))
         steps.append(self._gpu_watch(node, report.node.gpu_error))
+        steps.extend(self._gpu_reach(node, index, why) for index, why in sorted(reach.items()))
         steps.extend(self._hw_finding(node, f) for f in self._hw.findings(report))
         # Counter values with no fault: the baseline the next fault is judged against, also
         # by a restarted controller. A GPU's first value came with the report's own commit
@@ -304,6 +309,29 @@ class HealthDetector:
             )
         else:
             await self._store(staged, publish)
+
+    async def _gpu_reach(self, node: NodeState, index: int, why: str | None) -> None:
+        """Open ``gpu_unreachable`` (the GPU unhealthy) or resolve it, on a change only: the
+        resolve hook (:meth:`_on_resolved`) gives the GPU its health back, as for an operator."""
+        key = f"gpu_unreachable:{node.name}:{index}"
+        incident = self._incidents.find_open(key)
+        if why is None and incident is not None:
+            await self._incidents.resolve(incident, note="NVML reads the GPU again")
+        if why is None or incident is not None:
+            return
+        staged = _Staged.of(node)
+        staged.gpus.add(index)
+        gpu = staged.copy.gpus.setdefault(index, GpuState(index=index))
+        summary = f"GPU {index} unreachable: {why}"
+        if gpu.health == "healthy":
+            gpu.health, gpu.health_reason = "unhealthy", summary
+            self._recompute(staged.copy, self._gpu_errors.get(node.name))
+        spec = IncidentSpec(
+            kind=IncidentKind.GPU_UNREACHABLE, severity="critical", dedupe_key=key,
+            summary=f"{node.name}: {summary}", node=node.name, gpu_index=index,
+            evidence=GpuWatchEvidence(gpu_error=why),
+        )  # fmt: skip
+        await self._incidents.open_or_bump(spec, rows=staged.rows(), on_written=staged.apply)
 
     async def _hw_finding(self, node: NodeState, f: HwFinding) -> None:
         event = EvidenceEvent(time_unix_s=f.time_unix_s, signal=f.signal, detail=f.reason)
@@ -526,21 +554,28 @@ class HealthDetector:
     # ------------------------------------------------------------------ resolution
 
     def _on_resolved(self, incident: IncidentState) -> set[RowKey]:
-        """An operator resolved a GPU fault: the GPU is trusted again.
+        """A GPU fault or unreachable GPU resolved: the GPU is trusted again, unless the
+        other is still open (its reason then stands).
 
         A resolve hook: the incident service saved the node and puts it back if the
         resolution is not stored."""
-        if incident.kind != "gpu_fault" or incident.node is None or incident.gpu_index is None:
+        kinds = ("gpu_fault", "gpu_unreachable")
+        if incident.kind not in kinds or incident.node is None or incident.gpu_index is None:
             return set()
         node = self._state.nodes.get(incident.node)
         gpu = None if node is None else node.gpus.get(incident.gpu_index)
         if node is None or gpu is None:
             return set()
-        gpu.health = "healthy"
-        gpu.health_reason = ""
+        other = "gpu_unreachable" if incident.kind == "gpu_fault" else "gpu_fault"
+        still = self._incidents.find_open(f"{other}:{node.name}:{gpu.index}")
+        if still is None:
+            gpu.health, gpu.health_reason = "healthy", ""
+        else:  # the GPU stays out, for the reason still open
+            gpu.health = "unhealthy" if gpu.health == "healthy" else gpu.health
+            gpu.health_reason = still.summary.removeprefix(f"{node.name}: ")
         self._recompute(node, self._gpu_errors.get(node.name))
         log.info(
-            "gpu healthy again",
+            "gpu healthy again" if still is None else "gpu incident resolved, another stands",
             extra={"fields": {"node": node.name, "gpu": gpu.index, "incident": incident.id}},
         )
         return {NodeKey(node.name), GpuKey(node.name, gpu.index)}
