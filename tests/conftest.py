@@ -25,6 +25,7 @@ import pytest
 import uvicorn
 from sqlalchemy.engine import make_url
 
+from tests import http_calls
 from tests.zygote import Zygote
 
 PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -287,6 +288,22 @@ class LiveController:
             role, self.operator_token
         )
         return {"Authorization": f"Bearer {token}"}
+
+    def read(self, path: str, **params: Any) -> Any:
+        """``GET path`` as a viewer: the answer's JSON (a 200 is asserted)."""
+        r = http_calls.get(
+            f"{self.url}{path}", params=params, headers=self.headers("viewer"), timeout=10
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def report(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /api/v1/reports`` as the agent: the answer's JSON (a 200 is asserted)."""
+        r = http_calls.post(
+            f"{self.url}/api/v1/reports", json=body, headers=self.headers("agent"), timeout=10
+        )
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
 
     def start(self) -> None:
         from controller.api.app import create_app

@@ -16,28 +16,12 @@ def _xids(code: int, n: int, t0: float) -> list[dict[str, Any]]:
     return [{"code": code, "time_unix_s": t0 + k * 0.01} for k in range(n)]
 
 
-def _get(live, path: str, **params: Any) -> Any:
-    r = http_calls.get(
-        f"{live.url}{path}", params=params, headers=live.headers("viewer"), timeout=10
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _post_report(live, body: dict[str, Any]) -> dict[str, Any]:
-    r = http_calls.post(
-        f"{live.url}/api/v1/reports", json=body, headers=live.headers("agent"), timeout=10
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_fatal_xid_makes_gpu_and_node_unhealthy(live_controller, ctl_report, ctl_metric) -> None:
     t0 = time.time()
     bad = {3: {"xid_events": [{"code": 79, "time_unix_s": t0}]}}
-    _post_report(live_controller, ctl_report("node-x", 0, gpu_overrides=bad))
+    live_controller.report(ctl_report("node-x", 0, gpu_overrides=bad))
 
-    node = _get(live_controller, "/api/v1/nodes/node-x")
+    node = live_controller.read("/api/v1/nodes/node-x")
     assert node["health"] == "unhealthy"
     assert node["health_reason"] == "XID 79 on GPU 3: GPU has fallen off the bus"
     assert node["gpus_unhealthy"] == 1 and node["open_incidents"] == 1
@@ -45,7 +29,7 @@ def test_fatal_xid_makes_gpu_and_node_unhealthy(live_controller, ctl_report, ctl
     assert gpu3["health"] == "unhealthy" and "XID 79" in gpu3["health_reason"]
     assert all(g["health"] == "healthy" for g in node["gpus"] if g["index"] != 3)
 
-    incidents = _get(live_controller, "/api/v1/incidents", state="open")
+    incidents = live_controller.read("/api/v1/incidents", state="open")
     assert incidents["count"] == 1
     incident = incidents["data"][0]
     assert (incident["kind"], incident["severity"]) == ("gpu_fault", "critical")
@@ -54,9 +38,9 @@ def test_fatal_xid_makes_gpu_and_node_unhealthy(live_controller, ctl_report, ctl
     assert incident["count"] == 5
 
     # More faults on the same GPU bump the open incident instead of opening another.
-    _post_report(live_controller, ctl_report("node-x", 1, gpu_overrides=bad))
-    assert _get(live_controller, "/api/v1/incidents")["count"] == 1
-    assert _get(live_controller, f"/api/v1/incidents/{incident['id']}")["count"] == 10
+    live_controller.report(ctl_report("node-x", 1, gpu_overrides=bad))
+    assert live_controller.read("/api/v1/incidents")["count"] == 1
+    assert live_controller.read(f"/api/v1/incidents/{incident['id']}")["count"] == 10
 
     metrics = http_calls.get(f"{live_controller.url}/metrics").text
     assert 'trainguard_incidents_open{kind="gpu_fault"} 1.0' in metrics
@@ -68,7 +52,7 @@ def test_fatal_xid_makes_gpu_and_node_unhealthy(live_controller, ctl_report, ctl
         headers=live_controller.headers("operator"),
     )
     assert r.status_code == 200 and r.json()["state"] == "resolved"
-    node = _get(live_controller, "/api/v1/nodes/node-x")
+    node = live_controller.read("/api/v1/nodes/node-x")
     assert node["health"] == "healthy" and node["gpus_unhealthy"] == 0
 
 
@@ -76,11 +60,11 @@ def test_application_xid_storm_is_one_record_and_harmless(live_controller, ctl_r
     t0 = time.time()
     for seq in range(3):
         storm = {2: {"xid_events": _xids(45, 40, t0 + seq)}}
-        _post_report(live_controller, ctl_report("node-s", seq, samples=1, gpu_overrides=storm))
+        live_controller.report(ctl_report("node-s", seq, samples=1, gpu_overrides=storm))
 
-    node = _get(live_controller, "/api/v1/nodes/node-s")
+    node = live_controller.read("/api/v1/nodes/node-s")
     assert node["health"] == "healthy" and node["gpus_unhealthy"] == 0
-    incidents = _get(live_controller, "/api/v1/incidents")
+    incidents = live_controller.read("/api/v1/incidents")
     assert incidents["count"] == 1
     record = incidents["data"][0]
     assert (record["kind"], record["severity"], record["gpu_index"]) == (
@@ -90,42 +74,42 @@ def test_application_xid_storm_is_one_record_and_harmless(live_controller, ctl_r
     )
     assert record["count"] == 120
     assert record["evidence"]["codes"] == {"45": 120}
-    assert _get(live_controller, "/api/v1/status")["gpus_unhealthy"] == 0
+    assert live_controller.read("/api/v1/status")["gpus_unhealthy"] == 0
 
 
 def test_uncorrectable_ecc_growth_is_a_fault(live_controller, ctl_report) -> None:
-    _post_report(live_controller, ctl_report("node-e", 0, samples=1))
+    live_controller.report(ctl_report("node-e", 0, samples=1))
     # Corrected errors are not faults.
     corrected = {1: {"ecc_corrected_total": 500}}
-    _post_report(live_controller, ctl_report("node-e", 1, samples=1, gpu_overrides=corrected))
-    assert _get(live_controller, "/api/v1/nodes/node-e")["health"] == "healthy"
+    live_controller.report(ctl_report("node-e", 1, samples=1, gpu_overrides=corrected))
+    assert live_controller.read("/api/v1/nodes/node-e")["health"] == "healthy"
 
     grown = {1: {"ecc_uncorrected_total": 2}}
-    _post_report(live_controller, ctl_report("node-e", 2, samples=1, gpu_overrides=grown))
-    node = _get(live_controller, "/api/v1/nodes/node-e")
+    live_controller.report(ctl_report("node-e", 2, samples=1, gpu_overrides=grown))
+    node = live_controller.read("/api/v1/nodes/node-e")
     assert node["health"] == "unhealthy"
     assert node["gpus"][1]["health_reason"] == "uncorrectable ECC errors on GPU 1: 0 -> 2"
-    incident = _get(live_controller, "/api/v1/incidents", kind="gpu_fault")["data"][0]
+    incident = live_controller.read("/api/v1/incidents", kind="gpu_fault")["data"][0]
     assert incident["gpu_index"] == 1
 
 
 def test_ecc_baseline_survives_restart(live_controller, ctl_report) -> None:
     base = {0: {"ecc_uncorrected_total": 4}}
-    _post_report(live_controller, ctl_report("node-r", 0, samples=1, gpu_overrides=base))
+    live_controller.report(ctl_report("node-r", 0, samples=1, gpu_overrides=base))
     live_controller.restart()
     grown = {0: {"ecc_uncorrected_total": 5}}
-    _post_report(live_controller, ctl_report("node-r", 1, samples=1, gpu_overrides=grown))
-    assert _get(live_controller, "/api/v1/nodes/node-r")["gpus"][0]["health"] == "unhealthy"
+    live_controller.report(ctl_report("node-r", 1, samples=1, gpu_overrides=grown))
+    assert live_controller.read("/api/v1/nodes/node-r")["gpus"][0]["health"] == "unhealthy"
 
 
 def test_lost_gpu_sample_is_a_fault(live_controller, ctl_report) -> None:
     lost = {5: {"lost": True, "power_w": None}}
-    _post_report(live_controller, ctl_report("node-l", 0, gpu_overrides=lost))
-    node = _get(live_controller, "/api/v1/nodes/node-l")
+    live_controller.report(ctl_report("node-l", 0, gpu_overrides=lost))
+    node = live_controller.read("/api/v1/nodes/node-l")
     assert node["health"] == "unhealthy"
     assert node["gpus"][5]["health"] == "lost"
     assert node["gpus"][5]["health_reason"].startswith("GPU 5 lost")
-    incidents = _get(live_controller, "/api/v1/incidents", node="node-l")
+    incidents = live_controller.read("/api/v1/incidents", node="node-l")
     assert [i["kind"] for i in incidents["data"]] == ["gpu_fault"]
 
 
@@ -133,25 +117,25 @@ def test_silent_agent_marks_node_lost_and_back(controller_factory, ctl_report) -
     # Wide enough that a report and the read right after it never straddle the threshold on
     # a loaded 2-core CI machine (a 0.6 s threshold flaked there), short enough to wait out.
     live = controller_factory(node_lost_after_s=2.0)
-    _post_report(live, ctl_report("node-q", 0, samples=1))
+    live.report(ctl_report("node-q", 0, samples=1))
     fault = {6: {"xid_events": [{"code": 48, "time_unix_s": time.time()}]}}
-    _post_report(live, ctl_report("node-f", 0, samples=1, gpu_overrides=fault))
+    live.report(ctl_report("node-f", 0, samples=1, gpu_overrides=fault))
 
-    wait_for(lambda: _get(live, "/api/v1/nodes/node-q")["health"] == "lost")
-    node = _get(live, "/api/v1/nodes/node-q")
+    wait_for(lambda: live.read("/api/v1/nodes/node-q")["health"] == "lost")
+    node = live.read("/api/v1/nodes/node-q")
     assert node["health_reason"].startswith("no report for")
-    lost = _get(live, "/api/v1/incidents", kind="node_lost", node="node-q", state="open")
+    lost = live.read("/api/v1/incidents", kind="node_lost", node="node-q", state="open")
     assert lost["count"] == 1 and lost["data"][0]["severity"] == "critical"
-    wait_for(lambda: _get(live, "/api/v1/nodes/node-f")["health"] == "lost")
+    wait_for(lambda: live.read("/api/v1/nodes/node-f")["health"] == "lost")
 
     # Each node is read right after its own report, before it can fall silent again.
-    _post_report(live, ctl_report("node-q", 1, samples=1))
-    assert _get(live, "/api/v1/nodes/node-q")["health"] == "healthy"
-    _post_report(live, ctl_report("node-f", 1, samples=1))
+    live.report(ctl_report("node-q", 1, samples=1))
+    assert live.read("/api/v1/nodes/node-q")["health"] == "healthy"
+    live.report(ctl_report("node-f", 1, samples=1))
     # The GPU fault outlives the outage.
-    back = _get(live, "/api/v1/nodes/node-f")
+    back = live.read("/api/v1/nodes/node-f")
     assert back["health"] == "unhealthy" and "XID 48" in back["health_reason"]
-    resolved = _get(live, "/api/v1/incidents", kind="node_lost", node="node-q", state="resolved")
+    resolved = live.read("/api/v1/incidents", kind="node_lost", node="node-q", state="resolved")
     assert resolved["count"] == 1
     assert resolved["data"][0]["resolved_unix_s"] is not None
 
@@ -170,7 +154,7 @@ def test_node_lost_survives_a_failing_tick(controller_factory, ctl_report) -> No
         return await real(*args, **kwargs)
 
     incidents.open_or_bump = flaky
-    _post_report(live, ctl_report("node-t", 0, samples=1))
-    wait_for(lambda: _get(live, "/api/v1/incidents", kind="node_lost")["count"] == 1)
+    live.report(ctl_report("node-t", 0, samples=1))
+    wait_for(lambda: live.read("/api/v1/incidents", kind="node_lost")["count"] == 1)
     assert calls["n"] >= 2
-    assert _get(live, "/api/v1/nodes/node-t")["health"] == "lost"
+    assert live.read("/api/v1/nodes/node-t")["health"] == "lost"

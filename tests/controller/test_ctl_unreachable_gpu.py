@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests import http_calls
-
 UNREACHABLE = {
     "unreachable": True,
     "error": "unreachable: no NVML read answered in 5 samples in a row; power: Unknown Error",
@@ -19,23 +17,8 @@ UNREACHABLE = {
 }
 
 
-def _get(live: Any, path: str, **params: Any) -> Any:
-    r = http_calls.get(
-        f"{live.url}{path}", params=params, headers=live.headers("viewer"), timeout=10
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _post(live: Any, body: dict[str, Any]) -> None:
-    r = http_calls.post(
-        f"{live.url}/api/v1/reports", json=body, headers=live.headers("agent"), timeout=10
-    )
-    assert r.status_code == 200, r.text
-
-
 def _incidents(live: Any, node: str, kind: str, state: str) -> list[dict[str, Any]]:
-    found = _get(live, "/api/v1/incidents", node=node, state=state)["data"]
+    found = live.read("/api/v1/incidents", node=node, state=state)["data"]
     return [i for i in found if i["kind"] == kind]
 
 
@@ -43,11 +26,11 @@ def test_unreachable_gpu_opens_an_incident_that_resolves_when_it_reads_again(
     live_controller: Any, ctl_report: Any
 ) -> None:
     live, name = live_controller, "node-u"
-    _post(live, ctl_report(name, 0))
-    assert _get(live, f"/api/v1/nodes/{name}")["health"] == "healthy"
+    live.report(ctl_report(name, 0))
+    assert live.read(f"/api/v1/nodes/{name}")["health"] == "healthy"
 
-    _post(live, ctl_report(name, 1, gpu_overrides={2: UNREACHABLE}))
-    node = _get(live, f"/api/v1/nodes/{name}")
+    live.report(ctl_report(name, 1, gpu_overrides={2: UNREACHABLE}))
+    node = live.read(f"/api/v1/nodes/{name}")
     assert node["health"] == "unhealthy"
     gpu2 = node["gpus"][2]
     assert gpu2["health"] == "unhealthy"
@@ -58,23 +41,23 @@ def test_unreachable_gpu_opens_an_incident_that_resolves_when_it_reads_again(
     assert incident["evidence"]["gpu_error"] == UNREACHABLE["error"]
 
     # Still unreachable, or a tick that hung (unknown: says neither): nothing new.
-    _post(live, ctl_report(name, 2, gpu_overrides={2: UNREACHABLE}))
-    _post(live, ctl_report(name, 3, gpu_overrides={2: {"unknown": True, "power_w": None}}))
+    live.report(ctl_report(name, 2, gpu_overrides={2: UNREACHABLE}))
+    live.report(ctl_report(name, 3, gpu_overrides={2: {"unknown": True, "power_w": None}}))
     [same] = _incidents(live, name, "gpu_unreachable", "open")
     assert same["id"] == incident["id"] and same["count"] == 1
-    assert _get(live, f"/api/v1/nodes/{name}")["gpus"][2]["health"] == "unhealthy"
+    assert live.read(f"/api/v1/nodes/{name}")["gpus"][2]["health"] == "unhealthy"
 
     # The GPU reads again: resolved, GPU and node healthy.
-    _post(live, ctl_report(name, 4))
+    live.report(ctl_report(name, 4))
     assert _incidents(live, name, "gpu_unreachable", "open") == []
     [resolved] = _incidents(live, name, "gpu_unreachable", "resolved")
     assert resolved["id"] == incident["id"]
-    node = _get(live, f"/api/v1/nodes/{name}")
+    node = live.read(f"/api/v1/nodes/{name}")
     assert node["health"] == "healthy"
     assert node["gpus"][2]["health"] == "healthy"
     assert node["gpus"][2]["health_reason"] == ""
     # No fault was opened on the way (the hung tick's own hw_degraded warning aside).
-    kinds = {i["kind"] for i in _get(live, "/api/v1/incidents", node=name)["data"]}
+    kinds = {i["kind"] for i in live.read("/api/v1/incidents", node=name)["data"]}
     assert kinds == {"gpu_unreachable", "hw_degraded"}
 
 
@@ -84,17 +67,17 @@ def test_a_fault_on_the_gpu_outlives_its_unreachable_incident(
     """Unreachable, then lost (GPU_IS_LOST): the lost sample ends "unreachable" (it says
     something else) but the GPU stays out for the fault, which only a human resolves."""
     live, name = live_controller, "node-v"
-    _post(live, ctl_report(name, 0, gpu_overrides={4: UNREACHABLE}))
+    live.report(ctl_report(name, 0, gpu_overrides={4: UNREACHABLE}))
     assert len(_incidents(live, name, "gpu_unreachable", "open")) == 1
 
-    _post(live, ctl_report(name, 1, gpu_overrides={4: {"lost": True, "power_w": None}}))
+    live.report(ctl_report(name, 1, gpu_overrides={4: {"lost": True, "power_w": None}}))
     assert _incidents(live, name, "gpu_unreachable", "open") == []
     assert len(_incidents(live, name, "gpu_fault", "open")) == 1
-    node = _get(live, f"/api/v1/nodes/{name}")
+    node = live.read(f"/api/v1/nodes/{name}")
     assert node["health"] == "unhealthy"
     assert node["gpus"][4]["health"] == "lost"
     assert node["gpus"][4]["health_reason"].startswith("GPU 4 lost")
 
     # Reads again, the fault still open: the GPU is not trusted yet.
-    _post(live, ctl_report(name, 2))
-    assert _get(live, f"/api/v1/nodes/{name}")["gpus"][4]["health"] == "lost"
+    live.report(ctl_report(name, 2))
+    assert live.read(f"/api/v1/nodes/{name}")["gpus"][4]["health"] == "lost"

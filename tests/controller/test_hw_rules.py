@@ -6,7 +6,6 @@ import time
 from typing import Any
 
 from controller.logic.detection.hw_rules import RULES, HwRules
-from tests import http_calls
 from trainguard import wire
 
 
@@ -76,36 +75,21 @@ def test_levels_of_gpu_node_and_nic_signals() -> None:
     }  # corrected ECC, replays and throttling only count: no finding
 
 
-def _get(live: Any, path: str, **params: Any) -> Any:
-    r = http_calls.get(
-        f"{live.url}{path}", params=params, headers=live.headers("viewer"), timeout=10
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _post(live: Any, body: dict[str, Any]) -> None:
-    r = http_calls.post(
-        f"{live.url}/api/v1/reports", json=body, headers=live.headers("agent"), timeout=10
-    )
-    assert r.status_code == 200, r.text
-
-
 def test_detector_classifies_through_the_api(live_controller, ctl_report) -> None:  # type: ignore[no-untyped-def]
     # A node whose NVML is broken: unhealthy with the agent's text, until NVML works again.
     broken = ctl_report("gpu-broken", 0, gpus=0, samples=1)
     broken["node"]["backend"] = "nvml"
     broken["node"]["gpu_error"] = "NVML failed (Driver Not Loaded) although NVIDIA devices exist"
-    _post(live_controller, broken)
-    node = _get(live_controller, "/api/v1/nodes/gpu-broken")
+    live_controller.report(broken)
+    node = live_controller.read("/api/v1/nodes/gpu-broken")
     assert node["health"] == "unhealthy"
     assert node["health_reason"].startswith("GPUs not watched: NVML failed (Driver Not Loaded)")
-    kinds = {i["kind"] for i in _get(live_controller, "/api/v1/incidents", state="open")["data"]}
+    kinds = {i["kind"] for i in live_controller.read("/api/v1/incidents", state="open")["data"]}
     assert kinds == {"gpu_watch_failed"}
     fixed = ctl_report("gpu-broken", 1, gpus=0, samples=1)
     fixed["node"]["backend"] = "nvml"
-    _post(live_controller, fixed)
-    assert _get(live_controller, "/api/v1/nodes/gpu-broken")["health"] == "healthy"
+    live_controller.report(fixed)
+    assert live_controller.read("/api/v1/nodes/gpu-broken")["health"] == "healthy"
 
     # A failed row remap is fatal for that GPU; a downed NVLink only degrades another.
     t0 = time.time()
@@ -113,12 +97,12 @@ def test_detector_classifies_through_the_api(live_controller, ctl_report) -> Non
         1: {"row_remap_failed": True},
         5: {"nvlinks": [{"link": 0, "active": True}, {"link": 7, "active": False}]},
     }
-    _post(live_controller, ctl_report("gpu-node", 0, gpu_overrides=overrides, t0=t0))
-    node = _get(live_controller, "/api/v1/nodes/gpu-node")
+    live_controller.report(ctl_report("gpu-node", 0, gpu_overrides=overrides, t0=t0))
+    node = live_controller.read("/api/v1/nodes/gpu-node")
     assert node["health"] == "unhealthy" and node["gpus_unhealthy"] == 1
     assert node["gpus"][1]["health_reason"] == "GPU 1: row remapping failed"
     assert node["gpus"][5]["health"] == "healthy"
-    incidents = _get(live_controller, "/api/v1/incidents", state="open", node="gpu-node")["data"]
+    incidents = live_controller.read("/api/v1/incidents", state="open", node="gpu-node")["data"]
     by_kind = {(i["kind"], i["gpu_index"]): i for i in incidents}
     assert set(by_kind) == {("gpu_fault", 1), ("hw_degraded", 5)}
     assert by_kind[("hw_degraded", 5)]["severity"] == "warning"

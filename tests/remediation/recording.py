@@ -7,6 +7,8 @@ an engine test can assert what was done, in which order, and on which placement.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,3 +99,17 @@ class RecordingActuator:
 
     async def close(self) -> None:
         return None
+
+
+class GatedIsolation(RecordingActuator):
+    """An isolation that waits for the test (``gate``): the remediation stays inside the
+    actuator call, so a test can act while one isolation is under way."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gate = threading.Event()
+
+    async def isolate_node(self, node: str, *, reason: str) -> ActuatorResult:
+        self.calls.append(("isolate_node", node))
+        await asyncio.to_thread(self.gate.wait, 30)
+        return ActuatorResult(outcome=f"{node} isolated")

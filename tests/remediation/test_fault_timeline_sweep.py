@@ -21,21 +21,19 @@ a NaN with no clean checkpoint (``test_engine.py``), retried actuator errors
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from controller.actuators.base import ActuatorResult, Placement
+from controller.actuators.base import Placement
 from controller.logic.remediation.guards import circuit_breaker
 from controller.logic.remediation.planner import plan_restart
 from controller.logic.remediation.rules import Guards
 from controller.services.remediation.steps import isolate as isolate_step
 from tests import http_calls
-from tests.remediation.recording import RecordingActuator
+from tests.remediation.recording import GatedIsolation, RecordingActuator
 from tests.remediation.test_engine import (
     ENGINE,
     Agents,
@@ -146,19 +144,6 @@ POLICY = (
     "guards: {max_isolated_fraction: 0.5, checkpoint_timeout_s: 2, settle_s: 0,\n"
     "         resume_timeout_s: 1}\n"
 )
-
-
-class GatedIsolation(RecordingActuator):
-    """``isolate_node`` waits for the test (the first remediation stays inside its step)."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.gate = threading.Event()
-
-    async def isolate_node(self, node: str, *, reason: str) -> ActuatorResult:
-        self.calls.append(("isolate_node", node))
-        await asyncio.to_thread(self.gate.wait, 30)
-        return ActuatorResult(outcome=f"{node} isolated")
 
 
 def ranks_started(agents: Agents, name: str, on: tuple[str, ...]) -> None:

@@ -12,19 +12,16 @@ isolations racing each other cannot both slip under the limit.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from controller.actuators.base import ActuatorResult
 from controller.logic.detection.incident_evidence import QuarantineBudgetEvidence
 from controller.logic.remediation.guards import circuit_breaker
 from controller.logic.remediation.rules import Guards
 from tests import http_calls
-from tests.remediation.recording import RecordingActuator
+from tests.remediation.recording import GatedIsolation
 from tests.remediation.test_engine import (
     ENGINE,
     Agents,
@@ -155,19 +152,6 @@ def test_the_quarantine_budget_counts_released_quarantines_and_still_raises_its_
     evidence = budget[0].evidence
     assert isinstance(evidence, QuarantineBudgetEvidence)
     assert evidence.refused_node == "n6" and evidence.quarantined_in_window == 1
-
-
-class GatedIsolation(RecordingActuator):
-    """``isolate_node`` waits for the test: the first isolation stays inside the actuator."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.gate = threading.Event()
-
-    async def isolate_node(self, node: str, *, reason: str) -> ActuatorResult:
-        self.calls.append(("isolate_node", node))
-        await asyncio.to_thread(self.gate.wait, 30)
-        return ActuatorResult(outcome=f"{node} isolated")
 
 
 @live_test

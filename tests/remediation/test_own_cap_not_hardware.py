@@ -8,17 +8,15 @@ two actuator calls), as the "already isolated" check lost the race.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from typing import Any
 
 import pytest
 
-from controller.actuators.base import ActuatorResult, Placement
+from controller.actuators.base import Placement
 from controller.logic.detection.c4d.job_evidence import GpuCauseFacts
 from controller.logic.detection.cause import POLICY_FACT, SHARED_FACT, OwnCap, straggler_cause
-from tests.remediation.recording import RecordingActuator
+from tests.remediation.recording import GatedIsolation
 from tests.remediation.test_engine import (
     ENGINE,
     Agents,
@@ -195,19 +193,6 @@ def test_a_cap_trainguard_did_not_set_is_hardware_evidence(  # type: ignore[no-u
     remediation_over(live, incident)
     assert [r["status"] for r in isolate_rows(live, incident)] == ["succeeded"]
     assert ("isolate_node", "n1") in actuator.acts()
-
-
-class GatedIsolation(RecordingActuator):
-    """An isolation that waits for the test: the remediation stays inside the actuator."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.gate = threading.Event()
-
-    async def isolate_node(self, node: str, *, reason: str) -> ActuatorResult:
-        self.calls.append(("isolate_node", node))
-        await asyncio.to_thread(self.gate.wait, 30)
-        return ActuatorResult(outcome=f"{node} isolated")
 
 
 @live_test
