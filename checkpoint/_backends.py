@@ -38,7 +38,9 @@ class WriterHost(Protocol):
 
     def on_durable(self, snap: Snapshot, size_bytes: int) -> None: ...
 
-    def on_committed(self, snap: Snapshot) -> None: ...
+    def on_committed(self, snap: Snapshot, deleted: list[int]) -> None:
+        """``snap`` is committed; ``deleted``: the steps retention removed right after."""
+        ...
 
     def on_failed(self, snap: Snapshot, error: str) -> None: ...
 
@@ -85,7 +87,7 @@ class ThreadWriter:
                 host.on_durable(snap, result.bytes_written)
 
             def committed(result: PersistResult, snap: Snapshot = snap) -> None:
-                host.on_committed(snap)
+                host.on_committed(snap, result.deleted_steps)
 
             try:
                 persist_part(
@@ -183,7 +185,7 @@ class ProcessWriter:
             if event == "durable":
                 host.on_durable(snap, int(msg["bytes"]))
             elif event == "committed":
-                host.on_committed(snap)
+                host.on_committed(snap, [int(s) for s in msg.get("deleted", [])])
             elif event == "failed":
                 host.on_failed(snap, str(msg["error"]))
             elif event == "done":

@@ -474,8 +474,11 @@ class Checkpointer:
         if self.uploader is not None and (self.rank != 0 or not self.config.shared_root):
             self._queue_upload(snap.step, snap.t0)
 
-    def on_committed(self, snap: Snapshot) -> None:
+    def on_committed(self, snap: Snapshot, deleted: list[int]) -> None:
+        """``deleted`` follows the commit: a rollback must not be sent to a removed step."""
         self.emit("committed", snap.step, duration_s=time.monotonic() - snap.t0)
+        for step in deleted:
+            self.emit("deleted", step)
         if self.uploader is not None:
             self._queue_upload(snap.step, snap.t0)
 

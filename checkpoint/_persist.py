@@ -99,6 +99,9 @@ class PersistResult:
     durable_s: float
     committed: bool = False
     commit_s: float = 0.0
+    #: Steps retention removed after this save: on rank 0 of a shared root, whole
+    #: checkpoints (set before ``on_committed``, which reports them as ``deleted`` events:
+    #: the controller must not roll back to one); elsewhere this rank's own files only.
     deleted_steps: list[int] = field(default_factory=list)
 
 

@@ -371,7 +371,8 @@ class TierUploader:
         self.stats.steps_uploaded.append(step)
         self._forget_older_failures(step)
         if self.rank == 0:
-            self.apply_retention(newest=step)
+            for gone in self.apply_retention(newest=step):  # the bucket's copy: gone
+                self._report(gone, "deleted")
 
     def _put_record(self, step: int, record: dict[str, Any]) -> None:
         """Rank 0: ``TIER.json`` (the remote commit point); others: their rank record."""

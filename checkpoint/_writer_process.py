@@ -114,7 +114,14 @@ class WriterProcess:
                 )
 
             def committed(result: PersistResult, jid: int = jid) -> None:
-                self.reply({"id": jid, "event": "committed", "commit_s": result.commit_s})
+                self.reply(
+                    {
+                        "id": jid,
+                        "event": "committed",
+                        "commit_s": result.commit_s,
+                        "deleted": result.deleted_steps,
+                    }
+                )
 
             try:
                 persist_part(

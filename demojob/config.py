@@ -51,6 +51,10 @@ class JobConfig:
     """TG_PG_TIMEOUT_S: the process groups' timeout (world and every subgroup). Unset:
     torch's default (30 min for gloo). Set short by ``bench.recovery``'s torchrun baseline,
     whose hang is noticed only when this timeout fires."""
+    ckpt_keep: int = 3
+    """TG_CKPT_KEEP: committed checkpoints retention keeps (``CheckpointConfig.keep_last``).
+    A rollback can only go back to one of them: the NaN end-to-end test keeps all of its
+    checkpoints, so its rollback target outlasts any detection delay on a loaded machine."""
 
     @property
     def dp(self) -> int:
@@ -152,4 +156,5 @@ def config_from_env(env: Mapping[str, str] | None = None) -> JobConfig:
         log_path=Path(log_path) if log_path else None,
         seed=_int(env, "TG_SEED", 0, minimum=0),
         pg_timeout_s=_pg_timeout(env),
+        ckpt_keep=_int(env, "TG_CKPT_KEEP", 3, minimum=1),
     )

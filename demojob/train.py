@@ -195,7 +195,7 @@ def run(cfg: JobConfig) -> int:
     _set_aside_newer(cfg, resumed, run_id)
     _announce(cfg, resumed)
     ckpt = Checkpointer(
-        CheckpointConfig(root=cfg.ckpt_dir),
+        CheckpointConfig(root=cfg.ckpt_dir, keep_last=cfg.ckpt_keep),
         rank=cfg.rank,
         world_size=cfg.world_size,
         layout={"tp": cfg.tp, "dp": cfg.dp},

@@ -625,6 +625,10 @@ class CheckpointEvent(WireModel):
         "uploading",
         "uploaded",
         "upload_failed",
+        # Retention removed the step (``tier``: which copy): rank 0 of a shared root after a
+        # commit, the uploader of rank 0 for the bucket. A committed step it names is gone
+        # there: a rollback can no longer resume from it. Older ranks never send it.
+        "deleted",
     ]
     tier: Literal["local", "object_store"] = Field(
         default="local", description="Which copy of the step the event is about"

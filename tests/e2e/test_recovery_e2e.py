@@ -221,9 +221,14 @@ NAN_STEP = 14
         "TRAINGUARD_FAULTS": json.dumps(
             [{"kind": "nan", "rank": 2, "at_step": NAN_STEP, "generation": 0}]
         ),
-        # Checkpoints 10, 20, 30: retention (keep 3) deletes 10 only after the poisoned 40
-        # commits, 26 steps after the NaN, far beyond detection even on a loaded machine.
+        # Checkpoints 10, 20, 30, ...: with the default retention (keep 3) the poisoned 40's
+        # commit deleted 10 only 26 steps (~3 s) after the NaN, and on a loaded machine the
+        # job ran that far before its restart: generation 1 found no step 10 and never came
+        # back. Keeping every checkpoint makes the rollback target outlast any detection
+        # and restart delay; the refusal when retention did delete it is tested in
+        # tests/remediation/test_rollback_target_deleted.py.
         "TG_CKPT_EVERY": "10",
+        "TG_CKPT_KEEP": "1000",
     }
 )
 def test_nan_rolls_the_job_back_to_the_checkpoint_before_it(cluster: RecoveryCluster) -> None:

@@ -206,9 +206,10 @@ class QuarantineBudgetEvidence(IncidentEvidence):
 
 class RestartRefusedEvidence(IncidentEvidence):
     """``restart_refused``: the job whose restart was refused, why (``why``: ``rate_limit``,
-    ``actuator`` or ``placement``; ``detail``: the refused ``restart_job`` row's outcome) and
-    the incident the restart was for. One open incident per job, refreshed by each
-    refusal: these fields are the newest one's, ``count`` says how many there were."""
+    ``actuator``, ``placement`` or ``checkpoint_deleted``; ``detail``: the refused
+    ``restart_job`` row's outcome) and the incident the restart was for. One open incident
+    per job, refreshed by each refusal: these fields are the newest one's, ``count`` says
+    how many there were."""
 
     BRIEF = ("job", "why", "for_incident")
 

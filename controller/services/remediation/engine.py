@@ -185,6 +185,8 @@ class RemediationEngine:
                 if book.checkpoint is None or ckpt.step >= book.checkpoint[0]:
                     book.checkpoint = (ckpt.step, received_unix_s)
                 book.committed(min(ckpt.time_unix_s, received_unix_s))
+            elif ckpt.kind == "deleted" and ckpt.job in self.ctx.jobs:  # retention's
+                self.ctx.jobs[ckpt.job].deleted(ckpt.step)
         for summary in records.steps:
             if summary.rank != 0:
                 continue  # one record per step is enough for goodput and resumption

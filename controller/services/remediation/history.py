@@ -20,8 +20,9 @@ the durable action log, with bounded queries on indexed columns (``trigger``,
   which a new leader restores when the job was last remediated and restarted and, when the
   job had not stepped again yet, the wait for it to resume (its first step ends the wait,
   or ``guards.resume_timeout_s`` fails it, as if no leader had changed);
-* :func:`newest_committed_before`: the checkpoint a ``rollback`` resumes from, from the
-  agents' checkpoint events (a new leader has no such memory).
+* :func:`newest_committed_before` and :func:`rollback_bound`: the checkpoint a ``rollback``
+  resumes from, from the agents' checkpoint events (a new leader has no such memory),
+  leaving out the steps retention reported ``deleted`` since their commit.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, exists, func, select
+from sqlalchemy.orm import Session, aliased
 
 from controller.db.models import Action, Checkpoint, Job
 from controller.logic.remediation.goodput import GoodputLedger
@@ -241,18 +242,81 @@ def outcome_of(session: Session, action_id: int) -> str:
     return str(found) if found is not None else ""
 
 
+def still_there() -> ColumnElement[bool]:
+    """A ``committed`` row's copy still exists: no ``deleted`` event of the same job, step
+    and tier came after it. "After" is the row order (the id), not the ranks' clocks: a
+    step deleted by one run and committed again by a later one (after a rollback, on
+    other nodes) exists, and rank 0 reports a step's deletion after its commit. Ranks that
+    never send ``deleted`` (older versions) leave every commit standing, as before."""
+    gone = aliased(Checkpoint)
+    return ~exists().where(
+        gone.job_name == Checkpoint.job_name,
+        gone.step == Checkpoint.step,
+        gone.tier == Checkpoint.tier,
+        gone.kind == "deleted",
+        gone.id > Checkpoint.id,
+    )
+
+
+def _committed(job: str) -> tuple[ColumnElement[bool], ...]:
+    return (Checkpoint.job_name == job, Checkpoint.kind == "committed")
+
+
 def newest_committed_before(session: Session, job: str, step: int) -> int | None:
     """The newest checkpoint step of ``job`` committed (rank 0's ``committed`` event) below
-    ``step``, or None. Strictly below: the checkpoint labelled ``step`` holds the weights
-    that the damaged step started from, which may already carry the cause (an overflowing
-    update shows up as NaN only in the next step's gradients).
+    ``step`` and not deleted since, or None. Strictly below: the checkpoint labelled
+    ``step`` holds the weights that the damaged step started from, which may already carry
+    the cause (an overflowing update shows up as NaN only in the next step's gradients).
 
     A commit of either tier counts: ``committed`` means complete somewhere a restart loads
     from (the job's shared root, ``tier=local``; or, for node-local roots, the object
     store, ``tier=object_store``), and the restarted ranks take the nearest complete copy.
-    An ``uploaded`` (one rank's files in the bucket) is not a commit."""
+    An ``uploaded`` (one rank's files in the bucket) is not a commit. A commit that
+    retention has ``deleted`` since (:func:`still_there`) no longer counts: resuming from
+    it would fail on every rank."""
     query = select(func.max(Checkpoint.step)).where(
-        Checkpoint.job_name == job, Checkpoint.kind == "committed", Checkpoint.step < step
+        *_committed(job), Checkpoint.step < step, still_there()
     )
     found = session.execute(query).scalar()
     return int(found) if found is not None else None
+
+
+#: Deleted steps a refused rollback names (the newest ones below the bad step).
+DELETED_NAMED = 5
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackBound:
+    """Where a rollback below ``bad`` could resume, and why it cannot when it cannot."""
+
+    #: The newest committed step below the bad one that still exists, or None.
+    clean: int | None
+    #: Committed steps below the bad one that retention deleted since (newest
+    #: :data:`DELETED_NAMED` at most, oldest first); only read when ``clean`` is None.
+    deleted: list[int]
+    #: The oldest committed step that still exists (at or above the bad one when ``clean``
+    #: is None: it already holds the damage), or None.
+    oldest_kept: int | None
+
+
+def rollback_bound(session: Session, job: str, bad: int) -> RollbackBound:
+    """:func:`newest_committed_before` ``bad``, and, when there is none, what retention
+    deleted below it and the oldest step kept: a rollback refused because the job's own
+    retention removed every clean checkpoint says so, instead of restarting the job into
+    a resume that fails on every rank."""
+    clean = newest_committed_before(session, job, bad)
+    if clean is not None:
+        return RollbackBound(clean=clean, deleted=[], oldest_kept=None)
+    deleted_query = (
+        select(Checkpoint.step)
+        .where(*_committed(job), Checkpoint.step < bad)
+        .distinct()
+        .order_by(Checkpoint.step.desc())
+        .limit(DELETED_NAMED)
+    )
+    deleted = sorted(int(s) for s in session.execute(deleted_query).scalars())
+    kept_query = select(func.min(Checkpoint.step)).where(*_committed(job), still_there())
+    kept = session.execute(kept_query).scalar()
+    return RollbackBound(
+        clean=None, deleted=deleted, oldest_kept=int(kept) if kept is not None else None
+    )

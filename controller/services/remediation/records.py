@@ -156,6 +156,13 @@ class JobBook:
             self.checkpoint_interval_s = t - self.committed_unix_s
         self.committed_unix_s = t
 
+    def deleted(self, step: int) -> None:
+        """Retention removed ``step``. When it is :attr:`checkpoint` (possible only after a
+        rollback, when steps start lower again), no step is named as the newest any more
+        rather than one that is gone; the job's next commit names one again."""
+        if self.checkpoint is not None and self.checkpoint[0] == step:
+            self.checkpoint = None
+
 
 def culprit_node(incident: IncidentState) -> str | None:
     """The one node an incident names (itself, or a single node in its evidence)."""

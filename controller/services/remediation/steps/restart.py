@@ -198,9 +198,10 @@ async def refused_alert(
 
     Only for a restart an incident asked for, that was meant to happen: a grow-back's
     refusal leaves a running job as it was, an operator's restart answers the operator
-    itself, and a dry run does nothing anyway. ``why``: ``rate_limit``, ``actuator`` or
-    ``placement``. An incident the database does not take is logged, never raised: the
-    refusal is already recorded, and the step's outcome must stay the refusal's."""
+    itself, and a dry run does nothing anyway. ``why``: ``rate_limit``, ``actuator``,
+    ``placement`` or (a rollback's) ``checkpoint_deleted``. An incident the database does
+    not take is logged, never raised: the refusal is already recorded, and the step's
+    outcome must stay the refusal's."""
     job = rem.job
     if incident is None or job is None or rem.grow or rem.dry_run or ctx.incidents is None:
         return
