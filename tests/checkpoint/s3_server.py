@@ -77,3 +77,22 @@ def moto_server(log_dir: Path) -> Iterator[str]:
         if attempt == 2:
             tail = (log_dir / f"moto-{port}.log").read_text(errors="replace")[-500:]
             _unavailable(f"did not start on {url}: {tail}")
+
+
+@contextmanager
+def s3_endpoint(log_dir: Path, secret: str) -> Iterator[str]:
+    """:func:`moto_server` with the test's credentials in the standard environment chain
+    (as in production: boto3 reads them there), put back as they were afterwards."""
+    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ["AWS_ACCESS_KEY_ID"] = "AKIATRAINGUARDTEST"
+    os.environ["AWS_SECRET_ACCESS_KEY"] = secret
+    try:
+        with moto_server(log_dir) as url:
+            yield url
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -12,7 +12,6 @@ reported for a step that is still there.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from checkpoint._tier import make_client
 from checkpoint._tier_bucket import remote_steps
 from checkpoint.config import ObjectStoreConfig
 from checkpoint.manifest import step_dir_name
-from tests.checkpoint.s3_server import moto_server
+from tests.checkpoint.s3_server import s3_endpoint
 from trainguard.wire import CheckpointEvent
 
 
@@ -69,18 +68,8 @@ def test_rank0_reports_each_step_retention_deleted_after_the_commit_that_deleted
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A local S3-compatible server (moto), with the test's credentials."""
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    os.environ["AWS_ACCESS_KEY_ID"] = "AKIATRAINGUARDTEST"
-    os.environ["AWS_SECRET_ACCESS_KEY"] = "tg-retention-secret"
-    try:
-        with moto_server(tmp_path_factory.mktemp("s3")) as url:
-            yield url
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with s3_endpoint(tmp_path_factory.mktemp("s3"), "tg-retention-secret") as url:
+        yield url
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -31,7 +30,7 @@ from checkpoint._tier_bucket import list_step_prefixes, remote_steps
 from checkpoint._tier_restore import download_step, load_nearest
 from checkpoint.config import ObjectStoreConfig
 from checkpoint.manifest import rank_data_name, step_dir_name
-from tests.checkpoint.s3_server import moto_server
+from tests.checkpoint.s3_server import s3_endpoint
 
 pytestmark = pytest.mark.slow  # a server process; the tests themselves take well under 1 s
 
@@ -41,19 +40,8 @@ SECRET = "tg-secret-7d1f0c9e2b"  # must never show up in a log line or a journal
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    # Credentials come from the standard environment chain, as in production.
-    os.environ["AWS_ACCESS_KEY_ID"] = "AKIATRAINGUARDTEST"
-    os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET
-    try:
-        with moto_server(tmp_path_factory.mktemp("s3")) as url:
-            yield url
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with s3_endpoint(tmp_path_factory.mktemp("s3"), SECRET) as url:
+        yield url
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from checkpoint._tier import RANK_RECORD, make_client
 from checkpoint._tier_bucket import TIER_RECORD, remote_steps
 from checkpoint.config import ObjectStoreConfig
 from checkpoint.manifest import MANIFEST_NAME, rank_data_name, rank_manifest_name, step_dir_name
-from tests.checkpoint.s3_server import moto_server
+from tests.checkpoint.s3_server import s3_endpoint
 from tests.checkpoint.tier_rank_worker import shard
 
 pytestmark = pytest.mark.slow
@@ -32,18 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    os.environ["AWS_ACCESS_KEY_ID"] = "AKIATRAINGUARDTEST"
-    os.environ["AWS_SECRET_ACCESS_KEY"] = "tg-ranks-secret"
-    try:
-        with moto_server(tmp_path_factory.mktemp("s3")) as url:
-            yield url
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with s3_endpoint(tmp_path_factory.mktemp("s3"), "tg-ranks-secret") as url:
+        yield url
 
 
 def _run_ranks(
