@@ -53,8 +53,10 @@ class IncidentKind(StrEnum):
     POWER_CLOCK_COMMAND_FAILED = "power_clock_command_failed"
     POWER_LIMIT_COMMAND_FAILED = "power_limit_command_failed"
     # Remediation's own guard rails.
-    #: The quarantine budget (``quarantine_budget_share`` of the fleet per window) held an
-    #: isolation back: a human decides on more.
+    #: An isolation budget held an isolation back (the quarantine budget,
+    #: ``quarantine_budget_share``, or the policy's circuit breaker,
+    #: ``guards.max_isolated_fraction``; ``evidence.budget`` says which): a faulty node
+    #: stays in service until a human decides.
     QUARANTINE_BUDGET = "quarantine_budget"
     #: A restart the policy asked for was refused (the restart rate limit, the actuator,
     #: no placement): the job is left as the fault left it until a human acts.

@@ -142,6 +142,14 @@ def test_fatal_xid_isolates_the_node_and_the_circuit_breaker_holds(controller_fa
     assert skipped[0]["status"] == "skipped"
     assert "circuit breaker open" in skipped[0]["outcome"]
     assert nodes(live)["n2"]["isolated_reason"] is None
+    # The refusal leaves a faulty node in service: a human hears of it (the default '*'
+    # rule alerts the quarantine_budget incident), before the restart below.
+    (budget,) = wait_for(
+        lambda: [
+            i for i in live.controller.state.incidents.values() if i.kind == "quarantine_budget"
+        ]
+    )
+    wait_for(lambda: [a for a in of(live, budget.id) if a["kind"] == "alert"])
     # Decisions survive a restart of the controller: nothing is acted on twice.
     before = len(actions(live))
     live.restart()

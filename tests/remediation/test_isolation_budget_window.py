@@ -188,3 +188,33 @@ def test_two_isolations_at_once_cannot_both_pass_the_breaker(
     ]
     assert ("isolate_node", "n2") not in actuator.calls
     assert {n for n, node in nodes(live).items() if node["isolated_reason"]} == {"n1"}
+
+
+@live_test
+def test_the_circuit_breaker_holding_an_isolation_back_raises_the_budget_incident(
+    controller_factory: Any, tmp_path: Path
+) -> None:
+    """8 nodes, the breaker allows 2 (the quarantine budget 4): n3's isolation is refused
+    by the breaker, and a human hears of it through the critical ``quarantine_budget``
+    incident (``budget: circuit_breaker``); before, the refusal was a skipped row only."""
+    policy = ISOLATE_ONLY + "guards: {max_isolated_fraction: 0.25}\n"
+    live = controller_factory(
+        policy_file=policy_file(tmp_path, policy), quarantine_budget_share=0.5
+    )
+    agents = Agents(live)
+    for i in range(8):
+        agents.report(f"n{i}")
+    for node in ("n1", "n2"):
+        assert _isolation(live, _fault(live, node))[0] == "succeeded"
+    status, outcome = _isolation(live, _fault(live, "n3"))
+    assert status == "skipped" and outcome.startswith("circuit breaker open: isolating n3")
+    (budget,) = wait_for(
+        lambda: [
+            i for i in live.controller.state.incidents.values() if i.kind == "quarantine_budget"
+        ]
+    )
+    evidence = budget.evidence
+    assert isinstance(evidence, QuarantineBudgetEvidence)
+    assert evidence.budget == "circuit_breaker" and evidence.refused_node == "n3"
+    assert (evidence.quarantined_in_window, evidence.limit, evidence.fleet) == (2, 2, 8)
+    assert budget.severity == "critical" and budget.summary == outcome

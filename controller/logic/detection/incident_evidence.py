@@ -17,7 +17,7 @@ row holds (:class:`~controller.logic.given.OnlyGiven`).
 from __future__ import annotations
 
 import copy
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, model_serializer
 
@@ -193,15 +193,19 @@ class PowerEvidence(IncidentEvidence):
 
 
 class QuarantineBudgetEvidence(IncidentEvidence):
-    """``quarantine_budget``: the isolation refused, and the budget that refused it."""
+    """``quarantine_budget``: the isolation refused, and the budget that refused it
+    (``budget``: ``quarantine``, the controller's quarantine budget, or
+    ``circuit_breaker``, the policy's ``guards.max_isolated_fraction``; rows written
+    before the breaker raised it are the quarantine budget's)."""
 
-    BRIEF = ("refused_node", "quarantined_in_window", "limit")
+    BRIEF = ("refused_node", "quarantined_in_window", "limit", "budget")
 
     refused_node: str
     quarantined_in_window: int
     limit: int
     fleet: int
     window_s: float
+    budget: Literal["quarantine", "circuit_breaker"] = "quarantine"
 
 
 class RestartRefusedEvidence(IncidentEvidence):

@@ -52,7 +52,7 @@ def circuit_breaker(
         isolated_since, history, now_unix_s=now_unix_s, window_s=guards.isolation_window_s
     )
     total = len(counted | {node})
-    limit = int(guards.max_isolated_fraction * max(known_nodes, 1) + 1e-9)
+    limit = breaker_limit(guards, known_nodes)
     if total > limit:
         return (
             f"circuit breaker open: isolating {node} would make {total} of {known_nodes} "
@@ -60,6 +60,11 @@ def circuit_breaker(
             f"(limit {guards.max_isolated_fraction:.0%} = {limit})" + released_note(released)
         )
     return None
+
+
+def breaker_limit(guards: Guards, known_nodes: int) -> int:
+    """How many nodes the circuit breaker lets be isolated within its window."""
+    return int(guards.max_isolated_fraction * max(known_nodes, 1) + 1e-9)
 
 
 def released_note(released: set[str]) -> str:

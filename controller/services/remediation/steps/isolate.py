@@ -42,7 +42,7 @@ from controller.logic.detection.c4d.job_evidence import (
     StragglerIncidentEvidence,
 )
 from controller.logic.detection.cause import POLICY_FACT, hardware_causes
-from controller.logic.detection.incident_evidence import DegradedEvidence
+from controller.logic.detection.incident_evidence import DegradedEvidence, QuarantineBudgetEvidence
 from controller.logic.remediation import guards
 from controller.logic.remediation.params import IsolateParams
 from controller.logic.remediation.rules import IsolateWhen, Rule, Step
@@ -347,24 +347,45 @@ class Isolate:
         self, ctx: StepContext, rem: Remediation, incident: IncidentState, node: str
     ) -> str | None:
         """Why isolating ``node`` would overspend the circuit breaker or the quarantine
-        budget (its ``skipped`` row written, and the quarantine budget's incident raised),
-        or ``None``. Both count the nodes isolated now and those remediation isolated within
-        their windows, released since or not, read from the action rows each time (so a
-        new leader counts its predecessor's isolations too)."""
+        budget (its ``skipped`` row written, and the budget incident raised), or ``None``.
+        Both count the nodes isolated now and those remediation isolated within their
+        windows, released since or not, read from the action rows each time (so a new
+        leader counts its predecessor's isolations too).
+
+        Either refusal leaves a faulty node in service, so either raises the one critical
+        ``quarantine_budget`` incident for a human (``budget`` says which held): the
+        breaker's used to be a ``skipped`` row only, unseen when it mattered most, in a
+        mass failure."""
         record = ctx.recorder.record
         now = time.time()
-        since = now - max(ctx.policy.guards.isolation_window_s, ctx.partition.window_s)
+        g = ctx.policy.guards
+        since = now - max(g.isolation_window_s, ctx.partition.window_s)
         history = await ctx.store.read(lambda session: policy_isolations(session, since))
+        isolated_since = {n.name: n.isolated_unix_s for n in ctx.state.nodes.values()}
+        known = len(ctx.state.nodes)
         refused = guards.circuit_breaker(
             node,
-            isolated_since={n.name: n.isolated_unix_s for n in ctx.state.nodes.values()},
-            known_nodes=len(ctx.state.nodes),
+            isolated_since=isolated_since,
+            known_nodes=known,
             now_unix_s=now,
-            guards=ctx.policy.guards,
+            guards=g,
             history=history,
         )
         if refused is not None:
             await record(incident, rem, self.action_kind, node, {}, "skipped", refused)
+            if ctx.incidents is not None and not rem.dry_run:
+                counted, _ = guards.isolated_in_window(
+                    isolated_since, history, now_unix_s=now, window_s=g.isolation_window_s
+                )
+                evidence = QuarantineBudgetEvidence(
+                    refused_node=node,
+                    quarantined_in_window=len(counted - {node}),
+                    limit=guards.breaker_limit(g, known),
+                    fleet=max(known, 1),
+                    window_s=g.isolation_window_s,
+                    budget="circuit_breaker",
+                )
+                await raise_budget_incident(ctx.incidents, refused, evidence)
             return refused
         budget = quarantine_refusal(ctx.state, node, ctx.partition, now=now, history=history)
         if budget is not None and not rem.dry_run:
