@@ -74,7 +74,8 @@ $(S3_STAMP):
 # 1.8 s), so past the point where the waits overlap, a worker costs more than it saves.
 # Later on 27 Nov (2,443 tests): make test 6:42 with 4; make test-fast 2:09 with 6, 2:21
 # with 4 (README, "Development"). On a slower host the next morning (import torch 1.9 s of
-# CPU, not 1.3): make test 9:30 (854 s of CPU, 2,628 tests), make test-fast 3:24.
+# CPU, not 1.3): make test 9:30 (854 s of CPU, 2,628 tests), make test-fast 3:24. Later
+# that day (torch 2.2-2.6 s): clean clones 10:39 and 10:03 (921 s, 2,713 tests), test-fast 2:55.
 PYTEST_WORKERS ?= 4
 PYTEST_FAST_WORKERS ?= 6
 # Bytecode caching on even where the environment turns it off (PYTHONDONTWRITEBYTECODE=1,
