@@ -114,6 +114,13 @@ def _reason(exc: httpx.TransportError) -> str:
     return text.splitlines()[0]
 
 
+def _said_why(reason: str) -> None:
+    """An operator's action carries its reason (recorded and shown): a blank one is refused
+    before any request."""
+    if not reason.strip():
+        raise BadInput("--reason must not be empty: say why (it is recorded and shown)")
+
+
 class ApiClient:
     """Synchronous API client; use as a context manager so the connection pool is closed."""
 
@@ -388,8 +395,8 @@ class ApiClient:
     def set_isolation(self, node: str, *, isolate: bool, reason: str | None) -> JsonObject:
         """Isolate or release ``node``; the answer must confirm the node's new state."""
         verb = "isolate" if isolate else "release"
-        if (isolate or reason is not None) and not (reason or "").strip():
-            raise BadInput("--reason must not be empty: say why (it is recorded and shown)")
+        if isolate or reason is not None:
+            _said_why(reason or "")
         body = {"reason": reason} if reason else None
         path = f"{API_PREFIX}/nodes/{node_name(node)}/{verb}"
         result: JsonObject = self._request("POST", path, body=body, expect=replies.Isolation)
@@ -403,8 +410,7 @@ class ApiClient:
 
     def restart_job(self, job: str, *, reason: str) -> JsonObject:
         """``POST /jobs/{job}/restart``: synchronous, the answer says what the restart did."""
-        if not reason.strip():
-            raise BadInput("--reason must not be empty: say why (it is recorded and shown)")
+        _said_why(reason)
         path = f"{API_PREFIX}/jobs/{segment(job, 'job name')}/restart"
         result: JsonObject = self._request(
             "POST", path, body={"reason": reason}, expect=replies.Restart

@@ -104,8 +104,6 @@ class FaultOutcome:
     generation_before: int
     world_before: int
     last_step_before: int | None = None
-    #: For a hang: the step it strikes at (its fault time is when the step before ended).
-    hang_step: int | None = None
     incident: JsonObject | None = None
     resumed: JsonObject | None = None
     steps_lost: int | None = None
@@ -376,8 +374,6 @@ class Drill:
             generation_before=gen,
             world_before=int(last["world_size"]),
         )
-        if kind == "hang":
-            outcome.hang_step = int(last["step"]) + HANG_LEAD_STEPS
         self._inject(kind, node, rank, int(last["step"]), gen)
         where = f"{node} rank {rank}" if rank is not None else f"{node} GPU 0"
         self.say(f"injected {kind} on {where}")
@@ -438,7 +434,7 @@ class Drill:
             self.wait(f"the {outcome.kind} to be detected", detected, timeout)
         if outcome.kind == "hang":
             # The fault began when the old run's last step completed: the step after it
-            # hung (at hang_step, or later where the command reached the rank late).
+            # hung (HANG_LEAD_STEPS on, or later where the command reached the rank late).
             done = [r for r in self.losses() if r["generation"] == outcome.generation_before]
             began = max((float(r["time_unix_s"]) for r in done), default=0.0)
             if began > outcome.injected_unix_s:

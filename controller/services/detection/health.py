@@ -5,27 +5,8 @@ application XIDs come from a bad kernel or a killed process, not from the hardwa
 are recorded (one open ``application_xid`` record per GPU, its count growing) but never make
 anything unhealthy. Quarantining a node for an XID-45 storm is the classic false positive.
 
-=====  ==========================================  =========================
-XID    meaning                                     class
-=====  ==========================================  =========================
-13     graphics engine exception                   application
-31     GPU memory page fault                       application
-43     GPU stopped processing                      application
-45     preemptive cleanup, due to previous errors  application
-48     double-bit ECC error                        fatal
-61     internal micro-controller breakpoint        fatal
-62     internal micro-controller halt              fatal
-63     ECC page retirement / row remapping event   fatal
-64     ECC page retirement / row remapping failure fatal
-68     video processor exception                   application
-74     NVLink error                                fatal
-79     GPU has fallen off the bus                  fatal
-92     high single-bit ECC error rate              fatal
-94     contained ECC error                         fatal
-95     uncontained ECC error                       fatal
-119    GSP RPC timeout                             fatal
-120    GSP error                                   fatal
-=====  ==========================================  =========================
+The two tables are :data:`FATAL_XIDS` and :data:`APPLICATION_XIDS` below (docs/controller.md
+lists them with their meaning).
 
 Codes in neither table are recorded as ``gpu_xid`` warnings (one open record per GPU) and
 do not change health either: an unknown code is a reason to look, not to drain a node.
@@ -191,6 +172,11 @@ async def _each(steps: list[Awaitable[None]]) -> None:
         raise first
 
 
+def _reach_key(node: str, index: int) -> str:
+    """The dedupe key of a GPU's ``gpu_unreachable`` incident."""
+    return f"gpu_unreachable:{node}:{index}"
+
+
 class HealthDetector:
     """A ``ReportObserver`` and ``Ticker`` that keeps node and GPU health."""
 
@@ -245,7 +231,13 @@ class HealthDetector:
             for kind, (count, events) in found.xids.items():
                 steps.append(self._record_xids(node, index, kind, count, events))
         steps.append(self._gpu_watch(node, report.node.gpu_error))
-        steps.extend(self._gpu_reach(node, index, why) for index, why in sorted(reach.items()))
+        # A change only (a GPU turning unreachable, or reading again with its incident open):
+        # most reports have neither, and ingest is the hot path.
+        steps.extend(
+            self._gpu_reach(node, index, why)
+            for index, why in sorted(reach.items())
+            if why is not None or self._incidents.find_open(_reach_key(node.name, index))
+        )
         steps.extend(self._hw_finding(node, f) for f in self._hw.findings(report))
         # Counter values with no fault: the baseline the next fault is judged against, also
         # by a restarted controller. A GPU's first value came with the report's own commit
@@ -313,7 +305,7 @@ class HealthDetector:
     async def _gpu_reach(self, node: NodeState, index: int, why: str | None) -> None:
         """Open ``gpu_unreachable`` (the GPU unhealthy) or resolve it, on a change only: the
         resolve hook (:meth:`_on_resolved`) gives the GPU its health back, as for an operator."""
-        key = f"gpu_unreachable:{node.name}:{index}"
+        key = _reach_key(node.name, index)
         incident = self._incidents.find_open(key)
         if why is None and incident is not None:
             await self._incidents.resolve(incident, note="NVML reads the GPU again")
