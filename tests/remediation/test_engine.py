@@ -37,6 +37,7 @@ from controller.logic.detection.c4d.job_evidence import (
 from controller.logic.detection.c4d.peers import PeerBasis
 from controller.logic.detection.incident_evidence import IncidentEvidence
 from controller.services.incidents import IncidentSpec
+from controller.state import IncidentState
 from tests import http_calls
 from tests.remediation.recording import RecordingActuator
 from tests.waiting import wait_for
@@ -234,6 +235,52 @@ def on_loop(live: Any, coro: Coroutine[Any, Any, Any]) -> Any:
     """Run ``coro`` on the live controller's event loop (where its services live)."""
     loop = live._server.servers[0].get_loop()
     return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=10)
+
+
+def ranks_started(agents: Agents, name: str, on: tuple[str, ...]) -> None:
+    """Rank ``i`` of job ``name`` started on node ``on[i]`` (its agent says so)."""
+    for rank, node in enumerate(on):
+        event = {"job": name, "rank": rank, "kind": "started", "time_unix_s": time.time()}
+        agents.report(node, job={"rank_events": [event]})
+
+
+def fleet(
+    controller_factory: Any, tmp_path: Path, policy: str, nodes: int, **settings: Any
+) -> tuple[Any, Agents]:
+    """A live controller under ``policy`` with ``nodes`` nodes n0, n1, ... reporting."""
+    live = controller_factory(policy_file=policy_file(tmp_path, policy), **settings)
+    agents = Agents(live)
+    for i in range(nodes):
+        agents.report(f"n{i}")
+    return live, agents
+
+
+def two_jobs_on_n1(
+    controller_factory: Any, tmp_path: Path, steps: str, actuator_cls: type[RecordingActuator]
+) -> tuple[Any, Agents, RecordingActuator]:
+    """Six nodes; job ``ja`` runs on n0 and n1, ``jb`` on n1 and n2 (spares n3, n4), their
+    ranks started; a critical ``gpu_fault`` rule runs ``steps`` (``isolate``, ...)."""
+    policy = (
+        f"rules:\n  - {{kind: gpu_fault, severity: critical, steps: [{steps}]}}\n"
+        "  - {kind: '*', steps: [alert]}\nguards: {max_isolated_fraction: 0.5}\n"
+    )
+    live, agents = fleet(controller_factory, tmp_path, policy, 6, quarantine_budget_share=0.5)
+    actuator = actuator_cls(
+        placements={
+            "ja": Placement(job="ja", nodes=("n0", "n1"), ranks_per_node=1),
+            "jb": Placement(job="jb", nodes=("n1", "n2"), ranks_per_node=1),
+        },
+        pools={"ja": ["n0", "n1", "n3"], "jb": ["n1", "n2", "n4"]},
+    )
+    live.controller.remediation.actuator = actuator
+    ranks_started(agents, "ja", ("n0", "n1"))
+    ranks_started(agents, "jb", ("n1", "n2"))
+    return live, agents, actuator
+
+
+def incidents_of(live: Any, kind: str) -> list[IncidentState]:
+    """The open incidents of ``kind`` (the controller's memory: ``state.incidents``)."""
+    return [i for i in live.controller.state.incidents.values() if i.kind == kind]
 
 
 def open_incident(

@@ -21,7 +21,6 @@ a NaN with no clean checkpoint (``test_engine.py``), retried actuator errors
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +35,18 @@ from tests import http_calls
 from tests.remediation.recording import GatedIsolation, RecordingActuator
 from tests.remediation.test_engine import (
     ENGINE,
-    Agents,
     actions,
+    fleet,
     live_test,
     nodes,
     of,
     on_loop,
     open_incident,
-    policy_file,
+    ranks_started,
     recording,
     remediation_over,
     straggler_evidence,
+    two_jobs_on_n1,
 )
 from tests.remediation.test_engine_actuator_errors import FlakyActuator
 from tests.waiting import wait_for
@@ -146,12 +146,6 @@ POLICY = (
 )
 
 
-def ranks_started(agents: Agents, name: str, on: tuple[str, ...]) -> None:
-    for rank, node in enumerate(on):
-        event = {"job": name, "rank": rank, "kind": "started", "time_unix_s": time.time()}
-        agents.report(node, job={"rank_events": [event]})
-
-
 def incident_on(live: Any, node: str, kind: str = "gpu_fault") -> int:
     return int(
         wait_for(
@@ -176,12 +170,7 @@ def test_a_second_fault_while_the_first_remediation_runs_restarts_the_job_once( 
     arrives while that remediation waits for its protective checkpoint (which times out) or
     sits in the actuator's isolate call. The job is restarted once, without both nodes;
     the second incident isolates n2 and says the job already restarted without it."""
-    live = controller_factory(
-        policy_file=policy_file(tmp_path, POLICY), quarantine_budget_share=0.5
-    )
-    agents = Agents(live)
-    for i in range(6):
-        agents.report(f"n{i}")
+    live, agents = fleet(controller_factory, tmp_path, POLICY, 6, quarantine_budget_share=0.5)
     actuator = GatedIsolation(
         placements={"gpt": job("n0 n1 n2", rpn=2)}, pools={"gpt": [f"n{i}" for i in range(6)]}
     )
@@ -217,26 +206,9 @@ def test_a_second_fault_while_the_first_remediation_runs_restarts_the_job_once( 
 def test_two_jobs_on_one_failing_node_are_each_restarted_once(  # type: ignore[no-untyped-def]
     controller_factory, tmp_path: Path
 ) -> None:
-    policy = (
-        "rules:\n  - {kind: gpu_fault, severity: critical, steps: [isolate, restart]}\n"
-        "  - {kind: '*', steps: [alert]}\nguards: {max_isolated_fraction: 0.5}\n"
+    live, agents, actuator = two_jobs_on_n1(
+        controller_factory, tmp_path, "isolate, restart", RecordingActuator
     )
-    live = controller_factory(
-        policy_file=policy_file(tmp_path, policy), quarantine_budget_share=0.5
-    )
-    agents = Agents(live)
-    for i in range(6):
-        agents.report(f"n{i}")
-    actuator = RecordingActuator(
-        placements={
-            "ja": Placement(job="ja", nodes=("n0", "n1"), ranks_per_node=1),
-            "jb": Placement(job="jb", nodes=("n1", "n2"), ranks_per_node=1),
-        },
-        pools={"ja": ["n0", "n1", "n3"], "jb": ["n1", "n2", "n4"]},
-    )
-    live.controller.remediation.actuator = actuator
-    ranks_started(agents, "ja", ("n0", "n1"))
-    ranks_started(agents, "jb", ("n1", "n2"))
     agents.report("n1", xid=79)
     incident = incident_on(live, "n1")
     remediation_over(live, incident)
@@ -260,10 +232,7 @@ def test_a_straggler_gone_before_its_persistence_window_ends_is_only_alerted(  #
         "     min_cost_pct: 10}\n"
         "  - {kind: '*', steps: [alert]}\n"
     )
-    live = controller_factory(policy_file=policy_file(tmp_path, policy))
-    agents = Agents(live)
-    for i in range(3):
-        agents.report(f"n{i}")
+    live, _agents = fleet(controller_factory, tmp_path, policy, 3)
     actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1", "n2"])
     incident = open_incident(live, "straggler", node="n1", evidence=straggler_evidence(40.0))
     alert = wait_for(lambda: of(live, incident))
@@ -286,10 +255,7 @@ def test_a_restart_refused_for_good_leaves_the_incident_open_and_is_not_retried(
         "rules:\n  - {kind: gpu_fault, severity: critical, steps: [isolate, restart]}\n"
         "guards: {max_isolated_fraction: 0.5, settle_s: 0}\n"
     )
-    live = controller_factory(policy_file=policy_file(tmp_path, policy))
-    agents = Agents(live)
-    for i in range(4):
-        agents.report(f"n{i}")
+    live, _agents = fleet(controller_factory, tmp_path, policy, 4)
     actuator = FlakyActuator(
         placements={"gpt": job("n0 n1", rpn=2)}, pools={"gpt": ["n0", "n1", "n2"]}
     )
@@ -317,10 +283,7 @@ def test_no_spare_at_the_elastic_minimum_refuses_the_restart_and_says_why(  # ty
         "guards: {max_isolated_fraction: 0.5, settle_s: 0}\n"
         "restarts: {min_dp: 4}\n"
     )
-    live = controller_factory(policy_file=policy_file(tmp_path, policy))
-    agents = Agents(live)
-    for i in range(4):
-        agents.report(f"n{i}")
+    live, _agents = fleet(controller_factory, tmp_path, policy, 4)
     actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1"])
     incident = open_incident(live, "gpu_fault", node="n1", severity="critical")
     remediation_over(live, incident)
@@ -357,10 +320,7 @@ def test_a_repeat_offender_refused_by_the_circuit_breaker_is_said_and_restarted_
         "  - {kind: '*', steps: [alert]}\n"
         "guards: {max_isolated_fraction: 0.25, settle_s: 0, resume_timeout_s: 1}\n"
     )
-    live = controller_factory(policy_file=policy_file(tmp_path, policy))
-    agents = Agents(live)
-    for i in range(4):
-        agents.report(f"n{i}")
+    live, _agents = fleet(controller_factory, tmp_path, policy, 4)
     op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=10)
     assert op.post("/api/v1/nodes/n3/isolate", json={"reason": "bad fan"}).status_code == 200
     actuator = recording(live, nodes=("n0", "n1"), pool=["n0", "n1", "n2", "n3"])

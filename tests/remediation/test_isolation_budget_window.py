@@ -24,12 +24,12 @@ from tests import http_calls
 from tests.remediation.recording import GatedIsolation
 from tests.remediation.test_engine import (
     ENGINE,
-    Agents,
+    fleet,
+    incidents_of,
     live_test,
     nodes,
     of,
     open_incident,
-    policy_file,
     remediation_over,
 )
 from tests.waiting import wait_for
@@ -88,12 +88,7 @@ def test_a_flapping_fleet_cannot_drain_more_than_the_share_also_after_a_restart(
     isolated in turn. Now n3 is refused: n1 and n2 still count. The controller restarts
     (a new leader): n4 is refused too, the count read back from the action rows."""
     policy = ISOLATE_ONLY + "guards: {max_isolated_fraction: 0.25}\n"
-    live = controller_factory(
-        policy_file=policy_file(tmp_path, policy), quarantine_budget_share=0.5
-    )
-    agents = Agents(live)
-    for i in range(8):
-        agents.report(f"n{i}")
+    live, _agents = fleet(controller_factory, tmp_path, policy, 8, quarantine_budget_share=0.5)
     op = http_calls.client(base_url=live.url, headers=live.headers("operator"), timeout=10)
     assert op.post("/api/v1/nodes/n7/isolate", json={"reason": "fan"}).status_code == 200
     _release(live, "n7")
@@ -128,10 +123,7 @@ def test_the_quarantine_budget_counts_released_quarantines_and_still_raises_its_
     quarantined, the fleet drained twice the budget), with the critical
     ``quarantine_budget`` incident for a human."""
     policy = ISOLATE_ONLY + "guards: {max_isolated_fraction: 0.5}\n"
-    live = controller_factory(policy_file=policy_file(tmp_path, policy))
-    agents = Agents(live)
-    for i in range(10):
-        agents.report(f"n{i}")
+    live, _agents = fleet(controller_factory, tmp_path, policy, 10)
     first = _fault(live, "n5")
     assert _isolation(live, first) == ("succeeded", "n5 isolated")
     _release(live, "n5")
@@ -143,11 +135,7 @@ def test_the_quarantine_budget_counts_released_quarantines_and_still_raises_its_
     )
     assert outcome.endswith("; counted though not isolated now: n5")
     assert nodes(live)["n6"]["isolated_reason"] is None
-    budget = wait_for(
-        lambda: [
-            i for i in live.controller.state.incidents.values() if i.kind == "quarantine_budget"
-        ]
-    )
+    budget = wait_for(lambda: incidents_of(live, "quarantine_budget"))
     assert len(budget) == 1 and budget[0].severity == "critical"
     evidence = budget[0].evidence
     assert isinstance(evidence, QuarantineBudgetEvidence)
@@ -162,12 +150,7 @@ def test_two_isolations_at_once_cannot_both_pass_the_breaker(
     arrives. Before, n2's check saw no node isolated yet (n1's is recorded only once the
     actuator answers) and both were isolated; now n1's ``pending`` isolation counts."""
     policy = ISOLATE_ONLY + "guards: {max_isolated_fraction: 0.25}\n"
-    live = controller_factory(
-        policy_file=policy_file(tmp_path, policy), quarantine_budget_share=0.5
-    )
-    agents = Agents(live)
-    for i in range(4):
-        agents.report(f"n{i}")
+    live, _agents = fleet(controller_factory, tmp_path, policy, 4, quarantine_budget_share=0.5)
     actuator = GatedIsolation(placements={}, pools={})
     live.controller.remediation.actuator = actuator
     try:
@@ -198,21 +181,12 @@ def test_the_circuit_breaker_holding_an_isolation_back_raises_the_budget_inciden
     by the breaker, and a human hears of it through the critical ``quarantine_budget``
     incident (``budget: circuit_breaker``); before, the refusal was a skipped row only."""
     policy = ISOLATE_ONLY + "guards: {max_isolated_fraction: 0.25}\n"
-    live = controller_factory(
-        policy_file=policy_file(tmp_path, policy), quarantine_budget_share=0.5
-    )
-    agents = Agents(live)
-    for i in range(8):
-        agents.report(f"n{i}")
+    live, _agents = fleet(controller_factory, tmp_path, policy, 8, quarantine_budget_share=0.5)
     for node in ("n1", "n2"):
         assert _isolation(live, _fault(live, node))[0] == "succeeded"
     status, outcome = _isolation(live, _fault(live, "n3"))
     assert status == "skipped" and outcome.startswith("circuit breaker open: isolating n3")
-    (budget,) = wait_for(
-        lambda: [
-            i for i in live.controller.state.incidents.values() if i.kind == "quarantine_budget"
-        ]
-    )
+    (budget,) = wait_for(lambda: incidents_of(live, "quarantine_budget"))
     evidence = budget.evidence
     assert isinstance(evidence, QuarantineBudgetEvidence)
     assert evidence.budget == "circuit_breaker" and evidence.refused_node == "n3"

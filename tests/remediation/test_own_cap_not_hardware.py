@@ -8,12 +8,10 @@ two actuator calls), as the "already isolated" check lost the race.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
-from controller.actuators.base import Placement
 from controller.logic.detection.c4d.job_evidence import GpuCauseFacts
 from controller.logic.detection.cause import POLICY_FACT, SHARED_FACT, OwnCap, straggler_cause
 from tests.remediation.recording import GatedIsolation
@@ -28,6 +26,7 @@ from tests.remediation.test_engine import (
     recording,
     remediation_over,
     straggler_evidence,
+    two_jobs_on_n1,
 )
 from tests.waiting import wait_for
 from trainguard.wire import GpuSample
@@ -197,28 +196,8 @@ def test_a_cap_trainguard_did_not_set_is_hardware_evidence(  # type: ignore[no-u
 
 @live_test
 def test_two_jobs_on_one_node_isolate_it_once(controller_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    policy = (
-        "rules:\n  - {kind: gpu_fault, severity: critical, steps: [isolate]}\n"
-        "  - {kind: '*', steps: [alert]}\nguards: {max_isolated_fraction: 0.5}\n"
-    )
-    live = controller_factory(
-        policy_file=policy_file(tmp_path, policy), quarantine_budget_share=0.5
-    )
-    agents = Agents(live)
-    for i in range(6):
-        agents.report(f"n{i}")
-    actuator = GatedIsolation(
-        placements={
-            "ja": Placement(job="ja", nodes=("n0", "n1"), ranks_per_node=1),
-            "jb": Placement(job="jb", nodes=("n1", "n2"), ranks_per_node=1),
-        },
-        pools={"ja": ["n0", "n1", "n3"], "jb": ["n1", "n2", "n4"]},
-    )
-    live.controller.remediation.actuator = actuator
-    for job, placed in (("ja", ("n0", "n1")), ("jb", ("n1", "n2"))):
-        for rank, node in enumerate(placed):
-            event = {"job": job, "rank": rank, "kind": "started", "time_unix_s": time.time()}
-            agents.report(node, job={"rank_events": [event]})
+    live, agents, actuator = two_jobs_on_n1(controller_factory, tmp_path, "isolate", GatedIsolation)
+    assert isinstance(actuator, GatedIsolation)
     agents.report("n1", xid=79)
     engine = live.controller.remediation
 

@@ -24,7 +24,7 @@ from controller.logic.detection.incident_evidence import QuarantineBudgetEvidenc
 from tests.actuators.fake_cluster import FakeCluster
 from tests.actuators.k8s_testkit import NS, cluster, node, pod
 from tests.remediation.recording import RecordingActuator
-from tests.remediation.test_engine import ENGINE, Agents, actions, open_incident
+from tests.remediation.test_engine import ENGINE, Agents, actions, incidents_of, open_incident
 from tests.waiting import wait_for
 
 __all__ = ["cluster"]
@@ -182,11 +182,7 @@ def test_quarantine_budget_refuses_and_raises_an_incident(fleet_factory: Any) ->
     assert row["status"] == "skipped" and row["outcome"].startswith("quarantine budget spent")
     assert "(limit 1, 10% of the fleet)" in row["outcome"]
     assert ("isolate_node", "n6") not in acted(actuator)
-    budget = wait_for(
-        lambda: [
-            i for i in live.controller.state.incidents.values() if i.kind == "quarantine_budget"
-        ]
-    )
+    budget = wait_for(lambda: incidents_of(live, "quarantine_budget"))
     assert len(budget) == 1 and budget[0].severity == "critical"
     evidence = budget[0].evidence
     assert isinstance(evidence, QuarantineBudgetEvidence)

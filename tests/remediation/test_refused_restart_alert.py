@@ -21,6 +21,7 @@ from controller.services.remediation.steps import isolate as isolate_step
 from controller.state import IncidentState
 from tests.remediation.test_engine import (
     ENGINE,
+    incidents_of,
     live_test,
     of,
     open_incident,
@@ -34,7 +35,7 @@ from tests.waiting import wait_for
 
 def refused(live: Any) -> list[IncidentState]:
     """The open ``restart_refused`` incidents."""
-    return [i for i in live.controller.state.incidents.values() if i.kind == "restart_refused"]
+    return incidents_of(live, "restart_refused")
 
 
 @live_test

@@ -22,6 +22,7 @@ from tests.remediation.test_engine import (
     NAN_EVIDENCE,
     Agents,
     committed,
+    incidents_of,
     live_test,
     of,
     open_incident,
@@ -50,7 +51,7 @@ def _restart_rows(live: Any, incident: int) -> list[dict[str, Any]]:
 
 
 def _refused(live: Any) -> list[IncidentState]:
-    return [i for i in live.controller.state.incidents.values() if i.kind == "restart_refused"]
+    return incidents_of(live, "restart_refused")
 
 
 @live_test
