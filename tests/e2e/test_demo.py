@@ -46,6 +46,21 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def _log_tails(printed: str, lines: int = 15) -> str:
+    """The last lines of every log of a demo that is still running (its work directory is
+    removed when it stops): what a stalled demo's controller, agents and ranks last said."""
+    match = re.search(r"^  logs\s+(\S+)$", printed, re.MULTILINE)
+    if match is None:
+        return ""
+    out = []
+    logs = Path(match.group(1))  # the controller's and agents'; the ranks' are in ../ranks
+    for log in [*sorted(logs.glob("*.log")), *sorted((logs.parent / "ranks").glob("*.log"))]:
+        said = log.read_text(errors="replace").splitlines()
+        tail = [line for line in said if "httpx: HTTP Request" not in line][-lines:]
+        out.append(f"--- {log.name}\n" + "\n".join(tail))
+    return "\n" + "\n".join(out)
+
+
 def _demo(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "trainguard.cli", "demo", *args],
@@ -91,7 +106,10 @@ def _check_demo_keeps_running(proc: subprocess.Popen[str]) -> None:
     # A deadline of its own, under pytest's 300 s: a slow or stuck demo fails with what it
     # printed so far, not with a bare timeout inside the read.
     if not ready.wait(DEMO_READY_S):
-        pytest.fail(f"no 'running until Ctrl-C' after {DEMO_READY_S} s:\n" + "".join(lines))
+        printed = "".join(lines)
+        pytest.fail(
+            f"no 'running until Ctrl-C' after {DEMO_READY_S} s:\n{printed}{_log_tails(printed)}"
+        )
     out = "".join(lines)
     assert proc.poll() is None, out + proc.stderr.read()  # type: ignore[union-attr]
     workdir = _demo_workdir(out)
