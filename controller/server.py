@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -10,8 +11,9 @@ import uvicorn
 
 from controller.api.app import create_app
 from controller.logs import configure_logging
-from controller.runtime import prepare_database
+from controller.runtime import Controller, prepare_database
 from controller.settings import ControllerSettings
+from controller.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +66,19 @@ def uvicorn_config(app: object, settings: ControllerSettings) -> uvicorn.Config:
     )
 
 
+#: Exit status when the first try for the leader lock failed (uvicorn's own for a failed start).
+EXIT_START_FAILED = 3
+
+
 class Server(uvicorn.Server):
-    """uvicorn's server, ending the dashboard's live streams as shutdown begins.
+    """uvicorn's server: campaigns for leadership once it listens, and ends the
+    dashboard's live streams as shutdown begins.
+
+    The election starts after the sockets accept requests (``Controller.campaign``): a
+    replica that can win the lock while it cannot yet answer would leave the API down for
+    the rest of its start-up, see there. Until its first try has ended, ``/readyz`` says
+    "starting", so the orchestrator (and every wait for readiness) sees a lone replica
+    Ready only as the leader.
 
     uvicorn sends the ASGI lifespan shutdown only after every open response has ended, or
     after ``timeout_graceful_shutdown`` cancels them (an ``Exception in ASGI application``
@@ -73,13 +86,36 @@ class Server(uvicorn.Server):
     here, once the listening sockets are closed (a page reconnecting finds another replica).
     """
 
+    start_failed = False
+    _campaign: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        controller = _controller_of(self.config.app)
+        if controller is not None and not self.should_exit:
+            self._campaign = asyncio.create_task(self._run_campaign(controller))
+
+    async def _run_campaign(self, controller: Controller) -> None:
+        try:
+            await controller.campaign_once_serving()
+        except Exception:
+            log.exception("cannot take part in the leader election; stopping")
+            self.start_failed = self.should_exit = True
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:  # stop accepting first (uvicorn's shutdown does it again)
             server.close()
-        controller = getattr(getattr(self.config.app, "state", None), "controller", None)
+        if self._campaign is not None:  # a first try still waiting or running
+            await cancel_and_wait([self._campaign])
+        controller = _controller_of(self.config.app)
         if controller is not None:
             controller.services.dashboard.close()
         await super().shutdown(sockets)
+
+
+def _controller_of(app: object) -> Controller | None:
+    controller = getattr(getattr(app, "state", None), "controller", None)
+    return controller if isinstance(controller, Controller) else None
 
 
 def serve(settings: ControllerSettings) -> None:
@@ -90,7 +126,7 @@ def serve(settings: ControllerSettings) -> None:
     """
     configure_logging(settings.log_level)
     prepare_database(settings)
-    app = create_app(settings, tune_gc=True)
+    app = create_app(settings, tune_gc=True, campaign_on_start=False)
     app.state.controller.on_leadership_lost = exit_for_restart
     sock = bind_socket(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
@@ -106,3 +142,5 @@ def serve(settings: ControllerSettings) -> None:
         server.run(sockets=[sock])
     finally:
         sock.close()
+    if server.start_failed:
+        raise SystemExit(EXIT_START_FAILED)

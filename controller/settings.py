@@ -231,6 +231,13 @@ class ControllerSettings(BaseSettings):
     #: Seconds between the leader's checks that it still holds the lock (PostgreSQL: one
     #: query on the lock connection): bounds how long a cut-off leader keeps acting.
     leader_check_interval_s: float = Field(default=1.0, gt=0, le=30)
+    #: Campaign for the lock only once a readiness probe (``/readyz``) has been answered
+    #: 200, i.e. once the orchestrator routes to this replica; until then ``/readyz``
+    #: answers as a standby's would. The chart turns it on: a pod whose first probe came
+    #: before it listened is not Ready for a whole probe period (5 s), and as the leader
+    #: in that time it would leave the API unanswered. Off (local runs, where nothing
+    #: probes): the first try comes as soon as the server listens.
+    leader_campaign_after_ready: bool = False
     #: Which lock elects the acting replica: ``lease``, a ``coordination.k8s.io/v1`` Lease
     #: (``leader_lease_namespace``) whose generation also fences every write the Kubernetes
     #: actuator makes; ``database``, the lock above; ``auto``, the Lease when running in a

@@ -30,12 +30,15 @@ from web import mount_dashboard
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: ControllerSettings, *, tune_gc: bool = False) -> FastAPI:
+def create_app(
+    settings: ControllerSettings, *, tune_gc: bool = False, campaign_on_start: bool = True
+) -> FastAPI:
     """A controller app; its database and background tasks start with the ASGI lifespan.
 
     ``tune_gc`` (set by ``controller.server.serve``, which owns its process) replaces
     CPython's allocation-triggered garbage collection with a schedule, see
-    :func:`collect_garbage_periodically`.
+    :func:`collect_garbage_periodically`. ``campaign_on_start=False`` (also ``serve``)
+    leaves the leader election to the server, which starts it once it listens.
     """
     if settings.dev_mode and not settings.tokens:
         path = Path(platformdirs.user_data_dir("trainguard")) / "dev-tokens.yaml"
@@ -49,7 +52,7 @@ def create_app(settings: ControllerSettings, *, tune_gc: bool = False) -> FastAP
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await controller.start()
+        await controller.start(campaign=campaign_on_start)
         await identity.credentials.load()
         collector = asyncio.create_task(collect_garbage_periodically()) if tune_gc else None
         try:

@@ -66,6 +66,7 @@ Role = Literal["starting", "standby", "leader", "lost", "stopped"]
 
 STANDBY_DETAIL = "standby: another controller replica is the leader"
 LOST_DETAIL = "leadership lost: this replica stopped acting and must be restarted"
+STARTING_DETAIL = "starting: electing a leader"
 
 
 class LeadershipLost(Exception):
@@ -304,7 +305,7 @@ class LeaderElector:
         if self.role == "stopped":
             return "stopped"
         if self.role == "starting":
-            return "starting: electing a leader"
+            return STARTING_DETAIL
         return STANDBY_DETAIL
 
     async def start(self) -> None:

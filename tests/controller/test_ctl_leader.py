@@ -22,7 +22,13 @@ from sqlalchemy import func, select
 
 from controller.db.models import Incident
 from controller.db.session import make_engine
-from controller.services.leader import LOST_DETAIL, STANDBY_DETAIL, FileLock, LeadershipLost
+from controller.services.leader import (
+    LOST_DETAIL,
+    STANDBY_DETAIL,
+    STARTING_DETAIL,
+    FileLock,
+    LeadershipLost,
+)
 from tests import http_calls
 from tests.environ import clean_env
 from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
@@ -87,8 +93,13 @@ def replicas(tmp_path: Path) -> Iterator[Callable[[str], Replica]]:
                 *("--database-url", database_url),
             )
             replica = Replica(procs.start(name, argv, env=env), port, tokens)
+            # Up: it answers and its first try for the lock has ended (leader or standby).
             up = wait_until(
-                lambda: replica.readyz()[0] != 0 or not replica.child.alive(), timeout_s=60
+                lambda: (
+                    replica.readyz() not in ((0, "unreachable"), (503, STARTING_DETAIL))
+                    or not replica.child.alive()
+                ),
+                timeout_s=60,
             )
             assert up and replica.child.alive(), replica.child.log_tail(30)
             return replica

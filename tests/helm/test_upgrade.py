@@ -359,6 +359,9 @@ def test_upgrade_from_the_previous_chart_keeps_the_api_answering(
 
         assert wait_until(lambda: new_leaders() == 1, timeout_s=10, interval_s=0.02)
         labelled_s = time.monotonic() - handover
+        (leader,) = [
+            p.name for p in (n1, n2) if cluster.labels(p).get("trainguard.io/leader") == "true"
+        ]
         assert wait_until(lambda: cluster.ready(n2), timeout_s=60)
         time.sleep(2.0)
         poller.stop_event.set()
@@ -370,6 +373,6 @@ def test_upgrade_from_the_previous_chart_keeps_the_api_answering(
     print(f"upgrade: {len(codes)} calls, {codes.count(200)} answered 200, "
           f"{codes.count(503)} 503, {codes.count(0)} no endpoint/unreachable; "
           f"longest gap without an answer {gap:.2f} s; hand-over: old leader exited after "
-          f"{stopped_s:.2f} s, new leader labelled after {labelled_s:.2f} s")  # fmt: skip
+          f"{stopped_s:.2f} s, new leader {leader} labelled after {labelled_s:.2f} s")  # fmt: skip
     assert gap <= MAX_GAP_S, f"the API did not answer for {gap:.2f} s"
     assert codes[-5:] == [200] * 5
