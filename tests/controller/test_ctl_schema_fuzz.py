@@ -11,17 +11,17 @@ docs/security.md quotes.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from tests import http_calls
+
+if TYPE_CHECKING:  # imported where used: ~1 s of CPU in every worker that only collects this
+    import schemathesis
+    from schemathesis import GenerationMode
 
 #: Cases per (operation, mode) for the role the route is for, and per other role.
 EXAMPLES = 8
@@ -68,6 +68,9 @@ def test_no_server_errors_for_any_input(live_controller, ctl_report, db_url: str
         headers=live_controller.headers("agent"),
     )
     assert r.status_code == 200, r.text
+    import schemathesis
+    from schemathesis import GenerationMode
+
     schema = schemathesis.openapi.from_url(f"{live_controller.url}/openapi.json")
     started = time.monotonic()
     operations, cases, failures = 0, [0], []
@@ -149,6 +152,9 @@ def _send(
     cases: list[int],
     failures: list[str],
 ) -> None:
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import response_schema_conformance
+
     cases[0] += 1
     response = case.call(base_url=url, headers=headers, timeout=10)
     try:
