@@ -16,7 +16,8 @@ classify (docs/agent.md, "Health rules", is the table for operators):
     slow-link investigation starts from.
 
 Conditions that persist (a remap pending for hours) produce one finding when they appear,
-not one per report; the memo of what was seen is per (node, GPU/port).
+not one per report; the memo of what was seen is per (node, GPU/port). When they clear,
+:mod:`.hw_clearing` decides when the GPU's warning resolves itself.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class HwRules:
     def _gpu(self, node: str, g: wire.GpuSample, t: float) -> list[HwFinding]:
         key = (node, g.index)
         before = self._seen.get(key, frozenset())
-        standing = _standing(g)
+        standing = standing_conditions(g)
         if g.unknown or g.lost:
             # Nothing else was read: keep what stood before, apart from "unknown" itself.
             now = frozenset(standing) | (before - {"gpu_unknown"})
@@ -143,8 +144,11 @@ class HwRules:
         ]
 
 
-def _standing(g: wire.GpuSample) -> dict[str, tuple[str, str]]:
-    """flag -> (signal, reason) for every condition standing in this sample (usually none)."""
+def standing_conditions(g: wire.GpuSample) -> dict[str, tuple[str, str]]:
+    """flag -> (signal, reason) for every condition standing in this sample (usually none).
+
+    Public because the clearing rule (:mod:`.hw_clearing`) must judge "nothing stands" by
+    the very test that found the condition, or the two would disagree."""
     i = g.index
     out: dict[str, tuple[str, str]] = {}
     if g.unknown:
@@ -184,4 +188,4 @@ def _standing(g: wire.GpuSample) -> dict[str, tuple[str, str]]:
     return out
 
 
-__all__ = ["RETIRED_PAGES_LIMIT", "RULES", "HwFinding", "HwRules", "Level"]
+__all__ = ["RETIRED_PAGES_LIMIT", "RULES", "HwFinding", "HwRules", "Level", "standing_conditions"]

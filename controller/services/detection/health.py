@@ -25,7 +25,8 @@ NVML hangs, NIC ports, bonds) are classified by the pure rule table in
 above, ``degrade`` ones open one ``hw_degraded`` warning per GPU or NIC, NIC error rises an
 ``nic_errors`` info record; a node whose agent reports ``gpu_error`` (NVML broken where
 NVIDIA devices exist) is unhealthy with a ``gpu_watch_failed`` incident until it reports
-without one.
+without one. A GPU's ``hw_degraded`` warning resolves once its standing conditions clear
+(:mod:`.hw_clear`).
 
 Every health change is written before it is shown (issue 14): the detector stages it on a
 copy of the node, writes the copy's rows in the incident's transaction, and applies it to
@@ -57,6 +58,7 @@ from controller.logic.detection.incident_evidence import (
     XidEvidence,
 )
 from controller.logic.incident_kinds import IncidentKind
+from controller.services.detection.hw_clear import HwClearer
 from controller.services.incidents import IncidentService, IncidentSpec
 from controller.state import ClusterState, GpuState, IncidentState, NodeState
 from controller.writer import GroupCommitWriter
@@ -195,6 +197,7 @@ class HealthDetector:
         self.tick_interval_s = min(1.0, node_lost_after_s / 4)
         incidents.resolve_hooks.append(self._on_resolved)
         self._hw = HwRules()
+        self._hw_clear = HwClearer(incidents)
         #: Node -> why its GPUs cannot be watched (the agent's ``gpu_error``).
         self._gpu_errors: dict[str, str] = {}
 
@@ -239,6 +242,7 @@ class HealthDetector:
             if why is not None or self._incidents.find_open(_reach_key(node.name, index))
         )
         steps.extend(self._hw_finding(node, f) for f in self._hw.findings(report))
+        steps.append(self._hw_clear.check(report))  # after the findings: sees their opens
         # Counter values with no fault: the baseline the next fault is judged against, also
         # by a restarted controller. A GPU's first value came with the report's own commit
         # (``IngestService._first_ecc_baselines``: many nodes' first reports share one
