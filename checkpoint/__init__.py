@@ -16,7 +16,8 @@ A save runs four private stages, one module each: ``_snapshot`` (walk the state)
 ``_commit`` (``MANIFEST.json``, ``latest``, retention); ``_persist`` drives write and
 commit for one rank's part, ``_backends`` / ``_writer_process`` run it on a thread or in a
 separate process, ``_engine`` holds :class:`Checkpointer`. Reading: ``_store`` (find and
-verify), ``_load``, ``_reshard``; ``_convert`` backs ``trainguard checkpoint convert``
+verify), ``_skeleton`` (the state skeleton held to the manifest, for load and verify),
+``_load``, ``_reshard``; ``_convert`` backs ``trainguard checkpoint convert``
 (:mod:`checkpoint.cli`). The format is :mod:`checkpoint.manifest`; docs/checkpoint.md
 specifies it and the commit protocol.
 
@@ -172,8 +173,10 @@ def verify(
     skipped: list[str] | None = None,
 ) -> int:
     """Check checkpoint ``step`` and return its step: manifests and sizes, and with ``deep``
-    every byte against its CRC (and SHA-256). Raises :class:`CheckpointError` naming the
-    first problem.
+    every byte against its CRC (and SHA-256) and each rank's state skeleton against its
+    manifest as :func:`load` holds it (a tensor's name, dtype and shape; read without torch
+    and without running anything the file names). Raises :class:`CheckpointError` naming
+    the first problem: a step raised here is one :func:`load` passes over as damaged.
 
     Without ``step``: the checkpoint :func:`load` would resume from, found as it and
     ``trainguard checkpoint verify`` find it (committed steps newest first, ``latest`` only

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from checkpoint._skeleton import read_entry
 from checkpoint._snapshot import apply, rebuild
 from checkpoint._store import CheckpointReader, CheckpointStore, open_candidate
 from checkpoint.errors import (
@@ -50,28 +51,6 @@ def tensor_from_bytes(data: bytes, entry: Entry, where: str) -> torch.Tensor:
         return torch.empty(entry.shape, dtype=dtype)
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return flat.view(dtype).reshape(entry.shape)
-
-
-def read_entry(reader: CheckpointReader, rank: int, entry: Entry) -> bytes:
-    """The bytes of ``entry`` of ``rank``: from its own data file, or, for a replica written
-    once by another rank (``stored_by``), from that rank's entry of the same name."""
-    if entry.stored_by is None:
-        return reader.read_entry(rank, entry)
-    holder = reader.rank_manifest(entry.stored_by)
-    try:
-        stored = holder.entry(entry.name)
-    except KeyError:
-        stored = None
-    if (
-        stored is None
-        or stored.stored_by is not None
-        or ((stored.dtype, stored.shape, stored.nbytes) != (entry.dtype, entry.shape, entry.nbytes))
-    ):
-        raise CheckpointCorruptError(
-            f"{reader.path / reader.manifest.ranks[rank].manifest}: entry {entry.name!r} is "
-            f"stored by rank {entry.stored_by}, whose manifest has no matching entry"
-        )
-    return reader.read_entry(entry.stored_by, stored)
 
 
 def read_rank_tree(reader: CheckpointReader, rank: int) -> dict[str, Any]:

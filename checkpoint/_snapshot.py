@@ -30,6 +30,14 @@ from typing import Any
 
 import torch
 
+from checkpoint._skeleton import (
+    PLAIN_GLOBALS,
+    REF_GLOBAL,
+    SkeletonRef,
+    fill,
+    find_ref,
+    load_tree,
+)
 from checkpoint.errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
@@ -46,20 +54,20 @@ ShardingHook = Callable[[str, torch.Tensor], tuple[torch.Tensor, GlobalMap | Non
 
 
 @dataclass(frozen=True, slots=True)
-class TensorRef:
+class TensorRef(SkeletonRef):
     """Stands for the tensor stored under entry ``name`` inside the pickled skeleton.
 
-    ``dtype`` and ``shape`` repeat what the manifest entry says, inside the data file where
-    the chunk CRCs cover them: a manifest edited to another dtype of the same size
-    (float32 -> int32) or another shape of the same byte count, its digest re-pinned, is
-    consistent on its own, and only this copy shows the tensor would load as wrong
-    numbers (:func:`_fill`). Skeletons written before these fields have neither (unset
-    slots: ``getattr`` with a default), and older readers ignore them when unpickling.
+    ``dtype`` and ``shape`` (fields of :class:`~checkpoint._skeleton.SkeletonRef`) repeat
+    what the manifest entry says, inside the data file where the chunk CRCs cover them: a
+    manifest edited to another dtype of the same size (float32 -> int32) or another shape
+    of the same byte count, its digest re-pinned, is consistent on its own, and only this
+    copy shows the tensor would load as wrong numbers (:func:`checkpoint._skeleton.find_ref`,
+    which deep ``verify`` runs too). Skeletons written before these fields have neither
+    (unset slots: ``getattr`` with a default), and older readers ignore them when
+    unpickling. The fields live in a torch-free base so that ``verify`` can read them
+    without torch; this class adds no field, and pickles under its own name
+    (:data:`~checkpoint._skeleton.REF_GLOBAL`) as before, so the bytes are unchanged.
     """
-
-    name: str
-    dtype: str = ""
-    shape: tuple[int, ...] | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,14 +228,8 @@ def capture(
 #: pickles (containers, scalars, TensorRef, NumPy's RNG state, torch dtypes and sizes).
 SAFE_GLOBALS = frozenset(
     {
-        *(f"builtins.{n}" for n in ("dict", "list", "tuple", "set", "frozenset", "int")),
-        *(f"builtins.{n}" for n in ("float", "bool", "str", "bytes", "bytearray", "complex")),
-        "builtins.slice",
-        "builtins.range",
-        "collections.OrderedDict",
-        "collections.defaultdict",
-        "collections.deque",
-        "checkpoint._snapshot.TensorRef",
+        *PLAIN_GLOBALS,
+        REF_GLOBAL,
         "torch.Size",
         "torch.device",
         # NumPy arrays, dtypes and scalars (np.random.get_state(), a NumPy loss value).
@@ -308,53 +310,19 @@ class _SkeletonUnpickler(pickle.Unpickler):
         )
 
 
-def _fill(obj: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
-    if isinstance(obj, TensorRef):
-        found = tensors.get(obj.name)
-        if found is None:
-            raise KeyError(obj.name)
-        _check_ref(obj, found, where)
-        return found
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors, where) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fill(v, tensors, where) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_fill(v, tensors, where) for v in obj)
-    return obj
-
-
-def _check_ref(ref: TensorRef, found: torch.Tensor, where: str) -> None:
-    """The tensor built from the manifest entry must be the one the skeleton recorded
-    (:class:`TensorRef`); a mismatch is damage the loader falls back past."""
-    dtype, shape = getattr(ref, "dtype", ""), getattr(ref, "shape", None)
-    got_dtype, got_shape = str(found.dtype).removeprefix("torch."), tuple(found.shape)
-    if (dtype and dtype != got_dtype) or (shape is not None and tuple(shape) != got_shape):
-        raise CheckpointCorruptError(
-            f"{where}: tensor {ref.name!r} is {got_dtype} {list(got_shape)} in the manifest, "
-            f"but the state skeleton saved it as {dtype or got_dtype} "
-            f"{list(shape) if shape is not None else list(got_shape)}"
-        )
+def _tensor_spec(tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    """A tensor's dtype and shape as a skeleton placeholder records them."""
+    return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
 
 
 def rebuild(skeleton: bytes, tensors: Mapping[str, torch.Tensor], *, where: str) -> dict[str, Any]:
     """The saved state: the skeleton unpickled (restricted, see the module docstring) with
-    its tensors filled in. A refused global is :class:`CheckpointUntrustedError`, not
-    damage: an older step of the same job holds the same types."""
-    try:
-        tree = _SkeletonUnpickler(skeleton, where).load()
-    except CheckpointUntrustedError:
-        raise
-    except Exception as exc:
-        raise CheckpointCorruptError(f"{where}: state skeleton does not unpickle ({exc})") from exc
-    if not isinstance(tree, dict):
-        raise CheckpointCorruptError(f"{where}: state skeleton is not a dict")
-    try:
-        return _fill(tree, tensors, where)  # type: ignore[no-any-return]
-    except KeyError as exc:
-        raise CheckpointCorruptError(
-            f"{where}: the skeleton names tensor {exc}, which the manifest does not list"
-        ) from None
+    its tensors filled in, each held to the placeholder that names it
+    (:func:`checkpoint._skeleton.find_ref`: the check deep ``verify`` runs too). A refused
+    global is :class:`CheckpointUntrustedError`, not damage: an older step of the same
+    job holds the same types."""
+    tree = load_tree(_SkeletonUnpickler(skeleton, where), where)
+    return fill(tree, lambda ref: find_ref(ref, tensors, _tensor_spec, where))  # type: ignore[no-any-return]
 
 
 def _one_line(text: str, limit: int = 300) -> str:

@@ -3,7 +3,8 @@
 Every byte handed to a caller has been checked against a CRC-32 of the 4 MiB chunk it came
 from, so a flipped bit surfaces as :class:`CheckpointCorruptError` naming the file and the
 offset instead of as a silently wrong weight. ``verify(deep=True)`` also re-hashes whole
-files against the SHA-256 recorded at commit.
+files against the SHA-256 recorded at commit, and holds each rank's state skeleton to its
+manifest as ``load`` does (:mod:`checkpoint._skeleton`).
 
 The one write here, :meth:`CheckpointStore.set_aside_after`, belongs to resuming: a job that
 resumes from an older checkpoint moves the newer step directories out of its way first.
@@ -30,6 +31,7 @@ from checkpoint._commit import (
     write_fence,
     write_latest,
 )
+from checkpoint._skeleton import check_skeleton
 from checkpoint._validate import parse_manifest, parse_rank_manifest
 from checkpoint._write import fsync_dir
 from checkpoint.crc import crc32
@@ -266,7 +268,10 @@ class CheckpointReader:
         return self.read(rank, entry.offset, entry.nbytes, what=entry.name)
 
     def verify(self, *, deep: bool = True) -> None:
-        """Raise the first problem found; ``deep`` re-reads and hashes every byte."""
+        """Raise the first problem found; ``deep`` re-reads and hashes every byte, and
+        holds the skeleton's tensor placeholders to the manifest as ``load`` does
+        (:func:`checkpoint._skeleton.check_skeleton`, no torch), so that a step verifies
+        only if ``load`` would not pass over it as damaged."""
         for rank in range(self.manifest.world_size):
             part = self.rank_manifest(rank)
             fd = self._fd(rank)
@@ -289,6 +294,7 @@ class CheckpointReader:
                 sha.update(data)
             if info.sha256 and sha.hexdigest() != info.sha256:
                 raise CheckpointCorruptError(f"{self.path / info.name}: SHA-256 mismatch")
+            check_skeleton(self, rank)  # what load() holds the manifest to, checked alike
 
     def close(self) -> None:
         for fd in self._fds.values():

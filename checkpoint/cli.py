@@ -234,7 +234,8 @@ def verify_cmd(
     ] = None,
     quick: Annotated[bool, typer.Option(help="Check manifests and sizes only")] = False,
 ) -> None:
-    """Re-read every byte and check it against the recorded CRCs and SHA-256.
+    """Re-read every byte and check it against the recorded CRCs and SHA-256, and each
+    rank's state skeleton against its manifest as load() does (no torch needed).
 
     Without --step: the checkpoint a restart would resume from, found as load() finds it
     (newest committed first, 'latest' only a hint); a damaged newer one is reported and
