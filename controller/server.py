@@ -98,8 +98,13 @@ class Server(uvicorn.Server):
     async def _run_campaign(self, controller: Controller) -> None:
         try:
             await controller.campaign_once_serving()
-        except Exception:
-            log.exception("cannot take part in the leader election; stopping")
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            log.error(
+                f"cannot take part in the leader election ({why}); stopping",
+                exc_info=True,
+                extra={"fields": {"exit_status": EXIT_START_FAILED}},
+            )
             self.start_failed = self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

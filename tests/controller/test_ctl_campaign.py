@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from controller.api.app import create_app
-from controller.server import Server, bind_socket, uvicorn_config
+from controller.server import EXIT_START_FAILED, Server, bind_socket, uvicorn_config
 from controller.services.leader import STARTING_DETAIL
 from controller.settings import ControllerSettings
 
@@ -120,3 +120,22 @@ def test_with_campaign_after_ready_the_first_passed_probe_starts_the_campaign(
         (200, {"status": "ready", "detail": ""}),
         "leader",
     )
+
+
+def test_a_first_try_for_the_lock_that_fails_stops_the_server(tmp_path: Path) -> None:
+    """The campaign runs beside the server: an error in it must stop the server (exit
+    status 3, as a failed start), not leave a replica answering "starting" for ever."""
+    settings = settings_for(tmp_path)
+    (tmp_path / "tg.db.leader").mkdir()  # the SQLite lock file cannot be opened
+    app = create_app(settings, campaign_on_start=False)
+    sock = bind_socket("127.0.0.1", 0)
+    server = Server(uvicorn_config(app, settings))
+
+    async def scenario() -> None:
+        await asyncio.wait_for(server.serve(sockets=[sock]), timeout=60)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        sock.close()
+    assert server.start_failed and EXIT_START_FAILED == 3
