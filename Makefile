@@ -64,18 +64,12 @@ $(S3_STAMP):
 	$(S3_VENV)/bin/python -m pip install --quiet "$(MOTO_PIN)"
 	touch $(S3_STAMP)
 
-# Workers: the suite is about half waiting on subprocesses, sockets and timers, so more
-# workers than cores pay. Measured here (2 cores, quiet, 26 Nov 14:00-14:20, ~2,090 tests):
-# make test 10:02 of pytest with 2 workers (617 s of CPU), 7:49 with 4 (677 s of CPU); the
-# two failures seen with 4 were real races in the agent's start (fixed), not load flakes.
-# Again on 27 Nov (2,405 tests, after the CPU cuts of that day): make test 8:27 with 4
-# workers (756 s of CPU), 8:36 with 6 (800 s); make test-fast 2:41 with 4, 2:33 with 6
-# (267 s of CPU). Each worker first imports every test module (~7 s of CPU: torch alone is
-# 1.8 s), so past the point where the waits overlap, a worker costs more than it saves.
-# Later on 27 Nov (2,443 tests): make test 6:42 with 4; make test-fast 2:09 with 6, 2:21
-# with 4 (README, "Development"). On a slower host the next morning (import torch 1.9 s of
-# CPU, not 1.3): make test 9:30 (854 s of CPU, 2,628 tests), make test-fast 3:24. Later
-# that day (torch 2.2-2.6 s): clean clones 10:39 and 10:03 (921 s, 2,713 tests), test-fast 2:55.
+# Workers: more than the 2 cores, since the suite waits on subprocesses, sockets and timers;
+# but each worker first imports every test module (~6-8 s of CPU), so past the point where
+# the waits overlap a worker costs more than it saves. Measured here: make test the same
+# with 4 and 6 workers (7:58 and 7:56 on 27 Nov 13:33, 8:27 and 8:36 on an earlier host),
+# make test-fast faster with 6 than with 4 (2:33 against 2:41). Every figure: README,
+# "Development".
 PYTEST_WORKERS ?= 4
 PYTEST_FAST_WORKERS ?= 6
 # Bytecode caching on even where the environment turns it off (PYTHONDONTWRITEBYTECODE=1,
