@@ -25,6 +25,7 @@ claimed world a memory bomb); a real hang still shows in the hung rank's other c
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 from controller.logic.detection.c4d.findings import Finding, FindingKind
@@ -50,10 +51,25 @@ class StuckCall:
     entered: tuple[int, ...]
     passed: tuple[int, ...]
     absent: tuple[int, ...]
+    #: Ranks inside another op under the same number (a desync); they are among ``absent``.
+    mismatched: tuple[int, ...] = ()
 
     @property
     def communication(self) -> bool:
-        return not self.absent
+        """Every member entered and none finished: the path between them is at fault."""
+        return not self.absent and not self.passed
+
+    @property
+    def stranded(self) -> tuple[int, ...]:
+        """Ranks stuck inside a call the other members all finished (none is absent).
+
+        Such a call completed for its group, so its communication worked: what holds these
+        ranks is their own process or GPU. It was called a communication hang of the whole
+        group (found by the fault-pattern sweep: a rank stuck in barrier #17 while its seven
+        peers, past it, waited in #18 for it gave a critical hang naming all eight ranks
+        with a link probe of every pair, and the rank holding the job up was not named).
+        """
+        return self.entered if not self.absent and self.passed else ()
 
 
 def classify(
@@ -93,6 +109,7 @@ def classify(
         members = _members(group, seq, recs, world_size, users, informed)
         if members is None:
             continue  # contradicted membership (:func:`_proven`)
+        recs, mismatched = _same_op(recs)
         entered = {r.rank for r in recs}
         passed = {m for m in members - entered if last_completed.get(m, {}).get(group, -1) >= seq}
         absent = members - entered - passed
@@ -106,10 +123,64 @@ def classify(
                 entered=tuple(sorted(entered)),
                 passed=tuple(sorted(passed)),
                 absent=tuple(sorted(absent)),
+                mismatched=mismatched,
             )
         )
     out.sort(key=lambda c: -c.elapsed_s)
     return out
+
+
+def _same_op(recs: list[InflightCollective]) -> tuple[list[InflightCollective], tuple[int, ...]]:
+    """The records of the call's op, and the ranks inside another op under the same number.
+
+    A group's calls are numbered in the order each rank issues them, so ranks reporting
+    different ops under one number issued their collectives in different orders (a
+    desync: rank 3 broadcasts where its peers all-reduce). The op most ranks report is the
+    call; the others never entered it and are its absentees. This was read as every
+    member inside the call, a communication hang of the whole group with a link probe
+    (found by the fault-pattern sweep). Without an op most of the call's ranks report (a
+    pair that disagrees: a send meets its recv on a point-to-point channel) nobody can be
+    told apart: the call stays as reported.
+    """
+    counts = Counter(r.op for r in recs)
+    if len(counts) < 2:
+        return recs, ()
+    ((top, n),) = counts.most_common(1)
+    if 2 * n <= len(recs):
+        return recs, ()
+    odd = tuple(sorted({r.rank for r in recs if r.op != top}))
+    return [r for r in recs if r.op == top], odd
+
+
+def unexplained(
+    skipped: list[StuckCall], explaining: set[tuple[str, int]], calls: list[StuckCall]
+) -> list[StuckCall]:
+    """Of ``skipped`` (stuck calls whose absentees all wait inside other calls), those
+    whose waits lead to no call with a verdict of its own: the ranks wait for each other
+    in a cycle (a deadlock: two ranks issued their calls in different orders).
+
+    An absentee waiting elsewhere is a victim when the call it waits in is explained: it
+    has culprits of its own (``explaining``: reported, or not yet past the timeout), or its
+    own absentees are explained in turn. The victims' calls were skipped on the promise of
+    an origin further down the chain; in a cycle there is none, and the hang was reported
+    by nobody (found by the fault-pattern sweep: rank 3 in its TP all-gather waiting for
+    rank 2, rank 2 in the world all-reduce waiting for rank 3, and no incident at all).
+    """
+    inside: dict[int, set[tuple[str, int]]] = {}
+    for call in calls:
+        for rank in call.entered:
+            inside.setdefault(rank, set()).add((call.group, call.seq))
+    ok = set(explaining)
+    left = list(skipped)
+    changed = True
+    while changed and left:
+        changed = False
+        for call in list(left):
+            if all(inside.get(rank, set()) & ok for rank in call.absent):
+                ok.add((call.group, call.seq))
+                left.remove(call)
+                changed = True
+    return left
 
 
 def _members(
@@ -178,9 +249,12 @@ def hang_finding(
     key: str,
     rank_node: dict[int, str],
     stuck_ranks: set[int],
+    *,
+    deadlock: bool = False,
 ) -> Finding:
-    """The finding for one hang (``calls``: the stuck calls it explains); ``stuck_ranks``
-    are the ranks that are themselves inside some collective."""
+    """The finding for one hang (``calls``: the stuck calls it explains, their culprits
+    in ``absent``); ``stuck_ranks`` are the ranks that are themselves inside some
+    collective. ``deadlock``: the culprits wait for each other (:func:`unexplained`)."""
     call = max(calls, key=lambda c: c.elapsed_s)
     what = f"{call.op} #{call.seq} in group {call.group}"
     evidence = HangEvidence(**dict(_call_evidence(call)))
@@ -207,20 +281,37 @@ def hang_finding(
             evidence=evidence,
             probe_pairs=ring_pairs(call.members),
         )
-    nodes = tuple(sorted({rank_node.get(r, "?") for r in call.absent}))
+    culprits = sorted({r for c in calls for r in (c.stranded or c.absent)})
+    nodes = tuple(sorted({rank_node.get(r, "?") for r in culprits}))
     # An absentee that is itself stuck in another collective may be a victim of a chain;
     # one stuck nowhere is the origin.
-    evidence.confidence = 0.8 if set(call.absent) & stuck_ranks else 1.0
+    evidence.confidence = 0.8 if set(culprits) & stuck_ranks else 1.0
+    if deadlock:
+        whats = ", ".join(f"{c.op} #{c.seq} in group {c.group}" for c in calls)
+        summary = (
+            f"job {job}: rank(s) {culprits} on {list(nodes)} wait for each other "
+            f"({whats}), each absent from a call another waits in: a deadlock, "
+            f"collectives issued in different orders; stuck {call.elapsed_s:.0f}s"
+        )
+    elif call.stranded:
+        summary = (
+            f"job {job}: rank(s) {culprits} on {list(nodes)} stuck {call.elapsed_s:.0f}s "
+            f"in {what}, which its {len(call.passed)} other members finished"
+        )
+    else:
+        odd = f" (rank(s) {list(call.mismatched)} called another op as #{call.seq}: out of order)"
+        summary = (
+            f"job {job}: rank(s) {list(call.absent)} on {list(nodes)} never entered "
+            f"{what}{odd if call.mismatched else ''}; {len(call.entered)} peers waiting "
+            f"{call.elapsed_s:.0f}s"
+        )
     return Finding(
         kind=FindingKind.HANG,
         job=job,
         severity="critical",
-        summary=(
-            f"job {job}: rank(s) {list(call.absent)} on {list(nodes)} never entered "
-            f"{what}; {len(call.entered)} peers waiting {call.elapsed_s:.0f}s"
-        ),
+        summary=summary,
         key=key,
-        ranks=call.absent,
+        ranks=tuple(culprits),
         nodes=nodes,
         evidence=evidence,
     )

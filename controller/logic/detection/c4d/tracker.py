@@ -17,7 +17,13 @@ from controller.logic.detection.c4d.crash import CrashState
 from controller.logic.detection.c4d.evidence import Normalization
 from controller.logic.detection.c4d.findings import Finding, FindingKind
 from controller.logic.detection.c4d.group_slow import GroupSlowState
-from controller.logic.detection.c4d.hang import StuckCall, classify, hang_finding, ring_pairs
+from controller.logic.detection.c4d.hang import (
+    StuckCall,
+    classify,
+    hang_finding,
+    ring_pairs,
+    unexplained,
+)
 from controller.logic.detection.c4d.inflight import Inflight, InflightTable
 from controller.logic.detection.c4d.job_evidence import (
     CommSlowEvidence,
@@ -453,27 +459,42 @@ class JobTracker:
         # rank blocked in its tensor-parallel all-reduce never reaches the data-parallel
         # one); only absentees stuck nowhere are culprits.
         waiting = {rank for call in calls for rank in call.entered}
+        skipped: list[StuckCall] = []  # victims' calls, explained by where they wait
+        explaining: set[tuple[str, int]] = set()  # calls with a verdict, or not yet due
         for call in calls:
             if call.elapsed_s < self.cfg.hang_timeout_s:
+                explaining.add((call.group, call.seq))
                 continue
-            culprits = tuple(r for r in call.absent if r not in waiting)
+            culprits = call.stranded or tuple(r for r in call.absent if r not in waiting)
             if call.absent and not culprits:
-                continue  # explained by the stuck call its absentees are waiting in
-            call = replace(call, absent=culprits)
-            if call.absent and set(call.absent) <= dead:
+                skipped.append(call)  # explained by the calls its absentees wait in
+                continue
+            explaining.add((call.group, call.seq))
+            if not call.stranded:
+                call = replace(call, absent=culprits)
+            if set(culprits) <= dead and culprits:
                 continue
             if call.communication:
                 key = f"comm_hang:{self.job}:{call.group}:{call.seq}"
             else:
-                key = f"hang:{self.job}:ranks:{','.join(map(str, call.absent))}"
+                key = f"hang:{self.job}:ranks:{','.join(map(str, culprits))}"
             by_key.setdefault(key, []).append(call)
+        cycle = unexplained(skipped, explaining, calls)  # waiting for each other: no origin
+        cycle_key = f"hang:{self.job}:ranks:" + ",".join(
+            map(str, sorted({r for c in cycle for r in c.absent}))
+        )
+        if cycle:
+            by_key.setdefault(cycle_key, []).extend(cycle)
         out: list[Finding] = []
         for key, calls in by_key.items():
             self._hang_calls[key] = {(c.group, c.seq) for c in calls}
             if key not in self.open_hangs:
                 self.open_hangs.add(key)
                 stuck = self.inflight.ranks()
-                out.append(hang_finding(self.job, calls, key, self.rank_node, stuck))
+                deadlock = bool(cycle) and key == cycle_key
+                out.append(
+                    hang_finding(self.job, calls, key, self.rank_node, stuck, deadlock=deadlock)
+                )
         for key in sorted(self.open_hangs - set(by_key)):
             self.open_hangs.discard(key)
             self._hang_calls.pop(key, None)
