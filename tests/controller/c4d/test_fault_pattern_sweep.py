@@ -676,6 +676,7 @@ def test_two_ranks_waiting_for_each_other_in_different_groups_are_a_deadlock() -
     found = hang_verdict([*WAITING, tp])
     assert opened(found) == [(FindingKind.HANG, (2, 3), ("node-1",))]
     assert "wait for each other" in found[0].summary
+    assert found[0].evidence.as_json()["deadlock"] is True  # remediation never isolates it
     assert {c["group"] for c in found[0].evidence.as_json()["stuck_calls"]} == {"world", "tp1"}
 
 
@@ -688,3 +689,4 @@ def test_a_chain_ending_in_a_rank_stuck_nowhere_is_no_deadlock() -> None:
     )  # fmt: skip
     found = hang_verdict([r for r in WAITING if r.rank != 2] + [tp])
     assert opened(found) == [(FindingKind.HANG, (2,), ("node-1",))]
+    assert "deadlock" not in found[0].evidence.as_json()

@@ -287,6 +287,7 @@ def hang_finding(
     # one stuck nowhere is the origin.
     evidence.confidence = 0.8 if set(culprits) & stuck_ranks else 1.0
     if deadlock:
+        evidence.deadlock = True
         whats = ", ".join(f"{c.op} #{c.seq} in group {c.group}" for c in calls)
         summary = (
             f"job {job}: rank(s) {culprits} on {list(nodes)} wait for each other "

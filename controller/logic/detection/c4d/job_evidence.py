@@ -94,6 +94,9 @@ class HangEvidence(JobEvidence, StuckCall):
     stuck_calls: list[StuckCall] | None = None
     #: ``comm_hang``: why the link probe waits.
     probe: str | None = None
+    #: ``hang``: the culprits wait for each other (collectives issued in different
+    #: orders). The job's code, not a node: remediation restarts but never isolates.
+    deadlock: bool | None = None
     flight_recorder: FlightRecorderEvidence | None = None
 
 

@@ -38,6 +38,7 @@ from sqlalchemy import Connection
 from controller.actuators.base import ActuatorError, ActuatorResult
 from controller.errors import ControllerError
 from controller.logic.detection.c4d.job_evidence import (
+    HangEvidence,
     LegacyStragglerEvidence,
     StragglerIncidentEvidence,
 )
@@ -272,6 +273,15 @@ class Isolate:
         if node is None:
             outcome = "no single culprit node to isolate"
             await record(incident, rem, kind, "", {}, "skipped", outcome)
+            return True, outcome
+        if isinstance(incident.evidence, HangEvidence) and incident.evidence.deadlock:
+            # Deterministic in the job's code: every run would deadlock again and, as a
+            # "repeat", isolate one healthy node after another.
+            outcome = (
+                f"not isolating {node}: a deadlock (ranks waiting for each other in "
+                "collectives issued in different orders) is the job's code, not the node"
+            )
+            await record(incident, rem, kind, node, {}, "skipped", outcome)
             return True, outcome
         book = ctx.book(rem.job) if rem.job else None
         history = book.culprits.setdefault(node, []) if book else []
