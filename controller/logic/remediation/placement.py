@@ -36,7 +36,14 @@ class Placement:
             raise ValueError(f"placement of job {self.job!r} has no nodes")
         if len(set(self.nodes)) != len(self.nodes):
             raise ValueError(f"placement of job {self.job!r} repeats a node: {self.nodes}")
-        if self.ranks_per_node < 1 or self.tp < 1 or self.ranks_per_node % self.tp:
+        if self.ranks_per_node < 1 or self.tp < 1:
+            # Said apart from divisibility: "tp=1 must divide ranks_per_node=0" is true of
+            # the numbers and hides what is wrong with them.
+            raise ValueError(
+                f"placement of job {self.job!r}: ranks_per_node={self.ranks_per_node} and "
+                f"tp={self.tp} must both be >= 1"
+            )
+        if self.ranks_per_node % self.tp:
             raise ValueError(
                 f"placement of job {self.job!r}: tp={self.tp} must divide "
                 f"ranks_per_node={self.ranks_per_node}"

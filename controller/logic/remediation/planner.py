@@ -82,14 +82,32 @@ def _dp_ok(n_nodes: int, current: Placement, min_dp: int, dp_must_divide: int | 
     return dp >= min_dp and (dp_must_divide is None or dp_must_divide % dp == 0)
 
 
-def _min_nodes_needed(
-    current: Placement, min_dp: int, dp_must_divide: int | None, upper: int
-) -> int | None:
-    """The smallest node count that satisfies the dp rules (``None``: no count up to ``upper``)."""
-    for n in range(1, upper + 1):
-        if _dp_ok(n, current, min_dp, dp_must_divide):
-            return n
-    return None
+def _min_nodes_needed(current: Placement, min_dp: int, dp_must_divide: int | None) -> int | None:
+    """The smallest node count that satisfies the dp rules (``None``: no count does).
+
+    Arithmetic, not a search over node counts: ``min_dp`` and ``dp_must_divide`` come from
+    a policy (up to 2**31 - 1), and counting up to them blocked the engine's event loop for
+    minutes (a prime global batch with an even dp per node never matches). ``tp`` divides
+    ``ranks_per_node`` (a :class:`Placement` invariant), so ``dp = nodes * per_node``.
+    """
+    per_node = current.ranks_per_node // current.tp
+    lowest = -(-min_dp // per_node)  # ceil: the fewest nodes giving dp >= min_dp
+    if dp_must_divide is None:
+        return lowest
+    if dp_must_divide % per_node:
+        return None  # even one node's replicas do not split the batch
+    # dp = n * per_node divides the batch exactly when n divides batch / per_node: the
+    # answer is that quotient's smallest divisor >= lowest (divisors found in O(sqrt)).
+    quotient = dp_must_divide // per_node
+    best: int | None = None
+    i = 1
+    while i * i <= quotient:
+        if quotient % i == 0:
+            for d in (i, quotient // i):
+                if d >= lowest and (best is None or d < best):
+                    best = d
+        i += 1
+    return best
 
 
 def _refusal(
@@ -97,17 +115,28 @@ def _refusal(
     healthy: list[str],
     min_dp: int,
     dp_must_divide: int | None,
-    upper: int,
+    cap: int,
 ) -> RestartPlan:
+    """Why no placement satisfies the rules, naming the numbers an operator must change.
+
+    ``cap`` is the most nodes this restart may use (the current size, or ``original_nodes``
+    when growing): when the rules need more than that, saying only "N available" would
+    read as a contradiction whenever more than N healthy nodes are on offer."""
     rules = f"min_dp={min_dp}, tp={current.tp}, {current.ranks_per_node} ranks per node"
     if dp_must_divide is not None:
         rules += f", dp dividing {dp_must_divide}"
-    need = _min_nodes_needed(current, min_dp, dp_must_divide, upper)
+    need = _min_nodes_needed(current, min_dp, dp_must_divide)
     available = ", ".join(healthy) if healthy else "none"
     if need is None:
         reason = (
-            f"job {current.job!r} has no node count up to {upper} that satisfies {rules}; "
+            f"job {current.job!r} has no node count that satisfies {rules}; "
             f"{len(healthy)} available: {available}"
+        )
+    elif need > cap:
+        reason = (
+            f"job {current.job!r} needs at least {need} healthy nodes ({rules}) but a "
+            f"restart may use at most {cap} (its size; more only by grow, up to "
+            f"original_nodes); {len(healthy)} available: {available}"
         )
     else:
         reason = (
@@ -141,6 +170,11 @@ def plan_restart(
         raise ValueError(f"dp_must_divide must be >= 1, got {dp_must_divide}")
     if original_nodes is not None and original_nodes < 1:
         raise ValueError(f"original_nodes must be >= 1, got {original_nodes}")
+    # A bare string is a Collection[str] of its characters: excluded="node-b" would exclude
+    # nodes "n", "o", … and keep the culprit. Refuse it rather than plan around it.
+    for name, value in (("candidates", candidates), ("excluded", excluded)):
+        if isinstance(value, str):
+            raise TypeError(f"{name} must be a collection of node names, not the string {value!r}")
 
     bad = set(excluded)
     slots: list[str | None] = [None if n in bad else n for n in current.nodes]
@@ -160,8 +194,7 @@ def plan_restart(
     while n >= 1 and not _dp_ok(n, current, min_dp, dp_must_divide):
         n -= 1
     if n < 1:
-        upper = max(target, len(kept) + len(spares)) + (dp_must_divide or min_dp) * current.tp
-        return _refusal(current, kept + spares, min_dp, dp_must_divide, upper)
+        return _refusal(current, kept + spares, min_dp, dp_must_divide, target)
 
     replaced: dict[str, str] = {}
     dropped: list[str] = []
