@@ -203,9 +203,9 @@ def test_fatal_xids_are_survived_by_restarts_on_the_spare_then_on_fewer_ranks(
     )
     goodput = cluster.get(f"/api/v1/jobs/{JOB}/goodput")
     assert [i["kind"] for i in goodput["incidents"]] == ["gpu_fault", "gpu_fault"]
-    assert all(0 < i["recovery_s"] < 60 for i in goodput["incidents"]), goodput
+    assert all(0 < i["recovery_s"] < 60 for i in goodput["incidents"]), goodput["incidents"]
     # Detection delay counts from the XID's own time, which the agent reported.
-    assert all(0 < i["detection_s"] < 10 for i in goodput["incidents"]), goodput
+    assert all(0 < i["detection_s"] < 10 for i in goodput["incidents"]), goodput["incidents"]
     assert all(i["recomputed_steps"] <= 5 for i in goodput["incidents"]), goodput
     assert 0 < goodput["ettr"] < 1
     metrics = http_calls.get(f"{cluster.base.server}/metrics", timeout=10).text

@@ -236,11 +236,13 @@ def test_thousand_nodes_over_64_spines_plan_fast_and_within_bounded_memory() -> 
     nodes = [topo.nodes[i].name for i in np.random.default_rng(0).permutation(1024)]
     job = ring_job(nodes, channels=2)
     Planner(topo).plan(job)  # warm imports and numpy
-    t0 = time.perf_counter()
+    # The planning thread's CPU, not the wall: under make test's load (two cores, four
+    # workers and their subprocesses) the wall measured 3.7 s for ~0.1 s of work.
+    t0 = time.thread_time()
     plan = Planner(topo).plan(job)
-    elapsed = time.perf_counter() - t0
-    # ~0.05-0.2 s on the shared 2-core machine; the bound leaves room for its load
-    assert elapsed < 1.0, elapsed
+    cpu_s = time.thread_time() - t0
+    # ~0.05-0.2 s of CPU here; speed itself is bench.traffic's (side by side, medians)
+    assert cpu_s < 1.0, cpu_s
     # reordered ring: two channels per NIC port is the floor, and the plan meets it
     assert plan.max_link_time_s() == pytest.approx(2 * plan.flows.size_bytes[0] / (200 * GBPS))
     tracemalloc.start()
