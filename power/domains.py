@@ -99,9 +99,14 @@ class DomainTree:
     """Name index over a validated tree plus aggregation of readings up the tree."""
 
     def __init__(self, root: Domain) -> None:
+        """``root`` may be built in code (the simulator, tests) rather than parsed, so its
+        shape is checked here too: a cycle would recurse forever, a duplicate name would
+        hide a domain from ``by_name``, and a child whose ``parent`` is not the node above
+        it would leave that node's caps off its GPUs (:meth:`Domain.ancestors`)."""
         self.root = root
-        self.by_name: dict[str, Domain] = {d.name: d for d in root.walk()}
-        self._postorder = list(reversed(list(root.walk())))
+        order = _checked_walk(root)
+        self.by_name: dict[str, Domain] = {d.name: d for d in order}
+        self._postorder = list(reversed(order))
 
     def __getitem__(self, name: str) -> Domain:
         return self.by_name[name]
@@ -128,11 +133,16 @@ class DomainTree:
 
         A metered row (a PDU reading) is trusted over the sum of its servers, because it
         also sees what no agent reports (switches, fans, a server without an agent).
+        A reading that is not a number of watts (NaN, negative) counts as missing: NaN
+        compares false with every threshold, so one such server would silently disable
+        its row's capping, and a negative one would undercount it into an uncap. A metered
+        domain whose meter is missing that way is incomplete, as with a stale meter.
         """
         out: dict[str, DomainPower] = {}
         for dom in self._postorder:
             reading = readings.get(dom.name)
-            if reading is not None and now_s - reading.time_s <= stale_after_s:
+            usable = reading is not None and reading.power_w >= 0
+            if reading is not None and usable and now_s - reading.time_s <= stale_after_s:
                 out[dom.name] = DomainPower(reading.power_w, True)
                 continue
             if dom.children:
@@ -146,6 +156,48 @@ class DomainTree:
             else:
                 out[dom.name] = DomainPower(0.0, False)
         return out
+
+
+def _checked_walk(root: Domain) -> list[Domain]:
+    """The domains in pre-order, or :class:`ConfigError` naming the first bad one's path."""
+    out: list[Domain] = []
+    seen: dict[str, str] = {}
+    ids: set[int] = set()
+    stack: list[tuple[Domain, Domain | None, str]] = [(root, None, "domains")]
+    while stack:
+        dom, parent, path = stack.pop()
+        if id(dom) in ids:
+            raise ConfigError(
+                f"{path}: domain {dom.name!r} appears twice in the tree (a cycle or a shared child)"
+            )
+        if dom.name in seen:
+            raise ConfigError(
+                f"{path}.name: duplicate domain name {dom.name!r} (also at {seen[dom.name]})"
+            )
+        if dom.parent is not parent:
+            above = parent.name if parent is not None else None
+            got = dom.parent.name if dom.parent is not None else None
+            raise ConfigError(f"{path}.parent: must be {above!r}, got {got!r}")
+        if len(out) >= MAX_DOMAINS:
+            raise ConfigError(f"{path}: the tree has more than {MAX_DOMAINS} domains (the limit)")
+        budget = dom.budget_w
+        if isinstance(budget, bool) or not (
+            isinstance(budget, int | float) and math.isfinite(budget) and budget > 0
+        ):
+            raise ConfigError(
+                f"{path}.budget_w: must be a positive number of watts, got {budget!r}"
+            )
+        if parent is not None and dom.kind <= parent.kind:
+            raise ConfigError(
+                f"{path}.kind: a {dom.kind.label} cannot sit under a {parent.kind.label} "
+                f"({parent.name}); kinds must go deeper"
+            )
+        ids.add(id(dom))
+        seen[dom.name] = path
+        out.append(dom)
+        for i in reversed(range(len(dom.children))):
+            stack.append((dom.children[i], dom, f"{path}.children[{i}]"))
+    return out
 
 
 def load_domains(path: str | Path, *, defaults: PolicyConfig | None = None) -> DomainTree:

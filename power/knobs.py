@@ -52,13 +52,18 @@ def power_limit_for_cap(
     """The power limit standing in for a clock cap of ``frac`` (None: limits unknown).
 
     Reported limits win over the table's; without a reported minimum, a quarter of the
-    maximum is assumed. The brake is the minimum limit.
+    maximum is assumed. The brake is the minimum limit. The result always lies within
+    [minimum, maximum] as NVML enforces them, or the command would only fail: a table
+    minimum above a reported maximum (a low-power part of a known family) gives way to
+    the maximum, and rounding to 0.1 W never steps below the minimum or above the maximum.
     """
     tdp = status.power_limit_max_w or (profile.tdp_w if profile else None)
     lo = status.power_limit_min_w or (profile.power_limit_min_w if profile else None)
     if tdp is None:
         return None
-    lo = lo if lo is not None else 0.25 * tdp
+    lo = min(lo, tdp) if lo is not None else 0.25 * tdp
     if cap_key == "brake":
-        return round(lo, 1)
-    return round(power_limit_for_clock(frac, tdp_w=tdp, limit_min_w=lo, kind=status.workload), 1)
+        want = lo
+    else:
+        want = power_limit_for_clock(frac, tdp_w=tdp, limit_min_w=lo, kind=status.workload)
+    return min(max(round(want, 1), lo), tdp)

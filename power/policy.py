@@ -99,6 +99,8 @@ class _GpuState:
     """The status as reported, when ``status`` had to be cleaned (inverted limits)."""
     limits_bad: str | None = None
     """Why the power-limit knob is not used for this GPU's reported bounds (inverted)."""
+    release_failed: set[Knob] = field(default_factory=set)
+    """Knobs whose release (unlock, reset) failed: not tried again, so no command loop."""
 
 
 class PowerPolicy:
@@ -428,6 +430,7 @@ class PowerPolicy:
         level = Level.NONE
         threshold = power = budget = None
         reason = "no domain above this GPU is capping it"
+        held = False  # a looser cap waits for an adopted cap's hold to end
         if worst is not None:
             frac, dom, level, ck = worst
             st = self._domains[dom.name]
@@ -446,8 +449,28 @@ class PowerPolicy:
                 want_clock = profile.caps_mhz[ck]
             else:
                 want_limit = power_limit_for_cap(status, profile, frac, ck)
-                if want_limit is None:
+                if (
+                    want_limit is None
+                    and profile is not None
+                    and profile.clocks_usable
+                    and gpu.clocks_failed is None
+                ):
+                    # The domain prefers limits, but this GPU has none known (a model not in
+                    # the table, no bounds reported): its clocks cap it rather than nothing.
+                    want_clock = profile.caps_mhz[ck]
+                    knob, note = Knob.CLOCKS, "clocks used: power limits unknown"
+                elif want_limit is None:
                     knob, note = Knob.POWER_LIMIT, "no usable knob: power limits unknown"
+            if now_s < gpu.hold_until_s:
+                # An adopted cap is kept one hold time, loosening included: after a restart
+                # or a tree replacement the draw is the one that cap holds down, so a fresh
+                # level (T1 under an adopted T2 lock) would let it back up and cap again.
+                if want_clock is not None and gpu.applied_clock is not None:
+                    held = held or gpu.applied_clock < want_clock
+                    want_clock = min(want_clock, gpu.applied_clock)
+                if want_limit is not None and gpu.applied_limit is not None:
+                    held = held or gpu.applied_limit < want_limit
+                    want_limit = min(want_limit, gpu.applied_limit)
         elif not gpu.chain:
             reason = (
                 f"{status.server} is in no power domain of the current tree: releasing the "
@@ -465,7 +488,7 @@ class PowerPolicy:
         ):
             gpu.deferred = True
             return []  # never lift a cap blindly: adopted caps wait, stale domains hold
-        gpu.deferred = False
+        gpu.deferred = held
         out: list[Decision] = []
 
         def emit(cmd: GpuCommand, k: Knob, target: float | None) -> None:
@@ -491,8 +514,13 @@ class PowerPolicy:
             (Knob.CLOCKS, want_clock, gpu.clocks_failed),
             (Knob.POWER_LIMIT, want_limit, gpu.limit_failed or gpu.limits_bad),
         )
+        # A knob that failed is not used to cap, but a cap it set before failing (a lock
+        # that took at T1, then the T2 lock failed) must still be lifted once nothing is
+        # wanted, or it stays on the GPU for good; tried once per knob, not in a loop.
+        releasing = want_clock is None and want_limit is None
         for k, want, failed in wants:
-            if failed is None and self._needs(gpu, k, want, now_s):
+            usable = failed is None or (releasing and k not in gpu.release_failed)
+            if usable and self._needs(gpu, k, want, now_s):
                 target = None if want is None else float(want)
                 emit(self._command(k, target, status.index, lowest, reason, now_s), k, target)
         return out
@@ -553,12 +581,15 @@ class PowerPolicy:
                 gpu.applied_clock = None if target is None else int(target)
             else:
                 gpu.applied_limit = target
+            gpu.release_failed.discard(knob)
             done = ack.finished_unix_s or now_s
             self.latencies_s.append(max(0.0, done - pending.sent_s))
             return
         if ack.status is not CommandStatus.FAILED:
             return
         why = ack.reason or "no reason given"
+        if pending.target is None:
+            gpu.release_failed.add(knob)
         if knob is Knob.CLOCKS:
             gpu.clocks_failed = why
             incidents.append(

@@ -22,48 +22,25 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from power.config import Level, Priority
-from power.domains import DomainTree, Reading, parse_domains
+from power.domains import Reading, parse_domains
 from power.errors import ConfigError
-from power.policy import Decision, GpuStatus, PowerPolicy, TickResult
+from power.policy import GpuStatus, PowerPolicy
 from power.reports import readings_from_sample
+from tests.power.power_sim import BUDGET, HOLD_S, Agents, row
 from trainguard.wire import (
-    CommandAck,
-    CommandStatus,
     GpuSample,
-    LockClocks,
     NodeSample,
-    ResetPowerLimit,
-    SetPowerLimit,
     UnlockClocks,
 )
 
 A100 = "NVIDIA A100-SXM4-80GB"
-BUDGET = 1000.0
-HOLD_S = 10.0
-
-
-def row(
-    servers: Sequence[str] = ("s1", "s2", "s3"),
-    *,
-    budget_w: float = BUDGET,
-    policy: dict[str, Any] | None = None,
-) -> DomainTree:
-    return parse_domains(
-        {
-            "name": "row-a",
-            "kind": "row",
-            "budget_w": budget_w,
-            "policy": {"min_hold_s": HOLD_S, **(policy or {})},
-            "children": [{"name": s, "kind": "server", "budget_w": 5000} for s in servers],
-        }
-    )
 
 
 def gpu(server: str, priority: Priority = Priority.LOW, **kw: Any) -> GpuStatus:
@@ -75,45 +52,6 @@ def even(
 ) -> dict[str, Reading]:
     names = list(servers)
     return {s: Reading(frac * BUDGET / len(names), now) for s in names}
-
-
-class Agents:
-    """Executes and acknowledges commands like the agents, and reports back what is in
-    force, as the next report's GpuStatus would (the lock it set, the limit NVML reads)."""
-
-    def __init__(self, policy: PowerPolicy, gpus: Sequence[GpuStatus]) -> None:
-        self.policy = policy
-        self.gpus = {(g.server, g.index): g for g in gpus}
-        self.acks: list[CommandAck] = []
-        self.sent: list[Decision] = []
-        self.ignore: set[str] = set()
-        """Servers that ack success and change nothing (a cap that does not take)."""
-
-    def tick(self, now: float, readings: dict[str, Reading]) -> TickResult:
-        result = self.policy.tick(now, readings, list(self.gpus.values()), self.acks)
-        self.acks = []
-        for d in result.decisions:
-            self.sent.append(d)
-            key = (d.node, d.gpu_index)
-            cmd = d.command
-            if d.node not in self.ignore:
-                g = self.gpus[key]
-                if isinstance(cmd, LockClocks):
-                    g = dataclasses.replace(g, locked_sm_clock_mhz=cmd.max_mhz)
-                elif isinstance(cmd, UnlockClocks):
-                    g = dataclasses.replace(g, locked_sm_clock_mhz=None)
-                elif isinstance(cmd, SetPowerLimit):
-                    g = dataclasses.replace(g, power_limit_w=cmd.limit_w)
-                elif isinstance(cmd, ResetPowerLimit):
-                    g = dataclasses.replace(g, power_limit_w=g.power_limit_max_w)
-                self.gpus[key] = g
-            self.acks.append(
-                CommandAck(command_id=cmd.id, status=CommandStatus.SUCCEEDED, finished_unix_s=now)
-            )
-        return result
-
-    def kinds(self, since: int = 0) -> list[tuple[str, str]]:
-        return [(d.node, d.command.kind) for d in self.sent[since:]]
 
 
 # ----------------------------------------------------------------------- telemetry gaps
