@@ -27,12 +27,22 @@ def rank_nic(plan: Plan, rank: int) -> tuple[int, int]:
 
 
 def pair_links(plan: Plan, a: int, b: int) -> set[int]:
-    """Links the planned flows from rank a's NIC to rank b's NIC cross (empty: none)."""
+    """Links the probe traffic between ranks a and b crosses, as far as the plan tells.
+
+    The planned flows from a's NIC to b's NIC, where there are any. Where there are none
+    (the ring crosses nodes NIC k to NIC k, so a probe pair from one rail to another is
+    never planned, the common case on one-NIC-per-GPU servers), the access links of both
+    NICs, each way (the probe is a ping-pong): whatever route the transfer took, it crossed
+    one of those. Ranks on one node talk over NVLink/PCIe: no fabric link (empty).
+    """
     (sn, sk), (dn, dk) = rank_nic(plan, a), rank_nic(plan, b)
     fl = plan.flows
     mask = (fl.src_node == sn) & (fl.src_nic == sk) & (fl.dst_node == dn) & (fl.dst_nic == dk)
     rows = plan.paths()[mask]
-    return {int(x) for x in np.unique(rows) if x != plan.topology.dummy_link}
+    if len(rows) or sn == dn:
+        return {int(x) for x in np.unique(rows) if x != plan.topology.dummy_link}
+    refs = [*plan.topology.ports[sn][sk], *plan.topology.ports[dn][dk]]
+    return {r.up_link for r in refs} | {r.down_link for r in refs}
 
 
 def suspect_links(

@@ -261,10 +261,15 @@ class JobTracker:
         verdict = localize(results, self.rank_node, self.cfg.probe_slow_fraction)
         if verdict.scope == "none":
             return None
+        # Slow pairs sharing no rank or node are separate links: each named as its pair
+        # (one list of all their ranks read as a single link).
+        links = ", ".join(f"{a}-{b}" for a, b in verdict.slow_pairs)
         where = {
             "rank": f"rank(s) {list(verdict.culprit_ranks)} on {list(verdict.culprit_nodes)}",
             "node": f"node(s) {list(verdict.culprit_nodes)}",
-            "link": f"the link between ranks {list(verdict.culprit_ranks)}",
+            "link": f"the link between ranks {list(verdict.culprit_ranks)}"
+            if len(verdict.slow_pairs) == 1
+            else f"the links between ranks {links}",
             "failed": f"ranks {list(verdict.culprit_ranks)} (probe transfers failed)",
         }[verdict.scope]
         return Finding(
