@@ -34,6 +34,15 @@ from checkpoint.manifest import Entry, GlobalMap, Piece
 log = logging.getLogger(__name__)
 
 
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two replicas hold the same bytes. Replicas are copies, so this is the test;
+    value equality (``torch.equal``) calls a copy holding NaN different from itself, and a
+    diverged run's replicated tensor would then not convert."""
+    return a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Fragment:
     rank: int
@@ -151,7 +160,7 @@ class FragmentIndex:
                         if (
                             check_replicas
                             and bool(mask.any())
-                            and not torch.equal(dst[mask], src.to(dst.dtype)[mask])
+                            and not _same_bytes(dst[mask], src.to(dst.dtype)[mask])
                         ):
                             raise CheckpointLayoutError(
                                 f"tensor {name!r}: replicated copies differ (rank "

@@ -38,6 +38,7 @@ from checkpoint._skeleton import (
     find_ref,
     load_tree,
 )
+from checkpoint._validate import DTYPE_BYTES
 from checkpoint.errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
@@ -139,6 +140,15 @@ class _Walker:
                 replicas = tuple(find_replicas(name, value))
             value, global_map = self.sharding(name, value)
         value = value.detach()
+        dtype = str(value.dtype).removeprefix("torch.")
+        if dtype not in DTYPE_BYTES:
+            # Refused here, on the training thread: written anyway, the manifest would name a
+            # dtype every reader refuses, so each save would fail late, at the commit, as
+            # "corrupt" (float8_e4m3fnuz, float8_e8m0fnu, complex32, quantized types).
+            raise CheckpointConfigError(
+                f"save(state, step): tensor {name!r} has dtype {dtype}, which a checkpoint "
+                f"cannot hold (supported: {', '.join(sorted(DTYPE_BYTES))}); convert it first"
+            )
         lazy = self.lazy_ok and value.untyped_storage().data_ptr() in self._lazy_ptrs
         self.out.tensors.append(
             CapturedTensor(
