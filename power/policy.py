@@ -101,6 +101,8 @@ class _GpuState:
     """Why the power-limit knob is not used for this GPU's reported bounds (inverted)."""
     release_failed: set[Knob] = field(default_factory=set)
     """Knobs whose release (unlock, reset) failed: not tried again, so no command loop."""
+    uncappable_said: bool = False
+    """A cap was wanted and no knob was known: said once (``gpu_uncappable``)."""
 
 
 class PowerPolicy:
@@ -199,7 +201,7 @@ class PowerPolicy:
         keys = list(self._gpus) if self._changed else list(self._attention)
         for key in keys:
             gpu = self._gpus[key]
-            decisions.extend(self._plan_gpu(key, gpu, now_s, agg))
+            decisions.extend(self._plan_gpu(key, gpu, now_s, agg, incidents))
             if gpu.inflight or gpu.deferred:
                 self._attention.add(key)
             else:
@@ -410,7 +412,12 @@ class PowerPolicy:
         return profile
 
     def _plan_gpu(
-        self, key: tuple[str, int], gpu: _GpuState, now_s: float, agg: Mapping[str, DomainPower]
+        self,
+        key: tuple[str, int],
+        gpu: _GpuState,
+        now_s: float,
+        agg: Mapping[str, DomainPower],
+        incidents: list[PolicyIncident],
     ) -> list[Decision]:
         status = gpu.status
         worst: tuple[float, Domain, Level, str] | None = None  # (clock fraction of max, ...)
@@ -471,6 +478,8 @@ class PowerPolicy:
                 if want_limit is not None and gpu.applied_limit is not None:
                     held = held or gpu.applied_limit < want_limit
                     want_limit = min(want_limit, gpu.applied_limit)
+            self._say_uncappable(gpu, want_clock is None and want_limit is None, dom, level,
+                                 note, incidents)  # fmt: skip
         elif not gpu.chain:
             reason = (
                 f"{status.server} is in no power domain of the current tree: releasing the "
@@ -561,6 +570,39 @@ class PowerPolicy:
 
     def _cap_fraction(self, status: GpuStatus, policy: PolicyConfig, ck: str) -> float:
         return cap_fraction(self._profile(status, policy), ck)
+
+    @staticmethod
+    def _say_uncappable(
+        gpu: _GpuState,
+        uncappable: bool,
+        dom: Domain,
+        level: Level,
+        note: str,
+        incidents: list[PolicyIncident],
+    ) -> None:
+        """A GPU that must be capped but has no knob known (neither a clock range nor power
+        limits: a model not in the table that reports no bounds) draws uncapped while the
+        others take its share; said once, as an incident, rather than only in a note on a
+        decision that is never sent. A knob that failed has its own incident."""
+        failed = gpu.clocks_failed is not None or gpu.limit_failed is not None
+        if not uncappable or failed:
+            gpu.uncappable_said = gpu.uncappable_said and uncappable
+            return
+        if gpu.uncappable_said:
+            return
+        gpu.uncappable_said = True
+        st = gpu.status
+        incidents.append(
+            PolicyIncident(
+                "gpu_uncappable",
+                f"{st.server} GPU {st.index} ({st.model or 'model unknown'}): {dom.name} is at "
+                f"{level.name} but this GPU cannot be capped ({note}); the other GPUs' caps "
+                "take its share",
+                dom.name,
+                st.server,
+                st.index,
+            )
+        )
 
     def _apply_ack(self, ack: CommandAck, now_s: float, incidents: list[PolicyIncident]) -> None:
         entry = self._pending.pop(ack.command_id, None)

@@ -53,7 +53,11 @@ class Decision:
 
 #: The incidents the policy raises (the controller maps each to an incident kind of its own).
 PolicyIncidentKind = Literal[
-    "brake", "telemetry_stale", "clock_command_failed", "power_limit_command_failed"
+    "brake",
+    "telemetry_stale",
+    "clock_command_failed",
+    "power_limit_command_failed",
+    "gpu_uncappable",
 ]
 
 

@@ -52,6 +52,7 @@ class IncidentKind(StrEnum):
     POWER_TELEMETRY_STALE = "power_telemetry_stale"
     POWER_CLOCK_COMMAND_FAILED = "power_clock_command_failed"
     POWER_LIMIT_COMMAND_FAILED = "power_limit_command_failed"
+    POWER_GPU_UNCAPPABLE = "power_gpu_uncappable"
     # Remediation's own guard rails.
     #: An isolation budget held an isolation back (the quarantine budget,
     #: ``quarantine_budget_share``, or the policy's circuit breaker,

@@ -555,3 +555,28 @@ def test_every_cap_is_lifted_once_a_braked_mixed_row_goes_quiet() -> None:
     for t in range(100, 400):
         agents.tick(float(t), even(0.2, float(t)))
     assert len(agents.sent) == quiet
+
+
+def test_a_gpu_that_must_be_capped_and_has_no_knob_is_said_once() -> None:
+    """A model not in the table that reports neither clocks nor limits cannot be capped. It
+    used to draw uncapped with no incident at all: only a note on a decision never sent."""
+    unknown = gpu("s1", model="Acme Tensor 9000")
+    agents = Agents(PowerPolicy(row()), [unknown, gpu("s2")])
+    said = []
+    for t in range(5):  # the row stays over T1: the GPU stays uncappable
+        said += [i for i in agents.tick(float(t), even(0.93, float(t))).incidents]
+    assert [(i.kind, i.node, i.gpu_index, i.domain) for i in said] == [
+        ("gpu_uncappable", "s1", 0, "row-a")
+    ]
+    assert "cannot be capped (no usable knob: power limits unknown)" in said[0].message
+    assert ("s2", "lock_clocks") in agents.kinds()  # the others take its share
+
+
+def test_every_policy_incident_kind_becomes_a_controller_incident() -> None:
+    """A policy incident kind the controller's loop cannot map would raise in the loop."""
+    from typing import get_args
+
+    from controller.services.power.loop import INCIDENT_KINDS
+    from power.tick_io import PolicyIncidentKind
+
+    assert set(get_args(PolicyIncidentKind)) == set(INCIDENT_KINDS)

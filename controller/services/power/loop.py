@@ -62,6 +62,7 @@ INCIDENT_KINDS: dict[PolicyIncidentKind, tuple[IncidentKind, str]] = {
     "telemetry_stale": (IncidentKind.POWER_TELEMETRY_STALE, "warning"),
     "clock_command_failed": (IncidentKind.POWER_CLOCK_COMMAND_FAILED, "warning"),
     "power_limit_command_failed": (IncidentKind.POWER_LIMIT_COMMAND_FAILED, "critical"),
+    "gpu_uncappable": (IncidentKind.POWER_GPU_UNCAPPABLE, "warning"),
 }
 
 #: Peak-hold window of a server's reading (s): longer than a training step's dip (0.3 s in
