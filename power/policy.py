@@ -632,13 +632,19 @@ class PowerPolicy:
         why = ack.reason or "no reason given"
         if pending.target is None:
             gpu.release_failed.add(knob)
+        releasing = pending.target is None
         if knob is Knob.CLOCKS:
             gpu.clocks_failed = why
+            then = (
+                "the lock stays until an operator resets the clocks (not tried again)"
+                if releasing
+                else "escalating to the power-limit knob"
+            )
             incidents.append(
                 PolicyIncident(
                     "clock_command_failed",
-                    f"{node} GPU {index}: clock command failed ({why}); escalating to the "
-                    "power-limit knob",
+                    f"{node} GPU {index}: clock {'unlock' if releasing else 'command'} failed "
+                    f"({why}); {then}",
                     None,
                     node,
                     index,
@@ -647,7 +653,9 @@ class PowerPolicy:
         else:
             gpu.limit_failed = why
             fallback = (
-                "falling back to clocks"
+                "the limit stays until an operator resets it (not tried again)"
+                if releasing
+                else "falling back to clocks"
                 if gpu.clocks_failed is None
                 else ("no knob left: this GPU cannot be capped, others will take its share")
             )

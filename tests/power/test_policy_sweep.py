@@ -519,6 +519,11 @@ def test_a_release_that_fails_is_tried_once_not_every_tick() -> None:
         incidents += agents.tick(float(t), even(0.3, float(t))).incidents
     assert agents.kinds(3).count(("s1", "unlock_clocks")) == 1
     assert [i.kind for i in incidents] == ["clock_command_failed"]
+    # Said as what it is: not "escalating to the power-limit knob" (there is no cap to move)
+    assert incidents[0].message == (
+        "s1 GPU 0: clock unlock failed (Insufficient Permissions); the lock stays until an "
+        "operator resets the clocks (not tried again)"
+    )
     g = agents.gpus[("s1", 0)]
     assert g.locked_sm_clock_mhz == 1275 and g.power_limit_w == 400.0
 
