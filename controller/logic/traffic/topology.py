@@ -29,6 +29,10 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 MAX_TIER = 3
 MAX_PORTS_PER_NIC = 4
 GBPS_TO_BYTES_PER_S = 1e9 / 8
+MIN_SLOW_FACTOR = 1e-9
+"""Smallest health factor of a slow link. Any capacity times this stays far above the
+range where ``bytes / capacity`` overflows (capacities are >= 0.001 Gb/s), so an almost
+dead link keeps a finite, huge time; below it a link must be marked down."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,9 +270,19 @@ class Topology:
         raise TopologyError(f"unknown link {spec!r}: use 'a->b' for one direction or 'a--b'")
 
     def set_health(self, links: list[int], factor: float) -> None:
-        """Mark links down (0), slow (0 < f < 1) or healthy (1); routes are recomputed."""
+        """Mark links down (0), slow (MIN_SLOW_FACTOR <= f < 1) or healthy (1); routes are
+        recomputed. A positive factor below MIN_SLOW_FACTOR (a denormal such as 5e-324) is
+        refused naming the link: it is down in all but name, and ``load / capacity`` over it
+        overflows to inf, so the planner would fail with "no candidate path with capacity
+        left" naming a flow index instead of the link."""
         if not 0.0 <= factor <= 1.0:
             raise TopologyError(f"link health factor must be within 0..1, got {factor}")
+        if 0.0 < factor < MIN_SLOW_FACTOR:
+            first = self.link_names[links[0]] if len(links) else "?"
+            raise TopologyError(
+                f"link {first}: health factor {factor!r} is below {MIN_SLOW_FACTOR!r}; "
+                "mark the link down (0) instead"
+            )
         self.health[links] = factor
         self.epoch += 1
         self._desc = None
@@ -357,6 +371,7 @@ class Topology:
 
 
 __all__ = [
+    "MIN_SLOW_FACTOR",
     "CableSpec",
     "NicSpec",
     "NodeSpec",
