@@ -17,8 +17,17 @@
 {{- end -}}
 {{- end -}}
 
+{{/* <fullname>-<suffix> within the 63 characters of a DNS label (Service, Job, pod label
+values): (dict "root" $ "suffix" "agent"). The full name is shortened, never the suffix, so
+a long release's "-agent" or "-leader-hook" object cannot be cut back to the controller's
+own name (same kind, same namespace: one would overwrite the other). */}}
+{{- define "trainguard.suffixedName" -}}
+{{- $base := include "trainguard.fullname" .root | trunc (int (sub 62 (len .suffix))) | trimSuffix "-" -}}
+{{- printf "%s-%s" $base .suffix -}}
+{{- end -}}
+
 {{- define "trainguard.agentName" -}}
-{{- printf "%s-agent" (include "trainguard.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- include "trainguard.suffixedName" (dict "root" . "suffix" "agent") -}}
 {{- end -}}
 
 {{- define "trainguard.labels" -}}
@@ -135,6 +144,9 @@ what to set. Included by every workload template. */}}
 {{- end -}}
 {{- if and .Values.agent.enabled (ge (int .Values.agent.metrics.port) 1) (eq (int .Values.agent.metrics.port) (int .Values.agent.jobEndpoint.port)) -}}
 {{- fail (printf "agent.metrics.port and agent.jobEndpoint.port are both %d: the agent cannot listen twice on one port; give the metrics exporter another port (or -1 to turn it off)" (int .Values.agent.metrics.port)) -}}
+{{- end -}}
+{{- if eq (include "trainguard.agentName" .) (include "trainguard.fullname" .) -}}
+{{- fail (printf "the agents' objects would be named %q like the controller's: shorten fullnameOverride (or nameOverride) so it does not end in \"-agent\" at 62 characters" (include "trainguard.fullname" .)) -}}
 {{- end -}}
 {{- if and .Values.image.tag (hasPrefix "sha256:" .Values.image.tag) -}}
 {{- fail "image.tag holds a tag, not a digest: set controller.image.digest and agent.image.digest (sha256:<64 hex>) instead" -}}
