@@ -73,7 +73,13 @@ def test_one_burst_of_load_does_not_slow_every_round_of_a_pair() -> None:
 
     cmd = JobLinkProbe(id="p", job="j", at_step=1, pairs=[(0, 1), (0, 2)], size_bytes=1024)
     results = run_probe(
-        cmd, rank=0, world_size=3, isend=isend, irecv=irecv, link_delay_s=lambda _pair: 0.0
+        cmd,
+        rank=0,
+        world_size=3,
+        isend=isend,
+        irecv=irecv,
+        link_delay_s=lambda _pair: 0.0,
+        repeats=3,
     )
     assert [(r.src_rank, r.dst_rank, r.ok) for r in results] == [(0, 1, True), (0, 2, True)]
     assert max(r.duration_s for r in results) < 0.05  # a burst would make it >= 0.1 s

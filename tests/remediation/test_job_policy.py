@@ -226,5 +226,6 @@ def test_restart_when_the_placement_cannot_be_read_fails_with_the_reason(
     row = wait_for(lambda: [a for a in actions(live) if a["kind"] == "restart_job"])[0]
     assert row["status"] == "failed" and row["trigger"] == f"incident:{incident}"
     assert row["outcome"].startswith("cannot tell where job gpt runs: pod llm-0")
+    remediation_over(live, incident)  # the row is written before the remediation ends
     remediation = live.controller.remediation.snapshot()["remediations"][0]
     assert remediation["state"] == "failed"
