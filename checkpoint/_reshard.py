@@ -137,8 +137,13 @@ class FragmentIndex:
             t_off, t_shape = tuple(tp.offsets), tuple(tp.shape)
             done = torch.zeros(t_shape, dtype=torch.int32)
             whole = flat_t.as_strided(t_shape, tp.strides, tp.base)
+            # The mean of integer or bool copies (an `average` glob that catches a
+            # `num_batches_tracked`) is taken in float64 and rounded back: divided in place,
+            # torch refuses to cast the float quotient into the integer tensor.
+            exact = whole.is_floating_point() or whole.is_complex()
+            acc = whole if reduce != "avg" or exact else torch.zeros(t_shape, dtype=torch.float64)
             if reduce != "none":
-                whole.zero_()
+                acc.zero_()
             for frag in frags:
                 for sp in frag.global_map.pieces:
                     hit = intersect(t_off, t_shape, sp.offsets, sp.shape)
@@ -152,7 +157,7 @@ class FragmentIndex:
                     if reduce == "none" and not check_replicas and bool(seen.all()):
                         continue  # a replica of something already loaded
                     src = self._read_box(frag, sp, off, shape)
-                    dst = whole[rel]
+                    dst = (acc if reduce != "none" else whole)[rel]
                     if reduce != "none":
                         dst.add_(src.to(dst.dtype))
                     else:
@@ -174,7 +179,9 @@ class FragmentIndex:
                     f"is in no saved fragment of {self.reader.path}"
                 )
             if reduce == "avg":
-                whole.div_(done.to(whole.dtype))
+                acc.div_(done.to(acc.dtype))
+                if acc is not whole:
+                    whole.copy_(acc.round())  # to nearest, ties to even (bool: a majority)
 
 
 def identity_map(name: str, tensor: torch.Tensor) -> GlobalMap:

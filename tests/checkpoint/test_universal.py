@@ -202,3 +202,37 @@ def test_manifest_records_global_mapping(tmp_path: Path) -> None:
     assert qkv["shape"] == [12, 4]
     assert [p["offsets"] for p in qkv["pieces"]] == [[2, 0], [6, 0], [10, 0]]
     assert raw["layout"] == {"tp": 2, "dp": 2}
+
+
+def test_integer_and_bool_copies_under_average_are_their_rounded_mean(tmp_path: Path) -> None:
+    """An ``average`` glob that catches an integer (BatchNorm's ``num_batches_tracked``) or
+    a bool tensor: its mean is taken in float64 and rounded to nearest, ties to even (a
+    bool: the majority). It used to raise torch's bare RuntimeError ("result type Float
+    can't be cast to the desired output type Long") out of reshard and convert."""
+    rules = [{"pattern": "count", "rule": "average"}, {"pattern": "flag", "rule": "average"}]
+    copies = [
+        {"count": torch.tensor([1, 10, 7]), "flag": torch.tensor([True, False, True])},
+        {"count": torch.tensor([2, 11, 7]), "flag": torch.tensor([True, True, False])},
+    ]
+    engines = []
+    for rank, state in enumerate(copies):
+        layout = ParallelLayout(tp=1, tp_rank=0, dp=2, dp_rank=rank)
+        engine = Checkpointer(
+            CheckpointConfig(root=tmp_path, writer="thread"),
+            rank=rank,
+            world_size=2,
+            layout={"tp": 1, "dp": 2},
+            sharding=ShardingSpec(rules, layout=layout),
+        )
+        engine.save(state, step=1)
+        engines.append(engine)
+    for engine in reversed(engines):
+        engine.close()
+    want = {"count": torch.tensor([2, 10, 7]), "flag": torch.tensor([True, False, False])}
+    one = ParallelLayout(tp=1, tp_rank=0, dp=1, dp_rank=0)
+    targets = {"count": torch.zeros(3, dtype=torch.int64), "flag": torch.zeros(3, dtype=torch.bool)}
+    load_resharded(tmp_path, targets, sharding=ShardingSpec(rules, layout=one))
+    assert {k: v.tolist() for k, v in targets.items()} == {k: v.tolist() for k, v in want.items()}
+    with CheckpointStore(tmp_path).open_latest() as reader:
+        got = dict(consolidate(reader))
+    assert {k: got[k].tolist() for k in want} == {k: v.tolist() for k, v in want.items()}
