@@ -27,8 +27,9 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from controller.logic.detection.hw_rules import RULES, standing_conditions
+from controller.logic.detection.hw_rules import RULES, hw_incident_key, standing_conditions
 from controller.logic.detection.incident_evidence import HwEvidence, IncidentEvidence
+from controller.logic.incident_kinds import IncidentKind
 from trainguard import wire
 
 #: Clear reports in a row before a GPU's warning resolves. One is not enough: a flapping
@@ -66,7 +67,7 @@ Verdict = Literal["clear", "standing", "unread"]
 
 def hw_degraded_key(node: str, gpu_index: int) -> str:
     """The dedupe key of a GPU's ``hw_degraded`` warning (as the health detector opens it)."""
-    return f"hw_degraded:{node}:gpu{gpu_index}"
+    return hw_incident_key(IncidentKind.HW_DEGRADED, node, gpu_index)
 
 
 def incident_signals(evidence: IncidentEvidence) -> frozenset[str] | None:

@@ -82,6 +82,14 @@ class HwFinding:
     time_unix_s: float
 
 
+def hw_incident_key(kind: str, node: str, gpu_index: int | None, device: str = "") -> str:
+    """The dedupe key of a hardware warning (``hw_degraded``, ``nic_errors``): one per
+    NIC or bond (``device``), else per GPU, else per node. The health detector opens by
+    it and the clearing rule finds a GPU's open warning by it."""
+    where = device or (f"gpu{gpu_index}" if gpu_index is not None else "node")
+    return f"{kind}:{node}:{where}"
+
+
 class HwRules:
     """Turns reports into findings; remembers standing conditions so each is found once.
 
@@ -188,4 +196,12 @@ def standing_conditions(g: wire.GpuSample) -> dict[str, tuple[str, str]]:
     return out
 
 
-__all__ = ["RETIRED_PAGES_LIMIT", "RULES", "HwFinding", "HwRules", "Level", "standing_conditions"]
+__all__ = [
+    "RETIRED_PAGES_LIMIT",
+    "RULES",
+    "HwFinding",
+    "HwRules",
+    "Level",
+    "hw_incident_key",
+    "standing_conditions",
+]

@@ -48,7 +48,7 @@ from sqlalchemy import Table
 from controller.db.keys import GpuKey, NodeKey, RowKey
 from controller.db.repositories import write_batch
 from controller.db.repositories.nodes import gpu_row, node_row
-from controller.logic.detection.hw_rules import HwFinding, HwRules
+from controller.logic.detection.hw_rules import HwFinding, HwRules, hw_incident_key
 from controller.logic.detection.incident_evidence import (
     EvidenceEvent,
     GpuFaultEvidence,
@@ -343,13 +343,12 @@ class HealthDetector:
             kind, severity = IncidentKind.NIC_ERRORS, "info"
         else:
             return
-        where = f.device or (f"gpu{f.gpu_index}" if f.gpu_index is not None else "node")
         await self._incidents.open_or_bump(
             IncidentSpec(
                 kind=kind,
                 severity=severity,
                 summary=f"{node.name}: {f.reason}",
-                dedupe_key=f"{kind}:{node.name}:{where}",
+                dedupe_key=hw_incident_key(kind, node.name, f.gpu_index, f.device),
                 node=node.name,
                 gpu_index=f.gpu_index,
                 evidence=HwEvidence(signal=f.signal, device=f.device),
