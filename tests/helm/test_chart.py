@@ -393,6 +393,8 @@ def test_controller_env_is_valid_settings(
             monkeypatch.setenv(key, value)
     settings = ControllerSettings()
     assert (settings.host, settings.port, settings.actuator) == ("0.0.0.0", 8470, "kubernetes")
+    # A replica campaigns only once the kubelet has seen it Ready (docs/controller.md).
+    assert settings.leader_campaign_after_ready is True
     assert settings.kube_namespace == NAMESPACE
     assert {t.name: t.token for t in settings.tokens} == {
         "agents": AGENT_TOKEN,
