@@ -485,10 +485,10 @@ class JobTracker:
                 key = f"hang:{self.job}:ranks:{','.join(map(str, culprits))}"
             by_key.setdefault(key, []).append(call)
         cycle = unexplained(skipped, explaining, calls)  # waiting for each other: no origin
-        cycle_key = f"hang:{self.job}:ranks:" + ",".join(
-            map(str, sorted({r for c in cycle for r in c.absent}))
-        )
+        cycle_key: str | None = None
         if cycle:
+            ranks = sorted({r for c in cycle for r in c.absent})
+            cycle_key = f"hang:{self.job}:ranks:{','.join(map(str, ranks))}"
             by_key.setdefault(cycle_key, []).extend(cycle)
         out: list[Finding] = []
         for key, calls in by_key.items():
@@ -496,7 +496,7 @@ class JobTracker:
             if key not in self.open_hangs:
                 self.open_hangs.add(key)
                 stuck = self.inflight.ranks()
-                deadlock = bool(cycle) and key == cycle_key
+                deadlock = key == cycle_key
                 out.append(
                     hang_finding(self.job, calls, key, self.rank_node, stuck, deadlock=deadlock)
                 )
