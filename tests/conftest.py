@@ -16,7 +16,7 @@ import secrets
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 from sqlalchemy.engine import make_url
 
-from tests import http_calls
+from tests import http_calls, module_costs
 from tests.zygote import Zygote
 
 PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -543,7 +543,9 @@ _EST_SLOW_S, _EST_OTHER_S = 3.8, 0.28
 
 
 def _schedule_order(
-    items: list[pytest.Item], path: Callable[[pytest.Item], str]
+    items: list[pytest.Item],
+    path: Callable[[pytest.Item], str],
+    measured: Mapping[str, float] | None = None,
 ) -> Callable[[pytest.Item], tuple[bool, float]]:
     """Sort key: the cluster chains first, then every other module, longest expected first.
 
@@ -551,7 +553,8 @@ def _schedule_order(
     longest should go first (longest-processing-time-first): in path order the dashboard's
     46 s module came last and ran alone for ~40 s while the other workers had finished
     (simulated from measured module times: last worker done at 467 s, 436 s at best, 440 s
-    with this estimate). A module's expected time is its tests counted by the slow mark.
+    with this estimate). A module's expected time is its measured wall (``measured``, from
+    tests/module_costs.json) or else its tests counted by the slow mark.
     """
     cost: dict[str, float] = {}
     for item in items:
@@ -559,6 +562,9 @@ def _schedule_order(
         if not where.startswith(_CLUSTER_TESTS):  # the chains keep their own order
             weight = _EST_SLOW_S if item.get_closest_marker("slow") else _EST_OTHER_S
             cost[where] = cost.get(where, 0.0) + weight
+    for where, seconds in (measured or {}).items():
+        if where in cost:
+            cost[where] = seconds
 
     def key(item: pytest.Item) -> tuple[bool, float]:
         where = path(item)
@@ -573,7 +579,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     def path(item: pytest.Item) -> str:
         return item.path.relative_to(root).as_posix()
 
-    items.sort(key=_schedule_order(items, path))  # stable: a module's tests stay in order
+    order = _schedule_order(items, path, module_costs.load())
+    items.sort(key=order)  # stable: a module's tests stay in order
     rerun = config.pluginmanager.hasplugin("rerunfailures")
     chains = _chains(config)
     for item in items:

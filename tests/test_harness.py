@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import module_costs
 from tests.conftest import _schedule_order
 from tests.zygote import Zygote
 
@@ -84,3 +85,43 @@ def test_cluster_chains_go_first_then_modules_longest_expected_first() -> None:
         "tests/e2e/test_demo.py", "tests/e2e/test_recovery_e2e.py",  # collection order
         "tests/c.py", "tests/c.py", "tests/c.py", "tests/b.py", "tests/a.py", "tests/a.py",
     ]  # fmt: skip
+
+
+def test_measured_module_seconds_outrank_the_marks_estimate() -> None:
+    """A module that waits on timers (few tests, none slow) but measured long goes before
+    one whose slow marks only look long; a module the table lacks keeps its estimate."""
+    items = [
+        _Item("tests/waits.py"),  # estimated 0.28 s, measured 20 s
+        _Item("tests/marks.py", slow=True), _Item("tests/marks.py", slow=True),  # 7.6 s
+        _Item("tests/new.py", slow=True),  # not in the table: 3.8 s
+        _Item("tests/quick.py"),  # measured 0.1 s
+    ]  # fmt: skip
+    measured = {"tests/waits.py": 20.0, "tests/marks.py": 2.0, "tests/quick.py": 0.1,
+                "tests/gone.py": 99.0}  # fmt: skip
+    key = _schedule_order(items, lambda item: item.where, measured)  # type: ignore[arg-type, attr-defined]
+    ordered = [i.where for i in sorted(items, key=key)]  # type: ignore[arg-type]
+    assert ordered == [
+        "tests/waits.py", "tests/new.py", "tests/marks.py", "tests/marks.py", "tests/quick.py",
+    ]  # fmt: skip
+
+
+def test_the_module_cost_table_is_rebuilt_from_cpu_logs_and_a_damaged_one_is_ignored(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "cpu.tsv.gw0"
+    log.write_text(
+        "tests/a.py::t1\t1.25\t0.1\t0\ntests/a.py::t2[x]\t2.0\t1\t0\ntests/b.py::t\t0.5\t0\t0\n"
+    )
+    assert module_costs.from_cpu_logs([log]) == {"tests/a.py": 3.2, "tests/b.py": 0.5}
+    table = tmp_path / "costs.json"
+    for damaged in (
+        "{not json",
+        "[1, 2]",
+        '{"tests/a.py": "x", "tests/b.py": -1, "tests/c.py": true}',
+    ):
+        table.write_text(damaged)
+        assert module_costs.load(table) == {}
+    assert module_costs.load(tmp_path / "missing.json") == {}
+    # The checked-in table is readable and keyed as the scheduler looks modules up.
+    checked_in = module_costs.load()
+    assert checked_in and all(k.startswith("tests/") and k.endswith(".py") for k in checked_in)
