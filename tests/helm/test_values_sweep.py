@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from controller.settings import ControllerSettings
 from tests.helm.test_chart import (
     CHART,
     K8S_VERSION,
@@ -200,7 +201,7 @@ def _secret(docs: list[dict[str, Any]], name: str) -> dict[str, bytes]:
 HOSTILE_URL = (
     "postgresql+psycopg://tg:p'\"a: b #c\\d$(HOME)${USER}`id`\n- x@pg.db.svc:5432/tg?opt=a b"
 )
-HOSTILE_TOKEN = "tok: en #'\"\\$(HOME)`id`--{a: b}[c]&*!|>\n  - z"
+HOSTILE_TOKEN = "tok:en#'\"\\$(HOME)`id`--{a:b}[c]&*!|>-z"
 # A job token is printable ASCII without spaces (values.schema.json): one line in a file.
 HOSTILE_JOB_TOKEN = "jt:#'\"\\$(HOME)`id`{a:b}[c]&*!|>"
 
@@ -299,6 +300,8 @@ def test_secrets_hold_the_exact_bytes(accepted: dict[str, Any]) -> None:
     assert json.loads(main["tokens"]) == [
         {"name": "a: b #c", "role": "agent", "token": HOSTILE_TOKEN}
     ]
+    # What the chart accepts, the controller accepts too.
+    ControllerSettings(tokens=json.loads(main["tokens"]), database_url="sqlite:///x.db")
     # The migration hook's own copy of the URL, and the job token.
     assert _secret(docs, f"{RELEASE}-trainguard-migrate")["database-url"] == HOSTILE_URL.encode()
     job = _secret(docs, f"{RELEASE}-trainguard-job-token")
@@ -447,6 +450,21 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "priority class with a space": (
         {"controller": {"priorityClassName": "Foo Bar"}},
         "/controller/priorityClassName",
+    ),
+    # The controller refuses a token that is not printable ASCII without spaces at start
+    # (controller.settings): a pasted line break or space must fail the install, not loop
+    # the controller pod in CrashLoopBackOff.
+    "API token with a line break": (
+        {"auth": {"tokens": [{"name": "a", "role": "agent", "token": "x" * 16 + "\n"}]}},
+        "/auth/tokens/0/token",
+    ),
+    "API token with a space": (
+        {"auth": {"tokens": [{"name": "a", "role": "viewer", "token": "abcd efgh ijkl mnop"}]}},
+        "/auth/tokens/0/token",
+    ),
+    "agent token with a space": (
+        {"auth": {"agentToken": "abcd efgh ijkl mnop"}},
+        "/auth/agentToken",
     ),
     "top-level typo": ({"controler": {"replicas": 2}}, "additional properties 'controler'"),
     "nested typo": ({"agent": {"enable": False}}, "additional properties 'enable'"),
