@@ -509,7 +509,8 @@ def generate_dev_tokens(path: Path) -> list[TokenConfig]:
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT's mode is not applied to a file left there before
     with os.fdopen(fd, "w") as handle:
         yaml.safe_dump([t.model_dump(exclude_none=True) for t in tokens], handle)
         handle.flush()

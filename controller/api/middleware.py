@@ -10,7 +10,8 @@ JSON parser) runs. Roles are still checked by each route (403); this layer only 
 "is this a credential the controller knows".
 
 Anonymous reads (``allow_anonymous_read``) pass only for ``GET``/``HEAD`` without any
-``Authorization`` header; a header with an unknown token is 401 even then.
+``Authorization`` header; a header with an unknown token is 401 even then. A request with
+more than one ``Authorization`` (or ``X-Trainguard-Token``) header is 400, whatever they hold.
 
 Every ``/api/`` response, refusals included, also carries ``X-Content-Type-Options:
 nosniff`` and, unless the route set its own, ``Cache-Control: no-store``: answers are
@@ -27,7 +28,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from controller.api.deps import PROXIED_TOKEN_HEADER, Replica
 from controller.api.handlers import payload_too_large
 from controller.auth import MISSING_TOKEN
-from controller.errors import ControllerError, InvalidInput, MalformedBody, Unauthenticated
+from controller.errors import (
+    ClientError,
+    ControllerError,
+    InvalidInput,
+    MalformedBody,
+    Unauthenticated,
+)
 from controller.services.agent_identity import IdentityResolver
 from controller.validation import json_body_problem
 from trainguard.wire import API_PREFIX
@@ -36,6 +43,9 @@ READ_METHODS = frozenset({"GET", "HEAD"})
 _PROXIED = PROXIED_TOKEN_HEADER.encode()
 _NOSNIFF = (b"x-content-type-options", b"nosniff")
 _NO_STORE = (b"cache-control", b"no-store")
+REPEATED_CREDENTIAL = (
+    f"the Authorization (or {PROXIED_TOKEN_HEADER}) header is given more than once; send one"
+)
 
 
 def _api_headers(send: Send) -> Send:
@@ -70,14 +80,21 @@ class AuthGate:
         send = _api_headers(send)
         authorization: str | None = None
         proxied: str | None = None
+        repeated = False
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
+                repeated = repeated or authorization is not None
                 authorization = value.decode("latin-1")
             elif name == _PROXIED:
+                repeated = repeated or proxied is not None
                 proxied = value.decode("latin-1")
         if not authorization and proxied:
             authorization = f"Bearer {proxied}"
         try:
+            if repeated:
+                # Which one counts would be a guess (the routes read the first, this loop the
+                # last): refused, before the body, as RFC 6750 says (400 invalid_request).
+                raise ClientError(REPEATED_CREDENTIAL)
             if authorization is None:
                 anonymous_ok = self.services.auth.allow_anonymous_read
                 if not (anonymous_ok and scope["method"] in READ_METHODS):

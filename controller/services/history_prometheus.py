@@ -24,6 +24,7 @@ import httpx
 
 from controller.services.dashboard_reads import HISTORY_KEYS, MIN_BUCKET_S
 from trainguard.tls import default_context
+from trainguard.urls import shown_url
 
 #: Series of the chart -> (PromQL template, scale to the chart's unit). ``{sel}`` is the
 #: label selector, ``{w}`` the bucket as a range (``15s``).
@@ -78,6 +79,8 @@ class PrometheusHistory:
 
     def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
         self.url = url.rstrip("/")
+        #: What messages (the log, the viewer's ``fallback``) say: no credentials of the URL.
+        self.shown = shown_url(self.url)
         self.timeout_s = timeout_s
 
     async def _query_range(
@@ -90,13 +93,13 @@ class PrometheusHistory:
             )
         except httpx.HTTPError as exc:
             raise PrometheusUnavailable(
-                f"{self.url} did not answer: {type(exc).__name__}: {exc}"
+                f"{self.shown} did not answer: {type(exc).__name__}: {exc}"
             ) from None
         try:
             body = r.json()
         except ValueError:
             raise PrometheusUnavailable(
-                f"{self.url} answered HTTP {r.status_code} without JSON"
+                f"{self.shown} answered HTTP {r.status_code} without JSON"
             ) from None
         return _matrix(body, query)
 

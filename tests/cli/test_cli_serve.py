@@ -35,11 +35,11 @@ def test_db_upgrade_reports_the_revision_and_is_idempotent(db_url: str, tg: Tg) 
 
 
 def test_printed_database_urls_hide_passwords() -> None:
-    from trainguard.cli.cmd_serve import redact_url
+    from trainguard.urls import shown_url
 
-    assert redact_url("postgresql://tg:s3cret@db:5432/tg") == "postgresql://tg:***@db:5432/tg"
-    assert redact_url("postgresql://tg@db/tg") == "postgresql://tg@db/tg"
-    assert redact_url("sqlite:////var/lib/tg.db") == "sqlite:////var/lib/tg.db"
+    assert shown_url("postgresql://tg:s3cret@db:5432/tg") == "postgresql://tg:***@db:5432/tg"
+    assert shown_url("postgresql://tg@db/tg") == "postgresql://tg@db/tg"
+    assert shown_url("sqlite:////var/lib/tg.db") == "sqlite:////var/lib/tg.db"
 
 
 @pytest.mark.slow  # runs the CLI as a process of its own

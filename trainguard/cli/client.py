@@ -25,6 +25,7 @@ from trainguard.cli import replies
 from trainguard.cli.errors import BadInput, NotFound, ServerError, Unauthorized, Unreachable
 from trainguard.cli.kubeproxy import TOKEN_HEADER, ProxyEndpoint
 from trainguard.tls import default_context
+from trainguard.urls import shown_url
 from trainguard.wire import API_PREFIX, NAME_PATTERN
 
 DEFAULT_SERVER = "http://127.0.0.1:8470"
@@ -47,10 +48,10 @@ def check_server_url(server: str) -> str:
         parts = urlsplit(url)
         hostname, _ = parts.hostname, parts.port
     except ValueError as exc:
-        raise BadInput(f'invalid controller URL "{server}": {exc}') from exc
+        raise BadInput(f'invalid controller URL "{shown_url(server)}": {exc}') from exc
     if parts.scheme not in ("http", "https") or not hostname:
         raise BadInput(
-            f'invalid controller URL "{server}" (--server or TRAINGUARD_SERVER): '
+            f'invalid controller URL "{shown_url(server)}" (--server or TRAINGUARD_SERVER): '
             "expected http(s)://HOST[:PORT]"
         )
     return url
@@ -138,7 +139,7 @@ class ApiClient:
         verify: ssl.SSLContext | bool = default_context()
         if proxy is None:
             self.server = check_server_url(server)
-            self.where = f"controller at {self.server}"
+            self.where = f"controller at {shown_url(self.server)}"  # no password in errors
             if self._token:
                 headers["Authorization"] = f"Bearer {self._token}"
         else:

@@ -19,6 +19,7 @@ import typer
 from pydantic import ValidationError
 
 from trainguard.cli.errors import BadInput, CliError
+from trainguard.urls import shown_url
 
 if TYPE_CHECKING:
     from controller.settings import ControllerSettings
@@ -403,17 +404,7 @@ def db_upgrade(
         raise BadInput(" ".join(str(exc).split())) from exc
     except StartupError as exc:
         raise service_error(exc, 1) from exc
-    typer.echo(f"database at {redact_url(database_url)} is at revision {revision}")
-
-
-def redact_url(url: str) -> str:
-    """Hide a password in a database URL before printing it."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in creds else url
+    typer.echo(f"database at {shown_url(database_url)} is at revision {revision}")
 
 
 def register(app: typer.Typer) -> None:
@@ -422,4 +413,4 @@ def register(app: typer.Typer) -> None:
     app.add_typer(db_app, name="db", rich_help_panel=SERVE_PANEL)
 
 
-__all__ = ["parse_labels", "redact_url", "register", "settings_error"]
+__all__ = ["parse_labels", "register", "settings_error"]

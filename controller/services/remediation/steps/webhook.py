@@ -18,6 +18,7 @@ from controller.logic.remediation.rules import Rule, Step
 from controller.services.remediation.records import Remediation
 from controller.services.remediation.steps.base import StepContext, StepResult
 from controller.state import IncidentState
+from trainguard.urls import shown_url
 
 EVENT = "remediation"
 
@@ -36,9 +37,11 @@ class WebhookStep:
             outcome = "no remediation_webhook_url configured: nothing sent"
             await record(incident, rem, self.action_kind, target, {}, "skipped", outcome)
             return True, outcome
-        params = {"url": hook.url, "event": EVENT}
+        # The row is every viewer's to read: the URL without the credentials it may carry.
+        url = shown_url(hook.url)
+        params = {"url": url, "event": EVENT}
         if rem.dry_run:
-            outcome = f"would POST {EVENT} to {hook.url}"
+            outcome = f"would POST {EVENT} to {url}"
             await record(incident, rem, self.action_kind, target, params, "dry_run", outcome)
             return True, outcome
         payload = {
@@ -68,11 +71,11 @@ class WebhookStep:
         tried = f"{result.attempts} attempt(s), delivery {result.delivery}"
         if result.ok:
             answer = json.dumps(result.response, sort_keys=True)[:500] if result.response else ""
-            outcome = f"{hook.url} answered HTTP {result.status} ({tried})" + (
+            outcome = f"{url} answered HTTP {result.status} ({tried})" + (
                 f": {answer}" if answer else ""
             )
         else:
-            outcome = f"{hook.url} failed after {tried}: {result.error}"
+            outcome = f"{url} failed after {tried}: {result.error}"
         await ctx.recorder.finish(action, "succeeded" if result.ok else "failed", outcome)
         return result.ok, outcome
 
