@@ -209,7 +209,7 @@ def test_fatal_xids_are_survived_by_restarts_on_the_spare_then_on_fewer_ranks(
     assert all(i["recomputed_steps"] <= 5 for i in goodput["incidents"]), goodput
     assert 0 < goodput["ettr"] < 1
     metrics = http_calls.get(f"{cluster.base.server}/metrics", timeout=10).text
-    assert f'trainguard_job_goodput_ratio{{job="{JOB}"}}' in metrics
+    assert f'trainguard_job_goodput_ratio{{job_name="{JOB}"}}' in metrics
     assert "trainguard_nodes_isolated 2.0" in metrics
 
 

@@ -880,7 +880,7 @@ def test_prometheus_rule_alerts_use_real_metrics_and_have_runbooks(
     assert alerts["TrainguardAgentSilent"]["for"] == "5m"
     # N missed intervals (3) of the observed interval, else of checkpointIntervalMinutes (30).
     durable = alerts["TrainguardCheckpointsNotDurable"]["expr"]
-    assert "> 3 * (max by (job) (trainguard_job_checkpoint_interval_seconds" in durable
+    assert "> 3 * (max by (job_name) (trainguard_job_checkpoint_interval_seconds" in durable
     assert durable.count("1800") == 2
     # Opt-in: not rendered by default even where the CRDs exist.
     assert "PrometheusRule" not in _kinds(_render(helm_bin, tmp_path, TOKENS))

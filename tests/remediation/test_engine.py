@@ -789,7 +789,7 @@ def test_checkpoint_freshness_is_exported_for_the_not_durable_alert(controller_f
     def gauges() -> dict[str, float]:
         text = http_calls.get(f"{live.url}/metrics").text
         found = re.findall(
-            r'^(trainguard_job_(?:checkpoint|last_step)\w*)\{job="gpt"\} (\S+)$', text, re.M
+            r'^(trainguard_job_(?:checkpoint|last_step)\w*)\{job_name="gpt"\} (\S+)$', text, re.M
         )
         return {name: float(value) for name, value in found}
 

@@ -89,6 +89,12 @@ def test_exposition_parses_and_follows_prometheus_conventions(controller_factory
         assert not any(u in name for u in ("_ms", "_millis", "_minutes", "_kb", "_mb")), name
         for sample in family.samples:
             assert not math.isnan(sample.value) or family.type == "gauge", sample
+    # No label Prometheus sets on every target: ours would be renamed exported_job (the
+    # default honor_labels: false), and the chart's rules would group every training job
+    # under the scrape job's name.
+    assert not any(
+        {"job", "instance"} & set(s.labels) for f in families.values() for s in f.samples
+    )
     # Prometheus drops a sample whose name and labels repeat within one scrape.
     keys = [(s.name, tuple(sorted(s.labels.items()))) for f in families.values() for s in f.samples]
     assert len(keys) == len(set(keys))
@@ -131,7 +137,7 @@ def test_job_series_are_bounded_and_go_away_when_a_job_goes_quiet(controller_fac
 
     def series() -> dict[str, set[str]]:
         families = _families(_scrape(live))
-        return {name: {s.labels["job"] for s in families[name].samples} for name in PER_JOB}
+        return {name: {s.labels["job_name"] for s in families[name].samples} for name in PER_JOB}
 
     shown = series()
     ratio = shown["trainguard_job_goodput_ratio"]
@@ -168,7 +174,9 @@ def test_extreme_step_times_break_neither_metrics_nor_json(controller_factory) -
     }
     live.report(body)
     families = _families(_scrape(live))
-    assert [s.labels for s in families["trainguard_job_goodput_ratio"].samples] == [{"job": "huge"}]
+    assert [s.labels for s in families["trainguard_job_goodput_ratio"].samples] == [
+        {"job_name": "huge"}
+    ]
     for path in ("/api/v1/jobs/huge/goodput", "/api/v1/jobs/huge/steps", "/api/v1/jobs/huge"):
         r = http_calls.get(f"{live.url}{path}", headers=live.headers("viewer"), timeout=10)
         assert r.status_code == 200, (path, r.status_code, r.text)

@@ -38,12 +38,12 @@ class RemediationCollector(SafeCollector):
         ratio = GaugeMetricFamily(
             "trainguard_job_goodput_ratio",
             "Productive / wall time of a job since its first step (effective training time ratio)",
-            labels=["job"],
+            labels=["job_name"],
         )
         lost = GaugeMetricFamily(
             "trainguard_job_lost_seconds",
             "Training time a job lost to incidents: outages and steps run again",
-            labels=["job"],
+            labels=["job_name"],
         )
         jobs = exported_jobs(engine, time.time())
         for name, book in jobs:
@@ -92,17 +92,17 @@ def _checkpoint_metrics(jobs: list[tuple[str, JobBook]]) -> Iterator[Metric]:
     committed = GaugeMetricFamily(
         "trainguard_job_checkpoint_committed_timestamp_seconds",
         "Unix time of the job's newest committed (durable, all ranks) checkpoint",
-        labels=["job"],
+        labels=["job_name"],
     )
     interval = GaugeMetricFamily(
         "trainguard_job_checkpoint_interval_seconds",
         "Seconds between the job's two newest committed checkpoints (its interval, as observed)",
-        labels=["job"],
+        labels=["job_name"],
     )
     last_step = GaugeMetricFamily(
         "trainguard_job_last_step_timestamp_seconds",
         "Unix time the job's newest step (rank 0) ended",
-        labels=["job"],
+        labels=["job_name"],
     )
     for name, book in jobs:
         if book.committed_unix_s is not None:
