@@ -174,9 +174,14 @@ def test_extreme_step_times_break_neither_metrics_nor_json(controller_factory) -
     }
     live.report(body)
     families = _families(_scrape(live))
-    assert [s.labels for s in families["trainguard_job_goodput_ratio"].samples] == [
-        {"job_name": "huge"}
-    ]
+    (ratio,) = families["trainguard_job_goodput_ratio"].samples
+    assert ratio.labels == {"job_name": "huge"}
+    # A step time from the future is taken as the report's arrival: it neither sticks as
+    # the newest step (the not-durable alert would see a stopped job as stepping) nor
+    # overflows the goodput ledger's wall time into NaN.
+    assert 0.0 <= ratio.value <= 1.0, ratio
+    (last,) = families["trainguard_job_last_step_timestamp_seconds"].samples
+    assert last.value <= time.time()
     for path in ("/api/v1/jobs/huge/goodput", "/api/v1/jobs/huge/steps", "/api/v1/jobs/huge"):
         r = http_calls.get(f"{live.url}{path}", headers=live.headers("viewer"), timeout=10)
         assert r.status_code == 200, (path, r.status_code, r.text)

@@ -191,7 +191,8 @@ class RemediationEngine:
             if summary.rank != 0:
                 continue  # one record per step is enough for goodput and resumption
             book = self.book(summary.job)
-            end = summary.end_unix_s or received_unix_s
+            # Never later than its arrival (a clock ahead, a hostile 1e308): kept as a max.
+            end = min(summary.end_unix_s or received_unix_s, received_unix_s)
             # Before the step is recorded: the restart's window ends where it begins.
             await resume_wait.step_seen(self.ctx, book, end, summary.step)
             book.ledger.record_step(summary.step, end, summary.step_time_s)
