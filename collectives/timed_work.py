@@ -7,22 +7,32 @@ Work a block issues) hand it out.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
+
+import torch.distributed as dist
 
 from .recorder import CallRecord, Recorder, now
 
 
-class TimedWork:
+class TimedWork(dist.Work):
     """Proxy of a ``torch.distributed.Work`` that closes the call's record on completion.
 
     A device-timed call (``rec.events``) is closed by the poller when its end mark fires,
     whatever the job does with the handle; the others close on ``wait()``,
     ``is_completed()`` or the future's completion.
+
+    It *is* a ``dist.Work`` (a Python subclass, as torch's own ``_IllegalWork`` is): torch
+    code tells an async call's handle from a synchronous call's ``None`` with
+    ``isinstance(work, dist.distributed_c10d.Work)`` (FSDP2 waits its all-gather only then:
+    a plain proxy made ``unshard(async_op=True)`` read parameters before they arrived).
+    Every method of ``Work`` is forwarded to the wrapped one (the base object is empty).
     """
 
-    __slots__ = ("__weakref__", "_by_future", "_rec", "_recorder", "_work")
+    __slots__ = ("_by_future", "_rec", "_recorder", "_work")
 
     def __init__(self, work: Any, rec: CallRecord, recorder: Recorder) -> None:
+        super().__init__()
         self._work = work
         self._rec = rec
         self._recorder = recorder
@@ -84,6 +94,23 @@ class TimedWork:
                     self._recorder.complete(rec, now())
                 else:
                     self._recorder.abandon(rec)
+
+
+def _forwarder(name: str) -> Callable[..., Any]:
+    def forward(self: TimedWork, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._work, name)(*args, **kwargs)
+
+    forward.__name__ = name
+    return forward
+
+
+# The rest of Work's methods (``result``, ``exception``, ``source_rank``, ``is_success``,
+# ``synchronize``, ``boxed``, ...): inherited as they are, they would act on the empty base.
+for _name in dir(dist.Work):
+    if _name.startswith("__") or _name in ("unbox", "_pybind11_conduit_v1_"):
+        continue
+    if _name not in TimedWork.__dict__ and callable(getattr(dist.Work, _name)):
+        setattr(TimedWork, _name, _forwarder(_name))
 
 
 __all__ = ["TimedWork"]

@@ -113,6 +113,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _nbytes(value: Any) -> tuple[int, str]:
     if isinstance(value, torch.Tensor):
+        if value.layout is not torch.strided:  # sparse (gloo all-reduces COO): no ``nbytes``
+            return _sparse_nbytes(value), _dtype_name(value.dtype)
         return value.nbytes, _dtype_name(value.dtype)
     if isinstance(value, list | tuple) and value:
         total, dtype = 0, ""
@@ -122,6 +124,13 @@ def _nbytes(value: Any) -> tuple[int, str]:
             dtype = dtype or d
         return total, dtype
     return 0, ""
+
+
+def _sparse_nbytes(value: torch.Tensor) -> int:
+    """What a sparse COO tensor moves: its indices and values (other layouts: 0)."""
+    if value.layout is torch.sparse_coo:
+        return int(value._indices().nbytes + value._values().nbytes)
+    return 0
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -146,6 +155,10 @@ def _nonfinite(value: Any, min_bytes: int = 0) -> bool:
     synchronize the stream.
     """
     if isinstance(value, torch.Tensor):
+        if value.layout is not torch.strided:  # sparse: its values are what could be NaN
+            if value.layout is not torch.sparse_coo:
+                return False
+            value = value._values()
         if value.nbytes < max(min_bytes, 1) or value.is_cuda or not value.is_floating_point():
             return False
         wide = torch.float32 if value.element_size() < 4 else None
@@ -301,30 +314,38 @@ class Instrumenter:
     ) -> Any:
         recorder = self.recorder
         group = params.get(args, kwargs, "group")
-        if group is not None and c10d._rank_not_in_group(group):
-            # torch warns and does nothing for a group this rank is not in: no call to record
+        # Transparency first: torch judges the arguments. Should reading them fail here (a
+        # group that is no process group, a peer that is no rank), torch runs the call and
+        # raises its own error, of its own type, unrecorded; the wrapper never raises one.
+        try:
+            # torch warns and does nothing for a group this rank is not in: nothing to record
+            member = group is None or not c10d._rank_not_in_group(group)
+            if member:
+                if spec.peer_param is None:
+                    info = self.groups.resolve(group)
+                    gid, members = info.id, info.ranks
+                else:
+                    peer = self._peer(params, args, kwargs, spec.peer_param, group)
+                    gid = p2p_channel(self.rank, peer)
+                    members = frozenset((self.rank,) if peer is None else (self.rank, peer))
+                # Every lookup below runs on each call of the training thread: each argument
+                # is fetched once, and the NaN/Inf check is skipped before a call when the
+                # size already says the input is under its threshold.
+                size, dtype, first = 0, "", None
+                if spec.size_params:
+                    first = params.get(args, kwargs, spec.size_params[0])
+                    size, dtype = _nbytes(first)
+                    for name in spec.size_params[1:]:
+                        n, d = _nbytes(params.get(args, kwargs, name))
+                        size += n
+                        dtype = dtype or d
+                async_op = spec.always_async or bool(params.get(args, kwargs, "async_op"))
+        except Exception:
+            member = False
+        if not member:
             return original(*args, **kwargs)
-        if spec.peer_param is None:
-            info = self.groups.resolve(group)
-            gid, members = info.id, info.ranks
-        else:
-            peer = self._peer(params, args, kwargs, spec.peer_param, group)
-            gid = p2p_channel(self.rank, peer)
-            members = frozenset((self.rank,) if peer is None else (self.rank, peer))
-            if gid not in recorder.group_ranks:
-                recorder.group_ranks[gid] = sorted(members)
-        # Every lookup below runs on each call of the training thread: each argument is
-        # fetched once, and the NaN/Inf check is skipped before a call when the size
-        # already says the input is under its threshold.
-        size, dtype, first = 0, "", None
-        if spec.size_params:
-            first = params.get(args, kwargs, spec.size_params[0])
-            size, dtype = _nbytes(first)
-            for name in spec.size_params[1:]:
-                n, d = _nbytes(params.get(args, kwargs, name))
-                size += n
-                dtype = dtype or d
-        async_op = spec.always_async or bool(params.get(args, kwargs, "async_op"))
+        if spec.peer_param is not None and gid not in recorder.group_ranks:
+            recorder.group_ranks[gid] = sorted(members)
         block: Block | None = getattr(_tls, "block", None)
         if block is not None:
             if gid == block.gid and op in FAST_PATH:

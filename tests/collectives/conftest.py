@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import shutil
 import signal
@@ -193,6 +194,24 @@ class Ranks:
 
     def stderr(self, rank: int) -> str:
         return (self.out_dir / f"stderr{rank}.txt").read_text()
+
+    def results(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Wait for every rank to exit 0 without a traceback (else fail with their stderr's
+        tails), then each rank's ``rank<N>.json``; no rank outlives the call."""
+        try:
+            codes = self.wait(timeout_s)
+            assert codes == [0] * len(self.procs), "\n".join(
+                f"--- rank {r} exited {c}:\n{self.stderr(r)[-4000:]}"
+                for r, c in enumerate(codes)
+                if c != 0
+            )
+        finally:
+            self.kill()
+        for r in range(len(self.procs)):
+            assert "Traceback" not in self.stderr(r), self.stderr(r)[-4000:]
+        return [
+            json.loads((self.out_dir / f"rank{r}.json").read_text()) for r in range(len(self.procs))
+        ]
 
 
 def launch_ranks(

@@ -25,7 +25,6 @@ Swept here (``layout_worker.py``), every group made after ``instrument()``:
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -46,18 +45,7 @@ def _run(
     ranks = rank_launcher(
         scenario, WORLD, out, socket_path=agent.path, env=env or None, worker=WORKER
     )
-    try:
-        codes = ranks.wait(60)
-        assert codes == [0] * WORLD, "\n".join(
-            f"--- rank {r} exited {c}:\n{ranks.stderr(r)[-3000:]}"
-            for r, c in enumerate(codes)
-            if c != 0
-        )
-    finally:
-        ranks.kill()
-    for r in range(WORLD):
-        assert "Traceback" not in ranks.stderr(r), ranks.stderr(r)[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return ranks.results(60)
 
 
 def test_groups_of_every_shape_keep_ids_ranks_and_sequences_aligned(
