@@ -15,6 +15,7 @@ import platformdirs
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
+from starlette.middleware.gzip import GZipMiddleware
 
 from controller.api import api_router
 from controller.api.handlers import install_error_handlers
@@ -74,6 +75,10 @@ def create_app(
     app.include_router(api_router())
     mount_dashboard(app)
     install_error_handlers(app)
+    # Innermost, so the report hot path never reaches it. Level 1: a 2,048-rank job's step
+    # matrix (the job page reloads it on every change) is 2.2 MB of JSON, 0.63 MB at 13 ms
+    # of CPU; the default level 9 took 630 ms for 4 % less. Event streams stay uncompressed.
+    app.add_middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES, compresslevel=1)
     app.add_middleware(BodyCap, max_bytes=wire.MAX_REPORT_BYTES)
     # Added last, so it runs first: the report hot path skips the rest of the stack.
     app.add_middleware(ReportFastPath, controller=controller, max_bytes=wire.MAX_REPORT_BYTES)
@@ -84,6 +89,9 @@ def create_app(
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
+
+#: Answers at least this large are gzip-compressed for clients that accept it.
+GZIP_MIN_BYTES = 4096
 
 #: Seconds between young-generation (0 and 1) collections, and between full ones.
 GC_YOUNG_INTERVAL_S = 0.25
