@@ -25,9 +25,11 @@ utilization ≥ :data:`LOADED_UTILIZATION_PCT`):
   (a load that reached no GPU proves nothing);
 * **skip**, with the reason, where no load can be generated: the check is disabled, torch is
   not importable (status 3, or no ``torch`` for the agent's own interpreter), no CUDA device
-  (status 4), a job's ranks are connected to this agent (a load would slow them), or the
-  agent stopped during the load;
-* **pass** otherwise. There is no pass without a load that NVML saw.
+  (status 4), NVML answers NOT_SUPPORTED for the GPU's SM clock or utilization (a MIG-enabled
+  or virtual GPU: no load can be confirmed), a job's ranks are connected to this agent (a
+  load would slow them), or the agent stopped during the load;
+* **pass** otherwise. There is no pass without a load that NVML saw. Clock-event reasons
+  answered NOT_SUPPORTED leave the clock to judge by, and the verdict says so.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ SLOWDOWN_REASONS = (
     | pynvml.nvmlClocksEventReasonHwThermalSlowdown
     | pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown
 )
+#: NVML's answers for "this board does not report that" (vGPU, MIG-enabled and some consumer
+#: boards): not a failure of the GPU, so never a failed check.
+_UNSUPPORTED = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 #: Exit statuses of the load generator (``collectives.gpu_load``; a test pins them equal).
 EXIT_NO_TORCH = 3
 EXIT_NO_CUDA = 4
@@ -136,6 +141,10 @@ class _Run:
     start_error: str = ""
     samples: list[_Sample] = field(default_factory=list)
     nvml_errors: list[str] = field(default_factory=list)
+    #: A reading the GPU answered NOT_SUPPORTED for ("SM clock", "utilization"): no sample.
+    unsupported: str = ""
+    #: The clock-event reasons answered NOT_SUPPORTED: samples carry none (0).
+    reasons_unsupported: bool = False
 
     @property
     def returncode(self) -> int | None:
@@ -191,19 +200,38 @@ class _Sampler(threading.Thread):
             for run in self._runs:
                 if run.proc is None or run.proc.poll() is not None:
                     continue
-                h = run.target.handle
-                try:
-                    sample = _Sample(
-                        sm_clock_mhz=int(self._api.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
-                        reasons=int(self._reasons.read(h)),
-                        utilization_pct=int(self._api.nvmlDeviceGetUtilizationRates(h).gpu),
-                    )
-                except pynvml.NVMLError as exc:
-                    run.nvml_errors.append(str(exc))
-                    continue
-                if run.proc.poll() is None:  # still running when read: a sample under load
+                sample = self._read(run, run.target.handle)
+                # Still running when read: a sample under load.
+                if sample is not None and run.proc.poll() is None:
                     run.samples.append(sample)
             self.stop.wait(self._interval_s)
+
+    def _read(self, run: _Run, h: Any) -> _Sample | None:
+        """One sample, or None. A board that answers NOT_SUPPORTED for its clock-event
+        reasons is sampled without them (0); for its SM clock or utilization it gets no
+        sample and the check is skipped (``run.unsupported``), never failed as if NVML
+        had not answered: a failed preflight cordons the node."""
+        api = self._api
+        reads: tuple[tuple[str, Callable[[], Any]], ...] = (
+            ("SM clock", lambda: api.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+            ("utilization", lambda: api.nvmlDeviceGetUtilizationRates(h).gpu),
+            ("reasons", lambda: self._reasons.read(h)),
+        )
+        values: list[int] = []
+        for what, read in reads:
+            try:
+                values.append(int(read()))
+            except pynvml.NVMLError as exc:
+                if exc.value not in _UNSUPPORTED:
+                    run.nvml_errors.append(str(exc))
+                    return None
+                if what != "reasons":
+                    run.unsupported = run.unsupported or what
+                    return None
+                run.reasons_unsupported = True
+                values.append(0)
+        sm_clock, utilization, reasons = values
+        return _Sample(sm_clock_mhz=sm_clock, reasons=reasons, utilization_pct=utilization)
 
 
 def run_clocks_load(
@@ -291,6 +319,12 @@ def _status(run: _Run, settings: LoadSettings, sampler_hung: bool) -> tuple[Stat
         return "skip", f"no load generated: no usable CUDA device ({why})"
     if run.returncode != 0:
         return "fail", f"load command exited with status {run.returncode}: {why}"
+    if run.unsupported and not run.samples:
+        return (
+            "skip",
+            f"NVML does not report this GPU's {run.unsupported} (Not Supported, e.g. a "
+            "MIG-enabled or virtual GPU): no clock under load can be judged",
+        )
     loaded = [s for s in run.samples if s.utilization_pct >= LOADED_UTILIZATION_PCT]
     if not loaded:
         if sampler_hung or (run.nvml_errors and not run.samples):
@@ -302,11 +336,15 @@ def _status(run: _Run, settings: LoadSettings, sampler_hung: bool) -> tuple[Stat
             f"the load ran but NVML never saw the GPU busy ({len(run.samples)} samples, "
             f"at most {busiest}% utilization)",
         )
-    return _verdict(run.target, loaded, settings)
+    return _verdict(run.target, loaded, settings, reasons_known=not run.reasons_unsupported)
 
 
 def _verdict(
-    target: LoadTarget, loaded: Sequence[_Sample], settings: LoadSettings
+    target: LoadTarget,
+    loaded: Sequence[_Sample],
+    settings: LoadSettings,
+    *,
+    reasons_known: bool = True,
 ) -> tuple[Status, str]:
     clock = int(statistics.median(s.sm_clock_mhz for s in loaded))
     reasons = 0
@@ -320,6 +358,8 @@ def _verdict(
     else:
         reference, of = target.sm_clock_max_mhz or 0, f"max {target.sm_clock_max_mhz} MHz"
     shown = ", ".join(r.value for r in decode_throttle_reasons(reasons)) or "none"
+    if not reasons_known:
+        shown = "not reported by this GPU (Not Supported)"
     what = f"SM clock {clock} MHz under load ({len(loaded)} samples)"
     if flagged:
         slow = ", ".join(r.value for r in decode_throttle_reasons(reasons & SLOWDOWN_REASONS))

@@ -238,6 +238,27 @@ def pcie_degraded(sample: GpuSample) -> str:
     return ""
 
 
+def pcie_verdict(sample: GpuSample) -> str | None:
+    """Why the PCIe link runs below its maximum, "" when this sample shows it at its maximum,
+    or ``None`` when this sample cannot tell: a width or generation read that did not answer,
+    or a generation below its maximum while the GPU is not busy (GPUs drop the generation
+    on their own when idle, so an idle GPU at Gen4 of Gen5 is neither degraded nor
+    restored). Transitions are made only on a verdict, so a training job's
+    communication or checkpoint phases, or one failed read, never read as "restored"."""
+    why = pcie_degraded(sample)
+    if why:
+        return why
+    width, width_max = sample.pcie_link_width, sample.pcie_link_width_max
+    if width is None or width_max is None:
+        return None
+    gen, gen_max = sample.pcie_link_gen, sample.pcie_link_gen_max
+    if (gen is None) != (gen_max is None):
+        return None  # one of the pair failed to answer this tick
+    if gen is not None and gen_max is not None and gen < gen_max:
+        return None  # below its maximum while not busy: no evidence either way
+    return ""
+
+
 class GpuTransitions:
     """Turns changes between two samples of one GPU into ``HardwareEvent``s.
 
@@ -281,7 +302,9 @@ class GpuTransitions:
             if before is not None and before != link.active:
                 kind = "nvlink_up" if link.active else "nvlink_down"
                 event(kind, f"NVLink {link.link} is {'up' if link.active else 'down'}", link.link)
-        why = pcie_degraded(sample)
+        why = pcie_verdict(sample)
+        if why is None:
+            return events  # this sample cannot tell: the link keeps its last verdict
         before_why = self._pcie.get(gpu, "")
         self._pcie[gpu] = why
         if why and not before_why:
@@ -297,6 +320,7 @@ __all__ = [
     "GpuTransitions",
     "ecc_locations_present",
     "pcie_degraded",
+    "pcie_verdict",
     "read_links_and_fabric",
     "read_memory_health",
     "trim_for_wire",

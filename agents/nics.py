@@ -369,6 +369,7 @@ class NicMonitor:
                 )
         self._devices = present
         self._looked = True
+        read: set[tuple[str, int]] = set()
         for device in sorted(present):
             for port in self.ports(device):
                 sample = self.read_port(device, port)
@@ -376,8 +377,23 @@ class NicMonitor:
                     continue
                 events += self._port_events(sample, now_unix_s)
                 self._ports[(device, port)] = sample
+                read.add((device, port))
                 ports.append(sample)
+        self._forget_unread(read)
         return ports, events
+
+    def _forget_unread(self, read: set[tuple[str, int]]) -> None:
+        """A port not read this tick (its NIC gone, its directory or ``state`` missing) has
+        unknown counters: like a counter unknown for a tick, that is a reset, so neither an
+        error rise nor a ``link_downed`` flap is computed across the gap when it returns (an
+        HCA keeps its counters in firmware: back after a driver rebind they read higher,
+        and used to raise ``nic_errors_rising`` for the whole gap). Its last state is kept,
+        so a port that returns DOWN is still reported down."""
+        for window in [k for k in self._windows if (k[0], k[1]) not in read]:
+            del self._windows[window]
+        for port, before in self._ports.items():
+            if port not in read and before.counters:
+                self._ports[port] = before.model_copy(update={"counters": {}})
 
     def _port_events(self, sample: NicPortSample, now: float) -> list[HardwareEvent]:
         events: list[HardwareEvent] = []

@@ -76,6 +76,8 @@ PLAUSIBLE_MAX: dict[str, float] = {
     "sm_clock_mhz": 10_000.0,
     "mem_clock_mhz": 100_000.0,
 }
+#: The clock-event mask bits the wire carries: all but bit 63 (NVML's "unknown reason").
+THROTTLE_MASK_BITS = 0x7FFF_FFFF_FFFF_FFFF
 #: A clock this far above the board's own maximum (``nvmlDeviceGetMaxClockInfo``) is no
 #: reading either (0xFFFF, a garbled register), while a few percent of boost above it is.
 CLOCK_MARGIN = 1.1
@@ -456,7 +458,10 @@ class GpuSampler:
         util = ask(gpu, "utilization", api.nvmlDeviceGetUtilizationRates, h)
         memory = ask(gpu, "memory", api.nvmlDeviceGetMemoryInfo, h)
         mask = ask(gpu, "throttle reasons", self._reasons.read, h)
-        mask = int(mask or 0) & 0xFFFF_FFFF_FFFF_FFFF
+        # Bit 63 is NVML's ``nvmlClocksThrottleReasonUnknown`` (older headers: "some other
+        # unspecified factor"); the wire's mask is a signed 64-bit column, so keeping it would
+        # cost the whole mask (reported 0, "out of range") and hide the bits that are known.
+        mask = int(mask or 0) & THROTTLE_MASK_BITS
         ecc = {
             kind: ask(
                 gpu,
