@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import secrets
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import httpx
 
@@ -157,3 +163,48 @@ def seed_actions(database_url: str) -> None:
                 )
             )
     engine.dispose()
+
+
+@dataclass
+class Canned:
+    """What a stand-in controller answers every request with, and the requests it saw
+    (``"GET /api/v1/nodes?..."``). ``body``: bytes as they are, anything else as JSON."""
+
+    status: int = 200
+    body: Any = b"{}"
+    content_type: str = "application/json"
+    seen: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def canned_server() -> Iterator[tuple[str, Canned]]:
+    """A local HTTP server answering every request with one ``Canned`` reply (no
+    controller): for what a broken, hostile or older server can make the CLI print."""
+    canned = Canned()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            canned.seen.append(f"{self.command} {self.path}")
+            body = canned.body
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            self.send_response(canned.status)
+            self.send_header("content-type", canned.content_type)
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = do_DELETE = do_PUT = _answer
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", canned
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

@@ -9,61 +9,23 @@ exception's text. Text the server sends must not drive the terminal.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from controller.api.handlers import payload_too_large
 from tests import http_calls
-from tests.cli.cli_testkit import CliResult, CliServer
+from tests.cli.cli_testkit import Canned, CliResult, CliServer, canned_server
 from trainguard import wire
 
 Cli = Callable[..., CliResult]
 
 
-@dataclass
-class Canned:
-    """What the fake server answers every request with, and the requests it saw."""
-
-    status: int = 200
-    body: bytes = b"{}"
-    content_type: str = "application/json"
-    seen: list[str] = field(default_factory=list)
-
-
 @pytest.fixture
 def fake() -> Iterator[tuple[str, Canned]]:
-    canned = Canned()
-
-    class Handler(BaseHTTPRequestHandler):
-        def _answer(self) -> None:
-            length = int(self.headers.get("content-length") or 0)
-            self.rfile.read(length)
-            canned.seen.append(f"{self.command} {self.path}")
-            self.send_response(canned.status)
-            self.send_header("content-type", canned.content_type)
-            self.send_header("content-length", str(len(canned.body)))
-            self.end_headers()
-            self.wfile.write(canned.body)
-
-        do_GET = do_POST = do_DELETE = do_PUT = _answer
-
-        def log_message(self, *_args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", canned
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with canned_server() as served:
+        yield served
 
 
 def _one_line(result: CliResult, code: int) -> str:

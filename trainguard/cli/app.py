@@ -12,7 +12,7 @@ import functools
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,8 +158,8 @@ _ROOT_VALUE_OPTIONS = frozenset(
 )
 
 
-def command_word(argv: Sequence[str]) -> str | None:
-    """The command the user named (``nodes`` in ``trainguard -s URL nodes -o json``)."""
+def _words(argv: Sequence[str]) -> Iterator[str]:
+    """The line's words that are no option nor a root option's value, in order."""
     skip = False
     for arg in argv:
         if skip:
@@ -167,8 +167,12 @@ def command_word(argv: Sequence[str]) -> str | None:
         elif arg in _ROOT_VALUE_OPTIONS:
             skip = True
         elif not arg.startswith("-"):
-            return arg
-    return None
+            yield arg
+
+
+def command_word(argv: Sequence[str]) -> str | None:
+    """The command the user named (``nodes`` in ``trainguard -s URL nodes -o json``)."""
+    return next(_words(argv), None)
 
 
 def _fail(message: str, code: int) -> int:
@@ -182,6 +186,20 @@ def _usage_message(exc: typer.TyperException, prog: str) -> str:
     ctx = getattr(exc, "ctx", None)
     command = getattr(ctx, "command_path", None) or prog
     return f"{message[:1].lower()}{message[1:]} (see '{command} --help')"
+
+
+def command_path(command: Any, argv: Sequence[str], prog: str) -> str:
+    """``trainguard agent-token issue`` for ``agent-token issue -o``: the command the line
+    names, for errors the parser raises without a context (an option missing its value),
+    which would otherwise send the user to the root's help."""
+    words = [prog]
+    for word in _words(argv):
+        sub = (getattr(command, "commands", None) or {}).get(word)
+        if sub is None:
+            break
+        words.append(word)
+        command = sub
+    return " ".join(words)
 
 
 def _click_error(exc: typer.TyperException, prog: str) -> int:
@@ -212,17 +230,20 @@ def run(argv: Sequence[str] | None = None, prog_name: str | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     prog = prog_name or program_name(sys.argv[0] if sys.argv else "trainguard")
     debug = os.environ.get("TRAINGUARD_DEBUG", "") not in ("", "0", "false")
+    command: Any = None
     try:
         # kubectl's global flags may stand anywhere (`nodes -n tg`); the root declares them.
         args = hoist_kube_flags(args)
         command = _command_for(command_word(args))
         result = command.main(args=args, prog_name=prog, standalone_mode=False)
+    except typer.TyperException as exc:
+        if getattr(exc, "ctx", None) is None and command is not None:
+            prog = command_path(command, args, prog)
+        return _click_error(exc, prog)
     except CliError as exc:
         if debug:
             raise
         return _fail(exc.message, exc.exit_code)
-    except typer.TyperException as exc:
-        return _click_error(exc, prog)
     except typer.Abort:
         return _fail("aborted", 130)
     except KeyboardInterrupt:

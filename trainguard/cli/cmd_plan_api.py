@@ -58,6 +58,10 @@ PLANS = ResourceView(
 )
 
 
+def _change(change: JsonObject) -> str:
+    return f"{cell(change.get('link'))}={cell(change.get('health'))}"
+
+
 def render_plan(plan: JsonObject, fmt: OutputFormat) -> str:
     """Describe-style header, then the launcher order, NCCL settings and version history."""
     if fmt is OutputFormat.JSON:
@@ -72,13 +76,16 @@ def render_plan(plan: JsonObject, fmt: OutputFormat) -> str:
         ("ID", cell(plan.get("plan_id"))),
         ("Job", cell(plan.get("job"))),
         ("Version", cell(plan.get("version"))),
-        ("Layout", " ".join(f"{k}={v}" for k, v in layout.items())),
+        ("Layout", " ".join(f"{cell(k)}={cell(v)}" for k, v in layout.items())),
         ("Flows", f"{cell(stats.get('flows'))} ({cell(stats.get('flows_via_spine'))} via spine)"),
         ("Max link time", f"{float(stats.get('max_link_time_s') or 0) * 1e3:.3f} ms"),
         ("Optimal", "proven by the exact search" if plan.get("proven_optimal") else "not proven"),
         ("Busiest link", cell(stats.get("busiest_link"))),
         ("Bond imbalance", f"{float(stats.get('bond_imbalance') or 0):.3f}"),
-        ("NCCL env", " ".join(f"{k}={v}" for k, v in (plan.get("nccl_env") or {}).items())),
+        (
+            "NCCL env",
+            " ".join(f"{cell(k)}={cell(v)}" for k, v in (plan.get("nccl_env") or {}).items()),
+        ),
     ]
     width = max(len(label) for label, _ in pairs) + 2
     head = "\n".join(f"{(label + ':').ljust(width)}{value}" for label, value in pairs)
@@ -97,8 +104,7 @@ def render_plan(plan: JsonObject, fmt: OutputFormat) -> str:
                 cell(v.get("trigger")),
                 cell(v.get("moved_flows")),
                 "-" if v.get("replan_ms") is None else f"{float(v['replan_ms']):.1f}",
-                ", ".join(f"{c.get('link')}={c.get('health')}" for c in v.get("changes") or [])
-                or "-",
+                ", ".join(_change(c) for c in v.get("changes") or []) or "-",
             ]
             for v in plan.get("versions") or []
         ],
@@ -107,9 +113,9 @@ def render_plan(plan: JsonObject, fmt: OutputFormat) -> str:
     if fmt is OutputFormat.WIDE:
         nodes = (plan.get("source_ports") or {}).get("nodes") or {}
         rows = [
-            [node, cell(q.get("nic")), cell(q.get("peer")), cell(q.get("channel")),
+            [cell(node), cell(q.get("nic")), cell(q.get("peer")), cell(q.get("channel")),
              cell(q.get("qp")), cell(q.get("bond_port")), cell(q.get("udp_sport")),
-             " ".join(q.get("path") or [])]
+             " ".join(cell(hop) for hop in q.get("path") or [])]
             for node, qps in sorted(nodes.items())
             for q in qps
         ]  # fmt: skip

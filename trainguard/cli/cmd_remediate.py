@@ -111,7 +111,7 @@ def policy(
     guards = data.get("guards") or {}
     restarts = data.get("restarts") or {}
     emit(table_of(data.get("rules") or [], RULES, wide=True, now_unix_s=time.time()))
-    emit("\n" + align([(k.upper(), cell(v)) for k, v in {**guards, **restarts}.items()]))
+    emit("\n" + align([(cell(k).upper(), cell(v)) for k, v in {**guards, **restarts}.items()]))
 
 
 def isolate(

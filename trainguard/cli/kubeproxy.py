@@ -101,7 +101,9 @@ def hoist_kube_flags(argv: Sequence[str]) -> list[str]:
             )
         name = arg.split("=", 1)[0]
         if name in KUBE_VALUE_FLAGS and name != arg:  # --context=prod
-            hoisted.append(arg)
+            # kubectl (pflag) reads -n=prod as "prod"; click would take "=prod": say -nprod.
+            short = not name.startswith("--") and len(arg) > len(name) + 1
+            hoisted.append(name + arg[len(name) + 1 :] if short else arg)
         elif name in KUBE_VALUE_FLAGS:  # --context prod
             if i + 1 >= len(args):
                 raise BadInput(f"{arg} needs a value")

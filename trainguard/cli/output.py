@@ -76,7 +76,8 @@ def cell(value: Any) -> str:
     if isinstance(value, list | tuple):
         return ",".join(cell(v) for v in value)
     if isinstance(value, dict):
-        return ",".join(f"{k}={cell(v)}" for k, v in sorted(value.items()))
+        # Keys come from the server as much as values do (node labels, evidence).
+        return ",".join(f"{printable(str(k), None)}={cell(v)}" for k, v in sorted(value.items()))
     return printable(str(value), None)  # server text: no escape sequences on the terminal
 
 

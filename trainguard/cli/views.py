@@ -27,6 +27,7 @@ from trainguard.cli.output import (
     table_of,
     unit,
 )
+from trainguard.cli.replies import printable
 
 JsonObject = dict[str, Any]
 
@@ -39,7 +40,9 @@ class ResourceView:
     key: str = "name"
 
     def name_of(self, item: JsonObject) -> str:
-        return f"{self.kind}/{item.get(self.key)}"
+        # One line per object, without escape sequences: ``-o name`` lands on terminals
+        # and in ``xargs`` as much as tables do.
+        return f"{self.kind}/{printable(str(item.get(self.key)), None)}"
 
 
 def _ratio(num_key: str, den_key: str) -> Callable[[JsonObject, float], str]:
@@ -233,7 +236,7 @@ def render_node(detail: JsonObject, fmt: OutputFormat, *, now_unix_s: float | No
         return NODES.name_of(detail)
     now = time.time() if now_unix_s is None else now_unix_s
     reason = detail.get("health_reason")
-    health = cell(detail.get("health")) + (f" ({reason})" if reason else "")
+    health = cell(detail.get("health")) + (f" ({cell(reason)})" if reason else "")
     pairs = [
         ("Name", cell(detail.get("name"))),
         ("Health", health),
@@ -299,7 +302,7 @@ def render_status(status: JsonObject, server: str, fmt: OutputFormat) -> str:
 
 def _breakdown(total: Any, parts: dict[str, Any], label: str = "") -> str:
     head = cell(total) + (f" {label}" if label else "")
-    inner = ", ".join(f"{k} {v}" for k, v in sorted(parts.items()) if v)
+    inner = ", ".join(f"{cell(k)} {cell(v)}" for k, v in sorted(parts.items()) if v)
     return f"{head} ({inner})" if inner else head
 
 
