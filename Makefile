@@ -68,8 +68,8 @@ $(S3_STAMP):
 # but each worker first imports every test module (~6-8 s of CPU), so past the point where
 # the waits overlap a worker costs more than it saves. Measured here: make test the same
 # with 4 and 6 workers (7:58 and 7:56 on 27 Nov 13:33, 8:27 and 8:36 on an earlier host),
-# make test-fast faster with 6 than with 4 (2:33 against 2:41). Every figure: README,
-# "Development".
+# make test-fast faster with 6 than with 4 (2:33 against 2:41; 27 Nov 16:27: 2:24 with 6,
+# 2:45 with 4, 2:28 with 8). Every figure: README, "Development".
 PYTEST_WORKERS ?= 4
 PYTEST_FAST_WORKERS ?= 6
 # Bytecode caching on even where the environment turns it off (PYTHONDONTWRITEBYTECODE=1,
