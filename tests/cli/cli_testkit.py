@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -208,3 +209,12 @@ def canned_server() -> Iterator[tuple[str, Canned]]:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+def gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody reaped (PID 1 in containers may not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "State:\tZ" in status

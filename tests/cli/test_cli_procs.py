@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.cli.cli_testkit import gone
 from trainguard.cli.procs import ProcessSet, wait_until
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -17,15 +18,6 @@ STUBBORN = [
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True);"
     " time.sleep(60)",
 ]
-
-
-def _gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie nobody reaped (PID 1 in containers may not)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "State:\tZ" in status
 
 
 def test_stop_escalates_to_sigkill_and_wakes_stopped_children(tmp_path: Path) -> None:
@@ -59,11 +51,11 @@ def test_children_die_when_the_orchestrator_is_killed(tmp_path: Path) -> None:
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     child_pid = int(parent.stdout.readline())
-    assert not _gone(child_pid)
+    assert not gone(child_pid)
     parent.kill()
     parent.wait()
-    assert wait_until(lambda: _gone(child_pid), timeout_s=10)
-    if not _gone(child_pid):  # pragma: no cover - leave nothing behind on failure
+    assert wait_until(lambda: gone(child_pid), timeout_s=10)
+    if not gone(child_pid):  # pragma: no cover - leave nothing behind on failure
         os.kill(child_pid, signal.SIGKILL)
 
 

@@ -17,7 +17,10 @@ SIGTERM.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -34,7 +37,7 @@ from trainguard.cli.demo_view import Check, fault_table, print_checks
 from trainguard.cli.drill import FAULT_KINDS, JOB, Drill, DrillConfig, FaultOutcome, JsonObject
 from trainguard.cli.errors import DemoFailed
 from trainguard.cli.output import OutputFormat, align
-from trainguard.cli.procs import ProcessSet
+from trainguard.cli.procs import ProcessSet, stop_signals_handled
 from trainguard.cli.views import ACTIONS, render_list
 
 
@@ -79,11 +82,8 @@ class Demo:
         out("    trainguard remediation", highlight=False)
 
     def run(self, *, keep_running: bool = False) -> None:
-        with (
-            tempfile.TemporaryDirectory(prefix="trainguard-demo-") as tmp,
-            ProcessSet(Path(tmp) / "logs") as procs,
-        ):
-            drill = Drill(self.config, Path(tmp), procs, say=self.say)
+        with workspace() as (workdir, procs):
+            drill = Drill(self.config, workdir, procs, say=self.say)
             self.intro(procs)
             drill.launch()
             self.hints(drill)
@@ -191,6 +191,58 @@ def _loss_goes_on(o: FaultOutcome, rows: list[JsonObject], first_loss: float) ->
 
 
 @contextmanager
+def workspace() -> Iterator[tuple[Path, ProcessSet]]:
+    """A temporary directory and the children started in it; on the way out, however it
+    is left, every child is stopped and then the directory removed.
+
+    Signals that arrive meanwhile (a second Ctrl-C, a supervisor's SIGTERM after the
+    first) wait until both are done: raised at once they cut the cleanup short, leaving a
+    child that was still stopping (a controller stopping its ranks) running and writing
+    into a directory removed under it, which it then recreates.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="trainguard-demo-", dir=_short_tmp_root()))
+    procs = ProcessSet(workdir / "logs")
+    try:
+        yield workdir, procs
+    finally:
+        with signals_held():
+            procs.stop_all()
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+#: sun_path holds 108 bytes on Linux, the terminating NUL included.
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def _short_tmp_root() -> str | None:
+    """Where the work directory goes: the temporary directory (``None``), unless the
+    agents' sockets there (``<dir>/trainguard-demo-XXXXXXXX/demo-node-0/agent.sock``) would
+    be too long for a Unix socket, as under a deep ``TMPDIR``; then ``/tmp``. Every agent
+    would refuse its socket path and the demo could not run at all."""
+    longest = os.path.join(tempfile.gettempdir(), "trainguard-demo-abcdefgh", "demo-node-99")
+    if len(os.fsencode(os.path.join(longest, "agent.sock"))) <= MAX_SOCKET_PATH_BYTES:
+        return None
+    return "/tmp" if os.access("/tmp", os.W_OK | os.X_OK) else None
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP only say "still stopping" (once) inside the block, and
+    are not acted on later: the block is the stopping they ask for."""
+    told = False
+
+    def note(_signum: int, _frame: FrameType | None) -> None:
+        nonlocal told
+        if not told:
+            told = True
+            sys.stderr.write("demo: still stopping the controller, agents and job\n")
+            sys.stderr.flush()
+
+    with stop_signals_handled(note):
+        yield
+
+
+@contextmanager
 def signals_interrupt() -> Iterator[None]:
     """SIGINT, SIGTERM and SIGHUP unwind like Ctrl-C, so the cleanup in ``finally`` blocks
     runs. SIGINT too: a process started with SIGINT ignored (by a launcher, ``nohup``, a
@@ -199,13 +251,8 @@ def signals_interrupt() -> Iterator[None]:
     def handler(signum: int, _frame: FrameType | None) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, handler) for sig in signals}
-    try:
+    with stop_signals_handled(handler):
         yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def demo(
@@ -235,4 +282,4 @@ def register(app: typer.Typer) -> None:
     app.command(rich_help_panel="Run")(demo)
 
 
-__all__ = ["Demo", "Scenario", "register"]
+__all__ = ["Demo", "Scenario", "register", "workspace"]

@@ -305,8 +305,40 @@ class Drill:
                     f"for {what}:\n{child.log_tail(20)}"
                 )
             if time.monotonic() > deadline:
-                raise DemoFailed(f"timed out after {timeout_s:.0f} s waiting for {what}")
+                raise DemoFailed(
+                    f"timed out after {timeout_s:.0f} s waiting for {what}" + self._ranks_said()
+                )
             time.sleep(0.2)
+
+    def _ranks_said(self, lines: int = 4) -> str:
+        """The last lines of the newest generation's rank logs (each distinct tail once).
+
+        The ranks are the controller's children, not ours: one that exits (a bad setting,
+        an import error) shows only as steps that never come, and its log goes with the
+        work directory when the demo ends, so a timeout says what the ranks said last.
+        """
+        found: list[tuple[int, int, Path]] = []
+        for path in (self.workdir / "ranks").glob(f"{JOB}.g*.rank*.log"):
+            gen, _, rank = path.name[len(JOB) + 2 : -len(".log")].partition(".rank")
+            if gen.isdigit() and rank.isdigit():
+                found.append((int(gen), int(rank), path))
+        newest = max((g for g, _, _ in found), default=None)
+        shown: dict[str, list[str]] = {}
+        for g, r, path in sorted(found):
+            if g != newest:
+                continue
+            try:
+                said = path.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            tail = "\n".join(line for line in said if line.strip())
+            tail = "\n".join(tail.splitlines()[-lines:])
+            if tail:
+                shown.setdefault(tail, []).append(f"rank {r}")
+        return "".join(
+            f"\n{JOB} generation {newest} {', '.join(ranks)} said last:\n{tail}"
+            for tail, ranks in shown.items()
+        )
 
     # ------------------------------------------------------------------ reading
 

@@ -17,11 +17,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 
 _PR_SET_PDEATHSIG = 1
 
@@ -44,6 +45,50 @@ _SIGTERM = int(signal.SIGTERM)
 def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, _SIGTERM)
+
+
+#: The signals that stop a demo or a drill (Ctrl-C, a supervisor's SIGTERM, a closed
+#: terminal's SIGHUP).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_signals_handled(
+    handler: Callable[[int, FrameType | None], object], *, only_handled: bool = False
+) -> Iterator[None]:
+    """``handler`` for :data:`STOP_SIGNALS` inside the block, the previous handlers after
+    (``only_handled``: only for those Python handles now, not ignored or default ones).
+    Outside the main thread, where handlers cannot be set, the block just runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for sig in STOP_SIGNALS:
+        if not only_handled or callable(signal.getsignal(sig)):
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP, where Python handles them (Ctrl-C; the demo's SIGTERM),
+    take effect when the block ends. Raised inside ``Popen`` after the fork, the exception
+    would lose the child just started: not in the set, nobody would stop it."""
+    pending: list[int] = []
+
+    def defer(signum: int, _frame: FrameType | None) -> None:
+        pending.append(signum)
+
+    try:
+        with stop_signals_handled(defer, only_handled=True):
+            yield
+    finally:
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
 
 
 def cli_argv(*args: str) -> list[str]:
@@ -129,7 +174,7 @@ class ProcessSet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         child_env = dict(os.environ if env is None else env)
-        with log_path.open("ab") as log:
+        with _signals_deferred(), log_path.open("ab") as log:
             popen = subprocess.Popen(
                 list(argv),
                 stdin=subprocess.DEVNULL,
@@ -139,11 +184,11 @@ class ProcessSet:
                 start_new_session=True,
                 preexec_fn=_die_with_parent if _PRCTL is not None else None,
             )
-        child = Child(name=name, argv=list(argv), log_path=log_path, popen=popen)
-        self.children[name] = child
-        if name in self._order:
-            self._order.remove(name)
-        self._order.append(name)
+            child = Child(name=name, argv=list(argv), log_path=log_path, popen=popen)
+            self.children[name] = child
+            if name in self._order:
+                self._order.remove(name)
+            self._order.append(name)
         return child
 
     def __getitem__(self, name: str) -> Child:
@@ -178,13 +223,31 @@ class ProcessSet:
             self.children[name].send(signal.SIGTERM)
             self.children[name].send(signal.SIGCONT)
         deadline = time.monotonic() + timeout_s
+        try:
+            for name in names:
+                child = self.children[name]
+                try:
+                    child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.send(signal.SIGKILL)
+                    child.popen.wait()
+        except BaseException:
+            # Interrupted while waiting (a second Ctrl-C): no more grace, but no child left
+            # behind either; one that ignores SIGTERM would also ignore PR_SET_PDEATHSIG's.
+            self._kill_rest(names)
+            raise
+
+    def _kill_rest(self, names: list[str]) -> None:
+        """SIGKILL and reap every child in ``names`` still running, even if interrupted."""
         for name in names:
-            child = self.children[name]
-            try:
-                child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.send(signal.SIGKILL)
-                child.popen.wait()
+            self.children[name].send(signal.SIGKILL)
+        for name in names:
+            while True:
+                try:
+                    self.children[name].popen.wait()
+                    break
+                except KeyboardInterrupt:  # another Ctrl-C: reaping takes milliseconds
+                    continue
 
     def dead(self) -> list[Child]:
         """Children that exited on their own (not the ones we stopped)."""
