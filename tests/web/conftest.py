@@ -265,34 +265,65 @@ class Cluster:
             agent.stop()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A live controller (SQLite) with three simulated agents and a running 4-rank job."""
+def sqlite_controller(root: Path, **settings: Any) -> Any:
+    """A ``LiveController`` (not started) on a SQLite file under ``root``, with a fresh
+    token per role and one agent token for every simulated node; ``settings`` add to or
+    override those ``ControllerSettings``."""
     import secrets
 
     from controller.settings import ControllerSettings
     from tests.conftest import LiveController
 
-    root = tmp_path_factory.mktemp("dash")
     tokens = {role: f"{role}-{secrets.token_hex(16)}" for role in ("agent", "viewer", "operator")}
-    live = LiveController(
-        settings=ControllerSettings(
-            database_url=f"sqlite:///{root / 'trainguard.db'}",
-            host="127.0.0.1",
-            port=0,
-            tokens=[
-                {"name": f"test-{role}", "role": role, "token": token}
-                for role, token in tokens.items()
-            ],
-            log_level="warning",
-            allow_shared_agent_tokens=True,  # one agent token for every simulated node
-            # The fabric from the agents' labels (two NICs each), for the network page.
-            topology_labels={"spines": 2, "port_speed_gbps": 200.0},
-        ),
+    values: dict[str, Any] = {
+        "database_url": f"sqlite:///{root / 'trainguard.db'}",
+        "host": "127.0.0.1",
+        "port": 0,
+        "tokens": [
+            {"name": f"test-{role}", "role": role, "token": token} for role, token in tokens.items()
+        ],
+        "log_level": "warning",
+        "allow_shared_agent_tokens": True,
+        **settings,
+    }
+    return LiveController(
+        settings=ControllerSettings(**values),
         agent_token=tokens["agent"],
         viewer_token=tokens["viewer"],
         operator_token=tokens["operator"],
     )
+
+
+def open_page(context: Any, live: Any, token: str, route: str = "#/fleet") -> Any:
+    """A page signed in with ``token`` at ``route``; ``page.errors`` collects uncaught
+    exceptions and console errors. The browser logs every non-2xx answer ("Failed to load
+    resource"); the pages expect some (401 before sign-in, 404 goodput of a new job or a
+    dead link, 409 no topology), so those are left out."""
+    page = context.new_page()
+    page.set_default_timeout(15_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on(
+        "console",
+        lambda m: (
+            errors.append(m.text)
+            if m.type == "error" and not m.text.startswith("Failed to load resource")
+            else None
+        ),
+    )
+    page.errors = errors  # type: ignore[attr-defined]
+    page.goto(f"{live.url}/ui/{route}")
+    page.fill("#token", token)
+    page.click("#login button[type=submit]")
+    return page
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A live controller (SQLite) with three simulated agents and a running 4-rank job."""
+    root = tmp_path_factory.mktemp("dash")
+    # The fabric from the agents' labels (two NICs each), for the network page.
+    live = sqlite_controller(root, topology_labels={"spines": 2, "port_speed_gbps": 200.0})
     live.start()
     cluster = Cluster(live, root)
     try:

@@ -22,6 +22,7 @@ import pytest
 
 from tests import http_calls
 from tests.web.conftest import HOSTILE
+from tests.web.conftest import open_page as open_signed_in
 
 pytestmark = pytest.mark.slow
 
@@ -43,25 +44,7 @@ def api(cluster: Any, path: str, role: str = "viewer") -> Any:
 
 
 def open_page(context: Any, cluster: Any, token: str, route: str = "#/fleet") -> Any:
-    page = context.new_page()
-    page.set_default_timeout(15_000)
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    # The browser logs every non-2xx answer ("Failed to load resource"); the page expects
-    # some (401 before sign-in, 404 goodput of a new job, 409 no topology). Keep the rest.
-    page.on(
-        "console",
-        lambda m: (
-            errors.append(m.text)
-            if m.type == "error" and not m.text.startswith("Failed to load resource")
-            else None
-        ),
-    )
-    page.errors = errors  # type: ignore[attr-defined]
-    page.goto(f"{cluster.live.url}/ui/{route}")
-    page.fill("#token", token)
-    page.click("#login button[type=submit]")
-    return page
+    return open_signed_in(context, cluster.live, token, route)
 
 
 # ----------------------------------------------------------------------------- HTTP

@@ -142,8 +142,43 @@ async function route() {
     ctx.ok();
     $("login").hidden = true;
   } catch (err) {
-    if (seq === renderSeq) handleError(err);
+    if (seq !== renderSeq) return;
+    if (err instanceof ApiError && err.kind === "http" && err.status === 404) {
+      // A deep link to something that does not exist (or no longer does): say so in place
+      // of the page, never leave the previous page (another node's, another job's) up.
+      const text = notFoundText(path, ctx.args, err.detail);
+      view.replaceChildren(notFoundPanel(text, nav, err.detail));
+      view.dataset.page = nav;
+      $("login").hidden = true;
+      handleError(new ApiError("http", 404, text));
+      return;
+    }
+    handleError(err);
   }
+}
+
+const LISTS = { fleet: ["#/fleet", "the fleet"], jobs: ["#/jobs", "all jobs"], incidents: ["#/incidents", "all incidents"] };
+
+/** "No such node: nope." for #/node/nope; a malformed address keeps its own sentence. */
+function notFoundText(path, args, detail) {
+  if (/^No such page/.test(detail)) return detail;
+  const what = { node: "node", job: "job", incident: "incident" }[path.split("/")[1]] || "page";
+  return `No such ${what}: ${what === "incident" ? "#" : ""}${args[0] || path}. The controller knows no ${what} by that name (HTTP 404).`;
+}
+
+function notFoundPanel(text, nav, detail) {
+  const [href, name] = LISTS[nav] || LISTS.fleet;
+  const back = document.createElement("a");
+  back.href = href;
+  back.textContent = `Back to ${name}`;
+  return el(
+    "div",
+    "page not-found",
+    el("h2", null, "Not found"),
+    el("p", "summary", text),
+    detail && detail !== text ? el("p", "muted summary", detail) : null,
+    el("p", null, back),
+  );
 }
 
 async function signIn() {

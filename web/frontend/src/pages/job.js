@@ -50,9 +50,11 @@ export async function jobPage(ctx) {
   const shown = { checkpoints: [] }; // the newest load's, for texts read at click time
 
   async function load() {
-    const [job, steps, goodput, incidents, checkpoints, actions] = await Promise.all([
+    const [job, stepsOrNull, goodput, incidents, checkpoints, actions] = await Promise.all([
       get(`/jobs/${enc(name)}`),
-      get(`/jobs/${enc(name)}/steps?last=120`),
+      // 404: no step kept in memory for it (a controller that restarted since, or a stalled
+      // job that has sent none since): the rest of the page still shows.
+      get(`/jobs/${enc(name)}/steps?last=120`, { notFoundIsNull: true }),
       get(`/jobs/${enc(name)}/goodput`, { notFoundIsNull: true }),
       get(`/incidents?job=${enc(name)}&limit=100`),
       get(`/jobs/${enc(name)}/checkpoints?limit=200`),
@@ -62,6 +64,7 @@ export async function jobPage(ctx) {
     for (const c of charts) c.dispose();
     charts = [];
     shown.checkpoints = checkpoints.data;
+    const steps = stepsOrNull || NO_STEPS;
 
     // Ranks an open straggler/hang/fault incident names are marked on the heatmap.
     const marked = new Map();
@@ -183,8 +186,8 @@ export async function jobPage(ctx) {
     fill(root, 
       el("h2", null, link("#/jobs", "Jobs"), " / ", el("span", "name", job.name), " ", badge(job.state)),
       bar,
-      el("p", "muted", `${job.ranks_reporting}/${job.world_size} ranks reporting · last step ${dash(job.last_step)} · nodes ${job.nodes.join(", ")}`),
-      section("Rank × step", hm),
+      el("p", "muted summary", `${job.ranks_reporting}/${job.world_size} ranks reporting · last step ${dash(job.last_step)} · ${nodesText(job.nodes)}`),
+      section("Rank × step", stepsOrNull ? null : notReported("step times since the controller started (none kept in its memory for this job yet; they start with the job's next step)"), hm),
       section("Over time", el("div", "charts", stepChart.node, goodputChart.node), el("p", "muted", "Loss: not reported (step summaries carry no loss).")),
       section("Goodput", goodputPart),
       section("Ranks", table(["Rank", "Node", "GPU", "Role", "pp · dp · tp (peers)", "State", "Last step", "Marked"], rankRows, "no ranks", "ranks")),
@@ -198,6 +201,17 @@ export async function jobPage(ctx) {
   const r = refreshOn(ctx, load, { topics: ["jobs", "incidents", "actions", "checkpoints"] });
   const refresh = r.refresh;
   return mounted(root, r, () => charts);
+}
+
+/** What /jobs/{name}/steps holds for a job it has no step for (it answered 404). */
+const NO_STEPS = { steps: [], ranks: [], end_unix_s: [], median_s: [], max_s: [], goodput: { t: [], ettr: [] } };
+
+/** The job's nodes in one line: all of a small job's, the first few of a wide one's (a
+ *  2,048-node list would push the heatmap several screens down). */
+function nodesText(nodes) {
+  const SHOWN = 8;
+  if (nodes.length <= SHOWN) return `nodes ${nodes.join(", ") || "-"}`;
+  return `${nodes.length} nodes: ${nodes.slice(0, SHOWN).join(", ")} and ${nodes.length - SHOWN} more (see Ranks)`;
 }
 
 /** "pp 1 · dp 0 · tp 3 (8 peers)" from what the rank's step summaries declared. */

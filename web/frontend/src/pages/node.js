@@ -57,7 +57,7 @@ export async function nodePage(ctx) {
       el("dt", null, "Hostname"), el("dd", null, dash(node.hostname)),
       el("dt", null, "Health"), el("dd", null, `${node.health}${node.health_reason ? `: ${node.health_reason}` : ""}`),
       el("dt", null, "Isolated"), el("dd", "isolated", node.isolated_reason === null ? "no" : `yes: ${node.isolated_reason}`),
-      el("dt", null, "Labels"), el("dd", null, Object.entries(node.labels).map(([k, v]) => `${k}=${v}`).join(", ") || "-"),
+      el("dt", null, "Labels"), el("dd", "labels", labelList(node.labels)),
       el("dt", null, "Power"), el("dd", null, fmtW(node.power_w)),
       el("dt", null, "Last report"), el("dd", null, `${fmtAge(node.last_report_unix_s)} ago`),
       el("dt", null, "Agent"), el("dd", null, `${node.agent_version} (${node.backend})`),
@@ -149,4 +149,12 @@ export async function nodePage(ctx) {
   await load();
   const r = refreshOn(ctx, load, { topics: ["actions", "incidents"], nodeName: name });
   return mounted(root, r, () => charts);
+}
+
+/** Each label its own bidi-isolated span: a value with an unterminated right-to-left
+ *  override (U+202E) reverses only itself, never the labels beside it. */
+function labelList(labels) {
+  const entries = Object.entries(labels || {});
+  if (!entries.length) return "-";
+  return entries.flatMap(([k, v], i) => [i ? ", " : null, el("span", "label", `${k}=${v}`)]);
 }
