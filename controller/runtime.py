@@ -24,6 +24,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from controller.auth import Authenticator
+from controller.db.errors import database_away
 from controller.db.migrate import (
     head_revision,
     refuse_foreign_tables,
@@ -396,16 +397,27 @@ class Controller:
         ticks = self.ticks.setdefault(name, TickCount())
 
         async def loop() -> None:
+            away = 0  # ticks in a row that failed with the database unavailable
             while True:
                 await asyncio.sleep(interval_s)
                 ticks.started += 1
                 try:
                     await fn(time.time())
-                except Exception:  # a bad tick must not end the loop
+                except Exception as exc:  # a bad tick must not end the loop
                     ticks.failed += 1
-                    log.exception("periodic task failed", extra={"fields": {"task": name}})
+                    if not database_away(exc):
+                        away = 0
+                        log.exception("periodic task failed", extra={"fields": {"task": name}})
+                        continue
+                    away += 1
+                    if away == 1:  # the store logs the outage; each task says it once
+                        log.warning(
+                            "periodic task failed: database unavailable; retrying every tick",
+                            extra={"fields": {"task": name, "error": str(exc)}},
+                        )
                 else:
                     ticks.finished += 1
+                    away = 0
 
         self._tasks.append(asyncio.create_task(loop(), name=f"tg-{name}"))
 

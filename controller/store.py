@@ -8,11 +8,21 @@ calls and never block the loop on I/O.
 A failed call raises the client-facing error (:mod:`controller.db.errors`: 422/409 for a
 value or row the database refuses, 503 when it is unavailable), with the driver's error as
 its cause, after the transaction was rolled back: nothing of it was stored.
+
+An outage (the database could not be reached at all:
+:func:`~controller.db.errors.database_away`) is logged here, twice: when the first call
+finds the database away, and when the first call after it succeeds (how long, how many calls
+failed). The callers that see its :class:`~controller.errors.StoreUnavailable` (every
+agent's report, every periodic task's tick) do not log it again: during an outage they fail
+hundreds of times a second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -20,7 +30,10 @@ from typing import TypeVar
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.orm import Session
 
-from controller.db.errors import database_error
+from controller.db.errors import database_away, database_error
+from controller.errors import ControllerError, StoreUnavailable
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -34,6 +47,11 @@ class Store:
         #: ``trainguard_db_commits_total`` metric read it.
         self.commits = 0
         event.listen(engine, "commit", self._on_commit)
+        #: Monotonic time the current outage began (None: the database answers).
+        self.unavailable_since: float | None = None
+        #: Calls that failed with the database unavailable during the current outage.
+        self.unavailable_calls = 0
+        self._outage_lock = threading.Lock()
 
     def _on_commit(self, _conn: Connection) -> None:
         self.commits += 1
@@ -50,22 +68,60 @@ class Store:
     def _in_transaction(self, fn: Callable[[Connection], T]) -> T:
         try:
             with self.engine.begin() as conn:
-                return fn(conn)
+                result = fn(conn)
         except Exception as exc:
-            mapped = database_error(exc)
-            if mapped is None or mapped is exc:
+            mapped = self._failed(exc)
+            if mapped is exc:
                 raise
             raise mapped from exc
+        self._answered()
+        return result
 
     def _read(self, fn: Callable[[Session], T]) -> T:
         try:
             with Session(self.engine) as session:
-                return fn(session)
+                result = fn(session)
         except Exception as exc:
-            mapped = database_error(exc)
-            if mapped is None or mapped is exc:
+            mapped = self._failed(exc)
+            if mapped is exc:
                 raise
             raise mapped from exc
+        self._answered()
+        return result
+
+    def _failed(self, exc: Exception) -> Exception:
+        """The error to raise for ``exc`` (mapped when it is the database's), noting an
+        outage when it says the database is unavailable."""
+        mapped: ControllerError | None = database_error(exc)
+        if isinstance(mapped, StoreUnavailable) and database_away(exc):
+            with self._outage_lock:
+                self.unavailable_calls += 1
+                began = self.unavailable_since is None
+                if began:
+                    self.unavailable_since = time.monotonic()
+            if began:
+                log.error(
+                    "database unavailable: writes and reads fail (503) until it answers again",
+                    extra={"fields": {"error": mapped.message}},
+                )
+        return exc if mapped is None else mapped
+
+    def _answered(self) -> None:
+        if self.unavailable_since is None:  # the usual case: no lock taken
+            return
+        with self._outage_lock:
+            since, self.unavailable_since = self.unavailable_since, None
+            failed, self.unavailable_calls = self.unavailable_calls, 0
+        if since is not None:
+            log.warning(
+                "database available again",
+                extra={
+                    "fields": {
+                        "unavailable_s": round(time.monotonic() - since, 1),
+                        "failed_calls": failed,
+                    }
+                },
+            )
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)

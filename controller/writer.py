@@ -13,10 +13,12 @@ newest values, whatever order reports arrived in; the rows are stored by the tab
 repositories (:func:`controller.db.repositories.write_batch`), never here.
 
 If a commit fails, each report of the batch is retried alone, so one bad report cannot fail
-its batch-mates; those that still fail get the database's error as
-:mod:`controller.db.errors` maps it (422/409 for data it refuses, 503 when it is away; their
-dedupe cursor is rolled back, so the agent's retry is accepted) and their upsert keys are
-carried into the next batches, for a bounded number of attempts.
+its batch-mates (once no connection can be had at all, the rest are answered 503 at once,
+not after one more connection attempt, and connect timeout, per report); those that still
+fail get the database's error as :mod:`controller.db.errors` maps it (422/409 for data it
+refuses, 503 when it is away; their dedupe cursor is rolled back, so the agent's retry is
+accepted) and their upsert keys are carried into the next batches, for a bounded number of
+attempts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Table
 
+from controller.db.errors import database_away, database_unreachable
 from controller.db.keys import RowKey
 from controller.db.models import Base
 from controller.db.repositories import write_batch
@@ -172,7 +175,7 @@ class GroupCommitWriter:
             await self._commit(batch.contributions, batch.keys)
         except Exception as exc:  # the database said no: find who, keep serving
             self._note_failure(exc, len(batch.contributions))
-            if len(batch.contributions) + bool(batch.carried) > 1:
+            if len(batch.contributions) + bool(batch.carried) > 1 and not database_unreachable(exc):
                 await self._isolate(batch)
             else:
                 self._fail(batch.contributions, exc, batch.carried)
@@ -187,16 +190,24 @@ class GroupCommitWriter:
     async def _isolate(self, batch: _Batch) -> None:
         """Retry each report alone, so one bad row cannot fail its batch-mates."""
         own: set[RowKey] = set()
+        unreachable: BaseException | None = None
         for c in batch.contributions:
             own |= c.upserts
+            if unreachable is not None:  # no connection to be had: no more attempts
+                self._fail([c], unreachable, batch.carried)
+                continue
             try:
                 await self._commit([c], c.upserts)
             except Exception as exc:
                 self._fail([c], exc, batch.carried)
+                if database_unreachable(exc):
+                    unreachable = exc
             else:
                 _settle(c, None)
         leftover = set(batch.carried) - own
-        if leftover:
+        if leftover and unreachable is not None:
+            self._fail([], unreachable, {k: batch.carried[k] for k in leftover})
+        elif leftover:
             try:
                 await self._commit([], leftover)
             except Exception as exc:
@@ -208,12 +219,21 @@ class GroupCommitWriter:
         keys = set(carried)
         for c in contributions:
             keys |= c.upserts
+        dropped: list[RowKey] = []
         for key in keys:
             attempts = carried.get(key, 0) + 1
             if attempts < MAX_CARRY_ATTEMPTS:
                 self._carry[key] = max(self._carry.get(key, 0), attempts)
             else:
-                log.error("dropping row after repeated failures", extra={"fields": {"row": key}})
+                dropped.append(key)
+        if dropped:
+            # One line per batch, not per row; an outage is logged once, by the store.
+            level = logging.DEBUG if database_away(exc) else logging.ERROR
+            log.log(
+                level,
+                "dropping rows after repeated failures",
+                extra={"fields": {"rows": len(dropped), "first": [str(k) for k in dropped[:5]]}},
+            )
         if self._carry:
             self._has_work.set()
         for c in contributions:
@@ -221,7 +241,9 @@ class GroupCommitWriter:
 
     def _note_failure(self, exc: BaseException, reports: int) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        log.error(
+        # The database being away is logged once by the store, not once per batch.
+        log.log(
+            logging.DEBUG if database_away(exc) else logging.ERROR,
             "group commit failed",
             extra={"fields": {"reports": reports, "error": self.last_error}},
         )

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from controller.db.errors import database_away
 from controller.errors import ControllerError, InvalidInput, PayloadTooLarge, TemporaryError
 from controller.validation import one_line, structured
 
@@ -29,7 +30,8 @@ def error_payload(exc: ControllerError) -> tuple[int, bytes, dict[str, str]]:
     headers: dict[str, str] = {}
     if isinstance(exc, TemporaryError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-    if exc.status_code >= 500:
+    # The database being away is logged once by the store, not once per refused request.
+    if exc.status_code >= 500 and not database_away(exc):
         log.error("request failed", extra={"fields": {"error": exc.message}})
     body: dict[str, Any] = {"detail": exc.message}
     if isinstance(exc, InvalidInput) and exc.errors:

@@ -43,6 +43,56 @@ def _dbapi_kind(exc: BaseException) -> str:
     return ""
 
 
+#: SQLSTATE classes that end or refuse the session whatever was sent: connection exception
+#: (``08``), operator intervention (``57``: shutdown, crash, "cannot connect now") but not
+#: ``57014``, a statement cancelled or timed out, which depends on the statement.
+_SESSION_SQLSTATE_CLASSES = ("08", "57")
+
+
+def database_away(exc: BaseException) -> bool:
+    """Whether ``exc`` (a store error, or its cause) says the database could not be reached
+    or the connection was lost (:func:`database_unreachable`, or a session ended under a
+    statement), rather than that it refused a statement."""
+    cause = _database_cause(exc)
+    if isinstance(cause, sa.DBAPIError) and cause.connection_invalidated:
+        return True
+    return database_unreachable(exc)
+
+
+def database_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says no connection could be had at all: refused, timed out, the
+    server refusing sessions (shutting down, starting up), the pool exhausted, SQLite's lock
+    held by another process. A connection lost under a statement is not (the next one may
+    work: a pooled connection the server or a PgBouncer restart dropped).
+
+    Why: the group commit retries each report of a failed batch alone, to find the one a
+    constraint refuses; with the database unreachable that is one more connection attempt
+    (and connect timeout) per report, in a row, before any of them is answered.
+    """
+    cause = _database_cause(exc)
+    if cause is None:
+        return False
+    if isinstance(cause, sa.TimeoutError | sa.DisconnectionError):
+        return True
+    if isinstance(cause, sa.DBAPIError) and cause.connection_invalidated:
+        return False
+    inner = getattr(cause, "orig", None) or cause
+    if _dbapi_kind(inner) not in ("OperationalError", "InterfaceError"):
+        return False
+    if type(inner).__module__.startswith("psycopg"):
+        state = getattr(inner, "sqlstate", None)
+        return state is None or (state[:2] in _SESSION_SQLSTATE_CLASSES and state != "57014")
+    return str(getattr(inner, "sqlite_errorname", "")).startswith(("SQLITE_BUSY", "SQLITE_LOCKED"))
+
+
+def _database_cause(exc: BaseException) -> BaseException | None:
+    """The database's own error behind ``exc`` (ours are raised from it)."""
+    cause: BaseException | None = exc
+    while isinstance(cause, ControllerError):
+        cause = cause.__cause__
+    return cause
+
+
 def database_error(exc: BaseException) -> ControllerError | None:
     """The client-facing error for a failed database call, or ``None`` if it is a bug."""
     if isinstance(exc, ControllerError):

@@ -19,6 +19,11 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000
 #: Pages in the WAL before a commit checkpoints it itself. The controller checkpoints from
 #: a background thread every second; this is only the safety net (40 MB).
 SQLITE_WAL_AUTOCHECKPOINT_PAGES = 10_000
+#: Seconds to open a PostgreSQL connection unless the URL says (``?connect_timeout=N``).
+#: psycopg's own default is 130 s: a server that accepts and never answers (hung, or a
+#: black-holed network) held each report, readiness probe and read that long, under the
+#: agent's 10-s report timeout, instead of answering 503 "retry later".
+PG_CONNECT_TIMEOUT_S = 5
 
 
 def database_kind(url: str) -> str:
@@ -40,6 +45,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     kwargs.setdefault("pool_size", 8)
     kwargs.setdefault("max_overflow", 8)
     kwargs.setdefault("pool_pre_ping", True)
+    if "connect_timeout" not in parsed.query:
+        connect_args = dict(kwargs.pop("connect_args", {}))
+        connect_args.setdefault("connect_timeout", PG_CONNECT_TIMEOUT_S)
+        kwargs["connect_args"] = connect_args
     return create_engine(parsed, **kwargs)
 
 

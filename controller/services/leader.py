@@ -191,21 +191,27 @@ class PostgresAdvisoryLock:
             keepalives_count=PG_KEEPALIVE_COUNT,
             tcp_user_timeout=PG_SERVER_DETECT_S * 1000,
         )
-        # The server side matters most: it is what frees the lock when our host vanishes.
-        await conn.execute(f"SET tcp_keepalives_idle = {PG_KEEPALIVE_IDLE_S}")
-        await conn.execute(f"SET tcp_keepalives_interval = {PG_KEEPALIVE_INTERVAL_S}")
-        await conn.execute(f"SET tcp_keepalives_count = {PG_KEEPALIVE_COUNT}")
-        await conn.execute(f"SET tcp_user_timeout = {PG_SERVER_DETECT_S * 1000}")
         self._conn = conn
+        # The server side matters most: it is what frees the lock when our host vanishes.
+        for setting, value in (
+            ("tcp_keepalives_idle", PG_KEEPALIVE_IDLE_S),
+            ("tcp_keepalives_interval", PG_KEEPALIVE_INTERVAL_S),
+            ("tcp_keepalives_count", PG_KEEPALIVE_COUNT),
+            ("tcp_user_timeout", PG_SERVER_DETECT_S * 1000),
+        ):
+            try:
+                await self._query(conn, f"SET {setting} = {value}", fetch=False)
+            except BaseException:
+                self._abandon()
+                raise
         return conn
 
     async def try_acquire(self) -> bool:
         conn = self._connection() or await self._connect()
         try:
-            cursor = await conn.execute("SELECT pg_try_advisory_lock(%s)", (self.key,))
-            row = await cursor.fetchone()
+            row = await self._query(conn, "SELECT pg_try_advisory_lock(%s)", (self.key,))
         except Exception:
-            await self._close()
+            self._abandon()
             raise
         return bool(row and row[0])
 
@@ -219,32 +225,71 @@ class PostgresAdvisoryLock:
             " AND objsubid = 1)"
         )
         try:
-            cursor = await asyncio.wait_for(
-                conn.execute(query, (self._classid, self._objid)), PG_CHECK_TIMEOUT_S
-            )
-            row = await asyncio.wait_for(cursor.fetchone(), PG_CHECK_TIMEOUT_S)
+            row = await self._query(conn, query, (self._classid, self._objid))
         except Exception as exc:
-            await self._close()
+            self._abandon()
             raise LeadershipLost(f"lock connection failed: {type(exc).__name__}") from exc
         if not (row and row[0]):
-            await self._close()
+            self._abandon()
             raise LeadershipLost("the session no longer holds the advisory lock")
 
     async def release(self) -> None:
         conn = self._connection()
         if conn is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    conn.execute("SELECT pg_advisory_unlock(%s)", (self.key,)),
-                    PG_CHECK_TIMEOUT_S,
-                )
-        await self._close()
+                await self._query(conn, "SELECT pg_advisory_unlock(%s)", (self.key,))
+        self._abandon()
 
-    async def _close(self) -> None:
-        conn, self._conn = self._connection(), None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close(), PG_CHECK_TIMEOUT_S)
+    async def _query(
+        self,
+        conn: AsyncConnection[tuple[Any, ...]],
+        query: str,
+        params: tuple[int, ...] = (),
+        *,
+        fetch: bool = True,
+    ) -> tuple[Any, ...] | None:
+        """One row of ``query``, or :class:`TimeoutError` after :data:`PG_CHECK_TIMEOUT_S`.
+
+        Why not ``asyncio.wait_for``: cancelling a psycopg query waits for the server to
+        cancel it (up to 10 s more on a server or network that stopped answering), and
+        ``wait_for`` waits for that; a stalled check then took 12 s, past the server's
+        hand-over to another replica (:data:`PG_SERVER_DETECT_S`). Here a late query's
+        connection is given up at once (:meth:`_abandon`), closed once the query has ended.
+        """
+
+        async def run() -> tuple[Any, ...] | None:
+            cursor = await conn.execute(query, params or None)
+            return await cursor.fetchone() if fetch else None
+
+        task = asyncio.ensure_future(run())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=PG_CHECK_TIMEOUT_S)
+        except asyncio.CancelledError:  # the caller stops: the query ends by itself
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            raise
+        if not done:
+            self._abandon(task)
+            raise TimeoutError(f"no answer within {PG_CHECK_TIMEOUT_S:g} s")
+        return task.result()
+
+    def _abandon(self, pending: asyncio.Future[Any] | None = None) -> None:
+        """Drop the lock connection now and close it (the server ends the session, freeing
+        the lock): at once, or once ``pending``, a query on it, has ended its cancellation
+        (closing the socket under a query that still waits on it is unsafe for the loop)."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if pending is not None and not pending.done():
+            pending.cancel()
+            pending.add_done_callback(lambda _: _finish(conn))
+        else:
+            _finish(conn)
+
+
+def _finish(conn: AsyncConnection[tuple[Any, ...]]) -> None:
+    """Close a psycopg connection without waiting for the server (``close`` does just this)."""
+    with contextlib.suppress(Exception):
+        conn.pgconn.finish()
 
 
 def build_lock(
