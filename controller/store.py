@@ -66,21 +66,24 @@ class Store:
         return await asyncio.to_thread(self._read, fn)
 
     def _in_transaction(self, fn: Callable[[Connection], T]) -> T:
-        try:
+        def run() -> T:
             with self.engine.begin() as conn:
-                result = fn(conn)
-        except Exception as exc:
-            mapped = self._failed(exc)
-            if mapped is exc:
-                raise
-            raise mapped from exc
-        self._answered()
-        return result
+                return fn(conn)
+
+        return self._guarded(run)
 
     def _read(self, fn: Callable[[Session], T]) -> T:
-        try:
+        def run() -> T:
             with Session(self.engine) as session:
-                result = fn(session)
+                return fn(session)
+
+        return self._guarded(run)
+
+    def _guarded(self, run: Callable[[], T]) -> T:
+        """``run()``, its failure raised as the client-facing error, and the database's
+        outage noted (its start on a failure, its end on the next answer)."""
+        try:
+            result = run()
         except Exception as exc:
             mapped = self._failed(exc)
             if mapped is exc:

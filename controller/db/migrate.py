@@ -15,11 +15,11 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, event, inspect, text
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from controller.db.session import make_engine, sqlite_file, sqlite_file_problem
 from controller.errors import BadConfig, StartupError
+from trainguard.urls import shown_url
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 
@@ -54,11 +54,7 @@ def refuse_foreign_tables(conn: Connection, database_url: str) -> None:
     if not tables:
         return
     path = sqlite_file(database_url)
-    where = (
-        f"database file {path}"
-        if path is not None
-        else f"database {make_url(database_url).render_as_string(hide_password=True)}"
-    )
+    where = f"database file {path}" if path is not None else f"database {shown_url(database_url)}"
     shown = ", ".join(tables[:3]) + (f" and {len(tables) - 3} more" if len(tables) > 3 else "")
     raise NotOurDatabase(
         f"{where} holds tables ({shown}) but no trainguard schema revision (another "

@@ -37,32 +37,12 @@ from controller.logic.traffic.topology import (
     SwitchSpec,
     Topology,
 )
+from tests.traffic.fabrics import ring_job
+from tests.traffic.fabrics import two_tier as fabric
 from tests.traffic.plan_checks import brute_force_optimum
 
 GBPS = 1e9 / 8
 REPO = Path(__file__).resolve().parents[2]
-
-
-def fabric(leaves: dict[str, list[str]], spines: int, gbps: float = 100.0) -> dict[str, Any]:
-    """A two-tier document: every leaf on every spine, ``leaves`` maps leaf -> its nodes
-    (one single-port NIC each)."""
-    spine_names = [f"s{j}" for j in range(spines)]
-    return {
-        "name": "sweep2",
-        "port_speed_gbps": gbps,
-        "switches": [{"name": leaf, "tier": 1} for leaf in leaves]
-        + [{"name": s, "tier": 2} for s in spine_names],
-        "cables": [{"lower": leaf, "upper": s} for leaf in leaves for s in spine_names],
-        "nodes": [
-            {"name": n, "nics": [{"ports": [{"leaf": leaf}]}]}
-            for leaf, nodes in leaves.items()
-            for n in nodes
-        ],
-    }
-
-
-def ring_job(nodes: list[str], channels: int = 1) -> JobSpec:
-    return JobSpec(nodes=nodes, gpus_per_node=1, tp=1, channels=channels)
 
 
 def named_paths(plan: Plan) -> list[list[str]]:

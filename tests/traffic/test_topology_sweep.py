@@ -30,38 +30,11 @@ from controller.logic.traffic.outputs import plan_to_dict
 from controller.logic.traffic.planner import Plan, Planner, PlannerConfig
 from controller.logic.traffic.topofile import LabelFabric, topology_from_dict, topology_from_labels
 from controller.logic.traffic.topology import Topology
+from tests.traffic.fabrics import ring_job
+from tests.traffic.fabrics import two_tier as fabric
 from tests.traffic.plan_checks import brute_force_optimum, flows_between, off_plan
 
 GBPS = 1e9 / 8
-
-
-def fabric(
-    leaves: dict[str, list[str]],
-    spines: int,
-    *,
-    cables: list[dict[str, Any]] | None = None,
-    gbps: float = 100.0,
-) -> dict[str, Any]:
-    """A two-tier fabric document: ``leaves`` maps leaf -> its single-port nodes."""
-    spine_names = [f"s{j}" for j in range(spines)]
-    return {
-        "name": "sweep",
-        "port_speed_gbps": gbps,
-        "switches": [{"name": leaf, "tier": 1} for leaf in leaves]
-        + [{"name": s, "tier": 2} for s in spine_names],
-        "cables": cables
-        if cables is not None
-        else [{"lower": leaf, "upper": s} for leaf in leaves for s in spine_names],
-        "nodes": [
-            {"name": n, "nics": [{"ports": [{"leaf": leaf}]}]}
-            for leaf, nodes in leaves.items()
-            for n in nodes
-        ],
-    }
-
-
-def ring_job(nodes: list[str], channels: int = 1, grad_bytes: int = 1 << 30) -> JobSpec:
-    return JobSpec(nodes=nodes, gpus_per_node=1, tp=1, channels=channels, grad_bytes=grad_bytes)
 
 
 def link_names(plan: Plan) -> set[str]:
