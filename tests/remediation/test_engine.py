@@ -17,7 +17,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -367,11 +367,17 @@ def straggler_evidence(slowdown_pct: float) -> StragglerIncidentEvidence:
     )
 
 
-def remediation_over(live: Any, incident: int) -> None:
+def remediation_over(
+    live: Any, incident: int, *, meanwhile: Callable[[], None] | None = None
+) -> None:
     """Wait until the engine acted on ``incident`` and every remediation of it has ended
-    (each of its steps has run, or it stopped): nothing more of it can happen."""
+    (each of its steps has run, or it stopped): nothing more of it can happen.
+    ``meanwhile`` runs at every look (the healthy agents' reports, where a test's nodes
+    must not fall silent while it waits: silence of many reads as a partition)."""
 
     def over() -> bool:
+        if meanwhile is not None:
+            meanwhile()
         engine = live.controller.remediation
         states = [r.state for r in engine.remediations if r.incident_id == incident]
         return bool(states) and "running" not in states
