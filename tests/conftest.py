@@ -500,7 +500,8 @@ def fast_remediation_engine(controller_defaults: dict[str, Any]) -> float:
 # worker was free (cluster tests ran two at a time; module fixtures started on both
 # workers). The marks stay for anyone reading ``-m``/``--collect-only``.
 _CLUSTER_TESTS = ("tests/e2e/",)
-#: Times a failed test marked ``slow`` runs again (pytest-rerunfailures), see below.
+#: Times a failed test that races real timers (marked ``slow``, or a live controller's)
+#: runs again (pytest-rerunfailures), see below.
 SLOW_TEST_RERUNS = 1
 
 
@@ -573,6 +574,12 @@ def _schedule_order(
     return key
 
 
+def _races_timers(item: pytest.Item) -> bool:
+    """A test marked ``slow`` (real processes) or one that runs a live controller."""
+    fixtures = getattr(item, "fixturenames", ())
+    return item.get_closest_marker("slow") is not None or "controller_factory" in fixtures
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = config.rootpath
 
@@ -585,11 +592,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     chains = _chains(config)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group_of(path(item), chains)))
-        if rerun and item.get_closest_marker("slow") and not item.get_closest_marker("flaky"):
-            # Multi-process tests race real processes, sockets and timers on a shared
-            # 2-core machine: one that fails runs once more, and the summary lists it as a
-            # rerun ("R"). Every rerun seen is a race to chase: three of four seen so far
-            # were real bugs (docs in README, "Development").
+        if rerun and _races_timers(item) and not item.get_closest_marker("flaky"):
+            # Multi-process tests, and tests against a live controller (its engine ticks,
+            # detectors and uvicorn threads on their own clocks), race real processes,
+            # sockets and timers on a shared 2-core machine: one that fails runs once more,
+            # and the summary lists it as a rerun ("R"). Every rerun seen is a race to
+            # chase: most seen so far were real bugs, the rest races in the test itself
+            # (README, "Development").
             item.add_marker(pytest.mark.flaky(reruns=SLOW_TEST_RERUNS))
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests import module_costs
-from tests.conftest import _schedule_order
+from tests.conftest import _races_timers, _schedule_order
 from tests.zygote import Zygote
 
 
@@ -66,9 +66,17 @@ class _Item:
 
     where: str
     slow: bool = False
+    fixturenames: tuple[str, ...] = ()
 
     def get_closest_marker(self, name: str) -> object:
         return self.slow if name == "slow" and self.slow else None
+
+
+def test_slow_tests_and_live_controller_tests_get_a_rerun_and_no_others() -> None:
+    live = _Item("tests/x.py", fixturenames=("tmp_path", "controller_factory", "fleet_factory"))
+    assert _races_timers(live)  # type: ignore[arg-type]
+    assert _races_timers(_Item("tests/x.py", slow=True))  # type: ignore[arg-type]
+    assert not _races_timers(_Item("tests/x.py", fixturenames=("tmp_path",)))  # type: ignore[arg-type]
 
 
 def test_cluster_chains_go_first_then_modules_longest_expected_first() -> None:

@@ -126,10 +126,14 @@ def test_unreachable_node_waits_for_a_second_signal(fleet_factory: Any) -> None:
     isolate, restart = acted(actuator)
     assert isolate == ("isolate_node", "n1")
     assert "n1" not in restart[1].nodes
-    kinds = [
-        (a["kind"], a["status"]) for a in actions(live) if a["trigger"] == f"incident:{incident}"
-    ]
-    assert ("isolate_node", "succeeded") in kinds and ("restart_job", "succeeded") in kinds
+
+    def ended() -> set[tuple[str, str]]:
+        """The incident's action rows by (kind, status): a row says ``succeeded`` only once
+        the engine has heard back from the actuator, a moment after the call was made."""
+        rows = [a for a in actions(live) if a["trigger"] == f"incident:{incident}"]
+        return {(a["kind"], a["status"]) for a in rows}
+
+    wait_for(lambda: {("isolate_node", "succeeded"), ("restart_job", "succeeded")} <= ended())
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
