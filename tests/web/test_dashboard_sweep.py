@@ -190,6 +190,8 @@ def test_the_fleet_of_2048_nodes_and_the_2048_rank_heatmap_render(sweep, dash_br
     assert XSS in (first.get_attribute("aria-label") or "")
     assert_inert_and_contained(page, "fleet")
 
+    far = NODES - 48  # a rank the first screenful of rows would not reach
+    open_incident(live, summary="rank far behind", job=JOB, ranks=[far], evidence={})
     t0 = page.evaluate("performance.now()")
     page.goto(f"{live.url}/ui/#/job/{JOB}")
     canvas = page.locator(".heatmap canvas")
@@ -198,7 +200,23 @@ def test_the_fleet_of_2048_nodes_and_the_2048_rank_heatmap_render(sweep, dash_br
     expect(page.locator(".hm-summary")).to_contain_text(
         "Slowest ranks (worst step / median): rank 7 "
     )
-    expect(page.locator("table.ranks tbody tr")).to_have_count(NODES)
+    # Ten ranks a heatmap row (it was 4,096 px tall), the marked rank's band says which.
+    assert canvas.evaluate("c => c.height") <= 420
+    expect(canvas).to_have_attribute("aria-label", re.compile(r", 10 ranks a row$"))
+    expect(page.locator(".hm-ranks li.marked")).to_have_text(
+        f"r{far}–r{far + 9} ◀ straggler (rank {far})"
+    )
+    # The Ranks table starts with 64 rows, the incident's rank among them, and lists all
+    # 2,048 when asked (it was ~110,000 px of page below the heatmap).
+    rows = page.locator("table.ranks tbody tr")
+    expect(rows).to_have_count(64)
+    expect(page.locator(f'table.ranks tr[data-rank="{far}"] td.marked')).to_have_text("◀ straggler")
+    expect(page.locator(".ranks-shown")).to_contain_text(
+        f"64 of {NODES:,} ranks listed: the 1 an open incident marks or that are not running"
+    )
+    page.click("button.show-all")
+    expect(rows).to_have_count(NODES)
+    expect(page.locator(".ranks-shown")).to_have_count(0)
     # The heatmap starts on the first screen: the job's 2,048 nodes are not all listed
     # above it.
     top = canvas.evaluate("c => c.getBoundingClientRect().top")

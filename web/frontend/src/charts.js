@@ -114,43 +114,62 @@ function scaleColor(f) {
  * Rank x step heatmap of step time. ranks: [rank], steps: [step], cell(rank, step) -> s|null.
  * marked: Map(rank -> "straggler"|"hang"|...). Colour = step time / median of the step.
  */
+/** At most this many rows: a wider job's ranks are drawn in bands of consecutive ranks,
+ *  each cell the band's slowest (a 2,048-rank heatmap at 2 px a rank was 4,096 px tall,
+ *  and a straggler still shows: a band is as slow as its slowest rank). */
+export const HEATMAP_ROWS = 210;
+
 export function heatmap({ ranks, steps, value, marked, labelOf }) {
   const box = el("figure", "heatmap");
-  box.append(el("figcaption", null, "Step time per rank (colour: time / median of that step; darker is faster)"));
+  const perRow = Math.max(1, Math.ceil(ranks.length / HEATMAP_ROWS));
+  box.append(
+    el(
+      "figcaption",
+      null,
+      "Step time per rank (colour: time / median of that step; darker is faster)",
+      perRow > 1 ? `; ${perRow} consecutive ranks a row, coloured by the slowest of them` : "",
+    ),
+  );
   if (!ranks.length || !steps.length) {
     box.append(el("p", "not-reported", "no step summaries received yet"));
     return box;
   }
+  const bands = [];
+  for (let i = 0; i < ranks.length; i += perRow) bands.push(ranks.slice(i, i + perRow));
   const cellW = Math.max(2, Math.min(14, Math.floor(800 / steps.length)));
-  const cellH = Math.max(2, Math.min(14, Math.floor(420 / ranks.length)));
+  const cellH = Math.max(2, Math.min(14, Math.floor(420 / bands.length)));
   const canvas = el("canvas");
   canvas.width = steps.length * cellW;
-  canvas.height = ranks.length * cellH;
+  canvas.height = bands.length * cellH;
   const ctx = canvas.getContext("2d");
   const medians = steps.map((s) => {
     const vals = ranks.map((r) => value(r, s)).filter((v) => typeof v === "number").sort((a, b) => a - b);
     return vals.length ? vals[Math.floor(vals.length / 2)] : null;
   });
   const slowest = new Map();
-  ranks.forEach((r, ri) => {
+  bands.forEach((band, bi) => {
     steps.forEach((s, si) => {
-      const v = value(r, s);
       const m = medians[si];
-      if (typeof v !== "number" || !m) {
-        ctx.fillStyle = "#00000000";
-        return;
+      let worst = null;
+      for (const r of band) {
+        const v = value(r, s);
+        if (typeof v !== "number" || !m) continue;
+        const ratio = v / m;
+        slowest.set(r, Math.max(slowest.get(r) || 0, ratio));
+        worst = worst === null ? ratio : Math.max(worst, ratio);
       }
-      const ratio = v / m;
-      slowest.set(r, Math.max(slowest.get(r) || 0, ratio));
+      if (worst === null) return;
       // 1.0 (median) -> low end, 2.0 and above -> top end.
-      ctx.fillStyle = scaleColor(ratio - 1);
-      ctx.fillRect(si * cellW, ri * cellH, cellW, cellH);
+      ctx.fillStyle = scaleColor(worst - 1);
+      ctx.fillRect(si * cellW, bi * cellH, cellW, cellH);
     });
   });
   const labels = el("ol", "hm-ranks");
-  ranks.forEach((r) => {
-    const mark = marked.get(r);
-    const li = el("li", mark ? "marked" : null, `${labelOf(r)}${mark ? ` ◀ ${mark}` : ""}`);
+  bands.forEach((band) => {
+    const hit = band.find((r) => marked.has(r));
+    const mark = hit === undefined ? null : `${marked.get(hit)}${band.length > 1 ? ` (rank ${hit})` : ""}`;
+    const name = band.length > 1 ? `r${band[0]}–r${band[band.length - 1]}` : labelOf(band[0]);
+    const li = el("li", mark ? "marked" : null, `${name}${mark ? ` ◀ ${mark}` : ""}`);
     li.style.height = `${cellH}px`;
     li.style.lineHeight = `${cellH}px`;
     if (cellH < 10 && !mark) li.classList.add("tiny");
@@ -158,7 +177,9 @@ export function heatmap({ ranks, steps, value, marked, labelOf }) {
   });
   attrs(canvas, {
     role: "img",
-    "aria-label": `Heatmap of ${ranks.length} ranks by ${steps.length} steps, steps ${steps[0]} to ${steps[steps.length - 1]}`,
+    "aria-label":
+      `Heatmap of ${ranks.length} ranks by ${steps.length} steps, steps ${steps[0]} to ${steps[steps.length - 1]}` +
+      (perRow > 1 ? `, ${perRow} ranks a row` : ""),
   });
   const legend = el(
     "div",

@@ -5,7 +5,7 @@
 import { get, post, enc } from "../api.js";
 import { actionBar, actionButton } from "../actions.js";
 import { heatmap, timeChart } from "../charts.js";
-import { el, fill, dash, link, row, section, table, td, notReported } from "../dom.js";
+import { attrs, el, fill, dash, link, row, section, table, td, notReported } from "../dom.js";
 import { fmtAge, fmtBytes, fmtDuration, fmtPct, fmtTime } from "../format.js";
 import { actionTable, actionsFor, badge, incidentTable, mounted, refreshOn } from "./common.js";
 
@@ -48,6 +48,7 @@ export async function jobPage(ctx) {
   const root = el("div", "page job");
   let charts = [];
   const shown = { checkpoints: [] }; // the newest load's, for texts read at click time
+  let allRanks = false; // a wide job's Ranks table: everything, once asked (kept across loads)
 
   async function load() {
     const [job, stepsOrNull, goodput, incidents, checkpoints, actions] = await Promise.all([
@@ -171,7 +172,8 @@ export async function jobPage(ctx) {
         td("num", fmtAge(c.time_unix_s)),
       ]),
     );
-    const rankRows = job.ranks.map((r) =>
+    const listed = ranksListed(job.ranks, marked, allRanks);
+    const rankRows = listed.ranks.map((r) =>
       row([
         td("num", String(r.rank)),
         td("name", link(`#/node/${enc(r.node)}`, r.node)),
@@ -190,7 +192,11 @@ export async function jobPage(ctx) {
       section("Rank × step", stepsOrNull ? null : notReported("step times since the controller started (none kept in its memory for this job yet; they start with the job's next step)"), hm),
       section("Over time", el("div", "charts", stepChart.node, goodputChart.node), el("p", "muted", "Loss: not reported (step summaries carry no loss).")),
       section("Goodput", goodputPart),
-      section("Ranks", table(["Rank", "Node", "GPU", "Role", "pp · dp · tp (peers)", "State", "Last step", "Marked"], rankRows, "no ranks", "ranks")),
+      section(
+        "Ranks",
+        listed.hidden ? ranksShowAll(listed, () => { allRanks = true; load(); }) : null,
+        table(["Rank", "Node", "GPU", "Role", "pp · dp · tp (peers)", "State", "Last step", "Marked"], rankRows, "no ranks", "ranks"),
+      ),
       section("Checkpoints (tier = kind)", table(["Step", "Rank", "Kind", "Size", "Blocking", "Durable after", "Path / error", "Age"], ckRows, "no checkpoint reported", "checkpoints")),
       section("Incidents", incidentTable(incidents.data, "no incidents for this job")),
       section("Actions", actionTable(actions.data, "no actions on this job", { approved: actions.approved, plans: actions.plans, done: () => refresh() })),
@@ -212,6 +218,34 @@ function nodesText(nodes) {
   const SHOWN = 8;
   if (nodes.length <= SHOWN) return `nodes ${nodes.join(", ") || "-"}`;
   return `${nodes.length} nodes: ${nodes.slice(0, SHOWN).join(", ")} and ${nodes.length - SHOWN} more (see Ranks)`;
+}
+
+/** Rows a wide job's Ranks table starts with: a 2,048-rank table is ~110,000 px of page
+ *  under the heatmap, and the ranks someone opens this page for are the few an incident
+ *  marks or that stopped running. Those come first (all of them, up to the cap), then the
+ *  lowest ranks fill up to it; shown in rank order. */
+const RANKS_SHOWN = 64;
+
+function ranksListed(ranks, marked, all) {
+  if (all || ranks.length <= RANKS_SHOWN) return { ranks, hidden: 0, attention: 0 };
+  const attention = ranks.filter((r) => marked.has(r.rank) || r.state !== "running");
+  const keep = new Set(attention.slice(0, RANKS_SHOWN).map((r) => r.rank));
+  for (const r of ranks) {
+    if (keep.size >= RANKS_SHOWN) break;
+    keep.add(r.rank);
+  }
+  const kept = ranks.filter((r) => keep.has(r.rank));
+  return { ranks: kept, hidden: ranks.length - kept.length, attention: attention.length };
+}
+
+function ranksShowAll(listed, showAll) {
+  const total = listed.ranks.length + listed.hidden;
+  const why = listed.attention
+    ? `the ${listed.attention} an open incident marks or that are not running first, then the lowest`
+    : "the lowest (none is marked by an open incident or stopped running)";
+  const button = attrs(el("button", "show-all", `Show all ${total.toLocaleString("en-US")} ranks`), { type: "button" });
+  button.addEventListener("click", showAll);
+  return el("p", "muted ranks-shown", `${listed.ranks.length} of ${total.toLocaleString("en-US")} ranks listed: ${why}. `, button);
 }
 
 /** "pp 1 · dp 0 · tp 3 (8 peers)" from what the rank's step summaries declared. */
