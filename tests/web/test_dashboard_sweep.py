@@ -204,7 +204,7 @@ def test_the_fleet_of_2048_nodes_and_the_2048_rank_heatmap_render(sweep, dash_br
     assert canvas.evaluate("c => c.height") <= 420
     expect(canvas).to_have_attribute("aria-label", re.compile(r", 10 ranks a row$"))
     expect(page.locator(".hm-ranks li.marked")).to_have_text(
-        f"r{far}–r{far + 9} ◀ straggler (rank {far})"
+        f"r{far}\u2013r{far + 9} ◀ straggler (rank {far})"
     )
     # The Ranks table starts with 64 rows, the incident's rank among them, and lists all
     # 2,048 when asked (it was ~110,000 px of page below the heatmap).
