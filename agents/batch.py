@@ -16,6 +16,13 @@ an error in the log.
 Job records are bounded by item counts (half the wire's ``max_length``) and by serialized
 bytes (:data:`MAX_RECORD_BYTES`, 3/4 of ``wire.MAX_REPORT_BYTES``), so a report always
 validates and fits; past :data:`FLUSH_HINT_BYTES` the batch asks the daemon to report early.
+
+XID events in the samples have a budget of their own (an XID storm on a 64-GPU node is
+thousands of events a second): :meth:`Batch.xid_limit` tells the sampler how many events
+per GPU the next sample may list so that the report's XIDs stay near
+:data:`XID_BUDGET_BYTES`, and past :data:`MAX_XID_BYTES` a sample keeps only the newest
+event of each code per GPU (the one whose ``detail`` carries the count), then none (logged
+and counted in ``dropped_xids_total``).
 """
 
 from __future__ import annotations
@@ -63,6 +70,15 @@ FLUSH_HINT_BYTES = wire.MAX_REPORT_BYTES // 4
 MAX_RECORD_BYTES = wire.MAX_REPORT_BYTES * 3 // 4
 #: Largest single Flight Recorder dump the endpoint takes (``ok=false`` past it).
 MAX_TRACE_BYTES = wire.MAX_REPORT_BYTES // 4
+#: XID event bytes a report aims at: the watcher's drains are sized to what is left of it.
+XID_BUDGET_BYTES = wire.MAX_REPORT_BYTES // 16
+#: XID event bytes a report never passes (records 3/4, XIDs 1/8: the rest of the samples,
+#: the acks and the node's identity keep the other 1/8).
+MAX_XID_BYTES = wire.MAX_REPORT_BYTES // 8
+#: Bytes of one XID event in a report, about (with a count in its detail), to size drains.
+XID_EVENT_BYTES = 160
+#: Events per GPU a sample may always list, budget or not: room for the codes of a storm.
+MIN_XIDS_PER_GPU = 8
 #: Kinds kept first when the byte budget runs short: small, and what the controller acts on.
 _LAST = ("steps", "probes", "inflight", "traces")
 _BUDGET_ORDER = [n for n in JobRecords.model_fields if n not in _LAST] + [
@@ -111,6 +127,8 @@ class Batch:
         self._hint_bytes = 0  # as the clients framed them
         self._file: IO[str] | None = None
         self.dropped_records_total = 0
+        self._xid_bytes = 0  # XID events in the samples, as the report serializes them
+        self.dropped_xids_total = 0
         self._replay(next_seq)
         self._open(next_seq)
 
@@ -212,7 +230,7 @@ class Batch:
         kind, value = entry["t"], entry["v"]
         # Replay honours the same caps as live adds, so a recovered report always validates.
         if kind == "sample":
-            self._contents.samples.append(NodeSample.model_validate(value))
+            self._contents.samples.append(self._fit_xids(NodeSample.model_validate(value)))
             del self._contents.samples[:-MAX_SAMPLES]
         elif kind == "records":
             self._merge(JobRecords.model_validate(value), len(json.dumps(value)))
@@ -233,8 +251,44 @@ class Batch:
 
     # ------------------------------------------------------------------ adding
 
+    def xid_limit(self, gpus: int) -> int:
+        """XID events per GPU the next sample may list, so that the report's stay near
+        :data:`XID_BUDGET_BYTES` (at least :data:`MIN_XIDS_PER_GPU`)."""
+        room = max(0, XID_BUDGET_BYTES - self._xid_bytes) // (max(1, gpus) * XID_EVENT_BYTES)
+        return max(MIN_XIDS_PER_GPU, room)
+
+    def _fit_xids(self, sample: NodeSample) -> NodeSample:
+        """``sample`` with its XID events within :data:`MAX_XID_BYTES` for the report: as is,
+        or the newest event of each code per GPU, or none (counted, logged)."""
+        if not any(g.xid_events for g in sample.gpus):
+            return sample
+        size = sum(report_size(e) + 1 for g in sample.gpus for e in g.xid_events)
+        if self._xid_bytes + size <= MAX_XID_BYTES:
+            self._xid_bytes += size
+            return sample
+        before = sum(len(g.xid_events) for g in sample.gpus)
+        gpus = []
+        for gpu in sample.gpus:
+            newest = {e.code: e for e in gpu.xid_events}  # the last of each code wins
+            keep = [e for e in gpu.xid_events if newest[e.code] is e]
+            size = sum(report_size(e) + 1 for e in keep)
+            if self._xid_bytes + size > MAX_XID_BYTES:
+                keep = []
+            self._xid_bytes += size if keep else 0
+            gpus.append(gpu.model_copy(update={"xid_events": keep}))
+        dropped = before - sum(len(g.xid_events) for g in gpus)
+        self.dropped_xids_total += dropped
+        log.warning(
+            "report XID budget (%d bytes) spent: %d XID event(s) of this sample left out, "
+            "the newest of each code kept where it fits (the agent's metrics count them all)",
+            MAX_XID_BYTES,
+            dropped,
+        )
+        return sample.model_copy(update={"gpus": gpus})
+
     def add_sample(self, sample: NodeSample) -> None:
         with self._lock:
+            sample = self._fit_xids(sample)
             if len(self._contents.samples) >= MAX_SAMPLES:
                 del self._contents.samples[0]
             self._contents.samples.append(sample)
@@ -325,6 +379,7 @@ class Batch:
             self._contents = BatchContents()
             self._record_bytes = 0
             self._hint_bytes = 0
+            self._xid_bytes = 0
             self._open(next_seq)
 
     def close(self) -> None:
@@ -337,6 +392,8 @@ class Batch:
 __all__ = [
     "MAX_RECORD_BYTES",
     "MAX_TRACE_BYTES",
+    "MAX_XID_BYTES",
+    "XID_BUDGET_BYTES",
     "Batch",
     "BatchContents",
     "report_size",

@@ -252,7 +252,7 @@ class Agent:
     def _new_sampler(self, api: Any) -> GpuSampler:
         return GpuSampler(
             api,
-            xid_source=lambda i: self.xids.drain(i) if self.xids else [],
+            xid_source=self._drain_xids,
             locked_clock_mhz=lambda i: self.executor.locked_clock_mhz(i) if self.executor else None,
             on_lost=lambda i: self.request_report(f"GPU {i} lost"),
             timeout_s=self.settings.nvml_timeout_s,
@@ -567,6 +567,13 @@ class Agent:
         self.request_report("XID watcher stopped")
 
     # ------------------------------------------------------------------ callbacks
+
+    def _drain_xids(self, index: int) -> list[XidEvent]:
+        """GPU ``index``'s XIDs for the next sample, as many as the report's XID budget
+        leaves room for (a storm on every GPU of a big node must not pass the wire's cap)."""
+        if self.xids is None:
+            return []
+        return self.xids.drain(index, self.batch.xid_limit(len(self.sampler.handles)))
 
     def _on_xid(self, event: XidEvent) -> None:
         if event.gpu_index is not None:

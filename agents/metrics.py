@@ -31,7 +31,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from agents.errors import ListenError
-from agents.nics import ERROR_COUNTERS
+from agents.nics import ERROR_COUNTERS, port_is_up
 from agents.stats import AgentStats
 from trainguard.wire import GpuInfo, GpuSample, NodeSample
 
@@ -119,7 +119,9 @@ class AgentCollector(Collector):
 
     def _nic_metrics(self, sample: NodeSample) -> Iterator[Metric]:
         up = GaugeMetricFamily(
-            "trainguard_nic_port_up", "1 when the RDMA port is ACTIVE", labels=_NIC_LABELS
+            "trainguard_nic_port_up",
+            "1 when the RDMA port is ACTIVE (or ACTIVE_DEFER)",
+            labels=_NIC_LABELS,
         )
         rate = GaugeMetricFamily(
             "trainguard_nic_port_rate_bits_per_second", "Link rate", labels=_NIC_LABELS
@@ -136,7 +138,7 @@ class AgentCollector(Collector):
         )
         for port in sample.nics:
             labels = [port.device, str(port.port), self._src.hostname]
-            up.add_metric(labels, 1.0 if port.state == "ACTIVE" else 0.0)
+            up.add_metric(labels, 1.0 if port_is_up(port.state) else 0.0)
             _maybe(rate, labels, port.rate_gbps, 1e9)
             for name in (*ERROR_COUNTERS, "link_downed"):
                 _maybe(errors, [*labels, name], port.counters.get(name))

@@ -147,6 +147,37 @@ def _read_int(path: Path, high: int = limits.INT64_MAX) -> int | None:
     return value
 
 
+#: Logical port states in which the port passes traffic. The kernel prints ``state`` as
+#: ``<n>: <name>`` from ``enum ib_port_state`` (drivers/infiniband/core/sysfs.c): 0 NOP,
+#: 1 DOWN, 2 INIT, 3 ARMED, 4 ACTIVE, 5 ACTIVE_DEFER, anything else UNKNOWN. ACTIVE_DEFER
+#: is ACTIVE with a state change the subnet manager deferred: up, not a port that went down.
+UP_STATES = frozenset({"ACTIVE", "ACTIVE_DEFER"})
+
+
+def port_is_up(state: str) -> bool:
+    """The port (``NicPortSample.state``, the kernel's name) passes traffic."""
+    return state in UP_STATES
+
+
+def wire_name(name: str, limit: int = 64) -> str:
+    """A device, interface or bond name as the wire can carry it. Linux lets a netdev name
+    hold any byte but ``/``, ``:`` and white space; Python reads the bytes that are not
+    UTF-8 as lone surrogates, which the wire refuses (the port, the bond or the node's whole
+    NIC inventory used to be left out for one odd name). They are spelled ``\\xNN``."""
+    text = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return text[:limit]
+
+
+def _device_order(root: Path, name: str) -> tuple[bool, list[tuple[int, str]]]:
+    """Physical functions first, then SR-IOV virtual functions (``device/physfn``), each in
+    natural order (``mlx5_2`` before ``mlx5_10``): with hundreds of VFs a report's port cap
+    must cut VFs, never a physical port (sorted as text, ``mlx5_7`` came after
+    ``mlx5_699``)."""
+    is_vf = (root / name / "device" / "physfn").exists()
+    parts = re.split(r"(\d+)", name)
+    return is_vf, [(int(t), "") if t.isdigit() else (-1, t) for t in parts if t]
+
+
 def _state_name(text: str | None) -> str:
     """``4: ACTIVE`` -> ``ACTIVE`` (the kernel prints the number and the name)."""
     if not text:
@@ -256,10 +287,12 @@ class NicMonitor:
     # ------------------------------------------------------------------ inventory
 
     def devices(self) -> list[str]:
+        """RDMA devices, physical functions first (see :func:`_device_order`)."""
         try:
-            return sorted(p.name for p in self._ib.iterdir())
+            names = [p.name for p in self._ib.iterdir()]
         except OSError:
             return []
+        return sorted(names, key=lambda n: _device_order(self._ib, n))
 
     def ports(self, device: str) -> list[int]:
         try:
@@ -290,11 +323,11 @@ class NicMonitor:
                 base = self._ib / device / "ports" / str(port)
                 out.append(
                     NicInfo(
-                        device=device[:64],
+                        device=wire_name(device),
                         port=port,
                         link_layer=(_read(base / "link_layer") or "")[:32],
                         pci_bus_id=chain[1][-1] if chain and chain[1] else "",
-                        netdev=netdevs[0][:64] if netdevs else "",
+                        netdev=wire_name(netdevs[0]) if netdevs else "",
                         numa_node=numa,
                         gpu_affinity={
                             index: affinity_level(chain, g_chain, numa, g_numa)
@@ -319,7 +352,7 @@ class NicMonitor:
                     counters[name] = value
         try:
             return NicPortSample(
-                device=device[:64],
+                device=wire_name(device),
                 port=port,
                 state=_state_name(state)[:32],
                 phys_state=_state_name(_read(base / "phys_state"))[:32],
@@ -345,14 +378,15 @@ class NicMonitor:
     def sample(self, now_unix_s: float) -> tuple[list[NicPortSample], list[HardwareEvent]]:
         events: list[HardwareEvent] = []
         ports: list[NicPortSample] = []
-        present = set(self.devices())
+        ordered = self.devices()
+        present = set(ordered)
         for device in sorted(self._devices - present):
             events.append(
                 HardwareEvent(
                     kind="nic_gone",
                     time_unix_s=now_unix_s,
-                    device=device,
-                    detail=f"{device} disappeared from {self._ib}",
+                    device=wire_name(device),
+                    detail=wire_name(f"{device} disappeared from {self._ib}", 512),
                 )
             )
             for key in [k for k in self._ports if k[0] == device]:
@@ -363,19 +397,19 @@ class NicMonitor:
                     HardwareEvent(
                         kind="nic_back",
                         time_unix_s=now_unix_s,
-                        device=device,
-                        detail=f"{device} appeared",
+                        device=wire_name(device),
+                        detail=wire_name(f"{device} appeared", 512),
                     )
                 )
         self._devices = present
         self._looked = True
         read: set[tuple[str, int]] = set()
-        for device in sorted(present):
+        for device in ordered:  # physical functions first: the report's port cap cuts VFs
             for port in self.ports(device):
                 sample = self.read_port(device, port)
                 if sample is None:
                     continue
-                events += self._port_events(sample, now_unix_s)
+                events += self._port_events(device, sample, now_unix_s)
                 self._ports[(device, port)] = sample
                 read.add((device, port))
                 ports.append(sample)
@@ -395,9 +429,11 @@ class NicMonitor:
             if port not in read and before.counters:
                 self._ports[port] = before.model_copy(update={"counters": {}})
 
-    def _port_events(self, sample: NicPortSample, now: float) -> list[HardwareEvent]:
+    def _port_events(self, device: str, sample: NicPortSample, now: float) -> list[HardwareEvent]:
+        """Events of one port; ``device`` is the name in sysfs, the key of the port's state
+        (``sample.device`` is its wire spelling, which can differ: see :func:`wire_name`)."""
         events: list[HardwareEvent] = []
-        before = self._ports.get((sample.device, sample.port))
+        before = self._ports.get((device, sample.port))
 
         def event(kind: str, detail: str, counter: str = "", delta: int | None = None) -> None:
             events.append(
@@ -414,7 +450,7 @@ class NicMonitor:
 
         name = f"{sample.device} port {sample.port}"
         if before is not None:
-            was_up, is_up = before.state == "ACTIVE", sample.state == "ACTIVE"
+            was_up, is_up = port_is_up(before.state), port_is_up(sample.state)
             # Only two known readings make a delta: a counter unknown on either side (past
             # 2^63-1, unset, unreadable) is no evidence of a flap.
             now_downs, then_downs = (
@@ -425,7 +461,7 @@ class NicMonitor:
             if was_up and not is_up:
                 event("nic_port_down", f"{name} {sample.state} ({sample.phys_state})")
             elif is_up and not was_up:
-                event("nic_port_up", f"{name} ACTIVE at {sample.rate_gbps or 0:g} Gb/s")
+                event("nic_port_up", f"{name} {sample.state} at {sample.rate_gbps or 0:g} Gb/s")
             elif downs > 0:
                 event(
                     "nic_port_down",
@@ -439,9 +475,9 @@ class NicMonitor:
                 # Unknown this tick (missing, unreadable, or a u64 past the wire's range,
                 # about to wrap): treated as a reset, so the next known value starts a new
                 # window instead of being compared across the gap (no false rise).
-                self._windows.pop((sample.device, sample.port, counter), None)
+                self._windows.pop((device, sample.port, counter), None)
                 continue
-            rose = self._rise(sample, counter, value, now)
+            rose = self._rise((device, sample.port, counter), value, now)
             if rose is not None:
                 rise, span_s = rose
                 event(
@@ -452,11 +488,10 @@ class NicMonitor:
                 )
         return events
 
-    def _rise(
-        self, sample: NicPortSample, counter: str, value: int, now: float
-    ) -> tuple[int, float] | None:
-        """(rise, seconds) when ``counter`` just passed the threshold within the window."""
-        window = self._windows.setdefault((sample.device, sample.port, counter), _CounterWindow())
+    def _rise(self, key: tuple[str, int, str], value: int, now: float) -> tuple[int, float] | None:
+        """(rise, seconds) when counter ``key`` (device, port, name) just passed the
+        threshold within the window."""
+        window = self._windows.setdefault(key, _CounterWindow())
         points = window.points
         if points and value < points[-1][1]:
             points.clear()  # counter reset (driver reload, port counters cleared)
@@ -540,8 +575,10 @@ __all__ = [
     "HW_COUNTERS",
     "MAX_RATE_GBPS",
     "PORT_COUNTERS",
+    "UP_STATES",
     "NicMonitor",
     "affinity_level",
     "parse_rate_gbps",
+    "port_is_up",
     "sysfs_bdf",
 ]

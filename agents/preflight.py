@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from agents.gpu.backend import GpuBackend
+from agents.nics import port_is_up
 from trainguard.wire import GpuSample, NicPortSample
 
 #: Retired pages at which DCGM fails a board (the controller's rule uses the same number).
@@ -142,13 +143,13 @@ def _nic_checks(ports: Sequence[NicPortSample], expected_gbps: float | None) -> 
         target = f"{port.device}/{port.port}"
         want = expected_gbps if expected_gbps is not None else best.get(port.link_layer)
         rate = port.rate_gbps
-        if port.state != "ACTIVE" or port.phys_state != "LinkUp":
+        if not port_is_up(port.state) or port.phys_state != "LinkUp":
             out.append(Check("nic_port", target, "fail", f"{port.state} ({port.phys_state})"))
         elif want is not None and (rate is None or rate < want):
             source = "expected" if expected_gbps is not None else "the node's fastest port runs"
             out.append(Check("nic_port", target, "fail", f"{rate or 0:g} Gb/s, {source} {want:g}"))
         else:
-            out.append(Check("nic_port", target, "pass", f"ACTIVE {rate or 0:g} Gb/s"))
+            out.append(Check("nic_port", target, "pass", f"{port.state} {rate or 0:g} Gb/s"))
     return out
 
 

@@ -82,8 +82,14 @@ THROTTLE_MASK_BITS = 0x7FFF_FFFF_FFFF_FFFF
 #: reading either (0xFFFF, a garbled register), while a few percent of boost above it is.
 CLOCK_MARGIN = 1.1
 #: At or below these a sample field is not a reading: a powered GPU at 0 °C is a sensor
-#: that did not answer (NVML then says 0), not a cold board.
-PLAUSIBLE_MIN_EXCLUSIVE: dict[str, float] = {"temperature_c": 0.0}
+#: that did not answer (NVML then says 0), not a cold board; a clock of 0 MHz is a clock
+#: domain NVML could not read (an idle board still runs its base clock), not a stopped GPU:
+#: as a reading it dragged the node's average clock down and read as a throttled GPU.
+PLAUSIBLE_MIN_EXCLUSIVE: dict[str, float] = {
+    "temperature_c": 0.0,
+    "sm_clock_mhz": 0.0,
+    "mem_clock_mhz": 0.0,
+}
 
 
 class GpuLostError(Exception):

@@ -19,6 +19,16 @@ event, a callback) is logged (first time, then at most once a minute), counted i
 ``errors_total`` and the watcher goes on. Should the thread end anyway, it says so at ERROR
 and ``failure`` holds the reason, which the daemon reports as the node's ``gpu_error``.
 
+A storm (thousands of XIDs a second on every GPU of a 64-GPU node) must neither grow the
+agent's memory nor push a report past the wire's ``MAX_REPORT_BYTES`` (the controller would
+refuse it whole, and every sample in it with it). Per GPU the watcher keeps the newest
+:data:`MAX_PENDING_PER_GPU` events and, per code, how many came and the newest of them; a
+drain lists at most ``limit`` events (the caller sizes it to the report's room), and every
+code seen is in that list, however many of another code followed it (a fatal XID 79 must
+never be pushed out by a thousand XID 13s). Where events of a code were left out, its
+newest event's ``detail`` says how many came and how many are not listed; the agent's
+``trainguard_gpu_xid_errors_total`` counts every one.
+
 A wait that fails (any error but the empty wait's TIMEOUT) is retried after a backoff that
 doubles from 0.2 s to at most 5 s: the driver queues events in the set while nobody waits,
 so a retry a few seconds late still delivers them, and a wait that fails at once forever
@@ -35,7 +45,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +59,12 @@ log = logging.getLogger(__name__)
 
 #: How long one wait blocks (ms); bounds how long ``stop()`` takes.
 WAIT_TIMEOUT_MS = 200
-#: Events kept per GPU between samples; beyond this the oldest are dropped (and counted).
+#: Events kept per GPU between samples (the wire's cap per GPU sample); beyond this the
+#: oldest are dropped (and counted), the newest of each code kept apart (see the module note).
 MAX_PENDING_PER_GPU = 1024
+#: Distinct codes per GPU whose count and newest event are kept between samples: NVML has
+#: a few dozen XID codes; past this (garbage from a broken driver) a new code is only counted.
+MAX_CODES_PER_GPU = 32
 XID_EVENTS = int(pynvml.nvmlEventTypeXidCriticalError)
 #: ECC events, registered where the board supports them.
 ECC_EVENTS = int(pynvml.nvmlEventTypeSingleBitEccError | pynvml.nvmlEventTypeDoubleBitEccError)
@@ -74,6 +88,55 @@ class EccEvent:
     gpu_index: int
     uncorrectable: bool
     time_unix_s: float
+
+
+class _Pending:
+    """One GPU's events since the last drain: the newest ones, and per code a count and the
+    newest event of that code (so no code is ever lost to a storm of another). Events are
+    numbered as they come, so a drain lists them in arrival order even where NVML's clock
+    stamps several alike."""
+
+    __slots__ = ("by_code", "count", "newest")
+
+    def __init__(self) -> None:
+        self.newest: deque[tuple[int, XidEvent]] = deque(maxlen=MAX_PENDING_PER_GPU)
+        #: code -> (events of that code, (number, the newest of them))
+        self.by_code: dict[int, tuple[int, tuple[int, XidEvent]]] = {}
+        self.count = 0
+
+    def add(self, event: XidEvent) -> None:
+        self.count += 1
+        item = (self.count, event)
+        self.newest.append(item)
+        seen = self.by_code.get(event.code)
+        if seen is not None or len(self.by_code) < MAX_CODES_PER_GPU:
+            self.by_code[event.code] = ((seen[0] if seen else 0) + 1, item)
+
+    def listed(self, limit: int) -> list[XidEvent]:
+        """At most ``limit`` events in arrival order: the newest of each code (the most
+        recent codes when there are more codes than ``limit``), then the newest overall. A
+        code with events left out says how many in its newest event's ``detail``."""
+        limit = max(1, min(limit, MAX_PENDING_PER_GPU))
+        reps = sorted(item for _, item in self.by_code.values())[-limit:]
+        rep_numbers = {n for n, _ in reps}
+        room = limit - len(reps)
+        fill = [item for item in self.newest if item[0] not in rep_numbers]
+        kept = sorted([*reps, *(fill[len(fill) - room :] if room > 0 else [])])
+        listed_per_code: dict[int, int] = {}
+        for _, event in kept:
+            listed_per_code[event.code] = listed_per_code.get(event.code, 0) + 1
+        out = []
+        for number, event in kept:
+            total = self.by_code[event.code][0] if event.code in self.by_code else 0
+            left_out = total - listed_per_code[event.code]
+            if number in rep_numbers and left_out > 0:
+                detail = (
+                    f"{event.detail}; {total} XID {event.code} on this GPU since the last "
+                    f"sample, {left_out} not listed"
+                )
+                event = event.model_copy(update={"detail": detail[:512]})
+            out.append(event)
+        return out
 
 
 def _handle_key(handle: Any) -> object:
@@ -110,7 +173,7 @@ class XidWatcher:
         self._lock = threading.Lock()
         #: Held while GPUs are registered: a registration may hang on a wedged GPU.
         self._registering = threading.Lock()
-        self._pending: dict[int, list[XidEvent]] = defaultdict(list)
+        self._pending: dict[int, _Pending] = defaultdict(_Pending)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._event_set: Any = None
@@ -236,10 +299,17 @@ class XidWatcher:
                 log.debug("nvmlEventSetFree: %s", exc)
             self._event_set = None
 
-    def drain(self, gpu_index: int) -> list[XidEvent]:
-        """Events for one GPU since the last drain, oldest first."""
+    def drain(self, gpu_index: int, limit: int = MAX_PENDING_PER_GPU) -> list[XidEvent]:
+        """Events for one GPU since the last drain, oldest first: at most ``limit``, every
+        code seen among them (see the module note); the rest are counted in
+        ``dropped_total``."""
         with self._lock:
-            return self._pending.pop(gpu_index, [])
+            pending = self._pending.pop(gpu_index, None)
+            if pending is None:
+                return []
+            listed = pending.listed(limit)
+            self.dropped_total += pending.count - len(listed)
+            return listed
 
     def _index_of(self, device: Any) -> int | None:
         try:
@@ -378,13 +448,18 @@ class XidWatcher:
             return
         log.warning("GPU %d: XID %d", index, event.code)
         with self._lock:
-            bucket = self._pending[index]
-            bucket.append(event)
-            if len(bucket) > MAX_PENDING_PER_GPU:
-                del bucket[0]
-                self.dropped_total += 1
+            self._pending[index].add(event)
         if self._on_event is not None:
             self._on_event(event)
 
 
-__all__ = ["ECC_EVENTS", "MAX_XID_CODE", "WATCHED_EVENTS", "XID_EVENTS", "EccEvent", "XidWatcher"]
+__all__ = [
+    "ECC_EVENTS",
+    "MAX_CODES_PER_GPU",
+    "MAX_PENDING_PER_GPU",
+    "MAX_XID_CODE",
+    "WATCHED_EVENTS",
+    "XID_EVENTS",
+    "EccEvent",
+    "XidWatcher",
+]

@@ -88,6 +88,15 @@ class _Gpu:
     energy_t_s: float = 0.0
 
 
+def _pci_bus_id(index: int) -> str:
+    """GPU ``index``'s PCI address: buses 0x18, 0x28, ... 0xF8 of domain 0, then the same
+    buses of domain 1, 2, ... A PCI bus number is one byte: 0x18 + 0x10 * i went past it
+    from GPU 15 on (``00000000:108:00.0``), longer than NVML's 16-byte legacy bus id, and
+    every GPU of a 16-GPU simulated node from the 16th on had no inventory."""
+    domain, slot = divmod(index, 15)
+    return f"{domain:08X}:{0x18 + 0x10 * slot:02X}:00.0"
+
+
 class SimNvml(SimEventsMixin):
     """``pynvml``-compatible simulated driver for ``gpu_count`` boards.
 
@@ -145,7 +154,7 @@ class SimNvml(SimEventsMixin):
             _Gpu(
                 index=i,
                 uuid=f"GPU-{uuid.UUID(int=rng.getrandbits(128), version=4)}",
-                pci_bus_id=f"00000000:{0x18 + 0x10 * i:02X}:00.0",
+                pci_bus_id=_pci_bus_id(i),
                 power_limit_mw=self.model.power_limit_default_mw,
             )
             for i in range(gpu_count)

@@ -3,10 +3,12 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.agents.agents_testkit import FakeController
+from agents.daemon import Agent
+from tests.agents.agents_testkit import FakeController, quiet_agent_settings
 
 
 @pytest.fixture
@@ -25,3 +27,23 @@ def short_tmp() -> Iterator[Path]:
     bytes (``sun_path``), and pytest's ``tmp_path`` can be longer."""
     with tempfile.TemporaryDirectory(prefix="tga-") as d:
         yield Path(d)
+
+
+@pytest.fixture
+def agent_factory(tmp_path: Path) -> Iterator[Any]:
+    """In-process agents on :func:`quiet_agent_settings` (no controller: its URL refuses),
+    built by ``make(**overrides)`` and taken down after the test."""
+    agents: list[Agent] = []
+
+    def make(**kw: Any) -> Agent:
+        extra = {"dev_dir": tmp_path / "no-dev", **kw}
+        agent = Agent(quiet_agent_settings(tmp_path, "http://127.0.0.1:9", **extra))
+        agents.append(agent)
+        return agent
+
+    yield make
+    for agent in agents:
+        agent.batch.close()
+        agent.reporter.stop()
+        agent.sampler.close()
+        agent.backend.shutdown()

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ import httpx
 import pytest
 
 from agents.batch import Batch
-from agents.daemon import Agent
 from agents.errors import AgentConfigError
 from agents.nics import NicMonitor, parse_rate_gbps
 from agents.node_power import NodePowerSampler, RaplReader
@@ -131,41 +129,12 @@ def test_a_negative_counter_gives_no_figure(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ the agent's tick
 
 
-@pytest.fixture
-def agent_factory(tmp_path: Path) -> Iterator[Any]:
-    agents: list[Agent] = []
-
-    def make(**kw: Any) -> Agent:
-        base: dict[str, Any] = {
-            "controller_url": "http://127.0.0.1:9",
-            "token": TOKEN,
-            "node_name": "node-1",
-            "gpus": "sim:2",
-            "spool_dir": tmp_path / "spool",
-            "socket_path": "",
-            "metrics_port": -1,
-            "powercap_dir": tmp_path / "no-powercap",
-            "sysfs_root": tmp_path / "no-sys",
-            "dev_dir": tmp_path / "no-dev",
-        }
-        agent = Agent(load_settings(**{**base, **kw}))
-        agents.append(agent)
-        return agent
-
-    yield make
-    for agent in agents:
-        agent.batch.close()
-        agent.reporter.stop()
-        agent.sampler.close()
-        agent.backend.shutdown()
-
-
 def test_a_backwards_rapl_counter_does_not_sink_the_gpu_samples(
     tmp_path: Path, agent_factory: Any
 ) -> None:
     powercap = tmp_path / "powercap"
     zone = rapl_zone(powercap, 900_000_000_000, 0)
-    agent = agent_factory(powercap_dir=powercap)
+    agent = agent_factory(gpus="sim:2", powercap_dir=powercap)
     agent.sample()
     set_energy(zone, 800_000_000_000)
     sample = agent.sample()  # raised ValidationError: node_power_w=-99,999.x
@@ -176,7 +145,7 @@ def test_a_backwards_rapl_counter_does_not_sink_the_gpu_samples(
 def test_a_refused_field_or_a_failing_reader_costs_only_its_part(
     agent_factory: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    agent = agent_factory()
+    agent = agent_factory(gpus="sim:2")
     monkeypatch.setattr(agent.node_power, "node_power", lambda _g: (-4999.0, "rapl"))
 
     def broken(_now: float) -> Any:
@@ -196,7 +165,7 @@ def test_a_refused_field_or_a_failing_reader_costs_only_its_part(
 def test_more_ports_than_the_wire_takes_are_capped_not_lost(
     agent_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    agent = agent_factory()
+    agent = agent_factory(gpus="sim:2")
     monkeypatch.setattr(
         agent.nics, "bonds", lambda _now: ([BondSample(name=f"b{i}") for i in range(100)], [])
     )
@@ -245,7 +214,7 @@ def test_a_port_number_or_numa_node_past_the_wire_costs_only_that(tmp_path: Path
 def test_a_garbled_rate_leaves_the_agents_samples_whole(tmp_path: Path, agent_factory: Any) -> None:
     tree = SysfsTree(tmp_path / "sys").build()
     (tree.port_dir("mlx5_0", 1) / "rate").write_text("1.2.3 Gb/sec\n")
-    agent = agent_factory(sysfs_root=tmp_path / "sys")
+    agent = agent_factory(gpus="sim:2", sysfs_root=tmp_path / "sys")
     sample = agent.sample()
     assert len(sample.gpus) == 2 and len(sample.nics) == 2
 
