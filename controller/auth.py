@@ -3,7 +3,9 @@
 Tokens are held only as sha256 digests. A presented token is hashed and compared against
 *every* configured digest with ``hmac.compare_digest`` (no early exit), so response time
 does not reveal how much of a token matched or which entry it was. Token values are never
-logged; the principal's *name* is what appears in logs and action triggers.
+logged; the principal's *name* is what appears in logs and action triggers. A credential
+longer than ``MAX_TOKEN_CHARS`` is refused before it is hashed or sent anywhere (no token
+the controller issues or accepts is that long; a projected service-account token is ~1 KB).
 
 Roles: ``agent`` may only post reports; ``viewer`` may read; ``operator`` may read and write.
 """
@@ -33,6 +35,18 @@ class Principal:
 
 ANONYMOUS = Principal(name="anonymous", role=None)
 MISSING_TOKEN = "missing bearer token (Authorization: Bearer <token>)"
+#: Longest ``Authorization`` value looked at: per-node tokens are 47 characters, configured
+#: ones whatever the operator chose, Kubernetes' projected tokens ~1 KB (a JWT with many
+#: claims a few KB). Anything longer is 401 at once: never hashed, never sent to a
+#: TokenReview (whose cost an unauthenticated client would otherwise choose).
+MAX_TOKEN_CHARS = 8192
+TOO_LONG = f"bearer token longer than {MAX_TOKEN_CHARS} characters; no such token exists"
+
+
+def check_length(authorization: str) -> None:
+    """Raise ``Unauthenticated`` for an ``Authorization`` value no credential can have."""
+    if len(authorization) > MAX_TOKEN_CHARS + len("Bearer "):
+        raise Unauthenticated(TOO_LONG)
 
 
 class Authenticator:
@@ -57,6 +71,7 @@ class Authenticator:
         is not the absent header that anonymous reads allow)."""
         if not authorization.strip():
             raise Unauthenticated(MISSING_TOKEN)
+        check_length(authorization)
         scheme, _, credential = authorization.partition(" ")
         if scheme.lower() != "bearer" or not credential.strip():
             raise Unauthenticated("Authorization header must be 'Bearer <token>'")

@@ -19,12 +19,14 @@ from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
     ServicesDep,
+    presented_authorization,
     require_operator,
     require_viewer,
 )
-from controller.auth import Principal
-from controller.errors import Conflict, NotFound
+from controller.auth import READ_ROLES, Principal
+from controller.errors import Conflict, ControllerError, NotFound
 from controller.services import queries
+from controller.services.agent_identity import IdentityResolver
 from controller.services.container import Services
 from controller.services.dashboard import CLOSE, RESYNC
 from controller.services.dashboard_reads import job_checkpoints, node_history, plan_links
@@ -35,6 +37,9 @@ router = APIRouter(tags=["dashboard"])
 
 #: Seconds between heartbeats on an idle stream (the page calls itself "behind" after 8).
 HEARTBEAT_S = 3.0
+#: Seconds between checks that a stream's credential still reads: a revoked or expired one
+#: gets no update after this long (one sha256 and a dict lookup per stream per second).
+RECHECK_S = 1.0
 MAX_WINDOW_S = 24 * 3600.0
 
 
@@ -81,32 +86,51 @@ async def whoami(principal: Principal = Depends(require_viewer)) -> dict[str, An
 @router.get("/stream", include_in_schema=False)
 async def stream(
     request: Request,
-    _principal: Principal = Depends(require_viewer),
+    principal: Principal = Depends(require_viewer),
     services: Services = ServicesDep,
 ) -> StreamingResponse:
     """Server-sent events: ``hello``, then ``nodes`` (a full snapshot, later only changed
     nodes), ``changed`` (topics to fetch again) and ``ping`` every 3 s when idle. Every
     message carries ``t``, the controller's time, so a client sees when it lags; a client
     too slow to take what was sent gets a snapshot with ``missed`` (messages dropped).
-    When the controller stops, the stream ends (the page reconnects by itself)."""
+    When the controller stops, the stream ends (the page reconnects by itself); so it does
+    within ``RECHECK_S`` of its credential being revoked or expiring, or losing the read
+    role: the role check at the start is not enough for a response that never ends."""
     feed = services.dashboard
+    authorization = presented_authorization(request)
     sub = feed.subscribe()
 
     async def events() -> AsyncIterator[bytes]:
         try:
             yield f'event: hello\ndata: {{"t":{time.time()}}}\n\n'.encode()
             yield feed.snapshot()
+            last_sent = last_check = time.monotonic()
             while True:
                 try:
-                    message = await asyncio.wait_for(sub.queue.get(), timeout=HEARTBEAT_S)
+                    message = await asyncio.wait_for(sub.queue.get(), timeout=RECHECK_S)
                 except TimeoutError:
+                    message = None
+                now = time.monotonic()
+                if now - last_check >= RECHECK_S:
+                    last_check = now
+                    if not await _may_still_read(request, services, authorization):
+                        log.info(
+                            "event stream ended: its credential is no longer valid",
+                            extra={"fields": {"principal": principal.name}},
+                        )
+                        return
+                if message is None:
+                    if now - last_sent < HEARTBEAT_S:
+                        continue
                     if await request.is_disconnected():
                         return
-                    yield f'event: ping\ndata: {{"t":{time.time()}}}\n\n'.encode()
-                    continue
-                if message == CLOSE:  # the controller stops: end the response cleanly
+                    message = f'event: ping\ndata: {{"t":{time.time()}}}\n\n'.encode()
+                elif message == CLOSE:  # the controller stops: end the response cleanly
                     return
-                yield feed.resync(sub) if message == RESYNC else message
+                elif message == RESYNC:
+                    message = feed.resync(sub)
+                last_sent = now
+                yield message
         finally:
             feed.unsubscribe(sub)
 
@@ -115,6 +139,20 @@ async def stream(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def _may_still_read(request: Request, services: Services, authorization: str | None) -> bool:
+    """Whether the credential a stream was opened with would still be let in to read: the
+    door's resolution (configured tokens, per-node tokens, TokenReview answers) and the
+    role, as a new request would meet them."""
+    if authorization is None:
+        return services.auth.allow_anonymous_read
+    resolver: IdentityResolver = request.app.state.identity
+    try:
+        found = await resolver.resolve(authorization)
+    except ControllerError:
+        return False
+    return found.role in READ_ROLES
 
 
 @router.get(

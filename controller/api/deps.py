@@ -58,15 +58,22 @@ def get_services(request: Request) -> Services:
     return get_replica(request).services
 
 
+def presented_authorization(request: Request) -> str | None:
+    """The ``Authorization`` value the request authenticates with: the header, or the
+    proxied token header when there is none (``None``: no credential at all)."""
+    authorization = request.headers.get("authorization")
+    proxied = request.headers.get(PROXIED_TOKEN_HEADER)
+    if not authorization and proxied:
+        authorization = f"Bearer {proxied}"
+    return authorization
+
+
 def _require(allowed: frozenset[Role], *, read: bool) -> Callable[..., Awaitable[Principal]]:
     async def dependency(
         request: Request,
         _credentials: HTTPAuthorizationCredentials | None = Security(_bearer),
     ) -> Principal:
-        authorization = request.headers.get("authorization")
-        proxied = request.headers.get(PROXIED_TOKEN_HEADER)
-        if not authorization and proxied:
-            authorization = f"Bearer {proxied}"
+        authorization = presented_authorization(request)
         return get_services(request).auth.authorize(authorization, allowed, read=read)
 
     return dependency

@@ -12,6 +12,8 @@ JSON parser) runs. Roles are still checked by each route (403); this layer only 
 Anonymous reads (``allow_anonymous_read``) pass only for ``GET``/``HEAD`` without any
 ``Authorization`` header; a header with an unknown token is 401 even then. A request with
 more than one ``Authorization`` (or ``X-Trainguard-Token``) header is 400, whatever they hold.
+A credential longer than ``controller.auth.MAX_TOKEN_CHARS`` is 401 without being hashed or
+sent to a TokenReview.
 
 Every ``/api/`` response, refusals included, also carries ``X-Content-Type-Options:
 nosniff`` and, unless the route set its own, ``Cache-Control: no-store``: answers are
@@ -27,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controller.api.deps import PROXIED_TOKEN_HEADER, Replica
 from controller.api.handlers import payload_too_large
-from controller.auth import MISSING_TOKEN
+from controller.auth import MISSING_TOKEN, check_length
 from controller.errors import (
     ClientError,
     ControllerError,
@@ -100,6 +102,8 @@ class AuthGate:
                 if not (anonymous_ok and scope["method"] in READ_METHODS):
                     raise Unauthenticated(MISSING_TOKEN)
             else:
+                # Too long for any credential: 401 before hashing or a TokenReview.
+                check_length(authorization)
                 # Resolves Kubernetes service-account tokens (TokenReview, cached) so the
                 # routes' synchronous role checks find them; raises for unknown tokens.
                 await self.resolver.resolve(authorization)
