@@ -262,10 +262,13 @@ class IdentityResolver:
         except Exception as exc:  # the API server is down: not this client's fault to cache
             raise Unauthenticated(f"token review failed ({type(exc).__name__}); retry") from exc
         principal: Principal | None = None
+        # As bytes: ``compare_digest`` refuses text that is not ASCII (a TypeError, a 500),
+        # and the API server's username is whatever the cluster named the account.
+        username = result.username.encode()
         if (
             result.authenticated
             and result.node
-            and any(hmac.compare_digest(result.username, u) for u in self._agent_usernames)
+            and any(hmac.compare_digest(username, u.encode()) for u in self._agent_usernames)
         ):
             principal = Principal(name=f"sa:{result.node}", role="agent", node=result.node)
         if len(self._reviewed) > 10_000:

@@ -186,6 +186,8 @@ def test_service_account_tokens_bound_to_their_node(controller_factory: Any, ctl
         kube.sa_tokens["h.other.sig"] = ("system:serviceaccount:x:other", ["trainguard"], "node-a")
         kube.sa_tokens["h.wrongaud.sig"] = (SA, ["api"], "node-a")
         kube.sa_tokens["h.unbound.sig"] = (SA, ["trainguard"], None)
+        # A username that is not ASCII: compared as text it raised TypeError (a 500).
+        kube.sa_tokens["h.accent.sig"] = (f"{SA}\u00e9", ["trainguard"], "node-a")
         live = controller_factory(
             allow_shared_agent_tokens=False, kube_token_review=True, kube_api_url=kube.url
         )
@@ -194,7 +196,8 @@ def test_service_account_tokens_bound_to_their_node(controller_factory: Any, ctl
             assert client.post(REPORTS, json=ctl_report("node-a", 0), headers=good).is_success
             r = client.post(REPORTS, json=ctl_report("node-b", 0), headers=good)
             assert r.status_code == 403
-            for token in ("h.other.sig", "h.wrongaud.sig", "h.unbound.sig", "h.unknown.sig"):
+            others = ("h.other.sig", "h.wrongaud.sig", "h.unbound.sig", "h.unknown.sig")
+            for token in (*others, "h.accent.sig"):
                 r = client.post(REPORTS, json=ctl_report("node-a", 1), headers=_bearer(token))
                 assert r.status_code == 401, token
             # An agent credential is never more than an agent.
@@ -202,7 +205,7 @@ def test_service_account_tokens_bound_to_their_node(controller_factory: Any, ctl
             assert _nodes(client, live.headers("viewer")) == {"node-a"}
         reviews = [s for s in kube.served if s[1] == "tokenreviews"]
         # One review per distinct token: answers are cached.
-        assert len(reviews) == 5
+        assert len(reviews) == 6
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
