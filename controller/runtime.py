@@ -126,7 +126,10 @@ def compose(
 ) -> Services:
     """Build every service once, each with exactly what it uses, and subscribe the event
     consumers. ``on_elected``/``on_lost``/``acting`` are the lifecycle's (:class:`Controller`)."""
-    store = Store(make_engine(settings.database_url))
+    store = Store(
+        make_engine(settings.database_url),
+        statement_timeout_s=settings.database_statement_timeout_s,
+    )
     state = ClusterState()
     events = EventBus()
     auth = Authenticator(settings.tokens, allow_anonymous_read=settings.allow_anonymous_read)

@@ -162,6 +162,14 @@ class ControllerSettings(BaseSettings):
     #: besides its steps, before it opens or clears (``C4DConfig.confirm_min_s``).
     c4d_confirm_min_s: float = Field(default=5.0, ge=0, le=600)
     history_retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    #: Seconds a job must go unheard from (its ranks exited, or silent) before the
+    #: controller forgets it from memory (``controller.services.job_retention``): its rows
+    #: stay in the database, but ``GET /api/v1/jobs`` no longer lists it. A day keeps
+    #: yesterday's jobs in view while months of short jobs cannot pile up. Keep it well
+    #: above the agents' report interval: a job forgotten between two of its reports
+    #: comes back as a new one (fresh detector windows). A remediation in flight holds its
+    #: job whatever this says.
+    job_retention_s: float = Field(default=86_400.0, ge=1, le=365 * 86_400)
     #: Prometheus (its base URL, ``http://prometheus:9090``) that scrapes the agents: the
     #: dashboard's GPU history charts query it (``query_range``) instead of ``gpu_history``;
     #: when it does not answer, they fall back to ``gpu_history`` and say so.
@@ -178,6 +186,16 @@ class ControllerSettings(BaseSettings):
     command_expire_after_s: float = Field(default=300.0, gt=0)
     #: Flush the group-commit queue before the interval ends once this many rows wait.
     ingest_flush_max_rows: int = Field(default=20_000, ge=1)
+    #: PostgreSQL cancels any one statement of the controller's own transactions (the group
+    #: commit, operator writes, reads; not migrations, not the leader lock) that runs this
+    #: long, and the call answers 503 "retry later"; 0: no limit. A COMMIT waiting for a
+    #: lost synchronous replica, or an upsert waiting for a row another session locked,
+    #: otherwise held the group commit, and every report with it, for ever.
+    database_statement_timeout_s: float = Field(default=30.0, ge=0, le=3600)
+    #: ``/readyz`` answers 503 while one database write (a group commit, an operator's
+    #: write) has been in flight this long: past the agents' 10-s report timeout every
+    #: report waiting on it has failed, and a replica stuck on a hung server should say so.
+    database_write_stalled_after_s: float = Field(default=10.0, gt=0, le=3600)
     #: Fabric for the traffic planner (YAML/JSON, ``docs/traffic.md``); none disables planning.
     topology_file: Path | None = None
     #: Or build the fabric from reporting nodes' ``topology.trainguard.io/nic<k>`` labels:

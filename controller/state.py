@@ -13,7 +13,7 @@ the full row to upsert, read at flush time so a batch always writes the newest v
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, assert_never
@@ -214,6 +214,20 @@ class ClusterState:
         self.commands: dict[str, CommandState] = {}
         self.started_unix_s = time.time()
         self.reports_total = 0
+        #: Called with a job's name when :meth:`forget_job` drops it: each service that keeps
+        #: something per job (detector windows, world-size claims, remediation books)
+        #: registers its own ``forget`` here, so a finished job leaves every one of them.
+        self.job_forgotten: list[Callable[[str], None]] = []
+
+    # ------------------------------------------------------------------ jobs
+
+    def forget_job(self, name: str) -> None:
+        """Drop a job from memory (it stays in the database): ``JobRetention`` calls this
+        for jobs quiet longer than ``job_retention_s``, so months of short jobs do not pile
+        up. A report naming the job again starts it afresh, as a new job."""
+        self.jobs.pop(name, None)
+        for forget in self.job_forgotten:
+            forget(name)
 
     # ------------------------------------------------------------------ incidents
 

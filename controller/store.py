@@ -15,6 +15,13 @@ finds the database away, and when the first call after it succeeds (how long, ho
 failed). The callers that see its :class:`~controller.errors.StoreUnavailable` (every
 agent's report, every periodic task's tick) do not log it again: during an outage they fail
 hundreds of times a second.
+
+On PostgreSQL every transaction here begins with ``SET LOCAL statement_timeout`` (not a
+connection option: a transaction-pooling PgBouncer refuses startup options and mixes
+sessions), so a statement the server never finishes (a COMMIT waiting for a lost synchronous
+replica, a write waiting for another session's lock) is cancelled and answered 503 instead
+of holding the one writer thread, and the group commit with it, for ever.
+:attr:`Store.write_in_flight_s` says how long the current write has run (``/readyz``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from sqlalchemy import Connection, Engine, event
+from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.orm import Session
 
 from controller.db.errors import database_away, database_error
@@ -37,11 +44,27 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Seconds any one statement of a store transaction may run on PostgreSQL (the setting
+#: ``database_statement_timeout_s`` chooses; 0: no limit).
+PG_STATEMENT_TIMEOUT_S = 30.0
+
 
 class Store:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, *, statement_timeout_s: float = PG_STATEMENT_TIMEOUT_S
+    ) -> None:
         self.engine = engine
         self.kind = engine.dialect.name
+        ms = round(statement_timeout_s * 1000)
+        #: Run first in each transaction (PostgreSQL with a limit only; SQLite has its
+        #: busy timeout). ``SET LOCAL`` ends with the transaction, COMMIT included.
+        self._set_timeout = (
+            text(f"SET LOCAL statement_timeout = {ms}")
+            if self.kind == "postgresql" and ms > 0
+            else None
+        )
+        #: Monotonic time the transaction now on the writer thread began (None: idle).
+        self._write_since: float | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tg-db-write")
         #: Transactions committed through this engine; the group-commit test and the
         #: ``trainguard_db_commits_total`` metric read it.
@@ -65,16 +88,30 @@ class Store:
         """Run ``fn`` with a read-only session on a worker thread."""
         return await asyncio.to_thread(self._read, fn)
 
+    @property
+    def write_in_flight_s(self) -> float:
+        """Seconds the write now running on the writer thread has taken (0: none runs)."""
+        since = self._write_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def _in_transaction(self, fn: Callable[[Connection], T]) -> T:
         def run() -> T:
             with self.engine.begin() as conn:
+                if self._set_timeout is not None:
+                    conn.execute(self._set_timeout)
                 return fn(conn)
 
-        return self._guarded(run)
+        self._write_since = time.monotonic()
+        try:
+            return self._guarded(run)
+        finally:
+            self._write_since = None
 
     def _read(self, fn: Callable[[Session], T]) -> T:
         def run() -> T:
             with Session(self.engine) as session:
+                if self._set_timeout is not None:
+                    session.execute(self._set_timeout)
                 return fn(session)
 
         return self._guarded(run)

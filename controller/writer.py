@@ -14,7 +14,9 @@ repositories (:func:`controller.db.repositories.write_batch`), never here.
 
 If a commit fails, each report of the batch is retried alone, so one bad report cannot fail
 its batch-mates (once no connection can be had at all, the rest are answered 503 at once,
-not after one more connection attempt, and connect timeout, per report); those that still
+not after one more connection attempt, and connect timeout, per report; a batch whose
+statement timed out, on a hung server or a lock held elsewhere, is not retried report by
+report at all: that would cost one more statement timeout per report); those that still
 fail get the database's error as :mod:`controller.db.errors` maps it (422/409 for data it
 refuses, 503 when it is away; their dedupe cursor is rolled back, so the agent's retry is
 accepted) and their upsert keys are carried into the next batches, for a bounded number of
@@ -32,7 +34,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Table
 
-from controller.db.errors import database_away, database_unreachable
+from controller.db.errors import database_away, database_timed_out, database_unreachable
 from controller.db.keys import RowKey
 from controller.db.models import Base
 from controller.db.repositories import write_batch
@@ -175,7 +177,8 @@ class GroupCommitWriter:
             await self._commit(batch.contributions, batch.keys)
         except Exception as exc:  # the database said no: find who, keep serving
             self._note_failure(exc, len(batch.contributions))
-            if len(batch.contributions) + bool(batch.carried) > 1 and not database_unreachable(exc):
+            several = len(batch.contributions) + bool(batch.carried) > 1
+            if several and not _no_use_retrying(exc):
                 await self._isolate(batch)
             else:
                 self._fail(batch.contributions, exc, batch.carried)
@@ -190,7 +193,7 @@ class GroupCommitWriter:
     async def _isolate(self, batch: _Batch) -> None:
         """Retry each report alone, so one bad row cannot fail its batch-mates."""
         own: set[RowKey] = set()
-        unreachable: BaseException | None = None
+        unreachable: BaseException | None = None  # or hung: a statement timed out
         for c in batch.contributions:
             own |= c.upserts
             if unreachable is not None:  # no connection to be had: no more attempts
@@ -200,7 +203,7 @@ class GroupCommitWriter:
                 await self._commit([c], c.upserts)
             except Exception as exc:
                 self._fail([c], exc, batch.carried)
-                if database_unreachable(exc):
+                if _no_use_retrying(exc):
                     unreachable = exc
             else:
                 _settle(c, None)
@@ -259,6 +262,13 @@ class GroupCommitWriter:
             for model, rows in c.inserts.items():
                 inserts.setdefault(model.__table__, []).extend(rows)  # type: ignore[arg-type]
         await self._store.write(lambda conn: write_batch(conn, upserts, inserts))
+
+
+def _no_use_retrying(exc: BaseException) -> bool:
+    """Whether retrying a failed batch's reports one by one would only fail each again:
+    no connection to be had, or a statement timed out (a hung server, a lock held by
+    another session), which says nothing about the report it ran for."""
+    return database_unreachable(exc) or database_timed_out(exc)
 
 
 def _settle(c: Contribution, exc: BaseException | None) -> None:

@@ -33,7 +33,23 @@ async def healthz(replica: Replica = ReplicaDep) -> Response:
     responses={503: {"model": ReadyzPublic, "description": "Not ready"}},
 )
 async def readyz(replica: Replica = ReplicaDep) -> Response:
+    """Ready: the replica's own checks pass and its writes are not stuck on the database.
+
+    A hung server (a COMMIT waiting for a lost synchronous replica, a lock held elsewhere)
+    still answers the readiness query on another connection, so the write in flight is
+    checked too: while one has run past ``database_write_stalled_after_s`` every report
+    behind it waits, and the replica says so (until the statement timeout ends it).
+    """
     ok, detail = await replica.ready()
+    if ok:
+        services = replica.services
+        stalled_s = services.store.write_in_flight_s
+        if stalled_s > services.settings.database_write_stalled_after_s:
+            detail = (
+                f"database write stalled: one has been in flight for {stalled_s:.0f} s "
+                "(server hung or a lock held elsewhere); reports wait"
+            )
+            ok = False
     if ok:
         return JSONResponse({"status": "ready", "detail": ""})
     return JSONResponse({"status": "not_ready", "detail": detail}, status_code=503)

@@ -9,8 +9,11 @@ restarting is temporary, and the client is told when to come back.
 ::
 
     DataError (value out of range, NUL byte, too long, bad encoding)  -> InvalidInput  422
+    SQLSTATE class 54, program limit exceeded (a row, an index entry
+      or a statement too big or too complex for the server)           -> InvalidInput  422
     IntegrityError (constraint: check, unique, foreign key, not null) -> Conflict      409
-    OperationalError, InterfaceError, pool timeout, disconnect        -> StoreUnavailable 503
+    OperationalError, InterfaceError, pool timeout, disconnect,
+      statement timeout or cancel (57014), lock timeout (55P03)       -> StoreUnavailable 503
     anything else (ProgrammingError: a bug or a missing migration)    -> unchanged     500
 """
 
@@ -49,14 +52,47 @@ def _dbapi_kind(exc: BaseException) -> str:
 _SESSION_SQLSTATE_CLASSES = ("08", "57")
 
 
+#: SQLSTATE class of a statement the server cannot run within its limits (``54000`` a row
+#: or index entry too big, ``54001`` statement too complex, ``54011`` too many columns,
+#: ``54023`` too many arguments): psycopg raises it as an ``OperationalError``, but the same
+#: statement fails the same way on every retry.
+_PROGRAM_LIMIT_CLASS = "54"
+#: A statement cancelled (``57014``: our ``statement_timeout``, or an operator's
+#: ``pg_cancel_backend``) or a lock not granted in time (``55P03``).
+_TIMED_OUT_SQLSTATES = frozenset({"57014", "55P03"})
+
+
+def _sqlstate(exc: BaseException) -> str:
+    """PostgreSQL's SQLSTATE behind ``exc`` (``""`` for SQLite or none)."""
+    cause = _database_cause(exc)
+    inner = getattr(cause, "orig", None) or cause
+    state = getattr(inner, "sqlstate", None)
+    return state if isinstance(state, str) else ""
+
+
+def database_timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` says a statement was cancelled for running too long (or waiting too
+    long for a lock), rather than refused for what it carried.
+
+    Why: the group commit retries each report of a failed batch alone to find the one the
+    database refuses; after a timeout that finds nobody and costs one more timeout (30 s by
+    default) per report, in a row, while the database is hung.
+    """
+    return _sqlstate(exc) in _TIMED_OUT_SQLSTATES
+
+
 def database_away(exc: BaseException) -> bool:
-    """Whether ``exc`` (a store error, or its cause) says the database could not be reached
-    or the connection was lost (:func:`database_unreachable`, or a session ended under a
-    statement), rather than that it refused a statement."""
+    """Whether ``exc`` (a store error, or its cause) says the database could not be reached,
+    the connection was lost (:func:`database_unreachable`, or a session ended under a
+    statement) or a statement timed out (:func:`database_timed_out`: a hung server), rather
+    than that it refused a statement.
+
+    Why the timeout too: this decides what is logged once per outage (by the store) rather
+    than once per refused request, and a hung server fails every report of each batch."""
     cause = _database_cause(exc)
     if isinstance(cause, sa.DBAPIError) and cause.connection_invalidated:
         return True
-    return database_unreachable(exc)
+    return database_unreachable(exc) or database_timed_out(exc)
 
 
 def database_unreachable(exc: BaseException) -> bool:
@@ -103,6 +139,11 @@ def database_error(exc: BaseException) -> ControllerError | None:
         refused_value = True
     if refused_value:
         return InvalidInput(f"the database refused a value: {_first_line(exc)}")
+    if _sqlstate(exc).startswith(_PROGRAM_LIMIT_CLASS):
+        return InvalidInput(
+            f"the database cannot store this, it exceeds a server limit ({_first_line(exc)}); "
+            "sending it again will fail again"
+        )
     if kind == "IntegrityError":
         return Conflict(f"the database refused the change: {_first_line(exc)}")
     if kind in ("OperationalError", "InterfaceError") or isinstance(

@@ -24,6 +24,21 @@ SQLITE_WAL_AUTOCHECKPOINT_PAGES = 10_000
 #: black-holed network) held each report, readiness probe and read that long, under the
 #: agent's 10-s report timeout, instead of answering 503 "retry later".
 PG_CONNECT_TIMEOUT_S = 5
+#: libpq's TCP keepalives and ``tcp_user_timeout`` (ms) for every PostgreSQL connection,
+#: each unless the URL sets it (``?keepalives_idle=30``). Without them a connection whose
+#: server or network vanished mid-query (a failover, a partition: no FIN, no RST) waits for
+#: the kernel's retransmission limit, ~15 minutes, holding the group commit all along. With
+#: them the kernel gives up after ~11 s of silence (5 s idle, then 3 unanswered probes 2 s
+#: apart), or once sent data stays unacknowledged for 10 s; the call then fails with a lost
+#: connection (503) and the pool reconnects. A server that is slow but alive answers
+#: keepalives from its kernel, so a long query is never cut by them.
+PG_KEEPALIVES: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 10_000,
+}
 
 
 def database_kind(url: str) -> str:
@@ -45,10 +60,13 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     kwargs.setdefault("pool_size", 8)
     kwargs.setdefault("max_overflow", 8)
     kwargs.setdefault("pool_pre_ping", True)
-    if "connect_timeout" not in parsed.query:
-        connect_args = dict(kwargs.pop("connect_args", {}))
-        connect_args.setdefault("connect_timeout", PG_CONNECT_TIMEOUT_S)
-        kwargs["connect_args"] = connect_args
+    # Defaults only: a parameter in the URL wins (connect_args would override the URL's).
+    defaults = {"connect_timeout": PG_CONNECT_TIMEOUT_S, **PG_KEEPALIVES}
+    connect_args = dict(kwargs.pop("connect_args", {}))
+    for name, value in defaults.items():
+        if name not in parsed.query:
+            connect_args.setdefault(name, value)
+    kwargs["connect_args"] = connect_args
     return create_engine(parsed, **kwargs)
 
 

@@ -92,6 +92,14 @@ class IngestService:
         self._peer_groups: dict[tuple[str, str], list[int]] = {}
         #: job -> the world size its ranks' recent reports agree on (:mod:`..world_size`)
         self._world: dict[str, WorldSize] = {}
+        state.job_forgotten.append(self._forget_job)
+
+    def _forget_job(self, job: str) -> None:
+        """A job dropped from memory (``ClusterState.forget_job``): its world-size claims and
+        peer groups go too, so a job of the same name later starts from its own claims."""
+        self._world.pop(job, None)
+        for key in [k for k in self._peer_groups if k[0] == job]:
+            del self._peer_groups[key]
 
     async def ingest(self, report: wire.Report) -> wire.ReportReply:
         started = time.perf_counter()

@@ -121,6 +121,8 @@ class JobDetector:
         #: The power limit trainguard's power policy applies to (node, GPU), when the power
         #: loop is wired in: a straggler at that limit is our cap, not a hardware cause.
         self.own_caps: Callable[[str, int], OwnCap | None] | None = None
+        # A job dropped from memory loses its windows too; a returning one starts afresh.
+        state.job_forgotten.append(self.trackers.forget)
 
     @property
     def waiting(self) -> int:

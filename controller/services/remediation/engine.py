@@ -61,6 +61,7 @@ from controller.services.remediation.records import (
     fault_time,
     jobs_of,
 )
+from controller.services.remediation.retention import engine_retention
 from controller.services.remediation.steps import (
     STEP_ACTION_KIND,
     STEPS,
@@ -106,6 +107,7 @@ class RemediationEngine:
         grow_check_interval_s: float = GROW_CHECK_INTERVAL_S,
         webhook: Webhook | None = None,
         partition: PartitionSettings | None = None,
+        job_retention_s: float = 86_400.0,
     ) -> None:
         self._state = state
         self._store = store
@@ -138,6 +140,7 @@ class RemediationEngine:
         self._loaded = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._grow = GrowBack(self.ctx, self._start_steps, check_interval_s=grow_check_interval_s)
+        self.retention = engine_retention(self.ctx, self._grow, job_retention_s)
 
     # The policy (replaced by ``PUT /api/v1/remediation/policy``) and the actuator live in
     # the steps' context, so a step always sees the current ones.
@@ -201,10 +204,13 @@ class RemediationEngine:
     # ------------------------------------------------------------------ deciding
 
     async def tick(self, now_unix_s: float) -> None:
-        if not self.is_leader() or not self.policy.enabled:
+        if not self.is_leader():
             return
-        if not self._loaded:
+        if self.policy.enabled and not self._loaded:
             await self._load_decided()
+        self.retention.sweep(now_unix_s)  # after the restore: it holds restarts in flight
+        if not self.policy.enabled:
+            return
         timeout_s = self.policy.guards.resume_timeout_s
         for rem in resume_wait.expire(self.ctx, now_unix_s):
             # Recorded in the background: the row's write must not hold up the tick.
@@ -251,22 +257,18 @@ class RemediationEngine:
             if job in starts:
                 ledger.started_at(starts[job])
             history.replay(ledger, restarts)
+        # Each job's book as its newest restart left it (see :func:`restore.restore_wait`).
+        timeout_s, now = self.policy.guards.resume_timeout_s, time.time()
         for job, (newest_row, began) in newest.items():
-            self._restore_wait(job, newest_row, began)
+            rem = restore.restore_wait(self.book(job), job, newest_row, began, timeout_s, now)
+            if rem is not None:
+                self.remediations.append(rem)
+        del self.remediations[:-RECENT_REMEDIATIONS]
         self._loaded = True
         for action_id in grows:
             await self._recorder.finish(action_id, "failed", INTERRUPTED)
         for row in interrupted.values():
             await self._resume(row.id, row.incident_id, row.kind, row.params)
-
-    def _restore_wait(self, job: str, row: history.RestartRow, began: float) -> None:
-        """The job's book as its newest restart left it (see :func:`restore.restore_wait`)."""
-        rem = restore.restore_wait(
-            self.book(job), job, row, began, self.policy.guards.resume_timeout_s, time.time()
-        )
-        if rem is not None:
-            self.remediations.append(rem)
-            del self.remediations[:-RECENT_REMEDIATIONS]
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)
@@ -580,9 +582,7 @@ class RemediationEngine:
     def ettr(self, job: str) -> float | None:
         """The job's goodput now (effective training time ratio), from its ledger."""
         book = self.jobs.get(job)
-        if book is None:
-            return None
-        value = book.ledger.snapshot().get("ettr")
+        value = None if book is None else book.ledger.snapshot().get("ettr")
         return float(value) if isinstance(value, int | float) else None
 
     def isolated_nodes(self) -> list[str]:

@@ -45,6 +45,10 @@ class GrowBack:
         #: Job -> the grow-back placement last recorded as refused or dry run (recorded once).
         self._noted: dict[str, str] = {}
 
+    def forget(self, job: str) -> None:
+        """A job dropped from memory (``job_retention``): no grow-back of it is noted."""
+        self._noted.pop(job, None)
+
     def due(self, now: float) -> bool:
         return self._ctx.policy.restarts.grow and (
             now - self.checked_unix_s >= self.check_interval_s

@@ -103,6 +103,12 @@ class JobBook:
     #: success or timeout): where the actuator last put the job.
     last_restart: Remediation | None = None
 
+    @property
+    def in_flight(self) -> bool:
+        """A remediation of the job runs, or its restart waits for the first step: the job
+        must stay in memory until that is over (``job_retention``)."""
+        return self.running is not None or self.awaiting_resume is not None
+
     def restarted_since(self, t: float | None) -> bool:
         """Whether a restart of this job began at or after ``t`` (``None``: no such time).
 

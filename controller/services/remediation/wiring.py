@@ -227,6 +227,7 @@ def build_remediation(
         grow_check_interval_s=settings.remediation_grow_check_interval_s,
         webhook=build_webhook(settings),
         partition=partition_settings(settings),
+        job_retention_s=settings.job_retention_s,
     )
 
 
