@@ -23,6 +23,17 @@ per GPU the next sample may list so that the report's XIDs stay near
 :data:`XID_BUDGET_BYTES`, and past :data:`MAX_XID_BYTES` a sample keeps only the newest
 event of each code per GPU (the one whose ``detail`` carries the count), then none (logged
 and counted in ``dropped_xids_total``).
+
+Samples have a byte budget too: a 64-GPU node's sample is about 64 KB (a 256-port NIC
+sample adds up to 256 KB), so 300 of them (``report_interval_s=300``, ``sample_interval_s=1``)
+would be 19 MB, far past the wire's cap, and the controller would refuse the report whole.
+Everything the batch holds (samples with their XIDs, job records, acks) is measured as the
+report serializes it and kept within :data:`REPORT_BUDGET_FRACTION` of the report's cap
+(the rest is for the node's identity). Past :data:`SAMPLE_FLUSH_FRACTION` of the cap in
+samples, :meth:`Batch.add_sample` asks for an early report; when the report still cannot go
+(the spool failing, the journal replayed after a long outage) older samples are *thinned
+evenly* (every second one, then every fourth, ...), never the newest, their XID and hardware
+events carried into the next sample kept; counted in ``thinned_samples_total``, logged once.
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ from pydantic import BaseModel, ValidationError
 
 from agents.atomic import write_atomic
 from trainguard import wire
-from trainguard.wire import CommandAck, JobRecords, NodeSample, Report
+from trainguard.wire import CommandAck, GpuSample, JobRecords, NodeSample, Report
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +72,8 @@ _RECORD_CAPS = {name: wire_cap(JobRecords, name) // 2 for name in JobRecords.mod
 MAX_STEPS = _RECORD_CAPS["steps"]
 MAX_SAMPLES = wire_cap(Report, "samples")
 MAX_ACKS = wire_cap(Report, "command_acks") // 2
+_MAX_XIDS_PER_GPU = wire_cap(GpuSample, "xid_events")
+_MAX_EVENTS = wire_cap(NodeSample, "events")
 #: Serialized job-record bytes past which the daemon is asked to report at once.
 FLUSH_HINT_BYTES = wire.MAX_REPORT_BYTES // 4
 #: Job-record bytes (as the report serializes them) one report carries at most: three
@@ -79,6 +92,13 @@ MAX_XID_BYTES = wire.MAX_REPORT_BYTES // 8
 XID_EVENT_BYTES = 160
 #: Events per GPU a sample may always list, budget or not: room for the codes of a storm.
 MIN_XIDS_PER_GPU = 8
+#: Share of the report cap that the batch's contents (samples, XIDs, records, acks) may use:
+#: the other 1/8 (512 KiB) is the node's identity (64 GPUs, 256 NICs with their GPU
+#: affinity: about 240 KB) and the report's envelope.
+REPORT_BUDGET_FRACTION = 7 / 8
+#: Sample bytes (share of the cap) past which the batch asks for a report at once: a 64-GPU
+#: node then reports every ~16 samples, whatever report_interval_s says.
+SAMPLE_FLUSH_FRACTION = 1 / 4
 #: Kinds kept first when the byte budget runs short: small, and what the controller acts on.
 _LAST = ("steps", "probes", "inflight", "traces")
 _BUDGET_ORDER = [n for n in JobRecords.model_fields if n not in _LAST] + [
@@ -114,9 +134,19 @@ class Batch:
     """Thread-safe accumulator for the next report, backed by an append-only journal."""
 
     def __init__(
-        self, journal_dir: Path, *, next_seq: int, quarantine_dir: Path | None = None
+        self,
+        journal_dir: Path,
+        *,
+        next_seq: int,
+        quarantine_dir: Path | None = None,
+        max_report_bytes: int = wire.MAX_REPORT_BYTES,
     ) -> None:
         self._dir = journal_dir
+        #: Bytes the contents may take in a report (samples, records, acks): below the cap
+        #: (the wire's, or a smaller spool's) by the identity's share.
+        self.budget_bytes = int(max_report_bytes * REPORT_BUDGET_FRACTION)
+        #: Sample bytes past which :meth:`add_sample` asks for an early report.
+        self.sample_flush_bytes = int(max_report_bytes * SAMPLE_FLUSH_FRACTION)
         #: Where unreadable journal entries go (the spool's ``quarantine/``); by default a
         #: ``quarantine`` directory beside the journal.
         self._quarantine_dir = quarantine_dir or journal_dir.parent / "quarantine"
@@ -129,6 +159,16 @@ class Batch:
         self.dropped_records_total = 0
         self._xid_bytes = 0  # XID events in the samples, as the report serializes them
         self.dropped_xids_total = 0
+        # Per sample, parallel to ``contents.samples``: its report bytes and its ordinal (the
+        # how-manyth sample of this batch), which thinning keeps multiples of ``_stride`` of.
+        self._sample_sizes: list[int] = []
+        self._ordinals: list[int] = []
+        self._next_ordinal = 0
+        self._stride = 1
+        self._sample_bytes = 0
+        self._ack_bytes = 0
+        self.thinned_samples_total = 0
+        self._thinning_logged = False
         self._replay(next_seq)
         self._open(next_seq)
 
@@ -230,13 +270,13 @@ class Batch:
         kind, value = entry["t"], entry["v"]
         # Replay honours the same caps as live adds, so a recovered report always validates.
         if kind == "sample":
-            self._contents.samples.append(self._fit_xids(NodeSample.model_validate(value)))
-            del self._contents.samples[:-MAX_SAMPLES]
+            self._append_sample(NodeSample.model_validate(value))
         elif kind == "records":
             self._merge(JobRecords.model_validate(value), len(json.dumps(value)))
+            self._thin()
         elif kind == "ack":
             if len(self._contents.acks) < MAX_ACKS:
-                self._contents.acks.append(CommandAck.model_validate(value))
+                self._append_ack(CommandAck.model_validate(value))
         else:
             raise KeyError(kind)
 
@@ -286,18 +326,101 @@ class Batch:
         )
         return sample.model_copy(update={"gpus": gpus})
 
-    def add_sample(self, sample: NodeSample) -> None:
+    def add_sample(self, sample: NodeSample) -> bool:
+        """Add a sample; returns True when the samples are big enough to report now."""
         with self._lock:
-            sample = self._fit_xids(sample)
-            if len(self._contents.samples) >= MAX_SAMPLES:
-                del self._contents.samples[0]
-            self._contents.samples.append(sample)
+            sample = self._append_sample(sample)
             self._write("sample", sample.model_dump(mode="json"))
+            return self._sample_bytes >= self.sample_flush_bytes
+
+    def _append_sample(self, sample: NodeSample) -> NodeSample:
+        """Append within the caps (live and on replay alike): the item cap drops the oldest,
+        the byte budget thins the older ones (:meth:`_thin`). Returns the sample as kept."""
+        sample = self._fit_xids(sample)
+        samples = self._contents.samples
+        samples.append(sample)
+        self._sample_sizes.append(report_size(sample) + 1)
+        self._sample_bytes += self._sample_sizes[-1]
+        self._ordinals.append(self._next_ordinal)
+        self._next_ordinal += 1
+        if len(samples) > 1 and self._ordinals[-2] % self._stride:
+            # Thinning is on: the sample before this one was kept only as the newest.
+            self._drop_sample(len(samples) - 2)
+            self.thinned_samples_total += 1
+        if len(samples) > MAX_SAMPLES:
+            self._sample_bytes -= self._sample_sizes.pop(0)
+            del samples[0], self._ordinals[0]
+        self._thin()
+        return sample
+
+    def _used_bytes(self) -> int:
+        return self._sample_bytes + self._record_bytes + self._ack_bytes
+
+    def _thin(self) -> None:
+        """Over the budget: keep every second older sample (then every fourth, ...), so the
+        older samples stay evenly spaced and the newest is always kept."""
+        samples = self._contents.samples
+        before = len(samples)
+        while self._used_bytes() > self.budget_bytes and len(samples) > 1:
+            self._stride *= 2
+            dropped = False
+            for i in range(len(samples) - 2, -1, -1):  # newest first: i + 1 is kept
+                if self._ordinals[i] % self._stride:
+                    self._drop_sample(i)
+                    dropped = True
+            if not dropped:  # only multiples of the stride are left: the oldest goes
+                self._drop_sample(0)
+        thinned = before - len(samples)
+        if thinned <= 0:
+            return
+        self.thinned_samples_total += thinned
+        if not self._thinning_logged:
+            self._thinning_logged = True
+            log.warning(
+                "report byte budget (%d bytes) reached before the report could go: older "
+                "samples thinned evenly (%d left out, one kept in %d; their XID and hardware "
+                "events kept), the newest kept; counted in trainguard_agent_samples_thinned, "
+                "not logged again",
+                self.budget_bytes,
+                thinned,
+                self._stride,
+            )
+
+    def _drop_sample(self, i: int) -> None:
+        """Leave sample ``i`` out; its XID and hardware events go into sample ``i + 1``."""
+        samples = self._contents.samples
+        gone = samples[i]
+        self._sample_bytes -= self._sample_sizes[i]
+        del samples[i], self._sample_sizes[i], self._ordinals[i]
+        if not gone.events and not any(g.xid_events for g in gone.gpus):
+            return
+        into = samples[i]
+        xids = {g.index: g.xid_events for g in gone.gpus if g.xid_events}
+        gpus = []
+        for gpu in into.gpus:
+            carried = xids.pop(gpu.index, [])
+            if carried:
+                listed = [*carried, *gpu.xid_events]
+                self.dropped_xids_total += max(0, len(listed) - _MAX_XIDS_PER_GPU)
+                gpu = gpu.model_copy(update={"xid_events": listed[-_MAX_XIDS_PER_GPU:]})
+            gpus.append(gpu)
+        self.dropped_xids_total += sum(len(e) for e in xids.values())  # a GPU gone since
+        events = [*gone.events, *into.events][-_MAX_EVENTS:]
+        merged = into.model_copy(update={"gpus": gpus, "events": events})
+        samples[i] = merged
+        size = report_size(merged) + 1
+        self._sample_bytes += size - self._sample_sizes[i]
+        self._sample_sizes[i] = size
+
+    def _append_ack(self, ack: CommandAck) -> None:
+        self._contents.acks.append(ack)
+        self._ack_bytes += report_size(ack) + 1
+        self._thin()
 
     def add_ack(self, ack: CommandAck) -> None:
         with self._lock:
             if len(self._contents.acks) < MAX_ACKS:
-                self._contents.acks.append(ack)
+                self._append_ack(ack)
                 self._write("ack", ack.model_dump(mode="json"))
             else:
                 log.error("too many command acks pending; dropped ack for %s", ack.command_id)
@@ -306,6 +429,7 @@ class Batch:
         """Add job records; returns True when the batch is big enough to report now."""
         with self._lock:
             kept = self._merge(records, size_bytes)
+            self._thin()  # records come before samples: the samples make room
             if not kept.is_empty():
                 self._write("records", kept.model_dump(mode="json", exclude_defaults=True))
             return max(self._hint_bytes, self._record_bytes) >= FLUSH_HINT_BYTES
@@ -380,6 +504,9 @@ class Batch:
             self._record_bytes = 0
             self._hint_bytes = 0
             self._xid_bytes = 0
+            self._sample_sizes, self._ordinals = [], []
+            self._next_ordinal, self._stride = 0, 1
+            self._sample_bytes = self._ack_bytes = 0
             self._open(next_seq)
 
     def close(self) -> None:
@@ -393,6 +520,8 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "MAX_TRACE_BYTES",
     "MAX_XID_BYTES",
+    "REPORT_BUDGET_FRACTION",
+    "SAMPLE_FLUSH_FRACTION",
     "XID_BUDGET_BYTES",
     "Batch",
     "BatchContents",

@@ -65,6 +65,7 @@ from agents.spool import Spool
 from agents.stats import AgentStats
 from agents.tcp_endpoint import JobTokens
 from agents.xid_events import EccEvent, XidWatcher
+from trainguard import wire
 from trainguard.wire import (
     BondSample,
     CommandAck,
@@ -166,7 +167,11 @@ class Agent:
             self.spool.journal_dir,
             next_seq=self.spool.next_seq,
             quarantine_dir=self.spool.quarantine_dir,
+            # A report the spool cannot hold is set aside, never sent: the smaller bound wins.
+            max_report_bytes=min(wire.MAX_REPORT_BYTES, settings.spool_max_bytes),
         )
+        #: The samples asked for an early report (logged the first time only).
+        self._early_for_size = False
         self.cadence = ReportCadence(
             report_interval_s=settings.report_interval_s,
             job_flush_steps=settings.job_flush_steps,
@@ -245,6 +250,7 @@ class Agent:
             spool_dropped_total=lambda: self.spool.state.dropped_total,
             local_clients=self._local_clients,
             records_dropped_total=lambda: self.batch.dropped_records_total,
+            samples_thinned_total=lambda: self.batch.thinned_samples_total,
             gpu_pods=self._gpu_pods,
         )
         self.metrics_port: int | None = None
@@ -361,9 +367,24 @@ class Agent:
         urgent = [e for e in events if e.kind in URGENT_EVENTS]
         if urgent:
             self.request_report(f"{urgent[0].kind}: {urgent[0].detail}")
-        self.batch.add_sample(sample)
+        if self.batch.add_sample(sample):
+            self._report_early_for_size()
         self.metrics_source.latest = sample
         return sample
+
+    def _report_early_for_size(self) -> None:
+        """The samples passed the batch's flush size (a big node, a long report interval):
+        report now rather than let the report pass the wire's cap and be refused whole."""
+        if not self._early_for_size:
+            self._early_for_size = True
+            log.info(
+                "the samples since the last report pass %d bytes: reporting early, before "
+                "report_interval_s (%gs), whenever they do (not logged again)",
+                self.batch.sample_flush_bytes,
+                self.settings.report_interval_s,
+            )
+        self._urgent.set()
+        self._wake.set()
 
     def _inject_faults(self) -> None:
         api = self.backend.api

@@ -56,6 +56,8 @@ class MetricsSource:
     spool_dropped_total: Callable[[], int]
     local_clients: Callable[[], int] = lambda: 0
     records_dropped_total: Callable[[], int] = lambda: 0
+    #: Samples left out of a report to keep it under the wire's cap (agents.batch).
+    samples_thinned_total: Callable[[], int] = lambda: 0
     #: GPU index -> (pod, namespace) of the job using it, from the ranks' hellos.
     gpu_pods: Callable[[], dict[int, tuple[str, str]]] = dict
     latest: NodeSample | None = None
@@ -190,6 +192,12 @@ class AgentCollector(Collector):
         )
         dropped.add_metric([], float(self._src.records_dropped_total()))
         yield dropped
+        thinned = CounterMetricFamily(
+            "trainguard_agent_samples_thinned",
+            "Older samples left out of a report to keep it under the size cap (thinned evenly)",
+        )
+        thinned.add_metric([], float(self._src.samples_thinned_total()))
+        yield thinned
         if stats.last_report_ok_unix_s is not None:
             yield GaugeMetricFamily(
                 "trainguard_agent_last_report_success_timestamp_seconds",
