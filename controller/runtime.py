@@ -68,6 +68,12 @@ from controller.writer import GroupCommitWriter
 log = logging.getLogger(__name__)
 
 HISTORY_PRUNE_INTERVAL_S = 60.0
+#: Rows one ``gpu_history`` pruning transaction deletes at most: tens of milliseconds, so
+#: the reports queued behind it on the writer thread wait that long, not a statement timeout.
+HISTORY_PRUNE_CHUNK_ROWS = 5_000
+#: Chunks one pruning tick runs at most (250,000 rows a minute): a backlog drains over
+#: several ticks while the reports keep flowing between the chunks.
+HISTORY_PRUNE_MAX_CHUNKS = 50
 WAL_CHECKPOINT_INTERVAL_S = 1.0
 
 
@@ -290,6 +296,9 @@ class Controller:
         #: lock; ``controller.server.serve`` exits the process there for a clean restart.
         self.on_leadership_lost: Callable[[str], None] | None = None
         self._acting = False
+        #: ``gpu_history`` pruning's bounds (tests lower them; see the constants).
+        self.history_prune_chunk_rows = HISTORY_PRUNE_CHUNK_ROWS
+        self.history_prune_max_chunks = HISTORY_PRUNE_MAX_CHUNKS
         self.services = s = compose(
             settings, on_elected=self._lead, on_lost=self._fence, acting=lambda: self.acting
         )
@@ -345,7 +354,8 @@ class Controller:
     async def _lead(self) -> None:
         """Everything only the leader does: load the state the last leader left, start acting."""
         self.events.start()
-        await self.store.read(lambda session: load_state(session, self.state))
+        retention_s = self.settings.job_retention_s  # older jobs: only those still held
+        await self.store.read(lambda s: load_state(s, self.state, retention_s=retention_s))
         await self.traffic.load()
         await self.power.start()
         await self.remediation.start()
@@ -425,9 +435,22 @@ class Controller:
         self._tasks.append(asyncio.create_task(loop(), name=f"tg-{name}"))
 
     async def _prune_history(self, now: float) -> None:
-        cutoff = now - self.settings.history_retention_s
+        """Delete ``gpu_history`` past its retention, in chunks of their own transaction.
 
-        await self.store.write(lambda conn: history.prune_history(conn, cutoff))
+        One DELETE of everything due held the writer thread (and with it the group commit:
+        every agent's report) for as long as it ran, and on PostgreSQL a backlog outran the
+        statement timeout and was rolled back every tick, never done. Each chunk is queued
+        on the writer thread like any write, so a batch of reports that arrived meanwhile
+        commits before the next chunk; what the tick's cap leaves goes on the next tick.
+        """
+        cutoff = now - self.settings.history_retention_s
+        limit = self.history_prune_chunk_rows
+        for _ in range(self.history_prune_max_chunks):
+            deleted = await self.store.write(
+                lambda conn: history.prune_history(conn, cutoff, limit=limit)
+            )
+            if deleted < limit:
+                return
 
     async def _checkpoint_wal(self, _now: float) -> None:
         """Copy the SQLite WAL into the database file off the commit path.

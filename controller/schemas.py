@@ -107,7 +107,15 @@ class RankPublic(PublicModel):
 
 class JobPublic(PublicModel):
     name: str
-    state: Literal["running", "degraded", "stopped", "unknown"]
+    state: Literal["running", "degraded", "stopped", "unknown", "ended"] = Field(
+        description="``ended``: a job the controller no longer holds in memory "
+        "(``job_retention_s``), read back from the database (``source: history``)"
+    )
+    source: Literal["live", "history"] = Field(
+        default="live",
+        description="``live``: from the controller's memory, fresh; ``history``: from the "
+        "database rows a job that left memory keeps (as they were last written)",
+    )
     world_size: int
     ranks_reporting: int
     nodes: list[str]

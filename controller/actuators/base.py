@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from controller.logic.remediation.placement import Placement
 from controller.logic.remediation.rules import JobPolicy
@@ -132,10 +132,24 @@ class Actuator(Protocol):
         ...
 
 
+@runtime_checkable
+class ForgetsJobs(Protocol):
+    """An actuator that keeps something per job (placements learned from the ranks, a
+    workload's limits, a finished generation) and can drop it: called when the controller
+    forgets a job (``job_retention_s``, ``controller.services.job_retention``). Optional:
+    an actuator without per-job memory need not implement it."""
+
+    def forget_job(self, job: str) -> None:
+        """Drop what is kept about ``job``; a job of that name seen later is learned anew.
+        Never stops anything: a job still running keeps its processes."""
+        ...
+
+
 __all__ = [
     "Actuator",
     "ActuatorError",
     "ActuatorResult",
+    "ForgetsJobs",
     "JobLimits",
     "JobPolicy",
     "NodeView",

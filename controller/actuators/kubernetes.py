@@ -155,6 +155,13 @@ class KubernetesActuator:
         for event in events:
             self.book.observe(node, event)
 
+    def forget_job(self, job: str) -> None:
+        """A job the controller forgot (``job_retention_s``): its seats, limits and tp go, so
+        the actuator does not grow with every job ever run; learned again if it reports."""
+        self.book.forget(job)
+        self._limits.pop(job, None)
+        self._tp.pop(job, None)
+
     def limits(self, job: str) -> JobLimits | None:
         """The smallest data-parallel size the workload's own spec allows (elastic range or
         fixed torchrun ``--nnodes``), as read at the last :meth:`candidate_nodes` (which

@@ -181,6 +181,16 @@ class LocalProcessActuator:
         """Local jobs carry no policy of their own: the controller's rule applies."""
         return None
 
+    def forget_job(self, job: str) -> None:
+        """A job the controller forgot (``job_retention_s``). What this actuator keeps of a
+        registered job (its spec, its last generation's processes and logs) is bounded by
+        its configuration and is its own to stop at :meth:`close`, so it stays; only the
+        lock a stop or restart of a job it never registered left behind goes."""
+        lock = self._locks.get(job)
+        unknown = job not in self._specs and job not in self._gens
+        if unknown and lock is not None and not lock.locked():
+            del self._locks[job]
+
     def limits(self, job: str) -> JobLimits | None:
         """A registered job's own ``min_dp`` and batch divisor."""
         spec = self._specs.get(job)

@@ -15,6 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controller.db.models import Action, Command, GpuHistory, Incident
+from controller.db.repositories import jobs as job_rows
 from controller.logic.detection.evidence_kinds import read_evidence
 from controller.schemas import (
     ACTION_ADAPTER,
@@ -126,20 +127,70 @@ def job_public(state: ClusterState, job: JobState, *, active_within_s: float) ->
 
 
 def job_detail(state: ClusterState, job: JobState, *, active_within_s: float) -> JobDetail:
-    ranks = [
-        RankPublic(
-            rank=r.rank,
-            node=r.node,
-            gpu_index=r.gpu_index,
-            pid=r.pid,
-            state=r.state,
-            last_step=r.last_step,
-            last_seen_unix_s=r.last_seen_unix_s,
-        )
-        for r in sorted(in_world(job), key=lambda r: r.rank)
-    ]
+    ranks = [_rank_public(r) for r in sorted(in_world(job), key=lambda r: r.rank)]
     public = job_public(state, job, active_within_s=active_within_s)
     return JobDetail(**public.model_dump(), ranks=ranks)
+
+
+def _rank_public(r: RankState) -> RankPublic:
+    return RankPublic(
+        rank=r.rank,
+        node=r.node,
+        gpu_index=r.gpu_index,
+        pid=r.pid,
+        state=r.state,
+        last_step=r.last_step,
+        last_seen_unix_s=r.last_seen_unix_s,
+    )
+
+
+# Jobs that left memory (``job_retention_s``) keep their rows: read back on request. The
+# reads run on a worker thread and hand back plain state objects; the public shapes are
+# built on the event loop, which owns ``state``.
+
+
+def stored_job(session: Session, name: str) -> JobState | None:
+    """The job as the database last stored it, with its ranks (None: never stored)."""
+    row = job_rows.load_job(session, name)
+    if row is None:
+        return None
+    job = JobState(**job_rows.JOB.fields(row, JobState))
+    for r in job_rows.load_ranks_of(session, name):
+        job.ranks[r.rank] = RankState(**job_rows.RANK.fields(r, RankState))
+    return job
+
+
+def stored_jobs_page(
+    session: Session, *, limit: int, offset: int
+) -> tuple[list[tuple[JobState, list[str]]], int]:
+    """One page of every stored job by name, each with its nodes, and the total count."""
+    rows, count = job_rows.page_jobs(session, limit=limit, offset=offset)
+    nodes = job_rows.nodes_of(session, rows)
+    page = [(JobState(**job_rows.JOB.fields(r, JobState)), nodes.get(r.name, [])) for r in rows]
+    return page, count
+
+
+def history_job_public(state: ClusterState, job: JobState, nodes: list[str]) -> JobPublic:
+    """A stored job that is no longer in memory: ``ended``, nobody reporting, its rows as
+    they were last written (a job that went silent may still show ranks ``running``)."""
+    return JobPublic(
+        name=job.name,
+        state="ended",
+        source="history",
+        world_size=job.world_size,
+        ranks_reporting=0,
+        nodes=nodes,
+        last_step=job.last_step,
+        first_seen_unix_s=job.first_seen_unix_s,
+        last_seen_unix_s=job.last_seen_unix_s,
+        open_incidents=state.open_incidents_for_job(job.name),
+    )
+
+
+def history_job_detail(state: ClusterState, job: JobState) -> JobDetail:
+    ranks = sorted(in_world(job), key=lambda r: r.rank)
+    public = history_job_public(state, job, sorted({r.node for r in ranks}))
+    return JobDetail(**public.model_dump(), ranks=[_rank_public(r) for r in ranks])
 
 
 def status(state: ClusterState, *, version: str, database: str) -> StatusPublic:

@@ -77,18 +77,26 @@ def released_note(released: set[str]) -> str:
 
 
 class RestartBudget:
-    """At most ``max_restarts_per_job`` restarts of one job within the window."""
+    """At most ``max_restarts_per_job`` restarts of one job within the window.
+
+    A job has an entry only while a restart of it is inside the window: :meth:`refuse` and
+    :meth:`expire` drop the others, so the budget does not keep one entry for every job
+    ever restarted (a new leader records the last 1000 restarts, of jobs long gone too).
+    """
 
     def __init__(self) -> None:
         self._times: dict[str, deque[float]] = {}
 
     def refuse(self, job: str, now_unix_s: float, guards: Guards) -> str | None:
-        times = self._times.setdefault(job, deque())
+        times = self._times.get(job)
         while times and now_unix_s - times[0] > guards.restart_window_s:
             times.popleft()
-        if len(times) >= guards.max_restarts_per_job:
+        if times is not None and not times:
+            del self._times[job]  # all outside the window: nothing left to count
+        count = len(times) if times else 0
+        if count >= guards.max_restarts_per_job:
             return (
-                f"rate limit: job {job} was restarted {len(times)} times in the last "
+                f"rate limit: job {job} was restarted {count} times in the last "
                 f"{guards.restart_window_s:.0f} s (limit {guards.max_restarts_per_job})"
             )
         return None
@@ -98,6 +106,13 @@ class RestartBudget:
 
     def count(self, job: str) -> int:
         return len(self._times.get(job, ()))
+
+    def expire(self, now_unix_s: float, window_s: float) -> None:
+        """Drop every job whose restarts are all older than ``window_s`` (run on the
+        engine's tick: one look at each job's newest restart)."""
+        old = [job for job, times in self._times.items() if now_unix_s - times[-1] > window_s]
+        for job in old:
+            del self._times[job]
 
 
 def stale(updated_unix_s: float, now_unix_s: float, guards: Guards) -> str | None:

@@ -51,19 +51,22 @@ export async function jobPage(ctx) {
   let allRanks = false; // a wide job's Ranks table: everything, once asked (kept across loads)
 
   async function load() {
-    const [job, stepsOrNull, goodput, incidents, checkpoints, actions] = await Promise.all([
+    const [job, stepsOrNull, goodput, incidents, checkpointsOrNull, actions] = await Promise.all([
       get(`/jobs/${enc(name)}`),
       // 404: no step kept in memory for it (a controller that restarted since, or a stalled
       // job that has sent none since): the rest of the page still shows.
       get(`/jobs/${enc(name)}/steps?last=120`, { notFoundIsNull: true }),
       get(`/jobs/${enc(name)}/goodput`, { notFoundIsNull: true }),
       get(`/incidents?job=${enc(name)}&limit=100`),
-      get(`/jobs/${enc(name)}/checkpoints?limit=200`),
+      // 404 for a job that left the controller's memory (job_retention_s): the job itself
+      // still answers, from the database (source "history"), and the rest shows as ended.
+      get(`/jobs/${enc(name)}/checkpoints?limit=200`, { notFoundIsNull: true }),
       actionsFor(name),
     ]);
     if (!ctx.isCurrent()) return;
     for (const c of charts) c.dispose();
     charts = [];
+    const checkpoints = checkpointsOrNull || { data: [] };
     shown.checkpoints = checkpoints.data;
     const steps = stepsOrNull || NO_STEPS;
 
@@ -123,7 +126,8 @@ export async function jobPage(ctx) {
     });
     charts.push(goodputChart);
 
-    const bar = actionBar(
+    const ended = job.source === "history";
+    const bar = ended ? el("p", "muted", "Ended: the controller no longer holds this job (job_retention_s); shown as the database last stored it. Nothing to act on.") : actionBar(
       actionButton({
         id: "checkpoint",
         label: "Checkpoint now",
@@ -197,7 +201,7 @@ export async function jobPage(ctx) {
         listed.hidden ? ranksShowAll(listed, () => { allRanks = true; load(); }) : null,
         table(["Rank", "Node", "GPU", "Role", "pp · dp · tp (peers)", "State", "Last step", "Marked"], rankRows, "no ranks", "ranks"),
       ),
-      section("Checkpoints (tier = kind)", table(["Step", "Rank", "Kind", "Size", "Blocking", "Durable after", "Path / error", "Age"], ckRows, "no checkpoint reported", "checkpoints")),
+      section("Checkpoints (tier = kind)", table(["Step", "Rank", "Kind", "Size", "Blocking", "Durable after", "Path / error", "Age"], ckRows, checkpointsOrNull ? "no checkpoint reported" : "not reported (the job left the controller's memory)", "checkpoints")),
       section("Incidents", incidentTable(incidents.data, "no incidents for this job")),
       section("Actions", actionTable(actions.data, "no actions on this job", { approved: actions.approved, plans: actions.plans, done: () => refresh() })),
     );
