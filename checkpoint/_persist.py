@@ -131,6 +131,7 @@ def persist_part(
         info = _write_from_buffer(job, buffer, data_path, wait_ready)
     else:  # a caller that left bytes between tensors: stream entry by entry, pad with zeros
         info = _write_by_entry(job, buffer, data_path, wait_ready)
+    _still_ours(job)  # the manifest names this run's data file: never put it beside another's
     write_rank_manifest(
         step_dir,
         new_rank_manifest(
@@ -205,6 +206,17 @@ def _abandoned(job: PersistJob, entry: Entry) -> CheckpointWriteError:
     )
 
 
+def _still_ours(job: PersistJob) -> None:
+    """Check the fence again right before this part's files replace anything.
+
+    A data file takes seconds to minutes to write; a newer run that claimed the root in
+    that time may already have saved (and committed) this step in the same directory.
+    Renaming over its files would break its checkpoint's checksums, so an earlier run's
+    writer stops here (:class:`CheckpointSupersededError`), and its temp file is removed.
+    """
+    check_fence(Path(job.root), job.run_id, f"step {job.step} rank {job.rank}: not written")
+
+
 def _write_from_buffer(
     job: PersistJob, buffer: memoryview, path: Path, wait_ready: Callable[[int], bool]
 ) -> DataFileInfo:
@@ -226,6 +238,7 @@ def _write_from_buffer(
                 raise _abandoned(job, entry)
             end = entry.offset + entry.nbytes
             writer.advance(end)
+        _still_ours(job)
         return writer.finish(end)
 
 
@@ -244,6 +257,7 @@ def _write_by_entry(
                 nxt = min(end, pos + WRITE_SLICE_BYTES)
                 writer.write(buffer[pos:nxt])
                 pos = nxt
+        _still_ours(job)
         return writer.finish()
 
 
