@@ -57,7 +57,16 @@ class RunClock:
         return end is not None and s.end_unix_s is not None and s.end_unix_s <= end
 
     def record(self, s: StepSummary) -> None:
-        """``s`` is its rank's highest step so far."""
+        """``s`` is its rank's highest step so far.
+
+        It also withdraws the rank's restart vote: a restarted process repeats steps
+        below its rank's highest until most ranks agree, while a rank that only looked
+        restarted (its host's clock stepped back by seconds, an NTP correction, and a
+        report delivered its steps out of order) goes on past its highest. Kept for the
+        whole run, such votes from different nodes at different times added up to a
+        false restart, which resolved the run's open incidents and emptied its windows
+        (found by the fault-pattern sweep: +-2 s clock steps on three of four nodes)."""
+        self.restarted_ranks.discard(s.rank)
         if s.end_unix_s is not None:
             self.last_end_of_rank[s.rank] = s.end_unix_s
             self.newest_end_unix_s = max(self.newest_end_unix_s or 0.0, s.end_unix_s)

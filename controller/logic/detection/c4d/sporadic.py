@@ -11,6 +11,7 @@ same steps: a spike that every rank has is noise, one rank having many more is n
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from controller.logic.detection.c4d.robust import binom_tail
@@ -60,11 +61,23 @@ class LongSlowSteps:
         self.count.pop(rank, None)
 
     def judge(
-        self, rank: int, ranks: list[int], min_steps: int, min_cost: float, share: float
+        self,
+        rank: int,
+        ranks: list[int],
+        min_steps: int,
+        min_cost: float,
+        share: float,
+        slow_peers: Collection[int] = (),
     ) -> tuple[float, float, tuple[int, int]] | None:
         """(mean capped excess, cost, (slow steps, steps)) when the rank's slow steps over
         the span number ``min_steps``, cost the job ``min_cost`` of a step (``share``: its
-        compute over the step time) and are too many for its peers' rate, else None."""
+        compute over the step time) and are too many for its peers' rate, else None.
+
+        ``slow_peers`` (ranks already flagged slow) are left out of the peers' rate: a
+        steadily slow rank beside it, 15% slower with some jitter, is past the slow-step
+        limit on many steps, and counted as a peer it made the rate look like healthy
+        noise; a rank 3x slow on every tenth step then dropped in and out of the rule, its
+        incident resolving and reopening (found by the fault-pattern sweep)."""
         q = self.excess.get(rank)
         slow = self.count.get(rank, 0)
         if q is None or len(q) < self.span or slow < min_steps:
@@ -72,7 +85,7 @@ class LongSlowSteps:
         mean = sum(q) / self.span
         if mean * share < min_cost:
             return None
-        peers = [r for r in ranks if r != rank and r in self.excess]
+        peers = [r for r in ranks if r != rank and r in self.excess and r not in slow_peers]
         steps = sum(len(self.excess[r]) for r in peers)
         rate = sum(self.count[r] for r in peers) / steps if steps else 1.0
         if binom_tail(self.span, slow, max(SPORADIC_RATE_FLOOR, rate)) > SPORADIC_ALPHA:

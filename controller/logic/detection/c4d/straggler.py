@@ -310,7 +310,7 @@ class PeerWindows:
             count = (len(slow), n)
             if long and (not hit or cost < SPORADIC_MIN_COST) and rank not in self.flagged:
                 found = self.slow_long.judge(
-                    rank, ranks, SPORADIC_MIN_STEPS, SPORADIC_MIN_COST, share
+                    rank, ranks, SPORADIC_MIN_STEPS, SPORADIC_MIN_COST, share, self.flagged
                 )
                 if found is not None:
                     hit, (excess, cost, count) = True, found

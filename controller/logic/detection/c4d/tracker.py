@@ -30,6 +30,7 @@ from controller.logic.detection.c4d.job_evidence import (
     SlowLinkEvidence,
     StragglerIncidentEvidence,
 )
+from controller.logic.detection.c4d.node_mates import Reported, node_mates, node_note
 from controller.logic.detection.c4d.nonfinite import NonfiniteState
 from controller.logic.detection.c4d.probe import localize
 from controller.logic.detection.c4d.restart import RunClock
@@ -81,9 +82,8 @@ class JobTracker:
     probes: dict[str, list[ProbeResult]] = field(default_factory=dict)
     #: How many times the job restarted since the tracker first saw it.
     incarnation: int = 0
-    #: Open straggler rank -> (slowdown last reported, flaps last reported, controller time
-    #: of that report); its keys are the open stragglers.
-    _straggler_reported: dict[int, tuple[float, int, float]] = field(default_factory=dict)
+    #: Open straggler rank -> what its incident last reported; its keys are the open ones.
+    _straggler_reported: dict[int, Reported] = field(default_factory=dict)
     _findings: list[Finding] = field(default_factory=list)
     #: (world size, controller time it ended) of the run before the last restart
     _previous_run: tuple[int, float] | None = None
@@ -178,13 +178,17 @@ class JobTracker:
 
     def _late(self, s: StepSummary, now_s: float) -> bool:
         """A summary of the run before the last restart, arriving late (an agent's
-        backlog): it carries that run's world size and comes soon after the restart."""
+        backlog): it carries that run's world size, comes soon after the restart and,
+        where it says when it ended, ended no later than that run's newest summary. A job
+        that shrank and grew back within ``LATE_RUN_SUMMARY_S`` runs with the old size
+        again: its steps, ended later, are a new run, not a backlog (they were dropped
+        until then; found by the fault-pattern sweep)."""
         previous = self._previous_run
-        return (
-            previous is not None
-            and s.world_size == previous[0]
-            and now_s - previous[1] < LATE_RUN_SUMMARY_S
-        )
+        if previous is None or s.world_size != previous[0]:
+            return False
+        if s.end_unix_s is not None and self.clock.previous_end_unix_s is not None:
+            return self.clock.previous_runs(s)
+        return now_s - previous[1] < LATE_RUN_SUMMARY_S
 
     def _late_same_world(self, s: StepSummary, now_s: float) -> bool:
         """The previous run's backlog with the same world size: soon after the restart, it
@@ -333,6 +337,7 @@ class JobTracker:
                 self.stragglers.slowdown(rank),
                 self.stragglers.flaps(rank),
                 now_s,
+                node_mates(rank, self.stragglers.open_ranks, self.rank_node),
             )
         for rank in sorted(cleared):
             out.append(self._straggler_finding(rank, resolved=True))
@@ -360,18 +365,20 @@ class JobTracker:
 
         A straggler first confirmed at 12% may be at 40% a minute later; the remediation
         policy's cost threshold and the operator read the open incident, and its updates
-        also keep a live straggler from looking stale.
+        also keep a live straggler from looking stale; so does a change in which other
+        ranks of its node are open stragglers (its summary names them: :mod:`.node_mates`).
         """
         out = []
-        for rank, (last, last_flaps, last_s) in sorted(self._straggler_reported.items()):
+        for rank, (last, last_flaps, last_s, mates) in sorted(self._straggler_reported.items()):
             slowdown = self.stragglers.slowdown(rank)
             flaps = self.stragglers.flaps(rank)
+            now_mates = node_mates(rank, self.stragglers.open_ranks, self.rank_node)
             moved = abs(slowdown - last) >= max(
                 STRAGGLER_REFRESH_MIN_CHANGE, STRAGGLER_REFRESH_REL_CHANGE * abs(last)
-            )
-            if moved or flaps != last_flaps or now_s - last_s >= STRAGGLER_REFRESH_S:
+            ) or (flaps, now_mates) != (last_flaps, mates)
+            if moved or now_s - last_s >= STRAGGLER_REFRESH_S:
                 out.append(replace(self._straggler_finding(rank, resolved=False), refresh=True))
-                self._straggler_reported[rank] = (slowdown, flaps, now_s)
+                self._straggler_reported[rank] = (slowdown, flaps, now_s, now_mates)
         return out
 
     def _straggler_finding(self, rank: int, *, resolved: bool) -> Finding:
@@ -383,6 +390,8 @@ class JobTracker:
             # Alone in its group, it has no peer: it is compared with its own past.
             peers = f"its own history ({group.label})"
         flaps = f"; flapped {ev.flaps}x between slow and normal" if ev.flaps else ""
+        if not resolved:  # a whole slow node: its other open stragglers
+            flaps += node_note(node, node_mates(rank, self.stragglers.open_ranks, self.rank_node))
         return Finding(
             kind=FindingKind.STRAGGLER,
             job=self.job,
