@@ -204,6 +204,17 @@ async def get_job_steps(
     feed = services.dashboard
     matrix = feed.steps.matrix(name, last, time.time())
     if matrix is None:
+        if name not in services.state.jobs:
+            # Step times live in memory only: a job that left it keeps its rows, not these.
+            stored = await services.store.read(lambda s: queries.stored_job(s, name))
+            if stored is None:
+                raise NotFound(f"job {name!r} not found")
+            raise NotFound(
+                f"job {name!r} ended (it left the controller's memory after job_retention_s)"
+                "; its step times were kept in memory only and went with it. The job, its"
+                " checkpoints and incidents are still stored: GET /jobs/NAME, its"
+                " /checkpoints, /incidents?job=NAME"
+            )
         raise NotFound(f"job {name!r} has no step times here; they start with its next report")
     return {**matrix, "goodput": feed.goodput_history.series(name)}
 
@@ -220,10 +231,20 @@ async def list_job_checkpoints(
     services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Checkpoint events the job's ranks reported, newest first; ``tier`` says which copy
-    of the step an event is about (``local`` disk or ``object_store``)."""
-    if name not in services.state.jobs:
+    of the step an event is about (``local`` disk or ``object_store``). A job that left
+    memory (``job_retention_s``) keeps its rows: they answer as for a live one; 404 only
+    for a job the database never stored."""
+    live = name in services.state.jobs
+
+    def read(session: Any) -> list[dict[str, Any]] | None:
+        data = job_checkpoints(session, name, limit)
+        if data or live or queries.stored_job(session, name) is not None:
+            return data
+        return None
+
+    data = await services.store.read(read)
+    if data is None:
         raise NotFound(f"job {name!r} not found")
-    data = await services.store.read(lambda s: job_checkpoints(s, name, limit))
     return {"data": data, "count": len(data)}
 
 

@@ -47,7 +47,8 @@ EXPECTED = {
     "goodput": ["JOB", *CLIENT],
     "incidents": ["--state", "--kind", "--node", "--job", *CLIENT],
     "isolate": ["NODE", "--reason", "--server", "--token"],
-    "jobs": CLIENT,
+    "job": ["NAME", *CLIENT],
+    "jobs": ["--history", *CLIENT],
     "leader-label": [
         "--selector", "--pod-namespace", "--port", "--interval", "--once",
     ],

@@ -146,6 +146,39 @@ def test_viewer_cannot_act_through_the_api(cluster) -> None:
 # ----------------------------------------------------------------------------- browser
 
 
+ENDED_JOB = "yesterday-run"
+
+
+def store_ended_job(live: Any, name: str) -> None:
+    """Rows of a two-rank job that checkpointed and exited, as a controller leaves them
+    once the job left its memory (``job_retention_s``, a day): never in this one's."""
+    from controller.db.models import Checkpoint, Job, Rank
+    from controller.db.session import make_engine
+
+    then = time.time() - 2 * 86_400
+    engine = make_engine(live.settings.database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                Job.__table__.insert(),
+                [{"name": name, "world_size": 2, "last_step": 40, "first_seen_unix_s": then,
+                  "last_seen_unix_s": then + 600}],
+            )  # fmt: skip
+            conn.execute(
+                Rank.__table__.insert(),
+                [{"job_name": name, "rank": r, "node_name": "sim-c", "gpu_index": r,
+                  "state": "exited", "exit_code": 0, "last_step": 40,
+                  "last_seen_unix_s": then + 600} for r in range(2)],
+            )  # fmt: skip
+            conn.execute(
+                Checkpoint.__table__.insert(),
+                [{"job_name": name, "rank": 0, "node_name": "sim-c", "step": 40,
+                  "kind": "committed", "time_unix_s": then + 590}],
+            )  # fmt: skip
+    finally:
+        engine.dispose()
+
+
 def test_every_page_renders_real_data_and_a_viewer_sees_no_actions(cluster, dash_browser) -> None:
     from playwright.sync_api import expect
 
@@ -204,6 +237,24 @@ def test_every_page_renders_real_data_and_a_viewer_sees_no_actions(cluster, dash
     expect(page.locator("table.checkpoints tbody")).to_contain_text("committed", timeout=20_000)
     assert page.locator("button.act").count() == 0
     shot(page, "job")
+
+    # A job that left the controller's memory (job_retention_s) keeps only its rows: the
+    # list shows it when asked to, its page as ended, with its stored ranks and checkpoints.
+    store_ended_job(cluster.live, ENDED_JOB)
+    page.goto(f"{cluster.live.url}/ui/#/jobs")
+    expect(page.locator("table.jobs tbody tr")).to_have_count(1)  # memory's: llm-pretrain
+    page.check("#jobs-history")
+    expect(page).to_have_url(re.compile(r"#/jobs\?history=1$"))
+    ended = page.locator(f'table.jobs tr[data-job="{ENDED_JOB}"]')
+    expect(ended).to_have_attribute("data-source", "history")
+    expect(ended).to_contain_text("ended")
+    expect(page.locator("table.jobs tbody tr")).to_have_count(2)
+    ended.locator("a").click()
+    expect(page.locator(".page.job h2").first).to_have_text(f"Jobs / {ENDED_JOB} ended")
+    expect(page.locator(".page.job")).to_contain_text("Ended: the controller no longer holds")
+    expect(page.locator("table.ranks tbody tr")).to_have_count(2)
+    expect(page.locator("table.checkpoints tbody")).to_contain_text("committed")
+    shot(page, "job-ended")
 
     page.click('nav a[data-nav="incidents"]')
     expect(page.locator(".page.incidents h2")).to_contain_text("Incidents")

@@ -335,8 +335,20 @@ class ApiClient:
             raise NotFound(f'node "{name}" not found') from exc
         return result
 
-    def jobs(self) -> list[JsonObject]:
-        return self._list(f"{API_PREFIX}/jobs")
+    def jobs(self, *, history: bool = False) -> list[JsonObject]:
+        """The jobs in the controller's memory; with ``history``, every job its database
+        holds (those that left memory after ``job_retention_s`` with source ``history``)."""
+        return self._list(f"{API_PREFIX}/jobs", {"history": "true" if history else None})
+
+    def job(self, name: str) -> JsonObject:
+        """One job with its ranks: live, or as stored once it left memory (``ended``)."""
+        try:
+            result: JsonObject = self._get(
+                f"{API_PREFIX}/jobs/{segment(name, 'job name')}", expect=replies.Job
+            )
+        except NotFound as exc:
+            raise NotFound(f'job "{replies.printable(name, 80)}" not found') from exc
+        return result
 
     def incidents(
         self,

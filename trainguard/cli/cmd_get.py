@@ -1,4 +1,5 @@
-"""Read commands: ``status``, ``nodes``, ``node``, ``jobs``, ``incidents``, ``actions``.
+"""Read commands: ``status``, ``nodes``, ``node``, ``jobs``, ``job``, ``incidents``,
+``actions``.
 
 Each one is: parse flags, one :class:`~trainguard.cli.client.ApiClient` call, render
 through :mod:`trainguard.cli.views`. No business logic lives here.
@@ -17,8 +18,10 @@ from trainguard.cli.views import (
     ACTIONS,
     INCIDENTS,
     JOBS,
+    JOBS_HISTORY,
     NODES,
     ResourceView,
+    render_job,
     render_list,
     render_node,
     render_status,
@@ -84,12 +87,35 @@ def node(
 
 
 def jobs(
-    ctx: typer.Context, server: Server = None, token: Token = None, output: Output = DEFAULT_OUTPUT
+    ctx: typer.Context,
+    history: Annotated[
+        bool,
+        typer.Option(
+            "--history",
+            help="Every job the controller's database holds, ended ones too (STATE ended, "
+            "SOURCE history: they left its memory after job_retention_s).",
+        ),
+    ] = False,
+    server: Server = None,
+    token: Token = None,
+    output: Output = DEFAULT_OUTPUT,
 ) -> None:
-    """List training jobs seen by the agents."""
+    """List training jobs seen by the agents (those in the controller's memory)."""
     with connect(ctx, server, token) as api:
-        items = api.jobs()
-    _show(JOBS, items, output)
+        items = api.jobs(history=history)
+    _show(JOBS_HISTORY if history else JOBS, items, output)
+
+
+def job(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Job name.", show_default=False)],
+    server: Server = None,
+    token: Token = None,
+    output: Output = DEFAULT_OUTPUT,
+) -> None:
+    """Show one job and its ranks; an ended one as the controller's database stored it."""
+    with connect(ctx, server, token) as api:
+        emit(render_job(api.job(name), output))
 
 
 def incidents(
@@ -127,7 +153,7 @@ def actions(
 
 
 def register(app: typer.Typer) -> None:
-    for command in (status, nodes, node, jobs, incidents, actions):
+    for command in (status, nodes, node, jobs, job, incidents, actions):
         app.command(rich_help_panel="Inspect")(command)
 
 

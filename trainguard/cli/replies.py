@@ -42,6 +42,12 @@ class Node(Reply):
     name: StrictStr
 
 
+class Job(Reply):
+    name: StrictStr
+    state: StrictStr
+    ranks: list[dict[str, Any]]
+
+
 class Command(Reply):
     """A command to an agent (a preflight): its id, status and reason."""
 

@@ -93,6 +93,40 @@ JOBS = ResourceView(
     ),
 )
 
+#: ``jobs --history``: every stored job. SOURCE says where each row comes from (``live``:
+#: the controller's memory; ``history``: the database, for a job that left memory after
+#: ``job_retention_s``, STATE ``ended``), and LAST-SEEN when it was last heard from.
+JOBS_HISTORY = ResourceView(
+    kind="job",
+    plural="jobs",
+    columns=(
+        Column("NAME", field("name")),
+        Column("STATE", field("state")),
+        Column("SOURCE", field("source")),
+        Column("RANKS", _ratio("ranks_reporting", "world_size")),
+        Column("LAST-STEP", field("last_step")),
+        Column("INCIDENTS", field("open_incidents")),
+        Column("AGE", age_of("first_seen_unix_s")),
+        Column("LAST-SEEN", age_of("last_seen_unix_s")),
+        Column("NODES", field("nodes"), wide=True),
+    ),
+)
+
+RANKS = ResourceView(
+    kind="rank",
+    plural="ranks",
+    key="rank",
+    columns=(
+        Column("RANK", field("rank")),
+        Column("NODE", field("node")),
+        Column("GPU", field("gpu_index")),
+        Column("STATE", field("state")),
+        Column("LAST-STEP", field("last_step")),
+        Column("LAST-SEEN", age_of("last_seen_unix_s")),
+        Column("PID", field("pid"), wide=True),
+    ),
+)
+
 INCIDENTS = ResourceView(
     kind="incident",
     plural="incidents",
@@ -226,42 +260,90 @@ def _describe(pairs: Sequence[tuple[str, str]]) -> str:
     return "\n".join(f"{(label + ':').ljust(width)}{value}" for label, value in pairs)
 
 
-def render_node(detail: JsonObject, fmt: OutputFormat, *, now_unix_s: float | None = None) -> str:
-    """``trainguard node NAME``: a describe-style header, then one row per GPU."""
+def _render_detail(
+    detail: JsonObject,
+    fmt: OutputFormat,
+    view: ResourceView,
+    header: Callable[[float], list[tuple[str, str]]],
+    rows: tuple[str, ResourceView, str],
+    now_unix_s: float | None,
+) -> str:
+    """A describe-style header (``header(now)``), then one row per item of
+    ``detail[rows[0]]`` in ``rows[1]``'s columns (``rows[2]`` when there is none); the
+    machine formats print ``detail`` itself, as ``view`` names it."""
     if fmt is OutputFormat.JSON:
         return dump_json(detail)
     if fmt is OutputFormat.YAML:
         return dump_yaml(detail)
     if fmt is OutputFormat.NAME:
-        return NODES.name_of(detail)
+        return view.name_of(detail)
     now = time.time() if now_unix_s is None else now_unix_s
-    reason = detail.get("health_reason")
-    health = cell(detail.get("health")) + (f" ({cell(reason)})" if reason else "")
-    pairs = [
-        ("Name", cell(detail.get("name"))),
-        ("Health", health),
-        ("Hostname", cell(detail.get("hostname"))),
-        ("Backend", _backend(detail.get("backend"))),
-        ("Agent version", cell(detail.get("agent_version"))),
-        (
-            "GPUs",
-            f"{cell(detail.get('gpu_count'))} ({cell(detail.get('gpus_unhealthy'))} unhealthy)",
-        ),
-        ("Power", unit(detail.get("power_w"), " W")),
-        ("Open incidents", cell(detail.get("open_incidents"))),
-        ("Last report", _ago(detail.get("last_report_unix_s"), now)),
-        ("First seen", _ago(detail.get("first_seen_unix_s"), now)),
-        ("Labels", cell(detail.get("labels"))),
-    ]
-    if fmt is OutputFormat.WIDE:
-        history = detail.get("history") or []
-        pairs.append(("History points", str(len(history))))
-    gpus = detail.get("gpus") or []
-    body = _describe(pairs)
-    if not gpus:
-        return body + "\n\nNo GPUs reported."
-    table = table_of(gpus, GPUS.columns, wide=fmt is OutputFormat.WIDE, now_unix_s=now)
-    return body + "\n\n" + table
+    body = _describe(header(now))
+    key, row_view, none = rows
+    items = detail.get(key) or []
+    if not items:
+        return body + "\n\n" + none
+    wide = fmt is OutputFormat.WIDE
+    return body + "\n\n" + table_of(items, row_view.columns, wide=wide, now_unix_s=now)
+
+
+def render_node(detail: JsonObject, fmt: OutputFormat, *, now_unix_s: float | None = None) -> str:
+    """``trainguard node NAME``: a describe-style header, then one row per GPU."""
+
+    def header(now: float) -> list[tuple[str, str]]:
+        reason = detail.get("health_reason")
+        health = cell(detail.get("health")) + (f" ({cell(reason)})" if reason else "")
+        gpus = f"{cell(detail.get('gpu_count'))} ({cell(detail.get('gpus_unhealthy'))} unhealthy)"
+        pairs = [
+            ("Name", cell(detail.get("name"))),
+            ("Health", health),
+            ("Hostname", cell(detail.get("hostname"))),
+            ("Backend", _backend(detail.get("backend"))),
+            ("Agent version", cell(detail.get("agent_version"))),
+            ("GPUs", gpus),
+            ("Power", unit(detail.get("power_w"), " W")),
+            ("Open incidents", cell(detail.get("open_incidents"))),
+            ("Last report", _ago(detail.get("last_report_unix_s"), now)),
+            ("First seen", _ago(detail.get("first_seen_unix_s"), now)),
+            ("Labels", cell(detail.get("labels"))),
+        ]
+        if fmt is OutputFormat.WIDE:
+            pairs.append(("History points", str(len(detail.get("history") or []))))
+        return pairs
+
+    return _render_detail(
+        detail, fmt, NODES, header, ("gpus", GPUS, "No GPUs reported."), now_unix_s
+    )
+
+
+#: The State line of a job the controller answered from its database.
+ENDED_NOTE = (
+    "ended (left the controller's memory after job_retention_s; "
+    "shown as the database last stored it, nothing reports for it)"
+)
+
+
+def render_job(detail: JsonObject, fmt: OutputFormat, *, now_unix_s: float | None = None) -> str:
+    """``trainguard job NAME``: a describe-style header, then one row per rank. A job that
+    left memory says so on its State line: its ranks are as last written, not live."""
+
+    def header(now: float) -> list[tuple[str, str]]:
+        history = detail.get("source") == "history"
+        return [
+            ("Name", cell(detail.get("name"))),
+            ("State", ENDED_NOTE if history else cell(detail.get("state"))),
+            ("Source", cell(detail.get("source"))),
+            ("Ranks", _ratio("ranks_reporting", "world_size")(detail, now) + " reporting"),
+            ("Last step", cell(detail.get("last_step"))),
+            ("Nodes", cell(detail.get("nodes"))),
+            ("Open incidents", cell(detail.get("open_incidents"))),
+            ("Last seen", _ago(detail.get("last_seen_unix_s"), now)),
+            ("First seen", _ago(detail.get("first_seen_unix_s"), now)),
+        ]
+
+    return _render_detail(
+        detail, fmt, JOBS, header, ("ranks", RANKS, "No ranks reported."), now_unix_s
+    )
 
 
 def _backend(value: Any) -> str:
@@ -311,8 +393,11 @@ __all__ = [
     "GPUS",
     "INCIDENTS",
     "JOBS",
+    "JOBS_HISTORY",
     "NODES",
+    "RANKS",
     "ResourceView",
+    "render_job",
     "render_list",
     "render_node",
     "render_status",

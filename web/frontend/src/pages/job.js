@@ -11,10 +11,16 @@ import { actionTable, actionsFor, badge, incidentTable, mounted, refreshOn } fro
 
 export async function jobsPage(ctx) {
   const root = el("div", "page jobs");
+  // "Show ended jobs": every job the database holds (?history=true), those that left the
+  // controller's memory (job_retention_s) marked ended. Part of the address, so it stays
+  // on reload and a link to it shows the same list.
+  const history = ctx.params.get("history") === "1";
   async function load() {
-    const jobs = await get("/jobs?limit=500");
+    const jobs = await get(`/jobs?limit=500${history ? "&history=true" : ""}`);
     const goodput = await Promise.all(
-      jobs.data.slice(0, 50).map((j) => get(`/jobs/${enc(j.name)}/goodput`, { notFoundIsNull: true }).catch(() => null)),
+      jobs.data
+        .slice(0, 50)
+        .map((j) => (j.source === "history" ? null : get(`/jobs/${enc(j.name)}/goodput`, { notFoundIsNull: true }).catch(() => null))),
     );
     if (!ctx.isCurrent()) return;
     const rows = jobs.data.map((j, i) => {
@@ -30,12 +36,18 @@ export async function jobsPage(ctx) {
           td("num", String(j.open_incidents)),
           td("num", fmtAge(j.last_seen_unix_s)),
         ],
-        { "data-job": j.name },
+        { "data-job": j.name, "data-source": j.source },
       );
+    });
+    const toggle = attrs(el("input"), { type: "checkbox", id: "jobs-history" });
+    toggle.checked = history;
+    toggle.addEventListener("change", () => {
+      location.hash = toggle.checked ? "#/jobs?history=1" : "#/jobs";
     });
     fill(root, 
       el("h2", null, "Jobs"),
-      table(["Name", "State", "Ranks", "Last step", "Goodput", "Lost", "Incidents", "Last seen"], rows, "no job has reported yet", "jobs"),
+      el("p", "filters", el("label", null, toggle, " show ended jobs (those the controller no longer holds, from its database)")),
+      table(["Name", "State", "Ranks", "Last step", "Goodput", "Lost", "Incidents", "Last seen"], rows, history ? "no job stored yet" : "no job has reported yet", "jobs"),
     );
   }
   await load();
@@ -58,8 +70,8 @@ export async function jobPage(ctx) {
       get(`/jobs/${enc(name)}/steps?last=120`, { notFoundIsNull: true }),
       get(`/jobs/${enc(name)}/goodput`, { notFoundIsNull: true }),
       get(`/incidents?job=${enc(name)}&limit=100`),
-      // 404 for a job that left the controller's memory (job_retention_s): the job itself
-      // still answers, from the database (source "history"), and the rest shows as ended.
+      // Stored rows: answered for a job that left the controller's memory (job_retention_s)
+      // too; 404 only for a job never stored (the page's own /jobs/{name} says so first).
       get(`/jobs/${enc(name)}/checkpoints?limit=200`, { notFoundIsNull: true }),
       actionsFor(name),
     ]);
@@ -162,7 +174,7 @@ export async function jobPage(ctx) {
           el("dt", null, "Lost"), el("dd", null, fmtDuration(goodput.lost_s)),
           el("dt", null, "Wall"), el("dd", null, fmtDuration(goodput.wall_s)),
         )
-      : notReported("goodput (no step recorded by the remediation engine yet)");
+      : notReported(ended ? "goodput (kept in the controller's memory only, it went with the job)" : "goodput (no step recorded by the remediation engine yet)");
 
     const ckRows = checkpoints.data.map((c) =>
       row([
@@ -193,7 +205,7 @@ export async function jobPage(ctx) {
       el("h2", null, link("#/jobs", "Jobs"), " / ", el("span", "name", job.name), " ", badge(job.state)),
       bar,
       el("p", "muted summary", `${job.ranks_reporting}/${job.world_size} ranks reporting · last step ${dash(job.last_step)} · ${nodesText(job.nodes)}`),
-      section("Rank × step", stepsOrNull ? null : notReported("step times since the controller started (none kept in its memory for this job yet; they start with the job's next step)"), hm),
+      section("Rank × step", stepsOrNull ? null : notReported(ended ? "step times (kept in the controller's memory only, they went with the job)" : "step times since the controller started (none kept in its memory for this job yet; they start with the job's next step)"), hm),
       section("Over time", el("div", "charts", stepChart.node, goodputChart.node), el("p", "muted", "Loss: not reported (step summaries carry no loss).")),
       section("Goodput", goodputPart),
       section(
@@ -201,7 +213,7 @@ export async function jobPage(ctx) {
         listed.hidden ? ranksShowAll(listed, () => { allRanks = true; load(); }) : null,
         table(["Rank", "Node", "GPU", "Role", "pp · dp · tp (peers)", "State", "Last step", "Marked"], rankRows, "no ranks", "ranks"),
       ),
-      section("Checkpoints (tier = kind)", table(["Step", "Rank", "Kind", "Size", "Blocking", "Durable after", "Path / error", "Age"], ckRows, checkpointsOrNull ? "no checkpoint reported" : "not reported (the job left the controller's memory)", "checkpoints")),
+      section("Checkpoints (tier = kind)", table(["Step", "Rank", "Kind", "Size", "Blocking", "Durable after", "Path / error", "Age"], ckRows, checkpointsOrNull ? "no checkpoint reported" : "not reported", "checkpoints")),
       section("Incidents", incidentTable(incidents.data, "no incidents for this job")),
       section("Actions", actionTable(actions.data, "no actions on this job", { approved: actions.approved, plans: actions.plans, done: () => refresh() })),
     );
