@@ -38,11 +38,7 @@ from typing import Any
 
 from controller.actuators.base import Actuator, NodeView
 from controller.actuators.k8s.partition import PartitionSettings
-from controller.logic.detection.c4d.job_evidence import (
-    LegacyStragglerEvidence,
-    NonfiniteEvidence,
-    StragglerIncidentEvidence,
-)
+from controller.logic.detection.c4d.job_evidence import NonfiniteEvidence
 from controller.logic.remediation import guards
 from controller.logic.remediation.params import AlertParams, Severity
 from controller.logic.remediation.rules import Policy, Rule, Step
@@ -57,9 +53,12 @@ from controller.services.remediation.records import (
     HARDWARE_KINDS,
     JobBook,
     Remediation,
+    absorb_note,
     culprit_node,
+    dry_plan_for,
     fault_time,
     jobs_of,
+    straggler_cost,
 )
 from controller.services.remediation.retention import engine_retention
 from controller.services.remediation.steps import (
@@ -328,6 +327,10 @@ class RemediationEngine:
         absorbable = incident.job is not None and incident.kind not in HARDWARE_KINDS
         for job in jobs:
             book = self.book(job)
+            covered = book.covered(incident) if absorbable else None
+            if covered is not None and Step.ROLLBACK not in rule.steps:
+                await self._absorb(incident, covered)
+                return
             busy = book.running or book.awaiting_resume
             # A hardware fault on a node the restart in flight moved the job to: that
             # restart cannot resume, so this incident does not wait for its timeout.
@@ -358,17 +361,16 @@ class RemediationEngine:
             return  # not persisted long enough yet
         evidence = incident.evidence
         if rule.min_cost_pct > 0:
-            cost = (
-                evidence.slowdown_pct
-                if isinstance(evidence, StragglerIncidentEvidence | LegacyStragglerEvidence)
-                else None
-            )
+            cost = straggler_cost(incident)
             if cost is None or cost < rule.min_cost_pct:
                 return  # cheap so far; it may grow while the incident stays open
         if rule.min_bad_steps > 0:
             bad = evidence.bad_steps if isinstance(evidence, NonfiniteEvidence) else None
             if bad is None or bad < rule.min_bad_steps:
                 return  # possibly a skipped overflow; a diverged job adds one per step
+        planned = dry_plan_for(self.remediations, incident, self._state, dry_run_now=policy.dry_run)
+        if absorbable and planned is not None:
+            return  # its node's plan is recorded once: looked at again when that one ends
         self.decided[incident.id] = "acted"
         targets: list[str | None] = list(jobs) or [None]
         for target in targets:
@@ -468,13 +470,8 @@ class RemediationEngine:
 
     async def _absorb(self, incident: IncidentState, by: Remediation | None) -> None:
         self.decided[incident.id] = "absorbed"
-        note = (
-            f"absorbed: a consequence of remediation {by.id} of job {by.job}"
-            if by is not None
-            else "absorbed: raised while the job settled after a restart trainguard made"
-        )
         if incident.job is not None and incident.kind not in HARDWARE_KINDS:
-            await self._incidents.resolve(incident, note=note)
+            await self._incidents.resolve(incident, note=absorb_note(incident, by))
 
     # ------------------------------------------------------------------ acting
 

@@ -3,11 +3,16 @@ incident's evidence (its culprit node, when its fault began)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.logic.detection.c4d.job_evidence import HangEvidence, JobEvidence
+from controller.logic.detection.c4d.job_evidence import (
+    HangEvidence,
+    JobEvidence,
+    LegacyStragglerEvidence,
+    StragglerIncidentEvidence,
+)
 from controller.logic.detection.incident_evidence import DegradedEvidence, NodeLostEvidence
 from controller.logic.remediation.goodput import GoodputLedger
 from controller.logic.remediation.params import RestartParams
@@ -154,6 +159,24 @@ class JobBook:
             return self.awaiting_resume
         return None
 
+    def covered(self, incident: IncidentState) -> Remediation | None:
+        """The newest restart if it already answered ``incident``: begun after the incident
+        opened, on a placement without the incident's node (``None``: no such restart).
+
+        A slow 8-GPU node opens eight straggler incidents within seconds, one per rank; the
+        first one's restart moves the job off the node, and the other seven are about a
+        node the job has left. Without this each of them, once the job resumed, ran its own
+        checkpoint, isolate and (skipped) restart, one after another."""
+        rem = self.last_restart
+        params = rem.restart_params if rem is not None else None
+        node = incident.node
+        if rem is None or params is None or params.nodes is None or node is None:
+            return None
+        started = rem.restarted_unix_s
+        if node in params.nodes or started is None or started < incident.opened_unix_s:
+            return None
+        return rem
+
     def committed(self, t: float) -> None:
         """Record a commit at job time ``t`` (events may arrive late or out of order)."""
         if self.committed_unix_s is not None:
@@ -170,6 +193,21 @@ class JobBook:
             self.checkpoint = None
 
 
+def absorb_note(incident: IncidentState, by: Remediation | None) -> str:
+    """Why an incident is resolved as part of a remediation it did not start."""
+    if by is None:
+        return "absorbed: raised while the job settled after a restart trainguard made"
+    params = by.restart_params
+    started = by.restarted_unix_s
+    left = params is not None and params.nodes is not None and incident.node not in params.nodes
+    if left and started is not None and started >= incident.opened_unix_s:
+        return (
+            f"absorbed: covered by remediation {by.id} of job {by.job} (incident "
+            f"{by.incident_id}), whose restart moved the job off {incident.node}"
+        )
+    return f"absorbed: a consequence of remediation {by.id} of job {by.job}"
+
+
 def culprit_node(incident: IncidentState) -> str | None:
     """The one node an incident names (itself, or a single node in its evidence)."""
     if incident.node is not None:
@@ -177,6 +215,44 @@ def culprit_node(incident: IncidentState) -> str | None:
     evidence = incident.evidence
     if isinstance(evidence, JobEvidence) and evidence.nodes and len(evidence.nodes) == 1:
         return evidence.nodes[0]
+    return None
+
+
+def straggler_cost(incident: IncidentState) -> float | None:
+    """How much a straggler incident slows its job, in percent (``None``: not a straggler):
+    the number a rule's ``min_cost_pct`` is compared with."""
+    evidence = incident.evidence
+    if isinstance(evidence, StragglerIncidentEvidence | LegacyStragglerEvidence):
+        return evidence.slowdown_pct
+    return None
+
+
+def dry_plan_for(
+    remediations: Iterable[Remediation],
+    incident: IncidentState,
+    state: ClusterState,
+    *,
+    dry_run_now: bool,
+) -> Remediation | None:
+    """A dry run already recorded for ``incident``'s job and node, its incident still open
+    and the dry run still in force (a plan awaiting approval, or the controller's policy
+    still ``dry_run_now``; ``None``: none). Such a dry run acts on nothing, so no restart
+    covers a slow node's other ranks' incidents (:meth:`JobBook.covered`): without this
+    each of them recorded the same plan again, eight approval rows for one node. They
+    wait instead: an approved plan's restart covers them, and if the first incident
+    resolves unapproved (or the dry run ends), the next one plans or acts anew."""
+    node = culprit_node(incident)
+    for rem in reversed(list(remediations)):
+        if (
+            (rem.awaiting_approval or (rem.dry_run and dry_run_now))
+            and not rem.grow
+            and rem.job == incident.job
+            and node is not None
+            and rem.node == node
+            and rem.incident_id != incident.id
+            and rem.incident_id in state.incidents
+        ):
+            return rem
     return None
 
 
