@@ -153,8 +153,18 @@ def test_caps_escalation_stale_hold_and_uncap(cluster: Cluster) -> None:
         "clock failure incident on node-np",
         lambda: any(i["node"] == "node-np" for i in c.incidents("power_clock_command_failed")),
     )
-    np_cmds = c.commands("node-np")
-    lock_np = [x for x in np_cmds if x["kind"] == "lock_clocks"]
+
+    def lock_np_commands() -> list[dict[str, Any]]:
+        return [x for x in c.commands("node-np") if x["kind"] == "lock_clocks"]
+
+    # The incident comes with the first GPU's failure; the other GPU's command may still be
+    # on its way (a race in this test, seen once under load): wait until none is in flight.
+    in_flight = {"pending", "sent", "relayed"}
+    c.wait(
+        "node-np's clock commands ended",
+        lambda: all(x["status"] not in in_flight for x in lock_np_commands()),
+    )
+    lock_np = lock_np_commands()
     assert lock_np and all(x["status"] == "failed" for x in lock_np)
     assert "permission" in lock_np[0]["reason"].lower()
     c.wait(
