@@ -21,7 +21,9 @@ run: a part left by an earlier run of the same step (a crash mid-save, a rollbac
 taken for a peer's new one. A run that takes over the root writes its id to ``FENCE``
 first; a writer of an older run that is still alive (the writer process outlives its
 trainer on purpose, to persist what was in host memory) then stops before writing, and
-never commits or moves ``latest`` again.
+never commits or moves ``latest`` again. The run id defaults to one derived from the
+launcher's environment (:func:`default_run_id`), and a run claims the root by itself at
+rank 0's restore or first save (:func:`join_fence`).
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
+import re
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from checkpoint._validate import parse_rank_manifest
@@ -93,6 +98,76 @@ def check_fence(root: Path, run_id: str, what: str) -> None:
             f"{what}: run {owner!r} has taken over {root}; this writer (run {run_id!r}) "
             "belongs to an earlier run and stops"
         )
+
+
+#: What a run id derived from the launcher's environment is made of (:func:`default_run_id`).
+_DERIVED = re.compile(r"^(?:trainguard-gen(\d+))?/?(?:torchelastic-restart(\d+)-(.*))?$")
+
+
+def default_run_id(env: Mapping[str, str] | None = None) -> str:
+    """The run id a ``Checkpointer`` gets when the caller gives none: one string that every
+    rank of this start of the job computes alike, and that changes on every restart.
+
+    ``TRAINGUARD_GENERATION`` (set by trainguard's launchers on every rank, incremented on
+    each restart) and, on a single-agent torchrun (``GROUP_WORLD_SIZE`` 1), torchrun's
+    ``TORCHELASTIC_RUN_ID`` + ``TORCHELASTIC_RESTART_COUNT``. Not torchrun's count across
+    nodes: each node's agent keeps its own, and a node that restarts for a membership change
+    does not count it, so the ranks of one start could disagree and fence each other out.
+    "" when none applies: no fence (a single run, or a caller that passes its own id).
+    """
+    env = os.environ if env is None else env
+    parts = []
+    generation = env.get("TRAINGUARD_GENERATION", "").strip()
+    if generation.isdigit():
+        parts.append(f"trainguard-gen{int(generation)}")
+    restarts = env.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    if restarts.isdigit() and env.get("GROUP_WORLD_SIZE", "1").strip() == "1":
+        elastic = "".join(c for c in env.get("TORCHELASTIC_RUN_ID", "") if c.isprintable())
+        parts.append(f"torchelastic-restart{int(restarts)}-{elastic[:128]}")
+    return "/".join(parts)
+
+
+def _newer(owner: str, run_id: str) -> bool:
+    """Whether ``owner`` is a later start than ``run_id``, as far as derived ids say (a
+    caller's own ids are not ordered: then False)."""
+    a, b = _DERIVED.match(owner), _DERIVED.match(run_id)
+    if a is None or b is None or not owner or not run_id:
+        return False
+    if a[1] is not None and b[1] is not None and a[1] != b[1]:
+        return int(a[1]) > int(b[1])
+    if a[2] is not None and b[2] is not None and a[3] == b[3]:
+        return int(a[2]) > int(b[2])
+    return False
+
+
+def join_fence(root: Path, run_id: str, *, claim: bool, timeout_s: float, what: str) -> None:
+    """This run's first part: ``claim`` (rank 0, or a rank with a root of its own) writes
+    ``run_id`` to the fence; any other rank waits, up to ``timeout_s``, until the fence
+    names its run, so that a fence left by the previous start never stops this one's ranks
+    whose first save comes before rank 0's. A fence that names a later start (derived ids
+    are ordered) stops this writer at once: it is the zombie. No collective: this runs in
+    the writer, off the training thread."""
+    if not run_id:
+        return
+    deadline = time.monotonic() + timeout_s
+    while (owner := read_fence(root)) and owner != run_id and not claim:
+        if _newer(owner, run_id) or time.monotonic() > deadline:
+            check_fence(root, run_id, what)
+        time.sleep(0.05)
+    if claim and owner != run_id:
+        if _newer(owner, run_id):
+            check_fence(root, run_id, what)
+        write_fence(root, run_id)
+
+
+def claim_quietly(root: Path, run_id: str) -> None:
+    """Rank 0's restore claims the root (a zombie writer stops before this run saves);
+    a claim that fails (a read-only root, a later start's fence) must not fail the
+    restore: the first save claims again, and says why it cannot."""
+    try:
+        join_fence(root, run_id, claim=True, timeout_s=0.0, what=f"{root}: not claimed")
+    except (OSError, CheckpointSupersededError) as exc:
+        log.warning("checkpoint root %s not claimed for run %r: %s", root, run_id, exc)
 
 
 def write_rank_manifest(step_dir: Path, manifest: RankManifest) -> None:

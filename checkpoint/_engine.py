@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from checkpoint._backends import ProcessWriter, ThreadWriter
+from checkpoint._commit import claim_quietly, default_run_id
 from checkpoint._dedup import Shared, plan_writers
 from checkpoint._load import Restored, load_state
 from checkpoint._persist import PersistJob
@@ -92,11 +93,10 @@ class Checkpointer:
         sharding: ShardingHook | None = None,
         run_id: str = "",
     ) -> None:
-        """``run_id``: the same string on every rank of this start of the job, different
-        from any earlier start's (the demo job broadcasts a random one). It keeps an earlier
-        run's leftovers out of this run's commits and, once this run has claimed the root
-        (:meth:`CheckpointStore.set_aside_after`), an earlier run's surviving writer out of
-        the root. Empty: neither protection (a single run, or a caller that fences itself)."""
+        """``run_id``: the same on every rank of this start of the job, new on each start;
+        default: from the launcher's environment (``_commit.default_run_id``). It keeps an
+        earlier run's leftovers out of this run's commits and, once rank 0 claims the root
+        (first restore or save), its surviving writers out. Empty: neither protection."""
         config.validate()
         if not 0 <= rank < world_size:
             raise CheckpointConfigError(f"rank {rank} outside world size {world_size}")
@@ -110,7 +110,7 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self.layout = dict(layout or {"world": world_size})
         self.job = job
-        self.run_id = run_id
+        self.run_id = run_id or default_run_id()
         self.event_sink = event_sink
         self.sharding = sharding
         self.cond = threading.Condition()
@@ -369,6 +369,7 @@ class Checkpointer:
             hash_threads=cfg.hash_threads,
             direct_io=cfg.direct_io,
             run_id=self.run_id,
+            first=snap.snap_id == 1,
             local_commit=cfg.shared_root,
         )
 
@@ -547,6 +548,8 @@ class Checkpointer:
 
         With an ``object_store`` the nearest good copy is used: local first, then the
         bucket's (downloaded and checksummed), newest step first."""
+        if self.rank == 0 or not self.config.shared_root:  # this run takes over the root
+            claim_quietly(self.root, self.run_id)
         if self.config.object_store is not None:
             restored, choice = load_nearest(
                 self.root,

@@ -23,6 +23,7 @@ from checkpoint._commit import (
     apply_retention,
     check_fence,
     commit,
+    join_fence,
     new_rank_manifest,
     write_rank_manifest,
 )
@@ -73,6 +74,9 @@ class PersistJob:
     direct_io: bool = True
     #: The run this save belongs to ("" = none); see :mod:`checkpoint._commit` on fences.
     run_id: str = ""
+    #: This Checkpointer's first save: rank 0 claims the root for ``run_id`` (the fence),
+    #: other ranks wait for that claim (:func:`checkpoint._commit.join_fence`).
+    first: bool = False
     #: Entries another rank writes (``stored_by``): listed in the manifest, not written.
     replicas: list[Entry] = field(default_factory=list)
     #: Rank 0 commits in ``root`` (a root all ranks share). False for node-local roots
@@ -120,7 +124,11 @@ def persist_part(
     t0 = time.monotonic()
     root = Path(job.root)
     step_dir = root / step_dir_name(job.step)
-    check_fence(root, job.run_id, f"step {job.step} rank {job.rank}: not written")
+    what = f"step {job.step} rank {job.rank}: not written"
+    if job.first:  # node-local roots: no rank 0 there, each rank claims its own
+        claim = job.rank == 0 or not job.local_commit
+        join_fence(root, job.run_id, claim=claim, timeout_s=job.commit_timeout_s, what=what)
+    check_fence(root, job.run_id, what)
     step_dir.mkdir(parents=True, exist_ok=True)
     # The new directory's entry in root must be durable before this part counts as durable;
     # that journal commit overlaps the data writes instead of delaying the first one.
