@@ -17,7 +17,7 @@ from controller.api.deps import (
     require_viewer,
 )
 from controller.auth import Principal
-from controller.errors import NotFound
+from controller.errors import Conflict, NotFound
 from controller.schemas import ActionsPublic
 from controller.services import queries
 from controller.services.container import Services
@@ -81,6 +81,8 @@ async def restart_job_route(
     limit). 409 when no actuator is configured, a remediation of the job is in progress,
     or the restart is refused or fails."""
     if name not in services.state.jobs and name not in services.remediation.jobs:
+        if await services.store.read(lambda s: queries.job_stored(s, name)):
+            raise Conflict(queries.ENDED.format(name=name) + ": nothing runs to restart")
         raise NotFound(f"job {name!r} not found")
     engine, actions = services.remediation, services.actions
     return await restart_job(engine, actions, name, principal.name, body.reason)

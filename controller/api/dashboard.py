@@ -206,14 +206,12 @@ async def get_job_steps(
     if matrix is None:
         if name not in services.state.jobs:
             # Step times live in memory only: a job that left it keeps its rows, not these.
-            stored = await services.store.read(lambda s: queries.stored_job(s, name))
-            if stored is None:
+            if not await services.store.read(lambda s: queries.job_stored(s, name)):
                 raise NotFound(f"job {name!r} not found")
             raise NotFound(
-                f"job {name!r} ended (it left the controller's memory after job_retention_s)"
-                "; its step times were kept in memory only and went with it. The job, its"
-                " checkpoints and incidents are still stored: GET /jobs/NAME, its"
-                " /checkpoints, /incidents?job=NAME"
+                queries.ENDED.format(name=name)
+                + "; its step times were kept in memory only and went with it (its"
+                " checkpoints and incidents are stored: /checkpoints, /incidents?job=NAME)"
             )
         raise NotFound(f"job {name!r} has no step times here; they start with its next report")
     return {**matrix, "goodput": feed.goodput_history.series(name)}
@@ -238,7 +236,7 @@ async def list_job_checkpoints(
 
     def read(session: Any) -> list[dict[str, Any]] | None:
         data = job_checkpoints(session, name, limit)
-        if data or live or queries.stored_job(session, name) is not None:
+        if data or live or queries.job_stored(session, name):
             return data
         return None
 

@@ -17,6 +17,7 @@ from controller.api.deps import (
 from controller.auth import Principal
 from controller.errors import Conflict, InvalidInput, NotFound
 from controller.logic.remediation.rules import Policy, first_error
+from controller.services import queries
 from controller.services.container import Services
 from controller.services.operator_actions import isolation_audit
 from trainguard.limits import NO_NUL
@@ -166,5 +167,9 @@ async def job_goodput(
     """Productive vs. lost time of a job, and what each incident cost it."""
     book = services.remediation.jobs.get(name)
     if book is None:
+        if name not in services.state.jobs and await services.store.read(
+            lambda s: queries.job_stored(s, name)
+        ):  # its goodput record left memory with it
+            raise NotFound(queries.ENDED.format(name=name) + "; its goodput record went with it")
         raise NotFound(f"job {name!r} has no goodput record; it starts with the job's first step")
     return book.ledger.snapshot()

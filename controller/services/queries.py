@@ -160,6 +160,18 @@ def stored_job(session: Session, name: str) -> JobState | None:
     return job
 
 
+def job_stored(session: Session, name: str) -> bool:
+    """Whether the database holds job ``name`` (one row read, its ranks not loaded)."""
+    return job_rows.load_job(session, name) is not None
+
+
+#: How a route names a job that left memory (``job_retention_s``) but is stored.
+ENDED = (
+    "job {name!r} ended: not heard from for job_retention_s, it left the controller's "
+    "memory (GET /api/v1/jobs/{name} shows it as stored)"
+)
+
+
 def stored_jobs_page(
     session: Session, *, limit: int, offset: int
 ) -> tuple[list[tuple[JobState, list[str]]], int]:

@@ -92,6 +92,19 @@ def test_an_ended_job_answers_its_routes_and_the_cli_lists_and_shows_it(
     never = _get(live, f"/jobs/{NEVER}/steps")
     assert never.status_code == 404
     assert "ended" not in never.json()["detail"], never.text
+    # Its goodput record left memory with it: 404 that says so; restarting it is a 409
+    # (nothing runs to restart), not "not found"; a job never stored is 404 for both.
+    goodput = _get(live, f"/jobs/{ENDED}/goodput")
+    assert goodput.status_code == 404 and "ended" in goodput.json()["detail"], goodput.text
+    assert "ended" not in _get(live, f"/jobs/{NEVER}/goodput").json()["detail"]
+    for job, status, said in ((ENDED, 409, "nothing runs to restart"), (NEVER, 404, "not found")):
+        restart = http_calls.post(
+            f"{live.url}/api/v1/jobs/{job}/restart",
+            json={"reason": "check"},
+            headers=live.headers("operator"),
+            timeout=10,
+        )
+        assert restart.status_code == status and said in restart.json()["detail"], restart.text
 
     cli: Callable[..., CliResult] = in_process_cli(capsys, monkeypatch, live.url, live.viewer_token)
     # The default list is memory's; --history lists the stored job, marked as ended.
