@@ -13,6 +13,7 @@ from controller.api.deps import (
     NOT_FOUND,
     Page,
     ServicesDep,
+    job_ended,
     require_operator,
     require_viewer,
 )
@@ -81,7 +82,7 @@ async def restart_job_route(
     limit). 409 when no actuator is configured, a remediation of the job is in progress,
     or the restart is refused or fails."""
     if name not in services.state.jobs and name not in services.remediation.jobs:
-        if await services.store.read(lambda s: queries.job_stored(s, name)):
+        if await job_ended(services, name):
             raise Conflict(queries.ENDED.format(name=name) + ": nothing runs to restart")
         raise NotFound(f"job {name!r} not found")
     engine, actions = services.remediation, services.actions

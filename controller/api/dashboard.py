@@ -19,6 +19,7 @@ from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
     ServicesDep,
+    job_ended,
     presented_authorization,
     require_operator,
     require_viewer,
@@ -206,7 +207,7 @@ async def get_job_steps(
     if matrix is None:
         if name not in services.state.jobs:
             # Step times live in memory only: a job that left it keeps its rows, not these.
-            if not await services.store.read(lambda s: queries.job_stored(s, name)):
+            if not await job_ended(services, name):
                 raise NotFound(f"job {name!r} not found")
             raise NotFound(
                 queries.ENDED.format(name=name)

@@ -14,6 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from controller.auth import READ_ROLES, REPORT_ROLES, WRITE_ROLES, Principal
 from controller.schemas import ErrorPublic
+from controller.services import queries
 from controller.services.container import Services
 from controller.settings import Role
 
@@ -56,6 +57,14 @@ def get_replica(request: Request) -> Replica:
 def get_services(request: Request) -> Services:
     """Every service, as the composition root built them; a route uses the ones it needs."""
     return get_replica(request).services
+
+
+async def job_ended(services: Services, name: str) -> bool:
+    """Job ``name`` is not in memory but stored: it left after ``job_retention_s``, and the
+    routes that only memory answers say it ended rather than "not found"."""
+    if name in services.state.jobs:
+        return False
+    return await services.store.read(lambda s: queries.job_stored(s, name))
 
 
 def presented_authorization(request: Request) -> str | None:

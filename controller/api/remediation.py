@@ -11,6 +11,7 @@ from controller.api.deps import (
     AUTH_ERRORS,
     NOT_FOUND,
     ServicesDep,
+    job_ended,
     require_operator,
     require_viewer,
 )
@@ -167,9 +168,7 @@ async def job_goodput(
     """Productive vs. lost time of a job, and what each incident cost it."""
     book = services.remediation.jobs.get(name)
     if book is None:
-        if name not in services.state.jobs and await services.store.read(
-            lambda s: queries.job_stored(s, name)
-        ):  # its goodput record left memory with it
+        if await job_ended(services, name):  # its goodput record left memory with it
             raise NotFound(queries.ENDED.format(name=name) + "; its goodput record went with it")
         raise NotFound(f"job {name!r} has no goodput record; it starts with the job's first step")
     return book.ledger.snapshot()

@@ -113,12 +113,25 @@ def job_state(job: JobState, *, active_within_s: float, now: float) -> tuple[str
 
 def job_public(state: ClusterState, job: JobState, *, active_within_s: float) -> JobPublic:
     status, reporting = job_state(job, active_within_s=active_within_s, now=time.time())
+    nodes = sorted({r.node for r in in_world(job)})
+    return _public(state, job, status, reporting, nodes)
+
+
+def _public(
+    state: ClusterState,
+    job: JobState,
+    status: str,
+    reporting: int,
+    nodes: list[str],
+    source: str = "live",
+) -> JobPublic:
     return JobPublic(
         name=job.name,
         state=status,
+        source=source,
         world_size=job.world_size,
         ranks_reporting=reporting,
-        nodes=sorted({r.node for r in in_world(job)}),
+        nodes=nodes,
         last_step=job.last_step,
         first_seen_unix_s=job.first_seen_unix_s,
         last_seen_unix_s=job.last_seen_unix_s,
@@ -127,8 +140,11 @@ def job_public(state: ClusterState, job: JobState, *, active_within_s: float) ->
 
 
 def job_detail(state: ClusterState, job: JobState, *, active_within_s: float) -> JobDetail:
+    return _detail(job, job_public(state, job, active_within_s=active_within_s))
+
+
+def _detail(job: JobState, public: JobPublic) -> JobDetail:
     ranks = [_rank_public(r) for r in sorted(in_world(job), key=lambda r: r.rank)]
-    public = job_public(state, job, active_within_s=active_within_s)
     return JobDetail(**public.model_dump(), ranks=ranks)
 
 
@@ -185,24 +201,12 @@ def stored_jobs_page(
 def history_job_public(state: ClusterState, job: JobState, nodes: list[str]) -> JobPublic:
     """A stored job that is no longer in memory: ``ended``, nobody reporting, its rows as
     they were last written (a job that went silent may still show ranks ``running``)."""
-    return JobPublic(
-        name=job.name,
-        state="ended",
-        source="history",
-        world_size=job.world_size,
-        ranks_reporting=0,
-        nodes=nodes,
-        last_step=job.last_step,
-        first_seen_unix_s=job.first_seen_unix_s,
-        last_seen_unix_s=job.last_seen_unix_s,
-        open_incidents=state.open_incidents_for_job(job.name),
-    )
+    return _public(state, job, "ended", 0, nodes, source="history")
 
 
 def history_job_detail(state: ClusterState, job: JobState) -> JobDetail:
-    ranks = sorted(in_world(job), key=lambda r: r.rank)
-    public = history_job_public(state, job, sorted({r.node for r in ranks}))
-    return JobDetail(**public.model_dump(), ranks=[_rank_public(r) for r in ranks])
+    nodes = sorted({r.node for r in in_world(job)})
+    return _detail(job, history_job_public(state, job, nodes))
 
 
 def status(state: ClusterState, *, version: str, database: str) -> StatusPublic:

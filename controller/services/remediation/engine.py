@@ -329,7 +329,7 @@ class RemediationEngine:
             book = self.book(job)
             covered = book.covered(incident) if absorbable else None
             if covered is not None and Step.ROLLBACK not in rule.steps:
-                await self._absorb(incident, covered)
+                await self._absorb(incident, covered, covered=True)
                 return
             busy = book.running or book.awaiting_resume
             # A hardware fault on a node the restart in flight moved the job to: that
@@ -468,10 +468,12 @@ class RemediationEngine:
             book.last_remediation_unix_s = rem.started_unix_s
         self._spawn(run, f"tg-rem-{rem.id}")
 
-    async def _absorb(self, incident: IncidentState, by: Remediation | None) -> None:
+    async def _absorb(
+        self, incident: IncidentState, by: Remediation | None, *, covered: bool = False
+    ) -> None:
         self.decided[incident.id] = "absorbed"
         if incident.job is not None and incident.kind not in HARDWARE_KINDS:
-            await self._incidents.resolve(incident, note=absorb_note(incident, by))
+            await self._incidents.resolve(incident, note=absorb_note(incident, by, covered=covered))
 
     # ------------------------------------------------------------------ acting
 

@@ -193,14 +193,12 @@ class JobBook:
             self.checkpoint = None
 
 
-def absorb_note(incident: IncidentState, by: Remediation | None) -> str:
-    """Why an incident is resolved as part of a remediation it did not start."""
+def absorb_note(incident: IncidentState, by: Remediation | None, *, covered: bool) -> str:
+    """Why an incident is resolved as part of a remediation it did not start (``covered``:
+    that remediation's restart already moved the job off its node, :meth:`JobBook.covered`)."""
     if by is None:
         return "absorbed: raised while the job settled after a restart trainguard made"
-    params = by.restart_params
-    started = by.restarted_unix_s
-    left = params is not None and params.nodes is not None and incident.node not in params.nodes
-    if left and started is not None and started >= incident.opened_unix_s:
+    if covered:
         return (
             f"absorbed: covered by remediation {by.id} of job {by.job} (incident "
             f"{by.incident_id}), whose restart moved the job off {incident.node}"
