@@ -319,3 +319,26 @@ def test_slow_pairs_sharing_no_link_name_each_ones_own_links() -> None:
     assert not per_pair[0] & per_pair[1]
     found = {plan.topology.link_index[s] for s in suspects}
     assert found & per_pair[0] and found & per_pair[1] and not found & healthy
+
+
+# ------------------------------------------------------------ (8) unequal severities
+
+
+def test_a_marginal_pair_beside_a_badly_slow_link_does_not_make_their_rank_the_culprit() -> None:
+    """(8) Link (1, 2) 16x slow and pair (2, 3) 2.5x slow (a descheduled rank 2 under load):
+    a slow GPU or NIC of rank 2 would slow both about alike, so the link is named, and the
+    lesser pair is reported as marginal. Before, rank 2 was named (scope ``rank``)."""
+    results = flat(8, {(1, 2): 100.0 / 16, (2, 3): 40.0})
+    v = localize(results, nodes(8), 0.5)
+    assert (v.scope, v.slow_pairs, v.culprit_ranks) == ("link", ((1, 2),), (1, 2))
+    assert v.marginal_pairs == ((2, 3),)
+    finding = finish(results, 8)
+    assert finding is not None and finding.ranks == (1, 2)
+    assert "far less: 2-3" in finding.summary
+
+
+def test_pairs_of_one_severity_still_name_their_common_rank() -> None:
+    """(8) The band is relative to each pair's kind: an NVLink pair and a network pair of
+    one slow rank, each ~5x slow against its own kind, are one severity."""
+    v = localize(realistic(16, {(2, 3): 60.0, (3, 4): 9.0}), nodes(16), 0.5)
+    assert (v.scope, v.culprit_ranks, v.marginal_pairs) == ("rank", (3,), ())

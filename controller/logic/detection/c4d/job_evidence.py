@@ -171,6 +171,9 @@ class SlowLinkEvidence(JobEvidence):
     slow_pairs: list[list[int]]
     #: ``"a-b"`` -> measured GB/s between ranks a and b.
     pair_gbps: dict[str, float]
+    #: Pairs slow against their kind, but far less than ``slow_pairs``: not what the
+    #: probe localizes (a rank common to a 16x and a 2x slow pair is not the culprit).
+    marginal_pairs: list[list[int]] = Field(default_factory=list)
     nic: NicEvidence | None = None
     #: The dedupe key of the communication hang the probe ran after.
     after_incident: str | None = None

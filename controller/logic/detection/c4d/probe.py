@@ -9,10 +9,17 @@ often several times slower: a ring over 4-GPU nodes has 3 same-node pairs per no
 boundary. One median over both kinds made every healthy node-boundary pair "slow" (and
 blamed whole nodes on a healthy cluster), so each pair is judged only against pairs of its
 own kind (same node, or across nodes, as ``rank_node`` says).
+
+Only the slow pairs of the worst pair's severity localize: a pair within ``1 /
+slow_fraction`` of the slowest pair's slowdown. A GPU or NIC that is slow slows each of
+its pairs about alike; a link 16x slow beside a pair 2.5x slow through one of its ranks
+(a descheduled process, a burst of other traffic) is that link, not the shared rank. The
+lesser pairs are still reported, as ``marginal_pairs``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +38,8 @@ class ProbeVerdict:
     #: median), so ``slowest / median_gbps`` is how degraded the worst link is.
     median_gbps: float
     pair_gbps: dict[tuple[int, int], float]
+    #: Pairs slow against their kind but far less than the worst: reported, not localized.
+    marginal_pairs: tuple[tuple[int, int], ...] = ()
 
 
 def localize(
@@ -53,9 +62,26 @@ def localize(
         return ProbeVerdict((), (), (), "none", 0.0, {})
     ref = _references(pair_gbps, rank_node)
     mid = ref[min(pair_gbps, key=pair_gbps.__getitem__)] if pair_gbps else 0.0
-    slow = sorted({p for p, g in pair_gbps.items() if g < slow_fraction * ref[p]} | failed)
-    if not slow:
+    ratio = {p: g / ref[p] for p, g in pair_gbps.items() if ref[p] > 0}
+    measured = {p for p, r in ratio.items() if r < slow_fraction}
+    if not measured and not failed:
         return ProbeVerdict((), (), (), "none", mid, pair_gbps)
+    # Failed transfers are the worst a pair can do; among timed ones, the worst's band.
+    worst = min((ratio[p] for p in measured), default=0.0)
+    marginal = tuple(sorted(p for p in measured if ratio[p] > worst / slow_fraction))
+    slow = sorted((measured - set(marginal)) | failed)
+    verdict = _localized(slow, failed, pair_gbps, rank_node, mid)
+    return dataclasses.replace(verdict, marginal_pairs=marginal)
+
+
+def _localized(
+    slow: list[tuple[int, int]],
+    failed: set[tuple[int, int]],
+    pair_gbps: dict[tuple[int, int], float],
+    rank_node: dict[int, str],
+    mid: float,
+) -> ProbeVerdict:
+    """The rank, node or links that every slow pair has in common."""
     if len(slow) >= 2:
         ranks = _in_every_pair(slow, lambda r: str(r))
         if ranks:

@@ -276,11 +276,13 @@ class JobTracker:
             else f"the links between ranks {links}",
             "failed": f"ranks {list(verdict.culprit_ranks)} (probe transfers failed)",
         }[verdict.scope]
+        lesser = ", ".join(f"{a}-{b}" for a, b in verdict.marginal_pairs)
         return Finding(
             kind=FindingKind.SLOW_LINK,
             job=self.job,
             severity="warning",
-            summary=f"link probe of job {self.job} localizes slow communication to {where}",
+            summary=f"link probe of job {self.job} localizes slow communication to {where}"
+            + (f" (also slower than their peers, far less: {lesser})" if lesser else ""),
             key=f"slow_link:{self.job}:{probe_id}",
             ranks=verdict.culprit_ranks,
             nodes=verdict.culprit_nodes,
@@ -291,6 +293,7 @@ class JobTracker:
                 median_gbps=round(verdict.median_gbps, 3),
                 slow_pairs=[list(p) for p in verdict.slow_pairs],
                 pair_gbps={f"{a}-{b}": round(g, 3) for (a, b), g in verdict.pair_gbps.items()},
+                marginal_pairs=[list(p) for p in verdict.marginal_pairs],
             ),
         )
 
