@@ -69,8 +69,11 @@ $(S3_STAMP):
 # the waits overlap a worker costs more than it saves. Measured here: make test the same
 # with 4 and 6 workers (7:58 and 7:56 on 27 Nov 13:33, 8:27 and 8:36 on an earlier host),
 # make test-fast faster with 6 than with 4 (2:33 against 2:41; 27 Nov 16:27: 2:24 with 6,
-# 2:45 with 4, 2:28 with 8). Every figure: README, "Development".
-PYTEST_WORKERS ?= 4
+# 2:45 with 4, 2:28 with 8). Since the modules go to the workers longest first (by measured
+# wall), the waits overlap better and a fifth worker pays: 28 Nov 00:09, back to back,
+# 7:10 with 4, 6:44 with 5, 6:33 with 6 (each ~612 s of CPU; 6 workers' load timed out one
+# request, so 5). Every figure: README, "Development".
+PYTEST_WORKERS ?= 5
 PYTEST_FAST_WORKERS ?= 6
 # Bytecode caching on even where the environment turns it off (PYTHONDONTWRITEBYTECODE=1,
 # common in containers): the suite starts a few hundred interpreters (controllers, agents,
