@@ -132,6 +132,9 @@ class GpuHistory(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
+    #: A new leader reads back only the jobs heard from within ``job_retention_s``
+    #: (``controller.loader``): without it that read scanned every job ever stored.
+    __table_args__ = (Index(None, "last_seen_unix_s"),)
 
     name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
     world_size: Mapped[int] = mapped_column(Integer, default=0)

@@ -77,7 +77,7 @@ def test_rows_from_before_the_column_read_as_local(db_url: str) -> None:
                 " VALUES ('gpt', 1, 1.0, 1.0)"
             )
             conn.exec_driver_sql(old_insert.format(step=10))
-        assert upgrade(db_url) == "0005"
+        assert upgrade(db_url, "0005") == "0005"
         with engine.begin() as conn:
             conn.exec_driver_sql(old_insert.format(step=20))
             row = {"job_name": "gpt", "rank": 0, "node_name": "n0", "step": 30,

@@ -37,8 +37,8 @@ TOKENS = [{"name": "ops", "role": "operator", "token": "o" * 20}]
 
 
 def test_migrations_from_empty_match_models(db_url: str) -> None:
-    assert upgrade(db_url) == head_revision() == "0005"
-    assert upgrade(db_url) == "0005"  # idempotent
+    assert upgrade(db_url) == head_revision() == "0006"
+    assert upgrade(db_url) == "0006"  # idempotent
     command.check(alembic_config(db_url))  # `alembic check`: no new upgrade ops to generate
     engine = make_engine(db_url)
     try:
@@ -127,7 +127,7 @@ def test_replica_accepts_schema_at_or_past_its_head(db_url: str) -> None:
     _stamp(db_url, head_revision())
     command.downgrade(alembic_config(db_url), "0003")
     if db_url.startswith("postgresql"):
-        with pytest.raises(NotMigrated, match=r"not at revision 0005.*trainguard db upgrade"):
+        with pytest.raises(NotMigrated, match=r"not at revision 0006.*trainguard db upgrade"):
             prepare_database(settings)
     else:
         prepare_database(settings)

@@ -124,6 +124,16 @@ class PowerLoop:
         self._policy_ids: dict[str, str] = {}
         #: Failures of commands that never reached the command queue, for the next tick.
         self._unsent: list[wire.CommandAck] = []
+        # A job that leaves memory (job retention) takes its priority with it.
+        state.job_forgotten.append(self.forget_job)
+
+    def forget_job(self, job: str) -> None:
+        """Drop a forgotten job's priority (``ClusterState.forget_job``): the API sets one
+        only for a job in memory, and a job of the same name reporting later is a new job
+        (docs/controller.md, job retention). Without this every job ever given a priority
+        stayed here, and in the tree's stored root row, for good. The stored row loses it
+        at the next write of the tree; a start reads back only those of jobs in memory."""
+        self.job_priorities.pop(job, None)
 
     # ------------------------------------------------------------------ configuration
 

@@ -72,7 +72,10 @@ class PowerService:
         if tree is not None:
             names = {d.name for d in tree.servers()}
             self.loop.priorities = {n: p for n, p in priorities.items() if n in names}
-            self.loop.job_priorities = dict(job_priorities)
+            # Only jobs in memory: a forgotten job's priority may still be in the stored
+            # row (it goes at the next write), and must not come back with a restart.
+            known = self._state.jobs
+            self.loop.job_priorities = {j: p for j, p in job_priorities.items() if j in known}
             if self.source == "file":
                 await self._persist()
         self.loop.enabled = (
@@ -148,12 +151,9 @@ class PowerService:
         """A job's class, over its nodes' on the GPUs its running ranks report from."""
         if self.loop.tree is None:
             raise NotFound("no power domains configured; PUT /api/v1/power/domains first")
-        if job not in self._state.jobs:
-            raise NotFound(
-                f"job {job!r} not found: set its priority once its ranks have reported "
-                "(GET /api/v1/jobs lists the known jobs)"
-            )
+        self._need_job(job)
         async with self.loop.lock:
+            self._need_job(job)  # again: job retention may have forgotten it meanwhile
             old = dict(self.loop.job_priorities)
             if priority is None:
                 self.loop.job_priorities.pop(job, None)
@@ -162,9 +162,19 @@ class PowerService:
             try:
                 await self._persist()
             except Exception:
-                self.loop.job_priorities = old
+                # Not a job forgotten meanwhile (the write awaited): its hook has run.
+                known = self._state.jobs
+                self.loop.job_priorities = {j: p for j, p in old.items() if j in known}
                 raise
         return self.job_priority_of(job)
+
+    def _need_job(self, job: str) -> None:
+        """A priority is for a job in memory: the forgotten ones have none (their hook)."""
+        if job not in self._state.jobs:
+            raise NotFound(
+                f"job {job!r} not found: set its priority once its ranks have reported "
+                "(GET /api/v1/jobs lists the known jobs)"
+            )
 
     def job_priority_of(self, job: str) -> JobPriorityPublic:
         prio = self.loop.job_priorities.get(job)

@@ -118,6 +118,25 @@ class TrafficService:
         self.plans: dict[str, LivePlan] = {}
         self.link_reasons: dict[str, str] = {}
         self._lock = asyncio.Lock()
+        # A job that leaves memory (job retention) takes its live plan with it.
+        state.job_forgotten.append(self.forget_job)
+
+    def forget_job(self, job: str) -> None:
+        """Drop a forgotten job's live plan and stored versions waiting for a fabric
+        (``ClusterState.forget_job``); the database keeps every version. Without this each
+        job ever planned stayed live for good, and every link change re-planned it too.
+
+        The dicts are replaced, not changed in place: ``_replan_all`` may be iterating the
+        old one on a worker thread. A plan is live only for a job in memory
+        (:meth:`_live_for`), so one being made while its job is forgotten is not kept."""
+        if any(live.plan.job.name == job for live in self.plans.values()):
+            self.plans = {k: v for k, v in self.plans.items() if v.plan.job.name != job}
+        if any(docs[0]["job"] == job for docs in self._pending.values()):
+            self._pending = {k: v for k, v in self._pending.items() if v[0]["job"] != job}
+
+    def _live_for(self, job: str) -> bool:
+        """Whether ``job`` may have a live plan: it is in memory (not forgotten)."""
+        return job in self._state.jobs
 
     # ------------------------------------------------------------------ start / stop
 
@@ -129,6 +148,8 @@ class TrafficService:
             self.link_reasons[link] = reason
         for doc in docs:
             self._pending.setdefault(doc["plan_id"], []).append(doc)
+        # Plans of the jobs in memory only: the others' jobs were forgotten (retention).
+        self._pending = {k: v for k, v in self._pending.items() if self._live_for(v[0]["job"])}
         if self.labels is not None:
             await self.refresh_fabric()
         elif self.topology is not None:
@@ -171,7 +192,8 @@ class TrafficService:
             restored = await asyncio.to_thread(records.restore, self.planner, versions[-1])
             history = [records.version_summary(d) | _doc_extras(d) for d in versions]
             if restored is not None:
-                self.plans[plan_id] = LivePlan(restored[0], restored[1], history)
+                if self._live_for(restored[0].job.name):  # not forgotten while restored
+                    self.plans[plan_id] = LivePlan(restored[0], restored[1], history)
             else:
                 spec = JobSpec(**versions[-1]["spec"])
                 why = trigger or "restart: stored paths no longer fit the fabric"
@@ -208,7 +230,8 @@ class TrafficService:
             live = existing or LivePlan(plan, sports)
             live.plan, live.sports = plan, sports
             live.versions.append(records.version_summary(doc) | _doc_extras(doc))
-            self.plans[plan.plan_id] = live
+            if self._live_for(job_name):  # not forgotten while it was planned and stored
+                self.plans[plan.plan_id] = live
             return plan.plan_id
 
     async def set_links(
@@ -357,7 +380,10 @@ class TrafficService:
         trigger: str,
     ) -> None:
         """Plan a job afresh on the current fabric as the next version; a job that no longer
-        fits (a node left the fabric) is dropped from the live plans, its history kept."""
+        fits (a node left the fabric) is dropped from the live plans, its history kept, as
+        is the plan of a job forgotten meanwhile."""
+        if not self._live_for(spec.name):
+            return
         try:
             plan, sports = await asyncio.to_thread(self._plan_enforced, spec, plan_id)
         except (TrafficError, Conflict) as exc:  # the controller keeps running
@@ -371,7 +397,8 @@ class TrafficService:
         await self._store.write(lambda conn: _insert_versions(conn, [new]))
         live = LivePlan(plan, sports, list(history))
         live.versions.append(records.version_summary(new) | _doc_extras(new))
-        self.plans[plan_id] = live
+        if self._live_for(spec.name):
+            self.plans[plan_id] = live
 
 
 #: Kept per version in memory for the API, never shown in the version history.
