@@ -84,7 +84,9 @@ class StepVerdict:
     #: elsewhere does not move it (a quantile above the minimum would: with two slow ranks,
     #: or one spike, the second-shortest wait holds the gap between them).
     comm_wait_s: float
-    median_compute_s: float
+    #: The job's compute: the step's shortest, which a straggler (only ever longer) does
+    #: not move, and a host-wide slowdown raises with every rank's.
+    job_compute_s: float
     median_step_s: float
 
 
@@ -411,7 +413,7 @@ class StragglerState:
             step,
             flagged,
             min(s.collective_wait_s for s in rows.values()),
-            fmedian(s.compute_time_s for s in rows.values()),
+            min(s.compute_time_s for s in rows.values()),
             fmedian(s.step_time_s for s in rows.values()),
         )
         return self.last

@@ -34,7 +34,7 @@ from controller.logic.detection.c4d.node_mates import Reported, node_mates, node
 from controller.logic.detection.c4d.nonfinite import NonfiniteState
 from controller.logic.detection.c4d.probe import localize
 from controller.logic.detection.c4d.restart import RunClock
-from controller.logic.detection.c4d.straggler import StragglerState
+from controller.logic.detection.c4d.straggler import StepVerdict, StragglerState
 from controller.logic.world_size import WorldSize, outside_world
 from trainguard.wire import InflightCollective, JobRecords, ProbeResult, RankEvent, StepSummary
 
@@ -353,8 +353,7 @@ class JobTracker:
         out.extend(
             self._comm_slow(
                 self.stragglers.explained_wait_s(verdict.flagged | self.stragglers.open_ranks),
-                verdict.comm_wait_s,
-                verdict.median_step_s,
+                verdict,
                 now_s,
             )
         )
@@ -411,14 +410,16 @@ class JobTracker:
             resolved=resolved,
         )
 
-    def _comm_slow(
-        self, explained_s: float, wait_s: float, step_s: float, now_s: float
-    ) -> list[Finding]:
+    def _comm_slow(self, explained_s: float, verdict: StepVerdict, now_s: float) -> list[Finding]:
         # An open straggler explains a rise as well as a candidate does: where ranks are
         # coupled beyond one collective (pipeline stages), its delay reaches every rank's
         # wait, its own included, so it can drop out of the candidates while still slow.
         # It explains only up to its extra time per step: a larger rise is the network's.
-        change = self.comm.add(wait_s, step_s, explained_s=explained_s, now_s=now_s)
+        # The job's compute rising (a host-wide slowdown) explains a like rise of the wait.
+        step_s = verdict.median_step_s
+        change = self.comm.add(
+            verdict.comm_wait_s, step_s, explained_s, now_s, verdict.job_compute_s
+        )
         key = f"comm_slow:{self.job}"
         if change == "resolved":
             summary = f"job {self.job}: collective wait back to normal"
@@ -436,9 +437,12 @@ class JobTracker:
             return []
         ranks = tuple(r for r in sorted(self.rank_node) if not outside_world(r, self.world_size))
         ref, rec = self.comm.reference_wait_s, self.comm.recent_wait_s
-        balance = " with compute balanced"
+        host_s = self.comm.host_explained_s
+        balance = "" if explained_s > 0 else " with compute balanced"
+        if host_s > 0.1 * (rec - ref):  # more than compute's noise
+            balance = f", {host_s * 1e3:.1f} ms of it matching the job's slower compute"
         if explained_s > 0:
-            balance = (
+            balance += (
                 f", more than the {explained_s * 1e3:.1f} ms per step the straggler(s) account for"
             )
         evidence = CommSlowEvidence(reference_wait_s=ref, wait_s=rec, step_s=step_s, confidence=0.5)
