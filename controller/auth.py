@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +44,37 @@ MAX_TOKEN_CHARS = 8192
 TOO_LONG = f"bearer token longer than {MAX_TOKEN_CHARS} characters; no such token exists"
 
 
+#: The only blanks around a credential that are not part of it: HTTP's optional whitespace
+#: (RFC 9110 ``OWS``, space and tab). ``str.strip()`` also drops U+00A0, U+0085 and
+#: ``\x1c``..``\x1f``, which a (latin-1) header value can carry: ``Bearer TOKEN\xa0`` was
+#: taken as ``TOKEN``, two different header values as one credential.
+OWS = " \t"
+#: A credential as RFC 6750 spells it (``b64token``, widened to printable ASCII as the
+#: configured tokens are: ``controller.settings.TokenConfig``). Issued tokens, configured
+#: ones and Kubernetes' JWTs all fit; anything else is no token of ours.
+_CREDENTIAL = re.compile(r"[!-~]+")
+NOT_BEARER = "Authorization header must be 'Bearer <token>'"
+BAD_CREDENTIAL = (
+    "unknown token: a bearer token is one word of printable ASCII (no spaces, no other "
+    "characters); check the token configured for this client"
+)
+
+
+def bearer_credential(authorization: str) -> str:
+    """The token in an ``Authorization`` value, the one rule every reader of the header
+    uses; raises ``Unauthenticated`` for a missing or malformed one."""
+    if not authorization.strip(OWS):
+        raise Unauthenticated(MISSING_TOKEN)
+    check_length(authorization)
+    scheme, _, credential = authorization.partition(" ")
+    credential = credential.strip(OWS)
+    if scheme.lower() != "bearer" or not credential:
+        raise Unauthenticated(NOT_BEARER)
+    if not _CREDENTIAL.fullmatch(credential):
+        raise Unauthenticated(BAD_CREDENTIAL)
+    return credential
+
+
 def check_length(authorization: str) -> None:
     """Raise ``Unauthenticated`` for an ``Authorization`` value no credential can have."""
     if len(authorization) > MAX_TOKEN_CHARS + len("Bearer "):
@@ -69,13 +101,7 @@ class Authenticator:
         """The principal for a present ``Authorization`` header; raises ``Unauthenticated``
         for anything else, an empty header included (present but carrying no token: it
         is not the absent header that anonymous reads allow)."""
-        if not authorization.strip():
-            raise Unauthenticated(MISSING_TOKEN)
-        check_length(authorization)
-        scheme, _, credential = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not credential.strip():
-            raise Unauthenticated("Authorization header must be 'Bearer <token>'")
-        digest = hashlib.sha256(credential.strip().encode()).digest()
+        digest = hashlib.sha256(bearer_credential(authorization).encode()).digest()
         found: Principal | None = None
         for expected, name, role in self._entries:
             if hmac.compare_digest(digest, expected) and found is None:

@@ -3,16 +3,16 @@
 The token is in this one reply and nowhere else (the database keeps its sha256); the node's
 older tokens stay valid for ``agent_token_grace_s``, long enough to roll the new one out.
 Revoking ends all of a node's tokens at once (a node suspected compromised), audited as an
-action row. Issuing is audited too (``issue_agent_token``): its row is written ``pending``
-*before* the token exists, so no token ever works without a record of who issued it; the
-row is finished ``succeeded`` (or ``failed``) after. Neither row holds the token or its
-digest.
+action row. Issuing is audited too (``issue_agent_token``): its row is written
+``succeeded`` in the same transaction as the token's own row, so no token ever works
+without a record of who issued it, and no record says ``pending`` for a token that exists
+(or never will). An issue the database refused leaves a ``failed`` row when the database
+takes that one. Neither row holds the token or its digest.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 from fastapi import APIRouter, Depends, Path, Request
 from pydantic import BaseModel
@@ -20,16 +20,12 @@ from pydantic import BaseModel
 from controller.api.deps import AUTH_ERRORS, NOT_FOUND, ServicesDep, require_operator
 from controller.auth import Principal
 from controller.errors import ControllerError, NotFound
-from controller.services.agent_identity import IdentityResolver
+from controller.services.agent_identity import ISSUE_ACTION, IdentityResolver
 from controller.services.container import Services
 from trainguard.wire import NAME_PATTERN
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["agent-credentials"])
-
-#: Kind of the action row that audits an issue (or rotation); ``revoke_agent_tokens`` is
-#: the revocation's (``controller.services.agent_identity.REVOKE_ACTION``).
-ISSUE_ACTION = "issue_agent_token"
 
 NodeName = Path(description="Node name", pattern=NAME_PATTERN, max_length=253)
 
@@ -77,57 +73,39 @@ async def issue_agent_token(
     """A new agent token bound to ``node`` (the node's previous ones expire after the grace).
 
     Audited as an ``issue_agent_token`` action row (target ``node:NODE``, trigger
-    ``operator:NAME``), written before the token exists."""
+    ``operator:NAME``), written in the token's own transaction."""
     grace_s: float = services.settings.agent_token_grace_s
-    credentials = _resolver(request).credentials
     by = f"operator:{principal.name}"
-    # The record first (a database that fails here: 503, no token); never the token in it.
-    action = await services.actions.create(
-        kind=ISSUE_ACTION,
-        target=f"node:{node}",
-        trigger=by,
-        params={"node": node},
-        status="pending",
-        outcome=f"issuing an agent token for node {node!r}",
-    )
     try:
-        token, credential = await credentials.issue(node, by=by, grace_s=grace_s)
+        issued = await _resolver(request).credentials.issue(node, by=by, grace_s=grace_s)
     except ControllerError as exc:
-        await _finish(services, action, "failed", f"not issued: {exc.message}", {"node": node})
+        await _record_refusal(services, node, by, exc.message)
         raise
-    older = [c.expires_unix_s for c in credentials.for_node(node) if c.digest != credential.digest]
-    previous = max((e for e in older if e is not None), default=None)
-    await _finish(
-        services,
-        action,
-        "succeeded",
-        f"agent token issued for node {node!r}"
-        + (f"; older ones valid until {previous:.0f}" if previous is not None else ""),
-        {"node": node, "previous_valid_until_unix_s": previous},
-    )
     return AgentTokenIssued(
         node=node,
-        token=token,
-        created_unix_s=credential.created_unix_s,
+        token=issued.token,
+        created_unix_s=issued.credential.created_unix_s,
         expires_unix_s=None,
-        previous_valid_until_unix_s=previous,
+        previous_valid_until_unix_s=issued.previous_valid_until_unix_s,
     )
 
 
-async def _finish(
-    services: Services, action: int, status: str, outcome: str, params: dict[str, object]
-) -> None:
-    """End the issue's audit row. A database that fails now leaves it ``pending`` (still
-    saying who asked, and when): the token, if issued, is handed out all the same, since
-    not showing it would only leave the node's older tokens on their way out."""
+async def _record_refusal(services: Services, node: str, by: str, message: str) -> None:
+    """A ``failed`` row for an issue the database refused (no token exists). Best effort: a
+    database still down loses only this row, and the operator has the 503 in hand."""
     try:
-        await services.actions.update(
-            action, status=status, outcome=outcome, params=params, finished_unix_s=time.time()
+        await services.actions.create(
+            kind=ISSUE_ACTION,
+            target=f"node:{node}",
+            trigger=by,
+            params={"node": node},
+            status="failed",
+            outcome=f"not issued: {message}",
         )
     except ControllerError as exc:
         log.warning(
-            "agent token audit row not finished; it stays pending",
-            extra={"fields": {"action": action, "error": exc.message}},
+            "refused agent token issue not audited",
+            extra={"fields": {"node": node, "error": exc.message}},
         )
 
 

@@ -7,7 +7,10 @@ bind an agent to one node:
 * **per-node tokens** issued and rotated by the controller (``POST
   /api/v1/agent-credentials/{node}``, ``trainguard agent-token issue NODE``): random, shown
   once, kept only as sha256 digests in ``agent_credentials``. Rotation issues a new token and
-  gives the node's older ones a grace period, after which they stop working. Revocation
+  gives the node's older ones a grace period, after which they stop working. Issuing is
+  audited as an action row (``issue_agent_token``) written in the same transaction as the
+  token's row, so a crash can leave neither a token without its record nor a record that
+  says ``pending`` for ever. Revocation
   (``DELETE /api/v1/agent-credentials/{node}``, ``trainguard agent-token revoke NODE``) ends
   all of them at once: the node's next report is 401. It is audited as an action row
   (``revoke_agent_tokens``) written in the same transaction;
@@ -32,7 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from controller.auth import Authenticator, Principal
+from sqlalchemy import Connection
+
+from controller.auth import Authenticator, Principal, bearer_credential
 from controller.errors import Forbidden, Unauthenticated
 from controller.store import Store
 
@@ -40,6 +45,8 @@ from controller.store import Store
 TOKEN_PREFIX = "tgn_"
 #: Kind of the action row that audits a revocation.
 REVOKE_ACTION = "revoke_agent_tokens"
+#: Kind of the action row that audits an issue (or rotation).
+ISSUE_ACTION = "issue_agent_token"
 #: The API server's extra field naming the node a projected service-account token is bound to.
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 
@@ -50,6 +57,33 @@ class NodeCredential:
     digest: str
     created_unix_s: float
     expires_unix_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedToken:
+    """A freshly issued token (shown once), its credential, and until when the node's older
+    tokens stay valid (``None``: it had none)."""
+
+    token: str
+    credential: NodeCredential
+    previous_valid_until_unix_s: float | None
+
+
+def _audit_row(
+    kind: str, node: str, by: str, now: float, params: dict[str, Any], outcome: str
+) -> dict[str, Any]:
+    """The ``succeeded`` action row that audits a change to ``node``'s credentials, written
+    in the change's own transaction (never the token or its digest)."""
+    return {
+        "kind": kind,
+        "target": f"node:{node}"[:512],
+        "trigger": by[:128],
+        "params": {"node": node, **params},
+        "status": "succeeded",
+        "outcome": outcome,
+        "created_unix_s": now,
+        "finished_unix_s": now,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,15 +154,32 @@ class NodeCredentials:
             for row in rows
         }
 
-    async def issue(self, node: str, *, by: str, grace_s: float) -> tuple[str, NodeCredential]:
-        """A new token for ``node``; the node's current tokens stay valid ``grace_s`` more."""
+    async def issue(self, node: str, *, by: str, grace_s: float) -> IssuedToken:
+        """A new token for ``node``; the node's current tokens stay valid ``grace_s`` more.
+
+        The credential and its ``issue_agent_token`` audit row (``succeeded``) are one
+        transaction: before, the row was written ``pending`` first and finished after, so a
+        crash (or a database lost) in between left a row saying ``pending`` for ever, beside
+        a token that worked."""
+        from controller.db.repositories.actions import insert_action
         from controller.db.repositories.agent_credentials import rotate_credential
 
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         now = self._clock()
         digest = digest_of(token)
-        await self._store.write(
-            lambda conn: rotate_credential(
+        previous = self._previous_valid_until(node, now + grace_s)
+        action = _audit_row(
+            ISSUE_ACTION,
+            node,
+            by,
+            now,
+            {"previous_valid_until_unix_s": previous},
+            f"agent token issued for node {node!r}"
+            + (f"; older ones valid until {previous:.0f}" if previous is not None else ""),
+        )
+
+        def write(conn: Connection) -> None:
+            rotate_credential(
                 conn,
                 node=node,
                 digest=digest,
@@ -136,7 +187,9 @@ class NodeCredentials:
                 old_expire_unix_s=now + grace_s,
                 created_by=by,
             )
-        )
+            insert_action(conn, action)  # the one write path of ``actions``
+
+        await self._store.write(write)
         for key, old in list(self._by_digest.items()):
             if old.node == node and old.expires_unix_s is None:
                 self._by_digest[key] = NodeCredential(
@@ -144,7 +197,16 @@ class NodeCredentials:
                 )
         credential = NodeCredential(node, digest, now, None)
         self._by_digest[digest] = credential
-        return token, credential
+        return IssuedToken(token, credential, previous)
+
+    def _previous_valid_until(self, node: str, grace_end_unix_s: float) -> float | None:
+        """The latest end of ``node``'s existing tokens once a new one is issued (the
+        unexpiring ones then end at ``grace_end_unix_s``); ``None`` when it has none."""
+        ends = [
+            grace_end_unix_s if c.expires_unix_s is None else c.expires_unix_s
+            for c in self.for_node(node)
+        ]
+        return max(ends, default=None)
 
     async def revoke(self, node: str, *, by: str) -> int:
         """End every valid token of ``node`` now; returns how many. Write, then publish: the
@@ -157,16 +219,14 @@ class NodeCredentials:
         ]
         if not valid:
             return 0
-        action = {
-            "kind": REVOKE_ACTION,
-            "target": f"node:{node}"[:512],
-            "trigger": by[:128],
-            "params": {"node": node, "credentials": len(valid)},
-            "status": "succeeded",
-            "outcome": f"{len(valid)} agent token(s) of node {node!r} revoked",
-            "created_unix_s": now,
-            "finished_unix_s": now,
-        }
+        action = _audit_row(
+            REVOKE_ACTION,
+            node,
+            by,
+            now,
+            {"credentials": len(valid)},
+            f"{len(valid)} agent token(s) of node {node!r} revoked",
+        )
         ended = await self._store.write(
             lambda conn: revoke_credentials(conn, node=node, now=now, action=action)
         )
@@ -243,7 +303,7 @@ class IdentityResolver:
         except Unauthenticated:
             if self._reviewer is None:
                 raise
-            token = authorization.partition(" ")[2].strip()
+            token = bearer_credential(authorization)
             if token.count(".") != 2:  # not a JWT: no point asking the API server
                 raise
             principal = await self._review(token)
