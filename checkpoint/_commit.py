@@ -100,8 +100,27 @@ def check_fence(root: Path, run_id: str, what: str) -> None:
         )
 
 
-#: What a run id derived from the launcher's environment is made of (:func:`default_run_id`).
-_DERIVED = re.compile(r"^(?:trainguard-gen(\d+))?/?(?:torchelastic-restart(\d+)-(.*))?$")
+#: What a run id derived from the launcher's environment is made of (:func:`default_run_id`,
+#: and ``torchelastic-start<ns>-`` for the one a multi-node torchrun agrees on, ``_runid``).
+_DERIVED = re.compile(r"^(?:trainguard-gen(\d+))?/?(?:torchelastic-(restart|start)(\d+)-(.*))?$")
+
+
+def _count(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name, "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def multinode_torchrun(env: Mapping[str, str]) -> bool:
+    """Whether this is a torchrun rank with more than one agent (node): ``GROUP_WORLD_SIZE``
+    above 1, or fewer local ranks than ``WORLD_SIZE`` / ``ROLE_WORLD_SIZE``. Each agent keeps
+    its own restart count there, so no rank's count alone names the start."""
+    if _count(env, "TORCHELASTIC_RESTART_COUNT") is None:
+        return False
+    groups, local = _count(env, "GROUP_WORLD_SIZE"), _count(env, "LOCAL_WORLD_SIZE")
+    if groups is not None and groups > 1:
+        return True
+    wider = (_count(env, "WORLD_SIZE"), _count(env, "ROLE_WORLD_SIZE"))
+    return local is not None and any(n is not None and n > local for n in wider)
 
 
 def default_run_id(env: Mapping[str, str] | None = None) -> str:
@@ -109,22 +128,27 @@ def default_run_id(env: Mapping[str, str] | None = None) -> str:
     rank of this start of the job computes alike, and that changes on every restart.
 
     ``TRAINGUARD_GENERATION`` (set by trainguard's launchers on every rank, incremented on
-    each restart) and, on a single-agent torchrun (``GROUP_WORLD_SIZE`` 1), torchrun's
-    ``TORCHELASTIC_RUN_ID`` + ``TORCHELASTIC_RESTART_COUNT``. Not torchrun's count across
-    nodes: each node's agent keeps its own, and a node that restarts for a membership change
-    does not count it, so the ranks of one start could disagree and fence each other out.
-    "" when none applies: no fence (a single run, or a caller that passes its own id).
+    each restart) and, on a single-agent torchrun, torchrun's ``TORCHELASTIC_RUN_ID`` +
+    ``TORCHELASTIC_RESTART_COUNT``. Not torchrun's count across nodes
+    (:func:`multinode_torchrun`): each node's agent keeps its own, and a node that restarts
+    for a membership change does not count it, so the ranks of one start could disagree and
+    fence each other out; :func:`checkpoint._runid.launcher_run_id` has rank 0 name that
+    start instead. "" when none applies: no fence (a single run, or a caller's own id).
     """
     env = os.environ if env is None else env
     parts = []
     generation = env.get("TRAINGUARD_GENERATION", "").strip()
     if generation.isdigit():
         parts.append(f"trainguard-gen{int(generation)}")
-    restarts = env.get("TORCHELASTIC_RESTART_COUNT", "").strip()
-    if restarts.isdigit() and env.get("GROUP_WORLD_SIZE", "1").strip() == "1":
-        elastic = "".join(c for c in env.get("TORCHELASTIC_RUN_ID", "") if c.isprintable())
-        parts.append(f"torchelastic-restart{int(restarts)}-{elastic[:128]}")
+    restarts = _count(env, "TORCHELASTIC_RESTART_COUNT")
+    if restarts is not None and not multinode_torchrun(env):
+        parts.append(f"torchelastic-restart{restarts}-{elastic_run_id(env)}")
     return "/".join(parts)
+
+
+def elastic_run_id(env: Mapping[str, str]) -> str:
+    """torchrun's ``TORCHELASTIC_RUN_ID``, printable and at most 128 characters."""
+    return "".join(c for c in env.get("TORCHELASTIC_RUN_ID", "") if c.isprintable())[:128]
 
 
 def _newer(owner: str, run_id: str) -> bool:
@@ -135,8 +159,8 @@ def _newer(owner: str, run_id: str) -> bool:
         return False
     if a[1] is not None and b[1] is not None and a[1] != b[1]:
         return int(a[1]) > int(b[1])
-    if a[2] is not None and b[2] is not None and a[3] == b[3]:
-        return int(a[2]) > int(b[2])
+    if a[3] is not None and b[3] is not None and (a[2], a[4]) == (b[2], b[4]):
+        return int(a[3]) > int(b[3])  # restart counts, or the start stamps of rank 0
     return False
 
 

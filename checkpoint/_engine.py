@@ -34,10 +34,11 @@ from typing import Any
 import torch
 
 from checkpoint._backends import ProcessWriter, ThreadWriter
-from checkpoint._commit import claim_quietly, default_run_id
+from checkpoint._commit import claim_quietly
 from checkpoint._dedup import Shared, plan_writers
 from checkpoint._load import Restored, load_state
 from checkpoint._persist import PersistJob
+from checkpoint._runid import launcher_run_id
 from checkpoint._snapshot import CapturedTensor, ShardingHook, capture, optimizer_storages
 from checkpoint._stage import (
     Copier,
@@ -93,10 +94,9 @@ class Checkpointer:
         sharding: ShardingHook | None = None,
         run_id: str = "",
     ) -> None:
-        """``run_id``: the same on every rank of this start of the job, new on each start;
-        default: from the launcher's environment (``_commit.default_run_id``). It keeps an
-        earlier run's leftovers out of this run's commits and, once rank 0 claims the root
-        (first restore or save), its surviving writers out. Empty: neither protection."""
+        """``run_id``: one per start of the job, the same on every rank; default: from the
+        launcher (``_runid.launcher_run_id``: a multi-node torchrun's ranks must all make one,
+        for one broadcast). Keeps earlier runs' leftovers and zombie writers out; "": no fence."""
         config.validate()
         if not 0 <= rank < world_size:
             raise CheckpointConfigError(f"rank {rank} outside world size {world_size}")
@@ -110,7 +110,7 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self.layout = dict(layout or {"world": world_size})
         self.job = job
-        self.run_id = run_id or default_run_id()
+        self.run_id = run_id or launcher_run_id(self.root)
         self.event_sink = event_sink
         self.sharding = sharding
         self.cond = threading.Condition()
