@@ -24,6 +24,11 @@ per GPU the next sample may list so that the report's XIDs stay near
 event of each code per GPU (the one whose ``detail`` carries the count), then none (logged
 and counted in ``dropped_xids_total``).
 
+Hardware events (link flaps, PCIe, NIC and bond events) have one as well,
+:data:`MAX_EVENT_BYTES`: past it a storm is folded to each subject's newest event, with a
+count, losses of a GPU or NIC always kept (:func:`fold_events`). Every byte budget follows the
+report's cap (a spool smaller than the wire's 4 MiB scales them all down).
+
 Samples have a byte budget too: a 64-GPU node's sample is about 64 KB (a 256-port NIC
 sample adds up to 256 KB), so 300 of them (``report_interval_s=300``, ``sample_interval_s=1``)
 would be 19 MB, far past the wire's cap, and the controller would refuse the report whole.
@@ -32,8 +37,10 @@ report serializes it and kept within :data:`REPORT_BUDGET_FRACTION` of the repor
 (the rest is for the node's identity). Past :data:`SAMPLE_FLUSH_FRACTION` of the cap in
 samples, :meth:`Batch.add_sample` asks for an early report; when the report still cannot go
 (the spool failing, the journal replayed after a long outage) older samples are *thinned
-evenly* (every second one, then every fourth, ...), never the newest, their XID and hardware
-events carried into the next sample kept; counted in ``thinned_samples_total``, logged once.
+evenly* (every second one, then every fourth, ...), never the oldest nor the newest, their
+XID and hardware events carried into the next sample kept; counted in
+``thinned_samples_total``, logged once. The wire's item cap (:data:`MAX_SAMPLES`) thins the
+same way.
 """
 
 from __future__ import annotations
@@ -52,7 +59,14 @@ from pydantic import BaseModel, ValidationError
 
 from agents.atomic import write_atomic
 from trainguard import wire
-from trainguard.wire import CommandAck, GpuSample, JobRecords, NodeSample, Report
+from trainguard.wire import (
+    CommandAck,
+    GpuSample,
+    HardwareEvent,
+    JobRecords,
+    NodeSample,
+    Report,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +113,80 @@ REPORT_BUDGET_FRACTION = 7 / 8
 #: Sample bytes (share of the cap) past which the batch asks for a report at once: a 64-GPU
 #: node then reports every ~16 samples, whatever report_interval_s says.
 SAMPLE_FLUSH_FRACTION = 1 / 4
+#: Hardware-event bytes (link flaps, PCIe, NIC and bond events) one report carries at most,
+#: at the wire's cap: 256 KiB, about 2,000 events. A storm past it is folded (see
+#: :func:`fold_events`), so neither a flapping link nor 256 ports of rising counters can
+#: push the report past the cap or a GPU's loss out of it.
+MAX_EVENT_BYTES = wire.MAX_REPORT_BYTES // 16
+#: Event kinds kept whatever the budget (after folding, at most one per GPU or NIC each):
+#: the hardware is gone, not flapping, and the controller acts on it.
+KEEP_EVENT_KINDS = frozenset({"gpu_unreachable", "gpu_unknown", "nic_gone", "nic_back"})
+
+
+def _event_key(event: HardwareEvent) -> tuple[object, ...]:
+    """What an event is about: a bond event names its member in ``detail`` only."""
+    member = event.detail if event.kind.startswith("bond_") else ""
+    return (event.kind, event.gpu_index, event.device, event.port, event.counter, member)
+
+
+def fold_events(
+    events: list[HardwareEvent], *, max_count: int, max_bytes: int | None = None
+) -> list[HardwareEvent]:
+    """``events`` within ``max_count`` events and ``max_bytes`` report bytes, in their order.
+
+    As they are when they fit. Else each subject's (kind, GPU, device, port, counter) newest
+    event stands for all of its kind, its ``detail`` saying how many it stands for (a link
+    that flapped 500 times is one ``nvlink_down`` and one ``nvlink_up``); then the kinds in
+    :data:`KEEP_EVENT_KINDS` are kept, and of the rest the newest while they fit. Cutting the
+    list's tail instead (as before) let a storm listed after a GPU's loss push the loss out.
+    """
+    sizes = [report_size(e) + 1 for e in events]
+    if len(events) <= max_count and (max_bytes is None or sum(sizes) <= max_bytes):
+        return events
+    counts: dict[tuple[object, ...], int] = {}
+    newest: dict[tuple[object, ...], int] = {}
+    for i, event in enumerate(events):
+        key = _event_key(event)
+        counts[key] = counts.get(key, 0) + 1
+        newest[key] = i
+    folded: list[tuple[int, HardwareEvent]] = []
+    for key, i in sorted(newest.items(), key=lambda kv: kv[1]):
+        event, n = events[i], counts[key]
+        if n > 1:
+            note = f" (x{n}: {n - 1} earlier like it not listed)"
+            event = event.model_copy(update={"detail": event.detail[: 512 - len(note)] + note})
+        folded.append((i, event))
+    keep = [(i, e) for i, e in folded if e.kind in KEEP_EVENT_KINDS]
+    room = (max_bytes if max_bytes is not None else 1 << 62) - sum(
+        report_size(e) + 1 for _, e in keep
+    )
+    for i, event in reversed([(i, e) for i, e in folded if e.kind not in KEEP_EVENT_KINDS]):
+        size = report_size(event) + 1
+        if len(keep) >= max_count or size > room:
+            break
+        keep.append((i, event))
+        room -= size
+    return [e for _, e in sorted(keep, key=lambda ie: ie[0])][:max_count]
+
+
+#: Bytes of one GPU's part of a sample at most, about (64 KB for a 64-GPU node, measured),
+#: and of one RDMA port's (256 ports add 60-260 KB): to size one report before any sample.
+SAMPLE_BYTES_PER_GPU = 1_024
+SAMPLE_BYTES_PER_PORT = 1_024
+#: A report's envelope and a sample's own fields, about.
+_ENVELOPE_BYTES = 1_024
+
+
+def min_report_cap_bytes(identity_bytes: int, *, gpus: int, ports: int) -> int:
+    """The smallest report cap (``spool_max_bytes``) under which this node's reports fit:
+    the identity within the cap's last 1/8 and one whole sample within the batch's 7/8
+    (thinning never goes below one sample). Below it every report would be set aside as
+    larger than the spool: all data lost, only a counter saying so."""
+    sample = _ENVELOPE_BYTES + gpus * SAMPLE_BYTES_PER_GPU + ports * SAMPLE_BYTES_PER_PORT
+    need_identity = int((identity_bytes + _ENVELOPE_BYTES) / (1 - REPORT_BUDGET_FRACTION))
+    return max(need_identity, int(sample / REPORT_BUDGET_FRACTION) + 1)
+
+
 #: Kinds kept first when the byte budget runs short: small, and what the controller acts on.
 _LAST = ("steps", "probes", "inflight", "traces")
 _BUDGET_ORDER = [n for n in JobRecords.model_fields if n not in _LAST] + [
@@ -147,6 +235,23 @@ class Batch:
         self.budget_bytes = int(max_report_bytes * REPORT_BUDGET_FRACTION)
         #: Sample bytes past which :meth:`add_sample` asks for an early report.
         self.sample_flush_bytes = int(max_report_bytes * SAMPLE_FLUSH_FRACTION)
+        # The per-part budgets follow the same cap: fixed at the wire's 4 MiB, 3 MiB of job
+        # records (or 512 KiB of XIDs) went into a report for a 64 KiB spool, which set the
+        # report aside as too large, and the node's samples with it.
+        scale = max_report_bytes / wire.MAX_REPORT_BYTES
+        #: Job-record bytes one report carries at most (:data:`MAX_RECORD_BYTES` scaled).
+        self.record_budget_bytes = int(MAX_RECORD_BYTES * scale)
+        self._flush_hint_bytes = int(FLUSH_HINT_BYTES * scale)
+        #: XID bytes one report never passes (:data:`MAX_XID_BYTES` scaled).
+        self.max_xid_bytes = int(MAX_XID_BYTES * scale)
+        self._xid_budget_bytes = int(XID_BUDGET_BYTES * scale)
+        #: Hardware-event bytes one report carries at most (:data:`MAX_EVENT_BYTES` scaled).
+        self.event_budget_bytes = int(MAX_EVENT_BYTES * scale)
+        self._event_bytes = 0  # hardware events in the samples, as the report serializes them
+        #: Hardware events left out of reports (folded or past the budget); the agent's
+        #: ``trainguard_node_hardware_events_total`` counts every one.
+        self.dropped_events_total = 0
+        self._events_logged = False
         #: Where unreadable journal entries go (the spool's ``quarantine/``); by default a
         #: ``quarantine`` directory beside the journal.
         self._quarantine_dir = quarantine_dir or journal_dir.parent / "quarantine"
@@ -294,7 +399,7 @@ class Batch:
     def xid_limit(self, gpus: int) -> int:
         """XID events per GPU the next sample may list, so that the report's stay near
         :data:`XID_BUDGET_BYTES` (at least :data:`MIN_XIDS_PER_GPU`)."""
-        room = max(0, XID_BUDGET_BYTES - self._xid_bytes) // (max(1, gpus) * XID_EVENT_BYTES)
+        room = max(0, self._xid_budget_bytes - self._xid_bytes) // (max(1, gpus) * XID_EVENT_BYTES)
         return max(MIN_XIDS_PER_GPU, room)
 
     def _fit_xids(self, sample: NodeSample) -> NodeSample:
@@ -303,7 +408,7 @@ class Batch:
         if not any(g.xid_events for g in sample.gpus):
             return sample
         size = sum(report_size(e) + 1 for g in sample.gpus for e in g.xid_events)
-        if self._xid_bytes + size <= MAX_XID_BYTES:
+        if self._xid_bytes + size <= self.max_xid_bytes:
             self._xid_bytes += size
             return sample
         before = sum(len(g.xid_events) for g in sample.gpus)
@@ -312,7 +417,7 @@ class Batch:
             newest = {e.code: e for e in gpu.xid_events}  # the last of each code wins
             keep = [e for e in gpu.xid_events if newest[e.code] is e]
             size = sum(report_size(e) + 1 for e in keep)
-            if self._xid_bytes + size > MAX_XID_BYTES:
+            if self._xid_bytes + size > self.max_xid_bytes:
                 keep = []
             self._xid_bytes += size if keep else 0
             gpus.append(gpu.model_copy(update={"xid_events": keep}))
@@ -321,10 +426,34 @@ class Batch:
         log.warning(
             "report XID budget (%d bytes) spent: %d XID event(s) of this sample left out, "
             "the newest of each code kept where it fits (the agent's metrics count them all)",
-            MAX_XID_BYTES,
+            self.max_xid_bytes,
             dropped,
         )
         return sample.model_copy(update={"gpus": gpus})
+
+    def _fit_events(self, sample: NodeSample) -> NodeSample:
+        """``sample`` with its hardware events within what is left of the report's event
+        budget (:func:`fold_events`); what is left out is counted and logged once."""
+        if not sample.events:
+            return sample
+        room = max(0, self.event_budget_bytes - self._event_bytes)
+        kept = fold_events(sample.events, max_count=_MAX_EVENTS, max_bytes=room)
+        self._event_bytes += sum(report_size(e) + 1 for e in kept)
+        if kept is sample.events:
+            return sample
+        dropped = len(sample.events) - len(kept)
+        self.dropped_events_total += dropped
+        if not self._events_logged:
+            self._events_logged = True
+            log.warning(
+                "report hardware-event budget (%d bytes) spent: %d event(s) of this sample "
+                "folded into the newest of their kind per link or port, or left out (GPU and "
+                "NIC losses always kept; the agent's metrics count them all); not logged "
+                "again for this report",
+                self.event_budget_bytes,
+                dropped,
+            )
+        return sample.model_copy(update={"events": kept})
 
     def add_sample(self, sample: NodeSample) -> bool:
         """Add a sample; returns True when the samples are big enough to report now."""
@@ -336,7 +465,7 @@ class Batch:
     def _append_sample(self, sample: NodeSample) -> NodeSample:
         """Append within the caps (live and on replay alike): the item cap drops the oldest,
         the byte budget thins the older ones (:meth:`_thin`). Returns the sample as kept."""
-        sample = self._fit_xids(sample)
+        sample = self._fit_events(self._fit_xids(sample))
         samples = self._contents.samples
         samples.append(sample)
         self._sample_sizes.append(report_size(sample) + 1)
@@ -347,21 +476,23 @@ class Batch:
             # Thinning is on: the sample before this one was kept only as the newest.
             self._drop_sample(len(samples) - 2)
             self.thinned_samples_total += 1
-        if len(samples) > MAX_SAMPLES:
-            self._sample_bytes -= self._sample_sizes.pop(0)
-            del samples[0], self._ordinals[0]
-        self._thin()
+        self._thin()  # the item cap thins too: the oldest sample (an incident's start) stays
         return sample
 
     def _used_bytes(self) -> int:
         return self._sample_bytes + self._record_bytes + self._ack_bytes
 
     def _thin(self) -> None:
-        """Over the budget: keep every second older sample (then every fourth, ...), so the
-        older samples stay evenly spaced and the newest is always kept."""
+        """Over the byte budget or the wire's item cap (:data:`MAX_SAMPLES`): keep every
+        second older sample (then every fourth, ...), so the older samples stay evenly spaced,
+        the oldest and the newest are kept and no event is lost with a gauge reading. (The
+        item cap once dropped the oldest sample instead, and its XIDs and events with it:
+        the start of an incident went first.)"""
         samples = self._contents.samples
         before = len(samples)
-        while self._used_bytes() > self.budget_bytes and len(samples) > 1:
+        while len(samples) > 1 and (
+            self._used_bytes() > self.budget_bytes or len(samples) > MAX_SAMPLES
+        ):
             self._stride *= 2
             dropped = False
             for i in range(len(samples) - 2, -1, -1):  # newest first: i + 1 is kept
@@ -377,11 +508,12 @@ class Batch:
         if not self._thinning_logged:
             self._thinning_logged = True
             log.warning(
-                "report byte budget (%d bytes) reached before the report could go: older "
-                "samples thinned evenly (%d left out, one kept in %d; their XID and hardware "
-                "events kept), the newest kept; counted in trainguard_agent_samples_thinned, "
-                "not logged again",
+                "report budget (%d bytes, %d samples) reached before the report could go: "
+                "older samples thinned evenly (%d left out, one kept in %d; their XID and "
+                "hardware events kept), the oldest and newest kept; counted in "
+                "trainguard_agent_samples_thinned, not logged again",
                 self.budget_bytes,
+                MAX_SAMPLES,
                 thinned,
                 self._stride,
             )
@@ -405,7 +537,9 @@ class Batch:
                 gpu = gpu.model_copy(update={"xid_events": listed[-_MAX_XIDS_PER_GPU:]})
             gpus.append(gpu)
         self.dropped_xids_total += sum(len(e) for e in xids.values())  # a GPU gone since
-        events = [*gone.events, *into.events][-_MAX_EVENTS:]
+        both = [*gone.events, *into.events]
+        events = fold_events(both, max_count=_MAX_EVENTS)  # a loss is never cut off the list
+        self.dropped_events_total += len(both) - len(events)
         merged = into.model_copy(update={"gpus": gpus, "events": events})
         samples[i] = merged
         size = report_size(merged) + 1
@@ -432,7 +566,7 @@ class Batch:
             self._thin()  # records come before samples: the samples make room
             if not kept.is_empty():
                 self._write("records", kept.model_dump(mode="json", exclude_defaults=True))
-            return max(self._hint_bytes, self._record_bytes) >= FLUSH_HINT_BYTES
+            return max(self._hint_bytes, self._record_bytes) >= self._flush_hint_bytes
 
     def _merge(self, records: JobRecords, size_bytes: int) -> JobRecords:
         """Append within the caps (items, then bytes); what does not fit is dropped and counted.
@@ -453,7 +587,7 @@ class Batch:
         # Fits whole: one measurement. Past the byte budget each item is measured and kept
         # while it fits, the kinds the controller acts on first (_BUDGET_ORDER).
         size = 0 if counted.is_empty() else report_size(counted) - _EMPTY_RECORDS_BYTES
-        if self._record_bytes + size <= MAX_RECORD_BYTES:
+        if self._record_bytes + size <= self.record_budget_bytes:
             kept = counted
             self._record_bytes += size
         else:
@@ -476,10 +610,10 @@ class Batch:
     def _within_budget(self, items: list[Any]) -> list[Any]:
         take = []
         for item in items:
-            if MAX_RECORD_BYTES - self._record_bytes < 64:
+            if self.record_budget_bytes - self._record_bytes < 64:
                 break  # full: no need to measure the rest
             size = report_size(item) + 1
-            if self._record_bytes + size <= MAX_RECORD_BYTES:
+            if self._record_bytes + size <= self.record_budget_bytes:
                 take.append(item)
                 self._record_bytes += size
         return take
@@ -503,7 +637,8 @@ class Batch:
             self._contents = BatchContents()
             self._record_bytes = 0
             self._hint_bytes = 0
-            self._xid_bytes = 0
+            self._xid_bytes = self._event_bytes = 0
+            self._events_logged = False
             self._sample_sizes, self._ordinals = [], []
             self._next_ordinal, self._stride = 0, 1
             self._sample_bytes = self._ack_bytes = 0
@@ -517,14 +652,20 @@ class Batch:
 
 
 __all__ = [
+    "KEEP_EVENT_KINDS",
+    "MAX_EVENT_BYTES",
     "MAX_RECORD_BYTES",
     "MAX_TRACE_BYTES",
     "MAX_XID_BYTES",
     "REPORT_BUDGET_FRACTION",
+    "SAMPLE_BYTES_PER_GPU",
+    "SAMPLE_BYTES_PER_PORT",
     "SAMPLE_FLUSH_FRACTION",
     "XID_BUDGET_BYTES",
     "Batch",
     "BatchContents",
+    "fold_events",
+    "min_report_cap_bytes",
     "report_size",
     "wire_cap",
 ]

@@ -39,7 +39,7 @@ import pynvml
 from pydantic import ValidationError
 
 import trainguard
-from agents.batch import Batch, wire_cap
+from agents.batch import Batch, fold_events, min_report_cap_bytes, report_size, wire_cap
 from agents.cadence import ReportCadence
 from agents.clocks_load import ClocksLoadRunner, LoadSettings, load_command, run_preflight
 from agents.commands import CommandExecutor, Finish
@@ -229,6 +229,7 @@ class Agent:
             gpu_error=self.backend.error,
             nics=self._nic_inventory(),
         )
+        self._check_spool_fits_a_report(settings.spool_max_bytes)
         token = settings.token.get_secret_value() if settings.token else None
         self.reporter = Reporter(
             self.spool,
@@ -254,6 +255,21 @@ class Agent:
             gpu_pods=self._gpu_pods,
         )
         self.metrics_port: int | None = None
+
+    def _check_spool_fits_a_report(self, spool_max_bytes: int) -> None:
+        """Refuse to start when the spool cannot hold one report of this node: every report
+        would be set aside as larger than the spool (``rejected/``), the node's data lost
+        with only ``spool_dropped_total`` saying so (a 64-GPU node with the 64 KiB minimum)."""
+        need = min_report_cap_bytes(
+            report_size(self.identity), gpus=len(self.identity.gpus), ports=len(self.identity.nics)
+        )
+        if spool_max_bytes < need:
+            raise AgentConfigError(
+                f"spool_max_bytes={spool_max_bytes} cannot hold one report of this node "
+                f"({len(self.identity.gpus)} GPU(s), {len(self.identity.nics)} RDMA port(s)): "
+                f"every report would be set aside unsent; set spool_max_bytes "
+                f"(TRAINGUARD_AGENT_SPOOL_MAX_BYTES, --spool-max-bytes) to at least {need}"
+            )
 
     def _new_sampler(self, api: Any) -> GpuSampler:
         return GpuSampler(
@@ -360,7 +376,9 @@ class Agent:
             node_power_source=source,
             nics=nics[:_MAX_PORTS],
             bonds=bonds[:_MAX_BONDS],
-            events=events[-_MAX_EVENTS:],
+            # Folded, not cut: the GPU events come first in the list, and cutting its
+            # head let 4,096 NIC events push a GPU's loss out of the sample.
+            events=fold_events(events, max_count=_MAX_EVENTS),
         )
         if events:
             self.stats.count_events([e.kind for e in events])

@@ -129,6 +129,18 @@ def _read(path: Path) -> str | None:
     return text.strip()
 
 
+def _read_names(path: Path) -> list[str]:
+    """The interface names a sysfs list file holds (``bonding_masters``, ``slaves``), as the
+    file system spells them: a name may be any bytes (see :func:`wire_name`), and read as
+    UTF-8 text one odd name cost the whole list (a bond reported with no members at all,
+    its healthy members' ``bond_member_down`` never seen). Missing or unreadable: none."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return []
+    return [os.fsdecode(name) for name in data.split() if b"\x00" not in name]
+
+
 def _read_int(path: Path, high: int = limits.INT64_MAX) -> int | None:
     """An integer file up to ``high``, else ``None``. Hardware counters are unsigned 64-bit:
     a value past 2^63-1 (one near its wrap, or 2^64-1, which drivers print for "not
@@ -515,17 +527,16 @@ class NicMonitor:
     # ------------------------------------------------------------------ bonds
 
     def bonds(self, now_unix_s: float) -> tuple[list[BondSample], list[HardwareEvent]]:
-        names = (_read(self._net / "bonding_masters") or "").split()
         out, events = [], []
-        for bond in names:
+        for bond in _read_names(self._net / "bonding_masters"):
             base = self._net / bond / "bonding"
             members = []
-            for slave in (_read(base / "slaves") or "").split():
+            for slave in _read_names(base / "slaves"):
                 node = self._net / slave
                 mii = _read(node / "bonding_slave" / "mii_status") or ""
                 members.append(
                     BondMember(
-                        name=slave[:64],
+                        name=wire_name(slave),
                         mii_status=mii[:16],
                         operstate=(_read(node / "operstate") or "")[:16],
                         speed_mbps=_in_int32(_read_int(node / "speed", limits.INT32_MAX)),
@@ -541,15 +552,15 @@ class NicMonitor:
                         HardwareEvent(
                             kind=f"bond_member_{mii}",
                             time_unix_s=now_unix_s,
-                            device=bond[:64],
-                            detail=f"{slave} of {bond} is {mii}",
+                            device=wire_name(bond),
+                            detail=wire_name(f"{slave} of {bond} is {mii}", 512),
                         )
                     )
             out.append(
                 BondSample(
-                    name=bond[:64],
+                    name=wire_name(bond),
                     mode=(_read(base / "mode") or "")[:64],
-                    active_slave=(_read(base / "active_slave") or "")[:64],
+                    active_slave=wire_name(" ".join(_read_names(base / "active_slave"))),
                     members=members[:32],
                 )
             )
