@@ -185,29 +185,4 @@ def test_under_the_controllers_dry_run_a_slow_node_is_planned_once(  # type: ign
     assert [p.nodes for p in actuator.restarts()] == [("n0", "n2")]
 
 
-def test_two_slow_nodes_of_one_job_are_both_isolated(  # type: ignore[no-untyped-def]
-    controller_factory, tmp_path: Path
-) -> None:
-    """Stragglers on both nodes of the job at once: each node is isolated once; the first
-    restart kept n1 (it was not isolated yet), so n1's restart is a second one, within the
-    budget; every other incident is absorbed by the restart that left its node."""
-    live, agents, actuator = start(controller_factory, tmp_path, 6, ["n0", "n1", "n2", "n3"])
-    on_n0 = slow_node(live, "n0", 0)
-    on_n1 = slow_node(live, "n1", RANKS_PER_NODE)
-    # The resumed job's ranks take no checkpoint requests here: n1's checkpoint times out.
-    enable(live, policy(max_isolated_fraction=0.5, checkpoint_timeout_s=0.5))
-    resumed(live, agents, "n2")
-    wait_for(lambda: len(actuator.restarts()) == 2)
-    resumed(live, agents, "n3")
-    for incident in on_n0[1:] + on_n1[1:]:
-        wait_for(lambda incident=incident: shown_state(live, incident) == "resolved")
-    live.wait_ticks(ENGINE, 2)
-    every = {f"incident:{i}" for i in on_n0 + on_n1}
-    rows = acting([a for a in actions(live) if a["trigger"] in every])
-    assert [r for r in rows if r[0] != "checkpoint"] == [
-        ("isolate_node", "succeeded", "n0"),
-        ("restart_job", "succeeded", "gpt"),
-        ("isolate_node", "succeeded", "n1"),
-        ("restart_job", "succeeded", "gpt"),
-    ], rows
-    assert [p.nodes for p in actuator.restarts()] == [("n2", "n1"), ("n2", "n3")]
+# Two slow nodes of one job at once (both isolated, one restart): test_two_slow_nodes.py.

@@ -83,6 +83,10 @@ async def record_plan(
     params = {"planned_steps": [str(s) for s in steps], "awaiting_approval": True}
     if rem.node is not None:
         params["node"] = rem.node
+    if rem.batch:  # the job's other slow nodes: one plan isolates them all, one restart
+        nodes = [n for n in [rem.node, *rem.batch] if n is not None]
+        params["nodes"] = nodes
+        outcome += f"; isolating {', '.join(nodes)}, then one restart"
     return await ctx.recorder.record(
         incident, rem, APPROVAL_KIND, rem.job or "", params, "dry_run", outcome
     )

@@ -38,7 +38,6 @@ from typing import Any
 
 from controller.actuators.base import Actuator, NodeView
 from controller.actuators.k8s.partition import PartitionSettings
-from controller.logic.detection.c4d.job_evidence import NonfiniteEvidence
 from controller.logic.remediation import guards
 from controller.logic.remediation.params import AlertParams, Severity
 from controller.logic.remediation.rules import Policy, Rule, Step
@@ -58,7 +57,6 @@ from controller.services.remediation.records import (
     dry_plan_for,
     fault_time,
     jobs_of,
-    straggler_cost,
 )
 from controller.services.remediation.retention import engine_retention
 from controller.services.remediation.steps import (
@@ -69,6 +67,7 @@ from controller.services.remediation.steps import (
     StepResult,
 )
 from controller.services.remediation.steps import wait as resume_wait
+from controller.services.remediation.steps.batch import ready
 from controller.services.remediation.steps.isolate import Audit, apply_isolation
 from controller.services.webhook import Webhook
 from controller.state import ClusterState, IncidentState
@@ -131,7 +130,7 @@ class RemediationEngine:
         self.tick_interval_s = tick_interval_s
         self.remediations: list[Remediation] = []
         #: Incident id -> what was decided ("acted", "absorbed", "skipped", "no rule" …).
-        self.decided: dict[int, str] = {}
+        self.decided: dict[int, str] = self.ctx.decided
         #: Incidents whose rule's ``alert`` is recorded (at most once each), decided or not.
         self.alerted: set[int] = set()
         #: ``node_lost`` incidents held by the partition guard, and why (``partition``).
@@ -357,17 +356,8 @@ class RemediationEngine:
         if not actions:
             self.decided[incident.id] = "alerted"
             return
-        if now - incident.opened_unix_s < rule.after_s:
-            return  # not persisted long enough yet
-        evidence = incident.evidence
-        if rule.min_cost_pct > 0:
-            cost = straggler_cost(incident)
-            if cost is None or cost < rule.min_cost_pct:
-                return  # cheap so far; it may grow while the incident stays open
-        if rule.min_bad_steps > 0:
-            bad = evidence.bad_steps if isinstance(evidence, NonfiniteEvidence) else None
-            if bad is None or bad < rule.min_bad_steps:
-                return  # possibly a skipped overflow; a diverged job adds one per step
+        if not ready(incident, rule, now):
+            return  # too young, too cheap or too short so far: looked at again next tick
         planned = dry_plan_for(self.remediations, incident, self._state, dry_run_now=policy.dry_run)
         if absorbable and planned is not None:
             return  # its node's plan is recorded once: looked at again when that one ends

@@ -52,6 +52,12 @@ class Remediation:
     awaiting_approval: bool = False
     #: Who approved the plan this remediation carries out (``None``: no approval needed).
     approved_by: str | None = None
+    #: The job's other slow nodes its ``isolate`` step took on too (or would, in a dry
+    #: run), so that the job restarts once without all of them (``steps.batch``).
+    batch: list[str] = field(default_factory=list)
+    #: Nodes its dry-run ``isolate`` step would have isolated: its would-be restart plans
+    #: without them, as the real one would (nothing is isolated in a dry run).
+    would_isolate: list[str] = field(default_factory=list)
 
     @property
     def ledger_id(self) -> str:
@@ -234,7 +240,8 @@ def dry_plan_for(
 ) -> Remediation | None:
     """A dry run already recorded for ``incident``'s job and node, its incident still open
     and the dry run still in force (a plan awaiting approval, or the controller's policy
-    still ``dry_run_now``; ``None``: none). Such a dry run acts on nothing, so no restart
+    still ``dry_run_now``; ``None``: none), for its node or one it batched (another slow
+    node of the job). Such a dry run acts on nothing, so no restart
     covers a slow node's other ranks' incidents (:meth:`JobBook.covered`): without this
     each of them recorded the same plan again, eight approval rows for one node. They
     wait instead: an approved plan's restart covers them, and if the first incident
@@ -246,7 +253,7 @@ def dry_plan_for(
             and not rem.grow
             and rem.job == incident.job
             and node is not None
-            and rem.node == node
+            and (rem.node == node or node in rem.batch)
             and rem.incident_id != incident.id
             and rem.incident_id in state.incidents
         ):

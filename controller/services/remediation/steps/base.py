@@ -131,6 +131,9 @@ class StepContext:
     incidents: IncidentService | None = None
     #: Partition guard and quarantine budget settings (``services.remediation.partition``).
     partition: PartitionSettings = field(default_factory=PartitionSettings)
+    #: Incident id -> what the engine decided ("acted", "absorbed" ...): the ``isolate``
+    #: step batches only undecided incidents of the job (:mod:`.batch`).
+    decided: dict[int, str] = field(default_factory=dict)
 
     def book(self, job: str) -> JobBook:
         book = self.jobs.get(job)

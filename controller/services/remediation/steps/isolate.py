@@ -50,6 +50,7 @@ from controller.logic.remediation.rules import IsolateWhen, Rule, Step
 from controller.services.remediation.history import policy_isolations
 from controller.services.remediation.partition import quarantine_refusal, raise_budget_incident
 from controller.services.remediation.records import HARDWARE_KINDS, Remediation
+from controller.services.remediation.steps import batch
 from controller.services.remediation.steps.base import StepContext, StepResult
 from controller.state import IncidentState
 
@@ -266,14 +267,32 @@ class Isolate:
     ) -> StepResult:
         if incident is None or rule is None:
             return True, ""  # a grow-back has no culprit
-        record = ctx.recorder.record
-        kind = self.action_kind
         node = rem.node
-        now = time.time()
         if node is None:
             outcome = "no single culprit node to isolate"
-            await record(incident, rem, kind, "", {}, "skipped", outcome)
+            await ctx.recorder.record(incident, rem, self.action_kind, "", {}, "skipped", outcome)
             return True, outcome
+        # The job's other slow nodes known now: isolated too, so that it restarts once.
+        also = batch.companions(ctx, rem, incident, time.time())
+        ok, outcome = await self._one(ctx, rem, incident, rule, node)
+        for other, incidents in also.items():
+            first = incidents[0]
+            own_rule = batch.rule_of(ctx, first) or rule
+            done, said = await self._one(ctx, rem, first, own_rule, other)
+            rem.batch.append(other)
+            state = ctx.state.nodes.get(other)
+            if not done and not rem.dry_run and (state is None or state.isolated_reason is None):
+                batch.refused(ctx, incidents)
+            outcome = f"{outcome}; {batch.note(other, first, said)}"
+        return ok, outcome[:2000]
+
+    async def _one(
+        self, ctx: StepContext, rem: Remediation, incident: IncidentState, rule: Rule, node: str
+    ) -> StepResult:
+        """Isolate ``node``, the culprit of ``incident``, as ``rule`` allows."""
+        record = ctx.recorder.record
+        kind = self.action_kind
+        now = time.time()
         if isinstance(incident.evidence, HangEvidence) and incident.evidence.deadlock:
             # Deterministic in the job's code: every run would deadlock again and, as a
             # "repeat", isolate one healthy node after another.
@@ -326,6 +345,7 @@ class Isolate:
             if refused is not None:
                 return False, refused
             if rem.dry_run:
+                rem.would_isolate.append(node)
                 outcome = f"would isolate {node}"
                 await record(incident, rem, kind, node, {}, "dry_run", outcome)
                 return True, outcome

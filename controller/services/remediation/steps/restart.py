@@ -95,7 +95,14 @@ async def restart(
         if done is not None:
             await record(incident, rem, ACTION_KIND, job, {}, "skipped", done)
             return True, done
-    plan = await plan_placement(ctx, job, current, grow_back=rem.grow, resume_step=resume_step)
+    plan = await plan_placement(
+        ctx,
+        job,
+        current,
+        grow_back=rem.grow,
+        resume_step=resume_step,
+        also_excluded=rem.would_isolate if rem.dry_run else (),
+    )
     placement = plan.placement
     if resume_step is None and book.checkpoint is not None:
         resume_step = book.checkpoint[0]  # expected: the newest committed one now

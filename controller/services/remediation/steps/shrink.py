@@ -9,6 +9,7 @@ all place the job through :func:`plan_placement`, which feeds the pure planner
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from controller.logic.remediation.placement import Placement
 from controller.logic.remediation.planner import RestartPlan, plan_restart
@@ -55,10 +56,12 @@ async def plan_placement(
     *,
     grow_back: bool,
     resume_step: int | None = None,
+    also_excluded: Collection[str] = (),
 ) -> RestartPlan:
     """The next placement of ``job``; ``grow_back``: only healthy spares are added.
     ``resume_step``: a rollback's bound, the newest checkpoint the ranks may resume from
-    (``None``: the newest committed one, whichever it is when they start)."""
+    (``None``: the newest committed one, whichever it is when they start).
+    ``also_excluded``: nodes a dry run would have isolated (they are not isolated)."""
     assert ctx.actuator is not None
     candidates = await ctx.actuator.candidate_nodes(job)
     min_dp, divide = limits(ctx, job)
@@ -66,7 +69,7 @@ async def plan_placement(
     plan = plan_restart(
         current,
         candidates,
-        excluded(ctx, candidates, current, grow_back=grow_back),
+        excluded(ctx, candidates, current, grow_back=grow_back) | set(also_excluded),
         min_dp=min_dp,
         dp_must_divide=divide,
         original_nodes=ctx.original_nodes[job],
