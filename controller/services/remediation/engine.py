@@ -207,6 +207,7 @@ class RemediationEngine:
         if self.policy.enabled and not self._loaded:
             await self._load_decided()
         self.retention.sweep(now_unix_s)  # after the restore: it holds restarts in flight
+        self._forget_closed()
         if not self.policy.enabled:
             return
         timeout_s = self.policy.guards.resume_timeout_s
@@ -219,6 +220,16 @@ class RemediationEngine:
             await self._consider(incident, now_unix_s)
         if self._grow.due(now_unix_s):
             await self._grow.check(now_unix_s, self.decided)
+
+    def _forget_closed(self) -> None:
+        """Drop what was decided and alerted for incidents no longer open: only open ones
+        are ever looked at (and a new leader loads only theirs), while both kept every
+        incident the controller had seen, for good (a closed incident never reopens: a
+        condition back after it is a new incident, with a new id)."""
+        open_ids = self._state.incidents
+        for gone in [i for i in self.decided if i not in open_ids]:
+            del self.decided[gone]  # in place: the steps' context shares this dict
+        self.alerted.intersection_update(open_ids)
 
     async def _load_decided(self) -> None:
         """What earlier leaders did (before a failover or restart): incidents already acted
