@@ -6,7 +6,7 @@ all-reduce a step over the whole job, rank 1 delayed 30 ms a step from step 150.
 CPU-starved host every rank's compute *and* the transfers stretch together (a burst of
 1.5-2x for ~15 s). Found (simulated here, 3 seeds each):
 
-* with the straggler open, nothing opens: its explanation (~45 ms a step) covers any rise;
+* with the straggler open, nothing opens: its explanation (~34 ms a step) covers any rise;
 * before it opens, a 2x host-wide burst opened ``comm_slow`` once the transfers were 10% or
   more of the step (at 20%, 1.7x was enough), ~30 steps after the burst began, and then
   "resolved" when the straggler's explanation arrived, while the burst went on. At 3 ms of

@@ -92,6 +92,34 @@ def robust_z(value: float, center: float, spread: float, floor: float) -> float:
     return (value - center) / scale
 
 
+#: Weight of one step in the moving estimate of per-step noise (a memory of ~50 steps).
+NOISE_ALPHA = 0.02
+
+
+def window_stderr(
+    windows: Sequence[deque[float]], scores: Sequence[float], sigma: float, steps: int
+) -> tuple[float, float]:
+    """Standard error of a windowed (log) score under the no-straggler hypothesis, and the
+    moving noise estimate ``sigma`` updated with this step (the ``steps``-th).
+
+    A rank's per-step ratio already holds both its own noise and its peers' median's,
+    and one rank's ratios are independent across steps, so the median of ``n`` of them
+    has a standard error of about 1.2533 * sigma / sqrt(n). Sigma is the typical
+    deviation of a step's ratio from its rank's score (a MAD, so multi-x spikes do not
+    inflate it), tracked as a slow moving average over steps: estimated from one window
+    alone it shrinks exactly when a rank's ratios cluster by chance, which is also when
+    its score looks extreme. The larger of the two estimates is used.
+    """
+    pairs = list(zip(windows, scores, strict=True))
+    latest = [abs(q[-1] - score) for q, score in pairs]
+    # A plain mean until the average has ~1/alpha steps behind it, then a moving one.
+    weight = max(NOISE_ALPHA, 1 / steps)
+    sigma += weight * (MAD_TO_SIGMA * fmedian(latest) - sigma)
+    spread = [abs(x - score) for q, score in pairs for x in q]
+    n = min(len(q) for q in windows)
+    return 1.2533 * max(sigma, MAD_TO_SIGMA * fmedian(spread)) / math.sqrt(n), sigma
+
+
 #: Ratios are clamped to this factor either way before their log is taken (see
 #: :func:`log_ratio`).
 LOG_RATIO_BOUND = 1e3

@@ -33,6 +33,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from controller.logic.detection.c4d import cost as costs
 from controller.logic.detection.c4d.config import C4DConfig
 from controller.logic.detection.c4d.evidence import (
     Comparison,
@@ -49,6 +50,7 @@ from controller.logic.detection.c4d.robust import (
     peer_centers,
     time_stats,
     window_of,
+    window_stderr,
 )
 from controller.logic.detection.c4d.sporadic import (
     SPORADIC_CAP,
@@ -60,8 +62,6 @@ from controller.logic.detection.c4d.sporadic import (
 )
 from trainguard.wire import StepSummary
 
-#: Weight of one step in the moving estimate of per-step noise (a memory of ~50 steps).
-NOISE_ALPHA = 0.02
 #: A rank informs the compute-per-byte slope only if its bytes differ from the group median
 #: by this fraction (smaller differences make the slope all noise).
 SLOPE_MIN_BYTES_DIFF = 0.05
@@ -112,10 +112,14 @@ class PeerWindows:
     #: rank -> standard errors its score lies above its peers' (after the last step)
     z: dict[int, float] = field(default_factory=dict)
     flagged: set[int] = field(default_factory=set)
+    #: rank -> its step cost as the sporadic rule reads it (else :meth:`cost` computes it)
     step_cost: dict[int, float] = field(default_factory=dict)
-    #: rank -> seconds per step it may add to its peers' waits: its score's excess over 1
-    #: plus ``straggler_z`` standard errors (the noise margin), times the median compute
-    extra_s: dict[int, float] = field(default_factory=dict)
+    #: rank -> the compute it takes when healthy, and the seconds the job waited for it,
+    #: per step (:mod:`.cost`): read only for the ranks that matter (:meth:`cost`)
+    healthy_s: dict[int, deque[float]] = field(default_factory=dict)
+    held: dict[int, deque[float]] = field(default_factory=dict)
+    #: rank -> its log score plus ``straggler_z`` standard errors (the noise margin)
+    _reach: dict[int, float] = field(default_factory=dict)
     #: rank -> consecutive steps it met the sporadic rule; its slow steps of the window
     sporadic_run: dict[int, int] = field(default_factory=dict)
     sporadic: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -146,7 +150,8 @@ class PeerWindows:
             self.scores,
             self.z,
             self.step_cost,
-            self.extra_s,
+            self.healthy_s,
+            self.held,
             self.sporadic_run,
             self.sporadic,
         ):
@@ -154,12 +159,18 @@ class PeerWindows:
         self.flagged.discard(rank)
         self.slow_long.forget(rank)
 
-    def add(self, rows: list[StepSummary], rest: tuple[float, float] | None = None) -> None:
-        """One step of the group's members. ``rest``: the other ranks' median compute and
-        median wait in this step (used by a group of one, compared with its history)."""
+    def add(
+        self,
+        rows: list[StepSummary],
+        waits: costs.LeastWaits,
+        rest: tuple[float, float] | None = None,
+    ) -> None:
+        """One step of the group's members. ``waits``: the job's least waits this step (for
+        :mod:`.cost`); ``rest``: the other ranks' median compute and median wait in this
+        step (used by a group of one, compared with its history)."""
         if self.alone:
             if rest is not None:
-                self._add_alone(rows[0], *rest)
+                self._add_alone(rows[0], waits, *rest)
             return
         compute = [s.compute_time_s for s in rows]
         wait = [s.collective_wait_s for s in rows]
@@ -178,11 +189,15 @@ class PeerWindows:
             window_of(self.wait_s, r, n).append(w)
             window_of(self.step_s, r, n).append(s.step_time_s)
             window_of(self.bytes_moved, r, n).append(float(s.collective_bytes))
+            window_of(self.healthy_s, r, n).append(e)
+            window_of(self.held, r, n).append(costs.held_s(c, e, w, waits.other_than(r)))
         self.steps_seen += 1
         self._present = {s.rank for s in rows}
-        self._judge(fmedian(compute), med_step)
+        self._judge()
 
-    def _add_alone(self, s: StepSummary, rest_compute_s: float, rest_wait_s: float) -> None:
+    def _add_alone(
+        self, s: StepSummary, waits: costs.LeastWaits, rest_compute_s: float, rest_wait_s: float
+    ) -> None:
         """A rank with no peer: its compute relative to the rest of the job (which cancels
         work that varies for the whole job alike) against the same ratio over its first
         ``HISTORY_REF_STEPS`` steps. A rank slow from its first step is not found."""
@@ -209,9 +224,13 @@ class PeerWindows:
         window_of(self.wait_s, r, n).append(s.collective_wait_s)
         window_of(self.step_s, r, n).append(step_s)
         window_of(self.bytes_moved, r, n).append(float(s.collective_bytes))
+        healthy = rest_compute_s * ref_rel  # its compute at its reference share of the job's
+        window_of(self.healthy_s, r, n).append(healthy)
+        held = costs.held_s(s.compute_time_s, healthy, s.collective_wait_s, waits.other_than(r))
+        window_of(self.held, r, n).append(held)
         self.pp_stage = s.pp_stage
         self.steps_seen += 1
-        self._judge(s.compute_time_s, step_s)
+        self._judge()
 
     def _append_ratio(self, rank: int, ratio: float) -> None:
         n = self.cfg.window_steps
@@ -242,7 +261,7 @@ class PeerWindows:
             for pc, b, pb in zip(peer_c, nbytes, peer_b, strict=True)
         ]
 
-    def _judge(self, med_compute_s: float, med_step_s: float) -> None:
+    def _judge(self) -> None:
         """Score every rank on its window and mark those that look slow now."""
         n = self.cfg.window_steps
         need = max(2, n // 2)
@@ -266,6 +285,9 @@ class PeerWindows:
         ]
         stderr = max(self._score_stderr(ranks, logs), self.cfg.straggler_scale_floor)
         self.scores = {r: math.exp(x) for r, x in zip(ranks, logs, strict=True)}
+        margin = self.cfg.straggler_z * stderr
+        self._reach = {r: x + margin for r, x in zip(ranks, logs, strict=True)}
+        self.step_cost.clear()
         for rank, log_score in zip(ranks, logs, strict=True):
             score = self.scores[rank]
             waits_less = fmedian(self.wait_offset[rank]) < 0
@@ -273,10 +295,6 @@ class PeerWindows:
             self.z[rank] = log_score / stderr
             if slow_enough and self.z[rank] > self.cfg.straggler_z and waits_less:
                 self.flagged.add(rank)
-            if med_step_s > 0:
-                self.step_cost[rank] = max(0.0, (score - 1) * med_compute_s / med_step_s)
-            margin = self.cfg.straggler_z * stderr
-            self.extra_s[rank] = max(0.0, math.exp(log_score + margin) - 1) * med_compute_s
         if not self.alone:
             self._judge_sporadic(ranks)
 
@@ -328,27 +346,26 @@ class PeerWindows:
                 self.step_cost[rank] = cost
                 self.z[rank] = max(self.z[rank], cfg.straggler_z)
 
-    def _score_stderr(self, ranks: list[int], scores: list[float]) -> float:
-        """Standard error of a windowed (log) score under the no-straggler hypothesis.
+    def cost(self, rank: int) -> float:
+        """Share of each step the job waits for ``rank`` (:func:`.cost.window_cost`), or the
+        sporadic rule's reading where it has one."""
+        if rank in self.step_cost or rank not in self.scores:
+            return self.step_cost.get(rank, 0.0)
+        return costs.window_cost(self.held[rank], self.step_s[rank], self.cfg.window_steps)
 
-        A rank's per-step ratio already holds both its own noise and its peers' median's,
-        and one rank's ratios are independent across steps, so the median of ``n`` of them
-        has a standard error of about 1.2533 * sigma / sqrt(n). Sigma is the typical
-        deviation of a step's ratio from its rank's score (a MAD, so multi-x spikes do not
-        inflate it), tracked as a slow moving average over steps: estimated from one window
-        alone it shrinks exactly when a rank's ratios cluster by chance, which is also when
-        its score looks extreme. The larger of the two estimates is used.
-        """
-        pairs = list(zip(ranks, scores, strict=True))
-        latest = [abs(self.log_ratios[r][-1] - score) for r, score in pairs]
+    def extra(self, rank: int) -> float:
+        """Seconds per step ``rank`` may add to its peers' waits (:func:`.cost.extra_time`)."""
+        reach = self._reach.get(rank)
+        if reach is None or rank not in self.scores:
+            return 0.0
+        return costs.extra_time(reach, self.healthy_s[rank])
+
+    def _score_stderr(self, ranks: list[int], scores: list[float]) -> float:
+        """Standard error of a windowed (log) score (:func:`.robust.window_stderr`)."""
         self._noise_steps += 1
-        # A plain mean until the average has ~1/alpha steps behind it, then a moving one.
-        weight = max(NOISE_ALPHA, 1 / self._noise_steps)
-        self._sigma += weight * (MAD_TO_SIGMA * fmedian(latest) - self._sigma)
-        window = [abs(x - score) for r, score in pairs for x in self.log_ratios[r]]
-        sigma = max(self._sigma, MAD_TO_SIGMA * fmedian(window))
-        n = min(len(self.log_ratios[r]) for r in ranks)
-        return 1.2533 * sigma / math.sqrt(n)
+        windows = [self.log_ratios[r] for r in ranks]
+        stderr, self._sigma = window_stderr(windows, scores, self._sigma, self._noise_steps)
+        return stderr
 
     def compare(self, rank: int, store: dict[int, deque[float]], column: int) -> Comparison:
         """The rank's window of ``store`` next to its peers' windows, pooled (a rank alone:
@@ -397,6 +414,8 @@ class StragglerState:
                 by_group.setdefault(key, []).append(s)
         flagged: set[int] = set()
         scored: list[int] = []
+        suspects = self.open_ranks | (self.last.flagged if self.last else set())
+        waits = costs.least_waits(rows, suspects)
         for key, members in by_group.items():
             alone = self.peers.alone(key)
             if len(members) < 2 and not alone:
@@ -404,7 +423,7 @@ class StragglerState:
             group = self.groups.get(key)
             if group is None or group.alone != alone:
                 group = self.groups[key] = PeerWindows(key, self.cfg, alone=alone)
-            group.add(members, _rest(rows, members[0].rank) if alone else None)
+            group.add(members, waits, costs.rest_of_job(rows, members[0].rank) if alone else None)
             flagged |= group.flagged
             scored += [s.rank for s in members if s.rank in group.scores]
         self._scored = scored
@@ -484,26 +503,13 @@ class StragglerState:
     def step_cost(self, rank: int) -> float:
         """Share of each step the job loses waiting for this rank."""
         group = self.group_of(rank)
-        return group.step_cost.get(rank, 0.0) if group else 0.0
+        return group.cost(rank) if group else 0.0
 
     def explained_wait_s(self, ranks: set[int]) -> float:
         """How much of a rise in the job's communication time (its shortest wait) the
-        stragglers ``ranks`` can account for, in seconds per step.
-
-        Where ranks are coupled beyond one collective (pipeline stages), a straggler's
-        extra compute reaches every rank's wait, its own included, so the shortest wait
-        rises by up to its extra time per step. Stragglers of one peer group run side by
-        side (the slowest one sets the delay); those of different groups may sit in series
-        (pipeline stages), so their delays add up.
-        """
-        by_group: dict[PeerKey, float] = {}
-        for rank in ranks:
-            key = self.rank_group.get(rank)
-            group = self.groups.get(key) if key is not None else None
-            if key is None or group is None:
-                continue
-            by_group[key] = max(by_group.get(key, 0.0), group.extra_s.get(rank, 0.0))
-        return sum(by_group.values())
+        stragglers ``ranks`` can account for, in seconds per step (:func:`.cost.explained`)."""
+        groups = [(r, g) for r in ranks if (g := self.group_of(r)) is not None]
+        return costs.explained((g.key, g.extra(r)) for r, g in groups)
 
     def flaps(self, rank: int) -> int:
         hold = self.holds.get(rank)
@@ -588,11 +594,3 @@ class StragglerState:
             at_step=self.last.step if self.last else None,
             verdict=verdict + tail,
         )
-
-
-def _rest(rows: dict[int, StepSummary], rank: int) -> tuple[float, float] | None:
-    """The median compute and wait of every rank but ``rank`` in this step (None: alone)."""
-    others = [s for r, s in rows.items() if r != rank]
-    if not others:
-        return None
-    return fmedian(s.compute_time_s for s in others), fmedian(s.collective_wait_s for s in others)
