@@ -813,6 +813,14 @@ def test_checkpoint_freshness_is_exported_for_the_not_durable_alert(controller_f
     }
 
 
+def absorbed(live: Any, incident: int) -> bool:
+    """Whether ``incident`` was resolved as part of a remediation it did not start (the
+    engine's own ``decided`` forgets a closed incident at its next tick)."""
+    shown = live.read(f"/api/v1/incidents/{incident}")
+    note = str(shown["evidence"].get("resolution", ""))
+    return shown["state"] == "resolved" and note.startswith("absorbed: ")
+
+
 def shown_state(live: Any, incident: int) -> str:
     resp = http_calls.get(
         f"{live.url}/api/v1/incidents/{incident}", headers=live.headers("viewer"), timeout=10
@@ -863,7 +871,7 @@ def test_an_incident_raised_during_a_remediation_is_absorbed_only_by_a_real_rest
     actuator.gate.set()
     if restarted:
         wait_for(lambda: shown_state(live, straggler) == "resolved")
-        assert live.controller.remediation.decided[straggler] == "absorbed"
+        assert absorbed(live, straggler)
         assert of(live, straggler) == []
     else:
         alert = wait_for(lambda: of(live, straggler))

@@ -22,6 +22,7 @@ from tests.remediation.recording import RecordingActuator
 from tests.remediation.test_engine import (
     ENGINE,
     Agents,
+    absorbed,
     actions,
     of,
     on_loop,
@@ -111,7 +112,7 @@ def test_one_slow_node_is_isolated_checkpointed_and_restarted_once(  # type: ign
     # The seven others: the restart left their node, so they are its, and resolved.
     for incident in rest:
         wait_for(lambda incident=incident: shown_state(live, incident) == "resolved")
-        assert live.controller.remediation.decided[incident] == "absorbed"
+        assert absorbed(live, incident)
     shown = http_calls.get(
         f"{live.url}/api/v1/incidents/{rest[-1]}", headers=live.headers("viewer"), timeout=10
     ).json()
