@@ -32,6 +32,7 @@ from controller.services.container import Services
 from controller.services.dashboard import CLOSE, RESYNC
 from controller.services.dashboard_reads import job_checkpoints, node_history, plan_links
 from controller.services.history_prometheus import PrometheusHistory, PrometheusUnavailable
+from trainguard import wire
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["dashboard"])
@@ -197,13 +198,24 @@ async def get_node_history(
 async def get_job_steps(
     name: str = Path(max_length=253),
     last: int = Query(120, ge=1, le=1000, description="Most recent steps"),
+    after: int | None = Query(
+        None,
+        ge=-1,
+        le=wire.MAX_STEP,
+        description="Only steps newer than this one (a delta to merge; -1: all of them)",
+    ),
     _principal: Principal = Depends(require_viewer),
     services: Services = ServicesDep,
 ) -> dict[str, Any]:
     """Step time per rank for the job's most recent steps, and its goodput (ETTR) every 5 s
-    over the last hour (both kept in memory since the controller started; bounded)."""
+    over the last hour (both kept in memory since the controller started; bounded).
+
+    With ``after``, only the steps newer than it: the job page refreshes a 2,048-rank matrix
+    without being sent again the ~2 MB it holds. ``incremental`` false (and ``reason``) says
+    the answer is the whole window instead; ``epoch``, ``first_step`` and ``next_after`` say
+    how to merge it (docs/dashboard.md "Incremental steps")."""
     feed = services.dashboard
-    matrix = feed.steps.matrix(name, last, time.time())
+    matrix = feed.steps.matrix(name, last, time.time(), after)
     if matrix is None:
         if name not in services.state.jobs:
             # Step times live in memory only: a job that left it keeps its rows, not these.

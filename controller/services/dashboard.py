@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,6 +75,13 @@ class _Power(Protocol):
 # ---------------------------------------------------------------------- step times
 
 
+def _new_epoch() -> str:
+    """A token unique across replicas and controller restarts: a page that merged step
+    deltas under one epoch must fetch the whole matrix again when the answer names another
+    (the job restarted and step numbers went back, or its world size changed)."""
+    return uuid.uuid4().hex[:12]
+
+
 @dataclass(slots=True)
 class _JobSteps:
     steps: OrderedDict[int, dict[int, float]] = field(default_factory=OrderedDict)
@@ -82,6 +90,10 @@ class _JobSteps:
     #: rank -> (pp_stage, dp_rank, tp_rank, size of its peer group), as its steps say.
     layout: dict[int, tuple[int | None, int | None, int | None, int]] = field(default_factory=dict)
     world: WorldSize = field(default_factory=WorldSize)
+    #: rank -> the step it reported last: a lower one means the job restarted.
+    rank_steps: dict[int, int] = field(default_factory=dict)
+    #: Changes whenever steps the page holds may no longer be this job's (see ``_new_epoch``).
+    epoch: str = field(default_factory=_new_epoch)
 
 
 class StepRecorder:
@@ -104,9 +116,14 @@ class StepRecorder:
                 self.jobs.popitem(last=False)
         else:
             self.jobs.move_to_end(summary.job)
+        world_before = job.world.value
         world_size = job.world.observe(summary.rank, summary.world_size, received)
         if outside_world(summary.rank, world_size):
             return  # a lone claim of a larger world: no row of the heatmap (as in detection)
+        went_back = summary.step < job.rank_steps.get(summary.rank, summary.step)
+        job.rank_steps[summary.rank] = summary.step
+        if went_back or (world_before and world_size != world_before):
+            job.epoch = _new_epoch()
         if summary.role:
             job.roles[summary.rank] = summary.role
         job.layout[summary.rank] = (
@@ -130,10 +147,30 @@ class StepRecorder:
             old, _ = job.steps.popitem(last=False)
             job.ends.pop(old, None)
 
-    def matrix(self, name: str, last: int, now: float) -> dict[str, Any] | None:
+    def matrix(
+        self, name: str, last: int, now: float, after: int | None = None
+    ) -> dict[str, Any] | None:
+        """The newest ``last`` shown steps; with ``after``, only those newer than it (a
+        delta the page merges) unless it cannot be merged: then the whole window, with
+        ``incremental`` false and the ``reason`` (docs/dashboard.md "Incremental steps")."""
         job = self.jobs.get(name)
         if job is None:
             return None
+        window = self._shown(job, now)[-last:]
+        reason = None if after is None else _unmergeable(window, job, after)
+        shown = window if after is None or reason else [s for s in window if s > after]
+        return {
+            **self._body(name, job, shown),
+            "epoch": job.epoch,
+            "after": after,
+            "incremental": after is not None and reason is None,
+            "reason": reason,
+            "first_step": window[0] if window else None,
+            "next_after": _next_after(job, window, now),
+        }
+
+    @staticmethod
+    def _shown(job: _JobSteps, now: float) -> list[int]:
         steps = sorted(job.steps)
         # The newest steps are often still arriving (agents report on their own phases): leave
         # them out while they are less complete than the fullest kept step and younger than
@@ -146,7 +183,10 @@ class StepRecorder:
             and job.ends.get(steps[-1], 0.0) > now - SETTLE_S
         ):
             steps.pop()
-        steps = steps[-last:]
+        return steps
+
+    @staticmethod
+    def _body(name: str, job: _JobSteps, steps: list[int]) -> dict[str, Any]:
         ranks = sorted({r for s in steps for r in job.steps[s]})
         medians: list[float | None] = []
         maxima: list[float | None] = []
@@ -177,6 +217,30 @@ class StepRecorder:
                 for r in ranks
             ],
         }
+
+
+def _unmergeable(window: list[int], job: _JobSteps, after: int) -> str | None:
+    """Why steps newer than ``after`` cannot simply be appended to a page holding the
+    window up to ``after``: ``steps_went_back`` (nothing kept reaches ``after``: the job
+    restarted lower, or this controller started since), ``gap`` (``after`` is older than
+    the window: the delta would be the whole window anyway). None: mergeable."""
+    newest = next(reversed(job.steps), -1)  # kept sorted by ``record``
+    if after > newest:
+        return "steps_went_back"
+    if window and after < window[0] - 1:
+        return "gap"
+    return None
+
+
+def _next_after(job: _JobSteps, window: list[int], now: float) -> int:
+    """The ``after`` the page's next request should carry: its newest step, or the one
+    before the oldest shown step that may still change (not every rank in it yet, younger
+    than SETTLE_S), so that step is sent again. -1: ask from the start."""
+    full = max((len(row) for row in job.steps.values()), default=0)
+    for i, s in enumerate(window):
+        if len(job.steps[s]) < full and job.ends.get(s, 0.0) > now - SETTLE_S:
+            return window[i - 1] if i else -1
+    return window[-1] if window else -1
 
 
 # ---------------------------------------------------------------------- power

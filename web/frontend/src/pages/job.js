@@ -7,6 +7,7 @@ import { actionBar, actionButton } from "../actions.js";
 import { heatmap, timeChart } from "../charts.js";
 import { attrs, el, fill, dash, link, row, section, table, td, notReported } from "../dom.js";
 import { fmtAge, fmtBytes, fmtDuration, fmtPct, fmtTime } from "../format.js";
+import { jobSteps } from "../steps.js";
 import { actionTable, actionsFor, badge, incidentTable, mounted, refreshOn } from "./common.js";
 
 export async function jobsPage(ctx) {
@@ -61,13 +62,14 @@ export async function jobPage(ctx) {
   let charts = [];
   const shown = { checkpoints: [] }; // the newest load's, for texts read at click time
   let allRanks = false; // a wide job's Ranks table: everything, once asked (kept across loads)
+  const stepSource = jobSteps(name); // asks only for steps after those it holds
 
   async function load() {
     const [job, stepsOrNull, goodput, incidents, checkpointsOrNull, actions] = await Promise.all([
       get(`/jobs/${enc(name)}`),
-      // 404: no step kept in memory for it (a controller that restarted since, or a stalled
-      // job that has sent none since): the rest of the page still shows.
-      get(`/jobs/${enc(name)}/steps?last=120`, { notFoundIsNull: true }),
+      // null (404): no step kept in memory for it (a controller that restarted since, or a
+      // stalled job that has sent none since): the rest of the page still shows.
+      stepSource.fetch(),
       get(`/jobs/${enc(name)}/goodput`, { notFoundIsNull: true }),
       get(`/incidents?job=${enc(name)}&limit=100`),
       // Stored rows: answered for a job that left the controller's memory (job_retention_s)
@@ -222,7 +224,8 @@ export async function jobPage(ctx) {
   await load();
   const r = refreshOn(ctx, load, { topics: ["jobs", "incidents", "actions", "checkpoints"] });
   const refresh = r.refresh;
-  return mounted(root, r, () => charts);
+  const stop = { ...r, dispose: () => (r.dispose(), stepSource.dispose()) };
+  return mounted(root, stop, () => charts);
 }
 
 /** What /jobs/{name}/steps holds for a job it has no step for (it answered 404). */
