@@ -186,6 +186,8 @@ class Agent:
                 on_records=self._on_records,
                 tcp=settings.job_tcp(),
                 idle_timeout_s=settings.client_idle_timeout_s,
+                # Read at each hello: the sampler (and its inventory) may be replaced later.
+                gpu_inventory=lambda: self.sampler.inventory,
             )
         self.xids: XidWatcher | None = None
         #: The watcher whose death is in the report's ``gpu_error`` (said once).

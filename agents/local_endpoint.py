@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +59,7 @@ from trainguard.framing import MAX_FRAME_BYTES, FrameError, encode_frame, read_f
 from trainguard.wire import (
     MAX_REPORT_BYTES,
     Command,
+    GpuInfo,
     JobCommand,
     JobRecords,
     LocalHello,
@@ -88,6 +89,10 @@ VANISH_GRACE_S = 1.0
 IDLE_TIMEOUT_S = 60.0
 
 RecordsSink = Callable[["Session", JobRecords, int], None]
+#: This node's GPUs as the sampler knows them (NVML index and UUID), read at each hello.
+GpuInventory = Callable[[], Iterable[GpuInfo]]
+#: Jobs remembered for the once-per-job GPU placement log lines before the memory restarts.
+_PLACEMENT_LOG_JOBS = 1024
 
 
 @dataclass(slots=True)
@@ -111,6 +116,8 @@ class Session:
     said_goodbye: bool = False
     #: The endpoint reported this client's rank as vanished (an exit with unknown cause).
     reported_vanished: bool = False
+    #: The hello's GPU UUID named one of this node's GPUs: its records carry that index.
+    gpu_from_uuid: bool = False
     queued: deque[Command] = field(default_factory=lambda: deque(maxlen=MAX_QUEUED_COMMANDS))
 
 
@@ -162,6 +169,7 @@ class LocalEndpoint:
         vanish_grace_s: float = VANISH_GRACE_S,
         tcp: TcpListen | None = None,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
+        gpu_inventory: GpuInventory | None = None,
     ) -> None:
         if path is None and tcp is None:
             raise ListenError("the local endpoint needs a socket path, a TCP listener, or both")
@@ -171,6 +179,7 @@ class LocalEndpoint:
         self._on_records = on_records
         self.vanish_grace_s = vanish_grace_s
         self.idle_timeout_s = idle_timeout_s
+        self._gpus = GpuPlacer(gpu_inventory)
         self._lock = threading.Lock()
         self._sessions: dict[int, Session] = {}
         self._conns: dict[int, socket.socket] = {}
@@ -484,7 +493,8 @@ class LocalEndpoint:
                             "Secret and set TRAINGUARD_AGENT_TOKEN_FILE (docs/kubernetes.md)"
                         ),
                     )
-            session.hello = message.model_copy(update={"token": ""})  # never kept
+            hello, session.gpu_from_uuid = self._gpus.place(message)
+            session.hello = hello.model_copy(update={"token": ""})  # never kept
             log.info(
                 "local client %d: job %s rank %d pid %d",
                 session.conn_id,
@@ -510,11 +520,100 @@ class LocalEndpoint:
             return LocalReply(ok=False, error=oversized)
         if message.closing or any(e.kind == "exited" for e in message.records.rank_events):
             session.said_goodbye = True
-        self._on_records(session, message.records, len(payload))
+        records = message.records
+        if session.gpu_from_uuid and session.hello.gpu_index is not None:
+            records = on_gpu(records, session.hello.gpu_index)
+        self._on_records(session, records, len(payload))
         with self._lock:
             commands = list(session.queued)
             session.queued.clear()
         return LocalReply(ok=True, commands=commands)
+
+
+class GpuPlacer:
+    """Ties a rank to this node's NVML index through its GPU's UUID.
+
+    A rank's own number is CUDA's, relative to the pod's ``CUDA_VISIBLE_DEVICES`` (the device
+    plugin's subset), or a launcher's guess; the agent's samples are keyed by the node's NVML
+    index. The UUID is the same for both, so when the hello names one of this node's GPUs its
+    index wins; a UUID not found here (a MIG instance: the inventory lists whole GPUs) leaves
+    the rank's number. Each case is logged once per job.
+    """
+
+    def __init__(self, inventory: GpuInventory | None) -> None:
+        self._inventory = inventory
+        self._said: set[tuple[str, str]] = set()
+
+    def place(self, hello: LocalHello) -> tuple[LocalHello, bool]:
+        """``hello`` with the index of the GPU its UUID names, and whether one was found."""
+        wanted = canonical_uuid(hello.gpu_uuid)
+        if not wanted or self._inventory is None:
+            return hello, False
+        index = self._by_uuid().get(wanted)
+        if index is None:
+            mig = wanted.startswith("mig-")
+            self._once(
+                hello,
+                "unknown",
+                "GPU UUID %s is %s; keeping GPU index %s (a launcher can set "
+                "TRAINGUARD_GPU_INDEX to the node's NVML index)",
+                hello.gpu_uuid,
+                "a MIG instance (the agent maps whole GPUs)" if mig else "not on this node",
+                hello.gpu_index,
+            )
+            return hello, False
+        if index != hello.gpu_index:
+            self._once(
+                hello,
+                "moved",
+                "says GPU %s, but its UUID %s is this node's GPU %d (CUDA numbers the "
+                "pod's GPUs, NVML the node's): using %d",
+                hello.gpu_index,
+                hello.gpu_uuid,
+                index,
+                index,
+            )
+        return hello.model_copy(update={"gpu_index": index}), True
+
+    def _by_uuid(self) -> dict[str, int]:
+        assert self._inventory is not None
+        try:
+            return {canonical_uuid(g.uuid): g.index for g in self._inventory()}
+        except Exception as exc:  # a hello must never fail on the inventory: keep the number
+            log.warning("GPU inventory unreadable for rank placement: %s", _exc_line(exc))
+            return {}
+
+    def _once(self, hello: LocalHello, kind: str, message: str, *args: object) -> None:
+        """Log ``message`` for the first rank of a job it applies to (the others are alike).
+        A moved index is the normal case on Kubernetes (info); an unknown UUID is not."""
+        if (hello.job, kind) in self._said:
+            return
+        if len(self._said) >= _PLACEMENT_LOG_JOBS:
+            self._said.clear()
+        self._said.add((hello.job, kind))
+        level = logging.INFO if kind == "moved" else logging.WARNING
+        log.log(
+            level, "job %s rank %d: " + message + " (once per job)", hello.job, hello.rank, *args
+        )
+
+
+def canonical_uuid(value: str) -> str:
+    """A GPU UUID in one spelling for matching: lower case, NVML's ``gpu-`` prefix added to
+    a bare 8-4-4-4-12 UUID (the form ``str()`` of torch's and Python's UUIDs takes)."""
+    text = value.strip().lower()
+    if len(text) == 36 and text.count("-") == 4 and not text.startswith(("gpu-", "mig-")):
+        return "gpu-" + text
+    return text
+
+
+def on_gpu(records: JobRecords, index: int) -> JobRecords:
+    """``records`` with the rank's steps and events on GPU ``index`` (the agent's number)."""
+    moved = {"gpu_index": index}
+    steps = [s if s.gpu_index == index else s.model_copy(update=moved) for s in records.steps]
+    events = [
+        e if e.gpu_index == index else e.model_copy(update=moved) for e in records.rank_events
+    ]
+    return records.model_copy(update={"steps": steps, "rank_events": events})
 
 
 def _peer_credentials(conn: socket.socket) -> tuple[int | None, int | None]:
@@ -580,7 +679,11 @@ __all__ = [
     "MAX_CLIENTS",
     "SOCKET_MODE",
     "VANISH_GRACE_S",
+    "GpuInventory",
+    "GpuPlacer",
     "LocalEndpoint",
     "Session",
+    "canonical_uuid",
+    "on_gpu",
     "process_state",
 ]

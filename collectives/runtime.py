@@ -32,6 +32,7 @@ from .config import InstrumentConfig, config_from_env
 from .control import CheckpointCallback, Control
 from .errors import CollectivesConfigError, FaultSpecError, NotInstrumentedError
 from .faults import Fault, FaultInjector, injector_from_env
+from .gpu_identity import gpu_index, gpu_uuid
 from .outbox import Outbox
 from .probe import late_results, probe_device, probe_group, run_probe
 from .recorder import STEP_MAX, Recorder, StepNumbering
@@ -50,19 +51,6 @@ _session_lock = threading.Lock()
 _DRAIN_S = 0.5
 
 
-def _gpu_index() -> int | None:
-    """The NVML index of this rank's GPU, which the node agent's samples are keyed by.
-
-    A launcher that knows it says so in ``TRAINGUARD_GPU_INDEX`` (CUDA's device number is
-    relative to ``CUDA_VISIBLE_DEVICES`` and need not match NVML's); otherwise the current
-    CUDA device; on CPU, none.
-    """
-    given = os.environ.get("TRAINGUARD_GPU_INDEX", "")
-    if given.isdigit():
-        return int(given)
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
-
-
 class Session:
     def __init__(self, cfg: InstrumentConfig, faults: Sequence[Fault] | None = None) -> None:
         self.cfg = cfg
@@ -70,7 +58,10 @@ class Session:
         self.world_size = dist.get_world_size()
         local = os.environ.get("LOCAL_RANK")
         self.local_rank = int(local) if local and local.isdigit() else None
-        self.gpu_index = _gpu_index()
+        # The NVML index this rank claims, and the UUID the agent corrects that claim from
+        # (CUDA's numbering is the pod's, not the node's: see gpu_identity).
+        self.gpu_index = gpu_index()
+        self.gpu_uuid = gpu_uuid()
         self.outbox = Outbox(cfg.max_pending_records)
         self.recorder = Recorder(
             cfg,
@@ -109,6 +100,7 @@ class Session:
             pid=os.getpid(),
             local_rank=self.local_rank,
             gpu_index=self.gpu_index,
+            gpu_uuid=self.gpu_uuid,
             pod=self.pod,
             namespace=self.namespace,
         )

@@ -901,7 +901,22 @@ class LocalHello(WireModel):
     world_size: Annotated[int, Field(ge=1, le=limits.INT32_MAX)]
     pid: Rank
     local_rank: Rank | None = None
-    gpu_index: Index | None = None
+    gpu_index: Index | None = Field(
+        default=None,
+        description=(
+            "NVML index the rank claims (TRAINGUARD_GPU_INDEX, else CUDA's device number, "
+            "which is relative to CUDA_VISIBLE_DEVICES); gpu_uuid wins over it at the agent"
+        ),
+    )
+    gpu_uuid: str = Field(
+        default="",
+        max_length=96,
+        pattern=NO_NUL,
+        description=(
+            "NVML UUID of the rank's device (GPU-... or MIG-...; empty on CPU or from an "
+            "older rank): the agent maps it to its own NVML index"
+        ),
+    )
     pod: str = Field(
         default="",
         max_length=253,

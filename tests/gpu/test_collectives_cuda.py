@@ -158,3 +158,27 @@ def test_a_coalesced_block_is_timed_as_one_collective() -> None:
     broadcasts = [c for c in calls if c.op == "broadcast"]
     assert broadcasts[0].events == broadcasts[1].events  # the block's two marks
     assert all(c.events is not None and c.blocked_s > 0 for c in calls)
+
+
+@pytest.mark.usefixtures("nccl_rank")
+def test_the_rank_sends_nvmls_uuid_of_its_gpu() -> None:
+    """The hello's ``gpu_uuid`` is NVML's UUID of the GPU the rank runs on (the same board:
+    same PCI address), so the agent can map it to the node's NVML index (CUDA's device
+    number is relative to ``CUDA_VISIBLE_DEVICES``)."""
+    pynvml = pytest.importorskip("pynvml")
+    session = _session()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(session.gpu_uuid)
+        nvml_uuid = pynvml.nvmlDeviceGetUUID(handle)
+        pci = pynvml.nvmlDeviceGetPciInfo(handle)
+    finally:
+        pynvml.nvmlShutdown()
+    if isinstance(nvml_uuid, bytes):
+        nvml_uuid = nvml_uuid.decode()
+    assert session.client.hello.gpu_uuid == session.gpu_uuid
+    assert session.gpu_uuid.lower() == nvml_uuid.lower()  # NVML: GPU-<lower-case hex>
+    bus = getattr(props, "pci_bus_id", None)  # torch's stubs do not list the PCI fields
+    if bus is not None:
+        assert (pci.bus, pci.device) == (bus, getattr(props, "pci_device_id", pci.device))
