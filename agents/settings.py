@@ -212,10 +212,16 @@ class AgentSettings(BaseSettings):
     @field_validator("controller_url")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:
-        if value is None or value == "":
+        """Surrounding whitespace dropped (a value from a ConfigMap or file ends in a newline);
+        inside, the whole URL must be printable with no space: a ``\\n`` or a space passed a
+        prefix check and then failed in httpx when the agent started (``InvalidURL``)."""
+        if value is None or not value.strip():
             return None
-        if not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError("must start with http:// or https:// followed by a host")
+        value = value.strip()
+        if not value.isprintable() or not re.fullmatch(r"https?://[^/\s]+(?:/\S*)?", value):
+            raise ValueError(
+                "must be http:// or https:// followed by a host (no spaces or control characters)"
+            )
         return value.rstrip("/")
 
     @field_validator("token")
@@ -270,7 +276,7 @@ class AgentSettings(BaseSettings):
     @field_validator("node_name")
     @classmethod
     def _check_node_name(cls, value: str) -> str:
-        if not _NAME_RE.match(value):
+        if not _NAME_RE.fullmatch(value):
             raise ValueError(
                 "must be a lower-case RFC 1123 name (a-z, 0-9, '-', '.'; start and end "
                 "alphanumeric)"

@@ -128,7 +128,7 @@ class Spool:
             if not isinstance(raw, dict):
                 raise ValueError(f"not an object: {type(raw).__name__}")
             instance = raw.get("agent_instance")
-            if not isinstance(instance, str) or not _INSTANCE_RE.match(instance):
+            if not isinstance(instance, str) or not _INSTANCE_RE.fullmatch(instance):
                 raise ValueError(f"agent_instance {instance!r:.80} is not 1-64 characters")
             state = SpoolState(
                 agent_instance=instance,
@@ -154,7 +154,7 @@ class Spool:
         if path.name.startswith(".") and path.name.endswith(".tmp"):
             path.unlink(missing_ok=True)  # a write that never reached its rename
             return
-        match = _REPORT_RE.match(path.name)
+        match = _REPORT_RE.fullmatch(path.name)
         if not match:
             self._quarantine(path, "unexpected file name")
             return

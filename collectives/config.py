@@ -170,7 +170,7 @@ def parse_agent_addr(addr: str) -> tuple[str, int]:
 
 
 def validate_job_name(job: str) -> str:
-    if not isinstance(job, str) or not _NAME_RE.match(job) or len(job) > 253:
+    if not isinstance(job, str) or not _NAME_RE.fullmatch(job) or len(job) > 253:
         raise CollectivesConfigError(
             f"job name {job!r} is not a lowercase RFC 1123 name (a-z, 0-9, '-', '.'); "
             f"pass instrument(job=...) or set {ENV_JOB}"

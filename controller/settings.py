@@ -61,6 +61,21 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
+def check_token_name(name: str) -> str:
+    """``name`` when every character is printable (no control, format, separator or
+    unassigned code point; ASCII space allowed inside) and it has no space at either end."""
+    for i, char in enumerate(name):
+        if not char.isprintable():
+            raise ValueError(
+                f"token name: character U+{ord(char):04X} at position {i} is not printable "
+                "(control, bidi or zero-width characters are refused); use letters, digits, "
+                "'-', '_' or '.'"
+            )
+    if name != name.strip():
+        raise ValueError("token name: must not start or end with a space")
+    return name
+
+
 def default_database_url() -> str:
     """SQLite file in the user's data dir: the embedded default needs no server."""
     return f"sqlite:///{Path(platformdirs.user_data_dir('trainguard')) / 'trainguard.db'}"
@@ -75,6 +90,7 @@ class TokenConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    #: Shown in logs, audit rows (an action's ``trigger``) and the CLI: printable only.
     name: str = Field(min_length=1, max_length=64)
     role: Role
     # Printable ASCII without spaces: the token travels in an ``Authorization`` header,
@@ -84,10 +100,19 @@ class TokenConfig(BaseModel):
     token: str | None = Field(default=None, min_length=1, repr=False, pattern=r"^[!-~]+$")
     sha256: str | None = Field(default=None, repr=False)
 
+    @field_validator("name")
+    @classmethod
+    def _printable_name(cls, value: str) -> str:
+        """Refuse names a log line, an audit row or a terminal would show wrongly: a newline
+        forges a log line, a U+202E (right-to-left override) or a zero-width character makes
+        ``ops`` and another name look alike. The message gives the code point, not the name,
+        so a secret pasted into the wrong field is not echoed."""
+        return check_token_name(value)
+
     @field_validator("sha256")
     @classmethod
     def _hex_digest(cls, value: str | None) -> str | None:
-        if value is not None and not _SHA256_RE.match(value.lower()):
+        if value is not None and not _SHA256_RE.fullmatch(value.lower()):
             raise ValueError("sha256 must be 64 hex characters (sha256sum of the token)")
         return None if value is None else value.lower()
 

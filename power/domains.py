@@ -239,7 +239,7 @@ def _parse(
         if key not in raw:
             raise ConfigError(f"{path}.{key}: required")
     name = raw["name"]
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ConfigError(
             f"{path}.name: must be a lowercase DNS-style name (a-z, 0-9, '-', '.'), got {name!r}"
         )

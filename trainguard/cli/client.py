@@ -96,7 +96,7 @@ def node_name(value: str) -> str:
     every command that names a node asks it. What passes is one path segment as it is
     (letters, digits, '-' and '.' need no quoting, and '.' or '..' do not pass)."""
     segment(value, "node name")
-    if len(value) > 253 or not _NODE_NAME.match(value):
+    if len(value) > 253 or not _NODE_NAME.fullmatch(value):
         raise BadInput(
             f"invalid node name {replies.printable(repr(value), 80)}: expected a lowercase "
             "DNS name (a-z, 0-9, '-' and '.', starting and ending with a letter or digit, "

@@ -13,6 +13,7 @@ Server text that reaches the terminal goes through :func:`printable` first.
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
@@ -123,24 +124,53 @@ _ESCAPES = re.compile(
 )
 _CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _CONTROLS_BUT_LINES = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+#: Any character outside printable ASCII: only these can be invisible (below).
+_NON_ASCII = re.compile(r"[^\x20-\x7e]")
+#: Unicode categories that draw nothing yet change what a terminal shows: format characters
+#: (Cf: bidi overrides and isolates U+202A-202E, U+2066-2069, marks U+200E/U+200F, zero-width
+#: U+200B-200D, U+2060, U+FEFF, ...), line/paragraph separators and lone surrogates (which
+#: cannot even be written to a UTF-8 stdout: a traceback instead of a table).
+_INVISIBLE_CATEGORIES = frozenset({"Cf", "Zl", "Zp", "Cs"})
+#: Letters that render as blank space (Hangul fillers): padding that looks like nothing.
+_BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0")
 
 #: How much of a server's error text is shown.
 MAX_SERVER_TEXT = 300
 
 
+def _shown(match: re.Match[str]) -> str:
+    """One non-ASCII character as it may reach a terminal: itself, or ``\\uXXXX`` when it
+    draws nothing but reorders or hides what follows (a U+202E in a hostname flips the
+    rest of its table row on screen; a zero-width space makes two names look alike)."""
+    char = match.group()
+    if unicodedata.category(char) in _INVISIBLE_CATEGORIES or char in _BLANK_LETTERS:
+        return f"\\u{ord(char):04x}" if ord(char) <= 0xFFFF else f"\\U{ord(char):08x}"
+    return char
+
+
+def visible(text: str) -> str:
+    """``text`` with every invisible or bidi-reordering character escaped as ``\\uXXXX``,
+    so what the terminal shows is what the server holds. ASCII text passes untouched
+    (the common case costs one regex scan)."""
+    return _NON_ASCII.sub(_shown, text)
+
+
 def without_escapes(text: str) -> str:
     """``text`` without escape sequences and control characters, line breaks kept (an
-    error message that carries a log tail keeps its lines)."""
-    return _CONTROLS_BUT_LINES.sub(" ", _ESCAPES.sub("", text))
+    error message that carries a log tail keeps its lines); invisible characters are
+    escaped (:func:`visible`)."""
+    return visible(_CONTROLS_BUT_LINES.sub(" ", _ESCAPES.sub("", text)))
 
 
 def printable(text: str, limit: int | None = MAX_SERVER_TEXT) -> str:
     """``text`` safe to print on a terminal: escape sequences and control characters gone,
     whitespace runs as one space, at most ``limit`` characters (then ``...``). Text from a
     server (an error body, a proxy's page) must not move the cursor, retitle the window or
-    fill the screen. ``limit=None``: no cap."""
+    fill the screen. Invisible and bidi characters are escaped (:func:`visible`), so a
+    stored label or hostname cannot reorder or hide part of a table row or a detail view
+    (every cell goes through here: ``output.cell``). ``limit=None``: no cap."""
     cleaned = _CONTROLS.sub(" ", _ESCAPES.sub("", text))
-    cleaned = " ".join(cleaned.split())
+    cleaned = visible(" ".join(cleaned.split()))
     if limit is None or len(cleaned) <= limit:
         return cleaned
     return cleaned[: limit - 3].rstrip() + "..."
@@ -158,5 +188,6 @@ __all__ = [
     "Status",
     "printable",
     "problem",
+    "visible",
     "without_escapes",
 ]

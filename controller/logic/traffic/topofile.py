@@ -245,7 +245,7 @@ def topology_from_labels(labels: Mapping[str, Mapping[str, str]], fabric: LabelF
                 )
         nics: dict[int, NicSpec] = {}
         for key, value in mine.items():
-            m = _NIC_LABEL.match(key)
+            m = _NIC_LABEL.fullmatch(key)
             if not m:
                 raise TopologyError(f"node {node!r}: unknown label {LABEL_PREFIX}{key}")
             leaves = [v.strip() for v in value.split(",")]

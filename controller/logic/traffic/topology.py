@@ -87,7 +87,7 @@ class PortRef:
 
 
 def _check_name(kind: str, name: str) -> None:
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise TopologyError(
             f"{kind} name {name!r} is invalid: use 1-128 letters, digits, '.', '_', ':' or '-'"
         )

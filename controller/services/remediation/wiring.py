@@ -96,7 +96,7 @@ class LocalJob(BaseModel):
         if value is None:
             return value
         names = value if isinstance(value, list) else [value]
-        bad = [n for n in names if not (isinstance(n, str) and _NAME_RE.match(n))]
+        bad = [n for n in names if not (isinstance(n, str) and _NAME_RE.fullmatch(n))]
         if bad:
             raise ValueError(
                 "not a Kubernetes name (lower-case a-z, 0-9, '-', '.'; at most 253 "
