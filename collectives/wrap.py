@@ -213,7 +213,12 @@ class Instrumenter:
         self.groups.world()
         self.functional.install()
         for name, spec in OPS.items():
-            original = getattr(c10d, name)
+            original = getattr(c10d, name, None)
+            if original is None:
+                # An op this torch release does not have (``all_gather_single`` and
+                # ``reduce_scatter_single`` are newer than 2.11, which the declared range
+                # covers): a job cannot call it, so there is nothing to wrap.
+                continue
             self.originals[name] = original
             wrapper = self._make_wrapper(name, spec, original)
             self._wrappers[name] = wrapper
