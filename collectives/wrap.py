@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from . import finite
 from .coalesce import FAST_PATH, Block
 from .faults import FaultInjector
 from .functional import FunctionalHooks
@@ -200,6 +201,8 @@ class Instrumenter:
         self._rebound: list[tuple[Any, str, Any]] = []
         self._sleep = sleep
         self.check_nonfinite = recorder.cfg.check_nonfinite
+        #: Devices whose NaN/Inf check already ran once (:func:`.finite.warm_up`).
+        self._warm: set[torch.device] = set()
         self.nonfinite_min_bytes = recorder.cfg.nonfinite_check_min_bytes
 
     def _new_group(self, info: GroupInfo) -> None:
@@ -373,6 +376,14 @@ class Instrumenter:
         if clock is not None and first is not None:
             tensor = _first_tensor(first)
             timed = tensor is not None and (not self._device_only or _on_gpu(tensor))
+            if (
+                timed
+                and tensor is not None
+                and self.check_nonfinite
+                and tensor.device not in self._warm
+            ):
+                self._warm.add(tensor.device)  # once per device: never inside a later step
+                finite.warm_up(tensor, clock)
         # After the injector (a ``nan`` fault poisons the input there), before the call.
         check = (
             spec.reduces
