@@ -7,6 +7,8 @@ the durable action log, with bounded queries on indexed columns (``trigger``,
 
 * :func:`incident_actions`: the rows of the open incidents (decided ones are never acted on
   twice; a ``pending`` row is a step its leader was inside when it went away);
+* :func:`refused_companions`: open incidents a remediation batched with its own whose
+  isolation the budget refused (their row is under that remediation's trigger, not theirs);
 * :func:`restarts`: recent ``restart_job`` rows, which refill the per-job restart budget
   (so the rate limit survives a failover) and say each job's original size (for grow-back);
 * :func:`interrupted_grows`: grow-back rows left ``pending``, closed by the new leader;
@@ -33,7 +35,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, exists, func, select
 from sqlalchemy.orm import Session, aliased
 
-from controller.db.models import Action, Checkpoint, Job
+from controller.db.models import Action, Checkpoint, Incident, Job
 from controller.logic.remediation.goodput import GoodputLedger
 from controller.logic.remediation.params import GoodputFacts
 
@@ -82,6 +84,54 @@ def incident_actions(session: Session, incident_ids: list[int]) -> list[Incident
             except (IndexError, ValueError):
                 continue
             rows.append(IncidentAction(action_id, incident_id, kind, status, params or {}))
+    return sorted(rows, key=lambda r: r.id)
+
+
+#: The parameter of a budget's refusal to isolate a companion node (``steps/batch.py``):
+#: the ids of that node's incidents, decided with the refusal, not acted on again.
+REFUSED_INCIDENTS = "refused_incidents"
+#: Status of the rows :func:`refused_companions` returns: never a step left ``pending``.
+BATCHED = "batched"
+
+
+def refused_companions(session: Session, incident_ids: list[int]) -> list[IncidentAction]:
+    """One row per open incident in ``incident_ids`` that a budget's refusal to isolate its
+    node as a companion decided (status :data:`BATCHED`, the refusal's id, kind and
+    parameters), oldest first.
+
+    The refusal's row is under the first incident's trigger, which :func:`incident_actions`
+    reads only while that incident is open, so it is looked for among the skipped
+    isolations written since the oldest of ``incident_ids`` opened (none is older)."""
+    wanted = set(incident_ids)
+    oldest: float | None = None
+    for start in range(0, len(incident_ids), BATCH):
+        chunk = incident_ids[start : start + BATCH]
+        found = session.execute(
+            select(func.min(Incident.opened_unix_s)).where(Incident.id.in_(chunk))
+        ).scalar()
+        if found is not None:
+            oldest = float(found) if oldest is None else min(oldest, float(found))
+    if oldest is None:
+        return []
+    query = (
+        select(Action.id, Action.kind, Action.params)
+        .where(
+            Action.created_unix_s >= oldest,
+            Action.kind == "isolate_node",
+            Action.status == "skipped",
+            Action.trigger.like("incident:%"),
+        )
+        .order_by(Action.id.desc())
+        .limit(ISOLATION_ROWS)
+    )
+    rows: list[IncidentAction] = []
+    for action_id, kind, params in session.execute(query):
+        named = params.get(REFUSED_INCIDENTS) if isinstance(params, dict) else None
+        if not isinstance(named, list):
+            continue
+        for incident_id in named:
+            if isinstance(incident_id, int) and incident_id in wanted:
+                rows.append(IncidentAction(action_id, incident_id, kind, BATCHED, params))
     return sorted(rows, key=lambda r: r.id)
 
 

@@ -53,7 +53,9 @@ class History:
 
 def read_history(session: Session, incident_ids: list[int], since: float) -> History:
     """Only open incidents are ever considered, so only their actions are read (``since``:
-    how far back interrupted grow-backs are looked for)."""
+    how far back interrupted grow-backs are looked for): those under their own triggers,
+    then a budget's refusals of companion nodes naming them (``steps/batch.py``), which
+    decide them too (after a trigger's own rows: a ``pending`` row is resumed as its own)."""
     restarts = history.restarts(session)
     jobs = sorted({r.job for r in restarts if "goodput" in r.params})
     newest: dict[str, tuple[history.RestartRow, float]] = {}
@@ -62,7 +64,8 @@ def read_history(session: Session, incident_ids: list[int], since: float) -> His
         if row is not None:
             newest[job] = (row, history.remediation_started(session, row))
     return History(
-        actions=history.incident_actions(session, incident_ids),
+        actions=history.incident_actions(session, incident_ids)
+        + history.refused_companions(session, incident_ids),
         restarts=restarts,
         grows=history.interrupted_grows(session, since),
         starts=history.job_starts(session, jobs),

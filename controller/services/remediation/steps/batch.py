@@ -17,7 +17,13 @@ same guard rails as the culprit's (its rule's ``isolate_when``, the circuit brea
 quarantine budget); a companion the budget refuses stays in the job, and its incidents are
 decided as ``batched, isolation refused`` (:func:`refused`): they stay open for a human
 (the budget's own incident says why), and are not acted on again, which would only restart
-the job onto the same nodes, once per incident, until the rate limit.
+the job onto the same nodes, once per incident, until the rate limit. The refusal's
+``isolate_node`` row (under the first incident's trigger) names them in its
+``refused_incidents`` parameter (:func:`refusal_params`), so a new leader, after a failover
+or a restart, decides them too
+(:func:`~controller.services.remediation.history.refused_companions`) instead of acting on
+each again. An isolated companion's incidents need no such mark: whichever leader sees the
+job resume absorbs them as covered (the restart's row says where the job went).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 from controller.logic.detection.c4d.job_evidence import NonfiniteEvidence
 from controller.logic.remediation import guards
 from controller.logic.remediation.rules import Rule, Step
+from controller.services.remediation.history import REFUSED_INCIDENTS
 from controller.services.remediation.records import (
     HARDWARE_KINDS,
     Remediation,
@@ -108,6 +115,15 @@ def _would_act(ctx: StepContext, incident: IncidentState, now: float) -> bool:
 def rule_of(ctx: StepContext, incident: IncidentState) -> Rule | None:
     """The rule in force for ``incident`` (its ``isolate_when`` guards its isolation)."""
     return ctx.policy.rule_for(incident.kind, incident.severity)
+
+
+def refusal_params(rem: Remediation, batched: list[int] | None) -> dict[str, list[int]]:
+    """The parameters of a budget's refusal to isolate a companion node whose incidents are
+    ``batched``: their ids, which :func:`refused` decides, for a new leader to read back
+    (nothing for the culprit's own refusal, or a dry run's, which decides nothing)."""
+    if not batched or rem.dry_run:
+        return {}
+    return {REFUSED_INCIDENTS: list(batched)}
 
 
 def refused(ctx: StepContext, incidents: list[IncidentState]) -> None:

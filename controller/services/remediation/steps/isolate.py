@@ -278,7 +278,8 @@ class Isolate:
         for other, incidents in also.items():
             first = incidents[0]
             own_rule = batch.rule_of(ctx, first) or rule
-            done, said = await self._one(ctx, rem, first, own_rule, other)
+            ids = [i.id for i in incidents]
+            done, said = await self._one(ctx, rem, first, own_rule, other, batched=ids)
             rem.batch.append(other)
             state = ctx.state.nodes.get(other)
             if not done and not rem.dry_run and (state is None or state.isolated_reason is None):
@@ -287,9 +288,17 @@ class Isolate:
         return ok, outcome[:2000]
 
     async def _one(
-        self, ctx: StepContext, rem: Remediation, incident: IncidentState, rule: Rule, node: str
+        self,
+        ctx: StepContext,
+        rem: Remediation,
+        incident: IncidentState,
+        rule: Rule,
+        node: str,
+        *,
+        batched: list[int] | None = None,
     ) -> StepResult:
-        """Isolate ``node``, the culprit of ``incident``, as ``rule`` allows."""
+        """Isolate ``node``, the culprit of ``incident``, as ``rule`` allows (``batched``: a
+        companion's incidents, named by a budget's refusal: :func:`batch.refused`)."""
         record = ctx.recorder.record
         kind = self.action_kind
         now = time.time()
@@ -324,10 +333,15 @@ class Isolate:
             await record(incident, rem, kind, node, {}, "skipped", outcome)
             return True, outcome
         async with node_lock(ctx, node):
-            return await self._isolate(ctx, rem, incident, node)
+            return await self._isolate(ctx, rem, incident, node, batched)
 
     async def _isolate(
-        self, ctx: StepContext, rem: Remediation, incident: IncidentState, node: str
+        self,
+        ctx: StepContext,
+        rem: Remediation,
+        incident: IncidentState,
+        node: str,
+        batched: list[int] | None,
     ) -> StepResult:
         """Under the node's lock: what another remediation stored meanwhile is seen."""
         record = ctx.recorder.record
@@ -341,7 +355,7 @@ class Isolate:
         # One budget check at a time, until its isolation's ``pending`` row is written:
         # two remediations isolating two nodes at once each see the other's.
         async with budget_lock(ctx):
-            refused = await self._over_budget(ctx, rem, incident, node)
+            refused = await self._over_budget(ctx, rem, incident, node, batched)
             if refused is not None:
                 return False, refused
             if rem.dry_run:
@@ -374,7 +388,12 @@ class Isolate:
         return ok, outcome
 
     async def _over_budget(
-        self, ctx: StepContext, rem: Remediation, incident: IncidentState, node: str
+        self,
+        ctx: StepContext,
+        rem: Remediation,
+        incident: IncidentState,
+        node: str,
+        batched: list[int] | None,
     ) -> str | None:
         """Why isolating ``node`` would overspend the circuit breaker or the quarantine
         budget (its ``skipped`` row written, and the budget incident raised), or ``None``.
@@ -401,8 +420,9 @@ class Isolate:
             guards=g,
             history=history,
         )
+        said = batch.refusal_params(rem, batched)
         if refused is not None:
-            await record(incident, rem, self.action_kind, node, {}, "skipped", refused)
+            await record(incident, rem, self.action_kind, node, said, "skipped", refused)
             if ctx.incidents is not None and not rem.dry_run:
                 counted, _ = guards.isolated_in_window(
                     isolated_since, history, now_unix_s=now, window_s=g.isolation_window_s
@@ -420,7 +440,7 @@ class Isolate:
         budget = quarantine_refusal(ctx.state, node, ctx.partition, now=now, history=history)
         if budget is not None and not rem.dry_run:
             message, evidence = budget
-            await record(incident, rem, self.action_kind, node, {}, "skipped", message)
+            await record(incident, rem, self.action_kind, node, said, "skipped", message)
             if ctx.incidents is not None:
                 await raise_budget_incident(ctx.incidents, message, evidence)
             return message
