@@ -100,6 +100,13 @@ def check_fence(root: Path, run_id: str, what: str) -> None:
         )
 
 
+def check_fences(roots: tuple[Path, ...], run_id: str, what: str) -> None:
+    """:func:`check_fence` on each of ``roots``: a mirror copy stops when another run has
+    claimed either the mirror or the local root it copies from (see ``_persist``)."""
+    for root in roots:
+        check_fence(root, run_id, what)
+
+
 #: What a run id derived from the launcher's environment is made of (:func:`default_run_id`,
 #: and ``torchelastic-start<ns>-`` for the one a multi-node torchrun agrees on, ``_runid``).
 _DERIVED = re.compile(r"^(?:trainguard-gen(\d+))?/?(?:torchelastic-(restart|start)(\d+)-(.*))?$")
@@ -184,14 +191,19 @@ def join_fence(root: Path, run_id: str, *, claim: bool, timeout_s: float, what: 
         write_fence(root, run_id)
 
 
-def claim_quietly(root: Path, run_id: str) -> None:
-    """Rank 0's restore claims the root (a zombie writer stops before this run saves);
-    a claim that fails (a read-only root, a later start's fence) must not fail the
-    restore: the first save claims again, and says why it cannot."""
-    try:
-        join_fence(root, run_id, claim=True, timeout_s=0.0, what=f"{root}: not claimed")
-    except (OSError, CheckpointSupersededError) as exc:
-        log.warning("checkpoint root %s not claimed for run %r: %s", root, run_id, exc)
+def claim_quietly(root: Path, run_id: str, mirror: str | Path | None = None) -> None:
+    """Rank 0's restore claims the root (a zombie writer stops before this run saves),
+    and the ``mirror`` tier too when there is one (a zombie on another node's disk copies
+    into the same mirror, and only the mirror's fence can stop it there); a claim that
+    fails (a read-only root, a later start's fence) must not fail the restore: the first
+    save claims again, and says why it cannot."""
+    for where in (root, *([Path(mirror)] if mirror else [])):
+        try:
+            if where is not root:  # the engine made the root; the mirror may not exist yet
+                where.mkdir(parents=True, exist_ok=True)
+            join_fence(where, run_id, claim=True, timeout_s=0.0, what=f"{where}: not claimed")
+        except (OSError, CheckpointSupersededError) as exc:
+            log.warning("checkpoint root %s not claimed for run %r: %s", where, run_id, exc)
 
 
 def write_rank_manifest(step_dir: Path, manifest: RankManifest) -> None:
@@ -229,14 +241,17 @@ def commit(
     timeout_s: float,
     poll_s: float = 0.05,
     run_id: str = "",
+    fenced_by: tuple[Path, ...] = (),
 ) -> Manifest:
     """Rank 0: wait for every rank's part, then write ``MANIFEST.json`` and move ``latest``.
 
     Waits on files rather than a collective because it runs off the training thread, where
     a collective would race the trainer's own calls on the same process group. With a
     ``run_id``, a part written by another run counts as not there yet (this run's part will
-    replace it), and a fence naming another run stops the commit (module docstring).
+    replace it), and a fence naming another run stops the commit (module docstring), in
+    ``root`` or in one of ``fenced_by`` (the mirror's commit: the local root too).
     """
+    fences = (root, *fenced_by)
     step_dir = root / step_dir_name(step)
     deadline = time.monotonic() + timeout_s
     records: dict[int, RankRecord] = {}
@@ -257,7 +272,7 @@ def commit(
             # A newer run that claimed the root will never supply this run's missing
             # parts: stop now, not at the timeout (a surviving writer would otherwise hold
             # its host buffer, and its process, for the whole commit_timeout_s).
-            check_fence(root, run_id, f"{step_dir}: not committed")
+            check_fences(fences, run_id, f"{step_dir}: not committed")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(records))
                 raise CheckpointIncompleteError(
@@ -266,9 +281,9 @@ def commit(
                 )
             time.sleep(poll_s)
     manifest = build_manifest(step, world_size, layout, records)
-    check_fence(root, run_id, f"{step_dir}: not committed")
+    check_fences(fences, run_id, f"{step_dir}: not committed")
     write_atomic(step_dir / MANIFEST_NAME, to_json_bytes(manifest))
-    check_fence(root, run_id, f"{step_dir}: committed, latest not moved")
+    check_fences(fences, run_id, f"{step_dir}: committed, latest not moved")
     try:
         write_latest(root, step)
     except OSError as exc:

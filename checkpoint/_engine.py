@@ -549,7 +549,7 @@ class Checkpointer:
         With an ``object_store`` the nearest good copy is used: local first, then the
         bucket's (downloaded and checksummed), newest step first."""
         if self.rank == 0 or not self.config.shared_root:  # this run takes over the root
-            claim_quietly(self.root, self.run_id)
+            claim_quietly(self.root, self.run_id, None if self.rank else self.config.mirror_root)
         if self.config.object_store is not None:
             restored, choice = load_nearest(
                 self.root,

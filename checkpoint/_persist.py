@@ -22,6 +22,8 @@ from checkpoint._commit import (
     apply_part_retention,
     apply_retention,
     check_fence,
+    check_fences,
+    claim_quietly,
     commit,
     join_fence,
     new_rank_manifest,
@@ -35,7 +37,7 @@ from checkpoint._write import (
     gaps_are_zero,
     write_atomic,
 )
-from checkpoint.errors import CheckpointWriteError
+from checkpoint.errors import CheckpointSupersededError, CheckpointWriteError
 from checkpoint.manifest import (
     DEFAULT_CHUNK_BYTES,
     DataFileInfo,
@@ -128,6 +130,8 @@ def persist_part(
     if job.first:  # node-local roots: no rank 0 there, each rank claims its own
         claim = job.rank == 0 or not job.local_commit
         join_fence(root, job.run_id, claim=claim, timeout_s=job.commit_timeout_s, what=what)
+        if job.mirror_root and job.rank == 0:  # the mirror's one claimant (see mirror_part)
+            claim_quietly(root, job.run_id, job.mirror_root)
     check_fence(root, job.run_id, what)
     step_dir.mkdir(parents=True, exist_ok=True)
     # The new directory's entry in root must be durable before this part counts as durable;
@@ -180,6 +184,11 @@ def persist_part(
     if job.mirror_root:
         try:
             mirror_part(job, Path(job.mirror_root))
+        except CheckpointSupersededError as exc:  # a zombie: stopped, not a failing mirror
+            raise CheckpointSupersededError(
+                f"step {job.step} rank {job.rank}: committed locally, not copied to "
+                f"{job.mirror_root}: {exc}"
+            ) from exc
         except Exception as exc:
             raise CheckpointWriteError(
                 f"step {job.step} rank {job.rank}: committed locally, copy to "
@@ -294,19 +303,37 @@ def mirror_part(job: PersistJob, mirror: Path) -> None:
 
     The rank manifest is copied byte for byte, so the mirror's MANIFEST.json pins the same
     SHA-256 and the copy is verified by the same CRCs when read.
+
+    The mirror is fenced like the root: rank 0 claims it with the root (restore, first
+    save) and every step here re-checks both fences right before it replaces anything.
+    A zombie of the previous start (its writer outlives its trainer; its node may be
+    partitioned, not dead) would otherwise finish its copy after the new start mirrored
+    the same step and rename its files over the new ones, or commit its abandoned step as
+    the mirror's newest and let its retention delete the new start's mirrored steps. The
+    local root's fence alone cannot stop it when the new start runs on another node's disk.
     """
+    fences = (Path(job.root), mirror)
+    what = f"{mirror / step_dir_name(job.step)}: not copied"
+    if job.first and job.rank != 0:  # wait for rank 0's claim, as on the root
+        join_fence(mirror, job.run_id, claim=False, timeout_s=job.commit_timeout_s, what=what)
+    check_fences(fences, job.run_id, what)
     src = Path(job.root) / step_dir_name(job.step)
     dst = mirror / step_dir_name(job.step)
     dst.mkdir(parents=True, exist_ok=True)
     fsync_dir(mirror)
     data = src / rank_data_name(job.rank)
     tmp = dst / f".{data.name}.tmp-{os.getpid()}"
-    with open(data, "rb") as fin, open(tmp, "wb") as fout:
-        shutil.copyfileobj(fin, fout, WRITE_SLICE_BYTES)
-        fout.flush()
-        os.fsync(fout.fileno())
-    os.replace(tmp, dst / data.name)
+    try:
+        with open(data, "rb") as fin, open(tmp, "wb") as fout:
+            shutil.copyfileobj(fin, fout, WRITE_SLICE_BYTES)
+            fout.flush()
+            os.fsync(fout.fileno())
+        check_fences(fences, job.run_id, what)  # the copy took seconds to minutes
+        os.replace(tmp, dst / data.name)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after the rename; a stopped copy's is removed
     manifest = rank_manifest_name(job.rank)
+    check_fences(fences, job.run_id, what)
     write_atomic(dst / manifest, (src / manifest).read_bytes())
     if job.rank == 0:
         commit(
@@ -316,5 +343,7 @@ def mirror_part(job: PersistJob, mirror: Path) -> None:
             layout=job.layout,
             timeout_s=job.commit_timeout_s,
             run_id=job.run_id,
+            fenced_by=(Path(job.root),),
         )
+        check_fences(fences, job.run_id, f"{dst}: committed, older steps not removed")
         apply_retention(mirror, keep_last=job.keep_last, newest_committed=job.step)
