@@ -28,7 +28,7 @@ from checkpoint._reshard import FragmentIndex, consolidate, identity_map
 from checkpoint._snapshot import TensorRef
 from checkpoint._store import CheckpointReader, CheckpointStore, PassedOver
 from checkpoint._validate import DTYPE_BYTES
-from checkpoint._write import DataFileWriter, fsync_dir
+from checkpoint._write import DataFileWriter, fsync_dir, tmp_name
 from checkpoint.errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
@@ -230,7 +230,7 @@ def to_safetensors(
         header["__metadata__"] = {"step": str(reader.step)}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        tmp = tmp_name(out)
         try:
             with open(tmp, "wb") as fh:
                 fh.write(struct.pack("<Q", len(raw)))

@@ -35,6 +35,7 @@ from checkpoint._write import (
     aborted_on_error,
     fsync_dir,
     gaps_are_zero,
+    tmp_name,
     write_atomic,
 )
 from checkpoint.errors import CheckpointSupersededError, CheckpointWriteError
@@ -322,7 +323,7 @@ def mirror_part(job: PersistJob, mirror: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     fsync_dir(mirror)
     data = src / rank_data_name(job.rank)
-    tmp = dst / f".{data.name}.tmp-{os.getpid()}"
+    tmp = tmp_name(dst / data.name)
     try:
         with open(data, "rb") as fin, open(tmp, "wb") as fout:
             shutil.copyfileobj(fin, fout, WRITE_SLICE_BYTES)

@@ -42,6 +42,7 @@ import ctypes
 import errno
 import hashlib
 import os
+import secrets
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -124,7 +125,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """A temporary name beside ``path`` that no other writer uses: the pid alone was not
+    unique on a root shared across nodes (containers start their processes at the same
+    small pids), so a zombie rank and its replacement on another node wrote the same temp
+    file, one truncating the other's half-written copy."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def write_atomic(path: Path, data: bytes) -> None:
