@@ -254,6 +254,8 @@ class Agent:
             local_clients=self._local_clients,
             records_dropped_total=lambda: self.batch.dropped_records_total,
             samples_thinned_total=lambda: self.batch.thinned_samples_total,
+            xids_dropped_total=lambda: self.batch.dropped_xids_total,
+            hardware_events_dropped_total=lambda: self.batch.dropped_events_total,
             gpu_pods=self._gpu_pods,
         )
         self.metrics_port: int | None = None

@@ -58,6 +58,10 @@ class MetricsSource:
     records_dropped_total: Callable[[], int] = lambda: 0
     #: Samples left out of a report to keep it under the wire's cap (agents.batch).
     samples_thinned_total: Callable[[], int] = lambda: 0
+    #: XID and hardware events left out of reports by their per-report budgets
+    #: (agents.batch; the node's own event counters count every one).
+    xids_dropped_total: Callable[[], int] = lambda: 0
+    hardware_events_dropped_total: Callable[[], int] = lambda: 0
     #: GPU index -> (pod, namespace) of the job using it, from the ranks' hellos.
     gpu_pods: Callable[[], dict[int, tuple[str, str]]] = dict
     latest: NodeSample | None = None
@@ -198,6 +202,23 @@ class AgentCollector(Collector):
         )
         thinned.add_metric([], float(self._src.samples_thinned_total()))
         yield thinned
+        # What the report budgets left out: a storm is folded, so the controller sees fewer
+        # events than happened; these say how many fewer (the node's counters count all).
+        for name, doc, read in (
+            (
+                "trainguard_agent_xids_dropped",
+                "XID events left out of reports by the per-report XID budget",
+                self._src.xids_dropped_total,
+            ),
+            (
+                "trainguard_agent_hardware_events_dropped",
+                "Hardware events folded or left out of reports by the per-report event budget",
+                self._src.hardware_events_dropped_total,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], float(read()))
+            yield family
         if stats.last_report_ok_unix_s is not None:
             yield GaugeMetricFamily(
                 "trainguard_agent_last_report_success_timestamp_seconds",
