@@ -116,7 +116,8 @@ class Session:
     said_goodbye: bool = False
     #: The endpoint reported this client's rank as vanished (an exit with unknown cause).
     reported_vanished: bool = False
-    #: The hello's GPU UUID named one of this node's GPUs: its records carry that index.
+    #: The hello's GPU UUID named another of this node's GPUs than the rank's own number
+    #: did: its records are moved to that index (none are rewritten when they agree).
     gpu_from_uuid: bool = False
     queued: deque[Command] = field(default_factory=lambda: deque(maxlen=MAX_QUEUED_COMMANDS))
 
@@ -545,7 +546,8 @@ class GpuPlacer:
         self._said: set[tuple[str, str]] = set()
 
     def place(self, hello: LocalHello) -> tuple[LocalHello, bool]:
-        """``hello`` with the index of the GPU its UUID names, and whether one was found."""
+        """``hello`` with the index of the GPU its UUID names, and whether that index differs
+        from the rank's own (its records are then moved to it, :func:`on_gpu`)."""
         wanted = canonical_uuid(hello.gpu_uuid)
         if not wanted or self._inventory is None:
             return hello, False
@@ -562,17 +564,18 @@ class GpuPlacer:
                 hello.gpu_index,
             )
             return hello, False
-        if index != hello.gpu_index:
-            self._once(
-                hello,
-                "moved",
-                "says GPU %s, but its UUID %s is this node's GPU %d (CUDA numbers the "
-                "pod's GPUs, NVML the node's): using %d",
-                hello.gpu_index,
-                hello.gpu_uuid,
-                index,
-                index,
-            )
+        if index == hello.gpu_index:
+            return hello, False  # its records already carry the node's number: untouched
+        self._once(
+            hello,
+            "moved",
+            "says GPU %s, but its UUID %s is this node's GPU %d (CUDA numbers the "
+            "pod's GPUs, NVML the node's): using %d",
+            hello.gpu_index,
+            hello.gpu_uuid,
+            index,
+            index,
+        )
         return hello.model_copy(update={"gpu_index": index}), True
 
     def _by_uuid(self) -> dict[str, int]:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from controller.actuators.base import JobPolicy
+from tests.remediation.recording import RecordingActuator
 from tests.remediation.test_engine import ENGINE, absorbed, actions, on_loop, shown_state
 from tests.remediation.test_slow_node_once import (
     RANKS_PER_NODE,
@@ -38,6 +39,21 @@ pytestmark = [
 POOL = ["n0", "n1", "n2", "n3"]
 
 
+def two_slow_nodes(
+    controller_factory: Any, tmp_path: Path, *, dry_run: bool = False
+) -> tuple[Any, Any, RecordingActuator, list[int], list[int]]:
+    """A live controller with job ``gpt`` on n0 and n1 of :data:`POOL` (6 nodes known) and
+    a slow node's straggler incidents open on each; ``dry_run``: the job's own policy is
+    a dry run from the start. Returns the controller, its agents, the recording actuator
+    and each node's incident ids (oldest first)."""
+    live, agents, actuator = start(controller_factory, tmp_path, 6, POOL)
+    if dry_run:
+        actuator.policies["gpt"] = JobPolicy(dry_run=True)
+    on_n0 = slow_node(live, "n0", 0)
+    on_n1 = slow_node(live, "n1", RANKS_PER_NODE)
+    return live, agents, actuator, on_n0, on_n1
+
+
 def all_resolved(live: Any, incidents: list[int]) -> None:
     """Wait until each of ``incidents`` is resolved (absorbed by the one restart)."""
     for incident in incidents:
@@ -56,9 +72,7 @@ def rows_of(live: Any, incidents: list[int]) -> list[tuple[str, str, str]]:
 def test_two_slow_nodes_isolate_both_and_restart_once(  # type: ignore[no-untyped-def]
     controller_factory, tmp_path: Path
 ) -> None:
-    live, agents, actuator = start(controller_factory, tmp_path, 6, POOL)
-    on_n0 = slow_node(live, "n0", 0)
-    on_n1 = slow_node(live, "n1", RANKS_PER_NODE)
+    live, agents, actuator, on_n0, on_n1 = two_slow_nodes(controller_factory, tmp_path)
     enable(live, policy(max_isolated_fraction=0.5))
     resumed(live, agents, "n2")
     all_resolved(live, on_n0[1:] + on_n1)
@@ -86,9 +100,7 @@ def test_a_budget_for_one_isolation_restarts_once_and_says_so(  # type: ignore[n
 ) -> None:
     """The circuit breaker allows one isolation (0.2 of 6 nodes): n1 stays in the job, its
     refusal is recorded, and n1's incidents do not restart the job onto the same nodes."""
-    live, agents, actuator = start(controller_factory, tmp_path, 6, POOL)
-    on_n0 = slow_node(live, "n0", 0)
-    on_n1 = slow_node(live, "n1", RANKS_PER_NODE)
+    live, agents, actuator, on_n0, on_n1 = two_slow_nodes(controller_factory, tmp_path)
     enable(live, policy(max_isolated_fraction=0.2))
     resumed(live, agents, "n2")
     all_resolved(live, on_n0[1:])
@@ -113,10 +125,9 @@ def test_a_job_dry_run_plans_both_nodes_once(  # type: ignore[no-untyped-def]
     controller_factory, tmp_path: Path
 ) -> None:
     """One approval row naming n0 and n1; approved, it isolates both and restarts once."""
-    live, agents, actuator = start(controller_factory, tmp_path, 6, POOL)
-    actuator.policies["gpt"] = JobPolicy(dry_run=True)
-    on_n0 = slow_node(live, "n0", 0)
-    on_n1 = slow_node(live, "n1", RANKS_PER_NODE)
+    live, agents, actuator, on_n0, on_n1 = two_slow_nodes(
+        controller_factory, tmp_path, dry_run=True
+    )
     enable(live, policy(max_isolated_fraction=0.5))
     triggers = {f"incident:{i}" for i in on_n0 + on_n1}
 

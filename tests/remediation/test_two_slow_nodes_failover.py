@@ -20,15 +20,8 @@ import pytest
 
 from tests.remediation.recording import RecordingActuator
 from tests.remediation.test_engine import ENGINE, absorbed, actions
-from tests.remediation.test_slow_node_once import (
-    RANKS_PER_NODE,
-    enable,
-    policy,
-    resumed,
-    slow_node,
-    start,
-)
-from tests.remediation.test_two_slow_nodes import POOL, all_resolved, resolved, rows_of
+from tests.remediation.test_slow_node_once import enable, policy, resumed
+from tests.remediation.test_two_slow_nodes import all_resolved, resolved, rows_of, two_slow_nodes
 from tests.waiting import wait_for
 
 pytestmark = [
@@ -52,9 +45,7 @@ def test_a_refused_companion_is_not_acted_on_after_a_restart(  # type: ignore[no
 ) -> None:
     """Old code: the new leader checkpointed, was refused n1 again, and restarted the job
     a second time onto n2, n1."""
-    live, agents, actuator = start(controller_factory, tmp_path, 6, POOL)
-    on_n0 = slow_node(live, "n0", 0)
-    on_n1 = slow_node(live, "n1", RANKS_PER_NODE)
+    live, agents, actuator, on_n0, on_n1 = two_slow_nodes(controller_factory, tmp_path)
     body = policy(max_isolated_fraction=0.2)
     enable(live, body)
     resumed(live, agents, "n2")
@@ -79,9 +70,7 @@ def test_an_isolated_companion_is_absorbed_after_a_restart_before_the_resume(  #
 ) -> None:
     """The controller restarts after the one restart, before the job steps again: the new
     leader waits for the resume and then absorbs n1's incidents as covered."""
-    live, agents, actuator = start(controller_factory, tmp_path, 6, POOL)
-    on_n0 = slow_node(live, "n0", 0)
-    on_n1 = slow_node(live, "n1", RANKS_PER_NODE)
+    live, agents, actuator, on_n0, on_n1 = two_slow_nodes(controller_factory, tmp_path)
     body = policy(max_isolated_fraction=0.5)
     enable(live, body)
     jobs = live.controller.remediation.jobs

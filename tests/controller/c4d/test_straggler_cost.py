@@ -18,6 +18,7 @@ less its end had the rank computed its healthy time.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -56,32 +57,39 @@ def _simulate(
     window = state.cfg.window_steps
     lost: list[float] = []
     steps: list[float] = []
-    world = len(healthy_s)
     for step in range(STEPS):
         compute = {r: h * (1 + rng.uniform(-jitter, jitter)) for r, h in healthy_s.items()}
         healthy_top = max(compute.values())
         if step >= delay_from:
             compute[SLOW_RANK] += delay_s
         top = max(compute.values())
-        rows = {
-            r: StepSummary(
-                job="j",
-                rank=r,
-                world_size=world,
-                step=step,
-                compute_time_s=c,
-                collective_wait_s=top - c + COMM_S,
-                step_time_s=top + COMM_S,
-                **_fields(r, stage_of),
-            )
-            for r, c in compute.items()
-        }
-        state.add(step, rows)
+        state.add(step, _rows(step, compute, lambda r: _fields(r, stage_of)))
         state.transitions()
         if step >= STEPS - window:
             lost.append(top - healthy_top)
             steps.append(top + COMM_S)
     return state, sum(lost) / len(lost), sum(steps) / len(steps)
+
+
+def _rows(
+    step: int, compute: dict[int, float], fields: Callable[[int], dict[str, Any]] = lambda r: {}
+) -> dict[int, StepSummary]:
+    """One synchronous collective a step: every rank leaves it together, COMM_S after the
+    slowest arrives, so each waits the gap to the slowest plus the transfer."""
+    top = max(compute.values())
+    return {
+        r: StepSummary(
+            job="j",
+            rank=r,
+            world_size=len(compute),
+            step=step,
+            compute_time_s=c,
+            collective_wait_s=top - c + COMM_S,
+            step_time_s=top + COMM_S,
+            **fields(r),
+        )
+        for r, c in compute.items()
+    }
 
 
 def _extra_s(state: StragglerState) -> float:
@@ -156,19 +164,7 @@ def test_slow_ranks_of_one_node_each_cost_the_job_their_delay() -> None:
         for r in slow:
             compute[r] += 0.03
         top = max(compute.values())
-        rows = {
-            r: StepSummary(
-                job="j",
-                rank=r,
-                world_size=16,
-                step=step,
-                compute_time_s=c,
-                collective_wait_s=top - c + COMM_S,
-                step_time_s=top + COMM_S,
-            )
-            for r, c in compute.items()
-        }
-        state.add(step, rows)
+        state.add(step, _rows(step, compute))
         state.transitions()
     assert state.open_ranks == slow
     share = (top - healthy_top) / (top + COMM_S)
