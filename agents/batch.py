@@ -140,9 +140,22 @@ def fold_events(
     :data:`KEEP_EVENT_KINDS` are kept, and of the rest the newest while they fit. Cutting the
     list's tail instead (as before) let a storm listed after a GPU's loss push the loss out.
     """
-    sizes = [report_size(e) + 1 for e in events]
-    if len(events) <= max_count and (max_bytes is None or sum(sizes) <= max_bytes):
-        return events
+    return _fold(events, max_count, max_bytes)[0]
+
+
+def _fold(
+    events: list[HardwareEvent], max_count: int, max_bytes: int | None
+) -> tuple[list[HardwareEvent], int]:
+    """:func:`fold_events`, and the report bytes of what it kept (0 where ``max_bytes`` is
+    None and nothing was folded: not measured). Each event is serialized once here, and the
+    budget's caller reads the total instead of serializing them all again."""
+    if max_bytes is None:
+        if len(events) <= max_count:
+            return events, 0
+    else:
+        total = sum(report_size(e) + 1 for e in events)
+        if len(events) <= max_count and total <= max_bytes:
+            return events, total
     counts: dict[tuple[object, ...], int] = {}
     newest: dict[tuple[object, ...], int] = {}
     for i, event in enumerate(events):
@@ -156,17 +169,16 @@ def fold_events(
             note = f" (x{n}: {n - 1} earlier like it not listed)"
             event = event.model_copy(update={"detail": event.detail[: 512 - len(note)] + note})
         folded.append((i, event))
-    keep = [(i, e) for i, e in folded if e.kind in KEEP_EVENT_KINDS]
-    room = (max_bytes if max_bytes is not None else 1 << 62) - sum(
-        report_size(e) + 1 for _, e in keep
-    )
+    keep = [(i, e, report_size(e) + 1) for i, e in folded if e.kind in KEEP_EVENT_KINDS]
+    room = (max_bytes if max_bytes is not None else 1 << 62) - sum(n for _, _, n in keep)
     for i, event in reversed([(i, e) for i, e in folded if e.kind not in KEEP_EVENT_KINDS]):
         size = report_size(event) + 1
         if len(keep) >= max_count or size > room:
             break
-        keep.append((i, event))
+        keep.append((i, event, size))
         room -= size
-    return [e for _, e in sorted(keep, key=lambda ie: ie[0])][:max_count]
+    kept = sorted(keep, key=lambda ien: ien[0])[:max_count]
+    return [e for _, e, _ in kept], sum(n for _, _, n in kept)
 
 
 #: Bytes of one GPU's part of a sample at most, about (64 KB for a 64-GPU node, measured),
@@ -437,8 +449,8 @@ class Batch:
         if not sample.events:
             return sample
         room = max(0, self.event_budget_bytes - self._event_bytes)
-        kept = fold_events(sample.events, max_count=_MAX_EVENTS, max_bytes=room)
-        self._event_bytes += sum(report_size(e) + 1 for e in kept)
+        kept, size = _fold(sample.events, _MAX_EVENTS, room)
+        self._event_bytes += size
         if kept is sample.events:
             return sample
         dropped = len(sample.events) - len(kept)
