@@ -335,6 +335,7 @@ def test_a_marginal_pair_beside_a_badly_slow_link_does_not_make_their_rank_the_c
     finding = finish(results, 8)
     assert finding is not None and finding.ranks == (1, 2)
     assert "far less: 2-3" in finding.summary
+    assert finding.evidence.model_dump()["marginal_pairs"] == [[2, 3]]  # the API shows it
 
 
 def test_pairs_of_one_severity_still_name_their_common_rank() -> None:
