@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 from sqlalchemy.engine import make_url
 
-from tests import http_calls, module_costs
+from tests import host_speed, http_calls, module_costs
 from tests.zygote import Zygote
 
 PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -619,6 +619,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             super().schedule()
 
     return ByGroup(config, log)
+
+
+#: The host's speed and the run's start, read in the process that runs the session (not
+#: in xdist's workers) before any worker starts: see tests/host_speed.py.
+_HOST: dict[str, float] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") or config.option.collectonly:
+        return
+    _HOST["reference"] = host_speed.reference_s()
+    _HOST["wall0"] = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if "reference" in _HOST:
+        wall = time.monotonic() - _HOST["wall0"]
+        line = host_speed.summary(_HOST["reference"], host_speed.run_cpu_s(), wall)
+        terminalreporter.write_line(line)
 
 
 # Opt-in CPU accounting: ``TRAINGUARD_TEST_CPU_LOG=/tmp/cpu.tsv pytest ...`` appends one line

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests import module_costs
+from tests import host_speed, module_costs
 from tests.conftest import _races_timers, _schedule_order
 from tests.zygote import Zygote
 
@@ -133,3 +134,15 @@ def test_the_module_cost_table_is_rebuilt_from_cpu_logs_and_a_damaged_one_is_ign
     # The checked-in table is readable and keyed as the scheduler looks modules up.
     checked_in = module_costs.load()
     assert checked_in and all(k.startswith("tests/") and k.endswith(".py") for k in checked_in)
+
+
+def test_the_runs_cpu_counts_the_children_it_waited_for() -> None:
+    """The summary's CPU is the whole run's: a worker's (a child's) CPU is in it once reaped."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.2: pass\n"
+    before = host_speed.run_cpu_s()
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    assert host_speed.run_cpu_s() - before >= 0.2
+    assert host_speed.reference_s(repeats=1) > 0
+    line = host_speed.summary(0.0421, 1234.4, 456.7)
+    assert line.startswith("host speed: reference workload 42 ms of CPU")
+    assert line.endswith("this run used 1234 s of CPU in 457 s of wall")

@@ -103,6 +103,11 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+#: How long a page or an ``expect`` waits for what it looks for: the pages poll every 2 s,
+#: and a loaded two-core machine running the whole suite answers in a few seconds.
+BROWSER_TIMEOUT_MS = 15_000
+
+
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
     """A headless Chromium (Playwright ``Browser``), one per test module."""
@@ -113,7 +118,7 @@ def chromium() -> Iterator[Any]:
     except ImportError:
         _unavailable("the playwright package is not installed; pip install -e '.[dev]'")
     # The page polls every 2 s; leave room for a loaded two-core machine running the suite.
-    expect.set_options(timeout=15_000)
+    expect.set_options(timeout=BROWSER_TIMEOUT_MS)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
@@ -127,7 +132,7 @@ def browser_page(chromium: Any) -> Iterator[Any]:
     """A fresh page in its own context (own sessionStorage), 1280 px wide."""
     context = chromium.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
-    page.set_default_timeout(15_000)
+    page.set_default_timeout(BROWSER_TIMEOUT_MS)
     try:
         yield page
     finally:
@@ -294,13 +299,20 @@ def sqlite_controller(root: Path, **settings: Any) -> Any:
     )
 
 
-def open_page(context: Any, live: Any, token: str, route: str = "#/fleet") -> Any:
+def open_page(
+    context: Any,
+    live: Any,
+    token: str,
+    route: str = "#/fleet",
+    *,
+    timeout_ms: int = BROWSER_TIMEOUT_MS,
+) -> Any:
     """A page signed in with ``token`` at ``route``; ``page.errors`` collects uncaught
     exceptions and console errors. The browser logs every non-2xx answer ("Failed to load
     resource"); the pages expect some (401 before sign-in, 404 goodput of a new job or a
     dead link, 409 no topology), so those are left out."""
     page = context.new_page()
-    page.set_default_timeout(15_000)
+    page.set_default_timeout(timeout_ms)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.on(

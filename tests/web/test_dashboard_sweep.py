@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests import http_calls
-from tests.web.conftest import open_page, sqlite_controller
+from tests.web.conftest import BROWSER_TIMEOUT_MS, open_page, sqlite_controller
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +34,20 @@ NEWLINES = "line one\nline two\r\nline three"
 LONG = "A" * 240  # a label value's limit is 253
 LONGER = "B" * 490  # a reason's limit is 500
 HOSTILE_LABELS = {"xss": XSS, "url": JS_URL, "rtl": RTL, "nl": NEWLINES, "long": LONG}
+#: What a page here waits for: every load reads 2,048 nodes' or ranks' rows from one
+#: controller. On a host where ``import torch`` takes 3.2 s of CPU (28 Nov), under the whole
+#: suite, listing the job's 2,048 ranks took longer than the other pages' 15 s, twice.
+SWEEP_TIMEOUT_MS = 60_000
+
+
+@pytest.fixture(autouse=True)
+def _patient_expect(chromium: Any) -> Iterator[None]:
+    """``expect`` waits as long as the pages here do (``chromium`` set it for the module)."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=SWEEP_TIMEOUT_MS)
+    yield
+    expect.set_options(timeout=BROWSER_TIMEOUT_MS)
 
 
 def node_name(i: int) -> str:
@@ -164,7 +178,7 @@ def test_the_fleet_of_2048_nodes_and_the_2048_rank_heatmap_render(sweep, dash_br
     from playwright.sync_api import expect
 
     live = sweep
-    page = open_page(dash_browser, live, live.viewer_token, "#/fleet")
+    page = open_page(dash_browser, live, live.viewer_token, "#/fleet", timeout_ms=SWEEP_TIMEOUT_MS)
     expect(page.locator("#fleet .cell")).to_have_count(NODES)
     # Navigation start -> the frame after every cell is in the grid (sign-in included).
     ready = page.evaluate("new Promise(r => requestAnimationFrame(() => r(performance.now())))")
@@ -246,7 +260,13 @@ def test_hostile_text_is_shown_as_text_inside_its_own_box(sweep, dash_browser) -
         live, summary=summary, job=JOB, node=node_name(0), ranks=[0, 7],
         evidence={**evidence, "nested": {"a": [XSS, JS_URL]}},
     )  # fmt: skip
-    page = open_page(dash_browser, live, live.operator_token, f"#/node/{node_name(0)}")
+    page = open_page(
+        dash_browser,
+        live,
+        live.operator_token,
+        f"#/node/{node_name(0)}",
+        timeout_ms=SWEEP_TIMEOUT_MS,
+    )
     expect(page.locator("#whoami")).to_have_text("test-operator (operator)")
 
     # Keyboard: from the page's start, Tab reaches the act button.
@@ -306,7 +326,9 @@ def test_deep_links_to_what_does_not_exist_say_not_found(sweep, dash_browser) ->
 
     live = sweep
     # Straight to a missing job: not a blank page, not a spinner.
-    page = open_page(dash_browser, live, live.viewer_token, "#/job/no-such-job")
+    page = open_page(
+        dash_browser, live, live.viewer_token, "#/job/no-such-job", timeout_ms=SWEEP_TIMEOUT_MS
+    )
     panel = page.locator("#view .page.not-found")
     expect(panel).to_contain_text("No such job: no-such-job.")
     expect(panel.locator('a[href="#/jobs"]')).to_be_visible()
@@ -338,7 +360,9 @@ def test_a_restart_reconnects_and_an_expired_token_asks_for_another(sweep, dash_
     from playwright.sync_api import expect
 
     live = sweep
-    page = open_page(dash_browser, live, live.viewer_token, f"#/job/{JOB}")
+    page = open_page(
+        dash_browser, live, live.viewer_token, f"#/job/{JOB}", timeout_ms=SWEEP_TIMEOUT_MS
+    )
     live_state = page.locator("#live")
     expect(page.locator(".heatmap canvas")).to_have_count(1)
     expect(live_state).to_have_attribute("data-state", "live")
