@@ -41,6 +41,23 @@ evenly* (every second one, then every fourth, ...), never the oldest nor the new
 XID and hardware events carried into the next sample kept; counted in
 ``thinned_samples_total``, logged once. The wire's item cap (:data:`MAX_SAMPLES`) thins the
 same way.
+
+The per-part budgets add up to more than the contents' budget (records 3/4, XIDs 1/8, events
+1/16, acks 1/16, and the newest sample), so they share it: after every add
+(:meth:`Batch._fit`) the contents are brought within ``budget_bytes`` by giving up, in this
+order, what the controller needs least to act: (1) older samples, thinned evenly as above;
+(2) job records, the kinds of :data:`_BUDGET_ORDER` from its end (Flight Recorder dumps,
+inflight collectives, probes, steps, then peer groups, checkpoints, rank events), the newest
+of a kind first; (3) only then, in the one sample left, hardware events other than losses
+(:data:`KEEP_EVENT_KINDS`), then XIDs but the newest of each code per GPU, then its XIDs.
+Never given up: that sample's gauges and losses, and the command acks (bounded by
+:data:`ACK_BUDGET_FRACTION`). Each is counted where it always was (records, thinned samples,
+XIDs, hardware events). So the contents exceed ``budget_bytes`` only if one sample with its
+losses and the acks do alone, which :func:`min_report_cap_bytes` (the agent's start check)
+rules out: the report fits its cap in the worst case, every part full at once. Before, each
+part was held to its own budget only: a 64-GPU, 256-port node in a storm (records, XIDs and
+events each at their budget) made a report of 4.28 MB (6.5 MB with 2,048 acks of a long
+reason), past the 4 MiB cap, refused whole by the controller; now 3.9 MB.
 """
 
 from __future__ import annotations
@@ -66,6 +83,7 @@ from trainguard.wire import (
     JobRecords,
     NodeSample,
     Report,
+    XidEvent,
 )
 
 log = logging.getLogger(__name__)
@@ -110,6 +128,11 @@ MIN_XIDS_PER_GPU = 8
 #: the other 1/8 (512 KiB) is the node's identity (64 GPUs, 256 NICs with their GPU
 #: affinity: about 240 KB) and the report's envelope.
 REPORT_BUDGET_FRACTION = 7 / 8
+#: Share of the report cap that command acks may use (256 KiB at the wire's cap: 2,000 acks
+#: of a short reason). Past it an ack waits for no report: it is dropped, logged, and the
+#: controller sends the command again until an ack comes. Without it 2,048 acks of a long
+#: reason (2.4 MB) fit no report whatever else gave way.
+ACK_BUDGET_FRACTION = 1 / 16
 #: Sample bytes (share of the cap) past which the batch asks for a report at once: a 64-GPU
 #: node then reports every ~16 samples, whatever report_interval_s says.
 SAMPLE_FLUSH_FRACTION = 1 / 4
@@ -127,6 +150,17 @@ def _event_key(event: HardwareEvent) -> tuple[object, ...]:
     """What an event is about: a bond event names its member in ``detail`` only."""
     member = event.detail if event.kind.startswith("bond_") else ""
     return (event.kind, event.gpu_index, event.device, event.port, event.counter, member)
+
+
+def _newest_of_each_code(events: list[XidEvent]) -> list[XidEvent]:
+    """One GPU's XIDs cut to the newest of each code, in their order: the one whose
+    ``detail`` carries its code's count, and every code seen still named."""
+    newest = {e.code: e for e in events}  # the last of each code wins
+    return [e for e in events if newest[e.code] is e]
+
+
+def _no_xids(events: list[XidEvent]) -> list[XidEvent]:
+    return []
 
 
 def fold_events(
@@ -191,12 +225,14 @@ _ENVELOPE_BYTES = 1_024
 
 def min_report_cap_bytes(identity_bytes: int, *, gpus: int, ports: int) -> int:
     """The smallest report cap (``spool_max_bytes``) under which this node's reports fit:
-    the identity within the cap's last 1/8 and one whole sample within the batch's 7/8
-    (thinning never goes below one sample). Below it every report would be set aside as
-    larger than the spool: all data lost, only a counter saying so."""
+    the identity within the cap's last 1/8 and one whole sample, with the acks' share
+    beside it, within the batch's 7/8 (thinning never goes below one sample, and neither its
+    gauges nor the acks are given up for the shared budget). Below it every report would be
+    set aside as larger than the spool: all data lost, only a counter saying so."""
     sample = _ENVELOPE_BYTES + gpus * SAMPLE_BYTES_PER_GPU + ports * SAMPLE_BYTES_PER_PORT
     need_identity = int((identity_bytes + _ENVELOPE_BYTES) / (1 - REPORT_BUDGET_FRACTION))
-    return max(need_identity, int(sample / REPORT_BUDGET_FRACTION) + 1)
+    share = REPORT_BUDGET_FRACTION - ACK_BUDGET_FRACTION
+    return max(need_identity, int(sample / share) + 1)
 
 
 #: Kinds kept first when the byte budget runs short: small, and what the controller acts on.
@@ -284,6 +320,9 @@ class Batch:
         self._stride = 1
         self._sample_bytes = 0
         self._ack_bytes = 0
+        #: Command-ack bytes one report carries at most (:data:`ACK_BUDGET_FRACTION`).
+        self.ack_budget_bytes = int(max_report_bytes * ACK_BUDGET_FRACTION)
+        self._shed_logged = False
         self.thinned_samples_total = 0
         self._thinning_logged = False
         self._replay(next_seq)
@@ -390,10 +429,9 @@ class Batch:
             self._append_sample(NodeSample.model_validate(value))
         elif kind == "records":
             self._merge(JobRecords.model_validate(value), len(json.dumps(value)))
-            self._thin()
+            self._fit()
         elif kind == "ack":
-            if len(self._contents.acks) < MAX_ACKS:
-                self._append_ack(CommandAck.model_validate(value))
+            self._append_ack(CommandAck.model_validate(value))
         else:
             raise KeyError(kind)
 
@@ -426,8 +464,7 @@ class Batch:
         before = sum(len(g.xid_events) for g in sample.gpus)
         gpus = []
         for gpu in sample.gpus:
-            newest = {e.code: e for e in gpu.xid_events}  # the last of each code wins
-            keep = [e for e in gpu.xid_events if newest[e.code] is e]
+            keep = _newest_of_each_code(gpu.xid_events)
             size = sum(report_size(e) + 1 for e in keep)
             if self._xid_bytes + size > self.max_xid_bytes:
                 keep = []
@@ -488,11 +525,93 @@ class Batch:
             # Thinning is on: the sample before this one was kept only as the newest.
             self._drop_sample(len(samples) - 2)
             self.thinned_samples_total += 1
-        self._thin()  # the item cap thins too: the oldest sample (an incident's start) stays
+        self._fit()  # the item cap thins too: the oldest sample (an incident's start) stays
         return sample
 
     def _used_bytes(self) -> int:
         return self._sample_bytes + self._record_bytes + self._ack_bytes
+
+    def _over(self) -> bool:
+        return self._used_bytes() > self.budget_bytes
+
+    def _fit(self) -> None:
+        """The contents within ``budget_bytes``, giving up what the controller needs least
+        first: older samples, then job records, then the last sample's storm (see the
+        module's docstring). Each part's own budget alone let a storm that filled them all
+        pass the report's cap."""
+        self._thin()
+        if self._over():
+            self._shed_records()
+        if self._over():
+            self._shed_storm()
+
+    def _shed_records(self) -> None:
+        """Records out while over budget: the kinds of :data:`_BUDGET_ORDER` from its end,
+        the newest of a kind first (as if they had come when the report was full)."""
+        into = self._contents.records
+        for name in reversed(_BUDGET_ORDER):
+            items: list[Any] = getattr(into, name)
+            before = len(items)
+            while items and self._over():
+                item = items.pop()
+                # A comma goes with each item but a kind's last one (see _merge).
+                self._record_bytes -= report_size(item) + (1 if items else 0)
+            if before > len(items):
+                self._log_shed()
+                self._drop(name, before - len(items), "report budget")
+            if not self._over():
+                return
+
+    def _shed_storm(self) -> None:
+        """Last resort, one sample left and no records: its hardware events but the losses,
+        then its XIDs but the newest of each code per GPU, then its XIDs. Its gauges, its
+        losses and the acks stay (the start check makes them fit)."""
+        samples = self._contents.samples
+        if not samples:
+            return
+        last = samples[-1]
+        events = [e for e in last.events if e.kind in KEEP_EVENT_KINDS]
+        if len(events) < len(last.events):
+            self.dropped_events_total += len(last.events) - len(events)
+            last = self._set_last(last.model_copy(update={"events": events}))
+        for cut in (_newest_of_each_code, _no_xids):
+            if not self._over():
+                return
+            gpus = [g.model_copy(update={"xid_events": cut(g.xid_events)}) for g in last.gpus]
+            dropped = sum(len(g.xid_events) for g in last.gpus) - sum(
+                len(g.xid_events) for g in gpus
+            )
+            if dropped:
+                self.dropped_xids_total += dropped
+                last = self._set_last(last.model_copy(update={"gpus": gpus}))
+        self._log_shed()
+        if self._over():
+            log.error(
+                "report budget (%d bytes) passed by one sample and the command acks alone "
+                "(%d bytes): the report may pass its cap; raise spool_max_bytes",
+                self.budget_bytes,
+                self._used_bytes(),
+            )
+
+    def _set_last(self, sample: NodeSample) -> NodeSample:
+        """Replace the newest sample with ``sample``, measured once."""
+        size = report_size(sample) + 1
+        self._contents.samples[-1] = sample
+        self._sample_bytes += size - self._sample_sizes[-1]
+        self._sample_sizes[-1] = size
+        return sample
+
+    def _log_shed(self) -> None:
+        if not self._shed_logged:
+            self._shed_logged = True
+            log.warning(
+                "report budget (%d bytes) shared by every part and full with one sample "
+                "left: job records given up (dumps, inflight, probes, steps first), then "
+                "the sample's hardware events but losses, then its XIDs but the newest of "
+                "each code; counted in the agent's dropped metrics, not logged again for "
+                "this report",
+                self.budget_bytes,
+            )
 
     def _thin(self) -> None:
         """Over the byte budget or the wire's item cap (:data:`MAX_SAMPLES`): keep every
@@ -558,24 +677,33 @@ class Batch:
         self._sample_bytes += size - self._sample_sizes[i]
         self._sample_sizes[i] = size
 
-    def _append_ack(self, ack: CommandAck) -> None:
+    def _append_ack(self, ack: CommandAck) -> bool:
+        """Append within the acks' item cap and byte budget (live and on replay alike)."""
+        size = report_size(ack) + 1
+        if len(self._contents.acks) >= MAX_ACKS or self._ack_bytes + size > self.ack_budget_bytes:
+            log.error(
+                "too many command acks pending (%d, %d bytes); dropped ack for %s (the "
+                "controller sends the command again)",
+                len(self._contents.acks),
+                self._ack_bytes,
+                ack.command_id,
+            )
+            return False
         self._contents.acks.append(ack)
-        self._ack_bytes += report_size(ack) + 1
-        self._thin()
+        self._ack_bytes += size
+        self._fit()
+        return True
 
     def add_ack(self, ack: CommandAck) -> None:
         with self._lock:
-            if len(self._contents.acks) < MAX_ACKS:
-                self._append_ack(ack)
+            if self._append_ack(ack):
                 self._write("ack", ack.model_dump(mode="json"))
-            else:
-                log.error("too many command acks pending; dropped ack for %s", ack.command_id)
 
     def add_records(self, records: JobRecords, size_bytes: int) -> bool:
         """Add job records; returns True when the batch is big enough to report now."""
         with self._lock:
             kept = self._merge(records, size_bytes)
-            self._thin()  # records come before samples: the samples make room
+            self._fit()  # records come before older samples: those make room first
             if not kept.is_empty():
                 self._write("records", kept.model_dump(mode="json", exclude_defaults=True))
             return max(self._hint_bytes, self._record_bytes) >= self._flush_hint_bytes
@@ -599,6 +727,11 @@ class Batch:
         # Fits whole: one measurement. Past the byte budget each item is measured and kept
         # while it fits, the kinds the controller acts on first (_BUDGET_ORDER).
         size = 0 if counted.is_empty() else report_size(counted) - _EMPTY_RECORDS_BYTES
+        # Appended to a kind already held, a block costs one comma more than alone: exact
+        # bytes, which the shared budget (and giving records up item by item) relies on.
+        size += sum(
+            1 for name in JobRecords.model_fields if getattr(counted, name) and getattr(into, name)
+        )
         if self._record_bytes + size <= self.record_budget_bytes:
             kept = counted
             self._record_bytes += size
@@ -650,7 +783,7 @@ class Batch:
             self._record_bytes = 0
             self._hint_bytes = 0
             self._xid_bytes = self._event_bytes = 0
-            self._events_logged = False
+            self._events_logged = self._shed_logged = False
             self._sample_sizes, self._ordinals = [], []
             self._next_ordinal, self._stride = 0, 1
             self._sample_bytes = self._ack_bytes = 0
@@ -664,6 +797,7 @@ class Batch:
 
 
 __all__ = [
+    "ACK_BUDGET_FRACTION",
     "KEEP_EVENT_KINDS",
     "MAX_EVENT_BYTES",
     "MAX_RECORD_BYTES",
