@@ -48,6 +48,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from agents.batch import MAX_TRACE_BYTES, report_size
 from agents.errors import ListenError
+from agents.sampler import MigGpuInfo
 from agents.tcp_endpoint import (
     HELLO_MAX_BYTES,
     MAX_UNAUTHENTICATED,
@@ -537,8 +538,11 @@ class GpuPlacer:
     A rank's own number is CUDA's, relative to the pod's ``CUDA_VISIBLE_DEVICES`` (the device
     plugin's subset), or a launcher's guess; the agent's samples are keyed by the node's NVML
     index. The UUID is the same for both, so when the hello names one of this node's GPUs its
-    index wins; a UUID not found here (a MIG instance: the inventory lists whole GPUs) leaves
-    the rank's number. Each case is logged once per job.
+    index wins. A rank on a MIG slice names the slice (``MIG-...``), which the inventory lists
+    under its parent GPU (:class:`agents.sampler.MigGpuInfo`): the parent's index wins, as
+    its power, clocks and XIDs are the slice's. A UUID found nowhere (another node's GPU, a
+    slice of a GPU whose instances could not be listed) leaves the rank's number, with the
+    reason. Each case is logged once per job.
     """
 
     def __init__(self, inventory: GpuInventory | None) -> None:
@@ -551,53 +555,112 @@ class GpuPlacer:
         wanted = canonical_uuid(hello.gpu_uuid)
         if not wanted or self._inventory is None:
             return hello, False
-        index = self._by_uuid().get(wanted)
+        gpus = self._read()
+        index = gpus.whole.get(wanted)
         if index is None:
-            mig = wanted.startswith("mig-")
+            # By the bare hex: a slice's UUID reaches us as ``GPU-<hex>`` when its pod's
+            # CUDA_VISIBLE_DEVICES did not name it (CUDA itself cannot tell a slice).
+            index = gpus.mig.get(_bare_uuid(wanted))
+            if index is None:
+                self._unknown(hello, gpus)
+                return hello, False
             self._once(
                 hello,
-                "unknown",
-                "GPU UUID %s is %s; keeping GPU index %s (a launcher can set "
-                "TRAINGUARD_GPU_INDEX to the node's NVML index)",
+                "mig",
+                "MIG instance %s is on GPU %d (says GPU %s)",
                 hello.gpu_uuid,
-                "a MIG instance (the agent maps whole GPUs)" if mig else "not on this node",
+                index,
                 hello.gpu_index,
             )
-            return hello, False
+        elif index != hello.gpu_index:
+            self._once(
+                hello,
+                "moved",
+                "says GPU %s, but its UUID %s is this node's GPU %d (CUDA numbers the "
+                "pod's GPUs, NVML the node's): using %d",
+                hello.gpu_index,
+                hello.gpu_uuid,
+                index,
+                index,
+            )
         if index == hello.gpu_index:
             return hello, False  # its records already carry the node's number: untouched
-        self._once(
-            hello,
-            "moved",
-            "says GPU %s, but its UUID %s is this node's GPU %d (CUDA numbers the "
-            "pod's GPUs, NVML the node's): using %d",
-            hello.gpu_index,
-            hello.gpu_uuid,
-            index,
-            index,
-        )
         return hello.model_copy(update={"gpu_index": index}), True
 
-    def _by_uuid(self) -> dict[str, int]:
+    def _read(self) -> _PlacementInventory:
         assert self._inventory is not None
+        out = _PlacementInventory()
         try:
-            return {canonical_uuid(g.uuid): g.index for g in self._inventory()}
+            for gpu in self._inventory():
+                out.whole[canonical_uuid(gpu.uuid)] = gpu.index
+                if isinstance(gpu, MigGpuInfo):
+                    out.mig_gpus.append(gpu.index)
+                    out.mig.update(
+                        (_bare_uuid(canonical_uuid(u)), gpu.index) for u in gpu.mig_uuids
+                    )
+                    if gpu.mig_error:
+                        out.refused[gpu.index] = gpu.mig_error
         except Exception as exc:  # a hello must never fail on the inventory: keep the number
             log.warning("GPU inventory unreadable for rank placement: %s", _exc_line(exc))
-            return {}
+            return _PlacementInventory()
+        return out
+
+    def _unknown(self, hello: LocalHello, gpus: _PlacementInventory) -> None:
+        """Say once per job why the rank keeps its own number (a WARNING: it may be wrong)."""
+        refused = "; ".join(f"GPU {i}: {why}" for i, why in sorted(gpus.refused.items()))
+        if not hello.gpu_uuid.strip().lower().startswith("mig-"):
+            why = "not on this node"
+            if refused:
+                why += f" (nor a listed MIG instance; not listed: {refused})"
+        elif refused:
+            why = f"a MIG instance of a GPU whose instances could not be listed ({refused})"
+        elif not gpus.mig_gpus:
+            why = "a MIG instance, but no GPU of this node is in MIG mode"
+        else:
+            shown = ", ".join(str(i) for i in gpus.mig_gpus)
+            why = f"a MIG instance, but not one of those of GPU(s) {shown} (in MIG mode)"
+        self._once(
+            hello,
+            "unknown",
+            "GPU UUID %s is %s; keeping GPU index %s (a launcher can set "
+            "TRAINGUARD_GPU_INDEX to the node's NVML index)",
+            hello.gpu_uuid,
+            why,
+            hello.gpu_index,
+        )
 
     def _once(self, hello: LocalHello, kind: str, message: str, *args: object) -> None:
         """Log ``message`` for the first rank of a job it applies to (the others are alike).
-        A moved index is the normal case on Kubernetes (info); an unknown UUID is not."""
+        A moved index or a MIG slice is the normal case on Kubernetes (info); an unknown UUID
+        is not."""
         if (hello.job, kind) in self._said:
             return
         if len(self._said) >= _PLACEMENT_LOG_JOBS:
             self._said.clear()
         self._said.add((hello.job, kind))
-        level = logging.INFO if kind == "moved" else logging.WARNING
+        level = logging.WARNING if kind == "unknown" else logging.INFO
         log.log(
             level, "job %s rank %d: " + message + " (once per job)", hello.job, hello.rank, *args
         )
+
+
+@dataclass(slots=True)
+class _PlacementInventory:
+    """The inventory as :class:`GpuPlacer` matches it, read afresh at each hello."""
+
+    #: Canonical UUID of each whole GPU -> its NVML index.
+    whole: dict[str, int] = field(default_factory=dict)
+    #: Bare UUID (no ``mig-`` prefix) of each listed MIG instance -> its parent's index.
+    mig: dict[str, int] = field(default_factory=dict)
+    #: GPUs in MIG mode, whether or not their instances could be listed.
+    mig_gpus: list[int] = field(default_factory=list)
+    #: GPU index -> why its MIG instances could not be listed.
+    refused: dict[int, str] = field(default_factory=dict)
+
+
+def _bare_uuid(canonical: str) -> str:
+    """A canonical UUID without its ``gpu-`` or ``mig-`` prefix (the 8-4-4-4-12 hex)."""
+    return canonical[4:] if canonical.startswith(("gpu-", "mig-")) else canonical
 
 
 def canonical_uuid(value: str) -> str:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pynvml
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from agents.gpu_health import (
     GpuTransitions,
@@ -62,6 +62,9 @@ DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_UNREACHABLE_AFTER = 5
 #: The inventory at start may take this many sampling timeouts (it asks more questions).
 OPEN_TIMEOUT_FACTOR = 5
+#: MIG slots asked per GPU at most: NVML says 7 on an A100 or H100; a garbled count
+#: (0xFFFFFFFF) must not turn one GPU's inventory into four billion calls.
+MAX_MIG_SLOTS = 64
 #: The "error code" under which an out-of-range field's warning is remembered (not NVML's).
 _OUT_OF_RANGE = -1
 #: Above these a sample field is not a reading (NVML's "unknown" sentinels are far above):
@@ -98,6 +101,24 @@ class GpuLostError(Exception):
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+class MigGpuInfo(GpuInfo):
+    """A GPU in MIG mode as the agent's own inventory holds it, with its MIG instances.
+
+    A rank on a MIG slice knows only the slice's UUID (``MIG-...``), which no whole GPU has;
+    listing the slices here lets the job endpoint tie that rank to this board's power,
+    clocks and XIDs instead of keeping CUDA's number (0 in every one-slice pod). Agent-side
+    only: both fields are left out of serialization, so a report's ``GpuInfo`` keeps its
+    shape for every controller. Read with the rest of the inventory (at start, and when a
+    GPU that hung at start answers): a MIG layout changes only by an admin's action.
+    """
+
+    #: The UUIDs NVML gives the GPU's MIG instances (``MIG-<8-4-4-4-12>``), in slot order.
+    mig_uuids: tuple[str, ...] = Field(default=(), exclude=True)
+    #: Why the instances could not all be listed ("" when they were): NO_PERMISSION in a
+    #: container without the ``mig/monitor`` capability, NOT_SUPPORTED on some drivers.
+    mig_error: str = Field(default="", exclude=True)
 
 
 @dataclass(slots=True)
@@ -252,7 +273,7 @@ class GpuSampler:
     def _discover(self, index: int) -> _Gpu:
         # A GPU that fell off the bus fails already here (NVML_ERROR_GPU_IS_LOST).
         handle = self._api.nvmlDeviceGetHandleByIndex(index)
-        gpu = _Gpu(index, handle, self._inventory(index, handle))
+        gpu = _Gpu(index, handle, self._with_mig(index, handle, self._inventory(index, handle)))
         gpu.nvlinks, gpu.nvlinks_down_at_start = self._nvlinks(index, handle)
         gpu.ecc_locations = ecc_locations_present(
             lambda what, fn, *args: self._ask_quietly(index, what, fn, *args), self._api, handle
@@ -304,6 +325,53 @@ class GpuSampler:
             sm_clock_max_mhz=int(sm_max) if sm_max is not None else None,
             mem_clock_max_mhz=int(mem_max) if mem_max is not None else None,
         )
+
+    def _with_mig(self, index: int, handle: Any, info: GpuInfo) -> GpuInfo:
+        """``info`` with the GPU's MIG instances when it is in MIG mode (a :class:`MigGpuInfo`).
+
+        Never raises: a board or driver without MIG keeps ``info`` as it is, and a GPU whose
+        instances cannot be listed (a non-root container often may not) is kept whole, with
+        the reason, so its slices' ranks keep the number they claim.
+        """
+        api = self._api
+        try:
+            mode = api.nvmlDeviceGetMigMode(handle)
+        except pynvml.NVMLError as exc:
+            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                return info  # no MIG on this board or driver: nothing to list
+            return self._mig_refused(index, info, [], f"MIG mode: {exc}")
+        except Exception as exc:  # the inventory never fails over MIG
+            return self._mig_refused(index, info, [], f"MIG mode: {exc!r}")
+        try:
+            if int(mode[0]) != pynvml.NVML_DEVICE_MIG_ENABLE:
+                return info
+        except (TypeError, ValueError, IndexError):
+            return self._mig_refused(index, info, [], f"MIG mode: unreadable answer {mode!r}")
+        uuids: list[str] = []
+        try:
+            slots = min(int(api.nvmlDeviceGetMaxMigDeviceCount(handle)), MAX_MIG_SLOTS)
+            for slot in range(slots):
+                try:
+                    mig = api.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+                except pynvml.NVMLError as exc:
+                    if exc.value == pynvml.NVML_ERROR_NOT_FOUND:
+                        continue  # an empty slot: no instance was created there
+                    raise
+                uuids.append(_text(api.nvmlDeviceGetUUID(mig))[:128])
+        except Exception as exc:  # NO_PERMISSION, NOT_SUPPORTED, or anything else
+            shown = str(exc) if isinstance(exc, pynvml.NVMLError) else repr(exc)
+            return self._mig_refused(index, info, uuids, f"MIG instances: {shown}")
+        log.info("GPU %d: MIG mode, %d instance(s): %s", index, len(uuids), ", ".join(uuids) or "-")
+        return MigGpuInfo(**info.model_dump(), mig_uuids=tuple(uuids))
+
+    def _mig_refused(self, index: int, info: GpuInfo, uuids: list[str], why: str) -> GpuInfo:
+        log.warning(
+            "GPU %d: cannot list its MIG instances (%s); ranks on its MIG slices keep the GPU "
+            "number they claim (run the agent with the mig/monitor capability or as root)",
+            index,
+            why,
+        )
+        return MigGpuInfo(**info.model_dump(), mig_uuids=tuple(uuids), mig_error=why[:512])
 
     def _nvlinks(self, index: int, handle: Any) -> tuple[list[int], list[int]]:
         """(links up, links that exist but are down) at start."""
@@ -619,4 +687,4 @@ def _int_or_none(value: Any) -> int | None:
         return None
 
 
-__all__ = ["ClockEventReasons", "GpuLostError", "GpuSampler"]
+__all__ = ["MAX_MIG_SLOTS", "ClockEventReasons", "GpuLostError", "GpuSampler", "MigGpuInfo"]

@@ -24,6 +24,8 @@ A load generator can drive a simulated GPU as a CUDA kernel drives a real one: w
 ``<load_dir>/gpu<N>.pid`` names a live process (the stand-in :mod:`agents.gpu.sim_load`
 writes it), GPU N runs at 100 % utilization and reports the clocks and clock-event reasons
 the model gives a fully busy board (a ``slowdown`` or ``thermal`` fault shows up there).
+
+A GPU in MIG mode lists the model's ``mig_instances`` MIG instances (:mod:`agents.gpu.sim_mig`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from agents.gpu.sim_events import (
 from agents.gpu.sim_events import (
     sim_error as _error,
 )
+from agents.gpu.sim_mig import SimMigHandle, SimMigMixin
 from agents.gpu.sim_model import GpuState, SimGpuModel, gpu_state, utilization_pct
 
 #: XID the driver logs with a double-bit (uncorrectable) ECC error.
@@ -97,7 +100,7 @@ def _pci_bus_id(index: int) -> str:
     return f"{domain:08X}:{0x18 + 0x10 * slot:02X}:00.0"
 
 
-class SimNvml(SimEventsMixin):
+class SimNvml(SimEventsMixin, SimMigMixin):
     """``pynvml``-compatible simulated driver for ``gpu_count`` boards.
 
     ``no_permission`` makes every ``nvmlDeviceSet*`` call raise NO_PERMISSION, as an
@@ -107,7 +110,9 @@ class SimNvml(SimEventsMixin):
     to datacenter ones); ``missing`` names functions that raise
     FUNCTION_NOT_FOUND (an older driver); ``utilization_pct`` pins the load; ``identity``
     (the node name) keeps UUIDs and load distinct between simulated nodes; ``load_dir``
-    is where load markers are looked for (see the module docstring).
+    is where load markers are looked for (see the module docstring); ``mig_no_permission``
+    refuses MIG device handles (NO_PERMISSION), as a container without the ``mig/monitor``
+    capability sees.
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class SimNvml(SimEventsMixin):
         utilization_pct: int | None = None,
         model: SimGpuModel | None = None,
         load_dir: Path | None = None,
+        mig_no_permission: bool = False,
     ) -> None:
         self.model = model or SimGpuModel()
         self.load_dir = load_dir
@@ -136,6 +142,7 @@ class SimNvml(SimEventsMixin):
         self._key = f"{identity}:{seed}" if identity else str(seed)
         self.faults = tuple(faults)
         self.no_permission = no_permission
+        self.mig_no_permission = mig_no_permission
         self.unsupported = frozenset(unsupported)
         self.unsupported_by_gpu = {
             int(gpu): frozenset(names) for gpu, names in (unsupported_by_gpu or {}).items()
@@ -211,6 +218,8 @@ class SimNvml(SimEventsMixin):
 
     def _gpu(self, handle: Any, name: str) -> _Gpu:
         self._check(name)
+        if isinstance(handle, SimMigHandle):
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)  # a MIG device: see sim_mig
         if not isinstance(handle, SimHandle) or not 0 <= handle.index < len(self._gpus):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if self._is_lost(handle.index, self.now_s()):
@@ -408,6 +417,8 @@ class SimNvml(SimEventsMixin):
         return self._gpu(handle, "nvmlDeviceGetIndex").index
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        if isinstance(handle, SimMigHandle):
+            return self._mig_device_uuid(handle)
         return self._gpu(handle, "nvmlDeviceGetUUID").uuid
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
@@ -657,9 +668,13 @@ def _device_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(self: SimNvml, *args: Any, **kwargs: Any) -> Any:
         handle = args[0] if args else next(iter(kwargs.values()), None)
+        # A MIG device is part of its parent: the parent's hang or error is its own too.
+        index = handle.parent if isinstance(handle, SimMigHandle) else None
         if isinstance(handle, SimHandle):
-            self._before_device_call(handle.index)
-            if self._unsupported_on(handle.index, fn.__name__):
+            index = handle.index
+        if index is not None:
+            self._before_device_call(index)
+            if self._unsupported_on(index, fn.__name__):
                 raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return fn(self, *args, **kwargs)
 
@@ -686,6 +701,7 @@ __all__ = [
     "SimEventData",
     "SimEventSet",
     "SimHandle",
+    "SimMigHandle",
     "SimNvml",
     "sim_nvml_function_names",
 ]

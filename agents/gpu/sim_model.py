@@ -55,11 +55,23 @@ class SimGpuModel:
     fabric_supported: bool = True
     #: MIG mode at start (``NVML_DEVICE_MIG_DISABLE`` / ``_ENABLE``); H100 supports MIG.
     mig_mode: int = 0
+    #: MIG instances on each GPU in MIG mode, in its first slots (one pod per slice, the
+    #: usual MIG node); the other slots are empty (NOT_FOUND). At most ``mig_slots``.
+    mig_instances: int = 0
+    #: ``nvmlDeviceGetMaxMigDeviceCount`` of a GPU in MIG mode: 7 on an H100 or A100
+    #: (seven 1g slices).
+    mig_slots: int = 7
     #: Memory locations whose ECC counters answer (others raise NOT_SUPPORTED), as on H100.
     ecc_locations: tuple[str, ...] = ("dram", "sram")
     #: Training-step period of the default load pattern (s) and its busy fraction.
     step_period_s: float = 2.0
     busy_fraction: float = 0.85
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.mig_instances <= self.mig_slots:
+            raise ValueError(
+                f"mig_instances={self.mig_instances}: a GPU has {self.mig_slots} MIG slots"
+            )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
