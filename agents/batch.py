@@ -322,6 +322,9 @@ class Batch:
         self._ack_bytes = 0
         #: Command-ack bytes one report carries at most (:data:`ACK_BUDGET_FRACTION`).
         self.ack_budget_bytes = int(max_report_bytes * ACK_BUDGET_FRACTION)
+        #: Command acks dropped past their item cap or byte budget (the controller sends the
+        #: command again); on the agent's /metrics.
+        self.dropped_acks_total = 0
         self._shed_logged = False
         self.thinned_samples_total = 0
         self._thinning_logged = False
@@ -681,6 +684,7 @@ class Batch:
         """Append within the acks' item cap and byte budget (live and on replay alike)."""
         size = report_size(ack) + 1
         if len(self._contents.acks) >= MAX_ACKS or self._ack_bytes + size > self.ack_budget_bytes:
+            self.dropped_acks_total += 1
             log.error(
                 "too many command acks pending (%d, %d bytes); dropped ack for %s (the "
                 "controller sends the command again)",

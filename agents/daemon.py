@@ -256,6 +256,7 @@ class Agent:
             samples_thinned_total=lambda: self.batch.thinned_samples_total,
             xids_dropped_total=lambda: self.batch.dropped_xids_total,
             hardware_events_dropped_total=lambda: self.batch.dropped_events_total,
+            acks_dropped_total=lambda: self.batch.dropped_acks_total,
             gpu_pods=self._gpu_pods,
         )
         self.metrics_port: int | None = None

@@ -62,6 +62,8 @@ class MetricsSource:
     #: (agents.batch; the node's own event counters count every one).
     xids_dropped_total: Callable[[], int] = lambda: 0
     hardware_events_dropped_total: Callable[[], int] = lambda: 0
+    #: Command acks left out past their per-report budget (the controller resends).
+    acks_dropped_total: Callable[[], int] = lambda: 0
     #: GPU index -> (pod, namespace) of the job using it, from the ranks' hellos.
     gpu_pods: Callable[[], dict[int, tuple[str, str]]] = dict
     latest: NodeSample | None = None
@@ -214,6 +216,11 @@ class AgentCollector(Collector):
                 "trainguard_agent_hardware_events_dropped",
                 "Hardware events folded or left out of reports by the per-report event budget",
                 self._src.hardware_events_dropped_total,
+            ),
+            (
+                "trainguard_agent_command_acks_dropped",
+                "Command acks left out past the per-report ack budget (the controller resends)",
+                self._src.acks_dropped_total,
             ),
         ):
             family = CounterMetricFamily(name, doc)

@@ -621,8 +621,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByGroup(config, log)
 
 
-#: The host's speed and the run's start, read in the process that runs the session (not
-#: in xdist's workers) before any worker starts: see tests/host_speed.py.
+#: The host's speed, read in the process that runs the session (not in xdist's workers)
+#: before any worker starts: see tests/host_speed.py.
 _HOST: dict[str, float] = {}
 
 
@@ -630,13 +630,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER") or config.option.collectonly:
         return
     _HOST["reference"] = host_speed.reference_s()
-    _HOST["wall0"] = time.monotonic()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if "reference" in _HOST:
-        wall = time.monotonic() - _HOST["wall0"]
-        line = host_speed.summary(_HOST["reference"], host_speed.run_cpu_s(), wall)
+        line = host_speed.summary(_HOST["reference"], host_speed.run_cpu_s())
         terminalreporter.write_line(line)
 
 

@@ -143,6 +143,6 @@ def test_the_runs_cpu_counts_the_children_it_waited_for() -> None:
     subprocess.run([sys.executable, "-c", burn], check=True)
     assert host_speed.run_cpu_s() - before >= 0.2
     assert host_speed.reference_s(repeats=1) > 0
-    line = host_speed.summary(0.0421, 1234.4, 456.7)
+    line = host_speed.summary(0.0421, 1234.4)
     assert line.startswith("host speed: reference workload 42 ms of CPU")
-    assert line.endswith("this run used 1234 s of CPU in 457 s of wall")
+    assert "this run used 1234 s of CPU" in line

@@ -12,9 +12,13 @@ from typing import Any
 
 from agents.metrics import AgentCollector
 from tests.agents.test_agent_leftovers import _storm
-from trainguard.wire import NodeSample, XidEvent
+from trainguard.wire import CommandAck, NodeSample, XidEvent
 
-DROPPED = ("trainguard_agent_xids_dropped", "trainguard_agent_hardware_events_dropped")
+DROPPED = (
+    "trainguard_agent_xids_dropped",
+    "trainguard_agent_hardware_events_dropped",
+    "trainguard_agent_command_acks_dropped",
+)
 
 
 def _dropped(agent: Any) -> dict[str, float]:
@@ -40,4 +44,22 @@ def test_folded_xid_and_event_storms_are_counted_on_metrics(agent_factory: Any) 
     assert _dropped(agent) == {
         "trainguard_agent_xids_dropped": float(batch.dropped_xids_total),
         "trainguard_agent_hardware_events_dropped": float(batch.dropped_events_total),
+        "trainguard_agent_command_acks_dropped": 0.0,
     }
+
+
+def test_acks_past_their_budget_are_counted_on_metrics(agent_factory: Any) -> None:
+    """An ack past the per-report ack budget is dropped (the controller sends the command
+    again): the count says how many answers the controller never got."""
+    agent = agent_factory()
+    batch = agent.batch
+    batch.reset(agent.spool.next_seq)
+    reason = "r" * 1000
+    sent = batch.ack_budget_bytes // 1000 + 5  # past the budget by a few
+    for i in range(sent):
+        batch.add_ack(CommandAck(command_id=f"cmd-{i}", status="failed", reason=reason))
+    kept = len(batch.peek().acks)
+    assert batch.dropped_acks_total > 0 and kept + batch.dropped_acks_total == sent
+    assert _dropped(agent)["trainguard_agent_command_acks_dropped"] == float(
+        batch.dropped_acks_total
+    )
