@@ -22,6 +22,8 @@ Why this shape:
   restored from. A restore downloads every file, checks size and SHA-256 against it, then
   the usual manifest chain (MANIFEST.json -> rank manifests -> per-chunk CRC-32) when the
   step is loaded; on any mismatch the next complete copy is used.
+* The bucket's prefix is fenced per run (:mod:`checkpoint._tier_fence`): an uploader of an
+  earlier start stops before it replaces or deletes anything of a later start's.
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ from checkpoint._tier_bucket import (
     remote_manifest,
     remote_steps,
 )
+from checkpoint._tier_fence import BucketFence
 from checkpoint._write import write_atomic
 from checkpoint.config import ObjectStoreConfig
 from checkpoint.errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
     CheckpointIncompleteError,
+    CheckpointSupersededError,
 )
 from checkpoint.manifest import (
     MANIFEST_NAME,
@@ -122,6 +126,8 @@ class UploadStats:
     bytes_sent: int = 0
     steps_dropped: int = 0
     errors: list[str] = field(default_factory=list)
+    #: Steps refused by the bucket's fence: a later start owns the prefix.
+    superseded: list[int] = field(default_factory=list)
     #: Object keys this uploader completed, in order (the commit records come last).
     keys: list[str] = field(default_factory=list)
 
@@ -151,8 +157,8 @@ class _Journal:
 
 
 def read_tier_state(root: Path) -> dict[int, dict[str, Any]]:
-    """The uploader's journal per step (``state``: queued, uploading, uploaded, failed;
-    ``parts_done`` / ``parts_total``) as this node last wrote it."""
+    """The uploader's journal per step (``state``: queued, uploading, uploaded, failed,
+    superseded; ``parts_done`` / ``parts_total``) as this node last wrote it."""
     out: dict[int, dict[str, Any]] = {}
     tier = root / TIER_DIR
     if not tier.is_dir():
@@ -209,6 +215,8 @@ class TierUploader:
         self.local_commit = local_commit
         self.client = client if client is not None else make_client(cfg)
         self.stats = UploadStats()
+        self._fence = BucketFence(self.client, cfg, claimant=rank == 0)
+        self._submitted: set[int] = set()  # saved by this process, not leftovers
         # Ranks sharing a root keep their staging and journals apart; rank 0's stay where
         # ``inspect`` reads them.
         self.tier_dir = self.root / TIER_DIR / (f"rank-{rank:05d}" if rank else "")
@@ -251,6 +259,7 @@ class TierUploader:
             raise CheckpointIncompleteError(f"{src}: {what}, nothing to upload")
         journal = _Journal(self.tier_dir / f"{step_dir_name(step)}.json", step)
         journal.save()
+        self._submitted.add(step)
         self._enqueue(step)
         self._report(step, "upload_pending")
 
@@ -318,6 +327,9 @@ class TierUploader:
                 step, self._queued, self._active = self._queued, None, self._queued
             try:
                 self.upload_step(step)
+            except CheckpointSupersededError as exc:  # a zombie: final, not a failure
+                log.warning("checkpoint upload refused: %s", exc)  # names the step, both runs
+                self.stats.superseded.append(step)
             except Exception as exc:  # the upload is retried at the next start
                 message = f"step {step}: upload failed ({type(exc).__name__}: {exc})"
                 log.error("checkpoint %s", message)
@@ -338,6 +350,8 @@ class TierUploader:
         journal.save()
         self._report(step, "uploading")
         try:
+            own = step in self._submitted  # a leftover of an earlier process is not
+            self._fence.begin(staging / rank_manifest_name(self.rank), step, own=own)
             names = sorted(p.name for p in staging.iterdir() if p.is_file())
             record: dict[str, Any] = {"step": step, "files": {}}
             for name in names:
@@ -356,11 +370,13 @@ class TierUploader:
                     )
             record["uploaded_unix_s"] = time.time()
             self._put_record(step, record)
-        except Exception as exc:
-            journal.data["state"] = "failed"
+        except Exception as exc:  # superseded: the local copy stays, its staging too
+            fenced = isinstance(exc, CheckpointSupersededError)
+            journal.data["state"] = "superseded" if fenced else "failed"
             journal.data["error"] = f"{type(exc).__name__}: {exc}"[:500]
             journal.save()
-            self._report(step, "upload_failed", journal.data["error"])
+            why = f"superseded: {exc}" if fenced else journal.data["error"]
+            self._report(step, "upload_failed", why)
             raise
         journal.data["state"] = "uploaded"
         journal.save()
@@ -379,6 +395,7 @@ class TierUploader:
         name = TIER_RECORD if self.rank == 0 else RANK_RECORD.format(self.rank)
         body = json.dumps(record, sort_keys=True, indent=1).encode()
         key = _key(self.cfg, step, name)
+        self._fence.check(f"step {step}: {name} not uploaded")
         self.client.put_object(
             Bucket=self.cfg.bucket,
             Key=key,
@@ -442,6 +459,7 @@ class TierUploader:
         if size <= part_bytes:
             data = path.read_bytes()
             digest = _md5(data)
+            self._fence.check(f"step {step}: {name} not uploaded")
             reply = self.client.put_object(
                 Bucket=self.cfg.bucket,
                 Key=key,
@@ -508,6 +526,7 @@ class TierUploader:
                 errors.append(exc)
         if errors:
             raise errors[0]
+        self._fence.check(f"step {step}: {name} not completed")
         self.client.complete_multipart_upload(
             Bucket=self.cfg.bucket,
             Key=key,
@@ -561,7 +580,9 @@ class TierUploader:
     def apply_retention(self, *, newest: int) -> list[int]:
         """Keep the ``keep_last`` newest complete steps in the bucket; delete older ones and
         incomplete ones older than ``newest`` (``TIER.json`` first, so a crash mid-delete
-        leaves an incomplete step, never a "complete" one with missing objects)."""
+        leaves an incomplete step, never a "complete" one with missing objects). Each delete
+        is fenced: a later start owning the prefix stops it (logged, not raised: the step
+        just uploaded stands)."""
         complete = [s for s in remote_steps(self.client, self.cfg) if s <= newest]
         keep = set(sorted(complete)[-self.cfg.keep_last :]) | {newest}
         deleted = []
@@ -569,6 +590,8 @@ class TierUploader:
             if step in keep or step > newest:
                 continue
             prefix = _key(self.cfg, step)
+            if not self._fence.allows(f"step {step}: not deleted by retention"):
+                break
             with contextlib.suppress(Exception):
                 self.client.delete_object(Bucket=self.cfg.bucket, Key=prefix + TIER_RECORD)
             _delete_prefix(self.client, self.cfg.bucket, prefix)
