@@ -529,9 +529,19 @@ def _chains(config: pytest.Config) -> int:
     return 3 if isinstance(workers, int) and workers >= 3 else 2
 
 
+#: Modules that run one after the other on one worker: the dashboard's two heavy ones (a
+#: live cluster of agents, and 2,048 nodes ingested in process, each driving Chromium).
+#: Side by side they starved each other's controllers on a slow host (28 Nov, `import
+#: torch` 3.2 s of CPU, six workers): agents' reports timed out, pages missed their waits.
+_SERIAL_GROUPS = {
+    "tests/web/test_dashboard.py": "web-heavy",
+    "tests/web/test_dashboard_sweep.py": "web-heavy",
+}
+
+
 def _group_of(path: str, chains: int = 2) -> str:
     if not path.startswith(_CLUSTER_TESTS):
-        return path
+        return _SERIAL_GROUPS.get(path, path)
     for name, prefixes in zip("abc", _CLUSTER_CHAINS[chains], strict=False):
         if path.startswith(prefixes):
             return f"cluster-{name}"

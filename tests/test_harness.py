@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests import host_speed, module_costs
-from tests.conftest import _races_timers, _schedule_order
+from tests.conftest import _group_of, _races_timers, _schedule_order
 from tests.zygote import Zygote
 
 
@@ -146,3 +146,14 @@ def test_the_runs_cpu_counts_the_children_it_waited_for() -> None:
     line = host_speed.summary(0.0421, 1234.4)
     assert line.startswith("host speed: reference workload 42 ms of CPU")
     assert "this run used 1234 s of CPU" in line
+
+
+def test_the_two_heavy_dashboard_modules_share_one_worker_and_others_their_own() -> None:
+    """Side by side they starved each other's controllers on a slow host (conftest)."""
+    heavy = {
+        _group_of("tests/web/test_dashboard.py"),
+        _group_of("tests/web/test_dashboard_sweep.py"),
+    }
+    assert len(heavy) == 1
+    assert _group_of("tests/web/test_job_steps_incremental.py") not in heavy
+    assert _group_of("tests/a.py") == "tests/a.py"

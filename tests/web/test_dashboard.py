@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests import http_calls
-from tests.web.conftest import HOSTILE
+from tests.web.conftest import BROWSER_TIMEOUT_MS, HOSTILE
 from tests.web.conftest import open_page as open_signed_in
 
 pytestmark = pytest.mark.slow
@@ -309,7 +309,7 @@ def test_a_fault_on_an_agent_reaches_the_fleet_cell_and_the_job_heatmap_live(
     page.evaluate("window.__same_page = 1")  # gone if the page reloads
 
     cluster.inject("sim-b", "kind=xid,code=79,gpu=1,at=0")
-    expect(cell_b).to_have_attribute("data-state", "unhealthy", timeout=15_000)
+    expect(cell_b).to_have_attribute("data-state", "unhealthy", timeout=BROWSER_TIMEOUT_MS)
     expect(cell_b).to_have_text("✕")
     expect(cell_b).to_have_attribute("aria-label", re.compile("XID 79"))
     assert page.evaluate("window.__same_page") == 1
@@ -592,7 +592,7 @@ def test_a_stalled_stream_is_shown_as_behind_and_catches_up(cluster, dash_browse
     worker = threading.Thread(target=isolate)
     worker.start()
     try:
-        expect(live_state).to_have_attribute("data-state", "behind", timeout=15_000)
+        expect(live_state).to_have_attribute("data-state", "behind", timeout=BROWSER_TIMEOUT_MS)
         expect(page.locator("#banner")).to_contain_text("Live updates are behind (no update for")
         expect(cell).not_to_have_attribute("data-state", "cordoned")
         shot(page, "behind")
@@ -614,7 +614,7 @@ def test_a_stalled_stream_is_shown_as_behind_and_catches_up(cluster, dash_browse
             re.compile(r"behind \(\d+ updates missed; caught up from a snapshot\)")
         )
         expect(page.locator("#banner")).to_contain_text("updates missed")
-        expect(live_state).to_have_attribute("data-state", "live", timeout=15_000)
+        expect(live_state).to_have_attribute("data-state", "live", timeout=BROWSER_TIMEOUT_MS)
         expect(cell).to_have_attribute("data-state", "cordoned")
         assert not page.errors, page.errors
     finally:

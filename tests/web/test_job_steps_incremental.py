@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests import http_calls
-from tests.web.conftest import agent_report, open_page, post_report
+from tests.web.conftest import BROWSER_TIMEOUT_MS, agent_report, open_page, post_report
 
 WORLD = 4
 
@@ -163,7 +163,7 @@ def test_the_job_page_asks_only_for_new_steps_and_draws_what_a_full_load_draws(
         # refreshes with after= its newest step and keeps the newest 120.
         post(_steps("inc", range(118, 126), end=old))
         expect(heatmap).to_have_attribute(
-            "aria-label", re.compile(r"by 120 steps, steps 6 to 125"), timeout=15_000
+            "aria-label", re.compile(r"by 120 steps, steps 6 to 125"), timeout=BROWSER_TIMEOUT_MS
         )
         assert any(url.endswith("&after=117") for url in asked), asked
         assert all("&after=" in url for url in asked[1:]), asked  # no whole fetch since
