@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from fastapi import APIRouter, Depends, Path, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from controller.api.deps import AUTH_ERRORS, NOT_FOUND, ServicesDep, require_operator
 from controller.auth import Principal
@@ -37,7 +37,7 @@ class AgentCredentialPublic(BaseModel):
 
 
 class AgentTokenIssued(AgentCredentialPublic):
-    token: str
+    token: str = Field(repr=False)  # in the answer's body, never in a logged repr
     previous_valid_until_unix_s: float | None
 
 

@@ -32,7 +32,7 @@ import hmac
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sqlalchemy import Connection
@@ -64,7 +64,8 @@ class IssuedToken:
     """A freshly issued token (shown once), its credential, and until when the node's older
     tokens stay valid (``None``: it had none)."""
 
-    token: str
+    #: Out of ``repr``: an object logged by mistake must not log the token with it.
+    token: str = field(repr=False)
     credential: NodeCredential
     previous_valid_until_unix_s: float | None
 

@@ -65,7 +65,8 @@ class WebhookResult:
 @dataclass(slots=True)
 class Webhook:
     url: str
-    secret: bytes
+    #: Out of ``repr``: an object logged by mistake must not log the signing key with it.
+    secret: bytes = field(repr=False)
     timeout_s: float = 5.0
     retries: int = 3
     backoff_initial_s: float = 0.5

@@ -149,7 +149,7 @@ class Drill:
     workdir: Path
     procs: ProcessSet
     server: str = ""
-    operator_token: str = field(default_factory=lambda: os.urandom(18).hex())
+    operator_token: str = field(default_factory=lambda: os.urandom(18).hex(), repr=False)
     node_names: list[str] = field(default_factory=list)
     #: Called with one line whenever something worth narrating happens.
     say: Callable[[str], None] = lambda _line: None
