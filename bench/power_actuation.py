@@ -25,7 +25,8 @@ from typing import Any
 
 import httpx
 
-from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
+from trainguard.cli.procs import ProcessSet, cli_argv, wait_until
+from trainguard.ports import free_port
 
 NODE = "node-pw"
 AGENT_TOKEN = "bench-power-agent-token"

@@ -37,10 +37,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import random
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.cli.drill import HANG_LEAD_STEPS
+from trainguard.ports import free_ports
 
 STRAGGLER_RANK = 3
 HANG_RANK = 3
@@ -136,7 +135,7 @@ def run_baseline(cfg: BaselineConfig, workdir: Path, say: Any = None) -> dict[st
     # The run's own bound: every phase at the slowed pace, the hang's timeout, and the
     # restarts, with a wide margin; past it the run is a failure of the bench, not a figure.
     limit_s = 600.0 + cfg.pg_timeout_s + 4 * cfg.xid_step * (cfg.step_sleep_s + 1.0)
-    argv = _argv(cfg, _free_port_run(cfg.max_restarts + 1))
+    argv = _argv(cfg, free_ports(cfg.max_restarts + 1))
     if say:
         say(f"torchrun baseline: {shlex.join(argv[:8])} ... (limit {limit_s:.0f} s)")
     lines: list[tuple[float, str]] = []
@@ -177,27 +176,6 @@ def run_baseline(cfg: BaselineConfig, workdir: Path, say: Any = None) -> dict[st
     result = analyse(cfg, rows, lines, started_unix_s=started, ended_unix_s=ended)
     result["exit_status"] = rc
     return result
-
-
-def _free_port_run(n: int) -> int:
-    """The first of ``n`` consecutive free local ports, below the kernel's ephemeral range
-    (gloo's own sockets take ports from that range while the job runs, and one of them
-    once took the port a restart needed)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(10000, max(10001, low - n))
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {n} consecutive free local ports below {low}")
 
 
 def _rows(log: Path) -> list[dict[str, Any]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from controller.actuators.base import Placement
+from trainguard import ports
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,14 +126,10 @@ def free_port(avoid: int | None) -> int:
     """A port free right now on 127.0.0.1, different from the previous generation's.
 
     Never the old port: the old rendezvous may still sit in TIME_WAIT, and a fresh port
-    makes a late rank of the old generation unable to join the new one.
+    makes a late rank of the old generation unable to join the new one. Drawn outside the
+    ephemeral range (``trainguard.ports``): rank 0 binds it only after importing torch.
     """
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port != avoid:
-            return port
+    return ports.free_port(avoid=() if avoid is None else (avoid,))
 
 
 def spawn_rank(spec: LocalJobSpec, placement: Placement, rank: int, port: int) -> Rank:

@@ -23,7 +23,8 @@ from tests.cli.cli_testkit import (
 )
 from tests.environ import clean_env
 from trainguard.cli.app import run
-from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
+from trainguard.cli.procs import ProcessSet, cli_argv, wait_until
+from trainguard.ports import free_port
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import pytest
 
 from tests.cli.cli_testkit import CliResult, CliServer
 from trainguard.cli.app import run
-from trainguard.cli.procs import free_port
+from trainguard.ports import free_port
 
 Cli = Callable[..., CliResult]
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.cli.cli_testkit import CliResult
-from trainguard.cli.procs import free_port
+from trainguard.ports import free_port
 
 Cli = Callable[..., CliResult]
 

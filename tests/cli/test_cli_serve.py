@@ -19,7 +19,8 @@ from tests import http_calls
 from tests.cli.cli_testkit import controller_ready, feed
 from tests.environ import clean_env
 from trainguard.cli.app import run
-from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
+from trainguard.cli.procs import ProcessSet, cli_argv, wait_until
+from trainguard.ports import free_port
 
 if TYPE_CHECKING:
     from tests.conftest import SchemaTemplates, Tg

@@ -31,7 +31,8 @@ from controller.services.leader import (
 )
 from tests import http_calls
 from tests.environ import clean_env
-from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
+from trainguard.cli.procs import Child, ProcessSet, cli_argv, wait_until
+from trainguard.ports import free_port
 
 NODE_LOST_AFTER_S = 2.0
 #: Generous bound on takeover after ``kill -9`` of the leader (measured: see the output).

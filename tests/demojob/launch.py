@@ -19,7 +19,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import tempfile
 import time
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.zygote import Zygote, ZygoteProcess
+from trainguard.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Names one launch in the environment of its ranks and of the processes they start.
@@ -35,13 +35,6 @@ LAUNCH_VAR = "TG_TEST_LAUNCH"
 WRITER_MODULE = b"checkpoint._writer_process"
 #: How long a launch waits for its writers after its ranks (a few MB each to persist).
 WRITERS_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def job_env(rank: int, world: int, port: int, tmp: Path, **tg: str | int | float) -> dict[str, str]:

@@ -10,8 +10,9 @@ import pytest
 
 from checkpoint import CheckpointStore
 from demojob.config import JobConfigError, config_from_env
-from tests.demojob.launch import free_port, job_env, launch, start_rank
+from tests.demojob.launch import job_env, launch, start_rank
 from tests.zygote import Zygote
+from trainguard.ports import free_port
 
 GOOD = {
     "RANK": "1",

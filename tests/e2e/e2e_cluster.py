@@ -26,7 +26,8 @@ import httpx
 from tests import http_calls
 from tests.environ import clean_env
 from trainguard.cli.client import ApiClient
-from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
+from trainguard.cli.procs import Child, ProcessSet, cli_argv, wait_until
+from trainguard.ports import free_port
 
 SAMPLE_S = 0.2
 REPORT_S = 0.5

@@ -46,7 +46,8 @@ import yaml
 from tests.actuators.fake_cluster import FakeCluster
 from tests.e2e.e2e_cluster import E2ECluster
 from tests.environ import clean_env
-from trainguard.cli.procs import cli_argv, free_port, wait_until
+from trainguard.cli.procs import cli_argv, wait_until
+from trainguard.ports import free_port
 
 NS = "train"
 JOB = "llm"

@@ -26,7 +26,8 @@ from tests import http_calls
 from tests.e2e.e2e_cluster import E2ECluster
 from tests.environ import clean_env
 from tests.zygote import Zygote
-from trainguard.cli.procs import Child, cli_argv, free_port, wait_until
+from trainguard.cli.procs import Child, cli_argv, wait_until
+from trainguard.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -48,7 +48,8 @@ import yaml
 from tests import http_calls
 from tests.actuators.fake_kube import FakeKube
 from tests.cli.cli_k8s_tools import ToolUnavailable, helm
-from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
+from trainguard.cli.procs import ProcessSet, cli_argv, wait_until
+from trainguard.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

@@ -33,7 +33,8 @@ import pytest
 from tests import http_calls
 from tests.environ import clean_env
 from tests.remediation.test_engine import ENGINE
-from trainguard.cli.procs import Child, ProcessSet, cli_argv, free_port, wait_until
+from trainguard.cli.procs import Child, ProcessSet, cli_argv, wait_until
+from trainguard.ports import free_port
 
 #: How long the checkpoint step waits for a checkpoint no rank will ever write.
 CHECKPOINT_TIMEOUT_S = 5.0

@@ -30,7 +30,8 @@ from typing import Any
 
 from trainguard.cli.client import ApiClient
 from trainguard.cli.errors import BadInput, DemoFailed
-from trainguard.cli.procs import ProcessSet, cli_argv, free_port, wait_until
+from trainguard.cli.procs import ProcessSet, cli_argv, wait_until
+from trainguard.ports import free_port
 
 JsonObject = dict[str, Any]
 JOB = "gpt-demo"

@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -94,14 +93,6 @@ def _signals_deferred() -> Iterator[None]:
 def cli_argv(*args: str) -> list[str]:
     """Run our own CLI with this interpreter, independent of what PATH holds."""
     return [sys.executable, "-m", "trainguard.cli", *args]
-
-
-def free_port() -> int:
-    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago (bind then release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_until(predicate: Callable[[], bool], *, timeout_s: float, interval_s: float = 0.1) -> bool:
@@ -254,4 +245,4 @@ class ProcessSet:
         return [c for c in self.children.values() if not c.alive()]
 
 
-__all__ = ["Child", "ProcessSet", "cli_argv", "free_port", "wait_until"]
+__all__ = ["Child", "ProcessSet", "cli_argv", "wait_until"]
