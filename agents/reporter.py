@@ -186,6 +186,9 @@ class _FileToken(httpx.Auth):
         self._stamp: tuple[int, int] | None = None
         #: The file's stamp when it last read as no usable token (warned once per version).
         self._bad_stamp: tuple[int, int] | None = None
+        #: Why the file could not be opened, as last warned (once per reason, not per retry:
+        #: an agent started before its token is issued retries for a minute).
+        self._os_error: str | None = None
         self._token = ""
 
     @property
@@ -201,9 +204,14 @@ class _FileToken(httpx.Auth):
             if stamp != self._stamp:
                 self._token = read_token_file(self._path)
                 self._stamp, self._bad_stamp = stamp, None
+            if self._os_error is not None:
+                log.info("agent token file readable", extra={"fields": {"file": str(self._path)}})
+                self._os_error = None
         except OSError as exc:  # not there yet: the controller answers 401, we retry
             error = f"{self._path}: {exc.strerror or type(exc).__name__}"
-            log.warning("agent token file unreadable", extra={"fields": {"error": error}})
+            if error != self._os_error:
+                self._os_error = error
+                log.warning("agent token file unreadable", extra={"fields": {"error": error}})
         except AgentConfigError as exc:
             # Being rewritten, or rotated to something no header can carry: keep the last
             # good token and retry. The message names the file, never the token.

@@ -242,3 +242,33 @@ def test_file_token_that_goes_bad_keeps_the_last_good_token_and_logs_why(
         f"token_file {path}: empty; it must hold the agent's token",
     ]
     assert TOKEN not in caplog.text
+
+
+def test_a_token_file_not_there_yet_is_warned_once_not_on_every_retry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent started before its token was issued retries for a minute: one warning, then
+    one line when the file appears; it going away again is worth a warning again."""
+    path = tmp_path / "token"
+    auth = _FileToken(path)
+
+    def header() -> str | None:
+        (request,) = auth.auth_flow(httpx.Request("POST", "http://ctl/api/v1/reports"))
+        value: str | None = request.headers.get("Authorization")
+        return value
+
+    caplog.set_level(logging.INFO, logger="agents.reporter")
+    for _ in range(5):
+        assert header() is None
+    path.write_text(TOKEN)
+    assert header() == f"Bearer {TOKEN}"
+    assert header() == f"Bearer {TOKEN}"
+    path.unlink()
+    for _ in range(3):
+        assert header() == f"Bearer {TOKEN}"  # the last good token, while it is gone
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said == [
+        ("WARNING", "agent token file unreadable"),
+        ("INFO", "agent token file readable"),
+        ("WARNING", "agent token file unreadable"),
+    ]
