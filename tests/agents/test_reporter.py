@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -216,16 +217,24 @@ def test_read_token_file_is_the_token_or_one_line_reason(tmp_path: Path) -> None
         assert str(info.value) == f"token_file {path}: {reason}"
 
 
+def _header_of(auth: _FileToken) -> Callable[[], str | None]:
+    """The Authorization header ``auth`` puts on the next report."""
+
+    def header() -> str | None:
+        (request,) = auth.auth_flow(httpx.Request("POST", "http://ctl/api/v1/reports"))
+        value: str | None = request.headers.get("Authorization")
+        return value
+
+    return header
+
+
 def test_file_token_that_goes_bad_keeps_the_last_good_token_and_logs_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "token"
     auth = _FileToken(path)
 
-    def header() -> str | None:
-        (request,) = auth.auth_flow(httpx.Request("POST", "http://ctl/api/v1/reports"))
-        value: str | None = request.headers.get("Authorization")
-        return value
+    header = _header_of(auth)
 
     caplog.set_level(logging.WARNING, logger="agents.reporter")
     assert header() is None  # not there yet: sent without, the controller answers 401
@@ -252,10 +261,7 @@ def test_a_token_file_not_there_yet_is_warned_once_not_on_every_retry(
     path = tmp_path / "token"
     auth = _FileToken(path)
 
-    def header() -> str | None:
-        (request,) = auth.auth_flow(httpx.Request("POST", "http://ctl/api/v1/reports"))
-        value: str | None = request.headers.get("Authorization")
-        return value
+    header = _header_of(auth)
 
     caplog.set_level(logging.INFO, logger="agents.reporter")
     for _ in range(5):
