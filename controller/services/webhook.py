@@ -7,8 +7,15 @@ HMAC-SHA256 over ``<timestamp>.<body>`` with a shared secret, sent as
 (reject old timestamps to stop replays; :func:`verify` is the receiver's side, in Python).
 Each attempt has a timeout; connection failures, timeouts, 429 and 5xx are retried with
 exponential backoff, other 4xx are final (the receiver refused this payload: retrying sends
-the same refusal). ``X-Trainguard-Delivery`` stays the same across retries, so a receiver
-can drop a duplicate.
+the same refusal). A 429 or 503 that says ``Retry-After`` (seconds or an HTTP date) waits
+that long instead, up to ``backoff_max_s``: a remediation waits on its webhook, so a
+receiver cannot hold it for an hour. ``X-Trainguard-Delivery`` stays the same across
+retries, so a receiver can drop a duplicate.
+
+The answer is read up to :data:`MAX_RESPONSE_BYTES`: a receiver that streams a huge (or
+endless) body must not fill the controller's memory. A 2xx whose body is longer is still a
+delivery (``response`` is then ``None``); the error of a failed attempt quotes at most 200
+characters of its body, on one line.
 """
 
 from __future__ import annotations
@@ -21,11 +28,46 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
 
 from trainguard.tls import default_context
+
+#: The most of an answer's body read (the rest is left unread and the connection closed).
+MAX_RESPONSE_BYTES = 64 * 1024
+
+
+def retry_after_s(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds a ``Retry-After`` header asks to wait (``None``: absent or unreadable)."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
+
+
+async def _read_capped(answer: httpx.Response) -> bytes | None:
+    """The body, or ``None`` when it is longer than :data:`MAX_RESPONSE_BYTES`."""
+    body = bytearray()
+    async for chunk in answer.aiter_bytes():
+        body += chunk
+        if len(body) > MAX_RESPONSE_BYTES:
+            return None
+    return bytes(body)
+
+
+def _one_line(body: bytes | None) -> str:
+    if body is None:
+        return f"(a body over {MAX_RESPONSE_BYTES} bytes)"
+    text = body[:800].decode("utf-8", "replace")
+    return " ".join("".join(c if c.isprintable() else " " for c in text).split())[:200]
 
 
 def sign(secret: bytes, timestamp: str, body: bytes) -> str:
@@ -94,25 +136,31 @@ class Webhook:
                     "X-Trainguard-Timestamp": timestamp,
                     "X-Trainguard-Signature": sign(self.secret, timestamp, body),
                 }
+                wait_s: float | None = None
                 try:
-                    answer = await http.post(self.url, content=body, headers=headers)
+                    async with http.stream(
+                        "POST", self.url, content=body, headers=headers
+                    ) as answer:
+                        status = answer.status_code
+                        raw = await _read_capped(answer)
+                        if status in (429, 503):
+                            wait_s = retry_after_s(answer.headers.get("retry-after"))
                 except httpx.HTTPError as exc:
                     status, error = None, f"{type(exc).__name__}: {exc}"[:300]
                 else:
-                    status = answer.status_code
                     if 200 <= status < 300:
                         try:
-                            data = answer.json()
+                            data = None if raw is None else json.loads(raw)
                         except ValueError:
                             data = None
                         return WebhookResult(True, status, attempt, delivery, response=data)
-                    error = f"HTTP {status}: {answer.text[:200]}"
+                    error = f"HTTP {status}: {_one_line(raw)}"
                     if status != 429 and status < 500:
                         return WebhookResult(False, status, attempt, delivery, error)
                 if attempt <= self.retries:
-                    await self.sleep(delay)
+                    await self.sleep(delay if wait_s is None else min(wait_s, self.backoff_max_s))
                     delay = min(delay * 2, self.backoff_max_s)
         return WebhookResult(False, status, self.retries + 1, delivery, error)
 
 
-__all__ = ["Webhook", "WebhookResult", "sign", "verify"]
+__all__ = ["MAX_RESPONSE_BYTES", "Webhook", "WebhookResult", "retry_after_s", "sign", "verify"]
