@@ -22,12 +22,17 @@ command, log directory or working directory that cannot be used). A generation i
 only once all its ranks started: when one cannot start, the ranks already started are
 killed and reaped, the previous generation stays the last one started, and the same
 generation may be tried again.
+
+A generation whose rank exits with an error before the ranks met (rank 0 could not bind
+its port, an import failed) is relaunched on a fresh port, at most ``launch_retries``
+times, by a watch that :meth:`LocalActuator.start` starts (:mod:`.local_watch`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import signal
 import time
@@ -54,6 +59,7 @@ from controller.actuators.local_launch import (
     spawn_rank,
     start_error,
 )
+from controller.actuators.local_watch import describe_exit, last_line, launch_failure
 from trainguard.wire import RankEvent
 
 __all__ = ["JobStatus", "LocalJobSpec", "LocalProcessActuator", "RankStatus"]
@@ -122,9 +128,22 @@ class LocalProcessActuator:
         grace_s: float = 10.0,
         max_events: int = 1000,
         jobs: Sequence[tuple[LocalJobSpec, Placement]] = (),
+        launch_retries: int = 2,
+        launch_window_s: float = 300.0,
+        launch_grace_s: float = 10.0,
+        watch_interval_s: float = 0.5,
     ) -> None:
         if grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+        if launch_retries < 0:
+            raise ValueError(f"launch_retries must be >= 0, got {launch_retries}")
+        #: Relaunches of a generation whose ranks never met (:mod:`.local_watch`); how long
+        #: after a launch an error exit can count as one, and how long it is watched first.
+        self.launch_retries = launch_retries
+        self.launch_window_s = launch_window_s
+        self.launch_grace_s = launch_grace_s
+        self.watch_interval_s = watch_interval_s
+        self._watch: asyncio.Task[None] | None = None
         #: Seconds between SIGTERM and SIGKILL when stopping ranks.
         self.grace_s = grace_s
         self._specs: dict[str, LocalJobSpec] = {}
@@ -142,6 +161,8 @@ class LocalProcessActuator:
         One job that cannot start does not keep the others from starting: every job is
         tried, then one :class:`ActuatorError` names each that failed.
         """
+        if self._watch is None:
+            self._watch = asyncio.create_task(self._watch_launches(), name="local-launch-watch")
         launched = []
         failed: list[str] = []
         for spec, placement in self._configured:
@@ -167,7 +188,16 @@ class LocalProcessActuator:
         return launched
 
     def observe_ranks(self, node: str, events: Sequence[RankEvent]) -> None:
-        """Nothing to learn: this actuator placed every rank itself."""
+        """This actuator placed every rank itself; what it learns is that a generation's
+        ranks met (a ``started`` event after its launch), which ends its launch watch."""
+        for event in events:
+            gen = self._gens.get(event.job)
+            if (
+                event.kind == "started"
+                and gen is not None
+                and event.time_unix_s >= gen.launched_unix_s
+            ):
+                gen.joined = True
 
     async def node_view(self, node: str) -> NodeView:
         """No node health of its own to ask (``ready`` unknown); whether the ranks it runs on
@@ -330,6 +360,11 @@ class LocalProcessActuator:
 
     async def close(self) -> None:
         """Stop every job this actuator started (graceful, then forced)."""
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
         for job in list(self._gens):
             await self.stop_job(job, reason="local actuator closing")
 
@@ -346,6 +381,62 @@ class LocalProcessActuator:
             target,
             message,
             extra={"fields": {"event": event}},
+        )
+
+    # -- the launch watch ----------------------------------------------------------------
+
+    async def _watch_launches(self) -> None:
+        while True:
+            await asyncio.sleep(self.watch_interval_s)
+            for job in list(self._gens):
+                try:
+                    await self.check_launch(job)
+                except Exception:  # one bad check must not end the watch of every job
+                    log.exception("local launch watch failed", extra={"fields": {"job": job}})
+
+    async def check_launch(self, job: str) -> None:
+        """Relaunch ``job``'s generation if a rank failed before the ranks met; see
+        :mod:`.local_watch`."""
+        gen = self._gens.get(job)
+        if gen is None or self._failed_launch(gen) is None:
+            return
+        async with self._lock(job):
+            failed = self._failed_launch(gen) if self._gens.get(job) is gen else None
+            if failed is None:
+                return  # restarted or stopped meanwhile
+            rank, code = failed
+            said = last_line(rank.log_path)
+            what = (
+                f"generation {gen.placement.generation}: rank {rank.rank} exited with "
+                f"{describe_exit(code)} before the ranks met" + (f" ({said})" if said else "")
+            )
+            reason, message = await self._relaunch(gen, rank, what)
+            await self.record_event(target=job, reason=reason, message=message, warning=True)
+
+    async def _relaunch(self, gen: Generation, rank: Rank, what: str) -> tuple[str, str]:
+        """Relaunch ``gen`` if a retry is left; the event that says what was done."""
+        if gen.relaunches >= self.launch_retries:
+            gen.gave_up = True
+            return "LaunchFailed", (
+                f"{what}; not relaunched again after {gen.relaunches} relaunch(es); "
+                f"see {rank.log_path}"
+            )
+        await self._stop(gen)
+        try:
+            self._launch(gen.placement)
+        except ActuatorError as exc:
+            gen.gave_up = True
+            return "LaunchFailed", f"{what}; {exc}"
+        new = self._gens[gen.placement.job]
+        new.relaunches = gen.relaunches + 1
+        return "LaunchRetried", (
+            f"{what}; relaunched on port {new.port} "
+            f"(retry {new.relaunches} of {self.launch_retries})"
+        )
+
+    def _failed_launch(self, gen: Generation) -> tuple[Rank, int] | None:
+        return launch_failure(
+            gen, time.time(), window_s=self.launch_window_s, grace_s=self.launch_grace_s
         )
 
     # -- machinery ----------------------------------------------------------------------

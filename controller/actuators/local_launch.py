@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,16 @@ class Generation:
     port: int
     ranks: list[Rank]
     stopped: bool = False
+    launched_unix_s: float = field(default_factory=time.time)
+    #: A rank of this generation said "started" (its rendezvous completed): from then on a
+    #: rank's exit is the job's, for the detectors, not a failed launch.
+    joined: bool = False
+    #: How many times this generation was relaunched after a failed launch.
+    relaunches: int = 0
+    #: When each rank was first seen exited with an error (:mod:`.local_watch`).
+    failed_seen: dict[int, float] = field(default_factory=dict)
+    #: The last relaunch was spent: the failure is reported once and left as it is.
+    gave_up: bool = False
 
 
 def has_nul(value: object) -> bool:
