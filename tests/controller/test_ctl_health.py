@@ -3,11 +3,15 @@ GPUs, silent agents."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import time
+import warnings
 from typing import Any
 
 import pytest
 
+from controller.services.detection.health import _each
 from tests import http_calls
 from tests.waiting import wait_for
 
@@ -158,3 +162,37 @@ def test_node_lost_survives_a_failing_tick(controller_factory, ctl_report) -> No
     wait_for(lambda: live.read("/api/v1/incidents", kind="node_lost")["count"] == 1)
     assert calls["n"] >= 2
     assert live.read("/api/v1/nodes/node-t")["health"] == "lost"
+
+
+def test_a_tick_cancelled_midway_leaves_no_step_unawaited_and_still_raises_failures() -> None:
+    """The controller stopping cancels a health tick between two nodes' steps: the steps not
+    reached are closed (no "coroutine was never awaited" at shutdown); without a cancel,
+    every step runs and the first failure comes out at the end."""
+    ran: list[int] = []
+
+    async def step(i: int, *, fail: bool = False, block: bool = False) -> None:
+        ran.append(i)
+        if block:
+            await asyncio.sleep(3600)
+        if fail:
+            raise RuntimeError(f"step {i}")
+
+    async def cancelled() -> None:
+        task = asyncio.create_task(_each([step(0), step(1, block=True), step(2), step(3)]))
+        while ran != [0, 1]:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(cancelled())
+        gc.collect()
+    assert ran == [0, 1]
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+
+    ran.clear()
+    with pytest.raises(RuntimeError, match="step 1"):
+        asyncio.run(_each([step(0), step(1, fail=True), step(2, fail=True), step(3)]))
+    assert ran == [0, 1, 2, 3]

@@ -39,7 +39,7 @@ silent node) detects the same condition again and retries.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -165,11 +165,19 @@ async def _each(steps: list[Awaitable[None]]) -> None:
     """Await every step even when one fails (one GPU's failed write must not hide another
     GPU's fault); the first failure is raised at the end, for the caller to log."""
     first: Exception | None = None
-    for step in steps:
-        try:
-            await step
-        except Exception as exc:
-            first = first or exc
+    left = list(reversed(steps))
+    try:
+        while left:
+            try:
+                await left.pop()
+            except Exception as exc:
+                first = first or exc
+    finally:
+        # Cancelled midway (the controller stopping): the steps not reached are closed, not
+        # left to warn "coroutine was never awaited" at garbage collection.
+        for step in left:
+            if isinstance(step, Coroutine):
+                step.close()
     if first is not None:
         raise first
 
