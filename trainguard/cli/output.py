@@ -9,6 +9,7 @@ go last so splitting on whitespace still finds every other column.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,10 @@ from typing import Any
 import yaml
 
 from trainguard.cli.errors import BadInput
-from trainguard.cli.replies import printable
+from trainguard.cli.replies import hidden, printable
+
+#: Any character outside printable ASCII: only these can be hidden.
+_NON_ASCII = re.compile(r"[^\x20-\x7e\n]")
 
 JsonObject = dict[str, Any]
 EMPTY = "-"
@@ -144,12 +148,42 @@ def table_of(
     return render_table([c.header for c in chosen], rows)
 
 
+def _json_escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # beyond the BMP: JSON spells it as a surrogate pair
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
 def dump_json(obj: Any) -> str:
-    return json.dumps(obj, indent=2, ensure_ascii=False)
+    """JSON for people and scripts alike: text stays readable (``ensure_ascii=False``), but a
+    character that draws nothing, reorders what follows (a U+202E in a label) or cannot be
+    written as UTF-8 at all (a lone surrogate a server's ``\\udc80`` decodes to) is escaped.
+    Such characters only occur inside strings, where ``\\uXXXX`` means the same character."""
+    return _NON_ASCII.sub(_escape_hidden, json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+def _escape_hidden(match: re.Match[str]) -> str:
+    return _json_escape(match) if hidden(match.group()) else match.group()
+
+
+def _holds_hidden(obj: Any) -> bool:
+    if isinstance(obj, str):
+        return any(hidden(c) for c in _NON_ASCII.findall(obj))
+    if isinstance(obj, dict):
+        return any(_holds_hidden(k) or _holds_hidden(v) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return any(_holds_hidden(v) for v in obj)
+    return False
 
 
 def dump_yaml(obj: Any) -> str:
-    text: str = yaml.safe_dump(obj, sort_keys=False, allow_unicode=True, default_flow_style=False)
+    """YAML with text as it is, unless some of it is hidden (see :func:`dump_json`): then
+    every non-ASCII character is written as an escape, the only way YAML has to show one."""
+    text: str = yaml.safe_dump(
+        obj, sort_keys=False, allow_unicode=not _holds_hidden(obj), default_flow_style=False
+    )
     return text.rstrip("\n")
 
 

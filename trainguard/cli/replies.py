@@ -138,12 +138,22 @@ _BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0")
 MAX_SERVER_TEXT = 300
 
 
+def hidden(char: str) -> bool:
+    """Whether ``char`` draws nothing but reorders or hides what follows (a U+202E in a
+    hostname flips the rest of its table row on screen; a zero-width space makes two names
+    look alike), or is a C1 control, or cannot be written as UTF-8 (a lone surrogate)."""
+    return (
+        unicodedata.category(char) in _INVISIBLE_CATEGORIES
+        or char in _BLANK_LETTERS
+        or "\x7f" <= char <= "\x9f"
+    )
+
+
 def _shown(match: re.Match[str]) -> str:
     """One non-ASCII character as it may reach a terminal: itself, or ``\\uXXXX`` when it
-    draws nothing but reorders or hides what follows (a U+202E in a hostname flips the
-    rest of its table row on screen; a zero-width space makes two names look alike)."""
+    is :func:`hidden`."""
     char = match.group()
-    if unicodedata.category(char) in _INVISIBLE_CATEGORIES or char in _BLANK_LETTERS:
+    if hidden(char):
         return f"\\u{ord(char):04x}" if ord(char) <= 0xFFFF else f"\\U{ord(char):08x}"
     return char
 
@@ -186,6 +196,7 @@ __all__ = [
     "Page",
     "Reply",
     "Status",
+    "hidden",
     "printable",
     "problem",
     "visible",
