@@ -81,6 +81,12 @@ def _table(headers: list[str], rows: list[list[str]]) -> None:
         typer.echo("   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
+def _need_dir(path: Path) -> None:
+    """A checkpoint root must be a directory; say which of the two ways it is not."""
+    if not path.is_dir():
+        raise _fail(f"{path}: " + ("not a directory" if path.exists() else "no such directory"))
+
+
 @app.command("inspect")
 def inspect_cmd(
     root: Annotated[Path, typer.Argument(help="Checkpoint directory (holds step-* folders)")],
@@ -88,8 +94,7 @@ def inspect_cmd(
     output: Annotated[Output, typer.Option("-o", "--output")] = Output.table,
 ) -> None:
     """List checkpoints, or the tensors of one (no torch needed)."""
-    if not root.is_dir():
-        raise _fail(f"{root}: no such directory")
+    _need_dir(root)
     store = CheckpointStore(root)
     try:
         if step is None:
@@ -241,8 +246,7 @@ def verify_cmd(
     (newest committed first, 'latest' only a hint); a damaged newer one is reported and
     skipped, and makes the exit status 1 even when an older one verifies.
     """
-    if not root.is_dir():
-        raise _fail(f"{root}: no such directory")
+    _need_dir(root)
     store = CheckpointStore(root)
     passed = PassedOver()
     try:
@@ -300,8 +304,7 @@ def convert_cmd(
     Never writes over a checkpoint: OUT must not be SRC, nor hold the step or a newer one.
     Damage found in SRC exits 1, as verify does.
     """
-    if not src.is_dir():
-        raise _fail(f"{src}: no such directory")
+    _need_dir(src)
     from checkpoint import _convert as convert
 
     fn = {

@@ -247,3 +247,14 @@ def test_nothing_opens_names_every_step(root: Path, monkeypatch: pytest.MonkeyPa
     (root / step_dir_name(1) / rank_manifest_name(0)).unlink()
     with pytest.raises(CheckpointNotFoundError, match=r"no complete checkpoint \(.*step-0+2"):
         load(root, {"model": torch.nn.Linear(4, 3)}, restore_rng=False)
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert"])
+def test_a_root_that_is_a_file_or_missing_is_named_as_such(tmp_path: Path, command: str) -> None:
+    a_file = tmp_path / "model.pt"
+    a_file.write_bytes(b"not a checkpoint directory")
+    extra = [str(tmp_path / "out")] if command == "convert" else []
+    for root, said in ((a_file, "not a directory"), (tmp_path / "gone", "no such directory")):
+        result = runner.invoke(app, [command, str(root), *extra])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().endswith(f"{root}: {said}"), result.output
