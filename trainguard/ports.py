@@ -6,19 +6,27 @@ later (rank 0 imports torch first). ``bind(0)`` answers a port from the kernel's
 range, the very range every outbound connection and every other ``bind(0)`` on the host
 draws from, so the port is often taken by then (CI saw rank 0 fail with EADDRINUSE and the
 demo never start). Ports just below that range are handed out by nobody but explicit
-choosers, so a random free one there stays free in practice.
+choosers, so a random free one there stays free in practice; and this process does not hand
+the same port out twice within five minutes (its first child may not have bound it yet).
 """
 
 from __future__ import annotations
 
 import random
 import socket
+import threading
+import time
 from collections.abc import Collection
 from pathlib import Path
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST = 10000  # below this live well-known services and whatever an operator pinned
 _TRIES = 200
+#: Ports this process handed out, and when: not handed out again for a while, as the child
+#: they went to may not have bound them yet (two jobs launched back to back).
+_HANDED: dict[int, float] = {}
+_HANDED_FOR_S = 300.0
+_LOCK = threading.Lock()
 
 
 def _ephemeral_low() -> int:
@@ -52,7 +60,17 @@ def free_ports(
     """
     if count < 1:
         raise ValueError(f"count must be at least 1, not {count}")
-    rng = rng or random.Random()
+    with _LOCK:
+        now = time.monotonic()
+        for port, when in list(_HANDED.items()):
+            if now - when > _HANDED_FOR_S:
+                del _HANDED[port]
+        base = _choose(count, set(avoid) | set(_HANDED), host, rng or random.Random())
+        _HANDED.update(dict.fromkeys(range(base, base + count), now))
+    return base
+
+
+def _choose(count: int, avoid: Collection[int], host: str, rng: random.Random) -> int:
     high = _ephemeral_low() - count
     if high > _LOWEST:
         for _ in range(_TRIES):

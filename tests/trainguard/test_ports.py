@@ -105,3 +105,17 @@ def test_a_local_jobs_rendezvous_port_is_outside_the_ephemeral_range() -> None:
         port = free_port(previous)
         assert port != previous
         assert port < low
+
+
+def test_a_port_just_handed_out_is_not_handed_out_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two jobs launched back to back: the first's rank 0 has not bound its port yet, so
+    the port is free to a bind check, and only this process's memory keeps it apart."""
+    _range_file(tmp_path, monkeypatch, "32768 60999")
+    monkeypatch.setattr(ports, "_HANDED", {})
+    first = ports.free_ports(1, rng=_Script(20000))
+    second = ports.free_ports(1, rng=_Script(20000))
+    assert second != first
+    run = ports.free_ports(3, rng=_Script(second - 1, 25000))
+    assert not run <= second < run + 3
