@@ -25,6 +25,12 @@ log = logging.getLogger("trainguard.collectives")
 #: A UUID as CUDA and NVML print it after their prefix: 8-4-4-4-12 hex digits.
 _UUID_HEX = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _PREFIXES = ("GPU-", "MIG-")
+#: The MIG naming of drivers before R470: ``MIG-GPU-<parent's UUID>/<GPU instance>/<compute
+#: instance>``. It names the parent GPU outright.
+_LEGACY_MIG = re.compile(
+    r"^MIG-GPU-([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})/\d+/\d+$",
+    re.IGNORECASE,
+)
 
 
 def gpu_index() -> int | None:
@@ -56,7 +62,15 @@ def nvml_uuid(raw: object, entry: str = "") -> str:
     ``uuid.UUID`` or a string. CUDA cannot say whether the device is a MIG instance; its
     ``CUDA_VISIBLE_DEVICES`` ``entry`` can (``MIG-...``). When ``raw`` is unreadable, a full
     UUID in ``entry`` is used; otherwise "" (the agent then keeps the rank's number).
+
+    An entry in the naming of drivers before R470 (``MIG-GPU-<uuid>/<gi>/<ci>``) gives the
+    parent GPU's UUID (``GPU-<uuid>``): those drivers' NVML names the instances the same
+    way, so no ``MIG-<hex>`` the rank could send would match, and the parent is what the
+    agent's samples are keyed by anyway.
     """
+    legacy = _LEGACY_MIG.match(entry.strip())
+    if legacy:
+        return "GPU-" + legacy.group(1).lower()
     prefix = "MIG-" if entry.upper().startswith("MIG-") else "GPU-"
     text = _bare(raw)
     if text:

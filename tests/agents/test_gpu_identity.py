@@ -136,7 +136,13 @@ def test_torch_uuid_spellings_become_nvmls() -> None:
     assert nvml_uuid(BARE.upper()) == f"GPU-{BARE}"
     assert nvml_uuid(f"GPU-{BARE}") == f"GPU-{BARE}"
     assert nvml_uuid(value, f"MIG-{BARE}") == f"MIG-{BARE}"  # CUDA cannot tell MIG; the env can
-    assert nvml_uuid(value, "mig-gpu-x/1/0") == f"MIG-{BARE}"  # the old MIG naming
+    assert nvml_uuid(value, "mig-gpu-x/1/0") == f"MIG-{BARE}"  # not a UUID: CUDA's answer
+    # Drivers before R470 name a slice by its parent: that GPU's UUID is sent, whatever
+    # CUDA answers (those drivers' NVML lists no MIG-<hex> to match).
+    parent = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+    assert nvml_uuid(value, f"MIG-GPU-{parent.upper()}/1/0") == f"GPU-{parent}"
+    assert nvml_uuid(None, f"mig-gpu-{parent}/13/2") == f"GPU-{parent}"
+    assert nvml_uuid(value, f"MIG-GPU-{parent}/1") == f"MIG-{BARE}"  # not that naming
     assert nvml_uuid("not-a-uuid") == ""
     assert nvml_uuid(None, f"gpu-{BARE.upper()}") == f"GPU-{BARE}"  # unreadable: the env's
     assert nvml_uuid(None, "GPU-5a3c") == ""  # a prefix CUDA accepts is no UUID to send
